@@ -1,0 +1,32 @@
+"""Attention: what may attend to what (``masks``), the dense definition (``reference``), and fast executors.
+
+Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from .fixed import fixed_attention
+from .full import full_attention
+from .local import local_attention
+from .longformer import longformer_attention
+from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
+from .reference import reference_attention
+from .registry import PATTERNS, Pattern, get_pattern
+from .relative import RelativePositions
+from .strided import strided_attention
+
+__all__ = [
+    "PATTERNS",
+    "Pattern",
+    "RelativePositions",
+    "fixed_attention",
+    "fixed_mask",
+    "full_attention",
+    "full_mask",
+    "get_pattern",
+    "local_attention",
+    "local_mask",
+    "longformer_attention",
+    "longformer_mask",
+    "reference_attention",
+    "strided_attention",
+    "strided_mask",
+]

@@ -1,0 +1,78 @@
+"""The Sparse Transformer's fixed pattern: attend within your block, and to the summary cells of every block."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .checks import check_split_heads, positive_int
+from .inputs import check_inputs
+from .relative import RelativePositions
+from .tiles import merge_partials, neg_inf, tiled_attention
+
+
+def fixed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block: int,
+    summary: int,
+    causal: bool = True,
+    merged: bool = True,
+    scale: float | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+) -> Tensor:
+    """Fixed attention with l = block, c = summary (Child et al. 2019).
+
+    A1(i) = {j : floor(j / l) = floor(i / l)}, A2(i) = {j : j mod l >= l - c}, both intersected with j <= i when
+    causal. ``merged=True``: every head attends to A1 ∪ A2; ``merged=False``: the first half of the heads to A1,
+    the second half to A2.
+
+    q, k, v: (B, H, N, D) -> (B, H, N, D). A1 is a block-diagonal tiling; A2 gathers the N·c/l summary keys once
+    and attends to them (merged heads: those of other blocks only, so no key counts twice), the two combined
+    through their log-sum-exp. O(N · (l + N·c/l) · D) time, O(N · (l + N·c/l)) memory.
+    """
+    B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    block, summary = positive_int("block", block), positive_int("summary", summary)
+    if summary > block:
+        raise ValueError(f"summary must be at most block, got summary={summary} > block={block}")
+    common = {"causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
+    if merged:
+        parts = [
+            _within_block(q, k, v, block, need_lse=True, **common),
+            _summaries(q, k, v, block, summary, other_blocks=True, need_lse=True, **common),
+        ]
+        return merge_partials(parts)[0]  # type: ignore[arg-type]
+    half = check_split_heads(H)
+    a1, _ = _within_block(q[:, :half], k[:, :half], v[:, :half], block, **common)
+    a2, _ = _summaries(q[:, half:], k[:, half:], v[:, half:], block, summary, other_blocks=False, **common)
+    return torch.cat([a1, a2], dim=1)
+
+
+def _within_block(q, k, v, block, *, causal, scale, key_valid, rel_pos, need_lse=False):
+    size = min(block, q.shape[2])
+    allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
+    return tiled_attention(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                           rel_unit=1, need_lse=need_lse)
+
+
+def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_valid, rel_pos, need_lse=False):
+    """Attention to the summary positions (j mod l >= l - c), of other blocks only when ``other_blocks``."""
+    B, H, N, D = q.shape
+    pos = torch.arange(N, device=q.device)
+    cells = pos[pos % block >= block - summary]  # (M,)
+    if cells.numel() == 0:  # the sequence ends before the first summary cell
+        acc = torch.promote_types(q.dtype, torch.float32)
+        return q.new_zeros(B, H, N, D), torch.full((B, H, N), neg_inf(acc), dtype=acc, device=q.device)
+    i, j = pos[:, None], cells[None, :]
+    if other_blocks:
+        allow = (j // block < i // block) if causal else (j // block != i // block)
+    else:
+        allow = (j <= i) if causal else None
+    return tiled_attention(
+        q, k[:, :, cells], v[:, :, cells], block=N, allow=allow, scale=scale,
+        key_valid=None if key_valid is None else key_valid[:, :, cells],
+        rel_pos=rel_pos, rel_delta=None if rel_pos is None else j - i, need_lse=need_lse,
+    )

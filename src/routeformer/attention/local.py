@@ -1,0 +1,34 @@
+"""Local (sliding-window) attention, computed in blocks of ``window``."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .checks import positive_int
+from .inputs import check_inputs
+from .relative import RelativePositions
+from .tiles import band_attention
+
+
+def local_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+) -> Tensor:
+    """Sliding-window attention: causal, query i sees i - window < j <= i; non-causal, |i - j| < window.
+
+    q, k, v: (B, H, N, D) -> (B, H, N, D). The sequence is cut into blocks of ``window`` queries; each block
+    attends to its own keys and the previous block's (and the next block's when non-causal) under a static mask.
+    O(N · window · D) time, O(N · window) memory, relative positions included; any N.
+    """
+    _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    window = positive_int("window", window)
+    out, _ = band_attention(q, k, v, window=window, causal=causal, scale=scale, key_valid=key_valid,
+                            rel_pos=rel_pos)
+    return out

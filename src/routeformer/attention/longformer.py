@@ -1,0 +1,91 @@
+"""Longformer attention: a dilated sliding window plus symmetric global tokens (Beltagy et al. 2020)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .checks import check_per_head, check_positions, positive_int
+from .grid import columns_key_valid, from_columns, to_columns
+from .inputs import check_inputs
+from .relative import RelativePositions
+from .tiles import band_attention, merge_partials, tiled_attention
+
+
+def longformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int,
+    dilation: int | Sequence[int] | Tensor = 1,
+    global_tokens: Sequence[int] | Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+) -> Tensor:
+    """Query i attends to j = i + m · dilation for |m| < window (m <= 0 when causal); a global position attends
+    to every position and every position attends to it (only earlier ones when causal).
+
+    q, k, v: (B, H, N, D) -> (B, H, N, D). ``dilation`` is an int or one per head. The dilated window is a band
+    along the columns of the sequence viewed as a grid of ``dilation`` columns; global keys outside a query's band
+    are merged in through their log-sum-exp; global query rows are recomputed densely and replace the band rows.
+    O(N · (window + G) · D) time for G global tokens.
+    """
+    B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    window = positive_int("window", window)
+    dilations = check_per_head("dilation", dilation, H)
+    globals_ = check_positions("global_tokens", global_tokens, N)
+    outs, order = [], []
+    for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
+        heads = [h for h in range(H) if dilations[h] == d]
+        qkv = (q, k, v)
+        if len(heads) < H:
+            idx = torch.tensor(heads, device=q.device)
+            qkv = tuple(x[:, idx] for x in qkv)
+        outs.append(_dilated(*qkv, window, d, globals_, causal=causal, scale=scale, key_valid=key_valid,
+                             rel_pos=rel_pos))
+        order += heads
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if order != sorted(order):
+        out = out[:, torch.tensor(order, device=q.device).argsort()]
+    return out
+
+
+def _dilated(q, k, v, window, dilation, globals_, *, causal, scale, key_valid, rel_pos):
+    B, H, N, D = q.shape
+    qc, kc, vc = (to_columns(x, dilation) for x in (q, k, v))  # (B·d, H, N/d, D)
+    band, band_lse = band_attention(
+        qc, kc, vc, window=window, causal=causal, scale=scale,
+        key_valid=columns_key_valid(key_valid, B, N, dilation, q.device),
+        rel_pos=rel_pos, rel_unit=dilation, need_lse=bool(globals_),
+    )
+    out = from_columns(band, dilation, N)
+    if not globals_:
+        return out
+
+    g = torch.tensor(globals_, device=q.device)
+    pos = torch.arange(N, device=q.device)
+    # Every query also sees the global keys its band does not already hold.
+    diff = g[None, :] - pos[:, None]  # (N, G): key - query
+    steps = torch.div(diff, dilation, rounding_mode="floor")
+    in_band = (diff % dilation == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
+    allow = ~in_band & (diff <= 0) if causal else ~in_band
+    glob, glob_lse = tiled_attention(
+        q, k[:, :, g], v[:, :, g], block=N, allow=allow, scale=scale,
+        key_valid=None if key_valid is None else key_valid[:, :, g], rel_pos=rel_pos,
+        rel_delta=None if rel_pos is None else diff,
+        need_lse=True,
+    )
+    out, _ = merge_partials([(out, from_columns(band_lse, dilation, N)), (glob, glob_lse)])
+
+    # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
+    rows_delta = pos[None, :] - g[:, None]  # (G, N)
+    rows, _ = tiled_attention(
+        q[:, :, g], k, v, block=len(globals_), allow=(rows_delta <= 0) if causal else None, scale=scale,
+        key_valid=key_valid, rel_pos=rel_pos, rel_delta=None if rel_pos is None else rows_delta,
+    )
+    return out.index_copy(2, g, rows)

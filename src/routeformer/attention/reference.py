@@ -1,0 +1,85 @@
+"""The dense reference: the definition every fast path is tested against.
+
+It is written to be obviously right, not fast: it builds the full (B, H, N, N) score matrix, and with relative
+positions the literal (N, N, D) tensors a^K_ij and a^V_ij of Shaw et al.'s two equations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .checks import check_key_padding_mask, check_qkv, check_scale
+from .relative import RelativePositions
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+) -> Tensor:
+    """Dense masked softmax attention.
+
+    Args:
+        q, k, v: (B, H, N, D).
+        mask: bool, (N, N), (H, N, N) or (B, H, N, N); ``mask[..., i, j]`` True means query i may attend to key j.
+        scale: score scale, ``None`` means 1/sqrt(D).
+        key_padding_mask: optional bool (B, N), True = a real key; False removes key j from every query.
+        rel_pos: optional relative position tables; adds q_i·a^K_ij to the scores and Σ_j α_ij a^V_ij to
+            the outputs, with a^K_ij, a^V_ij materialised as (N, N, D) tensors.
+
+    Returns:
+        (B, H, N, D). A query row with no allowed key outputs zeros. Computes in the dtype of q (float64 in,
+        float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel_pos``).
+    """
+    B, H, N, D = check_qkv(q, k, v)
+    scale = check_scale(scale, D)
+    allowed = _check_mask(mask, B, H, N, q)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, B, N, q.device)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    allowed = allowed.expand(B, H, N, N)
+
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
+    if rel_pos is not None:
+        rel_pos.check(q)
+        a_key, a_value = _literal_tables(rel_pos, N, q)  # (N, N, D) each
+        scores = scores + (q[:, :, :, None, :] * a_key).sum(-1) * scale
+
+    has_key = allowed.any(-1, keepdim=True)  # (B, H, N, 1)
+    # A row with no allowed key would be softmax(-inf, ..., -inf) = NaN; give it finite scores and zero it after.
+    scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
+    probs = scores.softmax(-1) * has_key  # (B, H, N, N)
+
+    out = probs @ v
+    if rel_pos is not None:
+        out = out + (probs[..., None] * a_value).sum(-2)
+    return out
+
+
+def _check_mask(mask: Tensor, B: int, H: int, N: int, q: Tensor) -> Tensor:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor (True = may attend), got {getattr(mask, 'dtype', mask)!r}")
+    shapes = {2: (N, N), 3: (H, N, N), 4: (B, H, N, N)}
+    if mask.dim() not in shapes or tuple(mask.shape) != shapes[mask.dim()]:
+        raise ValueError(
+            f"mask must have shape (N, N), (H, N, N) or (B, H, N, N) with B={B}, H={H}, N={N}, "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+def _literal_tables(rel_pos: RelativePositions, n: int, q: Tensor) -> tuple[Tensor, Tensor]:
+    """a^K_ij and a^V_ij as (N, N, D) tensors, exactly as in the paper's equations."""
+    pos = torch.arange(n, device=q.device)
+    idx = rel_pos.index(pos[None, :] - pos[:, None])  # (N, N): row of clip(j - i, k)
+    return rel_pos.key.to(q.dtype)[idx], rel_pos.value.to(q.dtype)[idx]

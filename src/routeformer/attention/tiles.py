@@ -1,0 +1,349 @@
+"""The tiled executor: how every sparse pattern is computed without an N×N matrix.
+
+Queries are cut into blocks of ``block`` rows. Query block b sees the keys of blocks b-back … b+ahead, a *span* of
+S = (back + 1 + ahead) · block keys, under a static (block, S) *tile mask* that is the same for every block. That
+covers a sliding window (block = window, one block back), the Sparse Transformer's column attention (the same, on
+the sequence viewed as a grid and transposed), a block diagonal (no neighbours), and one dense tile (block = N).
+Patterns that are unions of such pieces compute each piece with its log-sum-exp and merge them exactly
+(``merge_partials``): softmax over a union of disjoint key sets is the lse-weighted mix of the softmaxes.
+
+Cost of one call: O(N · S · D) time, O(N · S) memory for the scores; no (N, N) tensor unless block = N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .relative import RelativePositions
+
+
+def neg_inf(dtype: torch.dtype) -> float:
+    """The score given to masked entries: finite, so an all-masked row stays NaN-free, yet exp(it - max) == 0."""
+    return torch.finfo(dtype).min
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """lse is kept in float32 or wider: merging half-precision lse values would cost more than the softmax."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _flat(x: Tensor) -> Tensor:
+    """(..., T, C) -> (X, T, C), a view for contiguous tiles."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _strip(x: Tensor, offset: int, width: int) -> Tensor:
+    """View x[b, r, r + offset + t] (X, T, width) of a contiguous (..., T, S) tile: a sliding window's keys.
+
+    Rows of one tile step by S + 1, tiles by T·S, so the view spans every tile without a copy and feeds bmm.
+    """
+    T, S = x.shape[-2:]
+    return x.as_strided((x.numel() // (T * S), T, width), (T * S, S + 1, 1), x.storage_offset() + offset)
+
+
+def _softmax_(scores: Tensor) -> Tensor:
+    """Softmax over the last dim, in place where the kernel is known to allow it (CPU), else into a new tensor."""
+    if scores.device.type == "cpu":
+        return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    return torch.softmax(scores, -1)
+
+
+class _FusedTiles(torch.autograd.Function):
+    """softmax(q·kᵀ + rel) · v over tiles, holding two (…, T, S) buffers per step instead of five.
+
+    Forward computes the scores, adds the relative-position strip, masks and normalises them in one buffer, and
+    saves only the probabilities. Backward uses Σ_j p_ij dp_ij = do_i · o_i (as FlashAttention does) to turn dp
+    into ds in place; masked entries have p = 0, so their gradient is zero without a mask in backward.
+    Relative positions (optional) come in strip form: ``key_table`` and ``value_table`` (W, D) hold a^K and a^V
+    of strip column t, the strip of row r starting at span column r + ``offset``; every strip product is a bmm on
+    a strided view.
+    """
+
+    @staticmethod
+    def forward(ctx, qt, kt, vt, mask, key_table, value_table, offset, need_lse):  # type: ignore[override]
+        scores = qt @ kt.transpose(-1, -2)  # (B, H, nb, T, S)
+        tiles, width = scores.numel() // scores.shape[-1] // scores.shape[-2], 0
+        if key_table is not None:  # s_ij += q_i·a^K_ij on the strip
+            width = key_table.shape[0]
+            _strip(scores, offset, width).baddbmm_(_flat(qt), key_table.T.expand(tiles, -1, -1))
+        if mask is not None:
+            scores.masked_fill_(~mask, neg_inf(scores.dtype))
+        peak = scores.amax(-1) if need_lse else None
+        probs = _softmax_(scores)
+        out = probs @ vt  # (B, H, nb, T, D)
+        if value_table is not None:  # o_i += Σ_j p_ij a^V_ij
+            _flat(out).baddbmm_(_strip(probs, offset, width), value_table.expand(tiles, -1, -1))
+        lse = None
+        if need_lse:  # lse = max(s) - log(max(p)): no second pass of exponentials
+            acc = _lse_dtype(scores.dtype)
+            lse = peak.to(acc) - probs.amax(-1).to(acc).log()
+        ctx.save_for_backward(qt, kt, vt, probs, out, key_table, value_table)
+        ctx.offset, ctx.width, ctx.tiles = offset, width, tiles
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
+        qt, kt, vt, probs, out, key_table, value_table = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        offset, width, tiles = ctx.offset, ctx.width, ctx.tiles
+        acc = _lse_dtype(out.dtype)
+        grad_out = grad_out.contiguous()
+        grad_p = grad_out @ vt.transpose(-1, -2)  # (B, H, nb, T, S)
+        if value_table is not None:
+            _strip(grad_p, offset, width).baddbmm_(_flat(grad_out), value_table.T.expand(tiles, -1, -1))
+        row = (grad_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # Σ_j p_ij dp_ij
+        if grad_lse is not None:  # d lse / d s = p
+            row = row - grad_lse.to(acc)[..., None]
+        grad_s = grad_p.sub_(row).mul_(probs)  # ds = p ∘ (dp - row), in place
+        grad_q = grad_s @ kt
+        grad_k = grad_s.transpose(-1, -2) @ qt
+        grad_v = probs.transpose(-1, -2) @ grad_out
+        grad_key = grad_value = None
+        if key_table is not None:
+            strip = _strip(grad_s, offset, width)
+            _flat(grad_q).baddbmm_(strip, key_table.expand(tiles, -1, -1))
+            if ctx.needs_input_grad[4]:
+                grad_key = torch.bmm(strip.transpose(1, 2), _flat(qt)).sum(0)
+        if value_table is not None and ctx.needs_input_grad[5]:
+            grad_value = torch.bmm(_strip(probs, offset, width).transpose(1, 2), _flat(grad_out)).sum(0)
+        return grad_q, grad_k, grad_v, None, grad_key, grad_value, None, None
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block: int,
+    back: int = 0,
+    ahead: int = 0,
+    allow: Tensor | None = None,
+    scale: float,
+    key_valid: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+    rel_unit: int | None = None,
+    rel_delta: Tensor | None = None,
+    rel_band: tuple[int, int] | None = None,
+    need_lse: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of query blocks to spans of key blocks.
+
+    Args:
+        q: (B, H, Nq, D); k, v: (B, H, Nk, D). Nk may differ from Nq only for a single tile
+            (``back == ahead == 0`` and ``block >= Nq``).
+        block: rows per query block (and keys per key block).
+        back, ahead: neighbouring key blocks each query block sees.
+        allow: static tile mask (block, S), True = may attend; ``None`` allows the whole span. In a single tile
+            S = Nk; otherwise span column s of query block b is key index (b - back) · block + s.
+        key_valid: optional bool (B, 1 or H, Nk), False removes the key (padding).
+        rel_pos: optional relative position tables, with the position distance of every tile entry given by
+            ``rel_unit`` (shift-invariant tiles: delta = rel_unit · (key index - query index)) and, optionally,
+            ``rel_band = (offset, width)``: every key a row r may see lies in span columns
+            [r + offset, r + offset + width), which lets the relative terms be computed on that strip alone;
+            or ``rel_delta`` (any integer tensor broadcastable to (B, H, n_blocks, block, S), computed with
+            gathers).
+        need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
+
+    Returns:
+        out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
+        see no key get about ``neg_inf``) or ``None``.
+    """
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    single = back == 0 and ahead == 0 and block >= Nq
+    if single:
+        block, n_blocks, span = Nq, 1, Nk
+    else:
+        if Nk != Nq:
+            raise ValueError(f"banded tiles need as many keys as queries, got {Nq} queries and {Nk} keys")
+        n_blocks, span = -(-Nq // block), (back + 1 + ahead) * block
+    padded = n_blocks * block - Nq
+    if allow is not None and tuple(allow.shape) != (block, span):
+        raise ValueError(f"tile mask must have shape {(block, span)}, got {tuple(allow.shape)}")
+
+    q = _pad_seq(q * scale, padded)
+    qt = q.view(B, H, n_blocks, block, D)  # (B, H, nb, T, D)
+    if single:
+        kt, vt = k[:, :, None], v[:, :, None]  # (B, H, 1, Nk, D)
+    else:
+        kt = _span(_pad_seq(k, padded), n_blocks, block, back, ahead)  # (B, H, nb, S, D)
+        vt = _span(_pad_seq(v, padded), n_blocks, block, back, ahead)
+
+    # One boolean mask (broadcastable to (B, H, nb, T, S)) from the tile mask, out-of-range keys and padding.
+    mask = None if allow is None else allow.view(1, 1, 1, block, span)
+    if not single and (back or ahead or padded):
+        mask = _and(mask, _span_in_range(n_blocks, block, back, ahead, Nq, q.device))
+    if key_valid is not None:
+        kv = key_valid[:, :, None, None, :] if single else _span(_pad_seq(key_valid, padded), n_blocks, block,
+                                                                  back, ahead)[:, :, :, None, :]
+        mask = _and(mask, kv)
+
+    rel = _RelTerms(rel_pos, qt, block, span, back, rel_unit, rel_delta, rel_band) if rel_pos is not None else None
+    if rel is None or rel.band is not None:
+        out, lse = _FusedTiles.apply(
+            qt, kt, vt, mask, None if rel is None else rel.key_table, None if rel is None else rel.value_table,
+            0 if rel is None else rel.band[0], need_lse,
+        )
+    else:  # irregular relative distances: plain autograd
+        scores = rel.add_scores(qt @ kt.transpose(-1, -2))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, neg_inf(scores.dtype))
+        probs = torch.softmax(scores, -1)
+        out = probs @ vt + rel.values(probs)
+        lse = torch.logsumexp(scores.to(_lse_dtype(scores.dtype)), -1) if need_lse else None
+    if mask is not None:  # rows whose every key is masked would otherwise average the masked values
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+    out = out.reshape(B, H, n_blocks * block, D)[:, :, :Nq]
+    if lse is not None:
+        lse = lse.reshape(B, H, n_blocks * block)[:, :, :Nq]
+    return out, lse
+
+
+def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Merge attention over disjoint key sets: [(out_i, lse_i)] each (B, H, N, D), (B, H, N) -> (out, lse).
+
+    softmax over the union = Σ_i exp(lse_i - lse) · softmax_i, with lse = logsumexp_i(lse_i). Exact; computed in
+    the lse dtype (float32 or wider) and returned in the dtype of the outputs.
+    """
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), 0)  # (B, H, N)
+    out = sum(o.to(lse.dtype) * (part_lse - lse).exp()[..., None] for o, part_lse in parts)
+    return out.to(parts[0][0].dtype), lse
+
+
+def shift_invariant_mask(block: int, back: int, ahead: int, rule) -> Tensor:
+    """Tile mask (block, S) from ``rule(delta)`` with delta = key index - query index (a LongTensor)."""
+    span = (back + 1 + ahead) * block
+    delta = torch.arange(span)[None, :] - back * block - torch.arange(block)[:, None]
+    return rule(delta)
+
+
+def band_tiling(window: int, n: int, causal: bool) -> tuple[int, int, int]:
+    """(block, back, ahead) for a window of ``window`` keys each side: blocks of ``window``, one neighbour."""
+    block = min(window, n)
+    n_blocks = -(-n // block)
+    reach = min(math.ceil((window - 1) / block), n_blocks - 1)
+    return block, reach, 0 if causal else reach
+
+
+def band_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    causal: bool,
+    scale: float,
+    key_valid: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+    rel_unit: int = 1,
+    need_lse: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window."""
+    n = q.shape[2]
+    block, back, ahead = band_tiling(window, n, causal)
+    if causal:
+        allow = shift_invariant_mask(block, back, ahead, lambda d: (d <= 0) & (d > -window))
+    else:
+        allow = shift_invariant_mask(block, back, ahead, lambda d: d.abs() < window)
+    # Row r of a tile may see span columns r + back·block - (window - 1) onwards: window of them when causal,
+    # 2·window - 1 otherwise. back·block >= window - 1 keeps that strip inside the tile.
+    band = (back * block - (window - 1), window if causal else 2 * window - 1)
+    return tiled_attention(
+        q, k, v, block=block, back=back, ahead=ahead, allow=allow.to(q.device), scale=scale, key_valid=key_valid,
+        rel_pos=rel_pos, rel_unit=rel_unit, rel_band=band if back * block >= window - 1 else None,
+        need_lse=need_lse,
+    )
+
+
+class _RelTerms:
+    """The two relative-position terms of one tiling: q_i·a^K_ij on the scores and Σ_j p_ij a^V_ij on the output.
+
+    Three ways, from fastest to most general:
+    - strip (``rel_band``): a sliding window's keys lie on a strip of the tile whose column t is at distance
+      (t + offset - back·T) · unit for every row, so both terms are batched matmuls of q and p against the (W, D)
+      tables on a strided view of the tile (``_FusedTiles``), with no copy.
+    - skew (``rel_unit`` alone): distance depends only on s - r, so the L = S + T - 1 distances of a tile are
+      enumerated once, queries multiply that extended table, and a strided view picks row r's entries
+      (Transformer-XL's relative shift); the value term is the transposed operation.
+    - gather (``rel_delta``): queries multiply the whole table and each entry is gathered (scattered back for the
+      value term). Used where distances are irregular (summary cells, global tokens).
+    """
+
+    def __init__(self, rel_pos: RelativePositions, qt: Tensor, block: int, span: int, back: int,
+                 unit: int | None, delta: Tensor | None, band: tuple[int, int] | None) -> None:
+        if (unit is None) == (delta is None):
+            raise ValueError("relative positions need exactly one of rel_unit and rel_delta")
+        self.qt, self.block, self.span = qt, block, span
+        self.band = band if unit is not None else None
+        self.index: Tensor | None = None
+        dtype, device = qt.dtype, qt.device
+        if unit is not None:
+            if self.band is not None:  # strip column t: span column r + offset + t
+                offset, width = self.band
+                first = offset - back * block
+            else:  # extended column u: span column s = u - (T - 1) + r
+                width, first = span + block - 1, -(block - 1) - back * block
+            idx = rel_pos.index((torch.arange(width, device=device) + first) * unit)
+            self.key_table, self.value_table = rel_pos.key.to(dtype)[idx], rel_pos.value.to(dtype)[idx]  # (L, D)
+        else:
+            self.key_table, self.value_table = rel_pos.key.to(dtype), rel_pos.value.to(dtype)  # (2k+1, D)
+            self.index = rel_pos.index(delta.to(device))
+
+    def _skew(self, x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """size, stride, offset of the view V[..., r, s] = X[..., r, s + T - 1 - r] of X (..., T, L) contiguous."""
+        T, S = self.block, self.span
+        return (*x.shape[:-1], S), (*x.stride()[:-2], S + T - 2, 1), x.storage_offset() + T - 1
+
+    def add_scores(self, scores: Tensor) -> Tensor:
+        """scores (B, H, nb, T, S) plus q_i·a^K_ij (skew or gather)."""
+        qa = self.qt @ self.key_table.T  # (B, H, nb, T, L) or (B, H, nb, T, 2k+1)
+        if self.index is None:
+            qa = qa.contiguous()
+            return scores + qa.as_strided(*self._skew(qa))
+        return scores + qa.gather(-1, self.index.expand(*qa.shape[:-1], self.index.shape[-1]))
+
+    def values(self, probs: Tensor) -> Tensor:
+        """Σ_j p_ij a^V_ij for probs (B, H, nb, T, S) -> (B, H, nb, T, D) (skew or gather)."""
+        if self.index is None:
+            ext = probs.new_zeros(*probs.shape[:-1], self.span + self.block - 1)
+            ext = torch.as_strided_scatter(ext, probs, *self._skew(ext))
+        else:
+            ext = probs.new_zeros(*probs.shape[:-1], self.value_table.shape[0])
+            ext = ext.scatter_add(-1, self.index.expand_as(probs), probs)
+        return ext @ self.value_table
+
+
+def _and(a: Tensor | None, b: Tensor) -> Tensor:
+    return b if a is None else a & b
+
+
+def _pad_seq(x: Tensor, extra: int) -> Tensor:
+    """Pad dim 2 (the sequence) of x with ``extra`` zeros (False for bool)."""
+    if extra == 0:
+        return x
+    pad = x.new_zeros(*x.shape[:2], extra, *x.shape[3:])
+    return torch.cat([x, pad], dim=2)
+
+
+def _span(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
+    """(B, H, nb·T, *rest) -> (B, H, nb, S, *rest): for each block, blocks b-back … b+ahead concatenated."""
+    xb = x.view(*x.shape[:2], n_blocks, block, *x.shape[3:])
+    if back == 0 and ahead == 0:
+        return xb
+    parts = [xb.new_zeros(*xb.shape[:2], back, *xb.shape[3:]), xb, xb.new_zeros(*xb.shape[:2], ahead, *xb.shape[3:])]
+    padded = torch.cat(parts, dim=2)
+    return torch.cat([padded[:, :, o:o + n_blocks] for o in range(back + 1 + ahead)], dim=3)
+
+
+def _span_in_range(n_blocks: int, block: int, back: int, ahead: int, n: int, device: torch.device) -> Tensor:
+    """(1, 1, nb, 1, S): span column s of block b is a real key index in [0, n)."""
+    span = (back + 1 + ahead) * block
+    j = (torch.arange(n_blocks, device=device)[:, None] - back) * block + torch.arange(span, device=device)[None, :]
+    return ((j >= 0) & (j < n)).view(1, 1, n_blocks, 1, span)

@@ -1,0 +1,15 @@
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+# Small, many examples locally; CI and the default run use the same profile so timings stay predictable.
+settings.register_profile(
+    "default",
+    max_examples=int(os.environ.get("ROUTEFORMER_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile("default")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

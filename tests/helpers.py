@@ -1,0 +1,64 @@
+"""Shared test machinery: random problems, the comparison with the dense reference, the leak check."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from routeformer.attention import RelativePositions, reference_attention
+
+
+def rand_qkv(B: int, H: int, N: int, D: int, dtype=torch.float64, seed: int = 0, grad: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, D, generator=g, dtype=dtype).requires_grad_(grad) for _ in range(3)]
+
+
+def rand_rel(D: int, k: int, seed: int = 0, dtype=torch.float64) -> RelativePositions:
+    torch.manual_seed(seed)
+    rel = RelativePositions(D, k, init_std=1.0)  # large tables so the relative terms matter in comparisons
+    return rel.to(dtype)
+
+
+def rand_padding(B: int, N: int, seed: int = 0) -> Tensor:
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = torch.rand(B, N, generator=g) > 0.3
+    mask[0, : N // 2] = False  # some rows with no visible key at all
+    return mask
+
+
+def compare_with_reference(attend, mask: Tensor, q, k, v, *, key_padding_mask=None, rel_pos=None,
+                           rtol: float = 1e-10, atol: float = 1e-10) -> None:
+    """Forward and gradients (q, k, v, relative tables) of ``attend`` equal the dense reference's."""
+    out = attend(q, k, v, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
+    ref = reference_attention(q, k, v, mask, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    inputs = [q, k, v] + ([rel_pos.key, rel_pos.value] if rel_pos is not None else [])
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    want = torch.autograd.grad(ref, inputs, grad, allow_unused=True)
+    for name, a, b in zip(["q", "k", "v", "a^K", "a^V"][: len(inputs)], got, want, strict=True):
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        assert torch.isfinite(a).all(), f"non-finite gradient of {name}"
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def future_changed(q, k, v, t: int, seed: int = 1):
+    """Copies of q, k, v with every position > t replaced by different, larger random values."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for x in (q, k, v):
+        y = x.detach().clone()
+        y[:, :, t + 1:] = 10 * torch.randn(y[:, :, t + 1:].shape, generator=g, dtype=y.dtype)
+        out.append(y)
+    return out
+
+
+def leaks(attend, q, k, v, t: int) -> bool:
+    """True when changing q, k, v after position t changes any output at positions <= t."""
+    with torch.no_grad():
+        before = attend(q.detach(), k.detach(), v.detach())
+        after = attend(*future_changed(q, k, v, t))
+    return not torch.equal(before[:, :, : t + 1], after[:, :, : t + 1])

@@ -1,0 +1,74 @@
+"""Leak tests: with causal=True, changing q, k, v after position t changes no output at or before t.
+
+Plus the padding contract: keys masked out by key_padding_mask do not matter, and rows that see no key are zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import leaks, rand_padding, rand_qkv, rand_rel
+from routeformer.attention import PATTERNS, local_attention
+
+CAUSAL_CASES = [
+    ("full", {}),
+    ("local", {"window": 1}),
+    ("local", {"window": 7}),
+    ("local", {"window": 64}),
+    ("strided", {"stride": 5, "merged": True}),
+    ("strided", {"stride": 5, "merged": False}),
+    ("fixed", {"block": 8, "summary": 3, "merged": True}),
+    ("fixed", {"block": 8, "summary": 3, "merged": False}),
+    ("longformer", {"window": 4, "dilation": 1}),
+    ("longformer", {"window": 3, "dilation": [1, 2, 3, 4], "global_tokens": [0, 9, 30, 40]}),
+]
+
+
+@pytest.mark.parametrize("name, params", CAUSAL_CASES)
+@pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
+def test_no_leak_from_the_future(name: str, params: dict, extras: str) -> None:
+    q, k, v = rand_qkv(2, 4, 45, 8, grad=False)
+    kw: dict = {"causal": True, **params}
+    if extras == "relative":
+        kw["rel_pos"] = rand_rel(8, 6)
+    if extras == "padding":
+        kw["key_padding_mask"] = rand_padding(2, 45)
+    attend = PATTERNS[name].attend
+    for t in [0, 4, 17, 31, 43]:
+        assert not leaks(lambda q, k, v: attend(q, k, v, **kw), q, k, v, t), f"future leaks into position {t}"
+
+
+def test_leak_check_detects_a_leak() -> None:
+    """The check above can fail: non-causal attention sees the future and must be flagged."""
+    q, k, v = rand_qkv(1, 2, 30, 8, grad=False)
+    assert leaks(lambda q, k, v: local_attention(q, k, v, 4, causal=False), q, k, v, 10)
+
+
+
+@pytest.mark.parametrize("name, params", CAUSAL_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_padded_keys_do_not_matter(name: str, params: dict, causal: bool) -> None:
+    q, k, v = rand_qkv(2, 4, 45, 8, grad=False)
+    padding = rand_padding(2, 45)
+    k2, v2 = k.clone(), v.clone()
+    k2[~padding[:, None, :, None].expand_as(k)] = 1e3
+    v2[~padding[:, None, :, None].expand_as(v)] = -1e3
+    attend = PATTERNS[name].attend
+    a = attend(q, k, v, causal=causal, key_padding_mask=padding, **params)
+    b = attend(q, k2, v2, causal=causal, key_padding_mask=padding, **params)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, params", CAUSAL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_without_keys_are_zero_and_gradients_finite(name: str, params: dict, dtype) -> None:
+    q, k, v = rand_qkv(2, 4, 45, 8, dtype=dtype)
+    padding = torch.ones(2, 45, dtype=torch.bool)
+    padding[0] = False  # the first sequence has no key at all
+    out = PATTERNS[name].attend(q, k, v, causal=True, key_padding_mask=padding, **params)
+    assert torch.all(out[0] == 0)
+    assert torch.isfinite(out).all()
+    out.float().square().sum().backward()
+    for x in (q, k, v):
+        assert torch.isfinite(x.grad).all()

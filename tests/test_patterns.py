@@ -1,0 +1,114 @@
+"""Every fast path equals reference_attention fed with its pattern's mask: forward and gradients, float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
+from routeformer.attention import PATTERNS, reference_attention
+
+
+@st.composite
+def problems(draw, name: str) -> dict:
+    N = draw(st.integers(1, 70))
+    params: dict = {}
+    heads = draw(st.sampled_from([1, 2, 3, 4]))
+    if name == "local":
+        params["window"] = draw(st.integers(1, N + 4))
+    elif name == "strided":
+        params["stride"] = draw(st.integers(1, N + 3))
+        params["merged"] = draw(st.booleans())
+    elif name == "fixed":
+        params["block"] = draw(st.integers(1, N + 3))
+        params["summary"] = draw(st.integers(1, params["block"]))
+        params["merged"] = draw(st.booleans())
+    elif name == "longformer":
+        params["window"] = draw(st.integers(1, 9))
+        params["dilation"] = draw(st.one_of(st.integers(1, 5), st.lists(st.integers(1, 5), min_size=heads,
+                                                                          max_size=heads)))
+        params["global_tokens"] = draw(st.lists(st.integers(0, N - 1), max_size=3, unique=True))
+    if params.get("merged") is False and heads % 2:
+        heads += 1
+    return {
+        "B": draw(st.integers(1, 2)), "H": heads, "N": N, "D": draw(st.integers(1, 12)),
+        "causal": draw(st.booleans()), "params": params,
+        "rel": draw(st.one_of(st.none(), st.integers(1, N + 2))),
+        "padding": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _run(name: str, p: dict) -> None:
+    pattern = PATTERNS[name]
+    q, k, v = rand_qkv(p["B"], p["H"], p["N"], p["D"], seed=p["seed"])
+    rel = None if p["rel"] is None else rand_rel(p["D"], p["rel"], seed=p["seed"])
+    padding = rand_padding(p["B"], p["N"], seed=p["seed"]) if p["padding"] else None
+    mask = pattern.build_mask(p["N"], p["H"], p["causal"], **p["params"])
+
+    def attend(q, k, v, **kw):
+        return pattern.attend(q, k, v, causal=p["causal"], **p["params"], **kw)
+
+    compare_with_reference(attend, mask, q, k, v, key_padding_mask=padding, rel_pos=rel)
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@given(data=st.data())
+def test_matches_reference(name: str, data) -> None:
+    _run(name, data.draw(problems(name)))
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("full", {}),
+        ("local", {"window": 16}),
+        ("local", {"window": 40}),
+        ("strided", {"stride": 8, "merged": True}),
+        ("strided", {"stride": 8, "merged": False}),
+        ("fixed", {"block": 16, "summary": 4, "merged": True}),
+        ("fixed", {"block": 16, "summary": 4, "merged": False}),
+        ("longformer", {"window": 8, "dilation": [1, 2, 3, 1], "global_tokens": [0, 50]}),
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rel", [None, 24])
+def test_multi_block_cases(name: str, params: dict, causal: bool, rel) -> None:
+    """Longer sequences than the property test draws: many blocks, a ragged last block, clipped distances."""
+    _run(name, {"B": 2, "H": 4, "N": 131, "D": 8, "causal": causal, "params": params, "rel": rel,
+                "padding": True, "seed": 7})
+
+
+def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (x.double() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("name, params", [
+    ("full", {}), ("local", {"window": 24}), ("strided", {"stride": 9, "merged": True}),
+    ("strided", {"stride": 9, "merged": False}), ("fixed", {"block": 16, "summary": 4, "merged": True}),
+    ("longformer", {"window": 8, "dilation": [1, 2, 1, 2], "global_tokens": [3]}),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bfloat16_error_within_twice_the_reference_rounding(name: str, params: dict, causal: bool) -> None:
+    """In bf16 the fast path's error against float64 is at most twice the bf16 reference's own error."""
+    pattern = PATTERNS[name]
+    q, k, v = rand_qkv(2, 4, 97, 32, seed=3, grad=False)
+    mask = pattern.build_mask(97, 4, causal, **params)
+    exact = reference_attention(q, k, v, mask)
+    q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
+    ref16 = reference_attention(q16, k16, v16, mask)
+    fast16 = pattern.attend(q16, k16, v16, causal=causal, **params)
+    assert fast16.dtype == torch.bfloat16
+    assert _max_err(fast16, exact) <= 2 * _max_err(ref16, exact)
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_float16_runs_without_nan(name: str) -> None:
+    pattern = PATTERNS[name]
+    params = {"full": {}, "local": {"window": 8}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
+              "longformer": {"window": 4, "global_tokens": [0]}}[name]
+    q, k, v = (x.half() for x in rand_qkv(1, 2, 40, 16, grad=False))
+    padding = rand_padding(1, 40)
+    out = pattern.attend(q, k, v, causal=True, key_padding_mask=padding, **params)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
