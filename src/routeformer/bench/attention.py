@@ -1,0 +1,152 @@
+"""Benchmark of every attention pattern against causal full attention, measured in the same run.
+
+    routeformer bench attention [--n 1024 4096 16384] [--window 256] [--repeats 3]
+
+Prints, per sequence length, forward and forward+backward time (median of consecutive runs), peak memory of an
+inference forward and of a training forward+backward, and the forward+backward speed-up over ``full``. Peer
+implementations run beside ours when installed (``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..attention import (
+    RelativePositions,
+    fixed_attention,
+    full_attention,
+    local_attention,
+    longformer_attention,
+    strided_attention,
+)
+from .measure import PeakMemory, format_table, median_time
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class Candidate:
+    name: str
+    settings: str
+    attend: Attend
+
+
+def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.device, dtype: torch.dtype,
+               causal: bool = True) -> list[Candidate]:
+    """The mechanisms compared at sequence length n (causal), with the settings the papers suggest for it."""
+    stride = max(1, round(math.sqrt(n)))
+    rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
+    dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
+    found = [
+        Candidate("full", "SDPA", lambda q, k, v: full_attention(q, k, v, causal=causal)),
+        Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal)),
+        Candidate("local+rel", f"window={window}, clip={window}",
+                  lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel)),
+        Candidate("strided", f"stride={stride}, merged",
+                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal)),
+        Candidate("strided", f"stride={stride}, split",
+                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False)),
+        Candidate("fixed", "block=128, summary=8, merged",
+                  lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal)),
+        Candidate("longformer", f"window={window}, dilation 1|2, global [0]",
+                  lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal)),
+    ]
+    found += _peers(window, causal)
+    return found
+
+
+def _peers(window: int, causal: bool) -> list[Candidate]:
+    """lucidrains' ``local-attention`` (PyPI), at the same window, when installed."""
+    try:
+        from local_attention import LocalAttention
+    except ImportError:
+        return []
+    # exact_windowsize: the same window as ours (i - window <= j <= i) rather than the whole previous block.
+    layer = LocalAttention(window_size=window, causal=causal, exact_windowsize=True, autopad=True)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, H, N, D = q.shape
+        return layer(q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, D)).view(B, H, N, D)
+
+    return [Candidate("local-attention (peer)", f"window={window}, exact", attend)]
+
+
+def run(
+    ns: list[int],
+    *,
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+    window: int = 256,
+    repeats: int = 3,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    causal: bool = True,
+    only: list[str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> list[dict]:
+    """Measure every candidate at every length; print one table per length; return the rows."""
+    dev = torch.device(device)
+    results: list[dict] = []
+    echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
+         f"{'causal' if causal else 'non-causal'}, threads={torch.get_num_threads()}, median of {repeats}")
+    for n in ns:
+        cands = [c for c in candidates(n, heads, head_dim, window, dev, dtype, causal)
+                 if only is None or c.name.split(" ")[0] in only or c.name == "full"]
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
+        results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev)]
+        echo("")
+        echo(attention_table([r for r in results if r["n"] == n]))
+    return results
+
+
+def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tensor, repeats: int,
+             dev: torch.device) -> list[dict]:
+    """Time (median of consecutive runs) and peak memory of each candidate on one input."""
+    for t in (q, k, v):
+        t.requires_grad_(True)
+
+    def forward(c: Candidate) -> Callable[[], object]:
+        def call() -> object:
+            with torch.no_grad():
+                return c.attend(q, k, v)
+        return call
+
+    def train_step(c: Candidate) -> Callable[[], object]:
+        def call() -> None:
+            c.attend(q, k, v).backward(grad)
+            q.grad = k.grad = v.grad = None
+        return call
+
+    rows = []
+    for c in cands:
+        t_fwd = median_time(forward(c), repeats, dev)
+        t_both = median_time(train_step(c), repeats, dev)
+        with PeakMemory(dev) as inference:
+            forward(c)()
+        with PeakMemory(dev) as training:
+            train_step(c)()
+        rows.append({"mechanism": c.name, "settings": c.settings, "fwd_s": t_fwd, "fwd_bwd_s": t_both,
+                     "inference_bytes": inference.bytes, "training_bytes": training.bytes})
+    return rows
+
+
+def attention_table(rows: list[dict]) -> str:
+    base = {r["n"]: r["fwd_bwd_s"] for r in rows if r["mechanism"] == "full"}
+
+    def mib(b: int | None) -> str:
+        return "n/a" if b is None else f"{b / 2**20:.0f}"
+
+    return format_table(
+        ["N", "mechanism", "settings", "fwd ms", "fwd+bwd ms", "inference peak MiB", "training peak MiB",
+         "fwd+bwd speed-up vs full"],
+        [[r["n"], r["mechanism"], r["settings"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
+          mib(r["inference_bytes"]), mib(r["training_bytes"]), f"{base[r['n']] / r['fwd_bwd_s']:.2f}×"]
+         for r in rows],
+    )

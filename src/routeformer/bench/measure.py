@@ -1,0 +1,115 @@
+"""Timing and peak-memory measurement for benchmarks (never for tests of behaviour)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class PeakMemory:
+    """Peak tensor memory allocated inside a ``with`` block, in bytes above what was live when it began.
+
+    CUDA: the caching allocator's statistics. CPU: PyTorch keeps no CPU allocator statistics, and the process's
+    resident-set size hides reuse of freed heap memory, so every tensor storage created inside the block
+    (forward, backward, saved activations) is counted from its creation to its release, through a dispatch mode.
+    Scratch memory that a kernel allocates and frees internally is not seen on CPU.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.bytes: int | None = None
+        self._tracker: _StorageTracker | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = _StorageTracker().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        elif self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self.bytes = self._tracker.peak
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Live and peak bytes of the storages created by the ops run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage not in self._seen:  # views and in-place results share a storage
+                    size = storage.nbytes()
+                    self._seen[storage] = size
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, size)
+        return out
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], repeats: int, device: torch.device | str) -> float:
+    """Median wall time (s) of ``repeats`` consecutive calls of ``fn``, after one warm-up call.
+
+    Each candidate is timed in its own consecutive runs: interleaving candidates made one pay for the heap state
+    another left behind (on CPU, freshly mapped pages for its large buffers), which is not its own cost.
+    """
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (right-aligned numbers), readable in a terminal and pasteable into the README."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_is_number(r[i]) for r in cells[1:]) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        padded = (c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric, strict=True))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2))
+                          for w, num in zip(widths, numeric, strict=True)) + "|"
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("×x"))
+        return True
+    except ValueError:
+        return text in ("-", "n/a")

@@ -1,0 +1,51 @@
+"""Natively sparse: at N = 16384 the fast forwards peak far below one float32 N×N score matrix (4·N² bytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import rand_qkv, rand_rel
+from routeformer.attention import (
+    fixed_attention,
+    full_attention,
+    local_attention,
+    longformer_attention,
+    strided_attention,
+)
+from routeformer.bench.measure import PeakMemory
+
+N = 16384
+SCORE_MATRIX = 4 * N * N  # bytes of one float32 (N, N) score matrix: 1 GiB
+
+
+def _peak_forward(attend) -> int:
+    q, k, v = rand_qkv(1, 1, N, 64, dtype=torch.float32)  # requires grad: saved activations count too
+    with PeakMemory("cpu") as peak:
+        out = attend(q, k, v)
+        del out
+    assert peak.bytes is not None
+    return peak.bytes
+
+
+@pytest.mark.parametrize("name, attend", [
+    ("local", lambda q, k, v: local_attention(q, k, v, 256)),
+    ("local+relative", lambda q, k, v: local_attention(q, k, v, 256, rel_pos=rand_rel(64, 256, dtype=torch.float32))),
+    ("strided", lambda q, k, v: strided_attention(q, k, v, 128)),
+    ("strided split", lambda q, k, v: strided_attention(q.expand(1, 2, N, 64), k.expand(1, 2, N, 64),
+                                                        v.expand(1, 2, N, 64), 128, merged=False)),
+    ("fixed", lambda q, k, v: fixed_attention(q, k, v, 128, 8)),
+    ("longformer", lambda q, k, v: longformer_attention(q, k, v, 256, 2, [0, 5000], causal=True)),
+])
+def test_sparse_forward_peaks_well_below_a_score_matrix(name: str, attend) -> None:
+    peak = _peak_forward(attend)
+    assert peak < SCORE_MATRIX / 4, f"{name} peaked at {peak / 2**20:.0f} MiB"
+
+
+def test_the_meter_sees_a_score_matrix() -> None:
+    """Control: relative positions in full attention do build (N, N) scores, and the meter must see them."""
+    n = 2048
+    q, k, v = rand_qkv(1, 1, n, 16, dtype=torch.float32)
+    with PeakMemory("cpu") as peak:
+        full_attention(q, k, v, rel_pos=rand_rel(16, 8, dtype=torch.float32))
+    assert peak.bytes >= 4 * n * n
