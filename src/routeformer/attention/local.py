@@ -17,9 +17,9 @@ def local_attention(
     window: int,
     causal: bool = True,
     scale: float | None = None,
+    rel_pos: RelativePositions | None = None,
     *,
     key_padding_mask: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
 ) -> Tensor:
     """Sliding-window attention: causal, query i sees i - window < j <= i; non-causal, |i - j| < window.
 
