@@ -115,7 +115,7 @@ def longformer_mask(
     (H, N, N).
     """
     window = positive_int("window", window)
-    per_head = not isinstance(dilation, int) or heads is not None
+    per_head = isinstance(dilation, (list, tuple, Tensor)) or heads is not None
     if per_head:
         n_heads = heads if heads is not None else len(dilation)  # type: ignore[arg-type]
         dilations = check_per_head("dilation", dilation, positive_int("heads", n_heads))
