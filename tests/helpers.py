@@ -56,9 +56,14 @@ def future_changed(q, k, v, t: int, seed: int = 1):
     return out
 
 
-def leaks(attend, q, k, v, t: int) -> bool:
-    """True when changing q, k, v after position t changes any output at positions <= t."""
+def leaks(attend, q, k, v, t: int, atol: float = 0.0) -> bool:
+    """True when changing q, k, v after position t changes any output at positions <= t by more than ``atol``.
+
+    The future is replaced by values ten times larger, so a real leak moves outputs by O(1). Fixed patterns are
+    held to exact equality; routing sorts the sequence, and a changed future may move a query's (unchanged) keys
+    to other tile columns, which changes the summation order by an ulp: it uses a tolerance far below O(1).
+    """
     with torch.no_grad():
         before = attend(q.detach(), k.detach(), v.detach())
         after = attend(*future_changed(q, k, v, t))
-    return not torch.equal(before[:, :, : t + 1], after[:, :, : t + 1])
+    return not torch.allclose(before[:, :, : t + 1], after[:, :, : t + 1], rtol=0.0, atol=atol)

@@ -11,12 +11,16 @@ from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_m
 from .reference import reference_attention
 from .registry import PATTERNS, Pattern, get_pattern
 from .relative import RelativePositions
+from .routing import RoutingAttention, RoutingCache, SphericalKMeans, update_routing
 from .strided import strided_attention
 
 __all__ = [
     "PATTERNS",
     "Pattern",
     "RelativePositions",
+    "RoutingAttention",
+    "RoutingCache",
+    "SphericalKMeans",
     "fixed_attention",
     "fixed_mask",
     "full_attention",
@@ -29,4 +33,5 @@ __all__ = [
     "reference_attention",
     "strided_attention",
     "strided_mask",
+    "update_routing",
 ]

@@ -124,11 +124,15 @@ def tiled_attention(
     back: int = 0,
     ahead: int = 0,
     allow: Tensor | None = None,
+    tile_mask: Tensor | None = None,
     scale: float,
     key_valid: Tensor | None = None,
+    groups: Tensor | None = None,
+    exclude_self: bool = False,
     rel_pos: RelativePositions | None = None,
     rel_unit: int | None = None,
     rel_delta: Tensor | None = None,
+    rel_positions: Tensor | None = None,
     rel_band: tuple[int, int] | None = None,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -141,13 +145,19 @@ def tiled_attention(
         back, ahead: neighbouring key blocks each query block sees.
         allow: static tile mask (block, S), True = may attend; ``None`` allows the whole span. In a single tile
             S = Nk; otherwise span column s of query block b is key index (b - back) · block + s.
+        tile_mask: optional bool broadcastable to (B, H, n_blocks, block, S), ANDed with ``allow``: a mask that
+            differs between tiles.
         key_valid: optional bool (B, 1 or H, Nk), False removes the key (padding).
+        groups: optional integer (B, H, N) (self-attention only): a query sees only keys of its own group.
+        exclude_self: (self-attention only) a query does not see the key at its own index unless no other key is
+            allowed (shared-QK attention, where q_i·k_i would dominate).
         rel_pos: optional relative position tables, with the position distance of every tile entry given by
             ``rel_unit`` (shift-invariant tiles: delta = rel_unit · (key index - query index)) and, optionally,
             ``rel_band = (offset, width)``: every key a row r may see lies in span columns
             [r + offset, r + offset + width), which lets the relative terms be computed on that strip alone;
             or ``rel_delta`` (any integer tensor broadcastable to (B, H, n_blocks, block, S), computed with
-            gathers).
+            gathers), or ``rel_positions`` (B, H, N) (self-attention: the position of every sequence entry, for
+            sequences in a permuted order; distances are taken between those positions, with gathers).
         need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
 
     Returns:
@@ -177,13 +187,34 @@ def tiled_attention(
 
     # One boolean mask (broadcastable to (B, H, nb, T, S)) from the tile mask, out-of-range keys and padding.
     mask = None if allow is None else allow.view(1, 1, 1, block, span)
+    if tile_mask is not None:
+        mask = _and(mask, tile_mask)
     if not single and (back or ahead or padded):
         mask = _and(mask, _span_in_range(n_blocks, block, back, ahead, Nq, q.device))
     if key_valid is not None:
         kv = key_valid[:, :, None, None, :] if single else _span(_pad_seq(key_valid, padded), n_blocks, block,
                                                                   back, ahead)[:, :, :, None, :]
         mask = _and(mask, kv)
+    if groups is not None:
+        gq = _pad_seq(groups, padded).view(B, H, n_blocks, block)
+        gk = gq[:, :, :, None, :] if single else _span(_pad_seq(groups, padded), n_blocks, block, back, ahead)[
+            :, :, :, None, :]
+        mask = _and(mask, gq[..., None] == gk)
+    if exclude_self:
+        if Nk != Nq:
+            raise ValueError("exclude_self needs self-attention (as many keys as queries)")
+        own = torch.zeros(block, span, dtype=torch.bool, device=q.device)
+        own[torch.arange(block), torch.arange(block) + back * block] = True  # span column of the query's own key
+        if mask is None:
+            mask = torch.ones(1, 1, 1, block, span, dtype=torch.bool, device=q.device)
+        others = (mask & ~own).any(-1, keepdim=True)
+        mask = mask & ~(own & others)
 
+    if rel_pos is not None and rel_positions is not None:
+        pq = _pad_seq(rel_positions, padded).view(B, H, n_blocks, block)
+        pk = pq[:, :, :, None, :] if single else _span(_pad_seq(rel_positions, padded), n_blocks, block, back,
+                                                       ahead)[:, :, :, None, :]
+        rel_delta = pk - pq[..., None]  # (B, H, nb, T, S): key position - query position
     rel = _RelTerms(rel_pos, qt, block, span, back, rel_unit, rel_delta, rel_band) if rel_pos is not None else None
     if rel is None or rel.band is not None:
         out, lse = _FusedTiles.apply(
@@ -241,11 +272,19 @@ def band_attention(
     causal: bool,
     scale: float,
     key_valid: Tensor | None = None,
+    groups: Tensor | None = None,
+    exclude_self: bool = False,
     rel_pos: RelativePositions | None = None,
     rel_unit: int = 1,
+    rel_positions: Tensor | None = None,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window."""
+    """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window.
+
+    ``groups``, ``exclude_self`` and ``rel_positions`` as in ``tiled_attention`` (routing attends in a sorted
+    order, within clusters, at distances between original positions); otherwise distances are ``rel_unit`` times
+    the index difference.
+    """
     n = q.shape[2]
     block, back, ahead = band_tiling(window, n, causal)
     if causal:
@@ -255,9 +294,11 @@ def band_attention(
     # Row r of a tile may see span columns r + back·block - (window - 1) onwards: window of them when causal,
     # 2·window - 1 otherwise. back·block >= window - 1 keeps that strip inside the tile.
     band = (back * block - (window - 1), window if causal else 2 * window - 1)
+    by_positions = rel_positions is not None
     return tiled_attention(
         q, k, v, block=block, back=back, ahead=ahead, allow=allow.to(q.device), scale=scale, key_valid=key_valid,
-        rel_pos=rel_pos, rel_unit=rel_unit, rel_band=band if back * block >= window - 1 else None,
+        groups=groups, exclude_self=exclude_self, rel_pos=rel_pos, rel_unit=None if by_positions else rel_unit,
+        rel_positions=rel_positions, rel_band=band if back * block >= window - 1 and not by_positions else None,
         need_lse=need_lse,
     )
 

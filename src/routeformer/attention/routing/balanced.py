@@ -1,0 +1,193 @@
+"""The paper's balanced clusters, for encoders (non-causal): each centroid takes its `window` nearest tokens.
+
+A token may land in several clusters or in none. Definition of what a query i sees:
+- i in one or more clusters: the union (as a set) of those clusters' members. Each cluster is computed as its own
+  (window, window) tile; a pair (i, j) counts only in the first cluster that holds both, so no key counts twice,
+  and the per-cluster results are merged exactly through their log-sum-exp.
+- i in no cluster: the members of the cluster of its nearest centroid (its argmax cluster).
+- shared QK: i's own key is dropped unless nothing else is left, exactly as in the sorted window.
+
+Cost: the member tiles are k · window² = N · window scores for window = N / k; queries in no cluster are packed
+into tiles of `window` queries per cluster, at most N + k · window more rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..relative import RelativePositions
+from ..tiles import neg_inf, tiled_attention
+
+_BITS = 63  # cluster memberships packed 63 to an int64 word (bit 63 is the sign)
+
+
+@torch.no_grad()
+def balanced_members(r: Tensor, centroids: Tensor, window: int, key_padding_mask: Tensor | None) -> Tensor:
+    """Members (B, H, k, w) of each cluster, w = min(window, N): the w tokens nearest each centroid, by position.
+
+    Padded tokens are chosen only when fewer than w real tokens exist.
+    """
+    with torch.autocast(r.device.type, enabled=False):
+        score = torch.einsum("bhnd,hkd->bhkn", r, centroids.to(r.dtype))  # (B, H, k, N)
+    if key_padding_mask is not None:
+        score = score.masked_fill(~key_padding_mask[:, None, None, :], -3.0)  # cosines are >= -1
+    w = min(window, r.shape[2])
+    return score.topk(w, dim=-1).indices.sort(-1).values
+
+
+def _membership(members: Tensor, n: int) -> Tensor:
+    """(B, H, k, N) bool: token n is a member of cluster c."""
+    B, H, k, _ = members.shape
+    m = torch.zeros(B, H, k, n, dtype=torch.bool, device=members.device)
+    return m.scatter_(-1, members, True)
+
+
+def balanced_mask(members: Tensor, clusters: Tensor, exclude_self: bool, key_valid: Tensor | None) -> Tensor:
+    """The boolean (B, H, N, N) mask of ``balanced_attention``, from its definition (O(N² · k))."""
+    n = clusters.shape[-1]
+    member_of = _membership(members, n)  # (B, H, k, N)
+    m = member_of.float()
+    union = torch.einsum("bhcn,bhcm->bhnm", m, m) > 0  # i and j share a cluster
+    selected = member_of.any(2)  # (B, H, N)
+    batch = torch.arange(members.shape[0], device=members.device)[:, None, None]
+    head = torch.arange(members.shape[1], device=members.device)[None, :, None]
+    nearest = member_of[batch, head, clusters]  # (B, H, N, N): row i = members of i's argmax cluster
+    allow = torch.where(selected[..., None], union, nearest)
+    if key_valid is not None:
+        allow = allow & key_valid[:, :, None, :]
+    if exclude_self:
+        eye = torch.eye(n, dtype=torch.bool, device=members.device)
+        others = (allow & ~eye).any(-1, keepdim=True)
+        allow = allow & ~(eye & others)
+    return allow
+
+
+def balanced_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    members: Tensor,
+    clusters: Tensor,
+    *,
+    exclude_self: bool,
+    scale: float,
+    key_valid: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+) -> Tensor:
+    """Attention within balanced clusters. q, k, v (B, H, N, D); members (B, H, k, w); clusters (B, H, N) argmax."""
+    B, H, N, D = q.shape
+    kc, w = members.shape[2:]
+    member_of = _membership(members, N)  # (B, H, k, N)
+    selected = member_of.any(2)  # (B, H, N)
+    valid = None if key_valid is None else key_valid.expand(B, H, N)
+
+    # Queries that are members: one (w, w) tile per cluster, merged over clusters per token.
+    out, lse = _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos)
+    if exclude_self:  # nothing but itself: attend to itself
+        alone = lse < neg_inf(q.dtype) / 2
+        own = v if rel_pos is None else v + rel_pos.value.to(v.dtype)[rel_pos.max_distance]  # distance 0
+        if valid is not None:
+            own = own * valid[..., None]
+        out = torch.where(alone[..., None], own, out)
+
+    # Queries in no cluster: the members of their nearest centroid's cluster.
+    if not bool(selected.all()):
+        out = _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos)
+    return out
+
+
+def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos):
+    B, H, N, D = q.shape
+    kc, w = members.shape[2:]
+    flat = members.reshape(B, H, kc * w)
+
+    def tiles(x: Tensor) -> Tensor:  # (B, H, N, D) -> (B, H·k, w, D)
+        return x.gather(2, flat[..., None].expand(B, H, kc * w, D)).view(B, H * kc, w, D)
+
+    first = ~_shared_earlier(members, member_of)  # (B, H, k, w, w): the pair's first common cluster is this one
+    if exclude_self:
+        first = first & ~torch.eye(w, dtype=torch.bool, device=q.device)
+    kv = None if valid is None else valid.gather(-1, flat).view(B, H * kc, w)
+    delta = None
+    if rel_pos is not None:
+        delta = (members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w)
+    o, lse = tiled_attention(tiles(q), tiles(k), tiles(v), block=w, scale=scale, key_valid=kv,
+                             tile_mask=first.view(B, H * kc, 1, w, w), rel_pos=rel_pos, rel_delta=delta,
+                             need_lse=True)
+    return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
+
+
+def _shared_earlier(members: Tensor, member_of: Tensor) -> Tensor:
+    """(B, H, k, w, w): members i, j of cluster c also share a cluster c' < c (bit sets of memberships)."""
+    B, H, kc, w = members.shape
+    words = -(-kc // _BITS)
+    padded = torch.zeros(B, H, words * _BITS, member_of.shape[-1], dtype=torch.long, device=members.device)
+    padded[:, :, :kc] = member_of.long()
+    weights = (2 ** (torch.arange(words * _BITS, device=members.device) % _BITS)).view(words, _BITS, 1)
+    bits = (padded.view(B, H, words, _BITS, -1) * weights).sum(3).transpose(2, 3)  # (B, H, N, words)
+    lower = torch.zeros(kc, words, dtype=torch.long)  # bits of the clusters before c
+    for c in range(kc):
+        for t in range(words):
+            below = min(max(c - t * _BITS, 0), _BITS)
+            lower[c, t] = (1 << below) - 1
+    lower = lower.to(members.device)
+    mine = bits.gather(2, members.reshape(B, H, kc * w, 1).expand(-1, -1, -1, words)).view(B, H, kc, w, words)
+    earlier = mine & lower[None, None, :, None, :]
+    out = torch.zeros(B, H, kc, w, w, dtype=torch.bool, device=members.device)
+    for t in range(words):
+        out |= (earlier[..., :, None, t] & mine[..., None, :, t]) != 0
+    return out
+
+
+def _merge_by_token(o: Tensor, lse: Tensor, token: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Merge partial results (B, H, P, D) / (B, H, P) of tokens ``token`` (B, H, P) exactly, per token."""
+    B, H, P, D = o.shape
+    peak = torch.full((B, H, n), float("-inf"), dtype=lse.dtype, device=lse.device)
+    peak = peak.scatter_reduce(-1, token, lse.detach(), "amax")
+    weight = (lse - peak.gather(-1, token)).exp()  # (B, H, P)
+    num = torch.zeros(B, H, n, D, dtype=lse.dtype, device=o.device)
+    num = num.scatter_add(2, token[..., None].expand(B, H, P, D), o.to(lse.dtype) * weight[..., None])
+    den = torch.zeros(B, H, n, dtype=lse.dtype, device=o.device).scatter_add(-1, token, weight)
+    out = num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None]
+    return out.to(o.dtype), peak + den.log()
+
+
+def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos):
+    """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members."""
+    B, H, N, D = q.shape
+    kc, w = members.shape[2:]
+    pos = torch.arange(N, device=q.device)
+    group = torch.where(selected, kc, clusters)  # unselected tokens by cluster; selected ones last (sentinel k)
+    order = (group * N + pos).argsort(-1)
+    grouped = group.gather(-1, order)
+    counts = torch.zeros(B, H, kc + 1, dtype=torch.long, device=q.device).scatter_add_(
+        -1, group, torch.ones_like(group))[..., :kc]
+    n_tiles = -(-counts // w)  # (B, H, k)
+    tile_end = n_tiles.cumsum(-1)
+    total = int(tile_end[..., -1].max())
+    start = torch.cat([torch.zeros_like(counts[..., :1]), counts.cumsum(-1)], -1)  # first sorted index per cluster
+    live = grouped < kc
+    g = grouped.clamp_max(kc - 1)
+    rank = pos - start.gather(-1, g)  # rank within the cluster's unselected queries
+    slot = (tile_end - n_tiles).gather(-1, g) * w + rank  # (B, H, N) in the packed layout
+    slot = torch.where(live, slot, total * w)  # selected tokens go to a dump slot
+    query = torch.full((B, H, total * w + 1), N, dtype=torch.long, device=q.device)
+    query = query.scatter(-1, slot, order)[..., : total * w].view(B, H, total, w)  # token of each slot (N = empty)
+    tile_cluster = torch.searchsorted(tile_end, torch.arange(total, device=q.device).expand(B, H, total).contiguous(),
+                                      right=True).clamp_max(kc - 1)
+    keys = members.gather(2, tile_cluster[..., None].expand(B, H, total, w))  # (B, H, T, w)
+
+    qpad = torch.cat([q, q.new_zeros(B, H, 1, D)], 2)
+    qt = qpad.gather(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D)).view(B, H * total, w, D)
+    flat_keys = keys.reshape(B, H, total * w, 1).expand(-1, -1, -1, D)
+    kt = k.gather(2, flat_keys).view(B, H * total, w, D)
+    vt = v.gather(2, flat_keys).view(B, H * total, w, D)
+    kv = None if valid is None else valid.gather(-1, keys.reshape(B, H, total * w)).view(B, H * total, w)
+    delta = None
+    if rel_pos is not None:
+        delta = (keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w)
+    o, _ = tiled_attention(qt, kt, vt, block=w, scale=scale, key_valid=kv, rel_pos=rel_pos, rel_delta=delta)
+    dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
+    dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))
+    return dest[:, :, :N]

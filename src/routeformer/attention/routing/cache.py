@@ -1,0 +1,113 @@
+"""Incremental decoding for causal routing: one ring buffer of the last `window` keys and values per cluster.
+
+The causal forward lets position t attend to the most recent `window` positions j <= t of its own cluster. After
+writing token t into its cluster's ring buffer, that buffer holds exactly those positions, so a new token costs
+O(k · D) to route plus O(window · D) to attend, per head, whatever its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..checks import positive_int
+from ..relative import RelativePositions
+
+
+@dataclass
+class RoutingCache:
+    """Decoding state of one routing layer.
+
+    keys, values: (B, H, k, window, D); positions: (B, H, k, window), -1 for an empty slot; counts: (B, H, k)
+    tokens written to each cluster so far; length: positions decoded so far; max_len: the declared maximum.
+    """
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    counts: Tensor
+    length: int
+    max_len: int
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, clusters: int, window: int, head_dim: int, *, max_len: int,
+              device: torch.device | str, dtype: torch.dtype) -> RoutingCache:
+        batch, max_len = positive_int("batch", batch), positive_int("max_len", max_len)
+        shape = (batch, heads, clusters, window)
+        return cls(
+            keys=torch.zeros(*shape, head_dim, device=device, dtype=dtype),
+            values=torch.zeros(*shape, head_dim, device=device, dtype=dtype),
+            positions=torch.full(shape, -1, dtype=torch.long, device=device),
+            counts=torch.zeros(shape[:3], dtype=torch.long, device=device),
+            length=0,
+            max_len=max_len,
+        )
+
+    def fill(self, k: Tensor, v: Tensor, clusters: Tensor) -> None:
+        """Fill an empty cache with a whole prompt at once: k, v (B, H, n, D), clusters (B, H, n).
+
+        Each cluster keeps its last ``window`` tokens, each in the ring slot (rank within the cluster) mod window,
+        the slot ``step`` would have written it to.
+        """
+        from .sorted_window import sort_by_cluster
+
+        if self.length:
+            raise ValueError("fill needs an empty cache")
+        B, H, n, D = k.shape
+        if n > self.max_len:
+            raise ValueError(f"max_len: a prompt of {n} positions does not fit a cache with max_len={self.max_len}")
+        window = self.keys.shape[3]
+        order, _ = sort_by_cluster(clusters)
+        grouped = clusters.gather(-1, order)
+        idx = torch.arange(n, device=k.device)
+        first = torch.ones_like(grouped, dtype=torch.bool)
+        first[..., 1:] = grouped[..., 1:] != grouped[..., :-1]
+        rank = idx - torch.where(first, idx, 0).cummax(-1).values  # rank of each token within its cluster
+        counts = torch.zeros_like(self.counts).scatter_add_(-1, clusters, torch.ones_like(clusters))
+        keep = rank >= counts.gather(-1, grouped) - window  # the last `window` of each cluster
+        b = torch.arange(B, device=k.device)[:, None, None].expand_as(order)[keep]
+        h = torch.arange(H, device=k.device)[None, :, None].expand_as(order)[keep]
+        c, slot, pos = grouped[keep], (rank % window)[keep], order[keep]
+        self.keys[b, h, c, slot] = k[b, h, pos].to(self.keys.dtype)
+        self.values[b, h, c, slot] = v[b, h, pos].to(self.values.dtype)
+        self.positions[b, h, c, slot] = pos
+        self.counts.copy_(counts)
+        self.length = n
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, cluster: Tensor, *, scale: float, exclude_self: bool,
+             rel_pos: RelativePositions | None) -> Tensor:
+        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); cluster (B, H)."""
+        if self.length >= self.max_len:
+            raise ValueError(f"max_len: position {self.length} is past the declared maximum of this cache "
+                             f"(max_len={self.max_len}); create the cache with a larger max_len")
+        B, H, D = q.shape
+        if tuple(k.shape) != (B, H, D) or self.keys.shape[:2] != (B, H) or self.keys.shape[-1] != D:
+            raise ValueError(f"decoding tensors of shape {tuple(q.shape)} do not fit a cache for "
+                             f"(B, H, D) = {(*self.keys.shape[:2], self.keys.shape[-1])}")
+        t, window = self.length, self.keys.shape[3]
+        b = torch.arange(B, device=q.device)[:, None]
+        h = torch.arange(H, device=q.device)[None, :]
+        slot = self.counts[b, h, cluster] % window  # (B, H): the oldest entry, once the buffer is full
+        self.keys[b, h, cluster, slot] = k.to(self.keys.dtype)
+        self.values[b, h, cluster, slot] = v.to(self.values.dtype)
+        self.positions[b, h, cluster, slot] = t
+        self.counts[b, h, cluster] += 1
+        self.length += 1
+
+        keys, values, pos = self.keys[b, h, cluster], self.values[b, h, cluster], self.positions[b, h, cluster]
+        allow = pos >= 0  # (B, H, window)
+        if exclude_self:
+            own = pos == t
+            allow = allow & ~(own & (allow & ~own).any(-1, keepdim=True))
+        qs = q.to(keys.dtype) * scale
+        scores = torch.einsum("bhd,bhwd->bhw", qs, keys)
+        if rel_pos is not None:
+            idx = rel_pos.index(pos - t)  # (B, H, window)
+            scores = scores + torch.einsum("bhd,bhwd->bhw", qs, rel_pos.key.to(keys.dtype)[idx])
+        probs = scores.masked_fill(~allow, float("-inf")).softmax(-1)
+        out = torch.einsum("bhw,bhwd->bhd", probs, values)
+        if rel_pos is not None:
+            out = out + torch.einsum("bhw,bhwd->bhd", probs, rel_pos.value.to(keys.dtype)[idx])
+        return out.to(q.dtype)

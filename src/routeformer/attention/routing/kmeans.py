@@ -1,0 +1,191 @@
+"""Online spherical k-means: the centroids that route queries and keys (Roy et al. 2020, Bottou and Bengio 1995).
+
+The forward pass only *observes*: in training mode it adds per-cluster sums and counts of the routing vectors it
+assigned to pending statistics. Centroids move only in ``update()``, an explicit step the trainer calls after
+``optimizer.step()``. So:
+- activation recomputation cannot count a batch twice (a forward that runs inside a backward pass, which is what
+  recomputation is, observes nothing);
+- evaluation never moves centroids (it observes nothing);
+- under ``torch.distributed`` the pending statistics are all-reduced before the update, so every rank applies the
+  same arithmetic to the same numbers and the centroids stay bit-identical.
+
+Update (exponential moving average of sums and counts, decay λ):
+    S_c ← λ S_c + (1 - λ) Σ_{r assigned to c} r,      n_c ← λ n_c + (1 - λ) |{r assigned to c}|,
+    μ_c = normalise(S_c / (n_c + ε)).
+For unit-norm centroids only the direction of S_c matters; ε (the smoothing constant) keeps the division finite.
+Empty clusters: a cluster that receives no vector keeps its centroid (its EMA sum shrinks, its direction does not
+change), so it stays available to later batches; it is never re-seeded.
+Initialisation: the first ``update()`` after the first training forward seeds the centroids from a sample of that
+forward's routing vectors (gathered from every rank) by k-means++ and a few spherical Lloyd iterations, with a
+fixed seed, then broadcasts rank 0's result. Until then the centroids are random unit vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..checks import positive_int
+
+
+def recomputing() -> bool:
+    """True inside a backward pass: a forward run there is activation recomputation (both checkpoint flavours)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class SphericalKMeans(nn.Module):
+    """k unit centroids per head, learned online; ``centroids`` is (H, k, D).
+
+    Args:
+        heads, dim, num_clusters: H, D, k.
+        decay: λ of the moving averages (0.999 as in the paper).
+        eps: smoothing constant of the counts.
+        init_iters: spherical Lloyd iterations after k-means++ seeding.
+        init_samples: routing vectors per head kept from the first training forward to seed the centroids.
+    """
+
+    def __init__(self, heads: int, dim: int, num_clusters: int, decay: float = 0.999, eps: float = 1e-6,
+                 init_iters: int = 10, init_samples: int = 4096) -> None:
+        super().__init__()
+        self.heads = positive_int("heads", heads)
+        self.dim = positive_int("dim", dim)
+        self.num_clusters = positive_int("num_clusters", num_clusters)
+        if not 0.0 <= float(decay) < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay, self.eps = float(decay), float(eps)
+        self.init_iters = int(init_iters)
+        self.init_samples = positive_int("init_samples", init_samples)
+        gen = torch.Generator().manual_seed(0)
+        start = nn.functional.normalize(torch.randn(self.heads, self.num_clusters, self.dim, generator=gen), dim=-1)
+        self.register_buffer("centroids", start)  # (H, k, D), unit norm
+        self.register_buffer("ema_sums", start.clone())  # (H, k, D)
+        self.register_buffer("ema_counts", torch.ones(self.heads, self.num_clusters))  # (H, k)
+        self.register_buffer("initialized", torch.tensor(False))
+        # Statistics observed since the last update; not saved with the model.
+        self.register_buffer("pending_sums", torch.zeros(self.heads, self.num_clusters, self.dim), persistent=False)
+        self.register_buffer("pending_counts", torch.zeros(self.heads, self.num_clusters), persistent=False)
+        self.register_buffer("samples", torch.zeros(self.heads, 0, self.dim), persistent=False)
+
+    @torch.no_grad()
+    def assign(self, r: Tensor) -> Tensor:
+        """Nearest centroid (largest cosine) of each unit routing vector: r (B, H, N, D) -> (B, H, N) long."""
+        acc = torch.promote_types(r.dtype, torch.float32)
+        with torch.autocast(r.device.type, enabled=False):
+            return torch.einsum("bhnd,hkd->bhnk", r.to(acc), self.centroids.to(acc)).argmax(-1)
+
+    def commitment(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Mean over positions of ||r - sg(μ_c)||² (scalar), the commitment term; ``valid`` (B, N) excludes padding."""
+        H = self.heads
+        mu = self.centroids.detach()[torch.arange(H, device=r.device)[None, :, None], clusters]  # (B, H, N, D)
+        acc = torch.promote_types(r.dtype, torch.float32)
+        err = (r.to(acc) - mu.to(acc)).square().sum(-1)  # (B, H, N)
+        if valid is None:
+            return err.mean()
+        weight = valid[:, None, :].to(err.dtype).expand_as(err)
+        return (err * weight).sum() / weight.sum().clamp_min(1.0)
+
+    @torch.no_grad()
+    def observe(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None) -> None:
+        """Add the statistics of one training forward: r (B, H, N, D) unit vectors, clusters (B, H, N)."""
+        if not self.training or recomputing():
+            return
+        B, H, N, D = r.shape
+        r = r.to(self.pending_sums.dtype)
+        flat = (torch.arange(H, device=r.device)[None, :, None] * self.num_clusters + clusters)  # (B, H, N)
+        weight = (torch.ones(B, H, N, device=r.device, dtype=r.dtype) if valid is None
+                  else valid[:, None, :].to(r.dtype).expand(B, H, N))
+        self.pending_counts.view(-1).index_add_(0, flat.reshape(-1), weight.reshape(-1))
+        self.pending_sums.view(-1, D).index_add_(0, flat.reshape(-1), (r * weight[..., None]).reshape(-1, D))
+        if not bool(self.initialized) and self.samples.shape[1] == 0:
+            self._keep_samples(r, valid)
+
+    def _keep_samples(self, r: Tensor, valid: Tensor | None) -> None:
+        """Keep up to ``init_samples`` routing vectors per head (a fixed-seed random subset) for initialisation."""
+        B, H, N, D = r.shape
+        per_head = r.permute(1, 0, 2, 3).reshape(H, B * N, D)
+        if valid is not None:
+            keep = valid.reshape(-1).nonzero().squeeze(1)
+            per_head = per_head[:, keep]
+        gen = torch.Generator().manual_seed(1)
+        pick = torch.randperm(per_head.shape[1], generator=gen)[: self.init_samples].to(r.device)
+        self.samples = per_head[:, pick].clone()
+
+    @torch.no_grad()
+    def update(self, group: dist.ProcessGroup | None = None) -> None:
+        """Apply the observed statistics (all-reduced across ranks when torch.distributed is initialised)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            dist.all_reduce(self.pending_sums, group=group)
+            dist.all_reduce(self.pending_counts, group=group)
+        total = self.pending_counts.sum()
+        if float(total) > 0:  # the same value on every rank after the all-reduce
+            if not bool(self.initialized):
+                self._initialise(self._gathered_samples(group) if distributed else self.samples, total)
+                if distributed:
+                    dist.broadcast(self.centroids, src=0, group=group)
+            else:
+                lam = self.decay
+                self.ema_counts.mul_(lam).add_(self.pending_counts, alpha=1 - lam)
+                self.ema_sums.mul_(lam).add_(self.pending_sums, alpha=1 - lam)
+                means = self.ema_sums / (self.ema_counts[..., None] + self.eps)
+                alive = self.ema_sums.norm(dim=-1, keepdim=True) > 0
+                self.centroids.copy_(torch.where(alive, nn.functional.normalize(means, dim=-1), self.centroids))
+        self.pending_sums.zero_()
+        self.pending_counts.zero_()
+
+    def _gathered_samples(self, group: dist.ProcessGroup | None) -> Tensor:
+        """Every rank's samples, concatenated in rank order (ranks may hold different numbers)."""
+        world = dist.get_world_size(group)
+        count = torch.tensor([self.samples.shape[1]], device=self.samples.device)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=group)
+        longest = int(max(int(c) for c in counts))
+        padded = torch.zeros(self.heads, longest, self.dim, device=self.samples.device)
+        padded[:, : self.samples.shape[1]] = self.samples
+        parts = [torch.zeros_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:, : int(c)] for p, c in zip(parts, counts, strict=True)], dim=1)
+
+    def _initialise(self, samples: Tensor, total: Tensor) -> None:
+        """k-means++ seeding and spherical Lloyd iterations on samples (H, S, D); EMA state scaled to one step."""
+        if samples.shape[1] == 0:
+            return
+        centroids = spherical_kmeans(samples, self.num_clusters, self.init_iters)
+        share = total / (self.heads * self.num_clusters)  # the average count of one cluster in one step
+        self.centroids.copy_(centroids)
+        self.ema_sums.copy_(centroids * share)
+        self.ema_counts.fill_(float(share))
+        self.initialized.fill_(True)
+        self.samples = self.samples[:, :0]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, dim={self.dim}, num_clusters={self.num_clusters}, decay={self.decay}"
+
+
+def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
+    """Batch spherical k-means: x (H, S, D) unit vectors -> centroids (H, k, D), k-means++ seeded, fixed seed.
+
+    With fewer samples than clusters the remaining centroids are random unit vectors.
+    """
+    H, S, D = x.shape
+    gen = torch.Generator().manual_seed(seed)
+    heads = torch.arange(H, device=x.device)
+    centroids = nn.functional.normalize(torch.randn(H, k, D, generator=gen), dim=-1).to(x)
+    first = torch.randint(S, (H,), generator=gen).to(x.device)
+    centroids[:, 0] = x[heads, first]
+    dist2 = (2 - 2 * (x * centroids[:, :1]).sum(-1)).clamp_min(0)  # (H, S): squared chord distance
+    for c in range(1, min(k, S)):
+        probs = dist2 / dist2.sum(-1, keepdim=True).clamp_min(1e-12)
+        pick = torch.multinomial(probs.cpu().double() + 1e-30, 1, generator=gen).squeeze(1).to(x.device)
+        centroids[:, c] = x[heads, pick]
+        dist2 = torch.minimum(dist2, (2 - 2 * (x * centroids[:, c:c + 1]).sum(-1)).clamp_min(0))
+    for _ in range(iters):
+        assign = torch.einsum("hsd,hkd->hsk", x, centroids).argmax(-1)  # (H, S)
+        onehot = nn.functional.one_hot(assign, k).to(x.dtype)  # (H, S, k)
+        sums = onehot.transpose(1, 2) @ x  # (H, k, D), a matmul: the same bits on every rank
+        filled = onehot.sum(1)[..., None] > 0
+        centroids = torch.where(filled, nn.functional.normalize(sums, dim=-1), centroids)
+    return centroids

@@ -1,0 +1,164 @@
+"""RoutingAttention: content-based sparse attention routed by online spherical k-means (Roy et al. 2020).
+
+    q, k ──► r = normalise(q) · W_R          (shared QK)   ──► c = argmax_j <μ_j, r>     (B, H, N) clusters
+             r = normalise(n(q) + n(k)) · W_R (separate QK)  └─► k-means statistics (training forward only)
+    causal / sorted window: sort by (c, position) ─► banded attention, same cluster, last `window` ─► unsort
+    balanced (non-causal):  each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
+
+Centroids move only in ``update_routing()`` (see ``kmeans.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..checks import positive_int
+from ..inputs import check_inputs
+from ..relative import RelativePositions
+from .balanced import balanced_attention, balanced_mask, balanced_members
+from .cache import RoutingCache
+from .kmeans import SphericalKMeans
+from .sorted_window import sorted_window_attention, sorted_window_mask
+
+
+class RoutingAttention(nn.Module):
+    """Routing attention over (B, H, N, D) queries, keys and values.
+
+    Args:
+        heads, head_dim: H and D.
+        num_clusters: k centroids per head (≈ sqrt(N) gives O(N^1.5 · D)).
+        window: keys per query: the most recent ``window`` positions of the query's cluster (causal), or the
+            ``window`` nearest in the cluster's order (non-causal sorted), or the size of each balanced cluster.
+        causal: a query sees only positions <= its own. Causal routing is always the sorted window: the paper's
+            balanced clusters choose members with later tokens and would leak the future into the past.
+        shared_qk: queries and keys are the same vectors (pass k = q): the routing vector of a position comes from
+            q, and a query does not attend to its own key unless no other key is visible (q_i·k_i would dominate).
+            With ``shared_qk=False`` each position routes on normalise(n(q_i) + n(k_i)), one cluster per position
+            (the paper assumes W_Q ≈ W_K, so q_i and k_i point alike), and its own key is an ordinary key.
+        balanced: non-causal only. True: the paper's balanced clusters (each centroid takes its ``window`` nearest
+            tokens; a token in several clusters attends to the union of their keys, merged exactly; a token in
+            none attends to the keys of its nearest centroid's cluster). False: the sorted window without the
+            causal constraint. Default: True when non-causal.
+        decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
+        seed: seed of the fixed random orthonormal routing projection W_R.
+
+    After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss.
+    Time O(N·k·D + N·window·D), memory O(N·k + N·window) per head.
+    """
+
+    def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
+                 shared_qk: bool = True, balanced: bool | None = None, decay: float = 0.999,
+                 commitment: float = 1e-4, seed: int = 0) -> None:
+        super().__init__()
+        self.heads = positive_int("heads", heads)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.num_clusters = positive_int("num_clusters", num_clusters)
+        self.window = positive_int("window", window)
+        self.causal, self.shared_qk = bool(causal), bool(shared_qk)
+        if balanced is None:
+            balanced = not self.causal
+        if balanced and self.causal:
+            raise ValueError("balanced=True needs causal=False: balanced clusters pick their members using later "
+                             "tokens, which leaks the future into the past")
+        self.balanced = bool(balanced)
+        self.commitment = float(commitment)
+        self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
+        gen = torch.Generator().manual_seed(seed)
+        q, _ = torch.linalg.qr(torch.randn(self.heads, self.head_dim, self.head_dim, generator=gen))
+        self.register_buffer("projection", q)  # W_R (H, D, D), fixed random orthonormal
+        self.commitment_loss: Tensor | None = None
+
+    def routing_vectors(self, q: Tensor, k: Tensor) -> Tensor:
+        """Unit routing vectors r (B, H, N, D) in float32 or wider, whatever the input dtype or autocast state."""
+        acc = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            x = F.normalize(q.to(acc), dim=-1)
+            if not self.shared_qk:
+                x = F.normalize(x + F.normalize(k.to(acc), dim=-1), dim=-1)
+            return torch.einsum("bhnd,hde->bhne", x, self.projection.to(acc))
+
+    @torch.no_grad()
+    def route(self, q: Tensor, k: Tensor) -> Tensor:
+        """The cluster of every position: (B, H, N) long."""
+        check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
+        return self.kmeans.assign(self.routing_vectors(q, k))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
+                key_padding_mask: Tensor | None = None, rel_pos: RelativePositions | None = None) -> Tensor:
+        """(B, H, N, D) -> (B, H, N, D)."""
+        _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+        r = self.routing_vectors(q, k)
+        clusters = self.kmeans.assign(r)
+        self.kmeans.observe(r.detach(), clusters, key_padding_mask)
+        self.commitment_loss = self.commitment * self.kmeans.commitment(r, clusters, key_padding_mask)
+        if self.balanced:
+            members = balanced_members(r.detach(), self.kmeans.centroids, self.window, key_padding_mask)
+            return balanced_attention(q, k, v, members, clusters, exclude_self=self.shared_qk, scale=scale,
+                                      key_valid=key_valid, rel_pos=rel_pos)
+        return sorted_window_attention(q, k, v, clusters, window=self.window, causal=self.causal,
+                                       exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
+                                       rel_pos=rel_pos)
+
+    @torch.no_grad()
+    def routing_mask(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The exact boolean (B, H, N, N) mask ``forward`` computes, for tests, figures and analysis at small N."""
+        check_inputs(q, k, v=q, scale=None, key_padding_mask=key_padding_mask)
+        r = self.routing_vectors(q, k)
+        clusters = self.kmeans.assign(r)
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
+        if self.balanced:
+            members = balanced_members(r, self.kmeans.centroids, self.window, key_padding_mask)
+            return balanced_mask(members, clusters, self.shared_qk, valid)
+        return sorted_window_mask(clusters, self.window, self.causal, self.shared_qk, valid)
+
+    def update_routing(self, group: dist.ProcessGroup | None = None) -> None:
+        """The k-means step: apply the statistics observed since the last call (all-reduced across ranks)."""
+        self.kmeans.update(group)
+
+    def new_cache(self, batch: int, max_len: int, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype = torch.float32) -> RoutingCache:
+        """An empty decoding cache for up to ``max_len`` positions (causal only)."""
+        if not self.causal:
+            raise ValueError("incremental decoding needs causal=True")
+        return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
+                                  max_len=max_len, device=device or self.projection.device, dtype=dtype)
+
+    @torch.no_grad()
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache, *, scale: float | None = None,
+               rel_pos: RelativePositions | None = None) -> Tensor:
+        """Outputs (B, H, n, D) of n new positions (B, H, n, D), continuing ``cache`` and updating it in place.
+
+        Equal to the causal forward over the whole sequence at those positions. A new token costs O(k·D + window·D)
+        per head whatever its position: it is routed, written to its cluster's ring buffer of the last ``window``
+        keys and values, and attends over that buffer. A prompt given to an empty cache runs the forward once and
+        fills the buffers in one pass.
+        """
+        _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
+        clusters = self.kmeans.assign(self.routing_vectors(q, k))  # (B, H, n)
+        if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
+            out = sorted_window_attention(q, k, v, clusters, window=self.window, causal=True,
+                                          exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos)
+            cache.fill(k, v, clusters)
+            return out
+        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], clusters[:, :, t], scale=scale,
+                           exclude_self=self.shared_qk, rel_pos=rel_pos) for t in range(n)]
+        return torch.stack(outs, dim=2)
+
+    def extra_repr(self) -> str:
+        mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
+        return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}")
+
+
+def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Apply the k-means step of every routing layer inside ``module``; returns how many were updated.
+
+    Call it once per optimiser step, after ``optimizer.step()``, on every rank.
+    """
+    layers = [m for m in module.modules() if isinstance(m, SphericalKMeans)]
+    for layer in layers:
+        layer.update(group)
+    return len(layers)

@@ -1,0 +1,77 @@
+"""Routed attention as a sliding window over the sequence sorted by (cluster, position).
+
+Sorting by (cluster, position) puts each cluster's positions side by side, in order. The `window` most recent
+same-cluster positions j <= i of position i are then the entries just before it in the sorted order: banded
+attention over the sorted sequence, restricted to the same cluster, computes exactly "attend to the last `window`
+positions of your own cluster", in O(N · window · D) time and memory whatever the sizes of the clusters. The keys a
+position sees depend only on its own cluster and on earlier positions, so nothing later can change them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..relative import RelativePositions
+from ..tiles import band_attention
+
+
+def sort_by_cluster(clusters: Tensor) -> tuple[Tensor, Tensor]:
+    """(order, inverse), both (B, H, N): ``x.gather(-1, order)`` sorts by (cluster, position); ``inverse`` undoes it."""
+    n = clusters.shape[-1]
+    pos = torch.arange(n, device=clusters.device)
+    order = (clusters * n + pos).argsort(-1)  # keys are unique, so the order is the stable one
+    inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
+    return order, inverse
+
+
+def _gather_seq(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, H, N, D) reordered along N by index (B, H, N)."""
+    return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
+
+
+def sorted_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    clusters: Tensor,
+    *,
+    window: int,
+    causal: bool,
+    exclude_self: bool,
+    scale: float,
+    key_valid: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+) -> Tensor:
+    """Each query attends to the ``window`` nearest positions of its own cluster (only earlier ones when causal).
+
+    q, k, v: (B, H, N, D); clusters: (B, H, N); key_valid: (B, 1, N) or None -> (B, H, N, D). Causal: keys j <= i,
+    the most recent ``window`` of the cluster; non-causal: |rank_i - rank_j| < window within the cluster.
+    """
+    B, H, N, D = q.shape
+    order, inverse = sort_by_cluster(clusters)
+    qs, ks, vs = (_gather_seq(x, order) for x in (q, k, v))
+    valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
+    out, _ = band_attention(
+        qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid, groups=clusters.gather(-1, order),
+        exclude_self=exclude_self, rel_pos=rel_pos, rel_positions=order if rel_pos is not None else None,
+    )
+    return _gather_seq(out, inverse)
+
+
+def sorted_window_mask(clusters: Tensor, window: int, causal: bool, exclude_self: bool,
+                       key_valid: Tensor | None = None) -> Tensor:
+    """The boolean (B, H, N, N) mask of ``sorted_window_attention``, written from its definition (O(N²))."""
+    n = clusters.shape[-1]
+    idx = torch.arange(n, device=clusters.device)
+    same = clusters[..., :, None] == clusters[..., None, :]  # (B, H, N, N)
+    rank = (same & (idx[None, :] <= idx[:, None])).sum(-1) - 1  # position of i within its cluster
+    gap = rank[..., :, None] - rank[..., None, :]  # rank_i - rank_j
+    allow = same & ((gap >= 0) & (gap < window) if causal else gap.abs() < window)
+    if key_valid is not None:
+        allow = allow & key_valid[:, :, None, :]
+    if exclude_self:
+        eye = torch.eye(n, dtype=torch.bool, device=clusters.device)
+        others = (allow & ~eye).any(-1, keepdim=True)
+        allow = allow & ~(eye & others)
+    return allow

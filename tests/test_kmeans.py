@@ -1,0 +1,117 @@
+"""Online spherical k-means: it finds planted centres, updates once per step, and agrees across ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from helpers import rand_qkv
+from routeformer.attention import RoutingAttention, SphericalKMeans, update_routing
+
+
+def test_recovers_well_separated_planted_centres() -> None:
+    g = torch.Generator().manual_seed(0)
+    H, k, D, per = 2, 5, 16, 300
+    centres = F.normalize(torch.randn(H, k, D, generator=g), dim=-1)
+    points = centres.repeat_interleave(per, dim=1) + 0.05 * torch.randn(H, k * per, D, generator=g)
+    r = F.normalize(points[:, torch.randperm(k * per, generator=g)], dim=-1)[None]  # (1, H, N, D)
+    km = SphericalKMeans(H, D, k, decay=0.5)
+    km.train()
+    for _ in range(5):
+        km.observe(r, km.assign(r))
+        km.update()
+    assert bool(km.initialized)
+    cos = torch.einsum("hkd,hcd->hkc", km.centroids, centres)  # learned x planted
+    assert (cos.max(1).values > 0.99).all(), "every planted centre has a centroid on it"
+    assert all(len(set(cos[h].argmax(1).tolist())) == k for h in range(H)), "one centroid per centre"
+    assert torch.allclose(km.centroids.norm(dim=-1), torch.ones(H, k))
+
+
+def test_evaluation_observes_nothing_and_an_empty_update_changes_nothing() -> None:
+    layer = RoutingAttention(2, 8, 3, 4).eval()
+    q, _, v = rand_qkv(1, 2, 20, 8, dtype=torch.float32, grad=False)
+    before = layer.kmeans.centroids.clone()
+    layer(q, q, v)
+    assert layer.kmeans.pending_counts.sum() == 0
+    layer.update_routing()
+    assert torch.equal(layer.kmeans.centroids, before)
+
+
+def test_empty_clusters_keep_their_centroid() -> None:
+    km = SphericalKMeans(1, 4, 3, decay=0.9)
+    km.train()
+    r = F.normalize(torch.randn(1, 1, 50, 4), dim=-1)
+    km.observe(r, km.assign(r))
+    km.update()  # initialisation
+    stale = km.centroids[0, 2].clone()
+    for _ in range(3):
+        km.observe(r, torch.zeros(1, 1, 50, dtype=torch.long))  # everything to cluster 0
+        km.update()
+    assert torch.allclose(km.centroids[0, 2], stale) and torch.isfinite(km.centroids).all()
+
+
+def _step(layer: RoutingAttention, q: torch.Tensor, v: torch.Tensor, use_checkpoint, padding=None) -> None:
+    if use_checkpoint is None:
+        out = layer(q, q, v, key_padding_mask=padding)
+    else:
+        out = checkpoint(lambda a, b: layer(a, a, b, key_padding_mask=padding), q, v, use_reentrant=use_checkpoint)
+    (out.square().mean() + layer.commitment_loss).backward()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_update_applied_once_per_step_under_activation_checkpointing(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    plain, ckpt = RoutingAttention(2, 8, 4, 4), RoutingAttention(2, 8, 4, 4)
+    padding = torch.rand(2, 30) > 0.2
+    for step in range(3):
+        q, _, v = rand_qkv(2, 2, 30, 8, dtype=torch.float32, seed=step)
+        _step(plain, q, v, None, padding)
+        _step(ckpt, q.detach().clone().requires_grad_(), v.detach().clone().requires_grad_(), reentrant, padding)
+        assert ckpt.kmeans.pending_counts.sum() == 2 * int(padding.sum())  # heads × real tokens, once
+        torch.testing.assert_close(ckpt.kmeans.pending_counts, plain.kmeans.pending_counts, rtol=0, atol=0)
+        update_routing(plain)
+        update_routing(ckpt)
+        assert torch.equal(plain.kmeans.centroids, ckpt.kmeans.centroids)
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layer = RoutingAttention(2, 8, 4, 6, decay=0.9)  # the same initial state on every rank
+    data = []
+    for step in range(4):
+        q, _, v = rand_qkv(2, 2, 40, 8, dtype=torch.float32, seed=100 * rank + step)  # each rank its own batch
+        data.append((q.detach(), v.detach()))
+        if step == 3 and rank == 0:
+            torch.save(layer.state_dict(), out + ".before")
+        _step(layer, q, v, None)
+        layer.update_routing()
+    state = {k: v for k, v in layer.state_dict().items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"state": state, "last": data[-1]})
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_gloo_processes_keep_centroids_bit_identical(tmp_path) -> None:
+    out = str(tmp_path / "result.pt")
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    results = torch.load(out)
+    a, b = (r["state"] for r in results)
+    for name in ("kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts", "kmeans.initialized"):
+        assert torch.equal(a[name], b[name]), f"{name} differs between ranks"
+    # The last update used the statistics of both ranks: a single process on both batches gets the same centroids.
+    single = RoutingAttention(2, 8, 4, 6, decay=0.9)
+    single.load_state_dict(torch.load(out + ".before"))
+    q = torch.cat([r["last"][0] for r in results])
+    v = torch.cat([r["last"][1] for r in results])
+    single(q, q, v)
+    single.update_routing()
+    torch.testing.assert_close(single.kmeans.centroids, a["kmeans.centroids"], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,172 @@
+"""RoutingAttention: the forward is reference_attention over routing_mask, the mask means what it says, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel
+from routeformer.attention import RoutingAttention, full_attention
+
+
+def make_layer(H: int, D: int, k: int, w: int, dtype=torch.float64, **kw) -> RoutingAttention:
+    return RoutingAttention(H, D, k, w, **kw).to(dtype)
+
+
+@st.composite
+def routing_problems(draw) -> dict:
+    causal = draw(st.booleans())
+    return {
+        "B": draw(st.integers(1, 2)), "H": draw(st.integers(1, 3)), "N": draw(st.integers(1, 60)),
+        "D": draw(st.integers(2, 10)), "k": draw(st.integers(1, 9)), "w": draw(st.integers(1, 12)),
+        "causal": causal, "balanced": False if causal else draw(st.booleans()),
+        "shared": draw(st.booleans()), "rel": draw(st.one_of(st.none(), st.integers(1, 20))),
+        "padding": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@given(p=routing_problems())
+def test_forward_matches_reference_over_routing_mask(p: dict) -> None:
+    torch.manual_seed(p["seed"])
+    layer = make_layer(p["H"], p["D"], p["k"], p["w"], causal=p["causal"], balanced=p["balanced"],
+                       shared_qk=p["shared"], seed=p["seed"])
+    q, k, v = rand_qkv(p["B"], p["H"], p["N"], p["D"], seed=p["seed"])
+    if p["shared"]:
+        k = q
+    rel = None if p["rel"] is None else rand_rel(p["D"], p["rel"], seed=p["seed"])
+    padding = rand_padding(p["B"], p["N"], seed=p["seed"]) if p["padding"] else None
+    mask = layer.routing_mask(q, k, key_padding_mask=padding)
+    compare_with_reference(lambda q_, k_, v_, **kw: layer(q_, q_ if p["shared"] else k_, v_, **kw),
+                           mask, q, k, v, key_padding_mask=padding, rel_pos=rel)
+
+
+def _recent_same_cluster(clusters: torch.Tensor, i: int, window: int) -> set[int]:
+    same = [j for j in range(i + 1) if clusters[j] == clusters[i]]
+    return set(same[-window:])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_causal_mask_is_the_most_recent_window_of_the_own_cluster(shared: bool) -> None:
+    H, N, D, k, w = 3, 80, 8, 5, 4
+    layer = make_layer(H, D, k, w, causal=True, shared_qk=shared)
+    q, kk, _ = rand_qkv(2, H, N, D, grad=False)
+    kk = q if shared else kk
+    mask, clusters = layer.routing_mask(q, kk), layer.route(q, kk)
+    assert torch.equal(mask, mask.tril()), "a causal mask must be lower-triangular"
+    same = clusters[..., :, None] == clusters[..., None, :]
+    assert not (mask & ~same).any(), "a query sees only its own cluster"
+    assert int(mask.sum(-1).max()) <= w
+    full = w - 1 if shared else w  # a full window, less the query's own key under shared QK
+    assert len(torch.unique(clusters)) > 1 and int((mask.sum(-1) == full).sum()) > 0  # the window does bind
+    for b in range(2):
+        for h in range(H):
+            for i in range(N):
+                want = _recent_same_cluster(clusters[b, h], i, w)
+                if shared and len(want) > 1:
+                    want.discard(i)  # shared QK: not its own key unless nothing else is left
+                got = set(mask[b, h, i].nonzero().flatten().tolist())
+                assert got == want, (b, h, i)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
+def test_no_leak_from_the_future(shared: bool, extras: str) -> None:
+    H, N, D = 4, 64, 8
+    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared)
+    q, k, v = rand_qkv(2, H, N, D, grad=False)
+    kw: dict = {}
+    if extras == "relative":
+        kw["rel_pos"] = rand_rel(D, 10)
+    if extras == "padding":
+        kw["key_padding_mask"] = rand_padding(2, N)
+    for t in [0, 7, 30, 62]:
+        assert not leaks(lambda q_, k_, v_: layer(q_, q_ if shared else k_, v_, **kw), q, k, v, t, atol=1e-12)
+
+
+def test_non_causal_routing_does_see_the_future() -> None:
+    """Control for the leak test: the balanced (encoder) mode uses later tokens."""
+    layer = make_layer(2, 8, 3, 8, causal=False)
+    q, k, v = rand_qkv(1, 2, 40, 8, grad=False)
+    assert leaks(lambda q_, k_, v_: layer(q_, q_, v_), q, q, v, 10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal, balanced", [(True, False), (False, False), (False, True)])
+def test_one_cluster_and_a_window_covering_everything_is_full_attention(causal: bool, balanced: bool) -> None:
+    layer = make_layer(2, 8, 1, 64, causal=causal, balanced=balanced, shared_qk=False)
+    q, k, v = rand_qkv(2, 2, 50, 8, grad=False)
+    torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=causal))
+
+
+def test_balanced_tokens_in_several_clusters_and_in_none_are_both_exercised() -> None:
+    """The property test above covers these cases only if they occur: make sure they do."""
+    from routeformer.attention.routing.balanced import _membership, balanced_members
+
+    layer = make_layer(2, 8, 4, 6, causal=False)
+    q, _, _ = rand_qkv(2, 2, 37, 8, grad=False)
+    members = balanced_members(layer.routing_vectors(q, q), layer.kmeans.centroids, 6, None)
+    per_token = _membership(members, 37).sum(2)
+    assert (per_token == 0).any() and (per_token > 1).any()
+
+
+def test_commitment_loss_and_its_gradient() -> None:
+    layer = make_layer(2, 8, 3, 4, dtype=torch.float32, commitment=0.5)
+    q, _, v = rand_qkv(1, 2, 20, 8, dtype=torch.float32)
+    layer(q, q, v)
+    r = layer.routing_vectors(q, q)
+    mu = layer.kmeans.centroids[torch.arange(2)[None, :, None], layer.route(q, q)]
+    want = 0.5 * (r - mu).square().sum(-1).mean()
+    torch.testing.assert_close(layer.commitment_loss, want)
+    layer.commitment_loss.backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_routes_in_float32_without_nan(dtype) -> None:
+    layer = make_layer(2, 16, 4, 8, dtype=torch.float32)
+    q, k, v = (x.to(dtype) for x in rand_qkv(2, 2, 70, 16, dtype=torch.float32, grad=False))
+    assert layer.routing_vectors(q, q).dtype == torch.float32
+    assert torch.equal(layer.route(q, q), layer.route(q.float(), q.float()))
+    out = layer(q, q, v)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(q.float(), q.float(), v.float())
+    assert torch.isfinite(out).all()
+
+
+def test_state_dict_holds_centroids_and_projection() -> None:
+    a = make_layer(2, 8, 3, 4)
+    a.kmeans.centroids.copy_(torch.nn.functional.normalize(torch.randn(2, 3, 8, dtype=torch.float64), dim=-1))
+    state = a.state_dict()
+    assert {"kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts", "kmeans.initialized",
+            "projection"} <= set(state)
+    b = make_layer(2, 8, 3, 4, seed=5)
+    b.load_state_dict(state)
+    q, _, v = rand_qkv(1, 2, 30, 8, grad=False)
+    torch.testing.assert_close(a(q, q, v), b(q, q, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"num_clusters": 0}, "num_clusters must be a positive integer, got 0"),
+    ({"num_clusters": 2.5}, "num_clusters"),
+    ({"window": -1}, "window must be a positive integer, got -1"),
+    ({"window": True}, "window"),
+    ({"causal": True, "balanced": True}, "balanced=True needs causal=False"),
+    ({"decay": 1.0}, "decay"),
+])
+def test_bad_configuration(kwargs: dict, fragment: str) -> None:
+    args = {"heads": 2, "head_dim": 8, "num_clusters": 3, "window": 4, **kwargs}
+    with pytest.raises(ValueError, match=fragment):
+        RoutingAttention(**args)
+
+
+def test_bad_inputs() -> None:
+    layer = make_layer(2, 8, 3, 4, dtype=torch.float32)
+    q, k, v = rand_qkv(1, 2, 10, 8, dtype=torch.float32, grad=False)
+    with pytest.raises(ValueError, match="same shape"):
+        layer(q, k[:, :, :9], v)
+    with pytest.raises(ValueError, match="same dtype"):
+        layer(q, k, v.double())
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, N, D\)"):
+        layer(q[0], k[0], v[0])

@@ -1,0 +1,62 @@
+"""Incremental decoding reproduces the causal forward, token by token and after a prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import rand_qkv, rand_rel
+from routeformer.attention import RoutingAttention
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("rel", [False, True])
+@pytest.mark.parametrize("clusters, window", [(3, 4), (16, 8), (1, 200)])
+def test_decoding_equals_the_forward(shared: bool, rel: bool, clusters: int, window: int) -> None:
+    B, H, N, D = 2, 3, 150, 16
+    layer = RoutingAttention(H, D, clusters, window, causal=True, shared_qk=shared).eval()
+    q, k, v = rand_qkv(B, H, N, D, dtype=torch.float32, grad=False)
+    k = q if shared else k
+    rp = rand_rel(D, 12, dtype=torch.float32) if rel else None
+    full = layer(q, k, v, rel_pos=rp)
+    cache = layer.new_cache(B, N)
+    prompt = 40  # a prompt through the forward, then one token at a time, well past `window`
+    out = [layer.decode(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], cache, rel_pos=rp)]
+    out += [layer.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache, rel_pos=rp)
+            for t in range(prompt, N)]
+    torch.testing.assert_close(torch.cat(out, 2), full, rtol=0, atol=1e-5)
+    assert cache.length == N
+
+
+def test_token_by_token_from_the_start() -> None:
+    layer = RoutingAttention(2, 8, 5, 3, causal=True).eval()
+    q, _, v = rand_qkv(1, 2, 30, 8, dtype=torch.float32, grad=False)
+    cache = layer.new_cache(1, 30)
+    steps = torch.cat([layer.decode(q[:, :, t:t + 1], q[:, :, t:t + 1], v[:, :, t:t + 1], cache)
+                       for t in range(30)], 2)
+    torch.testing.assert_close(steps, layer(q, q, v), rtol=0, atol=1e-5)
+
+
+def test_the_cache_holds_at_most_window_entries_per_cluster() -> None:
+    layer = RoutingAttention(2, 8, 4, 3, causal=True).eval()
+    q, _, v = rand_qkv(1, 2, 50, 8, dtype=torch.float32, grad=False)
+    cache = layer.new_cache(1, 50)
+    layer.decode(q, q, v, cache)
+    assert cache.keys.shape == (1, 2, 4, 3, 8)
+    assert int((cache.positions >= 0).sum(-1).max()) <= 3
+
+
+def test_decoding_past_the_declared_maximum_is_an_error() -> None:
+    layer = RoutingAttention(2, 8, 4, 3, causal=True).eval()
+    q, _, v = rand_qkv(1, 2, 6, 8, dtype=torch.float32, grad=False)
+    cache = layer.new_cache(1, 5)
+    with pytest.raises(ValueError, match="max_len"):
+        layer.decode(q, q, v, cache)
+    layer.decode(q[:, :, :5], q[:, :, :5], v[:, :, :5], cache)
+    with pytest.raises(ValueError, match="max_len"):
+        layer.decode(q[:, :, 5:], q[:, :, 5:], v[:, :, 5:], cache)
+
+
+def test_decoding_needs_a_causal_layer() -> None:
+    with pytest.raises(ValueError, match="causal"):
+        RoutingAttention(2, 8, 4, 3, causal=False).new_cache(1, 10)
