@@ -20,6 +20,7 @@ def test_bench_attention_prints_a_table_for_every_pattern(capsys) -> None:
         names = {row.split("|")[2].strip() for row in rows}
         assert set(PATTERNS) <= names, names
     assert "speed-up vs full" in out and "1.00×" in out
+    assert "routing" in names and "training peak memory ~ N^b" in out
 
 
 def test_bench_rejects_bad_sizes(capsys) -> None:

@@ -23,9 +23,10 @@ def local_attention(
 ) -> Tensor:
     """Sliding-window attention: causal, query i sees i - window < j <= i; non-causal, |i - j| < window.
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). The sequence is cut into blocks of ``window`` queries; each block
-    attends to its own keys and the previous block's (and the next block's when non-causal) under a static mask.
-    O(N · window · D) time, O(N · window) memory, relative positions included; any N.
+    q, k, v: (B, H, N, D) -> (B, H, N, D). The sequence is cut into blocks of ``window`` queries (half a window
+    from 128 up); each block attends to its own keys and those of the blocks before it that the window reaches
+    (and after it when non-causal) under a static mask. O(N · window · D) time, O(N · window) memory, relative
+    positions included; any N.
     """
     _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     window = positive_int("window", window)

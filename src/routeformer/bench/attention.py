@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..attention import (
     RelativePositions,
+    RoutingAttention,
     fixed_attention,
     full_attention,
     local_attention,
@@ -38,8 +39,11 @@ class Candidate:
 
 def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.device, dtype: torch.dtype,
                causal: bool = True) -> list[Candidate]:
-    """The mechanisms compared at sequence length n (causal), with the settings the papers suggest for it."""
+    """The mechanisms compared at sequence length n, with the settings the papers suggest for it."""
     stride = max(1, round(math.sqrt(n)))
+    clusters = max(1, round(math.sqrt(n)))
+    routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
+    routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal).to(device).train()
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
     found = [
@@ -49,31 +53,46 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                   lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel)),
         Candidate("strided", f"stride={stride}, merged",
                   lambda q, k, v: strided_attention(q, k, v, stride, causal=causal)),
-        Candidate("strided", f"stride={stride}, split",
+        Candidate("strided-split", f"stride={stride}, split",
                   lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False)),
         Candidate("fixed", "block=128, summary=8, merged",
                   lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal)),
         Candidate("longformer", f"window={window}, dilation 1|2, global [0]",
                   lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal)),
+        Candidate("routing", f"k={clusters}, window={routed}, shared QK",
+                  lambda q, k, v: routing(q, q, v)),
     ]
-    found += _peers(window, causal)
+    found += _peers(window, causal, heads, head_dim, clusters, routed, device)
     return found
 
 
-def _peers(window: int, causal: bool) -> list[Candidate]:
-    """lucidrains' ``local-attention`` (PyPI), at the same window, when installed."""
+def _peers(window: int, causal: bool, heads: int, head_dim: int, clusters: int, routed: int,
+           device: torch.device) -> list[Candidate]:
+    """lucidrains' ``local-attention`` and ``routing-transformer`` (PyPI), at our settings, when installed."""
+    found = []
     try:
         from local_attention import LocalAttention
     except ImportError:
-        return []
-    # exact_windowsize: the same window as ours (i - window <= j <= i) rather than the whole previous block.
-    layer = LocalAttention(window_size=window, causal=causal, exact_windowsize=True, autopad=True)
+        pass
+    else:
+        # exact_windowsize: the same window as ours (i - window <= j <= i) rather than the whole previous block.
+        local = LocalAttention(window_size=window, causal=causal, exact_windowsize=True, autopad=True)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        B, H, N, D = q.shape
-        return layer(q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, D)).view(B, H, N, D)
+        def attend_local(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            B, H, N, D = q.shape
+            return local(q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, D)).view(B, H, N, D)
 
-    return [Candidate("local-attention (peer)", f"window={window}, exact", attend)]
+        found.append(Candidate("local-attention (peer)", f"window={window}, exact", attend_local))
+    try:
+        from routing_transformer.routing_transformer import KmeansAttention
+    except ImportError:
+        pass
+    else:
+        # Its causal routing picks each cluster's members with later tokens (it leaks); timed as it is used.
+        kmeans = KmeansAttention(clusters, routed, heads, head_dim, causal=causal, shared_qk=True).to(device).train()
+        found.append(Candidate("routing-transformer (peer)", f"k={clusters}, window={routed}, shared QK",
+                               lambda q, k, v: kmeans(q, q, v)[0]))
+    return found
 
 
 def run(
@@ -103,7 +122,24 @@ def run(
         results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))
+    if len(ns) > 1:
+        echo("")
+        echo(memory_growth(results))
     return results
+
+
+def memory_growth(rows: list[dict]) -> str:
+    """The exponent b of peak training memory ~ N^b, least-squares over the measured lengths, per mechanism."""
+    lines = ["training peak memory ~ N^b, fitted over the lengths above:"]
+    for name in dict.fromkeys(r["mechanism"] for r in rows):
+        pts = [(math.log(r["n"]), math.log(r["training_bytes"])) for r in rows
+               if r["mechanism"] == name and r["training_bytes"]]
+        if len({x for x, _ in pts}) < 2:
+            continue
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        lines.append(f"  {name:<28} b = {slope:.2f}")
+    return "\n".join(lines)
 
 
 def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tensor, repeats: int,

@@ -25,9 +25,31 @@ def sort_by_cluster(clusters: Tensor) -> tuple[Tensor, Tensor]:
     return order, inverse
 
 
+class _Permute(torch.autograd.Function):
+    """x (B, H, N, D) reordered along N by a permutation; its gradient is reordered by the inverse permutation
+    (a gather, not the zero-filled scatter-add autograd would use for a general gather)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return _gather_seq(x, order)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return _gather_seq(grad, inverse), None, None
+
+
 def _gather_seq(x: Tensor, index: Tensor) -> Tensor:
-    """x (B, H, N, D) reordered along N by index (B, H, N)."""
-    return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
+    """Rows of x (B, H, N, D) picked per (B, H) by index (B, H, N): one index_select over the flattened rows."""
+    B, H, N, D = x.shape
+    base = torch.arange(B * H, device=x.device).view(B, H, 1) * N
+    return x.reshape(B * H * N, D).index_select(0, (index + base).view(-1)).view(B, H, N, D)
+
+
+def permute_seq(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+    """x (B, H, N, D) reordered along N by the permutation ``order`` (B, H, N), whose inverse is ``inverse``."""
+    return _Permute.apply(x, order, inverse)
 
 
 def sorted_window_attention(
@@ -50,13 +72,15 @@ def sorted_window_attention(
     """
     B, H, N, D = q.shape
     order, inverse = sort_by_cluster(clusters)
-    qs, ks, vs = (_gather_seq(x, order) for x in (q, k, v))
+    qs = permute_seq(q, order, inverse)
+    ks = qs if k is q else permute_seq(k, order, inverse)
+    vs = permute_seq(v, order, inverse)
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     out, _ = band_attention(
         qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid, groups=clusters.gather(-1, order),
         exclude_self=exclude_self, rel_pos=rel_pos, rel_positions=order if rel_pos is not None else None,
     )
-    return _gather_seq(out, inverse)
+    return permute_seq(out, inverse, order)
 
 
 def sorted_window_mask(clusters: Tensor, window: int, causal: bool, exclude_self: bool,
