@@ -112,3 +112,24 @@ def test_float16_runs_without_nan(name: str) -> None:
     padding = rand_padding(1, 40)
     out = pattern.attend(q, k, v, causal=True, key_padding_mask=padding, **params)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name, params", [
+    ("full", {}), ("local", {"window": 5}), ("local", {"window": 200}), ("strided", {"stride": 4}),
+    ("strided", {"stride": 4, "merged": False}), ("fixed", {"block": 8, "summary": 2}),
+    ("fixed", {"block": 8, "summary": 2, "merged": False}),
+    ("longformer", {"window": 3, "dilation": [1, 2, 1, 2], "global_tokens": [1]}),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_non_contiguous_inputs(name: str, params: dict, causal: bool) -> None:
+    """Models hand over q, k, v as x.view(B, N, H, D).transpose(1, 2): strided views, not contiguous tensors."""
+    pattern = PATTERNS[name]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    rel = rand_rel(8, 6)
+    got = pattern.attend(q, k, v, causal=causal, rel_pos=rel, **params)
+    want = pattern.attend(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, rel_pos=rel, **params)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, reference_attention(q, k, v, pattern.build_mask(37, 4, causal, **params),
+                                                        rel_pos=rel))

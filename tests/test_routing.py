@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel
-from routeformer.attention import RoutingAttention, full_attention
+from routeformer.attention import RoutingAttention, full_attention, reference_attention
 
 
 def make_layer(H: int, D: int, k: int, w: int, dtype=torch.float64, **kw) -> RoutingAttention:
@@ -170,3 +170,15 @@ def test_bad_inputs() -> None:
         layer(q, k, v.double())
     with pytest.raises(ValueError, match=r"q must have shape \(B, H, N, D\)"):
         layer(q[0], k[0], v[0])
+
+
+@pytest.mark.parametrize("causal, balanced", [(True, False), (False, False), (False, True)])
+def test_non_contiguous_inputs(causal: bool, balanced: bool) -> None:
+    layer = make_layer(4, 8, 3, 5, causal=causal, balanced=balanced, shared_qk=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 41, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    rel = rand_rel(8, 6)
+    got = layer(q, k, v, rel_pos=rel)
+    torch.testing.assert_close(got, layer(q.contiguous(), k.contiguous(), v.contiguous(), rel_pos=rel), rtol=0,
+                               atol=1e-12)
+    torch.testing.assert_close(got, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))

@@ -125,7 +125,7 @@ def _key_source(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> 
     so ``_windows`` is a view bmm reads directly. Spans that reach into a neighbouring head read finite values that
     the in-range mask removes."""
     B, H, N, D = x.shape
-    x = _pad_seq(x, n_blocks * block - N).reshape(B * H * n_blocks * block, D)
+    x = _pad_seq(x, n_blocks * block - N).contiguous().view(B * H * n_blocks * block, D)  # row r at r · D
     if back or ahead:
         x = torch.cat([x.new_zeros(back * block, D), x, x.new_zeros(ahead * block, D)])
     return x
@@ -217,7 +217,7 @@ def tiled_attention(
     qt = q.view(B, H, n_blocks, block, D)  # (B, H, nb, T, D)
     if single:
         windows = (B * H, Nk, 0)
-        k, v = k.reshape(B * H * Nk, D), v.reshape(B * H * Nk, D)
+        k, v = k.contiguous().view(B * H * Nk, D), v.contiguous().view(B * H * Nk, D)
     else:
         windows = (B * H * n_blocks, block, back + ahead)
         k, v = (_key_source(x, n_blocks, block, back, ahead) for x in (k, v))
