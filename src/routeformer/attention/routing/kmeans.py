@@ -22,18 +22,31 @@ fixed seed, then broadcasts rank 0's result. Until then the centroids are random
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..checks import positive_int
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
 
 def recomputing() -> bool:
-    """True inside a backward pass: a forward run there is activation recomputation (both checkpoint flavours)."""
+    """True inside a backward pass: a forward run there is activation recomputation (both checkpoint flavours).
+
+    Uses the autograd engine's current graph task (-1 outside backward), which PyTorch's own checkpointing
+    relies on. Under torch.compile the check is skipped: compiled recomputation does not replay the statistics'
+    in-place updates.
+    """
     if torch.compiler.is_compiling():
         return False
-    return torch._C._current_graph_task_id() != -1
+    if _graph_task_id is None:  # pragma: no cover - a PyTorch without it: recomputation cannot be detected
+        warnings.warn("routeformer: this PyTorch cannot tell recomputation apart; k-means statistics may be "
+                      "counted twice under activation checkpointing", stacklevel=2)
+        return False
+    return _graph_task_id() != -1
 
 
 class SphericalKMeans(nn.Module):
