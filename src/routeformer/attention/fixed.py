@@ -62,8 +62,10 @@ def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_vali
     """Attention to the summary positions (j mod l >= l - c), of other blocks only when ``other_blocks``."""
     B, H, N, D = q.shape
     pos = torch.arange(N, device=q.device)
-    cells = pos[pos % block >= block - summary]  # (M,)
-    if cells.numel() == 0:  # the sequence ends before the first summary cell
+    count = N // block * summary + max(0, N % block - (block - summary))  # summary cells before N
+    m = torch.arange(count, device=q.device)
+    cells = m // summary * block + (block - summary) + m % summary  # (M,), ascending
+    if count == 0:  # the sequence ends before the first summary cell
         acc = torch.promote_types(q.dtype, torch.float32)
         return q.new_zeros(B, H, N, D), torch.full((B, H, N), neg_inf(acc), dtype=acc, device=q.device)
     i, j = pos[:, None], cells[None, :]
@@ -74,5 +76,5 @@ def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_vali
     return tiled_attention(
         q, k[:, :, cells], v[:, :, cells], block=N, allow=allow, scale=scale,
         key_valid=None if key_valid is None else key_valid[:, :, cells],
-        rel_pos=rel_pos, rel_delta=None if rel_pos is None else j - i, need_lse=need_lse,
+        rel_pos=rel_pos, rel_delta=None if rel_pos is None else j - i, empty_rows=True, need_lse=need_lse,
     )

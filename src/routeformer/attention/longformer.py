@@ -77,7 +77,7 @@ def _dilated(q, k, v, window, dilation, globals_, *, causal, scale, key_valid, r
     glob, glob_lse = tiled_attention(
         q, k[:, :, g], v[:, :, g], block=N, allow=allow, scale=scale,
         key_valid=None if key_valid is None else key_valid[:, :, g], rel_pos=rel_pos,
-        rel_delta=None if rel_pos is None else diff,
+        rel_delta=None if rel_pos is None else diff, empty_rows=True,
         need_lse=True,
     )
     out, _ = merge_partials([(out, from_columns(band_lse, dilation, N)), (glob, glob_lse)])

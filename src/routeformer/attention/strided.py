@@ -81,6 +81,6 @@ def column_attention(
     out, lse = tiled_attention(
         qc, kc, vc, block=rows, allow=allow, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, width, q.device),
-        rel_pos=rel_pos, rel_unit=width, need_lse=need_lse,
+        rel_pos=rel_pos, rel_unit=width, empty_rows=gap > 0, need_lse=need_lse,
     )
     return from_columns(out, width, N), None if lse is None else from_columns(lse, width, N)

@@ -42,7 +42,8 @@ def _strip(x: Tensor, offset: int, width: int) -> Tensor:
     Rows of one tile step by S + 1, tiles by T·S, so the view spans every tile without a copy and feeds bmm.
     """
     T, S = x.shape[-2:]
-    return x.as_strided((x.numel() // (T * S), T, width), (T * S, S + 1, 1), x.storage_offset() + offset)
+    start = x.reshape(-1)[offset:]  # the view begins `offset` elements in; as_strided keeps that start
+    return start.as_strided((x.numel() // (T * S), T, width), (T * S, S + 1, 1))
 
 
 def _softmax_(scores: Tensor) -> Tensor:
@@ -52,71 +53,123 @@ def _softmax_(scores: Tensor) -> Tensor:
     return torch.softmax(scores, -1)
 
 
-class _FusedTiles(torch.autograd.Function):
+# The fused tile attention is a custom operator: opaque to torch.compile, whose functionalisation cannot follow the
+# in-place writes through strided views that make it memory-lean. Forward and backward are ops of their own.
+
+@torch.library.custom_op("routeformer::tile_attention", mutates_args=())
+def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: Tensor | None,
+                    key_table: Tensor | None, value_table: Tensor | None, offset: int,
+                    need_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """softmax(q·kᵀ + rel) · v over tiles; returns (out (B, H, nb, T, D), lse (B, H, nb, T) or empty, probs)."""
+    lead, (T, D) = qt.shape[:3], qt.shape[3:]
+    q3 = qt.reshape(-1, T, D)  # (X, T, D)
+    tiles = q3.shape[0]
+    kt, vt = _windows(k, windows), _windows(v, windows)  # (X, S, D) views, no copy
+    scores = torch.bmm(q3, kt.transpose(1, 2))  # (X, T, S)
+    width = 0 if key_table is None else key_table.shape[0]
+    if key_table is not None:  # s_ij += q_i·a^K_ij on the strip
+        _strip(scores, offset, width).baddbmm_(q3, key_table.T.expand(tiles, -1, -1))
+    if mask is not None:
+        scores.view(*lead, T, -1).masked_fill_(~mask, neg_inf(scores.dtype))
+    peak = scores.amax(-1) if need_lse else None
+    probs = _softmax_(scores)
+    out = torch.bmm(probs, vt)  # (X, T, D)
+    if value_table is not None:  # o_i += Σ_j p_ij a^V_ij
+        out.baddbmm_(_strip(probs, offset, width), value_table.expand(tiles, -1, -1))
+    acc = _lse_dtype(scores.dtype)
+    if need_lse:  # lse = max(s) - log(max(p)): no second pass of exponentials
+        lse = (peak.to(acc) - probs.amax(-1).to(acc).log()).view(*lead, T)
+    else:
+        lse = q3.new_empty(0, dtype=acc)
+    return out.view(*lead, T, D), lse, probs
+
+
+@_tile_attention.register_fake
+def _(qt, k, v, windows, mask, key_table, value_table, offset, need_lse):
+    lead, (T, D) = qt.shape[:3], qt.shape[3:]
+    tiles, block, reach = windows
+    acc = _lse_dtype(qt.dtype)
+    lse = qt.new_empty(*lead, T, dtype=acc) if need_lse else qt.new_empty(0, dtype=acc)
+    return qt.new_empty(*lead, T, D), lse, qt.new_empty(tiles, T, (reach + 1) * block)
+
+
+@torch.library.custom_op("routeformer::tile_attention_backward", mutates_args=())
+def _tile_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, qt: Tensor, k: Tensor, v: Tensor,
+                             probs: Tensor, out: Tensor, key_table: Tensor | None, value_table: Tensor | None,
+                             windows: list[int], offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of q, k, v and of the relative tables (empty when absent).
+
+    Uses Σ_j p_ij dp_ij = do_i · o_i (as FlashAttention does) to turn dp into ds in place; masked entries have p = 0,
+    so their gradient is zero without the mask.
+    """
+    lead, (T, D) = qt.shape[:3], qt.shape[3:]
+    q3 = qt.reshape(-1, T, D)
+    tiles = q3.shape[0]
+    out3, grad3 = out.reshape(tiles, T, D), grad_out.reshape(tiles, T, D)
+    kt, vt = _windows(k, windows), _windows(v, windows)
+    width = 0 if key_table is None else key_table.shape[0]
+    acc = _lse_dtype(out.dtype)
+    grad_p = torch.bmm(grad3, vt.transpose(1, 2))  # (X, T, S)
+    if value_table is not None:
+        _strip(grad_p, offset, width).baddbmm_(grad3, value_table.T.expand(tiles, -1, -1))
+    row = (grad3.to(acc) * out3.to(acc)).sum(-1, keepdim=True)  # Σ_j p_ij dp_ij
+    if grad_lse is not None and grad_lse.numel():  # d lse / d s = p
+        row = row - grad_lse.reshape(tiles, T, 1).to(acc)
+    grad_s = grad_p.sub_(row).mul_(probs)  # ds = p ∘ (dp - row), in place
+    grad_q = torch.bmm(grad_s, kt)
+    grad_k = _fold(torch.bmm(grad_s.transpose(1, 2), q3), windows)
+    grad_v = _fold(torch.bmm(probs.transpose(1, 2), grad3), windows)
+    grad_key, grad_value = qt.new_empty(0), qt.new_empty(0)  # two tensors: outputs may not alias
+    if key_table is not None:
+        strip = _strip(grad_s, offset, width)
+        grad_q.baddbmm_(strip, key_table.expand(tiles, -1, -1))
+        grad_key = torch.bmm(strip.transpose(1, 2), q3).sum(0)
+    if value_table is not None:
+        grad_value = torch.bmm(_strip(probs, offset, width).transpose(1, 2), grad3).sum(0)
+    return grad_q.view(*lead, T, D), grad_k, grad_v, grad_key, grad_value
+
+
+@_tile_attention_backward.register_fake
+def _(grad_out, grad_lse, qt, k, v, probs, out, key_table, value_table, windows, offset):
+    # the real op returns fresh contiguous tensors
+    return (qt.new_empty(qt.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            qt.new_empty(0) if key_table is None else key_table.new_empty(key_table.shape),
+            qt.new_empty(0) if value_table is None else value_table.new_empty(value_table.shape))
+
+
+def _tile_setup(ctx, inputs, output) -> None:
+    qt, k, v, windows, mask, key_table, value_table, offset, need_lse = inputs
+    out, _, probs = output
+    ctx.save_for_backward(qt, k, v, probs, out, key_table, value_table)
+    ctx.windows, ctx.offset = windows, offset
+
+
+def _tile_backward(ctx, grad_out, grad_lse, grad_probs):
+    qt, k, v, probs, out, key_table, value_table = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    gq, gk, gv, gkey, gvalue = _tile_attention_backward(grad_out, grad_lse, qt, k, v, probs, out, key_table,
+                                                        value_table, ctx.windows, ctx.offset)
+    return (gq, gk, gv, None, None, gkey if key_table is not None else None,
+            gvalue if value_table is not None else None, None, None)
+
+
+_tile_attention.register_autograd(_tile_backward, setup_context=_tile_setup)
+
+
+def _fused_tiles(qt: Tensor, k: Tensor, v: Tensor, windows: tuple[int, int, int], mask: Tensor | None,
+                 key_table: Tensor | None, value_table: Tensor | None, offset: int,
+                 need_lse: bool) -> tuple[Tensor, Tensor | None]:
     """softmax(q·kᵀ + rel) · v over tiles, holding two (…, T, S) buffers per step instead of five.
 
-    Forward computes the scores, adds the relative-position strip, masks and normalises them in one buffer, and
-    saves only the probabilities. Backward uses Σ_j p_ij dp_ij = do_i · o_i (as FlashAttention does) to turn dp
-    into ds in place; masked entries have p = 0, so their gradient is zero without a mask in backward.
     Queries come as tiles (B, H, nb, T, D), computed as X = B·H·nb batched matmuls; keys and values as
-    ``_key_source`` rows whose spans ``_windows`` views without a copy. Relative positions (optional) come in strip
-    form: ``key_table`` and ``value_table`` (W, D) hold a^K and a^V of strip column t, the strip of row r starting
-    at span column r + ``offset``; every strip product is a bmm on a strided view.
+    ``_key_source`` rows whose spans ``_windows`` views without a copy. Forward computes the scores, adds the
+    relative-position strip, masks and normalises them in one buffer and keeps only the probabilities. Relative
+    positions (optional) come in strip form: ``key_table`` and ``value_table`` (W, D) hold a^K and a^V of strip column
+    t, the strip of row r starting at span column r + ``offset``; every strip product is a bmm on a strided view.
     """
-
-    @staticmethod
-    def forward(ctx, qt, k, v, windows, mask, key_table, value_table, offset, need_lse):  # type: ignore[override]
-        lead, (T, D) = qt.shape[:3], qt.shape[3:]
-        q3 = qt.reshape(-1, T, D)  # (X, T, D)
-        tiles = q3.shape[0]
-        kt, vt = _windows(k, windows), _windows(v, windows)  # (X, S, D) views, no copy
-        scores = torch.bmm(q3, kt.transpose(1, 2))  # (X, T, S)
-        width = 0 if key_table is None else key_table.shape[0]
-        if key_table is not None:  # s_ij += q_i·a^K_ij on the strip
-            _strip(scores, offset, width).baddbmm_(q3, key_table.T.expand(tiles, -1, -1))
-        if mask is not None:
-            scores.view(*lead, T, -1).masked_fill_(~mask, neg_inf(scores.dtype))
-        peak = scores.amax(-1) if need_lse else None
-        probs = _softmax_(scores)
-        out = torch.bmm(probs, vt)  # (X, T, D)
-        if value_table is not None:  # o_i += Σ_j p_ij a^V_ij
-            out.baddbmm_(_strip(probs, offset, width), value_table.expand(tiles, -1, -1))
-        lse = None
-        if need_lse:  # lse = max(s) - log(max(p)): no second pass of exponentials
-            acc = _lse_dtype(scores.dtype)
-            lse = (peak.to(acc) - probs.amax(-1).to(acc).log()).view(*lead, T)
-        ctx.save_for_backward(q3, k, v, probs, out, key_table, value_table)
-        ctx.offset, ctx.width, ctx.windows, ctx.lead = offset, width, windows, lead
-        ctx.set_materialize_grads(False)
-        return out.view(*lead, T, D), lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
-        q3, k, v, probs, out, key_table, value_table = ctx.saved_tensors
-        tiles, T, D = q3.shape
-        kt, vt = _windows(k, ctx.windows), _windows(v, ctx.windows)
-        offset, width = ctx.offset, ctx.width
-        acc = _lse_dtype(out.dtype)
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.reshape(tiles, T, D)
-        grad_p = torch.bmm(grad_out, vt.transpose(1, 2))  # (X, T, S)
-        if value_table is not None:
-            _strip(grad_p, offset, width).baddbmm_(grad_out, value_table.T.expand(tiles, -1, -1))
-        row = (grad_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # Σ_j p_ij dp_ij
-        if grad_lse is not None:  # d lse / d s = p
-            row = row - grad_lse.reshape(tiles, T, 1).to(acc)
-        grad_s = grad_p.sub_(row).mul_(probs)  # ds = p ∘ (dp - row), in place
-        grad_q = torch.bmm(grad_s, kt)
-        grad_k = _fold(torch.bmm(grad_s.transpose(1, 2), q3), ctx.windows)
-        grad_v = _fold(torch.bmm(probs.transpose(1, 2), grad_out), ctx.windows)
-        grad_key = grad_value = None
-        if key_table is not None:
-            strip = _strip(grad_s, offset, width)
-            grad_q.baddbmm_(strip, key_table.expand(tiles, -1, -1))
-            if ctx.needs_input_grad[5]:
-                grad_key = torch.bmm(strip.transpose(1, 2), q3).sum(0)
-        if value_table is not None and ctx.needs_input_grad[6]:
-            grad_value = torch.bmm(_strip(probs, offset, width).transpose(1, 2), grad_out).sum(0)
-        return grad_q.view(*ctx.lead, T, D), grad_k, grad_v, None, None, grad_key, grad_value, None, None
+    out, lse, _ = _tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse)
+    return out, lse if need_lse else None
 
 
 def _key_source(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
@@ -138,7 +191,7 @@ def _windows(x: Tensor, windows: tuple[int, int, int]) -> Tensor:
     has block = Nk and reach = 0)."""
     tiles, block, reach = windows
     D = x.shape[-1]
-    return x.as_strided((tiles, (reach + 1) * block, D), (block * D, D, 1), x.storage_offset())
+    return x.as_strided((tiles, (reach + 1) * block, D), (block * D, D, 1))  # keeps x's own storage offset
 
 
 def _fold(grad: Tensor, windows: tuple[int, int, int]) -> Tensor:
@@ -170,6 +223,7 @@ def tiled_attention(
     rel_delta: Tensor | None = None,
     rel_positions: Tensor | None = None,
     rel_band: tuple[int, int] | None = None,
+    empty_rows: bool = False,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of query blocks to spans of key blocks.
@@ -194,6 +248,7 @@ def tiled_attention(
             or ``rel_delta`` (any integer tensor broadcastable to (B, H, n_blocks, block, S), computed with
             gathers), or ``rel_positions`` (B, H, N) (self-attention: the position of every sequence entry, for
             sequences in a permuted order; distances are taken between those positions, with gathers).
+        empty_rows: ``allow`` may leave a query row without any key (declared by the caller, who built it).
         need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
 
     Returns:
@@ -213,8 +268,8 @@ def tiled_attention(
     if allow is not None and tuple(allow.shape) != (block, span):
         raise ValueError(f"tile mask must have shape {(block, span)}, got {tuple(allow.shape)}")
 
-    q = _pad_seq(q * scale, padded)
-    qt = q.view(B, H, n_blocks, block, D)  # (B, H, nb, T, D)
+    q = _pad_seq((q * scale).contiguous(), padded)  # an elementwise op keeps a transposed input's layout
+    qt = q.view(B, H, n_blocks, block, D)  # (B, H, nb, T, D), contiguous
     if single:
         windows = (B * H, Nk, 0)
         k, v = k.contiguous().view(B * H * Nk, D), v.contiguous().view(B * H * Nk, D)
@@ -242,10 +297,12 @@ def tiled_attention(
             raise ValueError("exclude_self needs self-attention (as many keys as queries)")
         if mask is None:
             mask = torch.ones(1, 1, 1, block, span, dtype=torch.bool, device=q.device)
-        mask = mask.expand(B, H, n_blocks, block, span).contiguous()
-        own = _strip(mask, back * block, 1)  # (X, T, 1) view: the query's own key, span column r + back·T
-        others = mask.sum(-1).view(own.shape) > own  # another key is allowed
-        own &= ~others
+        mask = mask.expand(B, H, n_blocks, block, span)
+        own_allowed = mask.diagonal(offset=back * block, dim1=-2, dim2=-1)  # (B, H, nb, T): span column r + back·T
+        others = mask.sum(-1) > own_allowed.int()  # another key is allowed
+        own = torch.zeros(block, span, dtype=torch.bool, device=q.device)
+        own[torch.arange(block), torch.arange(block) + back * block] = True
+        mask = mask & ~(own & others[..., None])
 
     if rel_pos is not None and rel_positions is not None:
         pq = _pad_seq(rel_positions, padded).view(B, H, n_blocks, block)
@@ -254,7 +311,7 @@ def tiled_attention(
         rel_delta = pk - pq[..., None]  # (B, H, nb, T, S): key position - query position
     rel = _RelTerms(rel_pos, qt, block, span, back, rel_unit, rel_delta, rel_band) if rel_pos is not None else None
     if rel is None or rel.band is not None:
-        out, lse = _FusedTiles.apply(
+        out, lse = _fused_tiles(
             qt, k, v, windows, mask, None if rel is None else rel.key_table,
             None if rel is None else rel.value_table, 0 if rel is None else rel.band[0], need_lse,
         )
@@ -269,7 +326,7 @@ def tiled_attention(
     # A row whose every key is masked would average the masked values: zero it. Only data-dependent masks (padding,
     # per-tile masks) or a static mask with an empty row can empty a real row; out-of-range keys and groups cannot
     # (a query always has its own key in range and in its group), and padded rows are cut off below.
-    if key_valid is not None or tile_mask is not None or (allow is not None and not bool(allow.any(-1).all())):
+    if mask is not None and (key_valid is not None or tile_mask is not None or empty_rows):
         out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
     out = out.reshape(B, H, n_blocks * block, D)[:, :, :Nq]
@@ -358,7 +415,7 @@ class _RelTerms:
     Three ways, from fastest to most general:
     - strip (``rel_band``): a sliding window's keys lie on a strip of the tile whose column t is at distance
       (t + offset - back·T) · unit for every row, so both terms are batched matmuls of q and p against the (W, D)
-      tables on a strided view of the tile (``_FusedTiles``), with no copy.
+      tables on a strided view of the tile (``_fused_tiles``), with no copy.
     - skew (``rel_unit`` alone): distance depends only on s - r, so the L = S + T - 1 distances of a tile are
       enumerated once, queries multiply that extended table, and a strided view picks row r's entries
       (Transformer-XL's relative shift); the value term is the transposed operation.
@@ -387,9 +444,10 @@ class _RelTerms:
             self.index = rel_pos.index(delta.to(device))
 
     def _skew(self, x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """size, stride, offset of the view V[..., r, s] = X[..., r, s + T - 1 - r] of X (..., T, L) contiguous."""
+        """size, stride, offset of the view V[..., r, s] = X[..., r, s + T - 1 - r] of X (..., T, L), contiguous and
+        starting its storage (a fresh result, as both callers' are)."""
         T, S = self.block, self.span
-        return (*x.shape[:-1], S), (*x.stride()[:-2], S + T - 2, 1), x.storage_offset() + T - 1
+        return (*x.shape[:-1], S), (*x.stride()[:-2], S + T - 2, 1), T - 1
 
     def add_scores(self, scores: Tensor) -> Tensor:
         """scores (B, H, nb, T, S) plus q_i·a^K_ij (skew or gather)."""

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..checks import positive_int
+from ..decoding import attend_cached
 from ..relative import RelativePositions
 
 
@@ -101,13 +102,4 @@ class RoutingCache:
         if exclude_self:
             own = pos == t
             allow = allow & ~(own & (allow & ~own).any(-1, keepdim=True))
-        qs = q.to(keys.dtype) * scale
-        scores = torch.einsum("bhd,bhwd->bhw", qs, keys)
-        if rel_pos is not None:
-            idx = rel_pos.index(pos - t)  # (B, H, window)
-            scores = scores + torch.einsum("bhd,bhwd->bhw", qs, rel_pos.key.to(keys.dtype)[idx])
-        probs = scores.masked_fill(~allow, float("-inf")).softmax(-1)
-        out = torch.einsum("bhw,bhwd->bhd", probs, values)
-        if rel_pos is not None:
-            out = out + torch.einsum("bhw,bhwd->bhd", probs, rel_pos.value.to(keys.dtype)[idx])
-        return out.to(q.dtype)
+        return attend_cached(q, keys, values, pos, t, scale=scale, allowed=allow, rel_pos=rel_pos)

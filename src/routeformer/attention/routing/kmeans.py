@@ -16,12 +16,13 @@ For unit-norm centroids only the direction of S_c matters; ε (the smoothing con
 Empty clusters: a cluster that receives no vector keeps its centroid (its EMA sum shrinks, its direction does not
 change), so it stays available to later batches; it is never re-seeded.
 Initialisation: the first ``update()`` after the first training forward seeds the centroids from a sample of that
-forward's routing vectors (gathered from every rank) by k-means++ and a few spherical Lloyd iterations, with a
-fixed seed, then broadcasts rank 0's result. Until then the centroids are random unit vectors.
+forward's routing vectors (evenly spaced, gathered from every rank) by greedy k-means++ and a few spherical Lloyd
+iterations, with a fixed seed, then broadcasts rank 0's result. Until then the centroids are random unit vectors.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -80,7 +81,16 @@ class SphericalKMeans(nn.Module):
         # Statistics observed since the last update; not saved with the model.
         self.register_buffer("pending_sums", torch.zeros(self.heads, self.num_clusters, self.dim), persistent=False)
         self.register_buffer("pending_counts", torch.zeros(self.heads, self.num_clusters), persistent=False)
-        self.register_buffer("samples", torch.zeros(self.heads, 0, self.dim), persistent=False)
+        self.register_buffer("samples", torch.zeros(self.heads, self.init_samples, self.dim), persistent=False)
+        self.register_buffer("sample_valid", torch.zeros(self.init_samples, dtype=torch.bool), persistent=False)
+        # Python mirrors of `initialized` and of "samples are held", so that the forward never reads a tensor to
+        # decide what to do (no graph break under torch.compile).
+        self._ready = False
+        self._sampled = False
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._ready = bool(self.initialized)
 
     @torch.no_grad()
     def assign(self, r: Tensor) -> Tensor:
@@ -112,19 +122,21 @@ class SphericalKMeans(nn.Module):
                   else valid[:, None, :].to(r.dtype).expand(B, H, N))
         self.pending_counts.view(-1).index_add_(0, flat.reshape(-1), weight.reshape(-1))
         self.pending_sums.view(-1, D).index_add_(0, flat.reshape(-1), (r * weight[..., None]).reshape(-1, D))
-        if not bool(self.initialized) and self.samples.shape[1] == 0:
+        if not self._ready and not self._sampled:
             self._keep_samples(r, valid)
 
     def _keep_samples(self, r: Tensor, valid: Tensor | None) -> None:
-        """Keep up to ``init_samples`` routing vectors per head (a fixed-seed random subset) for initialisation."""
+        """Keep up to ``init_samples`` routing vectors per head, evenly spaced over the batch, for initialisation."""
         B, H, N, D = r.shape
-        per_head = r.permute(1, 0, 2, 3).reshape(H, B * N, D)
-        if valid is not None:
-            keep = valid.reshape(-1).nonzero().squeeze(1)
-            per_head = per_head[:, keep]
-        gen = torch.Generator().manual_seed(1)
-        pick = torch.randperm(per_head.shape[1], generator=gen)[: self.init_samples].to(r.device)
-        self.samples = per_head[:, pick].clone()
+        total, slots = B * N, self.init_samples
+        pick = torch.arange(min(slots, total), device=r.device) * total // min(slots, total)
+        per_head = r.permute(1, 0, 2, 3).reshape(H, total, D)
+        self.samples.zero_()
+        self.sample_valid.zero_()
+        self.samples[:, : pick.numel()] = per_head[:, pick].to(self.samples.dtype)
+        kept = torch.ones_like(pick, dtype=torch.bool) if valid is None else valid.reshape(-1)[pick]
+        self.sample_valid[: pick.numel()] = kept
+        self._sampled = True
 
     @torch.no_grad()
     def update(self, group: dist.ProcessGroup | None = None) -> None:
@@ -136,7 +148,8 @@ class SphericalKMeans(nn.Module):
         total = self.pending_counts.sum()
         if float(total) > 0:  # the same value on every rank after the all-reduce
             if not bool(self.initialized):
-                self._initialise(self._gathered_samples(group) if distributed else self.samples, total)
+                samples, kept = self._gathered_samples(group) if distributed else (self.samples, self.sample_valid)
+                self._initialise(samples[:, kept], total)
                 if distributed:
                     dist.broadcast(self.centroids, src=0, group=group)
             else:
@@ -149,18 +162,14 @@ class SphericalKMeans(nn.Module):
         self.pending_sums.zero_()
         self.pending_counts.zero_()
 
-    def _gathered_samples(self, group: dist.ProcessGroup | None) -> Tensor:
-        """Every rank's samples, concatenated in rank order (ranks may hold different numbers)."""
+    def _gathered_samples(self, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
+        """Every rank's samples and their validity, concatenated in rank order."""
         world = dist.get_world_size(group)
-        count = torch.tensor([self.samples.shape[1]], device=self.samples.device)
-        counts = [torch.zeros_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=group)
-        longest = int(max(int(c) for c in counts))
-        padded = torch.zeros(self.heads, longest, self.dim, device=self.samples.device)
-        padded[:, : self.samples.shape[1]] = self.samples
-        parts = [torch.zeros_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded, group=group)
-        return torch.cat([p[:, : int(c)] for p, c in zip(parts, counts, strict=True)], dim=1)
+        parts = [torch.zeros_like(self.samples) for _ in range(world)]
+        valid = [torch.zeros_like(self.sample_valid) for _ in range(world)]
+        dist.all_gather(parts, self.samples, group=group)
+        dist.all_gather(valid, self.sample_valid, group=group)
+        return torch.cat(parts, dim=1), torch.cat(valid)
 
     def _initialise(self, samples: Tensor, total: Tensor) -> None:
         """k-means++ seeding and spherical Lloyd iterations on samples (H, S, D); EMA state scaled to one step."""
@@ -172,16 +181,19 @@ class SphericalKMeans(nn.Module):
         self.ema_sums.copy_(centroids * share)
         self.ema_counts.fill_(float(share))
         self.initialized.fill_(True)
-        self.samples = self.samples[:, :0]
+        self._ready = True
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim={self.dim}, num_clusters={self.num_clusters}, decay={self.decay}"
 
 
 def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
-    """Batch spherical k-means: x (H, S, D) unit vectors -> centroids (H, k, D), k-means++ seeded, fixed seed.
+    """Batch spherical k-means: x (H, S, D) unit vectors -> centroids (H, k, D), fixed seed.
 
-    With fewer samples than clusters the remaining centroids are random unit vectors.
+    Seeding is greedy k-means++ (as in scikit-learn): each new centre is the best, by the potential it leaves, of
+    2 + ln k candidates drawn in proportion to the squared distance to the nearest centre so far; plain k-means++
+    too often puts two seeds in one tight cluster. Then ``iters`` spherical Lloyd iterations. With fewer samples
+    than clusters the remaining centroids are random unit vectors.
     """
     H, S, D = x.shape
     gen = torch.Generator().manual_seed(seed)
@@ -190,11 +202,15 @@ def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
     first = torch.randint(S, (H,), generator=gen).to(x.device)
     centroids[:, 0] = x[heads, first]
     dist2 = (2 - 2 * (x * centroids[:, :1]).sum(-1)).clamp_min(0)  # (H, S): squared chord distance
+    tries = 2 + int(math.log(k))
     for c in range(1, min(k, S)):
         probs = dist2 / dist2.sum(-1, keepdim=True).clamp_min(1e-12)
-        pick = torch.multinomial(probs.cpu().double() + 1e-30, 1, generator=gen).squeeze(1).to(x.device)
-        centroids[:, c] = x[heads, pick]
-        dist2 = torch.minimum(dist2, (2 - 2 * (x * centroids[:, c:c + 1]).sum(-1)).clamp_min(0))
+        cand = torch.multinomial(probs.cpu().double() + 1e-30, tries, replacement=True, generator=gen).to(x.device)
+        cand_d2 = (2 - 2 * torch.einsum("hsd,htd->hts", x, x[heads[:, None], cand])).clamp_min(0)  # (H, tries, S)
+        potential = torch.minimum(dist2[:, None], cand_d2).sum(-1)  # (H, tries)
+        best = potential.argmin(-1)
+        centroids[:, c] = x[heads, cand[heads, best]]
+        dist2 = torch.minimum(dist2, cand_d2[heads, best])
     for _ in range(iters):
         assign = torch.einsum("hsd,hkd->hsk", x, centroids).argmax(-1)  # (H, S)
         onehot = nn.functional.one_hot(assign, k).to(x.dtype)  # (H, S, k)

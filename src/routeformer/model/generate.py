@@ -1,0 +1,102 @@
+"""Sampling from a TransformerLM with per-mechanism decoding caches.
+
+Past the training context (``seq_len``):
+- positions 'relative' or 'none': generation continues with the caches. Local and routing heads keep bounded
+  ring buffers, so the time per token stays flat; full, strided and fixed heads keep (and attend to) the keys
+  their patterns reach, which grow with the position; Longformer keeps a ring buffer unless global tokens are set.
+- positions 'absolute' or 'factorized': there is no embedding past ``seq_len``, so the context slides: each new
+  token re-runs the model over the last ``seq_len`` tokens (no cache; O(seq_len) work per token).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .transformer import TransformerLM
+
+
+def sample_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> Tensor:
+    """Next tokens (B,) from last-position logits (B, V). temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
+        drop = before >= top_p  # keep the smallest set whose mass reaches top_p (always the first token)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def check_sampling(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float,
+                   top_k: int | None, top_p: float | None) -> Tensor:
+    if not isinstance(prompt, Tensor):
+        prompt = torch.as_tensor(prompt, dtype=torch.long)
+    if prompt.dim() == 1:
+        prompt = prompt[None]
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be a non-empty (B, N) or (N,) token tensor, got shape {tuple(prompt.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if not isinstance(temperature, numbers.Real) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    vocab = model.config.vocab_size
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if top_k is not None and top_k > vocab:
+        raise ValueError(f"top_k ({top_k}) is larger than the vocabulary ({vocab})")
+    return prompt.to(next(model.parameters()).device)
+
+
+@torch.no_grad()
+def stream(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
+    """Yield the new tokens (B,) one position at a time."""
+    prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    sample = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": gen}
+    was_training = model.training
+    model.eval()
+    try:
+        B, n = prompt.shape
+        limit = model.config.seq_len
+        sliding = model.config.positions in ("absolute", "factorized")
+        context = prompt[:, -limit:] if sliding else prompt
+        cached = not sliding or n + max_new_tokens <= limit
+        cache = model.new_cache(B, context.shape[1] + max_new_tokens) if cached else None
+        logits = model(context, cache)[:, -1]
+        tokens = context
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits, **sample)
+            yield nxt
+            tokens = torch.cat([tokens, nxt[:, None]], 1)
+            if cache is not None:
+                logits = model(nxt[:, None], cache)[:, -1]
+            else:  # absolute positions past seq_len: slide the context
+                tokens = tokens[:, -limit:]
+                logits = model(tokens)[:, -1]
+    finally:
+        model.train(was_training)
+
+
+def generate(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Tensor:
+    """prompt (B, N) or (N,) -> (B, N + max_new_tokens) tokens."""
+    prompt_t = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
+    new = list(stream(model, prompt_t, max_new_tokens, temperature, top_k, top_p, seed))
+    return torch.cat([prompt_t, torch.stack(new, 1)], 1) if new else prompt_t

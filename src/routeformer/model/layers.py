@@ -1,0 +1,121 @@
+"""The attention layer with mixed heads, the feed-forward, and the Sparse Transformer's residual block."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import RelativePositions
+from .config import TransformerConfig
+from .heads import build_heads
+
+
+class MixedAttention(nn.Module):
+    """Multi-head attention whose heads are split among mechanisms (e.g. 4 local + 4 routing).
+
+    x (B, N, dim) -> (B, N, dim). Routing heads with shared QK take their queries as keys, so the key projection
+    only covers the other heads. Relative positions (one pair of tables per layer) are shared by every head.
+    """
+
+    def __init__(self, config: TransformerConfig, spec: list[tuple[str, int]], layer: int) -> None:
+        super().__init__()
+        H, D = config.heads, config.head_dim
+        self.heads, self.head_dim = H, D
+        longformer_heads = sum(n for name, n in spec if name == "longformer")
+        dilation = (config.dilation if isinstance(config.dilation, list) else [config.dilation] * longformer_heads)
+        self.groups = nn.ModuleList(build_heads(name, n, config, dilation, seed=layer * 131 + i)
+                                    for i, (name, n) in enumerate(spec))
+        self.names = [name for name, _ in spec]
+        self.shares_qk = [name == "routing" and config.shared_qk for name, _ in spec]
+        self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
+        self.query = nn.Linear(config.dim, H * D)
+        self.key = nn.Linear(config.dim, self.key_heads * D) if self.key_heads else None
+        self.value = nn.Linear(config.dim, H * D)
+        self.out = nn.Linear(H * D, config.dim)
+        self.rel_pos = RelativePositions(D, config.rel_clip) if config.positions == "relative" else None
+
+    def _split(self, x: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per group, its (B, h, N, D) queries, keys and values."""
+        B, N, _ = x.shape
+        q = self.query(x).view(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
+        v = self.value(x).view(B, N, self.heads, self.head_dim).transpose(1, 2)
+        k = self.key(x).view(B, N, self.key_heads, self.head_dim).transpose(1, 2) if self.key is not None else None
+        parts, h, hk = [], 0, 0
+        for group, shared in zip(self.groups, self.shares_qk, strict=True):
+            n = group.heads
+            qg = q[:, h:h + n]
+            kg = qg if shared else k[:, hk:hk + n]
+            parts.append((qg, kg, v[:, h:h + n]))
+            h, hk = h + n, hk + (0 if shared else n)
+        return parts
+
+    def forward(self, x: Tensor, caches: list | None = None) -> tuple[Tensor, Tensor | None]:
+        """(B, N, dim) -> ((B, N, dim), commitment loss of the routing heads or None)."""
+        B, N, _ = x.shape
+        outs, aux = [], None
+        for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._split(x), strict=True)):
+            if caches is None:
+                outs.append(group(q, k, v, self.rel_pos))
+                loss = group.aux_loss()
+                if loss is not None:
+                    aux = loss if aux is None else aux + loss
+            else:
+                outs.append(group.decode(q, k, v, caches[i], self.rel_pos))
+        out = torch.cat(outs, 1).transpose(1, 2).reshape(B, N, self.heads * self.head_dim)
+        return self.out(out), aux
+
+    def new_caches(self, batch: int, max_len: int, device, dtype) -> list:
+        return [g.new_cache(batch, max_len, device, dtype) for g in self.groups]
+
+
+class FeedForward(nn.Module):
+    """W2 f(W1 x + b1) + b2, ff_mult × wide; f(x) = x·sigmoid(1.702x) (the Sparse Transformer's GELU) or GELU."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        hidden = int(round(config.ff_mult * config.dim))
+        self.w1 = nn.Linear(config.dim, hidden)
+        self.w2 = nn.Linear(hidden, config.dim)
+        self.sigmoid_gelu = config.activation == "sigmoid_gelu"
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.w1(x)
+        h = h * torch.sigmoid(1.702 * h) if self.sigmoid_gelu else F.gelu(h)
+        return self.w2(h)
+
+
+class Block(nn.Module):
+    """H + a(H) + b(H): a = dropout(attention(norm(H))), b = dropout(ff(norm(H + a(H)))) (pre-norm, Child et al.)."""
+
+    def __init__(self, config: TransformerConfig, spec: list[tuple[str, int]], layer: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.dim)
+        self.attention = MixedAttention(config, spec, layer)
+        self.norm2 = nn.LayerNorm(config.dim)
+        self.ff = FeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, caches: list | None = None) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), caches)
+        x = x + self.dropout(a)
+        return x + self.dropout(self.ff(self.norm2(x))), aux
+
+
+def init_weights(module: nn.Module, depth: int) -> None:
+    """The Sparse Transformer's initialisation of one block: weights N(0, 0.125/sqrt(d_in)), biases 0, and the
+    attention output projection and W2 scaled by 1/sqrt(2 · depth)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.125 / math.sqrt(m.in_features))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RelativePositions):
+            nn.init.normal_(m.key, std=0.125 / math.sqrt(m.head_dim))
+            nn.init.normal_(m.value, std=0.125 / math.sqrt(m.head_dim))
+    for m in module.modules():
+        if isinstance(m, (MixedAttention, FeedForward)):
+            last = m.out if isinstance(m, MixedAttention) else m.w2
+            last.weight.data.mul_(1 / math.sqrt(2 * depth))

@@ -1,0 +1,88 @@
+"""save_pretrained / from_pretrained: model.safetensors + config.json, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import TransformerConfig
+
+if TYPE_CHECKING:
+    from .transformer import TransformerLM
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write through ``write(tmp_path)`` to a temporary file beside ``path``, fsync it, then rename it over
+    ``path``: a crash at any moment leaves either the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_pretrained(model: TransformerLM, directory: str | Path) -> None:
+    """Weights and buffers (routing centroids and projections included) to model.safetensors, the config to
+    config.json."""
+    directory = Path(directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    text = json.dumps(model.config.to_dict(), indent=2) + "\n"
+    atomic_write(directory / CONFIG, lambda tmp: Path(tmp).write_text(text))
+
+
+def load_config(directory: str | Path) -> TransformerConfig:
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a saved model needs {CONFIG} beside {WEIGHTS}")
+    return TransformerConfig.load(path)
+
+
+def from_pretrained(cls: type[TransformerLM], directory: str | Path,
+                    map_location: str | torch.device = "cpu") -> TransformerLM:
+    directory = Path(directory)
+    config = load_config(directory)
+    path = directory / WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a saved model needs {WEIGHTS} beside {CONFIG}")
+    try:
+        state = load_file(str(path), device=str(map_location))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} cannot be read as safetensors (truncated or corrupt?): {err}") from None
+    model = cls(config)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        details = []
+        if missing:
+            details.append(f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}")
+        if unexpected:
+            details.append(f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
+        if wrong:
+            details.append("wrong shapes " + ", ".join(f"{k}: file {tuple(state[k].shape)} vs config "
+                                                      f"{tuple(own[k].shape)}" for k in wrong[:5]))
+        raise ValueError(f"{path} does not match {directory / CONFIG}: " + "; ".join(details))
+    model.load_state_dict(state)
+    return model.to(map_location)

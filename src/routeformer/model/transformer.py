@@ -1,0 +1,155 @@
+"""TransformerLM: token embedding, (positions), blocks of mixed-head attention, final norm, logits."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ..attention import update_routing
+from .config import TransformerConfig
+from .layers import Block, init_weights
+from .positions import PositionEmbedding
+
+
+class ModelCache:
+    """Decoding state of every layer: one cache per head group, and the number of positions seen."""
+
+    def __init__(self, layers: list[list], max_len: int) -> None:
+        self.layers, self.max_len, self.length = layers, max_len, 0
+
+
+class TransformerLM(nn.Module):
+    """An autoregressive Transformer whose heads mix attention mechanisms (see ``TransformerConfig``).
+
+    ``model(tokens)`` maps (B, N) integer tokens to (B, N, vocab_size) logits and leaves the routing heads'
+    commitment loss in ``model.commitment_loss`` (a scalar tensor; add it to the training loss).
+    ``model.update_routing()`` is the k-means step: call it after each ``optimizer.step()``.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise ValueError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = config
+        d = config.dim
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.positions = PositionEmbedding(config) if config.positions in ("absolute", "factorized") else None
+        self.blocks = nn.ModuleList(Block(config, spec, i) for i, spec in enumerate(config.layer_specs()))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, config.vocab_size, bias=False)
+        # The Sparse Transformer's initialisation.
+        nn.init.normal_(self.embed.weight, std=0.125 / math.sqrt(d))
+        for block in self.blocks:
+            init_weights(block, config.depth)
+        nn.init.zeros_(self.head.weight)
+        self.commitment_loss: Tensor = torch.zeros(())
+
+    def forward(self, tokens: Tensor, cache: ModelCache | None = None) -> Tensor:
+        """(B, N) tokens -> (B, N, vocab_size) logits. With ``cache`` the tokens continue the cached sequence."""
+        self._check_tokens(tokens)
+        B, N = tokens.shape
+        start = 0 if cache is None else cache.length
+        if cache is not None and start + N > cache.max_len:
+            raise ValueError(f"max_len: {start + N} positions exceed the cache's declared max_len={cache.max_len}")
+        x = self.embed(tokens)
+        if self.positions is not None:
+            x = x + self.positions(start, N, tokens.device).to(x.dtype)
+        aux: Tensor | None = None
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x, loss = block(x, cache.layers[i])
+            elif self.config.checkpointing and self.training:
+                x, loss = checkpoint(block, x, use_reentrant=False)
+            else:
+                x, loss = block(x)
+            if loss is not None:
+                aux = loss if aux is None else aux + loss
+        if cache is not None:
+            cache.length = start + N
+        self.commitment_loss = aux if aux is not None else x.new_zeros(())
+        return self.head(self.norm(x))
+
+    def _check_tokens(self, tokens: Tensor) -> None:
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            raise ValueError(f"tokens must be a (B, N) tensor, got {getattr(tokens, 'shape', type(tokens))}")
+        if tokens.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens must hold at least one position")
+        if not torch.compiler.is_compiling():
+            low, high = (int(x) for x in tokens.aminmax())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size}), "
+                                 f"got values in [{low}, {high}]")
+
+    def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> Tensor:
+        """prompt (B, N) or (N,) -> (B, N + max_new_tokens), with every mechanism's decoding cache (see
+        ``generate.py`` for what happens past ``seq_len``). temperature 0 is greedy; seed makes it repeatable."""
+        from .generate import generate
+
+        return generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+
+    def stream(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
+        """Like ``generate``, yielding each new position's tokens (B,) as soon as it is sampled."""
+        from .generate import stream
+
+        return stream(self, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """model.safetensors (weights, routing centroids and projections) and config.json, written atomically."""
+        from .pretrained import save_pretrained
+
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> TransformerLM:
+        """The model saved by ``save_pretrained``; errors name the file and what is wrong with it."""
+        from .pretrained import from_pretrained
+
+        return from_pretrained(cls, directory, map_location)
+
+    def update_routing(self, group: dist.ProcessGroup | None = None) -> int:
+        """The k-means step of every routing layer (all-reduced across ranks); returns how many were updated."""
+        return update_routing(self, group)
+
+    def new_cache(self, batch: int, max_len: int) -> ModelCache:
+        """An empty decoding cache for up to ``max_len`` positions."""
+        p = next(self.parameters())
+        return ModelCache([block.attention.new_caches(batch, max_len, p.device, p.dtype) for block in self.blocks],
+                          max_len)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Trainable parameters (without the token and position embeddings if asked)."""
+        total = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        if exclude_embeddings:
+            total -= self.embed.weight.numel()
+            if self.positions is not None:
+                total -= sum(p.numel() for p in self.positions.parameters())
+        return total
+
+    def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> float:
+        """Estimated FLOPs per token: 2 per weight multiply-add, plus attention's q·k and p·v over the keys each
+        mechanism visits at context ``seq_len`` (default the config's); ×3 for forward + backward."""
+        c = self.config
+        n = seq_len or c.seq_len
+        dense = 2 * self.num_parameters(exclude_embeddings=True)
+        keys = {
+            "full": (n + 1) / 2,
+            "local": min(c.window, n),
+            "routing": min(c.routing_window, n) + c.num_clusters,  # + routing each token to k centroids
+            "strided": min(c.stride + 1, n) + n / (2 * c.stride), "strided_a1": min(c.stride + 1, n),
+            "strided_a2": n / (2 * c.stride),
+            "fixed": min(c.block, n) / 2 + n * c.summary / (2 * c.block), "fixed_a1": min(c.block, n) / 2,
+            "fixed_a2": n * c.summary / (2 * c.block),
+            "longformer": min(c.window, n) + len(c.global_tokens),
+        }
+        attention = sum(4 * c.head_dim * keys[name] * heads for spec in c.layer_specs() for name, heads in spec)
+        return (dense + attention) * (3 if training else 1)

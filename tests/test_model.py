@@ -1,0 +1,273 @@
+"""TransformerLM: causality, cached decoding, learning end to end, the Sparse Transformer recipe, save/load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from routeformer import TransformerConfig, TransformerLM
+
+SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
+         "longformer", "local:2,routing:2"]
+
+
+def tiny(spec: str = "local:2,routing:2", **kw) -> TransformerConfig:
+    base = dict(vocab_size=23, dim=32, depth=2, heads=4, seq_len=48, attention=spec, window=6, stride=5, block=8,
+                summary=2, num_clusters=3, routing_window=6, dilation=2,
+                global_tokens=[2, 30] if spec == "longformer" else [])
+    return TransformerConfig(**{**base, **kw})
+
+
+def randomised(config: TransformerConfig, dtype=torch.float64) -> TransformerLM:
+    """A model with random weights everywhere (the paper's init zeroes the logits, which would hide everything)."""
+    torch.manual_seed(0)
+    model = TransformerLM(config).to(dtype)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model.eval()
+
+
+def tokens(B: int, N: int, vocab: int = 23, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, N), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_no_leak_through_the_whole_model(spec: str) -> None:
+    model = randomised(tiny(spec))
+    x = tokens(2, 48)
+    with torch.no_grad():
+        before = model(x)
+        for t in [0, 5, 17, 40]:
+            y = x.clone()
+            y[:, t + 1:] = (y[:, t + 1:] + 7) % 23
+            after = model(y)
+            # routing re-sorts the sequence, which may change summation order by an ulp; a leak is O(1)
+            torch.testing.assert_close(after[:, :t + 1], before[:, :t + 1], rtol=0, atol=1e-12)
+            assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])  # the change did reach the model
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("positions", ["relative", "absolute", "factorized", "none"])
+def test_cached_decoding_equals_the_forward(spec: str, positions: str) -> None:
+    """Float32, atol 1e-4, well past window (6), stride (5) and block (8)."""
+    model = randomised(tiny(spec, positions=positions), dtype=torch.float32)
+    x = tokens(2, 48)
+    with torch.no_grad():
+        full = model(x)
+        for prompt in (1, 13):
+            cache = model.new_cache(2, 48)
+            steps = [model(x[:, :prompt], cache)] + [model(x[:, t:t + 1], cache) for t in range(prompt, 48)]
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-4)
+
+
+def test_greedy_generation_follows_the_forward_and_seeds_repeat() -> None:
+    model = randomised(tiny(), dtype=torch.float32)
+    prompt = tokens(2, 5)
+    out = model.generate(prompt, 30, temperature=0)
+    assert out.shape == (2, 35) and torch.equal(out[:, :5], prompt)
+    with torch.no_grad():
+        logits = model(out[:, :-1])
+    assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])  # each new token is the argmax given its prefix
+    a = model.generate(prompt, 20, temperature=0.9, top_k=8, top_p=0.9, seed=3)
+    b = model.generate(prompt, 20, temperature=0.9, top_k=8, top_p=0.9, seed=3)
+    assert torch.equal(a, b)
+    streamed = torch.stack(list(model.stream(prompt, 20, temperature=0.9, top_k=8, top_p=0.9, seed=3)), 1)
+    assert torch.equal(streamed, a[:, 5:])
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    model = randomised(tiny(), dtype=torch.float32)
+    prompt = tokens(1, 4)
+    greedy = model.generate(prompt, 10, temperature=0)
+    assert torch.equal(model.generate(prompt, 10, temperature=1.5, top_k=1, seed=0), greedy)
+    assert torch.equal(model.generate(prompt, 10, temperature=1.5, top_p=1e-6, seed=0), greedy)
+
+
+@pytest.mark.parametrize("positions", ["relative", "absolute"])
+def test_generation_past_seq_len(positions: str) -> None:
+    """Relative positions continue with the caches; absolute positions slide the context (see generate.py)."""
+    model = randomised(tiny(positions=positions), dtype=torch.float32)
+    out = model.generate(tokens(1, 40), 30, temperature=0)
+    assert out.shape == (1, 70)
+    with torch.no_grad():
+        if positions == "relative":  # the forward runs past seq_len too, and agrees
+            assert torch.equal(model(out[:, :-1])[:, 39:].argmax(-1), out[:, 40:])
+        else:
+            assert torch.equal(model(out[:, -49:-1])[:, -1].argmax(-1), out[:, -1])
+            with pytest.raises(ValueError, match="past the absolute position table"):
+                model(out)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.5}, "temperature"),
+    ({"top_k": 0}, "top_k"), ({"top_k": 100}, "larger than the vocabulary"), ({"top_p": 0.0}, "top_p"),
+])
+def test_bad_sampling_arguments(kwargs: dict, fragment: str) -> None:
+    model = randomised(tiny(), dtype=torch.float32)
+    args = {"prompt": tokens(1, 3), "max_new_tokens": 5, **kwargs}
+    with pytest.raises(ValueError, match=fragment):
+        model.generate(**args)
+
+
+@pytest.mark.parametrize("spec, kw", [
+    ("full", {}), ("local", {}), ("strided", {}), ("strided_a1:2,strided_a2:2", {}), ("fixed", {}),
+    ("fixed_a1:2,fixed_a2:2", {}), ("longformer", {}),
+    ("routing", {"shared_qk": False}),  # alone, shared-QK routing heads memorise slowly (they cannot see their own
+    ("local:2,routing:2", {}),          # token): it is learned here, beside local heads, as the paper pairs them
+])
+def test_a_tiny_model_overfits_a_fixed_batch(spec: str, kw: dict) -> None:
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=16, dim=64, depth=2, heads=4, seq_len=32, attention=spec, window=6,
+                               stride=5, block=8, summary=2, num_clusters=3, routing_window=6, dilation=2,
+                               global_tokens=[2] if spec == "longformer" else [], **kw)
+    model = TransformerLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), weight_decay=0.0)
+    data = torch.randint(0, 16, (4, 33), generator=torch.Generator().manual_seed(1))
+    data[:, 0] = torch.arange(4)  # distinct first tokens: every next token is determined by its prefix
+    x, y = data[:, :-1], data[:, 1:]
+    for _ in range(400):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        (loss + model.commitment_loss).backward()
+        opt.step()
+        model.update_routing()
+    assert loss.item() < 0.05, f"loss {loss.item():.3f} (it starts at ln 16 = {math.log(16):.2f})"
+
+
+def test_sparse_transformer_initialisation() -> None:
+    config = TransformerConfig(dim=256, depth=6, heads=8, seq_len=256, window=64)
+    model = TransformerLM(config)
+    d = config.dim
+    assert model.embed.weight.std().item() == pytest.approx(0.125 / math.sqrt(d), rel=0.05)
+    assert torch.all(model.head.weight == 0)
+    block = model.blocks[0]
+    assert block.ff.w1.weight.std().item() == pytest.approx(0.125 / math.sqrt(d), rel=0.05)
+    scaled = 0.125 / math.sqrt(block.ff.w2.in_features) / math.sqrt(2 * config.depth)
+    assert block.ff.w2.weight.std().item() == pytest.approx(scaled, rel=0.05)
+    assert block.attention.out.weight.std().item() == pytest.approx(0.125 / math.sqrt(d) / math.sqrt(12), rel=0.05)
+    assert all(torch.all(m.bias == 0) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
+    logits = model(tokens(1, 20, vocab=256))
+    assert torch.all(logits == 0)  # zero output weights: a uniform first prediction
+
+
+def test_parameters_and_flops() -> None:
+    config = TransformerConfig(vocab_size=100, dim=64, depth=2, heads=4, seq_len=128, window=16)
+    model = TransformerLM(config)
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert model.num_parameters(exclude_embeddings=True) == model.num_parameters() - 100 * 64
+    dense = 2 * model.num_parameters(exclude_embeddings=True)
+    assert dense < model.flops_per_token(training=False) < 2 * dense
+    assert model.flops_per_token() == 3 * model.flops_per_token(training=False)
+    full = TransformerLM(TransformerConfig(vocab_size=100, dim=64, depth=2, heads=4, seq_len=128, attention="full"))
+    assert full.flops_per_token(seq_len=8192) > model.flops_per_token(seq_len=8192)
+
+
+def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics() -> None:
+    plain = randomised(tiny(), dtype=torch.float32).train()
+    ckpt = randomised(tiny(checkpointing=True), dtype=torch.float32).train()
+    x = tokens(2, 48)
+    for model in (plain, ckpt):
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten()) + model.commitment_loss
+        loss.backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
+        if "pending_counts" in name:
+            assert torch.equal(a, b) and a.sum() == 2 * 48 * 2  # (batch × length) × routing heads, counted once
+    assert plain.update_routing() == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", SPECS)
+def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str) -> None:
+    config = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=4, seq_len=4096, attention=spec, window=128,
+                               block=128, summary=8, global_tokens=[0, 2048] if spec == "longformer" else [])
+    model = TransformerLM(config).train()
+    x = tokens(1, 4096, vocab=256)
+    with torch.autocast("cpu", dtype=dtype):
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()) + model.commitment_loss
+    loss.backward()
+    assert torch.isfinite(logits).all() and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_save_and_load_reproduce_the_logits_exactly(tmp_path) -> None:
+    model = randomised(tiny(), dtype=torch.float32).train()
+    x = tokens(2, 48)
+    model(x)
+    model.update_routing()  # centroids initialised from data: they must travel with the weights
+    model.eval()
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = TransformerLM.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_load_errors_name_the_file(tmp_path) -> None:
+    model = randomised(tiny(), dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    weights, config = tmp_path / "model.safetensors", tmp_path / "config.json"
+    data = weights.read_bytes()
+
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{weights}.*truncated or corrupt"):
+        TransformerLM.from_pretrained(tmp_path)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{weights} is missing"):
+        TransformerLM.from_pretrained(tmp_path)
+    weights.write_bytes(data)
+    config.write_text(config.read_text().replace('"dim": 32', '"dim": 64'))
+    with pytest.raises(ValueError, match=f"{weights} does not match {config}: wrong shapes"):
+        TransformerLM.from_pretrained(tmp_path)
+    config.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{config} is missing"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (torch.zeros(3, dtype=torch.long), r"tokens must be a \(B, N\) tensor"),
+    (torch.zeros(1, 4), "integer tensor"),
+    (torch.full((1, 4), 23), r"token ids must lie in \[0, vocab_size=23\)"),
+    (torch.zeros(1, 0, dtype=torch.long), "at least one position"),
+])
+def test_bad_tokens(bad, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        randomised(tiny(), dtype=torch.float32)(bad)
+
+
+def test_decoding_past_the_cache_is_an_error() -> None:
+    model = randomised(tiny(), dtype=torch.float32)
+    cache = model.new_cache(1, 10)
+    model(tokens(1, 10), cache)
+    with pytest.raises(ValueError, match="max_len"):
+        model(tokens(1, 1), cache)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_torch_compile_traces_training_without_graph_breaks(spec: str) -> None:
+    model = TransformerLM(tiny(spec)).train()
+    x = tokens(2, 48)
+
+    def step(x):
+        return F.cross_entropy(model(x).flatten(0, 1), x.flatten()) + model.commitment_loss
+
+    explanation = torch._dynamo.explain(step)(x)
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+
+
+def test_the_fused_tile_operator_is_consistent_for_torch_compile() -> None:
+    """torch.library.opcheck: the fake (shape) kernel, autograd registration and schema agree with the real op."""
+    from routeformer.attention import tiles
+
+    g = torch.Generator().manual_seed(0)
+    qt = torch.randn(1, 2, 3, 4, 8, generator=g, requires_grad=True)  # (B, H, nb, T, D)
+    k = torch.randn(1 * 2 * 3 * 4 + 4, 8, generator=g, requires_grad=True)  # key rows incl. one block of front pad
+    v = torch.randn(1 * 2 * 3 * 4 + 4, 8, generator=g, requires_grad=True)
+    table = torch.randn(4, 8, generator=g, requires_grad=True)
+    args = (qt, k, v, [6, 4, 1], None, table, table.clone().detach().requires_grad_(), 1, True)
+    torch.library.opcheck(tiles._tile_attention, args)
