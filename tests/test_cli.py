@@ -33,3 +33,12 @@ def test_bench_rejects_bad_sizes(capsys) -> None:
 def test_help(args: list[str]) -> None:
     done = subprocess.run([sys.executable, "-m", "routeformer", *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: routeformer" in done.stdout
+
+
+def test_bench_model_prints_training_and_generation_tables(capsys) -> None:
+    assert main(["bench", "model", "--n", "64", "128", "--positions", "32", "96", "--dim", "32", "--depth", "1",
+                 "--heads", "4", "--window", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("full", "local", "local+routing"):
+        assert f"| {name} " in out
+    assert "tokens/s" in out and "ms/token at 32" in out and "ms/token at 96" in out

@@ -40,17 +40,50 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     att.add_argument("--non-causal", action="store_true", help="encoder (non-causal) variants")
     att.add_argument("--only", nargs="+", metavar="NAME", help="mechanisms to run beside full (e.g. local strided)")
+
+    mod = suites.add_parser(
+        "model",
+        help="training throughput, memory and generation speed of full, local and local+routing models",
+        description="Tokens per second and peak memory of a whole training step (forward, backward, AdamW step, "
+        "k-means update) of three models of one size that differ only in attention (full, local, half local and "
+        "half routing), and milliseconds per generated token after prompts of the given lengths.",
+    )
+    _model_arguments(mod)
+
+    every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
+    every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser
+
+
+def _model_arguments(mod: argparse.ArgumentParser) -> None:
+    mod.add_argument("--n", type=_positive, nargs="+", default=[1024, 4096, 8192], help="training lengths")
+    mod.add_argument("--positions", type=_positive, nargs="+", default=[1024, 4096, 16384],
+                     help="prompt lengths at which generation is timed")
+    mod.add_argument("--dim", type=_positive, default=256)
+    mod.add_argument("--depth", type=_positive, default=4)
+    mod.add_argument("--heads", type=_positive, default=8)
+    mod.add_argument("--window", type=_positive, default=256, help="local window")
+    mod.add_argument("--batch", type=_positive, default=1)
+    mod.add_argument("--repeats", type=_positive, default=3, help="timed training steps (median reported)")
+    mod.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.suite == "attention":
-        from .bench.attention import run
+    if args.command == "bench":
+        from .bench import attention, model
 
-        run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
-            repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
-            only=args.only)
+        if args.suite == "attention":
+            attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
+                          repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
+                          causal=not args.non_causal, only=args.only)
+        elif args.suite == "model":
+            model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
+                      batch=args.batch, repeats=args.repeats, device=args.device)
+        else:
+            attention.run([1024, 4096, 16384], device=args.device)
+            print()
+            model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device)
     return 0
 
 

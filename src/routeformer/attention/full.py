@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import tiled_attention
+from .tiles import band_attention, merge_partials, neg_inf, tiled_attention
 
 
 def full_attention(
@@ -24,11 +24,15 @@ def full_attention(
     """Dense softmax attention over every key (j <= i when causal).
 
     q, k, v: (B, H, N, D) -> (B, H, N, D). Runs through ``scaled_dot_product_attention`` (fused kernels where the
-    backend has them). With ``rel_pos`` the scores are explicit: one (N, N) tile per head, O(N²) memory.
-    O(N²·D) time.
+    backend has them). With ``rel_pos`` the scores are explicit, O(N²) memory: keys farther than the clipping
+    distance k all share the table rows of distance ±k, so attention splits exactly into a band of |i - j| <= k
+    (the relative terms computed on the band) and the far keys, whose relative terms are one constant per query
+    on the scores and one vector on the outputs; the two merge through their log-sum-exp. O(N²·D) time.
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     if rel_pos is not None:
+        if rel_pos.max_distance + 1 < N:
+            return _near_and_far(q, k, v, causal, scale, key_valid, rel_pos)
         allow = torch.ones(N, N, dtype=torch.bool, device=q.device).tril() if causal else None
         out, _ = tiled_attention(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
                                  rel_pos=rel_pos, rel_unit=1)
@@ -43,3 +47,27 @@ def full_attention(
     first = torch.arange(N, device=q.device) == 0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow | (~has_key & first), scale=scale)
     return out.masked_fill(~has_key, 0.0)
+
+
+def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, key_valid: Tensor | None,
+                  rel_pos: RelativePositions) -> Tensor:
+    """Full attention with relative positions clipped at k < N - 1: the band |i - j| <= k with the relative terms,
+    and the far keys (j < i - k, and j > i + k when non-causal) with the constant terms of distance ∓k."""
+    N = q.shape[2]
+    clip = rel_pos.max_distance
+    parts = [band_attention(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
+                            rel_pos=rel_pos, need_lse=True)]
+    idx = torch.arange(N, device=q.device)
+    sides = [(-1, idx[None, :] < idx[:, None] - clip)]
+    if not causal:
+        sides.append((1, idx[None, :] > idx[:, None] + clip))
+    for sign, allow in sides:
+        out, lse = tiled_attention(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
+                                   empty_rows=True, need_lse=True)
+        row = rel_pos.index(torch.tensor(sign * clip, device=q.device))
+        a_key, a_value = rel_pos.key.to(q.dtype)[row], rel_pos.value.to(q.dtype)[row]  # (D,) each
+        shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
+        has_key = lse > neg_inf(lse.dtype) / 2
+        out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (their weights sum to 1)
+        parts.append((out, lse + shift.to(lse.dtype)))
+    return merge_partials(parts)[0]

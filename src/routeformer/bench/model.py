@@ -1,0 +1,111 @@
+"""Model benchmark: training throughput and memory, and generation time per token, for models of one size.
+
+    routeformer bench model [--n 1024 4096 8192] [--positions 1024 4096 16384]
+
+Three models that differ only in their attention: all heads full, all heads local, half local and half routing.
+Training: tokens per second of a whole step (forward, backward, AdamW step, k-means update) and its peak memory.
+Generation: milliseconds per new token after a prompt of 1k, 4k and 16k tokens (relative positions, so positions
+past the training length are fine): local and routing heads keep bounded caches and should stay flat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..model import TransformerConfig, TransformerLM
+from .measure import PeakMemory, format_table, median_time, synchronize
+
+
+def model_configs(n: int, dim: int, depth: int, heads: int, window: int) -> dict[str, TransformerConfig]:
+    half = heads // 2
+    common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n)}
+    return {
+        "full": TransformerConfig(attention="full", **common),
+        "local": TransformerConfig(attention="local", **common),
+        "local+routing": TransformerConfig(attention=f"local:{heads - half},routing:{half}", **common),
+    }
+
+
+def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.commitment_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        model.update_routing()
+    return step
+
+
+def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, heads: int = 8, window: int = 256,
+        batch: int = 1, repeats: int = 3, steps: int = 8, device: str = "cpu",
+        echo: Callable[[str], None] = print) -> dict[str, list[dict]]:
+    """Print the training and the generation tables; return their rows."""
+    dev = torch.device(device)
+    echo(f"# model benchmark: dim={dim}, depth={depth}, heads={heads}, window={window}, batch={batch}, "
+         f"float32, {dev}, threads={torch.get_num_threads()}, median of {repeats}")
+    train_rows: list[dict] = []
+    for n in ns:
+        for name, config in model_configs(n, dim, depth, heads, window).items():
+            torch.manual_seed(0)
+            model = TransformerLM(config).to(dev).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+            tokens = torch.randint(0, 256, (batch, n + 1), device=dev)
+            step = train_step(model, opt, tokens)
+            seconds = median_time(step, repeats, dev)
+            with PeakMemory(dev) as peak:
+                step()
+            train_rows.append({"n": n, "model": name, "params": model.num_parameters(), "step_s": seconds,
+                               "tokens_per_s": batch * n / seconds, "bytes": peak.bytes,
+                               "flops_per_token": model.flops_per_token()})
+    echo("")
+    echo(training_table(train_rows))
+
+    gen_rows: list[dict] = []
+    for name, config in model_configs(max(ns), dim, depth, heads, window).items():
+        torch.manual_seed(0)
+        model = TransformerLM(config).to(dev).eval()
+        row: dict = {"model": name}
+        for p in positions:
+            row[p] = _ms_per_token(model, p, steps, dev)
+        gen_rows.append(row)
+    echo("")
+    echo(generation_table(gen_rows, positions))
+    return {"training": train_rows, "generation": gen_rows}
+
+
+@torch.no_grad()
+def _ms_per_token(model: TransformerLM, position: int, steps: int, dev: torch.device) -> float:
+    """Median time of one cached decoding step after a prompt of ``position`` tokens."""
+    prompt = torch.randint(0, 256, (1, position), device=dev)
+    cache = model.new_cache(1, position + steps + 1)
+    logits = model(prompt, cache)
+    times = []
+    token = logits[:, -1:].argmax(-1)
+    for _ in range(steps + 1):
+        synchronize(dev)
+        start = time.perf_counter()
+        token = model(token, cache)[:, -1:].argmax(-1)
+        synchronize(dev)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def training_table(rows: list[dict]) -> str:
+    base = {r["n"]: r["tokens_per_s"] for r in rows if r["model"] == "full"}
+    return format_table(
+        ["N", "model", "params", "step ms", "tokens/s", "peak MiB", "MFLOP/token", "throughput vs full"],
+        [[r["n"], r["model"], f"{r['params'] / 1e6:.2f}M", f"{r['step_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}",
+          "n/a" if r["bytes"] is None else f"{r['bytes'] / 2**20:.0f}", f"{r['flops_per_token'] / 1e6:.0f}",
+          f"{r['tokens_per_s'] / base[r['n']]:.2f}×"] for r in rows],
+    )
+
+
+def generation_table(rows: list[dict], positions: list[int]) -> str:
+    return format_table(["model"] + [f"ms/token at {p}" for p in positions],
+                        [[r["model"]] + [f"{r[p]:.1f}" for p in positions] for r in rows])
