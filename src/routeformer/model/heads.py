@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..attention import RelativePositions, RoutingAttention, full_attention, local_attention, longformer_attention
+from ..attention import (
+    RelativePositions,
+    RoutingAttention,
+    RoutingCache,
+    full_attention,
+    local_attention,
+    longformer_attention,
+)
 from ..attention.decoding import attend_cached
 from ..attention.fixed import _summaries, _within_block, fixed_attention
 from ..attention.strided import column_attention, strided_attention
@@ -64,11 +71,13 @@ class KeyStore:
 
 @dataclass
 class HeadCache:
-    """Decoding state of one head group: the positions seen so far and what the mechanism keeps."""
+    """Decoding state of one head group: the positions seen so far and what the mechanism keeps (key stores, or
+    for routing heads the per-cluster ring buffers)."""
 
     stores: dict[str, KeyStore]
     length: int
     max_len: int
+    routing: RoutingCache | None = None
 
     def check(self, n: int) -> None:
         if self.length + n > self.max_len:
@@ -280,25 +289,13 @@ class RoutingHeads(HeadGroup):
         return self.routing.commitment_loss
 
     def new_cache(self, batch, max_len, device, dtype):
-        return _RoutingHeadCache(self.routing.new_cache(batch, max_len, device=device, dtype=dtype), 0, max_len)
+        return HeadCache({}, 0, max_len, routing=self.routing.new_cache(batch, max_len, device=device, dtype=dtype))
 
     def decode(self, q, k, v, cache, rel_pos):
         cache.check(q.shape[2])
         out = self.routing.decode(q, k, v, cache.routing, rel_pos=rel_pos)
         cache.length = cache.routing.length
         return out
-
-
-@dataclass
-class _RoutingHeadCache:
-    routing: object
-    length: int
-    max_len: int
-
-    def check(self, n: int) -> None:
-        if self.length + n > self.max_len:
-            raise ValueError(f"max_len: decoding to position {self.length + n - 1} exceeds the cache's declared "
-                             f"max_len={self.max_len}")
 
 
 def build_heads(name: str, heads: int, config: TransformerConfig, dilation: list[int], seed: int) -> HeadGroup:
