@@ -271,3 +271,14 @@ def test_the_fused_tile_operator_is_consistent_for_torch_compile() -> None:
     table = torch.randn(4, 8, generator=g, requires_grad=True)
     args = (qt, k, v, [6, 4, 1], None, table, table.clone().detach().requires_grad_(), 1, True)
     torch.library.opcheck(tiles._tile_attention, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_logits_stay_close_to_float32(dtype) -> None:
+    model = randomised(tiny(), dtype=torch.float32)
+    x = tokens(2, 48)
+    with torch.no_grad():
+        exact = model(x)
+        with torch.autocast("cpu", dtype=dtype):
+            low = model(x).float()
+    assert ((low - exact).norm() / exact.norm()).item() < 3e-2  # half-precision rounding, not a different function
