@@ -40,6 +40,24 @@ def test_evaluation_observes_nothing_and_an_empty_update_changes_nothing() -> No
     assert torch.equal(layer.kmeans.centroids, before)
 
 
+def test_initialisation_sees_every_micro_batch_of_the_first_step() -> None:
+    """Gradient accumulation: seeding from two micro-batches equals seeding from their concatenation."""
+    g = torch.Generator().manual_seed(3)
+    r = F.normalize(torch.randn(4, 2, 30, 8, generator=g), dim=-1)  # (B, H, N, D)
+    whole, split = SphericalKMeans(2, 8, 5), SphericalKMeans(2, 8, 5)
+    whole.train(), split.train()
+    whole.observe(r, whole.assign(r))
+    for part in r.chunk(2):
+        split.observe(part, split.assign(part))
+    whole.update(), split.update()
+    assert bool(split.initialized)
+    torch.testing.assert_close(split.centroids, whole.centroids, rtol=0, atol=1e-6)
+    only_first = SphericalKMeans(2, 8, 5).train()
+    only_first.observe(r[:2], only_first.assign(r[:2]))
+    only_first.update()
+    assert not torch.allclose(only_first.centroids, whole.centroids, atol=1e-3)  # the test can tell them apart
+
+
 def test_empty_clusters_keep_their_centroid() -> None:
     km = SphericalKMeans(1, 4, 3, decay=0.9)
     km.train()

@@ -15,9 +15,12 @@ Update (exponential moving average of sums and counts, decay λ):
 For unit-norm centroids only the direction of S_c matters; ε (the smoothing constant) keeps the division finite.
 Empty clusters: a cluster that receives no vector keeps its centroid (its EMA sum shrinks, its direction does not
 change), so it stays available to later batches; it is never re-seeded.
-Initialisation: the first ``update()`` after the first training forward seeds the centroids from a sample of that
-forward's routing vectors (evenly spaced, gathered from every rank) by greedy k-means++ and a few spherical Lloyd
-iterations, with a fixed seed, then broadcasts rank 0's result. Until then the centroids are random unit vectors.
+Initialisation: the first ``update()`` seeds the centroids from a sample of the routing vectors of every training
+forward since construction (evenly spaced within each forward, gathered from every rank in rank order) by greedy
+k-means++ and a few spherical Lloyd iterations, with a fixed seed, then broadcasts rank 0's result. Because the
+loader gives rank r rows [r·B/W, (r+1)·B/W) of the global batch, micro-batch-major within a rank, the sample is the
+same whether a step's batch runs as W processes or as W micro-batches of one process. Until then the centroids are
+random unit vectors.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from torch import Tensor, nn
 from ..checks import positive_int
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+# Forwards whose samples are kept for initialisation (a bound, should update() never be called).
+MAX_SAMPLE_PARTS = 256
 
 
 def recomputing() -> bool:
@@ -58,7 +63,8 @@ class SphericalKMeans(nn.Module):
         decay: λ of the moving averages (0.999 as in the paper).
         eps: smoothing constant of the counts.
         init_iters: spherical Lloyd iterations after k-means++ seeding.
-        init_samples: routing vectors per head kept from the first training forward to seed the centroids.
+        init_samples: routing vectors per head kept from each training forward before the first update, to seed the
+            centroids.
     """
 
     def __init__(self, heads: int, dim: int, num_clusters: int, decay: float = 0.999, eps: float = 1e-6,
@@ -81,16 +87,17 @@ class SphericalKMeans(nn.Module):
         # Statistics observed since the last update; not saved with the model.
         self.register_buffer("pending_sums", torch.zeros(self.heads, self.num_clusters, self.dim), persistent=False)
         self.register_buffer("pending_counts", torch.zeros(self.heads, self.num_clusters), persistent=False)
-        self.register_buffer("samples", torch.zeros(self.heads, self.init_samples, self.dim), persistent=False)
-        self.register_buffer("sample_valid", torch.zeros(self.init_samples, dtype=torch.bool), persistent=False)
-        # Python mirrors of `initialized` and of "samples are held", so that the forward never reads a tensor to
-        # decide what to do (no graph break under torch.compile).
+        # Samples for initialisation, one (H, m, D) part and its (m,) validity per training forward before the first
+        # update. A python mirror of `initialized` lets the forward decide without reading a tensor (no graph break
+        # under torch.compile).
+        self._sample_parts: list[tuple[Tensor, Tensor]] = []
         self._ready = False
-        self._sampled = False
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._ready = bool(self.initialized)
+        if self._ready:
+            self._sample_parts.clear()
 
     @torch.no_grad()
     def assign(self, r: Tensor) -> Tensor:
@@ -122,21 +129,18 @@ class SphericalKMeans(nn.Module):
                   else valid[:, None, :].to(r.dtype).expand(B, H, N))
         self.pending_counts.view(-1).index_add_(0, flat.reshape(-1), weight.reshape(-1))
         self.pending_sums.view(-1, D).index_add_(0, flat.reshape(-1), (r * weight[..., None]).reshape(-1, D))
-        if not self._ready and not self._sampled:
+        if not self._ready and len(self._sample_parts) < MAX_SAMPLE_PARTS:
             self._keep_samples(r, valid)
 
     def _keep_samples(self, r: Tensor, valid: Tensor | None) -> None:
-        """Keep up to ``init_samples`` routing vectors per head, evenly spaced over the batch, for initialisation."""
+        """Keep up to ``init_samples`` routing vectors per head of this forward, evenly spaced over its batch."""
         B, H, N, D = r.shape
-        total, slots = B * N, self.init_samples
-        pick = torch.arange(min(slots, total), device=r.device) * total // min(slots, total)
+        total = B * N
+        count = min(self.init_samples, total)
+        pick = torch.arange(count, device=r.device) * total // count
         per_head = r.permute(1, 0, 2, 3).reshape(H, total, D)
-        self.samples.zero_()
-        self.sample_valid.zero_()
-        self.samples[:, : pick.numel()] = per_head[:, pick].to(self.samples.dtype)
         kept = torch.ones_like(pick, dtype=torch.bool) if valid is None else valid.reshape(-1)[pick]
-        self.sample_valid[: pick.numel()] = kept
-        self._sampled = True
+        self._sample_parts.append((per_head[:, pick].to(self.pending_sums.dtype), kept))
 
     @torch.no_grad()
     def update(self, group: dist.ProcessGroup | None = None) -> None:
@@ -148,10 +152,11 @@ class SphericalKMeans(nn.Module):
         total = self.pending_counts.sum()
         if float(total) > 0:  # the same value on every rank after the all-reduce
             if not bool(self.initialized):
-                samples, kept = self._gathered_samples(group) if distributed else (self.samples, self.sample_valid)
+                samples, kept = self._gathered_samples(group) if distributed else self._local_samples()
                 self._initialise(samples[:, kept], total)
                 if distributed:
                     dist.broadcast(self.centroids, src=0, group=group)
+                self._sample_parts.clear()
             else:
                 lam = self.decay
                 self.ema_counts.mul_(lam).add_(self.pending_counts, alpha=1 - lam)
@@ -162,13 +167,28 @@ class SphericalKMeans(nn.Module):
         self.pending_sums.zero_()
         self.pending_counts.zero_()
 
+    def _local_samples(self) -> tuple[Tensor, Tensor]:
+        """This process's samples (H, S, D) and their validity (S,), in the order they were observed."""
+        if not self._sample_parts:
+            return self.pending_sums[:, :0], torch.zeros(0, dtype=torch.bool, device=self.pending_sums.device)
+        return (torch.cat([part for part, _ in self._sample_parts], dim=1),
+                torch.cat([kept for _, kept in self._sample_parts]))
+
     def _gathered_samples(self, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
         """Every rank's samples and their validity, concatenated in rank order."""
+        samples, kept = self._local_samples()
         world = dist.get_world_size(group)
-        parts = [torch.zeros_like(self.samples) for _ in range(world)]
-        valid = [torch.zeros_like(self.sample_valid) for _ in range(world)]
-        dist.all_gather(parts, self.samples, group=group)
-        dist.all_gather(valid, self.sample_valid, group=group)
+        sizes = [torch.zeros(1, dtype=torch.long, device=kept.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([kept.numel()], device=kept.device), group=group)
+        longest = int(max(sizes))  # all_gather needs equal shapes: pad to the longest, mark the padding invalid
+        padded = samples.new_zeros(self.heads, longest, self.dim)
+        padded[:, : kept.numel()] = samples
+        mask = kept.new_zeros(longest)
+        mask[: kept.numel()] = kept
+        parts = [torch.zeros_like(padded) for _ in range(world)]
+        valid = [torch.zeros_like(mask) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        dist.all_gather(valid, mask, group=group)
         return torch.cat(parts, dim=1), torch.cat(valid)
 
     def _initialise(self, samples: Tensor, total: Tensor) -> None:
