@@ -1,0 +1,79 @@
+"""Batches for training and windows for evaluation, drawn from memory-mapped token arrays.
+
+Training batches are a pure function of (seed, step): the global batch of a step is drawn from a generator seeded
+with both, and each rank takes its own slice of it. So a run resumed at step s sees exactly the batches an
+uninterrupted run would, and N processes see together exactly what one process sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from .store import DataError
+
+
+class BatchSampler:
+    """Random windows of ``seq_len + 1`` tokens from ``tokens`` (inputs and next-token targets)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, rank: int = 0,
+                 world: int = 1, split: str = "train") -> None:
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"the {split} split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                            f"lower seq_len (--set seq_len=...)")
+        if batch_size % world:
+            raise DataError(f"batch_size ({batch_size}) must be divisible by the number of processes ({world})")
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.seed, self.rank, self.world = seed, rank, world
+
+    def offsets(self, step: int) -> torch.Tensor:
+        """Start of every window of the global batch of ``step``: (batch_size,)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=gen)
+
+    def batch(self, step: int, micro: int = 0, micro_batches: int = 1) -> torch.Tensor:
+        """This rank's share of micro-batch ``micro`` of step ``step``: (batch_size / (world · micro_batches),
+        seq_len + 1) int64 tokens."""
+        per = self.batch_size // self.world
+        if per % micro_batches:
+            raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
+        size = per // micro_batches
+        mine = self.offsets(step)[self.rank * per:(self.rank + 1) * per][micro * size:(micro + 1) * size]
+        rows = [np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in mine.tolist()]
+        return torch.from_numpy(np.stack(rows))
+
+
+def eval_windows(n: int, seq_len: int, stride: int | None = None) -> list[tuple[int, int]]:
+    """Windows (start, first scored prediction) covering every prediction of a split of n tokens exactly once.
+
+    A window is seq_len + 1 tokens from ``start`` (shorter at the end). Non-overlapping (stride = seq_len): every
+    prediction of each window counts. Strided: windows advance by ``stride`` and score only their last ``stride``
+    predictions, so each has at least seq_len - stride tokens of context (the first window scores all).
+    """
+    stride = seq_len if stride is None else stride
+    if not 1 <= stride <= seq_len:
+        raise DataError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
+    windows, start = [], 0
+    while True:
+        first = 0 if start == 0 else seq_len - stride
+        windows.append((start, first))
+        if start + seq_len >= n - 1:
+            return windows
+        start += stride
+
+
+def window_batches(tokens: np.ndarray, windows: list[tuple[int, int]], seq_len: int,
+                   batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens (b, L + 1), score mask (b, L)) per batch; windows at the end are right-padded and masked."""
+    for i in range(0, len(windows), batch):
+        chunk = windows[i:i + batch]
+        length = min(seq_len, len(tokens) - 1 - min(start for start, _ in chunk))
+        rows = np.zeros((len(chunk), length + 1), dtype=np.int64)
+        mask = np.zeros((len(chunk), length), dtype=bool)
+        for r, (start, first) in enumerate(chunk):
+            piece = np.asarray(tokens[start:start + length + 1], dtype=np.int64)
+            rows[r, :len(piece)] = piece
+            mask[r, first:len(piece) - 1] = True
+        yield torch.from_numpy(rows), torch.from_numpy(mask)

@@ -1,0 +1,192 @@
+"""Prepared data sets on disk: train.bin / valid.bin / test.bin (flat token arrays, memory-mapped) + meta.json.
+
+A data set lives in ``<data_dir>/<name>/``. Each split is written to a temporary file, fsynced and renamed into
+place, with its sha256 computed on the way; ``meta.json`` is written last, so a data set is complete exactly when
+its ``meta.json`` exists. Opening checks every split's size (a truncated file is an error naming it) and, for
+splits up to 1 GiB, its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SPLITS = ("train", "valid", "test")
+METRICS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
+VERIFY_LIMIT = 1 << 30  # splits up to this size are checksummed on open
+
+
+class DataError(ValueError):
+    """A data set is missing, incomplete or corrupt; the message names the file and what to do."""
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("ROUTEFORMER_DATA", "~/.cache/routeformer")).expanduser()
+
+
+@dataclass
+class DatasetMeta:
+    """meta.json: what a prepared data set holds and where it came from."""
+
+    name: str
+    kind: str  # bytes | words | images
+    vocab_size: int
+    dtype: str  # numpy dtype of the tokens
+    splits: dict[str, int]  # tokens per split
+    sha256: dict[str, str]  # of each split file
+    source: str
+    source_checksum: str | None = None
+    sample_length: int | None = None  # tokens per sample (one image), when the data comes in samples
+    vocab_file: str | None = None  # words: one token per line, id = line number
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def metric(self) -> str:
+        return METRICS[self.kind]
+
+
+def atomic_file(path: Path) -> tuple[Path, object]:
+    """A temporary file beside ``path`` opened for binary writing; finish with ``commit_file``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return tmp, open(tmp, "wb")  # open() honours the umask, unlike mkstemp
+
+
+def commit_file(tmp: Path, handle, path: Path) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_split(path: Path, chunks: Iterable[np.ndarray], dtype: np.dtype) -> tuple[int, str]:
+    """Stream arrays into ``path`` atomically; return (tokens written, sha256)."""
+    tmp, handle = atomic_file(path)
+    digest, count = hashlib.sha256(), 0
+    try:
+        for chunk in chunks:
+            data = np.ascontiguousarray(chunk, dtype=dtype).tobytes()
+            handle.write(data)
+            digest.update(data)
+            count += len(data) // np.dtype(dtype).itemsize
+        commit_file(tmp, handle, path)
+    except BaseException:
+        handle.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return count, digest.hexdigest()
+
+
+def writable_directory(path: Path) -> Path:
+    """Create ``path`` if needed and check it can be written, with an error that names it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise DataError(f"cannot write to {path}: {err.strerror or err}; choose another --data-dir") from None
+    return path
+
+
+def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable[np.ndarray]],
+                  vocab: list[str] | None = None) -> DatasetMeta:
+    """Write the splits and vocabulary into a staging folder, then move the finished data set into place.
+
+    A data set already in ``directory`` stays untouched until the new one is complete.
+    """
+    staging = writable_directory(directory.with_name(f".{directory.name}.staging"))
+    for split in SPLITS:
+        count, digest = write_split(staging / f"{split}.bin", splits[split], np.dtype(meta.dtype))
+        meta.splits[split], meta.sha256[split] = count, digest
+        if count == 0:
+            raise DataError(f"the {split} split of {meta.name} came out empty; the source is too small")
+    if vocab is not None:
+        meta.vocab_file = "vocab.txt"
+        tmp, handle = atomic_file(staging / "vocab.txt")
+        handle.write("".join(f"{token}\n" for token in vocab).encode())
+        commit_file(tmp, handle, staging / "vocab.txt")
+    tmp, handle = atomic_file(staging / "meta.json")
+    handle.write((json.dumps(asdict(meta), indent=2) + "\n").encode())
+    commit_file(tmp, handle, staging / "meta.json")
+    if directory.exists():  # replace the old data set only now that the new one is whole
+        old = directory.with_name(f".{directory.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(staging, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, directory)
+    return meta
+
+
+class Dataset:
+    """A prepared data set: ``dataset.split("train")`` is a read-only memory-mapped token array."""
+
+    def __init__(self, directory: Path, meta: DatasetMeta) -> None:
+        self.directory, self.meta = directory, meta
+        self._arrays: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def open(cls, name: str, data_dir: str | Path | None = None, verify: bool = True) -> Dataset:
+        directory = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+        directory = directory / name
+        meta_path = directory / "meta.json"
+        dir_arg = "" if data_dir is None else f" --data-dir {Path(data_dir).expanduser()}"
+        if not meta_path.is_file():
+            raise DataError(f"data set {name!r} is not prepared in {directory.parent}: run "
+                            f"`routeformer prepare {name}{dir_arg}` first")
+        try:
+            raw = json.loads(meta_path.read_text())
+            meta = DatasetMeta(**raw)
+        except (json.JSONDecodeError, TypeError) as err:
+            raise DataError(f"{meta_path} is corrupt ({err}); prepare the data set again with "
+                            f"`routeformer prepare {name}{dir_arg}`") from None
+        dataset = cls(directory, meta)
+        for split in SPLITS:
+            dataset._check(split, verify)
+        return dataset
+
+    def _check(self, split: str, verify: bool) -> None:
+        path = self.directory / f"{split}.bin"
+        itemsize = np.dtype(self.meta.dtype).itemsize
+        want = self.meta.splits[split] * itemsize
+        if not path.is_file():
+            raise DataError(f"{path} is missing; prepare the data set again")
+        size = path.stat().st_size
+        if size != want:
+            raise DataError(f"{path} holds {size} bytes but meta.json says {want}: the file is truncated or was "
+                            f"changed; prepare the data set again")
+        if verify and size <= VERIFY_LIMIT:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            if digest.hexdigest() != self.meta.sha256[split]:
+                raise DataError(f"{path} does not match its checksum in meta.json: the file is corrupt; prepare "
+                                f"the data set again")
+
+    def split(self, name: str) -> np.ndarray:
+        if name not in SPLITS:
+            raise DataError(f"unknown split {name!r}; splits are {', '.join(SPLITS)}")
+        if name not in self._arrays:
+            path = self.directory / f"{name}.bin"
+            self._arrays[name] = np.memmap(path, dtype=np.dtype(self.meta.dtype), mode="r")
+        return self._arrays[name]
+
+    def vocab(self) -> list[str] | None:
+        if self.meta.vocab_file is None:
+            return None
+        return (self.directory / self.meta.vocab_file).read_text().split("\n")[:-1]

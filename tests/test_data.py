@@ -1,0 +1,225 @@
+"""Data sets: every source prepared from a tiny stand-in the test builds itself; nothing downloads."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from routeformer.data import BatchSampler, DataError, Dataset, eval_windows, prepare, sources, window_batches
+
+
+def test_stdlib_from_a_folder_sorted_python_files_only(tmp_path) -> None:
+    root = tmp_path / "lib"
+    for rel, text in {"b.py": "B" * 500, "a/z.py": "Z" * 300, "a/y.txt": "no", "site-packages/x.py": "no",
+                      "a/__pycache__/c.py": "no", "test/t.py": "T" * 200}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    meta = prepare("stdlib", tmp_path / "data", str(root))
+    data = Dataset.open("stdlib", tmp_path / "data")
+    whole = np.concatenate([np.asarray(data.split(s)) for s in ("train", "valid", "test")]).tobytes()
+    assert whole == ("Z" * 300 + "B" * 500 + "T" * 200).encode()  # a/z.py, b.py, test/t.py
+    assert meta.splits == {"train": 900, "valid": 50, "test": 50} and meta.kind == "bytes"
+
+
+def test_the_real_stdlib() -> None:
+    """The built-in default: this Python's standard library, tests included."""
+    meta = prepare("stdlib", Path(__import__("tempfile").mkdtemp()))
+    total = sum(meta.splits.values())
+    assert total > 1_000_000 and meta.splits["train"] == total * 90 // 100
+    assert "test" in meta.source or meta.source.count(".py") >= 1
+
+
+def _mahoney_standin(tmp_path: Path, monkeypatch, name: str, size: int = 2000) -> tuple[Path, bytes]:
+    rng = np.random.default_rng(0)
+    data = bytes(rng.integers(0, 256, size, dtype=np.uint8)) if name == "enwik8" else bytes(
+        rng.choice(list(b" abcdefghijklmnopqrstuvwxyz"), size).astype(np.uint8))
+    spec = dict(getattr(sources, name.upper()))
+    spec.update(size=size, md5=(hashlib.md5(data).hexdigest(),))
+    monkeypatch.setattr(sources, name.upper(), spec)
+    archive = tmp_path / f"{name}.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr(name, data)
+    return archive, data
+
+
+@pytest.mark.parametrize("name", ["enwik8", "text8"])
+def test_mahoney_data_from_a_zip_and_from_the_raw_file(name: str, tmp_path, monkeypatch) -> None:
+    archive, data = _mahoney_standin(tmp_path, monkeypatch, name)
+    meta = prepare(name, tmp_path / "data", str(archive))
+    assert meta.splits == {"train": 1800, "valid": 100, "test": 100}  # 90 / 5 / 5 of the size, as 90M / 5M / 5M
+    ds = Dataset.open(name, tmp_path / "data")
+    assert np.asarray(ds.split("valid")).tobytes() == data[1800:1900]
+    raw = tmp_path / name
+    raw.write_bytes(data)
+    assert prepare(name, tmp_path / "data2", str(raw)).splits == meta.splits
+
+
+def test_mahoney_checksum_and_size_are_verified(tmp_path, monkeypatch) -> None:
+    archive, data = _mahoney_standin(tmp_path, monkeypatch, "enwik8")
+    bad = tmp_path / "bad"
+    bad.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    with pytest.raises(DataError, match="md5 .* is not the published md5 of enwik8"):
+        prepare("enwik8", tmp_path / "data", str(bad))
+    assert prepare("enwik8", tmp_path / "data", str(bad), skip_checksum=True).splits["train"] == 1800
+    short = tmp_path / "short"
+    short.write_bytes(data[:-1])
+    with pytest.raises(DataError, match="must hold 2000 bytes"):
+        prepare("enwik8", tmp_path / "data", str(short), skip_checksum=True)
+
+
+def test_download_goes_through_urlopen_and_offline_says_what_to_do(tmp_path, monkeypatch) -> None:
+    archive, _ = _mahoney_standin(tmp_path, monkeypatch, "enwik8")
+    payload = archive.read_bytes()
+
+    class Response(io.BytesIO):
+        headers = {"Content-Length": str(len(payload))}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    seen = []
+    monkeypatch.setattr(sources.urllib.request, "urlopen", lambda url, timeout: seen.append(url) or Response(payload))
+    prepare("enwik8", tmp_path / "data")
+    assert seen == [sources.ENWIK8["url"]] and (tmp_path / "data" / "downloads" / "enwik8.zip").is_file()
+
+    def offline(url, timeout):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(sources.urllib.request, "urlopen", offline)
+    with pytest.raises(DataError, match=r"could not download .*routeformer prepare text8 --from FILE"):
+        prepare("text8", tmp_path / "data")
+
+
+def _wikitext_zip(tmp_path: Path) -> Path:
+    texts = {"train": "the cat sat\n\nthe <unk> ran\n", "valid": "the dog sat\n", "test": "cat ran\n"}
+    archive = tmp_path / "wikitext-103-v1.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for split, text in texts.items():
+            z.writestr(f"wikitext-103/wiki.{split}.tokens", text)
+    return archive
+
+
+def test_wikitext103_word_level(tmp_path) -> None:
+    meta = prepare("wikitext103", tmp_path / "data", str(_wikitext_zip(tmp_path)))
+    ds = Dataset.open("wikitext103", tmp_path / "data")
+    vocab = ds.vocab()
+    assert meta.kind == "words" and ds.meta.metric == "perplexity" and meta.dtype == "uint32"
+    assert vocab[:2] == ["<eos>", "the"]  # by frequency: 3 line ends, 2 "the"
+    assert set(vocab) == {"<eos>", "the", "cat", "sat", "<unk>", "ran"} and meta.vocab_size == 6
+    words = [vocab[i] for i in ds.split("valid")]
+    assert words == ["the", "<unk>", "sat", "<eos>"]  # "dog" is not in the training vocabulary
+    assert [vocab[i] for i in ds.split("train")][:4] == ["the", "cat", "sat", "<eos>"]
+
+
+def test_imagenet64_raster_order_and_splits(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sources, "IMAGENET64_VALID", 3)
+    rng = np.random.default_rng(0)
+    batches = {"train_data_batch_1": 5, "train_data_batch_2": 4, "val_data": 2}
+    arrays = {}
+    folder = tmp_path / "imagenet64"
+    folder.mkdir()
+    for name, n in batches.items():
+        arrays[name] = rng.integers(0, 256, (n, 12288), dtype=np.uint8)
+        np.savez(folder / f"{name}.npz", data=arrays[name], labels=np.zeros(n))
+    meta = prepare("imagenet64", tmp_path / "data", str(folder))
+    assert meta.splits == {"train": 6 * 12288, "valid": 3 * 12288, "test": 2 * 12288}
+    assert meta.sample_length == 12288 and meta.metric == "bits per dimension"
+    ds = Dataset.open("imagenet64", tmp_path / "data")
+    first = arrays["train_data_batch_1"][0].reshape(3, 64, 64)  # channel planes
+    image = np.asarray(ds.split("train")[:12288]).reshape(64, 64, 3)  # raster order, R G B per pixel
+    assert np.array_equal(image[10, 20], first[:, 10, 20])
+    held = np.asarray(ds.split("valid")[:12288])
+    assert np.array_equal(held, arrays["train_data_batch_2"][1].reshape(3, 64, 64).transpose(1, 2, 0).reshape(-1))
+
+
+def test_text_folder(tmp_path) -> None:
+    folder = tmp_path / "notes"
+    (folder / "b").mkdir(parents=True)
+    (folder / "b" / "x.txt").write_text("X" * 100)
+    (folder / "a.txt").write_text("A" * 100)
+    prepare("text", tmp_path / "data", str(folder), dataset_name="notes")
+    ds = Dataset.open("notes", tmp_path / "data")
+    assert np.asarray(ds.split("train")).tobytes() == b"A" * 100 + b"X" * 80
+
+
+def test_missing_dataset_names_the_prepare_command(tmp_path) -> None:
+    with pytest.raises(DataError, match=f"routeformer prepare enwik8 --data-dir {tmp_path}"):
+        Dataset.open("enwik8", tmp_path)
+
+
+def test_truncated_and_corrupt_files_are_named(tmp_path) -> None:
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "f.txt").write_bytes(bytes(range(256)) * 4)
+    prepare("text", tmp_path / "data", str(folder))
+    train = tmp_path / "data" / "text" / "train.bin"
+    data = train.read_bytes()
+    train.write_bytes(data[:-1])
+    with pytest.raises(DataError, match=f"{train} holds .* truncated"):
+        Dataset.open("text", tmp_path / "data")
+    train.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    with pytest.raises(DataError, match=f"{train} does not match its checksum"):
+        Dataset.open("text", tmp_path / "data")
+    (tmp_path / "data" / "text" / "meta.json").write_text("{broken")
+    with pytest.raises(DataError, match="meta.json is corrupt"):
+        Dataset.open("text", tmp_path / "data")
+
+
+def test_unwritable_data_dir_is_named(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(DataError, match=f"cannot write to {blocker / 'data'}"):
+        prepare("stdlib", blocker / "data")
+
+
+def test_a_failed_prepare_keeps_the_previous_data_set(tmp_path) -> None:
+    good = tmp_path / "good.txt"
+    good.write_bytes(b"g" * 1000)
+    prepare("text", tmp_path / "data", str(good))
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"x" * 10)
+    with pytest.raises(DataError, match="at least 100"):
+        prepare("text", tmp_path / "data", str(tiny))
+    assert np.asarray(Dataset.open("text", tmp_path / "data").split("train")).tobytes() == b"g" * 900
+
+
+def test_batches_are_a_function_of_seed_and_step_and_ranks_split_them() -> None:
+    tokens = np.arange(10_000) % 251
+    one = BatchSampler(tokens, 16, 8, seed=3)
+    assert torch.equal(one.batch(5), one.batch(5)) and not torch.equal(one.batch(5), one.batch(6))
+    assert torch.equal(one.batch(5)[:, 1:], one.batch(5)[:, :-1] + 1 - 251 * (one.batch(5)[:, :-1] == 250))
+    ranks = [BatchSampler(tokens, 16, 8, seed=3, rank=r, world=2) for r in range(2)]
+    micro = [ranks[r].batch(5, m, 2) for r in range(2) for m in range(2)]
+    assert torch.equal(torch.cat(micro), one.batch(5))  # the global batch, split over ranks and micro-batches
+
+
+def test_sampler_rejects_impossible_requests() -> None:
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        BatchSampler(np.zeros(10), 16, 4, seed=0)
+    with pytest.raises(DataError, match="divisible by the number of processes"):
+        BatchSampler(np.zeros(100), 8, 3, seed=0, world=2)
+
+
+@given(n=st.integers(2, 300), seq=st.integers(1, 40), stride_frac=st.floats(0.01, 1.0))
+def test_evaluation_windows_score_every_prediction_once(n: int, seq: int, stride_frac: float) -> None:
+    stride = max(1, round(seq * stride_frac))
+    windows = eval_windows(n, seq, stride)
+    tokens = np.arange(n)
+    targets = []
+    for rows, mask in window_batches(tokens, windows, seq, batch=7):
+        targets += rows[:, 1:][mask].tolist()
+    assert sorted(targets) == list(range(1, n))  # prediction of token t for t = 1 … n - 1, each once
+    if stride < seq:
+        for _start, first in windows[1:]:
+            assert first >= seq - stride  # every scored prediction has at least seq - stride of context
