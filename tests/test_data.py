@@ -143,6 +143,15 @@ def test_imagenet64_raster_order_and_splits(tmp_path, monkeypatch) -> None:
     assert np.array_equal(held, arrays["train_data_batch_2"][1].reshape(3, 64, 64).transpose(1, 2, 0).reshape(-1))
 
 
+def test_batches_of_data_in_samples_start_at_a_sample() -> None:
+    tokens = np.arange(10 * 12, dtype=np.uint16)  # ten samples of 12 tokens
+    sampler = BatchSampler(tokens, 12, 64, seed=0, align=12)
+    starts = {int(o) for step in range(1, 20) for o in sampler.offsets(step)}
+    assert starts <= set(range(0, 9 * 12, 12))  # every window starts at a sample; the last has no next token
+    assert len(starts) == 9  # and every sample that fits is drawn
+    assert (sampler.batch(1)[:, 0] % 12 == 0).all()
+
+
 def test_text_folder(tmp_path) -> None:
     folder = tmp_path / "notes"
     (folder / "b").mkdir(parents=True)

@@ -1,9 +1,16 @@
-"""The ``routeformer`` command line."""
+"""The ``routeformer`` command line: prepare | train | evaluate | sample | bench.
+
+Errors in what the user gave (files, options, data) are one line on stderr and exit status 2; set
+ROUTEFORMER_DEBUG=1 to see the traceback. An interrupted training run exits with status 130 after saving.
+"""
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -11,15 +18,99 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="routeformer", description=__doc__)
+    from .data import PREPARERS
+
+    parser = argparse.ArgumentParser(
+        prog="routeformer", description="Long-sequence Transformers with routing attention: prepare data, train, "
+        "evaluate, sample, benchmark.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    prep = commands.add_parser(
+        "prepare", help="turn a data set into train/valid/test token arrays",
+        description="Prepare a data set once into memory-mapped train.bin / valid.bin / test.bin and meta.json "
+        "under DATA_DIR/NAME. stdlib: this Python's standard library (no download); enwik8, text8: downloaded "
+        "from mattmahoney.net or taken from --from (md5 checked); wikitext103: downloaded or --from (the "
+        "wikitext-103-v1 zip or its folder); imagenet64: --from a folder of the 64x64 npz batches; text: --from a "
+        "text file or folder.")
+    prep.add_argument("name", choices=sorted(PREPARERS), metavar="NAME", help=f"one of {', '.join(PREPARERS)}")
+    prep.add_argument("--from", dest="source", metavar="PATH", help="a local archive, file or folder to use")
+    prep.add_argument("--data-dir", metavar="DIR", help="where data sets live (default ~/.cache/routeformer, or "
+                      "$ROUTEFORMER_DATA)")
+    prep.add_argument("--name", dest="dataset_name", metavar="NAME", help="store under this name (for text data)")
+    prep.add_argument("--skip-checksum", action="store_true", help="accept enwik8 / text8 whose md5 is not the "
+                      "published one")
+
+    tr = commands.add_parser(
+        "train", help="train a model (with no arguments: the main job on stdlib)",
+        description="Train a model from a TOML configuration ([model] and [train] tables; default: the shipped "
+        "default.toml, a half-local half-routing byte model trained on stdlib in about ten minutes on 2 CPU "
+        "cores). Under torchrun, one process per GPU (or CPU worker) trains data-parallel. Ctrl-C saves a "
+        "checkpoint and exits; --resume continues it exactly.")
+    tr.add_argument("--config", metavar="FILE", help="a TOML file, or a shipped name: default, enwik8, "
+                    "wikitext103, imagenet64")
+    tr.add_argument("--data", metavar="NAME", help="data set to train on (overrides [train] data)")
+    tr.add_argument("--data-dir", metavar="DIR", help="where data sets live")
+    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a [model] or [train] field (repeatable), e.g. --set dim=512 --set lr=3e-4")
+    tr.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/<data>-<date>-<time>)")
+    tr.add_argument("--max-steps", type=_positive, metavar="S", help="stop after S optimiser steps")
+    tr.add_argument("--max-minutes", type=_positive_float, metavar="M",
+                    help="stop after M minutes of this invocation (then evaluate and save)")
+    tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint (only "
+                    "--max-steps and --max-minutes may change)")
+    tr.add_argument("--fsdp", action="store_true", help="shard parameters with FSDP2 instead of DDP (torchrun)")
+
+    ev = commands.add_parser(
+        "evaluate", help="bits per byte / perplexity / bits per dimension of a run on a split",
+        description="Evaluate a run's weights over a whole split in windows of seq_len: bits per byte (byte "
+        "data), perplexity (words) or bits per dimension (images). Runs data-parallel under torchrun.")
+    ev.add_argument("run_dir", metavar="RUN_DIR")
+    ev.add_argument("--split", choices=("valid", "test"), default="valid")
+    ev.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                    help="the best (lowest validation loss) or the last weights")
+    ev.add_argument("--stride", type=_positive, metavar="S", help="advance windows by S < seq_len and score only "
+                    "their last S tokens, so every token has at least seq_len - S of context (default: "
+                    "non-overlapping windows)")
+    ev.add_argument("--batch-size", type=_positive, default=8, metavar="B")
+    ev.add_argument("--data-dir", metavar="DIR", help="where the run's data set lives, if not where it was trained")
+    ev.add_argument("--device", default="auto")
+
+    sa = commands.add_parser(
+        "sample", help="generate text from a run, streamed as it is produced",
+        description="Continue a prompt with a run's model through its cached generation, printing the text as it "
+        "is generated.")
+    sa.add_argument("run_dir", metavar="RUN_DIR")
+    src = sa.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT")
+    src.add_argument("--prompt-file", metavar="FILE")
+    sa.add_argument("--tokens", type=_positive, default=300, metavar="N", help="tokens to generate")
+    sa.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 for greedy")
+    sa.add_argument("--top-k", type=_positive, metavar="K")
+    sa.add_argument("--top-p", type=_positive_float, metavar="P")
+    sa.add_argument("--seed", type=int, metavar="S", help="make the sample repeatable")
+    sa.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    sa.add_argument("--data-dir", metavar="DIR")
+    sa.add_argument("--device", default="auto")
 
     bench = commands.add_parser("bench", help="benchmarks: time and peak memory tables")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
@@ -48,14 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
         "k-means update) of three models of one size that differ only in attention (full, local, half local and "
         "half routing), and milliseconds per generated token after prompts of the given lengths.",
     )
-    _model_arguments(mod)
-
-    every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
-    every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return parser
-
-
-def _model_arguments(mod: argparse.ArgumentParser) -> None:
     mod.add_argument("--n", type=_positive, nargs="+", default=[1024, 4096, 8192], help="training lengths")
     mod.add_argument("--positions", type=_positive, nargs="+", default=[1024, 4096, 16384],
                      help="prompt lengths at which generation is timed")
@@ -67,24 +150,192 @@ def _model_arguments(mod: argparse.ArgumentParser) -> None:
     mod.add_argument("--repeats", type=_positive, default=3, help="timed training steps (median reported)")
     mod.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
+    every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
+    every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        from .bench import attention, model
+    try:
+        return COMMANDS[args.command](args)
+    except Exception as err:  # user-facing failures: one line, no traceback
+        from .data import DataError
 
-        if args.suite == "attention":
-            attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
-                          repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
-                          causal=not args.non_causal, only=args.only)
-        elif args.suite == "model":
-            model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
-                      batch=args.batch, repeats=args.repeats, device=args.device)
-        else:
-            attention.run([1024, 4096, 16384], device=args.device)
-            print()
-            model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device)
+        if os.environ.get("ROUTEFORMER_DEBUG") or not isinstance(err, (ValueError, DataError, OSError)):
+            raise
+        print(f"routeformer: error: {err}", file=sys.stderr)
+        return 2
+
+
+def cmd_prepare(args) -> int:
+    import numpy as np
+
+    from .data import default_data_dir, prepare
+
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    meta = prepare(args.name, data_dir, args.source, dataset_name=args.dataset_name,
+                   skip_checksum=args.skip_checksum)
+    where = data_dir / meta.name
+    print(f"prepared {meta.name} in {where}: " + ", ".join(f"{s} {n:,}" for s, n in meta.splits.items())
+          + f" tokens; vocabulary {meta.vocab_size:,}; metric {meta.metric}")
+    if meta.kind == "bytes":  # two reference points a model should beat
+        import zlib
+
+        from .data import Dataset
+
+        data = Dataset.open(meta.name, data_dir, verify=False)
+        counts = np.bincount(np.asarray(data.split("train")), minlength=256)
+        p = counts[counts > 0] / counts.sum()
+        valid = np.asarray(data.split("valid")).tobytes()
+        print(f"reference points: order-0 entropy {float(-(p * np.log2(p)).sum()):.2f} bits per byte (train), "
+              f"zlib -9 {8 * len(zlib.compress(valid, 9)) / len(valid):.2f} bits per byte (valid)")
     return 0
+
+
+def cmd_train(args) -> int:
+    from .data import DataError, Dataset, default_data_dir, prepare
+    from .train import Interrupted, load_run_config, train
+    from .train.runs import read_run_config
+    from .train.trainer import new_run_dir
+
+    if args.resume:
+        given = [name for name, value in (("--config", args.config), ("--data", args.data),
+                                          ("--data-dir", args.data_dir), ("--set", args.overrides),
+                                          ("--out", args.out), ("--fsdp", args.fsdp)) if value]
+        if given:
+            raise ValueError(f"--resume continues a run as configured; it accepts --max-steps and --max-minutes, "
+                             f"not {', '.join(given)}")
+        run_dir = Path(args.resume).expanduser()
+        run = read_run_config(run_dir)
+        for key, value in (("max_steps", args.max_steps), ("max_minutes", args.max_minutes)):
+            if value is not None:
+                setattr(run.train, key, value)
+        run.train.__post_init__()
+    else:
+        extra = {"data": args.data, "data_dir": args.data_dir, "max_steps": args.max_steps,
+                 "max_minutes": args.max_minutes, "fsdp": args.fsdp or None}
+        run = load_run_config(args.config, args.overrides, extra)
+        run_dir = new_run_dir(run, args.out)
+        if run.train.data == "stdlib" and int(os.environ.get("RANK", "0")) == 0:
+            data_dir = Path(run.train.data_dir).expanduser() if run.train.data_dir else default_data_dir()
+            try:
+                Dataset.open("stdlib", data_dir, verify=False)
+            except DataError:  # the built-in data set needs no download: prepare it on first use
+                print(f"preparing the stdlib data set in {data_dir / 'stdlib'} (first use)")
+                prepare("stdlib", data_dir)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist  # ranks > 0 wait for rank 0's preparation
+
+            from .train.distributed import start
+            start(run.train.device)
+            dist.barrier()
+    try:
+        result = train(run, run_dir, resume=bool(args.resume))
+    except Interrupted as stop:
+        print(f"routeformer: {stop}", file=sys.stderr)
+        return 130
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"\nstopped after {result.step} steps ({result.stopped}), {result.minutes:.1f} minutes")
+        print(f"validation {result.unit}: {result.valid:.4f} (whole split)")
+        if result.sample is not None:
+            print(f"sample:\n{'-' * 72}\n{result.sample}\n{'-' * 72}")
+        print(f"run directory: {result.run_dir}")
+        print(f"checkpoint:    {result.run_dir / 'checkpoint.pt'} (best weights in {result.run_dir / 'best'})")
+        print(f"loss curve:    {result.plot}" if result.plot else "loss curve:    not drawn (pip install matplotlib)")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from .train import distributed
+    from .train.evaluation import UNITS, context_policy, evaluate, metric
+    from .train.runs import load_run, pick_device
+
+    run_dir = Path(args.run_dir).expanduser()
+    procs = distributed.start(pick_device(args.device))
+    try:
+        model, run, data, which = load_run(run_dir, args.checkpoint, args.data_dir, str(procs.device))
+        seq = run.model.seq_len
+        if args.stride is not None and args.stride > seq:
+            raise ValueError(f"--stride {args.stride} is larger than seq_len ({seq})")
+        tokens = data.split(args.split)
+        if len(tokens) < 2:
+            raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
+        total, count = evaluate(model, tokens, seq, batch=args.batch_size, procs=procs, stride=args.stride)
+        if procs.main:
+            mean = total / count
+            print(f"{run_dir} ({which} weights) on the {args.split} split of {data.meta.name}: "
+                  f"{metric(data.meta.kind, mean):.4f} {UNITS[data.meta.kind]} (mean NLL {mean:.4f} nats over "
+                  f"{count:,} predictions; context: {context_policy(seq, args.stride)})")
+    finally:
+        distributed.stop(procs)
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import numpy as np
+
+    from .train.runs import load_run, pick_device
+
+    run_dir = Path(args.run_dir).expanduser()
+    model, run, data, _ = load_run(run_dir, args.checkpoint, args.data_dir, pick_device(args.device))
+    kind = data.meta.kind
+    if kind == "images":
+        raise ValueError("sampling images from the command line is not supported; use TransformerLM.generate")
+    if args.prompt_file:
+        path = Path(args.prompt_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {path}: no such file")
+        text = path.read_bytes()
+    else:
+        text = args.prompt.encode("utf-8")
+    if not text:
+        raise ValueError("the prompt is empty")
+    if kind == "words":
+        vocab = data.vocab() or []
+        index = {w: i for i, w in enumerate(vocab)}
+        unk = index.get("<unk>", 0)
+        ids = [index.get(w, unk) for w in text.decode("utf-8", errors="replace").split()]
+        if not ids:
+            raise ValueError("the prompt holds no words")
+    else:
+        ids = list(text)
+    prompt = np.asarray(ids, dtype=np.int64)[None]
+    device = next(model.parameters()).device
+    sys.stdout.write(text.decode("utf-8", errors="replace"))
+    sys.stdout.flush()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    vocab = data.vocab() if kind == "words" else None
+    for token in model.stream(torch.from_numpy(prompt).to(device), args.tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+        t = int(token[0])
+        piece = decoder.decode(bytes([t])) if vocab is None else (
+            "\n" if vocab[t] == "<eos>" else " " + vocab[t])
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import attention, model
+
+    if args.suite == "attention":
+        attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
+                      repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
+                      only=args.only)
+    elif args.suite == "model":
+        model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
+                  batch=args.batch, repeats=args.repeats, device=args.device)
+    else:
+        attention.run([1024, 4096, 16384], device=args.device)
+        print()
+        model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device)
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "evaluate": cmd_evaluate, "sample": cmd_sample,
+            "bench": cmd_bench}
 
 
 if __name__ == "__main__":

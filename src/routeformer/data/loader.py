@@ -16,22 +16,30 @@ from .store import DataError
 
 
 class BatchSampler:
-    """Random windows of ``seq_len + 1`` tokens from ``tokens`` (inputs and next-token targets)."""
+    """Random windows of ``seq_len + 1`` tokens from ``tokens`` (inputs and next-token targets).
+
+    ``align``: windows start at multiples of it. Data that comes in samples (images) passes the sample length, so
+    that every window starts at a sample's first token and position embeddings tied to the sample's layout (an
+    image's row, column and channel) are those of the tokens they embed.
+    """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, rank: int = 0,
-                 world: int = 1, split: str = "train") -> None:
+                 world: int = 1, split: str = "train", align: int = 1) -> None:
         if len(tokens) < seq_len + 1:
             raise DataError(f"the {split} split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
                             f"lower seq_len (--set seq_len=...)")
         if batch_size % world:
             raise DataError(f"batch_size ({batch_size}) must be divisible by the number of processes ({world})")
+        if align < 1:
+            raise ValueError(f"align must be a positive integer, got {align}")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.seed, self.rank, self.world = seed, rank, world
+        self.seed, self.rank, self.world, self.align = seed, rank, world, align
 
     def offsets(self, step: int) -> torch.Tensor:
         """Start of every window of the global batch of ``step``: (batch_size,)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=gen)
+        starts = (len(self.tokens) - self.seq_len - 1) // self.align + 1  # windows that fit, at aligned starts
+        return torch.randint(0, starts, (self.batch_size,), generator=gen) * self.align
 
     def batch(self, step: int, micro: int = 0, micro_batches: int = 1) -> torch.Tensor:
         """This rank's share of micro-batch ``micro`` of step ``step``: (batch_size / (world · micro_batches),

@@ -1,0 +1,193 @@
+"""Run configuration: a TOML file with a [model] table (TransformerConfig) and a [train] table (TrainConfig).
+
+``--set key=value`` overrides either table: ``key`` is a field name (unique across both tables) or
+``model.key`` / ``train.key``; ``value`` is read as TOML (``3e-4``, ``true``, ``"local:4,routing:4"``, ``[1, 2]``),
+and a bare word is read as a string. Unknown keys are an error that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from ..model import TransformerConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+SCHEDULES = ("cosine", "inverse_sqrt", "constant")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: data, optimisation, budget, evaluation, logging.
+
+    batch_size is the number of sequences per optimiser step over all processes; each process runs
+    batch_size / (processes · grad_accum) sequences per forward. The learning rate warms up linearly over
+    warmup_steps, then decays (cosine to min_lr at decay_steps, or as 1/sqrt(step)). decay_steps = 0 means
+    max_steps; set it to plan a longer schedule than this invocation runs (stop early, resume later). max_minutes
+    bounds the wall time of each invocation (a resumed run gets its own budget).
+    """
+
+    data: str = "stdlib"
+    data_dir: str | None = None
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.98
+    clip: float = 1.0
+    max_steps: int = 1000
+    decay_steps: int = 0
+    max_minutes: float | None = None
+    eval_every: int = 250
+    eval_tokens: int = 65536
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "auto"
+    compile: bool = False
+    fsdp: bool = False
+    tensorboard: bool = False
+    wandb: str | None = None
+    sample_tokens: int = 300
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "warmup_steps", "max_steps", "decay_steps", "eval_every",
+                     "eval_tokens", "log_every"):
+            value = getattr(self, name)
+            may_be_zero = name in ("warmup_steps", "decay_steps")
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
+                                 f"integer, got {value!r}")
+        for name in ("lr", "min_lr", "weight_decay", "clip", "beta1", "beta2"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1!r}, {self.beta2!r}")
+        if self.max_minutes is not None and (isinstance(self.max_minutes, bool) or not isinstance(
+                self.max_minutes, numbers.Real) or self.max_minutes <= 0):
+            raise ValueError(f"max_minutes must be a positive number, got {self.max_minutes!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.data, str) or not self.data:
+            raise ValueError(f"data must be a data set name, got {self.data!r}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})")
+        for name in ("compile", "fsdp", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+@dataclass
+class RunConfig:
+    model: TransformerConfig
+    train: TrainConfig
+
+    def to_toml(self) -> str:
+        return (f"# resolved configuration of this run\n\n[model]\n{_table(asdict(self.model))}\n"
+                f"[train]\n{_table(asdict(self.train))}")
+
+
+FIELDS = {"model": {f.name for f in fields(TransformerConfig)}, "train": {f.name for f in fields(TrainConfig)}}
+assert not FIELDS["model"] & FIELDS["train"], "a bare --set key must name one field"
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A path, or the name of a shipped configuration (``default``, ``enwik8``, …)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{name}.toml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ValueError(f"--config {name}: no such file, and not a shipped configuration ({names})")
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                    extra: dict | None = None) -> RunConfig:
+    """Read a TOML configuration (default: the shipped default.toml), apply ``--set`` overrides and ``extra``."""
+    path = resolve_config_path(path or "default")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML ({err})") from None
+    tables = {"model": dict(raw.pop("model", {})), "train": dict(raw.pop("train", {}))}
+    if raw:
+        raise ValueError(f"{path}: unknown top-level keys {sorted(raw)}; use the [model] and [train] tables")
+    for table, values in tables.items():
+        unknown = sorted(set(values) - FIELDS[table])
+        if unknown:
+            valid = ", ".join(sorted(FIELDS[table]))
+            raise ValueError(f"{path}: unknown [{table}] keys {unknown}; valid keys: {valid}")
+    for item in overrides or []:
+        table, key, value = parse_override(item)
+        tables[table][key] = value
+    for key, value in (extra or {}).items():
+        if value is not None:
+            tables["train"][key] = value
+    try:
+        return RunConfig(TransformerConfig(**tables["model"]), TrainConfig(**tables["train"]))
+    except TypeError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    """'key=value' -> (table, key, value)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+    table, _, name = key.rpartition(".")
+    if table:
+        if table not in FIELDS or name not in FIELDS[table]:
+            raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
+    else:
+        tables = [t for t, names in FIELDS.items() if name in names]
+        if not tables:
+            raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
+        table = tables[0]
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word: a string
+    return table, name, value
+
+
+def _valid_keys() -> str:
+    return ", ".join(sorted(FIELDS["model"] | FIELDS["train"]))
+
+
+def _table(values: dict) -> str:
+    return "".join(f"{key} = {_toml_value(value)}\n" for key, value in values.items() if value is not None)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"cannot write {value!r} to TOML")

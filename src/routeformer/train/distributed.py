@@ -1,0 +1,77 @@
+"""Processes under torchrun: one per GPU (NCCL) or per CPU worker (gloo); plain single-process otherwise."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Processes:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def start(device: str = "auto") -> Processes:
+    """Join the torchrun group when launched by torchrun (RANK / WORLD_SIZE set), choosing the device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Processes(rank, world, local_rank, dev)
+
+
+def stop(procs: Processes) -> None:
+    """Wait for every rank (none may still be writing or reducing), then leave the group."""
+    if procs.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def sum_all(values: list[float], procs: Processes) -> list[float]:
+    """Element-wise sum over ranks (float64)."""
+    if not procs.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=procs.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_rank(flag: bool, procs: Processes) -> bool:
+    """True on every rank when it is true on some rank: ranks stop at the same step."""
+    return sum_all([float(flag)], procs)[0] > 0
+
+
+def routing_in_sync(model: nn.Module, procs: Processes) -> bool:
+    """Every rank holds bit-identical routing state (centroids, EMA sums and counts, projections)."""
+    if not procs.distributed:
+        return True
+    digest = hashlib.sha256()
+    for name, buf in sorted(model.named_buffers()):
+        if any(part in name for part in ("centroids", "ema_", "projection", "initialized")):
+            digest.update(buf.detach().cpu().contiguous().numpy().tobytes())
+    gathered: list[str | None] = [None] * procs.world
+    dist.all_gather_object(gathered, digest.hexdigest())
+    return len(set(gathered)) == 1

@@ -1,0 +1,72 @@
+"""Evaluation: mean next-token NLL over a split, in windows of seq_len, and the metric of each kind of data."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import eval_windows, window_batches
+from .distributed import Processes, sum_all
+
+UNITS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
+
+
+def metric(kind: str, mean_nll: float) -> float:
+    """bits per byte / dimension (nats / ln 2), or perplexity (exp) for words."""
+    return math.exp(min(mean_nll, 700.0)) if kind == "words" else mean_nll / math.log(2)
+
+
+def context_policy(seq_len: int, stride: int | None) -> str:
+    if stride is None or stride == seq_len:
+        return f"non-overlapping windows of {seq_len} tokens"
+    return (f"windows of {seq_len} tokens every {stride}, scoring the last {stride} of each (at least "
+            f"{seq_len - stride} tokens of context)")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, procs: Processes,
+             autocast: contextlib.AbstractContextManager | None = None, stride: int | None = None,
+             max_windows: int | None = None) -> tuple[float, int]:
+    """(sum of NLL in nats, number of predictions) over the split, every prediction counted once, summed over
+    ranks (each rank takes every world-th batch of windows). ``max_windows`` keeps that many evenly spaced
+    non-overlapping windows (the cheap estimate used during training)."""
+    windows = eval_windows(len(tokens), seq_len, stride)
+    if max_windows is not None and len(windows) > max_windows:
+        pick = np.linspace(0, len(windows) - 1, max_windows).round().astype(int)
+        windows = [(windows[i][0], 0) for i in pick]
+    mine = _my_batches(window_batches(tokens, windows, seq_len, batch), -(-len(windows) // batch), procs)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for rows, mask in mine:
+            rows, mask = rows.to(procs.device), mask.to(procs.device)
+            with autocast or contextlib.nullcontext():
+                logits = model(rows[:, :-1])
+            nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
+            total += float(nll[mask.flatten()].sum())
+            count += int(mask.sum())
+    finally:
+        model.train(was_training)
+    total, count = sum_all([total, float(count)], procs)
+    return total, int(count)
+
+
+def _my_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,
+                procs: Processes) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share (every world-th) of ``count`` batches, the same number on every rank: a sharded model
+    gathers its parameters collectively in each forward, so a rank left without a batch in the last round runs
+    the split's first batch with a mask that scores nothing."""
+    first = None
+    for i, (rows, mask) in enumerate(batches):
+        first = (rows, mask) if i == 0 else first
+        if i % procs.world == procs.rank:
+            yield rows, mask
+    if first is not None and -(-count // procs.world) > len(range(procs.rank, count, procs.world)):
+        yield first[0], torch.zeros_like(first[1])

@@ -1,0 +1,63 @@
+"""Reading a run directory back: its configuration, its weights and its data, for evaluate and sample."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from ..data import DataError, Dataset, DatasetMeta
+from ..model import TransformerConfig, TransformerLM
+from .config import RunConfig, TrainConfig
+
+
+def read_run_config(run_dir: Path) -> RunConfig:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {run_dir} is not a routeformer run directory")
+    try:
+        raw = tomllib.loads(path.read_text())
+        return RunConfig(TransformerConfig(**raw["model"]), TrainConfig(**raw["train"]))
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path} is not a valid run configuration: {err}") from None
+
+
+def load_run(run_dir: Path, which: str = "best", data_dir: str | None = None,
+             device: str = "cpu") -> tuple[TransformerLM, RunConfig, Dataset, str]:
+    """The model (best or last weights), the run configuration and the data set it was trained on."""
+    run = read_run_config(run_dir)
+    weights = run_dir / "best" if which == "best" and (run_dir / "best" / "model.safetensors").is_file() else run_dir
+    if which == "best" and weights == run_dir:
+        which = "last"
+    model = TransformerLM.from_pretrained(weights, map_location=device).eval()
+    data = Dataset.open(run.train.data, data_dir if data_dir is not None else run.train.data_dir)
+    if model.config.vocab_size != data.meta.vocab_size:
+        raise DataError(f"{weights / 'model.safetensors'} has a vocabulary of {model.config.vocab_size} tokens but "
+                        f"data set {data.meta.name!r} in {data.directory} has {data.meta.vocab_size}: wrong data for "
+                        f"this checkpoint")
+    check_sample_layout(model.config, data.meta)
+    return model, run, data, which
+
+
+def check_sample_layout(model: TransformerConfig, meta: DatasetMeta) -> None:
+    """Factorized image positions embed a token by its row, column and channel, counted from the window start:
+    they are right only if every window is exactly one sample (image) of the data."""
+    if model.positions != "factorized" or model.image_shape is None:
+        return
+    size = math.prod(model.image_shape)
+    if meta.sample_length != size or model.seq_len != size:
+        what = (f"samples of {meta.sample_length} tokens" if meta.sample_length else "no sample structure")
+        raise DataError(f"factorized positions of image_shape {model.image_shape} need seq_len = {size} and data "
+                        f"in samples of {size} tokens; seq_len is {model.seq_len} and data set {meta.name!r} has "
+                        f"{what}")
+
+
+def pick_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device

@@ -1,0 +1,101 @@
+"""Data-parallel training: two gloo processes under torchrun against one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from routeformer.cli import main
+from routeformer.data import prepare
+
+CONFIG = """
+[model]
+vocab_size = 256
+dim = 32
+depth = 2
+heads = 2
+seq_len = 32
+attention = "local:1,routing:1"
+window = 8
+num_clusters = 3
+routing_window = 8
+
+[train]
+data = "tiny"
+batch_size = 8
+grad_accum = {accum}
+lr = 3e-3
+warmup_steps = 2
+max_steps = 8
+eval_every = 4
+eval_tokens = 512
+log_every = 1
+sample_tokens = 8
+"""
+
+
+def _rows(run: Path, split: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """Data, configurations, and the reference: one process, two micro-batches of 4 per step."""
+    root = tmp_path_factory.mktemp("dist")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"{i} x = routing(q, k, v)  # line {i % 17}\n" for i in range(400)))
+    prepare("text", root / "data", str(corpus), dataset_name="tiny")
+    (root / "one.toml").write_text(CONFIG.format(accum=2))
+    (root / "two.toml").write_text(CONFIG.format(accum=1))  # two processes: one micro-batch of 4 each
+    assert main(["train", "--config", str(root / "one.toml"), "--data-dir", str(root / "data"), "--out",
+                 str(root / "one")]) == 0
+    return root
+
+
+def _torchrun(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "routeformer",
+         "train", *args], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es)" in done.stdout  # rank 0 alone talks and writes
+    assert done.stdout.count("validation bits per byte") == 1
+    return done
+
+
+def _same_curve(one: Path, two: Path) -> None:
+    a, b = _rows(one, "train"), _rows(two, "train")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 9))
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), (x, y)
+    valid = {r["step"]: r for r in _rows(two, "valid")}  # a run stopped early also evaluates where it stopped
+    assert {4, 8} <= set(valid) and all(r["routing_in_sync"] for r in valid.values())
+    for x in _rows(one, "valid"):
+        assert valid[x["step"]]["loss"] == pytest.approx(x["loss"], rel=1e-4), (x, valid[x["step"]])
+    c1 = torch.load(one / "checkpoint.pt", weights_only=True)["model"]
+    c2 = torch.load(two / "checkpoint.pt", weights_only=True)["model"]
+    assert set(c1) == set(c2)  # a full (unsharded) state, whichever way it was trained
+    for key in (k for k in c1 if k.endswith("kmeans.centroids")):
+        torch.testing.assert_close(c2[key], c1[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_follow_one_process_with_the_same_global_batch(single: Path, mode: str) -> None:
+    out = single / mode
+    _torchrun(single, "--config", str(single / "two.toml"), "--data-dir", str(single / "data"), "--out", str(out),
+              *(["--fsdp"] if mode == "fsdp" else []))
+    _same_curve(single / "one", out)
+
+
+def test_a_sharded_run_resumes_on_the_same_curve(single: Path) -> None:
+    out = single / "fsdp_resumed"
+    _torchrun(single, "--config", str(single / "two.toml"), "--data-dir", str(single / "data"), "--out", str(out),
+              "--fsdp", "--max-steps", "6", "--set", "decay_steps=8")
+    _torchrun(single, "--resume", str(out), "--max-steps", "8")
+    _same_curve(single / "one", out)

@@ -1,0 +1,273 @@
+"""Training from the command line on a tiny data set: the run directory, exact resume, Ctrl-C, faults, evaluate and
+sample, configuration rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from routeformer.cli import main
+from routeformer.data import prepare
+from routeformer.train import load_run_config
+from routeformer.train.config import parse_override
+from routeformer.train.schedule import learning_rate
+
+TINY = """
+[model]
+vocab_size = 256
+dim = 32
+depth = 1
+heads = 2
+seq_len = 32
+attention = "local:1,routing:1"
+window = 8
+num_clusters = 3
+routing_window = 8
+
+[train]
+data = "tiny"
+batch_size = 4
+lr = 3e-3
+warmup_steps = 2
+max_steps = 12
+eval_every = 4
+eval_tokens = 256
+log_every = 2
+sample_tokens = 16
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    words = "def routing(query, keys): return sorted(keys, key=lambda k: -query @ k)\n"
+    (corpus / "a.py").write_text("".join(f"{i}: {words}" for i in range(300)))
+    data_dir = root / "data"
+    prepare("text", data_dir, str(corpus), dataset_name="tiny")
+    config = root / "tiny.toml"
+    config.write_text(TINY)
+    return {"root": root, "data": data_dir, "config": config}
+
+
+def train(setup, out: Path, *extra: str) -> int:
+    return main(["train", "--config", str(setup["config"]), "--data-dir", str(setup["data"]), "--out", str(out),
+                 *extra])
+
+
+def metrics(run: Path, split: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+def test_a_run_directory_holds_everything(setup, capsys) -> None:
+    run = setup["root"] / "run"
+    assert train(setup, run) == 0
+    out = capsys.readouterr().out
+    for name in ("config.toml", "checkpoint.pt", "model.safetensors", "config.json", "metrics.jsonl",
+                 "best/model.safetensors", "best/config.json"):
+        assert (run / name).is_file(), name
+    assert "validation bits per byte" in out and f"run directory: {run}" in out and "sample:" in out
+    resolved = load_run_config(run / "config.toml")
+    assert resolved.model.num_clusters == 3 and resolved.train.data == "tiny" and resolved.train.max_steps == 12
+    assert [r["step"] for r in metrics(run, "valid")] == [4, 8, 12]
+    assert all(r["routing_in_sync"] for r in metrics(run, "valid"))
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 12 and {"model", "optimizer", "scaler", "rng", "best"} <= set(state)
+    assert any(k.endswith("kmeans.centroids") for k in state["model"])
+
+
+def test_resume_matches_an_uninterrupted_run_exactly(setup) -> None:
+    whole, part = setup["root"] / "whole", setup["root"] / "part"
+    assert train(setup, whole) == 0
+    # stops between evaluations, inside the planned 12-step schedule: a checkpoint mid-window
+    assert train(setup, part, "--max-steps", "6", "--set", "decay_steps=12") == 0
+    assert main(["train", "--resume", str(part), "--max-steps", "12"]) == 0
+    for split in ("train", "valid"):
+        a = [(r["step"], r["loss"]) for r in metrics(whole, split)]
+        b = [(r["step"], r["loss"]) for r in metrics(part, split) if r["step"] not in (6,) or split == "train"]
+        assert [x for x in b if x[0] != 6] == [x for x in a if x[0] != 6]
+    train_a = {r["step"]: r["loss"] for r in metrics(whole, "train")}
+    train_b = {r["step"]: r["loss"] for r in metrics(part, "train")}
+    assert train_a == train_b  # every logged training loss, bit for bit
+    wa = torch.load(whole / "checkpoint.pt", weights_only=True)["model"]
+    wb = torch.load(part / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _spawn(setup, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "routeformer", "train", "--config", str(setup["config"]), "--data-dir",
+           str(setup["data"]), "--out", str(out), "--max-steps", "100000", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_checkpoint(run: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    start = time.time()
+    while not (run / "checkpoint.pt").is_file():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - start < timeout
+        time.sleep(0.2)
+
+
+def test_ctrl_c_saves_and_exits_cleanly_then_resumes(setup) -> None:
+    run = setup["root"] / "interrupted"
+    proc = _spawn(setup, run)
+    _wait_for_checkpoint(run, proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted at step" in err and f"--resume {run}" in err
+    step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    assert f"interrupted at step {step};" in err
+    assert main(["train", "--resume", str(run), "--max-steps", str(step + 2)]) == 0
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == step + 2
+
+
+def test_a_killed_run_leaves_its_previous_checkpoint(setup) -> None:
+    run = setup["root"] / "killed"
+    proc = _spawn(setup, run, "--set", "eval_every=1")  # checkpoints written all the time: kill lands mid-write
+    _wait_for_checkpoint(run, proc)
+    time.sleep(1.3)
+    proc.kill()
+    proc.communicate(timeout=60)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)  # intact, whatever moment the kill hit
+    assert state["step"] >= 1
+    assert main(["train", "--resume", str(run), "--max-steps", str(state["step"] + 1)]) == 0
+
+
+def test_evaluate_and_sample(setup, capsys) -> None:
+    run = setup["root"] / "run"
+    if not (run / "checkpoint.pt").is_file():
+        assert train(setup, run) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(run), "--split", "test"]) == 0
+    out = capsys.readouterr().out
+    assert "bits per byte" in out and "test split of tiny" in out and "non-overlapping windows of 32 tokens" in out
+    assert main(["evaluate", str(run), "--stride", "8", "--checkpoint", "last"]) == 0
+    assert "scoring the last 8 of each (at least 24 tokens of context)" in capsys.readouterr().out
+    assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def routing(") and len(out) > len("def routing(")
+    assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1"]) == 0
+    assert capsys.readouterr().out == out  # seeded: the same text
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("routeformer: error: ") and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
+    cfg, data = str(setup["config"]), str(setup["data"])
+    base = ["train", "--config", cfg, "--data-dir", data, "--out", str(tmp_path / "r")]
+    assert "dropout must be in [0, 1)" in _error(capsys, base + ["--set", "dropout=2"])
+    assert "unknown key; valid keys: activation" in _error(capsys, base + ["--set", "dimension=3"])
+    assert "seq_len (4096) + 1 is longer than the valid split" in _error(capsys, base + ["--set", "seq_len=4096",
+                                                                                          "--set", "window=32"])
+    assert "routeformer prepare enwik8" in _error(capsys, base + ["--data", "enwik8"])
+    assert "factorized positions of image_shape [2, 4, 4] need seq_len = 32 and data in samples of 32" in _error(
+        capsys, base + ["--set", "positions=factorized", "--set", "image_shape=[2, 4, 4]"])  # text, not images
+    assert "no such file, and not a shipped configuration" in _error(capsys, ["train", "--config", "nope"])
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert f"cannot write to {blocker / 'd'}" in _error(capsys, ["prepare", "stdlib", "--data-dir",
+                                                                 str(blocker / "d")])
+
+    run = setup["root"] / "faults"
+    assert train(setup, run, "--max-steps", "4") == 0
+    capsys.readouterr()
+    assert "already holds a run" in _error(capsys, ["train", "--config", cfg, "--data-dir", data, "--out", str(run)])
+    assert "accepts --max-steps and --max-minutes, not --set" in _error(
+        capsys, ["train", "--resume", str(run), "--set", "lr=1"])
+
+    weights = run / "model.safetensors"
+    saved = weights.read_bytes()
+    weights.write_bytes(saved[:100])
+    assert f"{weights} cannot be read as safetensors" in _error(capsys, ["evaluate", str(run), "--checkpoint",
+                                                                         "last"])
+    weights.write_bytes(saved)
+    ckpt = run / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    assert f"{ckpt} cannot be read (truncated or corrupt?)" in _error(capsys, ["train", "--resume", str(run)])
+
+    words = tmp_path / "words.zip"  # the same name, now a word-level data set: wrong data for the checkpoint
+    import zipfile
+    with zipfile.ZipFile(words, "w") as z:
+        for split in ("train", "valid", "test"):
+            z.writestr(f"wikitext-103/wiki.{split}.tokens", "a b c\n" * 20)
+    other = tmp_path / "otherdata"
+    prepare("wikitext103", other, str(words), dataset_name="tiny")
+    assert "wrong data for this checkpoint" in _error(capsys, ["evaluate", str(run), "--data-dir", str(other)])
+
+
+@pytest.mark.parametrize("item, want", [
+    ("lr=3e-4", ("train", "lr", 3e-4)), ("dim=64", ("model", "dim", 64)), ("checkpointing=true", ("model",
+     "checkpointing", True)), ("attention=local:2,routing:2", ("model", "attention", "local:2,routing:2")),
+    ('attention="full"', ("model", "attention", "full")), ("model.dilation=[1, 2]", ("model", "dilation", [1, 2])),
+    ("train.data=enwik8", ("train", "data", "enwik8")),
+])
+def test_set_overrides_are_read_as_toml(item: str, want) -> None:
+    assert parse_override(item) == want
+
+
+@pytest.mark.parametrize("item, fragment", [("lr", "expected KEY=VALUE"), ("model.lr=1", "unknown key"),
+                                            ("nothing=1", "unknown key; valid keys: activation, attention")])
+def test_bad_overrides(item: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        parse_override(item)
+
+
+def test_config_files_reject_unknown_keys(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\ndimm = 3\n")
+    with pytest.raises(ValueError, match=r"unknown \[model\] keys \['dimm'\]; valid keys: activation, attention"):
+        load_run_config(path)
+    path.write_text("[optimizer]\nlr = 3\n")
+    with pytest.raises(ValueError, match="unknown top-level keys"):
+        load_run_config(path)
+
+
+@pytest.mark.parametrize("name", ["default", "enwik8", "wikitext103", "imagenet64"])
+def test_shipped_configurations_are_valid(name: str) -> None:
+    run = load_run_config(name)
+    assert run.model.attention.startswith("local:") and "routing" in run.model.attention
+
+
+def test_learning_rate_schedules() -> None:
+    from routeformer.train import TrainConfig
+
+    cos = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110, schedule="cosine")
+    assert learning_rate(5, cos) == pytest.approx(0.5) and learning_rate(10, cos) == pytest.approx(1.0)
+    assert learning_rate(60, cos) == pytest.approx(0.55) and learning_rate(110, cos) == pytest.approx(0.1)
+    planned = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=60, decay_steps=110, schedule="cosine")
+    assert learning_rate(60, planned) == pytest.approx(0.55)  # half-way through the planned decay, not at its end
+    inv = TrainConfig(lr=1.0, min_lr=0.0, warmup_steps=100, schedule="inverse_sqrt")
+    assert learning_rate(400, inv) == pytest.approx(0.5)
+
+
+def test_main_job_defaults_prepare_stdlib_on_first_use(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("ROUTEFORMER_DATA", str(tmp_path / "data"))
+    assert main(["train", "--max-steps", "1", "--set", "dim=32", "--set", "heads=2", "--set",
+                 "attention=local:1,routing:1", "--set", "seq_len=64", "--set", "window=16", "--set", "batch_size=2",
+                 "--set", "sample_tokens=4", "--set", "eval_tokens=64", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "preparing the stdlib data set" in out and (tmp_path / "data" / "stdlib" / "meta.json").is_file()
+
+
+def test_help_of_every_command() -> None:
+    for cmd in (["--help"], ["prepare", "--help"], ["train", "--help"], ["evaluate", "--help"], ["sample", "--help"]):
+        done = subprocess.run([sys.executable, "-m", "routeformer", *cmd], capture_output=True, text=True, timeout=60,
+                              env={**os.environ})
+        assert done.returncode == 0 and "usage: routeformer" in done.stdout
