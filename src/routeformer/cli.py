@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a [model] or [train] field (repeatable), e.g. --set dim=512 --set lr=3e-4")
     tr.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/<data>-<date>-<time>)")
-    tr.add_argument("--max-steps", type=_positive, metavar="S", help="train to optimiser step S (counted from the run's start; "
-                    "the cosine decay ends there unless decay_steps is set)")
+    tr.add_argument("--max-steps", type=_positive, metavar="S",
+                    help="train to optimiser step S (counted from the run's start; the cosine decay ends there "
+                    "unless decay_steps is set)")
     tr.add_argument("--max-minutes", type=_positive_float, metavar="M",
                     help="stop after M minutes of this invocation (then evaluate and save)")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint (only "

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..durable import durable_replace
+
 SPLITS = ("train", "valid", "test")
 METRICS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
 VERIFY_LIMIT = 1 << 30  # splits up to this size are checksummed on open
@@ -63,12 +65,7 @@ def commit_file(tmp: Path, handle, path: Path) -> None:
     handle.flush()
     os.fsync(handle.fileno())
     handle.close()
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    durable_replace(tmp, path)
 
 
 def write_split(path: Path, chunks: Iterable[np.ndarray], dtype: np.dtype) -> tuple[int, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.pretrained import atomic_write
+from ..durable import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from ..model.pretrained import atomic_write
+from ..durable import atomic_write
 
 
 class MetricsLog:

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import BatchSampler, DataError, Dataset
+from ..durable import atomic_write
 from ..model import TransformerLM
-from ..model.pretrained import atomic_write, save_pretrained
+from ..model.pretrained import save_pretrained
 from . import distributed
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .config import RunConfig
