@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -29,12 +30,19 @@ def test_stdlib_from_a_folder_sorted_python_files_only(tmp_path) -> None:
     assert meta.splits == {"train": 900, "valid": 50, "test": 50} and meta.kind == "bytes"
 
 
-def test_the_real_stdlib() -> None:
+def test_the_real_stdlib(tmp_path) -> None:
     """The built-in default: this Python's standard library, tests included."""
-    meta = prepare("stdlib", Path(__import__("tempfile").mkdtemp()))
+    import sysconfig
+
+    meta = prepare("stdlib", tmp_path)
     total = sum(meta.splits.values())
     assert total > 1_000_000 and meta.splits["train"] == total * 90 // 100
-    assert "test" in meta.source or meta.source.count(".py") >= 1
+    tests = sorted((Path(sysconfig.get_paths()["stdlib"]) / "test").glob("test_*.py"))
+    if not tests:
+        pytest.skip("this Python ships without its test package")
+    data = Dataset.open("stdlib", tmp_path)
+    whole = b"".join(np.asarray(data.split(s)).tobytes() for s in ("train", "valid", "test"))
+    assert tests[len(tests) // 2].read_bytes() in whole  # a test module, whole, in the corpus
 
 
 def _mahoney_standin(tmp_path: Path, monkeypatch, name: str, size: int = 2000) -> tuple[Path, bytes]:
@@ -157,6 +165,9 @@ def test_text_folder(tmp_path) -> None:
     (folder / "b").mkdir(parents=True)
     (folder / "b" / "x.txt").write_text("X" * 100)
     (folder / "a.txt").write_text("A" * 100)
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("not text " * 30)  # hidden folders and files are not text
+    (folder / ".notes.swp").write_text("swap " * 30)
     prepare("text", tmp_path / "data", str(folder), dataset_name="notes")
     ds = Dataset.open("notes", tmp_path / "data")
     assert np.asarray(ds.split("train")).tobytes() == b"A" * 100 + b"X" * 80
@@ -165,6 +176,28 @@ def test_text_folder(tmp_path) -> None:
 def test_missing_dataset_names_the_prepare_command(tmp_path) -> None:
     with pytest.raises(DataError, match=f"routeformer prepare enwik8 --data-dir {tmp_path}"):
         Dataset.open("enwik8", tmp_path)
+    with pytest.raises(DataError, match=f"routeformer prepare text --from PATH --name mynotes --data-dir {tmp_path}"):
+        Dataset.open("mynotes", tmp_path)  # a name of the user's own: prepared from their files
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda m: m["splits"].pop("test"), "splits lacks test"), (lambda m: m.update(dtype="uint9"), "uint9"),
+    (lambda m: m.update(kind="sounds"), "kind 'sounds'"), (lambda m: m.pop("sha256"), "sha256"),
+])
+def test_a_wrong_meta_json_is_a_one_line_error(tmp_path, change, fragment: str) -> None:
+    prepare("text", tmp_path, str(_small_text(tmp_path)), dataset_name="notes")
+    path = tmp_path / "notes" / "meta.json"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=f"meta.json is corrupt.*{fragment}"):
+        Dataset.open("notes", tmp_path)
+
+
+def _small_text(tmp_path: Path) -> Path:
+    path = tmp_path / "small.txt"
+    path.write_text("hello routing world\n" * 20)
+    return path
 
 
 def test_truncated_and_corrupt_files_are_named(tmp_path) -> None:

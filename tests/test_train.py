@@ -3,6 +3,7 @@ sample, configuration rules."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -102,6 +103,29 @@ def test_resume_matches_an_uninterrupted_run_exactly(setup) -> None:
     wa = torch.load(whole / "checkpoint.pt", weights_only=True)["model"]
     wb = torch.load(part / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # The limit given on resume is the run's from now on: a later plain --resume (as the Ctrl-C message says)
+    # continues to step 12, not to the original 6.
+    assert load_run_config(part / "config.toml").train.max_steps == 12
+
+
+def test_a_fresh_start_drops_the_rows_of_a_start_that_died_before_its_first_checkpoint(setup) -> None:
+    run = setup["root"] / "died"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train", "loss": 99.0}) + "\n")
+    assert train(setup, run, "--max-steps", "2") == 0
+    assert all(r["loss"] != 99.0 for r in metrics(run, "train")) and metrics(run, "train")[0]["step"] == 2
+
+
+def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys) -> None:
+    from routeformer import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "evaluate", interrupted)
+    assert main(["evaluate", "somewhere"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "routeformer: evaluate interrupted" and "Traceback" not in err
 
 
 def _spawn(setup, out: Path, *extra: str) -> subprocess.Popen:
@@ -177,6 +201,12 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     assert "seq_len (4096) + 1 is longer than the valid split" in _error(capsys, base + ["--set", "seq_len=4096",
                                                                                           "--set", "window=32"])
     assert "routeformer prepare enwik8" in _error(capsys, base + ["--data", "enwik8"])
+    assert not (tmp_path / "r").exists()  # a start that fails on its data leaves no run directory
+    assert "device must be auto, cpu, cuda or cuda:N, got 'foo'" in _error(capsys, base + ["--set", "device=foo"])
+    if not torch.cuda.is_available():
+        assert "this PyTorch sees no CUDA device" in _error(capsys, base + ["--set", "device=cuda"])
+    assert "sample_tokens must be a non-negative integer" in _error(capsys, base + ["--set", "sample_tokens=-3"])
+    assert "min_lr (0.1) must not exceed lr" in _error(capsys, base + ["--set", "min_lr=0.1"])
     assert "factorized positions of image_shape [2, 4, 4] need seq_len = 32 and data in samples of 32" in _error(
         capsys, base + ["--set", "positions=factorized", "--set", "image_shape=[2, 4, 4]"])  # text, not images
     assert "no such file, and not a shipped configuration" in _error(capsys, ["train", "--config", "nope"])
@@ -191,6 +221,8 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     assert "already holds a run" in _error(capsys, ["train", "--config", cfg, "--data-dir", data, "--out", str(run)])
     assert "accepts --max-steps and --max-minutes, not --set" in _error(
         capsys, ["train", "--resume", str(run), "--set", "lr=1"])
+    if not torch.cuda.is_available():
+        assert "this PyTorch sees no CUDA device" in _error(capsys, ["evaluate", str(run), "--device", "cuda"])
 
     weights = run / "model.safetensors"
     saved = weights.read_bytes()
@@ -271,3 +303,21 @@ def test_help_of_every_command() -> None:
         done = subprocess.run([sys.executable, "-m", "routeformer", *cmd], capture_output=True, text=True, timeout=60,
                               env={**os.environ})
         assert done.returncode == 0 and "usage: routeformer" in done.stdout
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_and_argument_is_explained() -> None:
+    from routeformer.cli import build_parser
+
+    for parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"{parser.prog}: {action.option_strings or action.dest} has no help"

@@ -86,33 +86,37 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate", help="bits per byte / perplexity / bits per dimension of a run on a split",
         description="Evaluate a run's weights over a whole split in windows of seq_len: bits per byte (byte "
         "data), perplexity (words) or bits per dimension (images). Runs data-parallel under torchrun.")
-    ev.add_argument("run_dir", metavar="RUN_DIR")
-    ev.add_argument("--split", choices=("valid", "test"), default="valid")
+    ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by routeformer train")
+    ev.add_argument("--split", choices=("valid", "test"), default="valid", help="the split to score (default "
+                    "valid)")
     ev.add_argument("--checkpoint", choices=("best", "last"), default="best",
                     help="the best (lowest validation loss) or the last weights")
     ev.add_argument("--stride", type=_positive, metavar="S", help="advance windows by S < seq_len and score only "
                     "their last S tokens, so every token has at least seq_len - S of context (default: "
                     "non-overlapping windows)")
-    ev.add_argument("--batch-size", type=_positive, default=8, metavar="B")
+    ev.add_argument("--batch-size", type=_positive, default=8, metavar="B", help="windows per forward (default 8)")
     ev.add_argument("--data-dir", metavar="DIR", help="where the run's data set lives, if not where it was trained")
-    ev.add_argument("--device", default="auto")
+    ev.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
 
     sa = commands.add_parser(
         "sample", help="generate text from a run, streamed as it is produced",
         description="Continue a prompt with a run's model through its cached generation, printing the text as it "
         "is generated.")
-    sa.add_argument("run_dir", metavar="RUN_DIR")
+    sa.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by routeformer train")
     src = sa.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", metavar="TEXT")
-    src.add_argument("--prompt-file", metavar="FILE")
+    src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the text to continue from FILE")
     sa.add_argument("--tokens", type=_positive, default=300, metavar="N", help="tokens to generate")
     sa.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 for greedy")
-    sa.add_argument("--top-k", type=_positive, metavar="K")
-    sa.add_argument("--top-p", type=_positive_float, metavar="P")
+    sa.add_argument("--top-k", type=_positive, metavar="K", help="sample among the K most likely tokens")
+    sa.add_argument("--top-p", type=_positive_float, metavar="P",
+                    help="sample among the most likely tokens whose probabilities sum to P (nucleus, 0 < P <= 1)")
     sa.add_argument("--seed", type=int, metavar="S", help="make the sample repeatable")
-    sa.add_argument("--checkpoint", choices=("best", "last"), default="best")
-    sa.add_argument("--data-dir", metavar="DIR")
-    sa.add_argument("--device", default="auto")
+    sa.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                    help="the best (lowest validation loss) or the last weights")
+    sa.add_argument("--data-dir", metavar="DIR", help="where the run's data set lives (for its vocabulary), if "
+                    "not where it was trained")
+    sa.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
 
     bench = commands.add_parser("bench", help="benchmarks: time and peak memory tables")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
@@ -124,13 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         "same run, and beside peer packages when installed (pip install -e '.[bench]').",
     )
     att.add_argument("--n", type=_positive, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
-    att.add_argument("--batch", type=_positive, default=1)
-    att.add_argument("--heads", type=_positive, default=8)
-    att.add_argument("--head-dim", type=_positive, default=64)
+    att.add_argument("--batch", type=_positive, default=1, help="batch size B (default 1)")
+    att.add_argument("--heads", type=_positive, default=8, help="heads H (default 8)")
+    att.add_argument("--head-dim", type=_positive, default=64, help="head size D (default 64)")
     att.add_argument("--window", type=_positive, default=256, help="local / Longformer window")
     att.add_argument("--repeats", type=_positive, default=3, help="timed rounds (median reported)")
-    att.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    att.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    att.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="cpu or cuda (default: cuda when there is a GPU)")
+    att.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="tensor dtype (default float32)")
     att.add_argument("--non-causal", action="store_true", help="encoder (non-causal) variants")
     att.add_argument("--only", nargs="+", metavar="NAME", help="mechanisms to run beside full (e.g. local strided)")
 
@@ -144,16 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--n", type=_positive, nargs="+", default=[1024, 4096, 8192], help="training lengths")
     mod.add_argument("--positions", type=_positive, nargs="+", default=[1024, 4096, 16384],
                      help="prompt lengths at which generation is timed")
-    mod.add_argument("--dim", type=_positive, default=256)
-    mod.add_argument("--depth", type=_positive, default=4)
-    mod.add_argument("--heads", type=_positive, default=8)
+    mod.add_argument("--dim", type=_positive, default=256, help="model width (default 256)")
+    mod.add_argument("--depth", type=_positive, default=4, help="layers (default 4)")
+    mod.add_argument("--heads", type=_positive, default=8, help="heads per layer (default 8)")
     mod.add_argument("--window", type=_positive, default=256, help="local window")
-    mod.add_argument("--batch", type=_positive, default=1)
+    mod.add_argument("--batch", type=_positive, default=1, help="sequences per training step (default 1)")
     mod.add_argument("--repeats", type=_positive, default=3, help="timed training steps (median reported)")
-    mod.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    mod.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="cpu or cuda (default: cuda when there is a GPU)")
 
     every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
-    every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="cpu or cuda (default: cuda when there is a GPU)")
     return parser
 
 
@@ -161,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops on its own)
+        if os.environ.get("ROUTEFORMER_DEBUG"):
+            raise
+        print(f"\nrouteformer: {args.command} interrupted", file=sys.stderr)
+        return 130
     except Exception as err:  # user-facing failures: one line, no traceback
         from .data import DataError
 
@@ -219,7 +231,8 @@ def cmd_train(args) -> int:
                  "max_minutes": args.max_minutes, "fsdp": args.fsdp or None}
         run = load_run_config(args.config, args.overrides, extra)
         run_dir = new_run_dir(run, args.out)
-        if run.train.data == "stdlib" and int(os.environ.get("RANK", "0")) == 0:
+        # One process per machine prepares the built-in data set (each machine may have its own data directory).
+        if run.train.data == "stdlib" and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             data_dir = Path(run.train.data_dir).expanduser() if run.train.data_dir else default_data_dir()
             try:
                 Dataset.open("stdlib", data_dir, verify=False)
@@ -227,7 +240,7 @@ def cmd_train(args) -> int:
                 print(f"preparing the stdlib data set in {data_dir / 'stdlib'} (first use)")
                 prepare("stdlib", data_dir)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            import torch.distributed as dist  # ranks > 0 wait for rank 0's preparation
+            import torch.distributed as dist  # the other processes wait for that preparation
 
             from .train.distributed import start
             start(run.train.device)
@@ -239,7 +252,8 @@ def cmd_train(args) -> int:
         return 130
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\nstopped after {result.step} steps ({result.stopped}), {result.minutes:.1f} minutes")
-        print(f"validation {result.unit}: {result.valid:.4f} (whole split)")
+        print(f"validation {result.unit}: {result.valid:.4f} (whole split; final evaluation and sample "
+              f"{result.final_seconds:.0f} s)")
         if result.sample is not None:
             print(f"sample:\n{'-' * 72}\n{result.sample}\n{'-' * 72}")
         print(f"run directory: {result.run_dir}")
@@ -260,6 +274,9 @@ def cmd_evaluate(args) -> int:
         seq = run.model.seq_len
         if args.stride is not None and args.stride > seq:
             raise ValueError(f"--stride {args.stride} is larger than seq_len ({seq})")
+        if args.stride not in (None, seq) and run.model.positions == "factorized" and run.model.image_shape:
+            raise ValueError(f"--stride {args.stride}: this model's positions are an image's rows, columns and "
+                             f"channels, so every window must be one whole image (no --stride)")
         tokens = data.split(args.split)
         if len(tokens) < 2:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")

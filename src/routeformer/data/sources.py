@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .store import DataError, DatasetMeta, atomic_file, commit_file, writable_directory, write_dataset
+from .store import BUILT_IN, DataError, DatasetMeta, atomic_file, commit_file, writable_directory, write_dataset
 
 ENWIK8 = {"url": "http://mattmahoney.net/dc/enwik8.zip", "member": "enwik8", "size": 100_000_000,
           "md5": ("a1fa5ffddb56f4953e226637dabbb36a",)}
@@ -273,10 +273,16 @@ def _raster(images: np.ndarray) -> np.ndarray:
     return images.reshape(-1, 3, 64, 64).transpose(0, 2, 3, 1).reshape(-1).astype(np.uint8)
 
 
+def _hidden(relative: Path) -> bool:
+    """A dot-file or anything inside a dot-folder (.git, .venv, …): not part of a text corpus."""
+    return any(part.startswith(".") for part in relative.parts)
+
+
 def _text(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:
     if src is None:
         raise DataError("the text data set needs --from PATH (a text file or a folder of them)")
-    files = sorted((p for p in src.rglob("*") if p.is_file()), key=lambda p: p.as_posix()) if src.is_dir() else [src]
+    files = sorted((p for p in src.rglob("*") if p.is_file() and not _hidden(p.relative_to(src))),
+                   key=lambda p: p.as_posix()) if src.is_dir() else [src]
     if not files:
         raise DataError(f"{src} holds no files")
     blob = b"".join(f.read_bytes() for f in files)
@@ -295,3 +301,4 @@ PREPARERS = {
     "imagenet64": _imagenet64,
     "text": _text,
 }
+assert set(PREPARERS) - {"text"} == set(BUILT_IN), "the data sets prepared by name alone"

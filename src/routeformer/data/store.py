@@ -21,6 +21,7 @@ import numpy as np
 from ..durable import durable_replace
 
 SPLITS = ("train", "valid", "test")
+BUILT_IN = ("stdlib", "enwik8", "text8", "wikitext103", "imagenet64")  # names `routeformer prepare` takes as is
 METRICS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
 VERIFY_LIMIT = 1 << 30  # splits up to this size are checksummed on open
 
@@ -53,6 +54,20 @@ class DatasetMeta:
     @property
     def metric(self) -> str:
         return METRICS[self.kind]
+
+    def validate(self) -> None:
+        """ValueError when a field read back from meta.json cannot describe a data set."""
+        if self.kind not in METRICS:
+            raise ValueError(f"kind {self.kind!r} is not one of {', '.join(METRICS)}")
+        np.dtype(self.dtype)  # TypeError for a name numpy does not know
+        for table in ("splits", "sha256"):
+            missing = [s for s in SPLITS if s not in getattr(self, table)]
+            if missing:
+                raise ValueError(f"{table} lacks {', '.join(missing)}")
+        if any(not isinstance(n, int) or n < 0 for n in self.splits.values()):
+            raise ValueError(f"split sizes must be non-negative integers, got {self.splits}")
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
 
 
 def atomic_file(path: Path) -> tuple[Path, object]:
@@ -142,15 +157,15 @@ class Dataset:
         directory = directory / name
         meta_path = directory / "meta.json"
         dir_arg = "" if data_dir is None else f" --data-dir {Path(data_dir).expanduser()}"
+        command = (f"routeformer prepare {name}{dir_arg}" if name in BUILT_IN
+                   else f"routeformer prepare text --from PATH --name {name}{dir_arg}")
         if not meta_path.is_file():
-            raise DataError(f"data set {name!r} is not prepared in {directory.parent}: run "
-                            f"`routeformer prepare {name}{dir_arg}` first")
+            raise DataError(f"data set {name!r} is not prepared in {directory.parent}: run `{command}` first")
         try:
-            raw = json.loads(meta_path.read_text())
-            meta = DatasetMeta(**raw)
-        except (json.JSONDecodeError, TypeError) as err:
-            raise DataError(f"{meta_path} is corrupt ({err}); prepare the data set again with "
-                            f"`routeformer prepare {name}{dir_arg}`") from None
+            meta = DatasetMeta(**json.loads(meta_path.read_text()))
+            meta.validate()
+        except (json.JSONDecodeError, TypeError, ValueError, KeyError) as err:
+            raise DataError(f"{meta_path} is corrupt ({err}); prepare the data set again with `{command}`") from None
         dataset = cls(directory, meta)
         for split in SPLITS:
             dataset._check(split, verify)

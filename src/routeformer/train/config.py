@@ -77,6 +77,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr!r}) must not exceed lr ({self.lr!r})")
+        if isinstance(self.sample_tokens, bool) or not isinstance(self.sample_tokens, numbers.Integral) or \
+                self.sample_tokens < 0:
+            raise ValueError(f"sample_tokens must be a non-negative integer, got {self.sample_tokens!r}")
+        for name in ("data_dir", "wandb"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or
+                                                    self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1!r}, {self.beta2!r}")
         if self.max_minutes is not None and (isinstance(self.max_minutes, bool) or not isinstance(

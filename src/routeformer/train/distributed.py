@@ -27,15 +27,32 @@ class Processes:
         return self.world > 1
 
 
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """``auto`` (this process's GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; anything this machine cannot
+    run on is a ValueError naming the device."""
+    if device == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name (auto, cpu, cuda, cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: routeformer runs on cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this PyTorch sees no CUDA device (use cpu or auto)")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 def start(device: str = "auto") -> Processes:
     """Join the torchrun group when launched by torchrun (RANK / WORLD_SIZE set), choosing the device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local_rank)
+    dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():

@@ -6,8 +6,6 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -16,6 +14,7 @@ else:  # pragma: no cover - Python 3.10
 from ..data import DataError, Dataset, DatasetMeta
 from ..model import TransformerConfig, TransformerLM
 from .config import RunConfig, TrainConfig
+from .distributed import resolve_device
 
 
 def read_run_config(run_dir: Path) -> RunConfig:
@@ -60,4 +59,5 @@ def check_sample_layout(model: TransformerConfig, meta: DatasetMeta) -> None:
 
 
 def pick_device(device: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    """A device name this machine can run on (``auto``: the GPU if there is one); a ValueError otherwise."""
+    return str(resolve_device(device))

@@ -54,7 +54,8 @@ class TrainResult:
     valid: float | None
     sample: str | None
     plot: Path | None
-    minutes: float
+    minutes: float  # from the start to the end of training
+    final_seconds: float  # the whole-split evaluation and the sample
 
 
 def new_run_dir(run: RunConfig, out: str | Path | None) -> Path:
@@ -88,9 +89,11 @@ class _Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise ValueError(f"cannot create the run directory {self.run_dir}: {err.strerror}") from None
-            if not self.resume:
-                text = self.run.to_toml()
-                atomic_write(self.run_dir / "config.toml", lambda tmp: Path(tmp).write_text(text))
+            # Written on resume too: a changed --max-steps / --max-minutes holds for the next --resume as well.
+            text = self.run.to_toml()
+            atomic_write(self.run_dir / "config.toml", lambda tmp: Path(tmp).write_text(text))
+            if not self.resume:  # rows of an earlier start that died before its first checkpoint
+                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         if self.procs.distributed:
             dist.barrier()
 
@@ -163,8 +166,8 @@ class _Trainer:
     # --- the run --------------------------------------------------------------------------------------------------
     def execute(self) -> TrainResult:
         self.started = time.monotonic()
+        self._open_data()  # first: a start that fails on its data leaves no run directory behind
         self._prepare_dir()
-        self._open_data()
         self._precision()
         state = load_checkpoint(self.run_dir) if self.resume else None
         self._build(state)
@@ -186,15 +189,19 @@ class _Trainer:
                                     align=self.data.meta.sample_length or 1)
         self.sampler.batch(self.step + 1, 0, self.cfg.grad_accum)  # fail early on an impossible batch split
         self._announce()
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            stopped = self._loop()
+            # Ctrl-C during the loop stops at the end of the step and saves. After the loop everything is saved,
+            # so Ctrl-C during the final evaluation and sample interrupts at once (KeyboardInterrupt).
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                stopped = self._loop()
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
             if stopped == "interrupted":
                 raise Interrupted(self.run_dir, self.step)
             return self._finish(stopped)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             if self.log is not None:
                 self.log.close()
 
@@ -229,6 +236,7 @@ class _Trainer:
                    disable=not procs.main)
         tokens_per_step = cfg.batch_size * self.run.model.seq_len
         last_eval = self.step if self.resume else -1
+        first_step = self.step
         rate_time, rate_steps = time.monotonic(), 0
         stopped = "max_steps"
         try:
@@ -245,7 +253,8 @@ class _Trainer:
                     self._write({"step": self.step, "split": "train", "loss": mean, "value": metric(self.kind, mean),
                                  "lr": learning_rate(self.step, cfg), "tokens_per_s": speed,
                                  "elapsed_s": elapsed})
-                    left = min((cfg.max_steps - self.step) * elapsed / max(rate_steps, 1), budget - elapsed)
+                    per_step = elapsed / (self.step - first_step)  # this invocation's average, evaluations included
+                    left = min((cfg.max_steps - self.step) * per_step, budget - elapsed)
                     bar.set_postfix_str(f"loss {mean:.3f}, {self._short_unit()} {metric(self.kind, mean):.3f}, "
                                         f"{speed:,.0f} tok/s, left {_clock(left)}", refresh=False)
                     self.window = {"loss": 0.0, "steps": 0}
@@ -367,6 +376,7 @@ class _Trainer:
 
     def _finish(self, stopped: str) -> TrainResult:
         minutes = (time.monotonic() - self.started) / 60
+        final_start = time.monotonic()
         mean = self._validate(full=True)
         valid = metric(self.kind, mean)
         self._write({"step": self.step, "split": "valid_full", "loss": mean, "value": valid})
@@ -374,7 +384,8 @@ class _Trainer:
         png = None
         if self.procs.main and plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png", self.unit):
             png = self.run_dir / "loss.png"
-        return TrainResult(self.run_dir, self.step, stopped, self.unit, valid, sample, png, minutes)
+        return TrainResult(self.run_dir, self.step, stopped, self.unit, valid, sample, png, minutes,
+                           time.monotonic() - final_start)
 
     def _sample(self) -> str | None:
         if self.kind == "images" or self.cfg.sample_tokens == 0:
