@@ -76,11 +76,6 @@ def sum_all(values: list[float], procs: Processes) -> list[float]:
     return t.tolist()
 
 
-def any_rank(flag: bool, procs: Processes) -> bool:
-    """True on every rank when it is true on some rank: ranks stop at the same step."""
-    return sum_all([float(flag)], procs)[0] > 0
-
-
 def routing_in_sync(model: nn.Module, procs: Processes) -> bool:
     """Every rank holds bit-identical routing state (centroids, EMA sums and counts, projections)."""
     if not procs.distributed:

@@ -241,12 +241,16 @@ class _Trainer:
         stopped = "max_steps"
         try:
             while self.step < cfg.max_steps:
-                loss = self._train_step(self.step + 1)
+                local_loss = self._train_step(self.step + 1)
                 self.step += 1
                 rate_steps += 1
-                self.window["loss"] += loss
-                self.window["steps"] += 1
                 elapsed = time.monotonic() - start_time
+                # One reduction a step: the mean loss, and whether some rank was interrupted or ran out of time
+                # (so that every rank stops at the same step).
+                loss_sum, interrupted, out_of_time = distributed.sum_all(
+                    [local_loss, float(self.stop_request == "interrupted"), float(elapsed >= budget)], procs)
+                self.window["loss"] += loss_sum / procs.world
+                self.window["steps"] += 1
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                     mean = self.window["loss"] / self.window["steps"]
                     speed = rate_steps * tokens_per_step / max(time.monotonic() - rate_time, 1e-9)
@@ -260,9 +264,9 @@ class _Trainer:
                     self.window = {"loss": 0.0, "steps": 0}
                     rate_time, rate_steps = time.monotonic(), 0
                 bar.update(1)
-                if distributed.any_rank(self.stop_request == "interrupted", procs):
+                if interrupted:
                     stopped = "interrupted"
-                elif distributed.any_rank(elapsed >= budget, procs):
+                elif out_of_time:
                     stopped = "time budget"
                 if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps or stopped != "max_steps":
                     if stopped != "interrupted":
@@ -283,7 +287,7 @@ class _Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        losses = []
         for micro in range(cfg.grad_accum):
             tokens = self.sampler.batch(step, micro, cfg.grad_accum).to(self.procs.device, non_blocking=True)
             last = micro == cfg.grad_accum - 1
@@ -294,14 +298,15 @@ class _Trainer:
                     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
                     objective = (loss + self.core.commitment_loss.float()) / cfg.grad_accum
                 self.scaler.scale(objective).backward()
-            total += float(loss.detach()) / cfg.grad_accum
+            losses.append(loss.detach())
         self.scaler.unscale_(self.optimizer)
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.core.parameters(), cfg.clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.core.update_routing()
-        return distributed.sum_all([total], self.procs)[0] / self.procs.world
+        # This rank's loss (one device-to-host copy a step, not one per micro-batch); the loop averages ranks.
+        return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
 
     def _validate(self, full: bool = False) -> float:
         tokens = self.data.split("valid")
@@ -340,15 +345,19 @@ class _Trainer:
                     get_optimizer_state_dict(self.core, self.optimizer, options=options))
         return self.core.state_dict(), self.optimizer.state_dict()
 
-    def _save_weights(self, directory: Path) -> None:
-        model_state, _ = self._full_state() if self.cfg.fsdp and self.procs.distributed else (None, None)
+    def _save_weights(self, directory: Path, model_state: dict | None = None) -> None:
+        """model.safetensors + config.json in ``directory`` (rank 0). Sharded parameters are gathered first
+        (every rank takes part) unless ``model_state`` already holds the full state."""
+        sharded = self.cfg.fsdp and self.procs.distributed
+        if sharded and model_state is None:
+            model_state, _ = self._full_state()
         if self.procs.main:
-            if model_state is None:
-                save_pretrained(self.core, directory)
-            else:
+            if sharded:
                 shadow = TransformerLM(self.run.model)
                 shadow.load_state_dict(model_state)
                 save_pretrained(shadow, directory)
+            else:
+                save_pretrained(self.core, directory)
 
     def _save(self) -> None:
         model_state, optim_state = self._full_state()
@@ -365,12 +374,7 @@ class _Trainer:
                 "scaler": self.scaler.state_dict(), "step": self.step, "best": self.best, "rng": rngs,
                 "window": self.window,
             })
-            if self.cfg.fsdp and self.procs.distributed:
-                shadow = TransformerLM(self.run.model)
-                shadow.load_state_dict(model_state)
-                save_pretrained(shadow, self.run_dir)
-            else:
-                save_pretrained(self.core, self.run_dir)
+        self._save_weights(self.run_dir, model_state)
         if self.procs.distributed:
             dist.barrier()
 
