@@ -29,8 +29,11 @@ def test_bench_rejects_bad_sizes(capsys) -> None:
     assert "positive integer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"], ["bench", "attention", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], *([cmd, "--help"] for cmd in ("prepare", "train", "evaluate", "sample",
+                                                                          "bench")),
+                                  ["bench", "attention", "--help"], ["bench", "model", "--help"]])
 def test_help(args: list[str]) -> None:
+    """`python -m routeformer` runs the command line; every subcommand has --help."""
     done = subprocess.run([sys.executable, "-m", "routeformer", *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: routeformer" in done.stdout
 

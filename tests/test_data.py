@@ -236,6 +236,30 @@ def test_a_failed_prepare_keeps_the_previous_data_set(tmp_path) -> None:
     assert np.asarray(Dataset.open("text", tmp_path / "data").split("train")).tobytes() == b"g" * 900
 
 
+def test_a_prepare_that_fails_while_writing_keeps_the_previous_data_set(tmp_path, monkeypatch) -> None:
+    good = tmp_path / "good.txt"
+    good.write_bytes(b"g" * 1000)
+    prepare("text", tmp_path / "data", str(good))
+    other = tmp_path / "other.txt"
+    other.write_bytes(b"o" * 1000)
+
+    def failing(data):
+        splits = sources._split_bytes(data, 900, 50)
+
+        def broken():  # the valid split fails half-way, after train.bin is written: as a full disk would
+            yield np.frombuffer(b"o" * 10, dtype=np.uint8)
+            raise OSError(28, "No space left on device")
+
+        return {**splits, "valid": broken()}
+
+    monkeypatch.setattr(sources, "_proportional", failing)
+    with pytest.raises(OSError, match="No space left"):
+        prepare("text", tmp_path / "data", str(other))
+    data = Dataset.open("text", tmp_path / "data")  # the old set, whole: sizes and checksums verified
+    assert np.asarray(data.split("train")).tobytes() == b"g" * 900
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["text"]  # no staging folder left behind
+
+
 def test_batches_are_a_function_of_seed_and_step_and_ranks_split_them() -> None:
     tokens = np.arange(10_000) % 251
     one = BatchSampler(tokens, 16, 8, seed=3)

@@ -120,19 +120,23 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
     A data set already in ``directory`` stays untouched until the new one is complete.
     """
     staging = writable_directory(directory.with_name(f".{directory.name}.staging"))
-    for split in SPLITS:
-        count, digest = write_split(staging / f"{split}.bin", splits[split], np.dtype(meta.dtype))
-        meta.splits[split], meta.sha256[split] = count, digest
-        if count == 0:
-            raise DataError(f"the {split} split of {meta.name} came out empty; the source is too small")
-    if vocab is not None:
-        meta.vocab_file = "vocab.txt"
-        tmp, handle = atomic_file(staging / "vocab.txt")
-        handle.write("".join(f"{token}\n" for token in vocab).encode())
-        commit_file(tmp, handle, staging / "vocab.txt")
-    tmp, handle = atomic_file(staging / "meta.json")
-    handle.write((json.dumps(asdict(meta), indent=2) + "\n").encode())
-    commit_file(tmp, handle, staging / "meta.json")
+    try:
+        for split in SPLITS:
+            count, digest = write_split(staging / f"{split}.bin", splits[split], np.dtype(meta.dtype))
+            meta.splits[split], meta.sha256[split] = count, digest
+            if count == 0:
+                raise DataError(f"the {split} split of {meta.name} came out empty; the source is too small")
+        if vocab is not None:
+            meta.vocab_file = "vocab.txt"
+            tmp, handle = atomic_file(staging / "vocab.txt")
+            handle.write("".join(f"{token}\n" for token in vocab).encode())
+            commit_file(tmp, handle, staging / "vocab.txt")
+        tmp, handle = atomic_file(staging / "meta.json")
+        handle.write((json.dumps(asdict(meta), indent=2) + "\n").encode())
+        commit_file(tmp, handle, staging / "meta.json")
+    except BaseException:  # a half-written data set never replaces the old one, nor lingers
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if directory.exists():  # replace the old data set only now that the new one is whole
         old = directory.with_name(f".{directory.name}.old")
         shutil.rmtree(old, ignore_errors=True)
