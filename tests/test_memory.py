@@ -7,6 +7,7 @@ import torch
 
 from helpers import rand_qkv, rand_rel
 from routeformer.attention import (
+    RoutingAttention,
     fixed_attention,
     full_attention,
     local_attention,
@@ -36,6 +37,9 @@ def _peak_forward(attend) -> int:
                                                         v.expand(1, 2, N, 64), 128, merged=False)),
     ("fixed", lambda q, k, v: fixed_attention(q, k, v, 128, 8)),
     ("longformer", lambda q, k, v: longformer_attention(q, k, v, 256, 2, [0, 5000], causal=True)),
+    ("routing causal", lambda q, k, v: RoutingAttention(heads=1, head_dim=64, num_clusters=128, window=128)(q, q, v)),
+    ("routing balanced", lambda q, k, v: RoutingAttention(heads=1, head_dim=64, num_clusters=128, window=128,
+                                                          causal=False, balanced=True)(q, q, v)),
 ])
 def test_sparse_forward_peaks_well_below_a_score_matrix(name: str, attend) -> None:
     peak = _peak_forward(attend)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
-from routeformer.attention import PATTERNS, reference_attention
+from routeformer.attention import PATTERNS, full_attention, full_mask, reference_attention
 
 
 @st.composite
@@ -104,14 +104,43 @@ def test_bfloat16_error_within_twice_the_reference_rounding(name: str, params: d
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
-def test_float16_runs_without_nan(name: str) -> None:
+def test_float16_error_within_twice_the_reference_rounding(name: str) -> None:
+    """float16 with padding (rows with no key included): finite, and its error against float64 is at most twice the
+    float16 reference's own error."""
     pattern = PATTERNS[name]
     params = {"full": {}, "local": {"window": 8}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
               "longformer": {"window": 4, "global_tokens": [0]}}[name]
-    q, k, v = (x.half() for x in rand_qkv(1, 2, 40, 16, grad=False))
+    q, k, v = rand_qkv(1, 2, 40, 16, grad=False)
     padding = rand_padding(1, 40)
-    out = pattern.attend(q, k, v, causal=True, key_padding_mask=padding, **params)
+    mask = pattern.build_mask(40, 2, True, **params)
+    exact = reference_attention(q, k, v, mask, key_padding_mask=padding)
+    q16, k16, v16 = (x.half() for x in (q, k, v))
+    ref16 = reference_attention(q16, k16, v16, mask, key_padding_mask=padding)
+    out = pattern.attend(q16, k16, v16, causal=True, key_padding_mask=padding, **params)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert _max_err(out, exact) <= 2 * _max_err(ref16, exact)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_float16_relative_full_attention_keeps_rows_without_keys_zero(causal: bool) -> None:
+    """Clipped relative positions split full attention into a band and far keys; a row that sees no key must stay
+    exactly zero in float16 too (the far keys' a^V term must not be added to it), the rest as accurate as the
+    float16 reference."""
+    N, D = 12, 8
+    q, k, v = rand_qkv(2, 2, N, D, grad=False)
+    rel, rel16 = rand_rel(D, 2), rand_rel(D, 2, dtype=torch.float16)  # max_distance 2 < N - 1
+    padding = torch.ones(2, N, dtype=torch.bool)
+    padding[:, :4] = False  # a leading padded span: causal rows 0-3 see no key
+    padding[1] = False  # a sequence without any key
+    mask = full_mask(N, causal, heads=2)
+    exact = reference_attention(q, k, v, mask, key_padding_mask=padding, rel_pos=rel)
+    q16, k16, v16 = (x.half() for x in (q, k, v))
+    ref16 = reference_attention(q16, k16, v16, mask, key_padding_mask=padding, rel_pos=rel16)
+    out = full_attention(q16, k16, v16, causal=causal, key_padding_mask=padding, rel_pos=rel16)
+    no_key = ~(mask & padding[:, None, None, :]).any(-1)  # (B, H, N)
+    assert no_key.any() and (~no_key).any()
+    assert out.dtype == torch.float16 and torch.all(out[no_key] == 0)
+    assert _max_err(out, exact) <= 2 * _max_err(ref16, exact)
 
 
 @pytest.mark.parametrize("name, params", [

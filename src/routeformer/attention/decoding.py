@@ -27,16 +27,13 @@ def attend_cached(
     qs = q.to(keys.dtype) * scale
     scores = torch.einsum("bhd,bhmd->bhm", qs, keys)
     if rel_pos is not None:
-        idx = rel_pos.index(key_pos - t)
-        table_k, table_v = rel_pos.key.to(keys.dtype)[idx], rel_pos.value.to(keys.dtype)[idx]
-        scores = scores + (torch.einsum("bhd,md->bhm", qs, table_k) if idx.dim() == 1
-                           else torch.einsum("bhd,bhmd->bhm", qs, table_k))
+        table_k, table_v = rel_pos.tables(key_pos - t, keys.dtype)  # (M, D) or (B, H, M, D)
+        scores = scores + (qs[..., None, :] @ table_k.transpose(-1, -2)).squeeze(-2)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     has_key = torch.isfinite(scores).any(-1, keepdim=True)
     probs = torch.where(has_key, scores, 0.0).softmax(-1) * has_key
     out = torch.einsum("bhm,bhmd->bhd", probs, values)
     if rel_pos is not None:
-        out = out + (torch.einsum("bhm,md->bhd", probs, table_v) if idx.dim() == 1
-                     else torch.einsum("bhm,bhmd->bhd", probs, table_v))
+        out = out + (probs[..., None, :] @ table_v).squeeze(-2)
     return out.to(q.dtype)

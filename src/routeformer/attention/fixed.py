@@ -8,7 +8,7 @@ from torch import Tensor
 from .checks import check_split_heads, positive_int
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import merge_partials, neg_inf, tiled_attention
+from .tiles import _lse_dtype, block_diagonal_attention, merge_partials, neg_inf, subset_attention
 
 
 def fixed_attention(
@@ -51,30 +51,28 @@ def fixed_attention(
     return torch.cat([a1, a2], dim=1)
 
 
-def _within_block(q, k, v, block, *, causal, scale, key_valid, rel_pos, need_lse=False):
-    size = min(block, q.shape[2])
-    allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
-    return tiled_attention(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                           rel_unit=1, need_lse=need_lse)
+_within_block = block_diagonal_attention  # A1; the old name, imported elsewhere
+
+
+def summary_count(n: int, block: int, summary: int) -> int:
+    """How many summary cells (j mod block >= block - summary) lie before position n."""
+    return n // block * summary + max(0, n % block - (block - summary))
 
 
 def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_valid, rel_pos, need_lse=False):
     """Attention to the summary positions (j mod l >= l - c), of other blocks only when ``other_blocks``."""
     B, H, N, D = q.shape
     pos = torch.arange(N, device=q.device)
-    count = N // block * summary + max(0, N % block - (block - summary))  # summary cells before N
+    count = summary_count(N, block, summary)
     m = torch.arange(count, device=q.device)
     cells = m // summary * block + (block - summary) + m % summary  # (M,), ascending
     if count == 0:  # the sequence ends before the first summary cell
-        acc = torch.promote_types(q.dtype, torch.float32)
+        acc = _lse_dtype(q.dtype)
         return q.new_zeros(B, H, N, D), torch.full((B, H, N), neg_inf(acc), dtype=acc, device=q.device)
     i, j = pos[:, None], cells[None, :]
     if other_blocks:
         allow = (j // block < i // block) if causal else (j // block != i // block)
     else:
         allow = (j <= i) if causal else None
-    return tiled_attention(
-        q, k[:, :, cells], v[:, :, cells], block=N, allow=allow, scale=scale,
-        key_valid=None if key_valid is None else key_valid[:, :, cells],
-        rel_pos=rel_pos, rel_delta=None if rel_pos is None else j - i, empty_rows=True, need_lse=need_lse,
-    )
+    return subset_attention(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                            need_lse=need_lse)

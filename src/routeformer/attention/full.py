@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import band_attention, merge_partials, neg_inf, tiled_attention
+from .tiles import band_attention, block_diagonal_attention, merge_partials, saw_key, tiled_attention
 
 
 def full_attention(
@@ -33,10 +33,8 @@ def full_attention(
     if rel_pos is not None:
         if rel_pos.max_distance + 1 < N:
             return _near_and_far(q, k, v, causal, scale, key_valid, rel_pos)
-        allow = torch.ones(N, N, dtype=torch.bool, device=q.device).tril() if causal else None
-        out, _ = tiled_attention(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
-                                 rel_pos=rel_pos, rel_unit=1)
-        return out
+        return block_diagonal_attention(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
+                                        rel_pos=rel_pos)[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allow = key_valid[:, :, None, :]  # (B, 1, 1, N)
@@ -64,10 +62,9 @@ def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, k
     for sign, allow in sides:
         out, lse = tiled_attention(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
                                    empty_rows=True, need_lse=True)
-        row = rel_pos.index(torch.tensor(sign * clip, device=q.device))
-        a_key, a_value = rel_pos.key.to(q.dtype)[row], rel_pos.value.to(q.dtype)[row]  # (D,) each
+        a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
         shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
-        has_key = lse > neg_inf(lse.dtype) / 2
+        has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever the dtype of q
         out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (their weights sum to 1)
-        parts.append((out, lse + shift.to(lse.dtype)))
+        parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows stay at neg_inf
     return merge_partials(parts)[0]

@@ -11,7 +11,7 @@ from .checks import check_per_head, check_positions, positive_int
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import band_attention, merge_partials, tiled_attention
+from .tiles import band_attention, merge_partials, subset_attention, tiled_attention
 
 
 def longformer_attention(
@@ -39,53 +39,56 @@ def longformer_attention(
     window = positive_int("window", window)
     dilations = check_per_head("dilation", dilation, H)
     globals_ = check_positions("global_tokens", global_tokens, N)
+    g = _index(globals_, q.device) if globals_ else None
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
         heads = [h for h in range(H) if dilations[h] == d]
         qkv = (q, k, v)
         if len(heads) < H:
-            idx = torch.tensor(heads, device=q.device)
+            idx = _index(heads, q.device)
             qkv = tuple(x[:, idx] for x in qkv)
-        outs.append(_dilated(*qkv, window, d, globals_, causal=causal, scale=scale, key_valid=key_valid,
+        outs.append(_dilated(*qkv, window, d, g, causal=causal, scale=scale, key_valid=key_valid,
                              rel_pos=rel_pos))
         order += heads
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     if order != sorted(order):
-        out = out[:, torch.tensor(order, device=q.device).argsort()]
+        out = out[:, _index(sorted(range(H), key=order.__getitem__), q.device)]  # the inverse permutation
     return out
 
 
-def _dilated(q, k, v, window, dilation, globals_, *, causal, scale, key_valid, rel_pos):
+def _index(values: list[int], device: torch.device) -> Tensor:
+    """A long tensor of ``values`` on ``device``, without waiting for the copy: from pageable host memory a
+    non-blocking copy is staged at once, so the host buffer may go (no stream synchronisation on CUDA)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos):
+    """Dilated band of (B, H, N, D) inputs, plus the global positions ``g`` (G,) (long, on q's device) or None."""
     B, H, N, D = q.shape
     qc, kc, vc = (to_columns(x, dilation) for x in (q, k, v))  # (B·d, H, N/d, D)
     band, band_lse = band_attention(
         qc, kc, vc, window=window, causal=causal, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, dilation, q.device),
-        rel_pos=rel_pos, rel_unit=dilation, need_lse=bool(globals_),
+        rel_pos=rel_pos, rel_unit=dilation, need_lse=g is not None,
     )
     out = from_columns(band, dilation, N)
-    if not globals_:
+    if g is None:
         return out
 
-    g = torch.tensor(globals_, device=q.device)
     pos = torch.arange(N, device=q.device)
     # Every query also sees the global keys its band does not already hold.
     diff = g[None, :] - pos[:, None]  # (N, G): key - query
     steps = torch.div(diff, dilation, rounding_mode="floor")
     in_band = (diff % dilation == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
     allow = ~in_band & (diff <= 0) if causal else ~in_band
-    glob, glob_lse = tiled_attention(
-        q, k[:, :, g], v[:, :, g], block=N, allow=allow, scale=scale,
-        key_valid=None if key_valid is None else key_valid[:, :, g], rel_pos=rel_pos,
-        rel_delta=None if rel_pos is None else diff, empty_rows=True,
-        need_lse=True,
-    )
+    glob, glob_lse = subset_attention(q, k, v, g, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                                      need_lse=True)
     out, _ = merge_partials([(out, from_columns(band_lse, dilation, N)), (glob, glob_lse)])
 
     # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
     rows_delta = pos[None, :] - g[:, None]  # (G, N)
     rows, _ = tiled_attention(
-        q[:, :, g], k, v, block=len(globals_), allow=(rows_delta <= 0) if causal else None, scale=scale,
+        q[:, :, g], k, v, block=g.shape[0], allow=(rows_delta <= 0) if causal else None, scale=scale,
         key_valid=key_valid, rel_pos=rel_pos, rel_delta=None if rel_pos is None else rows_delta,
     )
     return out.index_copy(2, g, rows)

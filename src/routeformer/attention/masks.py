@@ -125,13 +125,13 @@ def longformer_mask(
     i, j = _grid(n, device)
     is_global = torch.zeros(n, dtype=torch.bool, device=device)
     is_global[globals_] = True
+    diff = j - i
+    glob = is_global[:, None] | is_global[None, :]
+    if causal:
+        glob = glob & (j <= i)
     masks = []
     for d in dilations:
-        diff = j - i
         m = torch.div(diff, d, rounding_mode="floor")
         band = (diff % d == 0) & ((m <= 0) & (m > -window) if causal else (m.abs() < window))
-        glob = is_global[:, None] | is_global[None, :]
-        if causal:
-            glob = glob & (j <= i)
         masks.append(band | glob)
     return torch.stack(masks) if per_head else masks[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_key_padding_mask, check_qkv, check_scale
+from .inputs import check_inputs
 from .relative import RelativePositions
 
 
@@ -37,17 +37,14 @@ def reference_attention(
         (B, H, N, D). A query row with no allowed key outputs zeros. Computes in the dtype of q (float64 in,
         float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel_pos``).
     """
-    B, H, N, D = check_qkv(q, k, v)
-    scale = check_scale(scale, D)
+    B, H, N, D, scale, _ = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)  # validation only
     allowed = _check_mask(mask, B, H, N, q)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, B, N, q.device)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
     allowed = allowed.expand(B, H, N, N)
 
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
     if rel_pos is not None:
-        rel_pos.check(q)
         a_key, a_value = _literal_tables(rel_pos, N, q)  # (N, N, D) each
         scores = scores + (q[:, :, :, None, :] * a_key).sum(-1) * scale
 
@@ -81,5 +78,4 @@ def _check_mask(mask: Tensor, B: int, H: int, N: int, q: Tensor) -> Tensor:
 def _literal_tables(rel_pos: RelativePositions, n: int, q: Tensor) -> tuple[Tensor, Tensor]:
     """a^K_ij and a^V_ij as (N, N, D) tensors, exactly as in the paper's equations."""
     pos = torch.arange(n, device=q.device)
-    idx = rel_pos.index(pos[None, :] - pos[:, None])  # (N, N): row of clip(j - i, k)
-    return rel_pos.key.to(q.dtype)[idx], rel_pos.value.to(q.dtype)[idx]
+    return rel_pos.tables(pos[None, :] - pos[:, None], q.dtype)  # rows of clip(j - i, k)

@@ -1,4 +1,9 @@
-"""Attention patterns by name: what the model's ``attention`` spec, the benchmarks and the tests iterate over."""
+"""The fixed attention patterns by name, each a fast function paired with its mask.
+
+The tests iterate over ``PATTERNS`` (holding each function to ``reference_attention`` under its mask), and a CLI test
+checks that the attention benchmark reports every name here; the model and the benchmarks choose their attention
+functions themselves.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from .strided import strided_attention
 
 @dataclass(frozen=True)
 class Pattern:
-    """A fixed sparsity pattern: its fast function, its mask builder and the parameters both take.
+    """A fixed sparsity pattern: its fast function and its mask builder, which take the same parameters.
 
     ``attend(q, k, v, **params, causal=..., key_padding_mask=..., rel_pos=...)`` and
     ``mask(n, **params, causal=..., heads=...)`` describe the same attention; the tests hold the first to
@@ -25,23 +30,20 @@ class Pattern:
     name: str
     attend: Callable
     mask: Callable
-    params: tuple[str, ...]
-    split_heads: bool = False  # True when `merged=False` gives different heads different sets
 
     def build_mask(self, n: int, heads: int, causal: bool, **params):
-        """(H, N, N) mask of this pattern."""
-        mask = self.mask(n, causal=causal, heads=heads, **params)
-        return mask if mask.dim() == 3 else mask.expand(heads, n, n)
+        """(H, N, N) mask of this pattern (every mask builder returns one when given ``heads``)."""
+        return self.mask(n, causal=causal, heads=heads, **params)
 
 
 PATTERNS: dict[str, Pattern] = {
     p.name: p
     for p in [
-        Pattern("full", full_attention, full_mask, ()),
-        Pattern("local", local_attention, local_mask, ("window",)),
-        Pattern("strided", strided_attention, strided_mask, ("stride", "merged"), split_heads=True),
-        Pattern("fixed", fixed_attention, fixed_mask, ("block", "summary", "merged"), split_heads=True),
-        Pattern("longformer", longformer_attention, longformer_mask, ("window", "dilation", "global_tokens")),
+        Pattern("full", full_attention, full_mask),
+        Pattern("local", local_attention, local_mask),
+        Pattern("strided", strided_attention, strided_mask),
+        Pattern("fixed", fixed_attention, fixed_mask),
+        Pattern("longformer", longformer_attention, longformer_mask),
     ]
 }
 

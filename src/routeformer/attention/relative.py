@@ -4,8 +4,11 @@
     a^K_ij = w^K[clip(j - i, k)],  a^V_ij = w^V[clip(j - i, k)],  clip(x, k) = max(-k, min(k, x))
 
 2k + 1 learned vectors for each of K and V, shared across heads. Executors never build the (N, N, D) tensors of
-the equations: they multiply queries by the (at most 2k + 1) table rows once and gather per score (see
-``tiles.py``), so the extra memory is O(#scores), i.e. O(N · window) for local attention.
+the equations (see ``tiles.py``). Where a tile's distances are shift-invariant they expand the tables to one row per
+distance the tile holds (at most O(span) rows: a sliding window's strip, or the S + T - 1 diagonals of a tile) and
+apply them with batched matmuls on strided views of the scores and probabilities; where distances are irregular
+they multiply queries by all 2k + 1 rows once and gather per score. The extra memory is O(#scores), i.e.
+O(N · window) for local attention.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ class RelativePositions(nn.Module):
     def index(self, delta: Tensor) -> Tensor:
         """Table row of each relative distance ``delta = j - i`` (any integer tensor)."""
         return delta.clamp(-self.max_distance, self.max_distance) + self.max_distance
+
+    def tables(self, delta: Tensor | int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Rows a^K, a^V of relative distances ``delta = j - i`` (clipped to ±max_distance) in ``dtype``: one int
+        gives two (D,) vectors, an integer tensor two (*delta.shape, D) tensors."""
+        if isinstance(delta, Tensor):
+            idx: Tensor | int = self.index(delta)
+        else:
+            idx = max(-self.max_distance, min(self.max_distance, int(delta))) + self.max_distance
+        return self.key.to(dtype)[idx], self.value.to(dtype)[idx]
 
     def check(self, q: Tensor) -> None:
         """Raise if the tables cannot be used with queries ``q`` of shape (B, H, N, D)."""

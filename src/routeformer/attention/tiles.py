@@ -16,24 +16,30 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .relative import RelativePositions
 
 
 def neg_inf(dtype: torch.dtype) -> float:
-    """The score given to masked entries: finite, so an all-masked row stays NaN-free, yet exp(it - max) == 0."""
+    """The score given to masked entries: finite, so an all-masked row stays NaN-free, yet exp(it - max) == 0.
+
+    Also the lse ``tiled_attention`` returns, exactly, for a row that sees no key: ``neg_inf(lse.dtype)``, with lse
+    in float32 or wider, so it lies below ``neg_inf(d) / 2`` for the dtype d of any input, and ``merge_partials``
+    gives such a part weight 0 (or, merging only empty parts, keeps the merged lse there).
+    """
     return torch.finfo(dtype).min
+
+
+def saw_key(lse: Tensor) -> Tensor:
+    """Rows of an lse from ``tiled_attention`` (or merged from them) that saw at least one key."""
+    return lse > neg_inf(lse.dtype) / 2
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """lse is kept in float32 or wider: merging half-precision lse values would cost more than the softmax."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _flat(x: Tensor) -> Tensor:
-    """(..., T, C) -> (X, T, C), a view for contiguous tiles."""
-    return x.reshape(-1, *x.shape[-2:])
 
 
 def _strip(x: Tensor, offset: int, width: int) -> Tensor:
@@ -60,7 +66,15 @@ def _softmax_(scores: Tensor) -> Tensor:
 def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: Tensor | None,
                     key_table: Tensor | None, value_table: Tensor | None, offset: int,
                     need_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """softmax(q·kᵀ + rel) · v over tiles; returns (out (B, H, nb, T, D), lse (B, H, nb, T) or empty, probs)."""
+    """softmax(q·kᵀ + rel) · v over tiles, holding two (…, T, S) buffers per step instead of five.
+
+    Returns (out (B, H, nb, T, D), lse (B, H, nb, T) or empty, probs). Queries come as tiles (B, H, nb, T, D),
+    computed as X = B·H·nb batched matmuls; keys and values as ``_key_source`` rows whose spans ``_windows`` views
+    without a copy. Forward computes the scores, adds the relative-position strip, masks and normalises them in one
+    buffer and keeps only the probabilities. Relative positions (optional) come in strip form: ``key_table`` and
+    ``value_table`` (W, D) hold a^K and a^V of strip column t, the strip of row r starting at span column
+    r + ``offset``; every strip product is a bmm on a strided view.
+    """
     lead, (T, D) = qt.shape[:3], qt.shape[3:]
     q3 = qt.reshape(-1, T, D)  # (X, T, D)
     tiles = q3.shape[0]
@@ -157,31 +171,38 @@ def _tile_backward(ctx, grad_out, grad_lse, grad_probs):
 _tile_attention.register_autograd(_tile_backward, setup_context=_tile_setup)
 
 
-def _fused_tiles(qt: Tensor, k: Tensor, v: Tensor, windows: tuple[int, int, int], mask: Tensor | None,
-                 key_table: Tensor | None, value_table: Tensor | None, offset: int,
-                 need_lse: bool) -> tuple[Tensor, Tensor | None]:
-    """softmax(q·kᵀ + rel) · v over tiles, holding two (…, T, S) buffers per step instead of five.
-
-    Queries come as tiles (B, H, nb, T, D), computed as X = B·H·nb batched matmuls; keys and values as
-    ``_key_source`` rows whose spans ``_windows`` views without a copy. Forward computes the scores, adds the
-    relative-position strip, masks and normalises them in one buffer and keeps only the probabilities. Relative
-    positions (optional) come in strip form: ``key_table`` and ``value_table`` (W, D) hold a^K and a^V of strip column
-    t, the strip of row r starting at span column r + ``offset``; every strip product is a bmm on a strided view.
-    """
-    out, lse, _ = _tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse)
-    return out, lse if need_lse else None
-
-
 def _key_source(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
     """Rows (back·T + X·T + ahead·T, D) of x (B, H, N, D): each head padded to nb·T, all heads flattened, then
     back·T rows before and ahead·T after. Span s of global block g is then row g·T + s: one stride for all tiles,
     so ``_windows`` is a view bmm reads directly. Spans that reach into a neighbouring head read finite values that
     the in-range mask removes."""
     B, H, N, D = x.shape
-    x = _pad_seq(x, n_blocks * block - N).contiguous().view(B * H * n_blocks * block, D)  # row r at r · D
-    if back or ahead:
-        x = torch.cat([x.new_zeros(back * block, D), x, x.new_zeros(ahead * block, D)])
-    return x
+    if n_blocks * block == N and not (back or ahead):
+        return x.contiguous().view(B * H * N, D)  # row r at r · D; no copy when x is contiguous
+    return _KeyRows.apply(x, n_blocks, block, back, ahead)
+
+
+class _KeyRows(torch.autograd.Function):
+    """``_key_source`` with padding: x written once into a zeroed buffer; the gradient is a view of the rows'."""
+
+    @staticmethod
+    def forward(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
+        B, H, N, D = x.shape
+        rows = x.new_zeros((back + B * H * n_blocks + ahead) * block, D)
+        rows[back * block:(back + B * H * n_blocks) * block].view(B, H, n_blocks * block, D)[:, :, :N] = x
+        return rows
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, n_blocks, block, back, ahead = inputs
+        ctx.shape, ctx.n_blocks, ctx.block, ctx.back = x.shape, n_blocks, block, back
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        B, H, N, D = ctx.shape
+        T, nb = ctx.block, ctx.n_blocks
+        body = grad[ctx.back * T:(ctx.back + B * H * nb) * T].reshape(B, H, nb * T, D)
+        return body[:, :, :N], None, None, None, None
 
 
 def _windows(x: Tensor, windows: tuple[int, int, int]) -> Tensor:
@@ -253,7 +274,7 @@ def tiled_attention(
 
     Returns:
         out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
-        see no key get about ``neg_inf``) or ``None``.
+        see no key get exactly ``neg_inf(lse.dtype)``, see ``saw_key``) or ``None``.
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
@@ -277,21 +298,21 @@ def tiled_attention(
         windows = (B * H * n_blocks, block, back + ahead)
         k, v = (_key_source(x, n_blocks, block, back, ahead) for x in (k, v))
 
+    def key_spans(x: Tensor) -> Tensor:
+        """Per-key values (B, H', nb·T) (already padded to whole blocks) -> (B, H', nb, 1, S): each block's span."""
+        return x[:, :, None, None, :] if single else _span(x, n_blocks, block, back, ahead)[:, :, :, None, :]
+
     # One boolean mask (broadcastable to (B, H, nb, T, S)) from the tile mask, out-of-range keys and padding.
     mask = None if allow is None else allow.view(1, 1, 1, block, span)
     if tile_mask is not None:
         mask = _and(mask, tile_mask)
-    if not single and (back or ahead or padded):
-        mask = _and(mask, _span_in_range(n_blocks, block, back, ahead, Nq, q.device))
+    if not single and (back or ahead or padded):  # span columns that are real key indices in [0, Nq)
+        mask = _and(mask, key_spans(_pad_seq(q.new_ones(1, 1, Nq, dtype=torch.bool), padded)))
     if key_valid is not None:
-        kv = key_valid[:, :, None, None, :] if single else _span(_pad_seq(key_valid, padded), n_blocks, block,
-                                                                  back, ahead)[:, :, :, None, :]
-        mask = _and(mask, kv)
+        mask = _and(mask, key_spans(_pad_seq(key_valid, padded)))
     if groups is not None:
-        gq = _pad_seq(groups, padded).view(B, H, n_blocks, block)
-        gk = gq[:, :, :, None, :] if single else _span(_pad_seq(groups, padded), n_blocks, block, back, ahead)[
-            :, :, :, None, :]
-        mask = _and(mask, gq[..., None] == gk)
+        groups = _pad_seq(groups, padded)
+        mask = _and(mask, groups.view(B, H, n_blocks, block, 1) == key_spans(groups))
     if exclude_self:
         if Nk != Nq:
             raise ValueError("exclude_self needs self-attention (as many keys as queries)")
@@ -300,21 +321,25 @@ def tiled_attention(
         mask = mask.expand(B, H, n_blocks, block, span)
         own_allowed = mask.diagonal(offset=back * block, dim1=-2, dim2=-1)  # (B, H, nb, T): span column r + back·T
         others = mask.sum(-1) > own_allowed.int()  # another key is allowed
-        own = torch.zeros(block, span, dtype=torch.bool, device=q.device)
-        own[torch.arange(block), torch.arange(block) + back * block] = True
+        own = shift_invariant_mask(block, back, ahead, lambda d: d == 0, device=q.device)  # that column
         mask = mask & ~(own & others[..., None])
 
     if rel_pos is not None and rel_positions is not None:
-        pq = _pad_seq(rel_positions, padded).view(B, H, n_blocks, block)
-        pk = pq[:, :, :, None, :] if single else _span(_pad_seq(rel_positions, padded), n_blocks, block, back,
-                                                       ahead)[:, :, :, None, :]
-        rel_delta = pk - pq[..., None]  # (B, H, nb, T, S): key position - query position
-    rel = _RelTerms(rel_pos, qt, block, span, back, rel_unit, rel_delta, rel_band) if rel_pos is not None else None
-    if rel is None or rel.band is not None:
-        out, lse = _fused_tiles(
-            qt, k, v, windows, mask, None if rel is None else rel.key_table,
-            None if rel is None else rel.value_table, 0 if rel is None else rel.band[0], need_lse,
-        )
+        positions = _pad_seq(rel_positions, padded)
+        rel_delta = key_spans(positions) - positions.view(B, H, n_blocks, block, 1)  # (B, H, nb, T, S): key - query
+    rel, key_table, value_table, offset = None, None, None, 0
+    if rel_pos is not None:
+        if (rel_unit is None) == (rel_delta is None):
+            raise ValueError("relative positions need exactly one of rel_unit and rel_delta")
+        if rel_unit is not None and rel_band is not None:  # strip column t: span column r + offset + t
+            offset, width = rel_band
+            delta = (torch.arange(width, device=q.device) + offset - back * block) * rel_unit
+            key_table, value_table = rel_pos.tables(delta, qt.dtype)  # (W, D)
+        else:
+            rel = _RelTerms(rel_pos, qt, block, span, back, rel_unit, rel_delta)
+    if rel is None:
+        out, lse, _ = _tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse)
+        lse = lse if need_lse else None
     else:  # irregular relative distances: plain autograd
         kt, vt = (_windows(x, windows).view(B, H, n_blocks, span, D) for x in (k, v))
         scores = rel.add_scores(qt @ kt.transpose(-1, -2))
@@ -323,11 +348,15 @@ def tiled_attention(
         probs = torch.softmax(scores, -1)
         out = probs @ vt + rel.values(probs)
         lse = torch.logsumexp(scores.to(_lse_dtype(scores.dtype)), -1) if need_lse else None
-    # A row whose every key is masked would average the masked values: zero it. Only data-dependent masks (padding,
-    # per-tile masks) or a static mask with an empty row can empty a real row; out-of-range keys and groups cannot
-    # (a query always has its own key in range and in its group), and padded rows are cut off below.
+    # A row whose every key is masked would average the masked values: zero it, and give it lse = neg_inf exactly
+    # (see ``neg_inf``). Only data-dependent masks (padding, per-tile masks) or a static mask with an empty row can
+    # empty a real row; out-of-range keys and groups cannot (a query always has its own key in range and in its
+    # group), and padded rows are cut off below.
     if mask is not None and (key_valid is not None or tile_mask is not None or empty_rows):
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        empty = ~mask.any(-1)  # (…, nb, T)
+        out = out.masked_fill(empty[..., None], 0.0)
+        if lse is not None:
+            lse = lse.masked_fill(empty, neg_inf(lse.dtype))
 
     out = out.reshape(B, H, n_blocks * block, D)[:, :, :Nq]
     if lse is not None:
@@ -346,23 +375,47 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tens
     return out.to(parts[0][0].dtype), lse
 
 
-def shift_invariant_mask(block: int, back: int, ahead: int, rule) -> Tensor:
-    """Tile mask (block, S) from ``rule(delta)`` with delta = key index - query index (a LongTensor)."""
+def shift_invariant_mask(block: int, back: int, ahead: int, rule, *, device: torch.device | None = None) -> Tensor:
+    """Tile mask (block, S) on ``device`` from ``rule(delta)`` with delta = key index - query index (a LongTensor)."""
     span = (back + 1 + ahead) * block
-    delta = torch.arange(span)[None, :] - back * block - torch.arange(block)[:, None]
+    delta = torch.arange(span, device=device)[None, :] - back * block - torch.arange(block, device=device)[:, None]
     return rule(delta)
 
 
-def band_tiling(window: int, n: int, causal: bool, block: int | None = None) -> tuple[int, int, int]:
+def block_diagonal_attention(q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
+                             key_valid: Tensor | None, rel_pos: RelativePositions | None,
+                             need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Attention within blocks of ``block`` positions (j <= i too when causal); block >= N is one dense tile."""
+    size = min(block, q.shape[2])
+    allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
+    return tiled_attention(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                           rel_unit=1, need_lse=need_lse)
+
+
+def subset_attention(q: Tensor, k: Tensor, v: Tensor, key_idx: Tensor, allow: Tensor | None, *, scale: float,
+                     key_valid: Tensor | None, rel_pos: RelativePositions | None,
+                     need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Every query against the keys at positions ``key_idx`` (M,) only, under ``allow`` (N, M) (rows may be empty).
+
+    One dense (N, M) tile of the gathered keys; relative distances key_idx[m] - i, by gathers.
+    """
+    N = q.shape[2]
+    delta = None if rel_pos is None else key_idx[None, :] - torch.arange(N, device=q.device)[:, None]
+    return tiled_attention(
+        q, k[:, :, key_idx], v[:, :, key_idx], block=N, allow=allow, scale=scale,
+        key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos, rel_delta=delta,
+        empty_rows=True, need_lse=need_lse,
+    )
+
+
+def band_tiling(window: int, n: int, causal: bool) -> tuple[int, int, int]:
     """(block, back, ahead) for a sliding window: blocks of queries, each with as many neighbouring key blocks as
     the window reaches.
 
-    Default block: ``window`` below 128, else half a window (a span of 1.5 windows instead of 2: a quarter fewer
-    scores, with matmuls still large enough; measured faster on CPU for windows >= 128, slower below).
+    Block: ``window`` below 128, else half a window (a span of 1.5 windows instead of 2: a quarter fewer scores,
+    with matmuls still large enough; measured faster on CPU for windows >= 128, slower below).
     """
-    if block is None:
-        block = window if window < 128 else -(-window // 2)
-    block = min(block, n)
+    block = min(window if window < 128 else -(-window // 2), n)
     n_blocks = -(-n // block)
     reach = min(math.ceil((window - 1) / block), n_blocks - 1)
     return block, reach, 0 if causal else reach
@@ -382,7 +435,6 @@ def band_attention(
     rel_pos: RelativePositions | None = None,
     rel_unit: int = 1,
     rel_positions: Tensor | None = None,
-    block: int | None = None,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window.
@@ -392,17 +444,17 @@ def band_attention(
     the index difference.
     """
     n = q.shape[2]
-    block, back, ahead = band_tiling(window, n, causal, block)
+    block, back, ahead = band_tiling(window, n, causal)
     if causal:
-        allow = shift_invariant_mask(block, back, ahead, lambda d: (d <= 0) & (d > -window))
+        allow = shift_invariant_mask(block, back, ahead, lambda d: (d <= 0) & (d > -window), device=q.device)
     else:
-        allow = shift_invariant_mask(block, back, ahead, lambda d: d.abs() < window)
+        allow = shift_invariant_mask(block, back, ahead, lambda d: d.abs() < window, device=q.device)
     # Row r of a tile may see span columns r + back·block - (window - 1) onwards: window of them when causal,
     # 2·window - 1 otherwise. back·block >= window - 1 keeps that strip inside the tile.
     band = (back * block - (window - 1), window if causal else 2 * window - 1)
     by_positions = rel_positions is not None
     return tiled_attention(
-        q, k, v, block=block, back=back, ahead=ahead, allow=allow.to(q.device), scale=scale, key_valid=key_valid,
+        q, k, v, block=block, back=back, ahead=ahead, allow=allow, scale=scale, key_valid=key_valid,
         groups=groups, exclude_self=exclude_self, rel_pos=rel_pos, rel_unit=None if by_positions else rel_unit,
         rel_positions=rel_positions, rel_band=band if back * block >= window - 1 and not by_positions else None,
         need_lse=need_lse,
@@ -413,9 +465,10 @@ class _RelTerms:
     """The two relative-position terms of one tiling: q_i·a^K_ij on the scores and Σ_j p_ij a^V_ij on the output.
 
     Three ways, from fastest to most general:
-    - strip (``rel_band``): a sliding window's keys lie on a strip of the tile whose column t is at distance
-      (t + offset - back·T) · unit for every row, so both terms are batched matmuls of q and p against the (W, D)
-      tables on a strided view of the tile (``_fused_tiles``), with no copy.
+    - strip (``rel_band``, handled by ``tiled_attention`` itself, not here): a sliding window's keys lie on a strip
+      of the tile whose column t is at distance (t + offset - back·T) · unit for every row, so both terms are
+      batched matmuls of q and p against the (W, D) tables on a strided view of the tile (inside the fused
+      ``routeformer::tile_attention`` op), with no copy.
     - skew (``rel_unit`` alone): distance depends only on s - r, so the L = S + T - 1 distances of a tile are
       enumerated once, queries multiply that extended table, and a strided view picks row r's entries
       (Transformer-XL's relative shift); the value term is the transposed operation.
@@ -424,21 +477,15 @@ class _RelTerms:
     """
 
     def __init__(self, rel_pos: RelativePositions, qt: Tensor, block: int, span: int, back: int,
-                 unit: int | None, delta: Tensor | None, band: tuple[int, int] | None) -> None:
-        if (unit is None) == (delta is None):
-            raise ValueError("relative positions need exactly one of rel_unit and rel_delta")
+                 unit: int | None, delta: Tensor | None) -> None:
+        """Skew with ``unit``, else gather with ``delta`` (exactly one is given)."""
         self.qt, self.block, self.span = qt, block, span
-        self.band = band if unit is not None else None
         self.index: Tensor | None = None
         dtype, device = qt.dtype, qt.device
-        if unit is not None:
-            if self.band is not None:  # strip column t: span column r + offset + t
-                offset, width = self.band
-                first = offset - back * block
-            else:  # extended column u: span column s = u - (T - 1) + r
-                width, first = span + block - 1, -(block - 1) - back * block
-            idx = rel_pos.index((torch.arange(width, device=device) + first) * unit)
-            self.key_table, self.value_table = rel_pos.key.to(dtype)[idx], rel_pos.value.to(dtype)[idx]  # (L, D)
+        if unit is not None:  # extended column u: span column s = u - (T - 1) + r
+            first = -(block - 1) - back * block
+            delta = (torch.arange(span + block - 1, device=device) + first) * unit
+            self.key_table, self.value_table = rel_pos.tables(delta, dtype)  # (L, D)
         else:
             self.key_table, self.value_table = rel_pos.key.to(dtype), rel_pos.value.to(dtype)  # (2k+1, D)
             self.index = rel_pos.index(delta.to(device))
@@ -451,9 +498,8 @@ class _RelTerms:
 
     def add_scores(self, scores: Tensor) -> Tensor:
         """scores (B, H, nb, T, S) plus q_i·a^K_ij (skew or gather)."""
-        qa = self.qt @ self.key_table.T  # (B, H, nb, T, L) or (B, H, nb, T, 2k+1)
+        qa = self.qt @ self.key_table.T  # (B, H, nb, T, L) or (B, H, nb, T, 2k+1): fresh, contiguous, offset 0
         if self.index is None:
-            qa = qa.contiguous()
             return scores + qa.as_strided(*self._skew(qa))
         return scores + qa.gather(-1, self.index.expand(*qa.shape[:-1], self.index.shape[-1]))
 
@@ -472,26 +518,17 @@ def _and(a: Tensor | None, b: Tensor) -> Tensor:
     return b if a is None else a & b
 
 
-def _pad_seq(x: Tensor, extra: int, front: bool = False) -> Tensor:
-    """Pad dim 2 (the sequence) of x with ``extra`` zeros (False for bool), after it or before it."""
+def _pad_seq(x: Tensor, extra: int) -> Tensor:
+    """Pad dim 2 (the sequence) of x with ``extra`` zeros (False for bool) after it."""
     if extra == 0:
         return x
     pad = x.new_zeros(*x.shape[:2], extra, *x.shape[3:])
-    return torch.cat([pad, x] if front else [x, pad], dim=2)
+    return torch.cat([x, pad], dim=2)
 
 
 def _span(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
-    """(B, H, nb·T, *rest) -> (B, H, nb, S, *rest): for each block, blocks b-back … b+ahead concatenated."""
-    xb = x.view(*x.shape[:2], n_blocks, block, *x.shape[3:])
+    """(B, H, nb·T) -> (B, H, nb, S): for each block, blocks b-back … b+ahead (zeros beyond the ends), a view of
+    x padded with back·T zeros before and ahead·T after."""
     if back == 0 and ahead == 0:
-        return xb
-    parts = [xb.new_zeros(*xb.shape[:2], back, *xb.shape[3:]), xb, xb.new_zeros(*xb.shape[:2], ahead, *xb.shape[3:])]
-    padded = torch.cat(parts, dim=2)
-    return torch.cat([padded[:, :, o:o + n_blocks] for o in range(back + 1 + ahead)], dim=3)
-
-
-def _span_in_range(n_blocks: int, block: int, back: int, ahead: int, n: int, device: torch.device) -> Tensor:
-    """(1, 1, nb, 1, S): span column s of block b is a real key index in [0, n)."""
-    span = (back + 1 + ahead) * block
-    j = (torch.arange(n_blocks, device=device)[:, None] - back) * block + torch.arange(span, device=device)[None, :]
-    return ((j >= 0) & (j < n)).view(1, 1, n_blocks, 1, span)
+        return x.view(*x.shape[:2], n_blocks, block)
+    return F.pad(x, (back * block, ahead * block)).unfold(2, (back + 1 + ahead) * block, block)
