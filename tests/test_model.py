@@ -101,6 +101,70 @@ def test_generation_past_seq_len(positions: str) -> None:
                 model(out)
 
 
+@pytest.mark.parametrize("positions, prompt", [("absolute", 40), ("absolute", 50), ("factorized", 40),
+                                               ("relative", 40)])
+def test_generation_uses_the_cache_up_to_the_position_limit(positions: str, prompt: int) -> None:
+    """Absolute positions: the cache serves until the sequence reaches seq_len (48), then each token re-runs the
+    last 48; the model runs once per new token but the last. The tokens equal those of a run without any cache."""
+    model = randomised(tiny(positions=positions))
+    x = tokens(1, prompt)
+    calls: list[tuple[int, bool]] = []  # (positions fed, with a cache)
+    hook = model.register_forward_pre_hook(
+        lambda _, args: calls.append((args[0].shape[1], len(args) > 1 and args[1] is not None)))
+    out = model.generate(x, 30, temperature=0)
+    hook.remove()
+    if positions == "relative":
+        assert calls == [(prompt, True)] + [(1, True)] * 29
+    elif prompt < 48:
+        cached = 48 - prompt  # positions prompt … 47 through the cache, then slide
+        assert calls == [(prompt, True)] + [(1, True)] * cached + [(48, False)] * (29 - cached)
+    else:
+        assert calls == [(48, False)] * 30
+    want = x
+    with torch.no_grad():
+        for _ in range(30):
+            context = want if positions == "relative" else want[:, -48:]
+            want = torch.cat([want, model(context)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("spec", ["full", "local", "strided", "strided_a1:2,strided_a2:2", "fixed",
+                                  "fixed_a1:2,fixed_a2:2", "longformer"])
+def test_a_decoding_step_reads_what_its_query_needs_not_the_whole_cache(spec: str, monkeypatch) -> None:
+    """The keys each step scores depend on the position, not on the cache's max_len (full: the t + 1 filled ones;
+    strided: the column and the last l + 1; longformer: window + global positions)."""
+    from routeformer.attention.decoding import attend_cached
+    from routeformer.model import heads
+
+    scored: list[tuple[int, int]] = []  # (query position, keys scored)
+
+    def spy(q, keys, values, key_pos, t, **kw):
+        scored.append((t, keys.shape[2]))
+        return attend_cached(q, keys, values, key_pos, t, **kw)
+
+    monkeypatch.setattr(heads, "attend_cached", spy)
+    model = randomised(tiny(spec, depth=1), dtype=torch.float32)
+    x = tokens(1, 40)
+    runs = {}
+    for max_len in (40, 4000):
+        scored.clear()
+        cache = model.new_cache(1, max_len)
+        with torch.no_grad():
+            steps = [model(x[:, :3], cache)] + [model(x[:, t:t + 1], cache) for t in range(3, 40)]
+        runs[max_len] = list(scored)
+        torch.testing.assert_close(torch.cat(steps, 1), model(x), rtol=0, atol=1e-4)
+    assert runs[40] == runs[4000] and len(runs[40]) >= 37
+    l, window, globals_ = 5, 6, {2, 30}
+    want = {
+        "full": lambda t: t + 1,
+        "local": lambda t: min(t + 1, window),
+        "strided": lambda t: len(set(range(max(0, t - l), t + 1)) | set(range(t % l, t + 1, l))),
+        "longformer": lambda t: t + 1 if t in globals_ else window + len(globals_),
+    }.get(spec)
+    if want is not None:
+        assert runs[40] == [(t, want(t)) for t in range(3, 40)]
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"top_k": 0}, "top_k"), ({"top_k": 100}, "larger than the vocabulary"), ({"top_p": 0.0}, "top_p"),
@@ -169,9 +233,15 @@ def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics() -> 
     plain = randomised(tiny(), dtype=torch.float32).train()
     ckpt = randomised(tiny(checkpointing=True), dtype=torch.float32).train()
     x = tokens(2, 48)
+    calls = {}
     for model in (plain, ckpt):
+        counts = calls[model.config.checkpointing] = [0] * len(model.blocks)
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda *_, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
         loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten()) + model.commitment_loss
         loss.backward()
+    # checkpointing does re-enter every block in the backward pass (a pre-hook: recomputation may stop early)
+    assert calls == {False: [1, 1], True: [2, 2]}
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
     for (name, a), (_, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
@@ -183,16 +253,31 @@ def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics() -> 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", SPECS)
 def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str) -> None:
+    """Random weights (the paper's init zeroes the logit weights, so no gradient would reach attention)."""
     config = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=4, seq_len=4096, attention=spec, window=128,
                                block=128, summary=8, global_tokens=[0, 2048] if spec == "longformer" else [])
-    model = TransformerLM(config).train()
+    model = randomised(config, dtype=torch.float32).train()
     x = tokens(1, 4096, vocab=256)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()) + model.commitment_loss
+
+    with torch.no_grad():
+        exact_logits = model(x)
+        exact = loss_of(exact_logits)
     with torch.autocast("cpu", dtype=dtype):
         logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()) + model.commitment_loss
+        loss = loss_of(logits)
     loss.backward()
     assert torch.isfinite(logits).all() and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    attention = model.blocks[0].attention
+    for p in (attention.query.weight, attention.value.weight, attention.out.weight):  # the query's only through
+        assert p.grad is not None and p.grad.abs().sum() > 0  # the attention weights
+    eps = torch.finfo(dtype).eps
+    assert abs(loss.item() - exact.item()) < eps / 4 * exact.item()  # measured: bf16 < 0.02 eps, fp16 < 0.01 eps
+    # logits: about 0.6 eps; under bf16 a few routing decisions flip (3.6 eps)
+    assert ((logits.float() - exact_logits).norm() / exact_logits.norm()).item() < 8 * eps
 
 
 def test_save_and_load_reproduce_the_logits_exactly(tmp_path) -> None:
@@ -281,4 +366,5 @@ def test_autocast_logits_stay_close_to_float32(dtype) -> None:
         exact = model(x)
         with torch.autocast("cpu", dtype=dtype):
             low = model(x).float()
-    assert ((low - exact).norm() / exact.norm()).item() < 3e-2  # half-precision rounding, not a different function
+    # half-precision rounding, not a different function: measured 1.3 eps (bf16, 1.0e-2) and 0.5 eps (fp16, 4.8e-4)
+    assert ((low - exact).norm() / exact.norm()).item() < 3 * torch.finfo(dtype).eps

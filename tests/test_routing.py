@@ -105,9 +105,45 @@ def test_balanced_tokens_in_several_clusters_and_in_none_are_both_exercised() ->
 
     layer = make_layer(2, 8, 4, 6, causal=False)
     q, _, _ = rand_qkv(2, 2, 37, 8, grad=False)
-    members = balanced_members(layer.routing_vectors(q, q), layer.kmeans.centroids, 6, None)
+    members = balanced_members(layer.kmeans.scores(layer.routing_vectors(q, q)), 6, None)
     per_token = _membership(members, 37).sum(2)
     assert (per_token == 0).any() and (per_token > 1).any()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_balanced_members_are_the_window_nearest_tokens_of_each_centroid(shared: bool) -> None:
+    """Built independently: each cluster's members are the w tokens of highest cosine to its centroid; a padded
+    token is chosen only when fewer than w real ones exist (which padded ones is unspecified). The layer's mask is
+    built from exactly these members and the argmax clusters."""
+    from routeformer.attention.routing.balanced import balanced_mask, balanced_members
+
+    B, H, N, D, kc, w = 2, 3, 23, 8, 4, 7
+    layer = make_layer(H, D, kc, w, causal=False, balanced=True, shared_qk=shared)
+    q, k, _ = rand_qkv(B, H, N, D, grad=False)
+    k = q if shared else k
+    padding = torch.ones(B, N, dtype=torch.bool)
+    padding[0, ::3] = False
+    padding[1, 5:] = False  # 5 real tokens < w: two padded members per cluster
+    r = layer.routing_vectors(q, k)
+    mu = layer.kmeans.centroids
+    got = balanced_members(layer.kmeans.scores(r), w, padding)
+    assert got.shape == (B, H, kc, w)
+    clusters = torch.zeros(B, H, N, dtype=torch.long)
+    for b in range(B):
+        real = [j for j in range(N) if padding[b, j]]
+        for h in range(H):
+            cos = [[float(r[b, h, j] @ mu[h, c]) for j in range(N)] for c in range(kc)]
+            for j in range(N):
+                clusters[b, h, j] = max(range(kc), key=lambda c, j=j: cos[c][j])
+            for c in range(kc):
+                nearest = sorted(real, key=lambda j, c=c: -cos[c][j])[:w]
+                members = got[b, h, c].tolist()
+                assert members == sorted(set(members)), "members are distinct, in position order"
+                # the real members are the nearest real tokens: all w of them, or every real token and padding
+                assert [j for j in members if padding[b, j]] == sorted(nearest), (b, h, c)
+    assert torch.equal(layer.route(q, k), clusters)
+    mask = layer.routing_mask(q, k, key_padding_mask=padding)
+    assert torch.equal(mask, balanced_mask(got, clusters, shared, padding[:, None, :]))
 
 
 def test_commitment_loss_and_its_gradient() -> None:
@@ -120,6 +156,8 @@ def test_commitment_loss_and_its_gradient() -> None:
     torch.testing.assert_close(layer.commitment_loss, want)
     layer.commitment_loss.backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
+    layer.eval()(q, q, v)  # evaluation and generation need no training loss
+    assert layer.commitment_loss is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -37,13 +37,30 @@ def test_token_by_token_from_the_start() -> None:
     torch.testing.assert_close(steps, layer(q, q, v), rtol=0, atol=1e-5)
 
 
-def test_the_cache_holds_at_most_window_entries_per_cluster() -> None:
-    layer = RoutingAttention(2, 8, 4, 3, causal=True).eval()
-    q, _, v = rand_qkv(1, 2, 50, 8, dtype=torch.float32, grad=False)
-    cache = layer.new_cache(1, 50)
-    layer.decode(q, q, v, cache)
-    assert cache.keys.shape == (1, 2, 4, 3, 8)
-    assert int((cache.positions >= 0).sum(-1).max()) <= 3
+@pytest.mark.parametrize("prompt", [50, 20, 1])
+def test_the_cache_holds_the_last_window_positions_of_each_cluster(prompt: int) -> None:
+    """After a prompt (filled at once) and single tokens: cluster c's buffer holds exactly the last min(window, n_c)
+    positions routed to c, with their keys and values."""
+    B, H, N, D, kc, window = 2, 2, 50, 8, 4, 3
+    layer = RoutingAttention(H, D, kc, window, causal=True).eval()
+    q, _, v = rand_qkv(B, H, N, D, dtype=torch.float32, grad=False)
+    cache = layer.new_cache(B, N)
+    layer.decode(q[:, :, :prompt], q[:, :, :prompt], v[:, :, :prompt], cache)
+    for t in range(prompt, N):
+        layer.decode(q[:, :, t:t + 1], q[:, :, t:t + 1], v[:, :, t:t + 1], cache)
+    assert cache.keys.shape == (B, H, kc, window, D)
+    clusters = layer.route(q, q)
+    for b in range(B):
+        for h in range(H):
+            for c in range(kc):
+                routed = (clusters[b, h] == c).nonzero().flatten().tolist()
+                slots = (cache.positions[b, h, c] >= 0).nonzero().flatten()
+                held = cache.positions[b, h, c, slots]
+                assert sorted(held.tolist()) == routed[-window:], (b, h, c)
+                assert torch.equal(cache.keys[b, h, c, slots], q[b, h, held])
+                assert torch.equal(cache.values[b, h, c, slots], v[b, h, held])
+                assert int(cache.counts[b, h, c]) == len(routed)
+    assert len(torch.unique(clusters)) == kc  # every cluster is exercised
 
 
 def test_decoding_past_the_declared_maximum_is_an_error() -> None:

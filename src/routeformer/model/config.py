@@ -8,6 +8,8 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..attention.checks import positive_int
+
 # Mechanisms a head can use. "strided" and "fixed" are the Sparse Transformer's merged heads (A1 ∪ A2); the
 # "_a1" / "_a2" variants attend to one set only, which gives its split heads ("strided_a1:4,strided_a2:4") and,
 # with one spec per layer, its interleaved layers (["strided_a1", "strided_a2"]).
@@ -106,12 +108,12 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "depth", "heads", "seq_len", "window", "block", "summary"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.head_dim is None:
             if self.dim % self.heads:
                 raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads}), or set head_dim")
             self.head_dim = self.dim // self.heads
-        _positive_int("head_dim", self.head_dim)
+        positive_int("head_dim", self.head_dim)
         if self.attention is None:
             half = self.heads // 2
             self.attention = f"local:{self.heads - half},routing:{half}" if half else "local"
@@ -119,16 +121,16 @@ class TransformerConfig:
         used = {name for spec in specs for name, _ in spec}
         if self.num_clusters is None:
             self.num_clusters = max(1, round(math.sqrt(self.seq_len)))
-        _positive_int("num_clusters", self.num_clusters)
+        positive_int("num_clusters", self.num_clusters)
         if self.routing_window is None:
             self.routing_window = max(1, self.seq_len // self.num_clusters)
-        _positive_int("routing_window", self.routing_window)
+        positive_int("routing_window", self.routing_window)
         if self.stride is None:
             self.stride = max(1, round(math.sqrt(self.seq_len)))
-        _positive_int("stride", self.stride)
+        positive_int("stride", self.stride)
         if self.rel_clip is None:
             self.rel_clip = self.window
-        _positive_int("rel_clip", self.rel_clip)
+        positive_int("rel_clip", self.rel_clip)
         if self.summary > self.block:
             raise ValueError(f"summary ({self.summary}) must be at most block ({self.block})")
         limits = {"local": ("window", self.window), "longformer": ("window", self.window),
@@ -144,11 +146,11 @@ class TransformerConfig:
             raise ValueError(f"num_clusters ({self.num_clusters}) is larger than seq_len ({self.seq_len})")
         lf = max((n for spec in specs for name, n in spec if name == "longformer"), default=0)
         if isinstance(self.dilation, (list, tuple)):
-            self.dilation = [_positive_int(f"dilation[{i}]", d) for i, d in enumerate(self.dilation)]
+            self.dilation = [positive_int(f"dilation[{i}]", d) for i, d in enumerate(self.dilation)]
             if "longformer" in used and len(self.dilation) != lf:
                 raise ValueError(f"dilation gives {len(self.dilation)} values but there are {lf} longformer heads")
         else:
-            _positive_int("dilation", self.dilation)
+            positive_int("dilation", self.dilation)
         self.global_tokens = [int(g) for g in self.global_tokens]
         bad = [g for g in self.global_tokens if not 0 <= g < self.seq_len]
         if bad:
@@ -158,7 +160,7 @@ class TransformerConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         if self.image_shape is not None:
-            self.image_shape = [_positive_int(f"image_shape[{i}]", x) for i, x in enumerate(self.image_shape)]
+            self.image_shape = [positive_int(f"image_shape[{i}]", x) for i, x in enumerate(self.image_shape)]
             if len(self.image_shape) != 3:
                 raise ValueError(f"image_shape must be (rows, columns, channels), got {self.image_shape}")
         if not (isinstance(self.dropout, numbers.Real) and 0.0 <= self.dropout < 1.0):
@@ -182,10 +184,6 @@ class TransformerConfig:
                 raise ValueError(f"attention gives {len(self.attention)} layer specs but depth = {self.depth}")
             return [parse_attention(s, self.heads, f"attention[{i}]") for i, s in enumerate(self.attention)]
         raise ValueError(f"attention must be a spec string or a list of them (one per layer), got {self.attention!r}")
-
-    @property
-    def mechanisms(self) -> set[str]:
-        return {name for spec in self.layer_specs() for name, _ in spec}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -214,8 +212,3 @@ class TransformerConfig:
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
 
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)

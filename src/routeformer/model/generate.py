@@ -4,8 +4,9 @@ Past the training context (``seq_len``):
 - positions 'relative' or 'none': generation continues with the caches. Local and routing heads keep bounded
   ring buffers, so the time per token stays flat; full, strided and fixed heads keep (and attend to) the keys
   their patterns reach, which grow with the position; Longformer keeps a ring buffer unless global tokens are set.
-- positions 'absolute' or 'factorized': there is no embedding past ``seq_len``, so the context slides: each new
-  token re-runs the model over the last ``seq_len`` tokens (no cache; O(seq_len) work per token).
+- positions 'absolute' or 'factorized': there is no embedding past ``seq_len``. Generation uses the caches until
+  the sequence reaches ``seq_len`` positions, then the context slides: each further token re-runs the model over
+  the last ``seq_len`` tokens (no cache; O(seq_len) work per token).
 """
 
 from __future__ import annotations
@@ -63,11 +64,27 @@ def check_sampling(model: TransformerLM, prompt: Tensor, max_new_tokens: int, te
     return prompt.to(next(model.parameters()).device)
 
 
-@torch.no_grad()
 def stream(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
     """Yield the new tokens (B,) one position at a time."""
     prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
+    yield from _stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def generate(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Tensor:
+    """prompt (B, N) or (N,) -> (B, N + max_new_tokens) tokens."""
+    prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
+    new = list(_stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+    return torch.cat([prompt, torch.stack(new, 1)], 1) if new else prompt
+
+
+@torch.no_grad()
+def _stream(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+            top_p: float | None, seed: int | None) -> Iterator[Tensor]:
+    """``stream`` on a checked prompt. Runs the model once per new token but the last (whose logits no one needs)."""
+    if max_new_tokens == 0:
+        return
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     sample = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": gen}
     was_training = model.training
@@ -76,27 +93,26 @@ def stream(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperatur
         B, n = prompt.shape
         limit = model.config.seq_len
         sliding = model.config.positions in ("absolute", "factorized")
-        context = prompt[:, -limit:] if sliding else prompt
-        cached = not sliding or n + max_new_tokens <= limit
-        cache = model.new_cache(B, context.shape[1] + max_new_tokens) if cached else None
+        # Positions the model will see: the prompt and every new token but the last.
+        seen = n + max_new_tokens - 1
+        if sliding:  # the cache serves until the position table ends; then the context slides
+            context = prompt[:, -limit:]
+            cache = model.new_cache(B, min(seen, limit)) if n < limit else None
+        else:
+            context, cache = prompt, model.new_cache(B, seen)
         logits = model(context, cache)[:, -1]
-        tokens = context
-        for _ in range(max_new_tokens):
+        tokens = context if sliding and seen > limit else None  # kept only for sliding
+        nxt = sample_next(logits, **sample)
+        yield nxt
+        for _ in range(max_new_tokens - 1):
+            if tokens is not None:
+                tokens = torch.cat([tokens, nxt[:, None]], 1)[:, -limit:]
+            if cache is not None and cache.length < cache.max_len:
+                logits = model(nxt[:, None], cache)[:, -1]
+            else:  # absolute positions past seq_len: re-run over the last seq_len tokens
+                cache = None
+                logits = model(tokens)[:, -1]
             nxt = sample_next(logits, **sample)
             yield nxt
-            tokens = torch.cat([tokens, nxt[:, None]], 1)
-            if cache is not None:
-                logits = model(nxt[:, None], cache)[:, -1]
-            else:  # absolute positions past seq_len: slide the context
-                tokens = tokens[:, -limit:]
-                logits = model(tokens)[:, -1]
     finally:
         model.train(was_training)
-
-
-def generate(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Tensor:
-    """prompt (B, N) or (N,) -> (B, N + max_new_tokens) tokens."""
-    prompt_t = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
-    new = list(stream(model, prompt_t, max_new_tokens, temperature, top_k, top_p, seed))
-    return torch.cat([prompt_t, torch.stack(new, 1)], 1) if new else prompt_t

@@ -1,12 +1,17 @@
 """Head groups: the heads of one layer that share a mechanism, with their forward and their decoding cache.
 
-Each cache keeps exactly the positions its mechanism can still need, and a decoding step attends to exactly the
-positions the forward would have used for that query:
-- full: every key (grows);  strided: every key (A2 reaches every earlier position of the query's column);
-- local: a ring buffer of the last `window` keys;  routing: a ring buffer of `window` keys per cluster;
-- fixed: the summary cells seen so far and the current block;
-- longformer: every key when global tokens are configured (a global position attends to everything before it),
-  else a ring buffer of the (window - 1) · dilation + 1 last keys.
+Each cache keeps exactly the positions its mechanism can still need, and a decoding step reads only the keys the
+forward would have used for that query (t: the query's position; D: head width; per head):
+- full: every key; a step reads the filled part, O(t·D).
+- local: a ring buffer of the last `window` keys, O(window·D).
+- strided: every key (slot p holds position p; A2 reaches back to the start); a step slices the query's column
+  t, t - l, t - 2l, … and the last l + 1 positions, O((l + t/l)·D) (a1: a ring of l + 1, O(l·D); a2: O(t/l·D)).
+- fixed: one buffer holding a ring of the current block beside the summary cells so far; a step reads the block
+  and the earlier blocks' summary cells as one slice, O((l + t·c/l)·D) (a1: O(l·D); a2: O(t·c/l·D)).
+- longformer: a ring buffer of the (window - 1) · max(dilation) + 1 last keys, or every key when global tokens
+  are configured; a step gathers each head's `window` dilated positions and the global positions, O((window + G)·D)
+  (a global query attends to every earlier position, O(t·D)).
+- routing: a ring buffer of `window` keys per cluster (routing/cache.py), O(k·D + window·D).
 """
 
 from __future__ import annotations
@@ -19,22 +24,23 @@ from torch import Tensor, nn
 from ..attention import (
     RelativePositions,
     RoutingAttention,
-    RoutingCache,
     full_attention,
     local_attention,
     longformer_attention,
 )
 from ..attention.decoding import attend_cached
-from ..attention.fixed import _summaries, _within_block, fixed_attention
+from ..attention.fixed import _summaries, _within_block, fixed_attention, summary_count
 from ..attention.strided import column_attention, strided_attention
 from .config import TransformerConfig
 
 
 @dataclass
 class KeyStore:
-    """Keys and values of selected positions, in arrival order: (B, H, capacity, D) buffers and their positions.
+    """Keys and values of selected positions: (B, H, capacity, D) buffers and their positions (capacity,).
 
-    ``ring``: capacity slots reused in order (position p in slot p mod capacity); otherwise slots fill once.
+    Positions arrive in increasing order from position 0 (a model's cache always starts there). ``ring``: position
+    p goes to slot p mod capacity (every position passes through a ring); otherwise slots fill once, in arrival
+    order. Either way the filled slots are the first min(count, capacity).
     """
 
     keys: Tensor
@@ -49,44 +55,40 @@ class KeyStore:
                    torch.zeros(batch, heads, capacity, head_dim, device=device, dtype=dtype),
                    torch.full((capacity,), -1, dtype=torch.long, device=device), ring)
 
+    @property
+    def capacity(self) -> int:
+        return self.positions.numel()
+
     def add(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        """Store k, v (B, H, n, D) of the given positions (n,)."""
-        n, cap = positions.numel(), self.positions.numel()
+        """Store k, v (B, H, n, D) of the given increasing positions (n,)."""
+        n, cap = positions.numel(), self.capacity
         if n == 0:
             return
         if self.ring:
             if n > cap:  # only the last `capacity` can survive
                 k, v, positions = k[:, :, -cap:], v[:, :, -cap:], positions[-cap:]
             slots = positions % cap
-            self.count += n
         else:
             if self.count + n > cap:
                 raise ValueError(f"max_len: the cache holds {cap} positions and is full")
-            slots = torch.arange(self.count, self.count + n, device=k.device)
-            self.count += n
+            slots = slice(self.count, self.count + n)
         self.keys[:, :, slots] = k.to(self.keys.dtype)
         self.values[:, :, slots] = v.to(self.values.dtype)
         self.positions[slots] = positions
+        self.count += n
 
-
-@dataclass
-class HeadCache:
-    """Decoding state of one head group: the positions seen so far and what the mechanism keeps (key stores, or
-    for routing heads the per-cluster ring buffers)."""
-
-    stores: dict[str, KeyStore]
-    length: int
-    max_len: int
-    routing: RoutingCache | None = None
-
-    def check(self, n: int) -> None:
-        if self.length + n > self.max_len:
-            raise ValueError(f"max_len: decoding to position {self.length + n - 1} exceeds the cache's declared "
-                             f"max_len={self.max_len}")
+    def filled(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values (B, H, m, D) and positions (m,) of the filled slots (views, no copy)."""
+        m = min(self.count, self.capacity)
+        return self.keys[:, :, :m], self.values[:, :, :m], self.positions[:m]
 
 
 class HeadGroup(nn.Module):
-    """Some heads of a layer using one mechanism. q, k, v: (B, h, N, D) -> (B, h, N, D)."""
+    """Some heads of a layer using one mechanism. q, k, v: (B, h, N, D) -> (B, h, N, D).
+
+    Decoding: ``new_cache`` makes the group's cache (by default one ``KeyStore`` of ``store_size``), ``keep``
+    stores what later queries need of new positions, ``step`` is the output of the query at position t.
+    """
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -100,46 +102,40 @@ class HeadGroup(nn.Module):
         return None
 
     # --- decoding -------------------------------------------------------------------------------------------
-    def store_layout(self, max_len: int) -> dict[str, tuple[int, bool]]:
-        """name -> (capacity, ring) of the key stores this mechanism keeps."""
-        return {"all": (max_len, False)}
+    def store_size(self, max_len: int) -> tuple[int, bool]:
+        """(capacity, ring) of the key store: by default every position, filled once."""
+        return max_len, False
 
-    def new_cache(self, batch: int, max_len: int, device, dtype) -> HeadCache:
-        stores = {name: KeyStore.empty(batch, self.heads, cap, self.head_dim, ring=ring, device=device, dtype=dtype)
-                  for name, (cap, ring) in self.store_layout(max_len).items()}
-        return HeadCache(stores, 0, max_len)
+    def new_cache(self, batch: int, max_len: int, device, dtype):
+        capacity, ring = self.store_size(max_len)
+        return KeyStore.empty(batch, self.heads, capacity, self.head_dim, ring=ring, device=device, dtype=dtype)
 
-    def keep(self, cache: HeadCache, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        """Store what later queries will need of these new positions."""
-        cache.stores["all"].add(k, v, positions)
+    def keep(self, cache, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
+        """Store what later queries will need of the new positions start, start + 1, … (``positions``)."""
+        cache.add(k, v, positions)
 
-    def needed(self, cache: HeadCache, t: int) -> tuple[KeyStore, Tensor | None]:
-        """The store to read for the query at t, and an optional (capacity,) mask of the slots it may see."""
-        store = cache.stores["all"]
-        return store, store.positions >= 0
+    def step(self, q: Tensor, cache, t: int, rel_pos: RelativePositions | None) -> Tensor:
+        """Output (B, h, D) of the query at t. Default: every filled slot (a ring then holds just what t sees)."""
+        return self.attend(q, *cache.filled(), t, rel_pos)
 
-    def step(self, q: Tensor, cache: HeadCache, t: int, rel_pos: RelativePositions | None) -> Tensor:
-        store, allowed = self.needed(cache, t)
-        return attend_cached(q, store.keys, store.values, store.positions, t, scale=self.scale, allowed=allowed,
-                             rel_pos=rel_pos)
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, t: int,
+               rel_pos: RelativePositions | None, allowed: Tensor | None = None) -> Tensor:
+        return attend_cached(q, keys, values, positions, t, scale=self.scale, allowed=allowed, rel_pos=rel_pos)
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache: HeadCache,
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache, start: int,
                rel_pos: RelativePositions | None) -> Tensor:
-        """Outputs (B, h, n, D) of n new positions; equal to the causal forward over the whole prefix."""
+        """Outputs (B, h, n, D) of n new positions from ``start`` on; equal to the causal forward over the whole
+        prefix. The caller checks that they fit the cache."""
         n = q.shape[2]
-        cache.check(n)
-        start = cache.length
+        positions = torch.arange(start, start + n, device=q.device)
         if start == 0 and n > 1:  # a prompt: one forward, then keep what the future needs
             out = self(q, k, v, rel_pos)
-            self.keep(cache, k, v, torch.arange(n, device=q.device))
-            cache.length = n
+            self.keep(cache, k, v, positions, start)
             return out
         outs = []
         for i in range(n):
-            t = start + i
-            self.keep(cache, k[:, :, i:i + 1], v[:, :, i:i + 1], torch.tensor([t], device=q.device))
-            cache.length = t + 1
-            outs.append(self.step(q[:, :, i], cache, t, rel_pos))
+            self.keep(cache, k[:, :, i:i + 1], v[:, :, i:i + 1], positions[i:i + 1], start + i)
+            outs.append(self.step(q[:, :, i], cache, start + i, rel_pos))
         return torch.stack(outs, 2)
 
 
@@ -156,15 +152,8 @@ class LocalHeads(HeadGroup):
     def forward(self, q, k, v, rel_pos):
         return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos)
 
-    def store_layout(self, max_len):
-        return {"recent": (min(self.window, max_len), True)}
-
-    def keep(self, cache, k, v, positions):
-        cache.stores["recent"].add(k, v, positions)
-
-    def needed(self, cache, t):
-        store = cache.stores["recent"]
-        return store, (store.positions >= 0) & (store.positions > t - self.window)
+    def store_size(self, max_len):
+        return min(self.window, max_len), True  # the ring holds exactly the window
 
 
 class StridedHeads(HeadGroup):
@@ -182,20 +171,34 @@ class StridedHeads(HeadGroup):
         return column_attention(q, k, v, self.stride, causal=True, gap=0, scale=self.scale, key_valid=None,
                                 rel_pos=rel_pos)[0]
 
-    def store_layout(self, max_len):
-        if self.part == "a1":
-            return {"recent": (min(self.stride + 1, max_len), True)}
-        return {"all": (max_len, False)}
+    def store_size(self, max_len):
+        return (min(self.stride + 1, max_len), True) if self.part == "a1" else (max_len, False)
 
-    def keep(self, cache, k, v, positions):
-        cache.stores["recent" if self.part == "a1" else "all"].add(k, v, positions)
+    def step(self, q, cache, t, rel_pos):
+        if self.part == "a1":  # the ring holds exactly the last l + 1 positions
+            return super().step(q, cache, t, rel_pos)
+        l = self.stride  # noqa: E741
+        near = 0 if self.part == "a2" else max(0, t - l)  # A1: the last l + 1 positions, [near, t]
+        column = slice(t % l, t + 1 if self.part == "a2" else near, l)  # t, t - l, … (before `near` when merged)
+        keys, values, positions = cache.keys[:, :, column], cache.values[:, :, column], cache.positions[column]
+        if self.part == "merged":  # slot p holds position p: both sets are slices
+            recent = slice(near, t + 1)
+            keys = torch.cat([keys, cache.keys[:, :, recent]], 2)
+            values = torch.cat([values, cache.values[:, :, recent]], 2)
+            positions = torch.cat([positions, cache.positions[recent]])
+        return self.attend(q, keys, values, positions, t, rel_pos)
 
-    def needed(self, cache, t):
-        store = cache.stores["recent" if self.part == "a1" else "all"]
-        pos = store.positions
-        near = (pos >= 0) & (pos >= t - self.stride) & (pos <= t)
-        column = (pos >= 0) & (pos <= t) & ((t - pos) % self.stride == 0)
-        return store, {"merged": near | column, "a1": near, "a2": column}[self.part]
+
+@dataclass
+class FixedCache:
+    """Fixed heads' decoding state: one buffer of [a ring of the current block | the summary cells in order];
+    ``block`` and ``summary`` are stores over its two parts (views; None when the part needs none)."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    block: KeyStore | None
+    summary: KeyStore | None
 
 
 class FixedHeads(HeadGroup):
@@ -213,64 +216,82 @@ class FixedHeads(HeadGroup):
             return _within_block(q, k, v, self.block, **common)[0]
         return _summaries(q, k, v, self.block, self.summary, other_blocks=False, **common)[0]
 
-    def store_layout(self, max_len):
-        cells = max_len // self.block * self.summary + max(0, max_len % self.block - (self.block - self.summary))
-        return {"block": (min(self.block, max_len), True), "summary": (max(1, cells), False)}
+    def new_cache(self, batch, max_len, device, dtype):
+        own = 0 if self.part == "a2" else min(self.block, max_len)
+        cells = 0 if self.part == "a1" else max(1, summary_count(max_len, self.block, self.summary))
+        joint = KeyStore.empty(batch, self.heads, own + cells, self.head_dim, ring=False, device=device, dtype=dtype)
 
-    def _is_summary(self, positions: Tensor) -> Tensor:
-        return positions % self.block >= self.block - self.summary
+        def part(slots: slice, ring: bool) -> KeyStore:
+            return KeyStore(joint.keys[:, :, slots], joint.values[:, :, slots], joint.positions[slots], ring)
 
-    def keep(self, cache, k, v, positions):
-        cache.stores["block"].add(k, v, positions)
-        cells = self._is_summary(positions)
-        cache.stores["summary"].add(k[:, :, cells], v[:, :, cells], positions[cells])
+        return FixedCache(joint.keys, joint.values, joint.positions, part(slice(0, own), True) if own else None,
+                          part(slice(own, None), False) if cells else None)
+
+    def keep(self, cache, k, v, positions, start):
+        if cache.block is not None:
+            cache.block.add(k, v, positions)
+        if cache.summary is not None:
+            first_cell = self.block - self.summary
+            if positions.numel() == 1:  # decided on the host: no device sync per token
+                if start % self.block >= first_cell:
+                    cache.summary.add(k, v, positions)
+            else:
+                cells = positions % self.block >= first_cell
+                cache.summary.add(k[:, :, cells], v[:, :, cells], positions[cells])
 
     def step(self, q, cache, t, rel_pos):
-        own, cells = cache.stores["block"], cache.stores["summary"]
-        first = t // self.block * self.block
-        in_block = (own.positions >= first) & (own.positions <= t)
+        if self.part == "a2":  # the summary cells so far, the own block's included
+            return self.attend(q, *cache.summary.filled(), t, rel_pos)
+        first = t - t % self.block  # the own block starts here
         if self.part == "a1":
-            return attend_cached(q, own.keys, own.values, own.positions, t, scale=self.scale, allowed=in_block,
-                                 rel_pos=rel_pos)
-        seen = (cells.positions >= 0) & (cells.positions <= t)
-        if self.part == "a2":
-            return attend_cached(q, cells.keys, cells.values, cells.positions, t, scale=self.scale, allowed=seen,
-                                 rel_pos=rel_pos)
-        earlier = seen & (cells.positions < first)  # the own block's summary cells are already in A1
-        keys = torch.cat([own.keys, cells.keys], 2)
-        values = torch.cat([own.values, cells.values], 2)
-        return attend_cached(q, keys, values, torch.cat([own.positions, cells.positions]), t, scale=self.scale,
-                             allowed=torch.cat([in_block, earlier]), rel_pos=rel_pos)
+            keys, values, positions = cache.block.filled()
+            return self.attend(q, keys, values, positions, t, rel_pos, allowed=positions >= first)
+        # merged: the block ring and the earlier blocks' summary cells (the own block's are in A1) are one slice
+        own = cache.block.capacity
+        m = own + summary_count(first, self.block, self.summary)
+        positions = cache.positions[:m]
+        allowed = positions >= first  # in the ring: the own block (empty slots hold -1)
+        allowed[own:] = True
+        return self.attend(q, cache.keys[:, :, :m], cache.values[:, :, :m], positions, t, rel_pos, allowed=allowed)
 
 
 class LongformerHeads(HeadGroup):
     def __init__(self, heads: int, head_dim: int, window: int, dilation: list[int], global_tokens: list[int]) -> None:
         super().__init__(heads, head_dim)
         self.window, self.dilation, self.global_tokens = window, dilation, sorted(global_tokens)
+        self._is_global = set(self.global_tokens)
+        d = torch.tensor(dilation, dtype=torch.long)[:, None]  # (h, 1): one dilation per head
+        # Decoding index tensors, built once (they follow the module's device; not saved).
+        self.register_buffer("_dilation", d, persistent=False)
+        self.register_buffer("_offsets", torch.arange(window) * d, persistent=False)  # (h, window): t - offset
+        self.register_buffer("_globals", torch.tensor(self.global_tokens, dtype=torch.long), persistent=False)
 
     def forward(self, q, k, v, rel_pos):
         present = [g for g in self.global_tokens if g < q.shape[2]]  # a shorter sequence holds fewer of them
         return longformer_attention(q, k, v, self.window, self.dilation, present or None, causal=True,
                                     rel_pos=rel_pos)
 
-    def store_layout(self, max_len):
-        if self.global_tokens:
-            return {"all": (max_len, False)}
-        return {"recent": (min((self.window - 1) * max(self.dilation) + 1, max_len), True)}
+    def store_size(self, max_len):
+        if self.global_tokens:  # a global position attends to everything before it
+            return max_len, False
+        return min((self.window - 1) * max(self.dilation) + 1, max_len), True
 
-    def keep(self, cache, k, v, positions):
-        cache.stores["recent" if "recent" in cache.stores else "all"].add(k, v, positions)
-
-    def needed(self, cache, t):
-        store = cache.stores["recent" if "recent" in cache.stores else "all"]
-        pos = store.positions
-        seen = (pos >= 0) & (pos <= t)
-        if t in self.global_tokens:  # a global query sees every earlier position
-            return store, seen
-        d = torch.tensor(self.dilation, device=pos.device)[None, :, None]  # (1, h, 1): one dilation per head
-        band = seen[None, None] & ((t - pos) % d == 0) & ((t - pos) // d < self.window)
-        glob = seen & torch.isin(pos, torch.tensor(self.global_tokens, device=pos.device, dtype=torch.long))
-        return store, band | glob[None, None]
+    def step(self, q, cache, t, rel_pos):
+        if t in self._is_global:  # a global query sees every earlier position
+            return super().step(q, cache, t, rel_pos)
+        positions = t - self._offsets  # (h, window): t, t - d, …, t - (window - 1)·d of each head
+        allowed = positions >= 0
+        positions = positions.clamp_min(0)
+        if self.global_tokens:  # and every earlier global position not already in the head's band
+            gap = t - self._globals  # (G,)
+            in_band = (gap % self._dilation == 0) & (gap // self._dilation < self.window)  # (h, G)
+            positions = torch.cat([positions, self._globals.clamp_max(t).expand(len(self.dilation), -1)], 1)
+            allowed = torch.cat([allowed, (gap >= 0) & ~in_band], 1)
+        slots = positions % cache.capacity if cache.ring else positions  # a ring holds the whole band
+        B, _, _, D = cache.keys.shape
+        index = slots[None, :, :, None].expand(B, -1, -1, D)
+        return self.attend(q, cache.keys.gather(2, index), cache.values.gather(2, index),
+                           positions[None].expand(B, -1, -1), t, rel_pos, allowed=allowed)
 
 
 class RoutingHeads(HeadGroup):
@@ -289,13 +310,10 @@ class RoutingHeads(HeadGroup):
         return self.routing.commitment_loss
 
     def new_cache(self, batch, max_len, device, dtype):
-        return HeadCache({}, 0, max_len, routing=self.routing.new_cache(batch, max_len, device=device, dtype=dtype))
+        return self.routing.new_cache(batch, None, device=device, dtype=dtype)  # the model checks max_len
 
-    def decode(self, q, k, v, cache, rel_pos):
-        cache.check(q.shape[2])
-        out = self.routing.decode(q, k, v, cache.routing, rel_pos=rel_pos)
-        cache.length = cache.routing.length
-        return out
+    def decode(self, q, k, v, cache, start, rel_pos):
+        return self.routing.decode(q, k, v, cache, rel_pos=rel_pos)
 
 
 def build_heads(name: str, heads: int, config: TransformerConfig, dilation: list[int], seed: int) -> HeadGroup:

@@ -28,7 +28,6 @@ class MixedAttention(nn.Module):
         dilation = (config.dilation if isinstance(config.dilation, list) else [config.dilation] * longformer_heads)
         self.groups = nn.ModuleList(build_heads(name, n, config, dilation, seed=layer * 131 + i)
                                     for i, (name, n) in enumerate(spec))
-        self.names = [name for name, _ in spec]
         self.shares_qk = [name == "routing" and config.shared_qk for name, _ in spec]
         self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
         self.query = nn.Linear(config.dim, H * D)
@@ -52,8 +51,9 @@ class MixedAttention(nn.Module):
             h, hk = h + n, hk + (0 if shared else n)
         return parts
 
-    def forward(self, x: Tensor, caches: list | None = None) -> tuple[Tensor, Tensor | None]:
-        """(B, N, dim) -> ((B, N, dim), commitment loss of the routing heads or None)."""
+    def forward(self, x: Tensor, caches: list | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
+        """(B, N, dim) -> ((B, N, dim), commitment loss of the routing heads or None). With ``caches`` (one per
+        group) x continues a decoded sequence at position ``start``."""
         B, N, _ = x.shape
         outs, aux = [], None
         for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._split(x), strict=True)):
@@ -63,7 +63,7 @@ class MixedAttention(nn.Module):
                 if loss is not None:
                     aux = loss if aux is None else aux + loss
             else:
-                outs.append(group.decode(q, k, v, caches[i], self.rel_pos))
+                outs.append(group.decode(q, k, v, caches[i], start, self.rel_pos))
         out = torch.cat(outs, 1).transpose(1, 2).reshape(B, N, self.heads * self.head_dim)
         return self.out(out), aux
 
@@ -98,8 +98,8 @@ class Block(nn.Module):
         self.ff = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, caches: list | None = None) -> tuple[Tensor, Tensor | None]:
-        a, aux = self.attention(self.norm1(x), caches)
+    def forward(self, x: Tensor, caches: list | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), caches, start)
         x = x + self.dropout(a)
         return x + self.dropout(self.ff(self.norm2(x))), aux
 

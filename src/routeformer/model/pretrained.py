@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,7 @@ def save_pretrained(model: TransformerLM, directory: str | Path) -> None:
     directory = Path(directory)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    text = json.dumps(model.config.to_dict(), indent=2) + "\n"
-    atomic_write(directory / CONFIG, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(directory / CONFIG, model.config.save)
 
 
 def load_config(directory: str | Path) -> TransformerConfig:

@@ -18,10 +18,16 @@ from .positions import PositionEmbedding
 
 
 class ModelCache:
-    """Decoding state of every layer: one cache per head group, and the number of positions seen."""
+    """Decoding state of every layer: one cache per head group. The positions seen (``length``) and the declared
+    maximum (``max_len``) live here only: the model checks them once per forward and passes the start position
+    down to every layer."""
 
     def __init__(self, layers: list[list], max_len: int) -> None:
         self.layers, self.max_len, self.length = layers, max_len, 0
+
+    def check(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise ValueError(f"max_len: {self.length + n} positions exceed the cache's declared max_len={self.max_len}")
 
 
 class TransformerLM(nn.Module):
@@ -54,16 +60,17 @@ class TransformerLM(nn.Module):
         """(B, N) tokens -> (B, N, vocab_size) logits. With ``cache`` the tokens continue the cached sequence."""
         self._check_tokens(tokens)
         B, N = tokens.shape
-        start = 0 if cache is None else cache.length
-        if cache is not None and start + N > cache.max_len:
-            raise ValueError(f"max_len: {start + N} positions exceed the cache's declared max_len={cache.max_len}")
+        start = 0
+        if cache is not None:
+            cache.check(N)
+            start = cache.length
         x = self.embed(tokens)
         if self.positions is not None:
             x = x + self.positions(start, N, tokens.device).to(x.dtype)
         aux: Tensor | None = None
         for i, block in enumerate(self.blocks):
             if cache is not None:
-                x, loss = block(x, cache.layers[i])
+                x, loss = block(x, cache.layers[i], start)
             elif self.config.checkpointing and self.training:
                 x, loss = checkpoint(block, x, use_reentrant=False)
             else:

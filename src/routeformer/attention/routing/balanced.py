@@ -18,21 +18,22 @@ from torch import Tensor
 
 from ..relative import RelativePositions
 from ..tiles import neg_inf, tiled_attention
+from .sorted_window import drop_own_key, sort_by_cluster
 
 _BITS = 63  # cluster memberships packed 63 to an int64 word (bit 63 is the sign)
 
 
 @torch.no_grad()
-def balanced_members(r: Tensor, centroids: Tensor, window: int, key_padding_mask: Tensor | None) -> Tensor:
+def balanced_members(scores: Tensor, window: int, key_padding_mask: Tensor | None) -> Tensor:
     """Members (B, H, k, w) of each cluster, w = min(window, N): the w tokens nearest each centroid, by position.
 
-    Padded tokens are chosen only when fewer than w real tokens exist.
+    scores: (B, H, N, k) cosines of the routing vectors to the centroids (``SphericalKMeans.scores``), the same
+    tensor whose argmax gives each token's cluster. Padded tokens are chosen only when fewer than w real tokens exist.
     """
-    with torch.autocast(r.device.type, enabled=False):
-        score = torch.einsum("bhnd,hkd->bhkn", r, centroids.to(r.dtype))  # (B, H, k, N)
+    score = scores.transpose(-1, -2)  # (B, H, k, N)
     if key_padding_mask is not None:
         score = score.masked_fill(~key_padding_mask[:, None, None, :], -3.0)  # cosines are >= -1
-    w = min(window, r.shape[2])
+    w = min(window, score.shape[-1])
     return score.topk(w, dim=-1).indices.sort(-1).values
 
 
@@ -57,9 +58,7 @@ def balanced_mask(members: Tensor, clusters: Tensor, exclude_self: bool, key_val
     if key_valid is not None:
         allow = allow & key_valid[:, :, None, :]
     if exclude_self:
-        eye = torch.eye(n, dtype=torch.bool, device=members.device)
-        others = (allow & ~eye).any(-1, keepdim=True)
-        allow = allow & ~(eye & others)
+        allow = drop_own_key(allow, torch.eye(n, dtype=torch.bool, device=members.device))
     return allow
 
 
@@ -77,7 +76,6 @@ def balanced_attention(
 ) -> Tensor:
     """Attention within balanced clusters. q, k, v (B, H, N, D); members (B, H, k, w); clusters (B, H, N) argmax."""
     B, H, N, D = q.shape
-    kc, w = members.shape[2:]
     member_of = _membership(members, N)  # (B, H, k, N)
     selected = member_of.any(2)  # (B, H, N)
     valid = None if key_valid is None else key_valid.expand(B, H, N)
@@ -157,19 +155,14 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members."""
     B, H, N, D = q.shape
     kc, w = members.shape[2:]
-    pos = torch.arange(N, device=q.device)
     group = torch.where(selected, kc, clusters)  # unselected tokens by cluster; selected ones last (sentinel k)
-    order = (group * N + pos).argsort(-1)
-    grouped = group.gather(-1, order)
-    counts = torch.zeros(B, H, kc + 1, dtype=torch.long, device=q.device).scatter_add_(
-        -1, group, torch.ones_like(group))[..., :kc]
+    order, _, grouped, rank, counts = sort_by_cluster(group, kc + 1)  # rank: within the cluster's unselected queries
+    counts = counts[..., :kc]
     n_tiles = -(-counts // w)  # (B, H, k)
     tile_end = n_tiles.cumsum(-1)
     total = int(tile_end[..., -1].max())
-    start = torch.cat([torch.zeros_like(counts[..., :1]), counts.cumsum(-1)], -1)  # first sorted index per cluster
     live = grouped < kc
     g = grouped.clamp_max(kc - 1)
-    rank = pos - start.gather(-1, g)  # rank within the cluster's unselected queries
     slot = (tile_end - n_tiles).gather(-1, g) * w + rank  # (B, H, N) in the packed layout
     slot = torch.where(live, slot, total * w)  # selected tokens go to a dump slot
     query = torch.full((B, H, total * w + 1), N, dtype=torch.long, device=q.device)

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..checks import positive_int
 from ..decoding import attend_cached
 from ..relative import RelativePositions
+from .sorted_window import ClusterOrder, drop_own_key
 
 
 @dataclass
@@ -22,7 +23,8 @@ class RoutingCache:
     """Decoding state of one routing layer.
 
     keys, values: (B, H, k, window, D); positions: (B, H, k, window), -1 for an empty slot; counts: (B, H, k)
-    tokens written to each cluster so far; length: positions decoded so far; max_len: the declared maximum.
+    tokens written to each cluster so far; length: positions decoded so far; max_len: the declared maximum, or
+    None when the owner checks it (a model's ``ModelCache`` checks once for every layer).
     """
 
     keys: Tensor
@@ -30,12 +32,13 @@ class RoutingCache:
     positions: Tensor
     counts: Tensor
     length: int
-    max_len: int
+    max_len: int | None
 
     @classmethod
-    def empty(cls, batch: int, heads: int, clusters: int, window: int, head_dim: int, *, max_len: int,
+    def empty(cls, batch: int, heads: int, clusters: int, window: int, head_dim: int, *, max_len: int | None,
               device: torch.device | str, dtype: torch.dtype) -> RoutingCache:
-        batch, max_len = positive_int("batch", batch), positive_int("max_len", max_len)
+        batch = positive_int("batch", batch)
+        max_len = None if max_len is None else positive_int("max_len", max_len)
         shape = (batch, heads, clusters, window)
         return cls(
             keys=torch.zeros(*shape, head_dim, device=device, dtype=dtype),
@@ -46,27 +49,25 @@ class RoutingCache:
             max_len=max_len,
         )
 
-    def fill(self, k: Tensor, v: Tensor, clusters: Tensor) -> None:
-        """Fill an empty cache with a whole prompt at once: k, v (B, H, n, D), clusters (B, H, n).
+    def check(self, n: int) -> None:
+        """Raise unless ``n`` more positions fit the declared ``max_len``."""
+        if self.max_len is not None and self.length + n > self.max_len:
+            raise ValueError(f"max_len: positions up to {self.length + n - 1} are past the declared maximum of this "
+                             f"cache (max_len={self.max_len}); create the cache with a larger max_len")
+
+    def fill(self, k: Tensor, v: Tensor, sort: ClusterOrder) -> None:
+        """Fill an empty cache with a whole prompt at once: k, v (B, H, n, D); ``sort``: the prompt's
+        ``sort_by_cluster(clusters, num_clusters)`` (with rank and counts).
 
         Each cluster keeps its last ``window`` tokens, each in the ring slot (rank within the cluster) mod window,
         the slot ``step`` would have written it to.
         """
-        from .sorted_window import sort_by_cluster
-
         if self.length:
             raise ValueError("fill needs an empty cache")
         B, H, n, D = k.shape
-        if n > self.max_len:
-            raise ValueError(f"max_len: a prompt of {n} positions does not fit a cache with max_len={self.max_len}")
+        self.check(n)
         window = self.keys.shape[3]
-        order, _ = sort_by_cluster(clusters)
-        grouped = clusters.gather(-1, order)
-        idx = torch.arange(n, device=k.device)
-        first = torch.ones_like(grouped, dtype=torch.bool)
-        first[..., 1:] = grouped[..., 1:] != grouped[..., :-1]
-        rank = idx - torch.where(first, idx, 0).cummax(-1).values  # rank of each token within its cluster
-        counts = torch.zeros_like(self.counts).scatter_add_(-1, clusters, torch.ones_like(clusters))
+        order, grouped, rank, counts = sort.order, sort.grouped, sort.rank, sort.counts
         keep = rank >= counts.gather(-1, grouped) - window  # the last `window` of each cluster
         b = torch.arange(B, device=k.device)[:, None, None].expand_as(order)[keep]
         h = torch.arange(H, device=k.device)[None, :, None].expand_as(order)[keep]
@@ -79,10 +80,9 @@ class RoutingCache:
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, cluster: Tensor, *, scale: float, exclude_self: bool,
              rel_pos: RelativePositions | None) -> Tensor:
-        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); cluster (B, H)."""
-        if self.length >= self.max_len:
-            raise ValueError(f"max_len: position {self.length} is past the declared maximum of this cache "
-                             f"(max_len={self.max_len}); create the cache with a larger max_len")
+        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); cluster (B, H).
+
+        The caller checks ``max_len`` (``check``)."""
         B, H, D = q.shape
         if tuple(k.shape) != (B, H, D) or self.keys.shape[:2] != (B, H) or self.keys.shape[-1] != D:
             raise ValueError(f"decoding tensors of shape {tuple(q.shape)} do not fit a cache for "
@@ -100,6 +100,5 @@ class RoutingCache:
         keys, values, pos = self.keys[b, h, cluster], self.values[b, h, cluster], self.positions[b, h, cluster]
         allow = pos >= 0  # (B, H, window)
         if exclude_self:
-            own = pos == t
-            allow = allow & ~(own & (allow & ~own).any(-1, keepdim=True))
+            allow = drop_own_key(allow, pos == t)
         return attend_cached(q, keys, values, pos, t, scale=scale, allowed=allow, rel_pos=rel_pos)

@@ -100,11 +100,15 @@ class SphericalKMeans(nn.Module):
             self._sample_parts.clear()
 
     @torch.no_grad()
-    def assign(self, r: Tensor) -> Tensor:
-        """Nearest centroid (largest cosine) of each unit routing vector: r (B, H, N, D) -> (B, H, N) long."""
+    def scores(self, r: Tensor) -> Tensor:
+        """Cosine of each unit routing vector to each centroid: r (B, H, N, D) -> (B, H, N, k), float32 or wider."""
         acc = torch.promote_types(r.dtype, torch.float32)
         with torch.autocast(r.device.type, enabled=False):
-            return torch.einsum("bhnd,hkd->bhnk", r.to(acc), self.centroids.to(acc)).argmax(-1)
+            return torch.einsum("bhnd,hkd->bhnk", r.detach().to(acc), self.centroids.to(acc))
+
+    def assign(self, r: Tensor) -> Tensor:
+        """Nearest centroid (largest cosine) of each unit routing vector: r (B, H, N, D) -> (B, H, N) long."""
+        return self.scores(r).argmax(-1)
 
     def commitment(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None) -> Tensor:
         """Mean over positions of ||r - sg(μ_c)||² (scalar), the commitment term; ``valid`` (B, N) excludes padding."""

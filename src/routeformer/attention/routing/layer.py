@@ -21,7 +21,7 @@ from ..relative import RelativePositions
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
 from .kmeans import SphericalKMeans
-from .sorted_window import sorted_window_attention, sorted_window_mask
+from .sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
 
 
 class RoutingAttention(nn.Module):
@@ -45,7 +45,8 @@ class RoutingAttention(nn.Module):
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
 
-    After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss.
+    After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss
+    (None after a forward in evaluation mode, which needs no loss).
     Time O(N·k·D + N·window·D), memory O(N·k + N·window) per head.
     """
 
@@ -91,11 +92,13 @@ class RoutingAttention(nn.Module):
         """(B, H, N, D) -> (B, H, N, D)."""
         _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
         r = self.routing_vectors(q, k)
-        clusters = self.kmeans.assign(r)
+        scores = self.kmeans.scores(r)  # (B, H, N, k), once: the clusters and the balanced members both use it
+        clusters = scores.argmax(-1)
         self.kmeans.observe(r.detach(), clusters, key_padding_mask)
-        self.commitment_loss = self.commitment * self.kmeans.commitment(r, clusters, key_padding_mask)
+        self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, key_padding_mask)
+                                if self.training else None)
         if self.balanced:
-            members = balanced_members(r.detach(), self.kmeans.centroids, self.window, key_padding_mask)
+            members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_attention(q, k, v, members, clusters, exclude_self=self.shared_qk, scale=scale,
                                       key_valid=key_valid, rel_pos=rel_pos)
         return sorted_window_attention(q, k, v, clusters, window=self.window, causal=self.causal,
@@ -106,11 +109,11 @@ class RoutingAttention(nn.Module):
     def routing_mask(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """The exact boolean (B, H, N, N) mask ``forward`` computes, for tests, figures and analysis at small N."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=key_padding_mask)
-        r = self.routing_vectors(q, k)
-        clusters = self.kmeans.assign(r)
+        scores = self.kmeans.scores(self.routing_vectors(q, k))
+        clusters = scores.argmax(-1)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
         if self.balanced:
-            members = balanced_members(r, self.kmeans.centroids, self.window, key_padding_mask)
+            members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_mask(members, clusters, self.shared_qk, valid)
         return sorted_window_mask(clusters, self.window, self.causal, self.shared_qk, valid)
 
@@ -118,9 +121,10 @@ class RoutingAttention(nn.Module):
         """The k-means step: apply the statistics observed since the last call (all-reduced across ranks)."""
         self.kmeans.update(group)
 
-    def new_cache(self, batch: int, max_len: int, *, device: torch.device | str | None = None,
+    def new_cache(self, batch: int, max_len: int | None, *, device: torch.device | str | None = None,
                   dtype: torch.dtype = torch.float32) -> RoutingCache:
-        """An empty decoding cache for up to ``max_len`` positions (causal only)."""
+        """An empty decoding cache for up to ``max_len`` positions (causal only); None: the caller checks the
+        length itself (as ``TransformerLM``'s cache does, once for every layer)."""
         if not self.causal:
             raise ValueError("incremental decoding needs causal=True")
         return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
@@ -137,11 +141,13 @@ class RoutingAttention(nn.Module):
         fills the buffers in one pass.
         """
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
+        cache.check(n)
         clusters = self.kmeans.assign(self.routing_vectors(q, k))  # (B, H, n)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
+            sort = sort_by_cluster(clusters, self.num_clusters)  # one sort for both
             out = sorted_window_attention(q, k, v, clusters, window=self.window, causal=True,
-                                          exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos)
-            cache.fill(k, v, clusters)
+                                          exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort)
+            cache.fill(k, v, sort)
             return out
         outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], clusters[:, :, t], scale=scale,
                            exclude_self=self.shared_qk, rel_pos=rel_pos) for t in range(n)]

@@ -9,6 +9,8 @@ position sees depend only on its own cluster and on earlier positions, so nothin
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -16,13 +18,42 @@ from ..relative import RelativePositions
 from ..tiles import band_attention
 
 
-def sort_by_cluster(clusters: Tensor) -> tuple[Tensor, Tensor]:
-    """(order, inverse), both (B, H, N): ``x.gather(-1, order)`` sorts by (cluster, position); ``inverse`` undoes it."""
+class ClusterOrder(NamedTuple):
+    """A sequence sorted by (cluster, position); ``rank`` and ``counts`` only when ``num_clusters`` was given.
+
+    order, inverse: (B, H, N); ``x.gather(-1, order)`` sorts, ``inverse`` undoes it. grouped: (B, H, N) the cluster
+    of each sorted entry. rank: (B, H, N) rank of each sorted entry within its cluster. counts: (B, H, k) cluster sizes.
+    """
+
+    order: Tensor
+    inverse: Tensor
+    grouped: Tensor
+    rank: Tensor | None = None
+    counts: Tensor | None = None
+
+
+def sort_by_cluster(clusters: Tensor, num_clusters: int | None = None) -> ClusterOrder:
+    """Sort positions by (cluster, position): clusters (B, H, N) in [0, num_clusters). With ``num_clusters`` also
+    each sorted entry's rank within its cluster and the cluster sizes."""
     n = clusters.shape[-1]
     pos = torch.arange(n, device=clusters.device)
     order = (clusters * n + pos).argsort(-1)  # keys are unique, so the order is the stable one
     inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
-    return order, inverse
+    grouped = clusters.gather(-1, order)
+    if num_clusters is None:
+        return ClusterOrder(order, inverse, grouped)
+    counts = clusters.new_zeros(*clusters.shape[:-1], num_clusters).scatter_add_(-1, clusters,
+                                                                                 torch.ones_like(clusters))
+    start = counts.cumsum(-1) - counts  # first sorted index of each cluster
+    rank = pos - start.gather(-1, grouped)
+    return ClusterOrder(order, inverse, grouped, rank, counts)
+
+
+def drop_own_key(allow: Tensor, own: Tensor) -> Tensor:
+    """Shared QK: ``allow`` (..., M) without the query's own key (``own``, broadcastable to it), unless that key is
+    the only one allowed."""
+    others = (allow & ~own).any(-1, keepdim=True)
+    return allow & ~(own & others)
 
 
 class _Permute(torch.autograd.Function):
@@ -64,20 +95,22 @@ def sorted_window_attention(
     scale: float,
     key_valid: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    sort: ClusterOrder | None = None,
 ) -> Tensor:
     """Each query attends to the ``window`` nearest positions of its own cluster (only earlier ones when causal).
 
     q, k, v: (B, H, N, D); clusters: (B, H, N); key_valid: (B, 1, N) or None -> (B, H, N, D). Causal: keys j <= i,
     the most recent ``window`` of the cluster; non-causal: |rank_i - rank_j| < window within the cluster.
+    ``sort``: ``sort_by_cluster(clusters)`` when the caller already has it.
     """
     B, H, N, D = q.shape
-    order, inverse = sort_by_cluster(clusters)
+    order, inverse, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
     qs = permute_seq(q, order, inverse)
     ks = qs if k is q else permute_seq(k, order, inverse)
     vs = permute_seq(v, order, inverse)
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     out, _ = band_attention(
-        qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid, groups=clusters.gather(-1, order),
+        qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid, groups=grouped,
         exclude_self=exclude_self, rel_pos=rel_pos, rel_positions=order if rel_pos is not None else None,
     )
     return permute_seq(out, inverse, order)
@@ -95,7 +128,5 @@ def sorted_window_mask(clusters: Tensor, window: int, causal: bool, exclude_self
     if key_valid is not None:
         allow = allow & key_valid[:, :, None, :]
     if exclude_self:
-        eye = torch.eye(n, dtype=torch.bool, device=clusters.device)
-        others = (allow & ~eye).any(-1, keepdim=True)
-        allow = allow & ~(eye & others)
+        allow = drop_own_key(allow, torch.eye(n, dtype=torch.bool, device=clusters.device))
     return allow
