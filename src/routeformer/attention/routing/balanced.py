@@ -124,12 +124,10 @@ def _shared_earlier(members: Tensor, member_of: Tensor) -> Tensor:
     padded[:, :, :kc] = member_of.long()
     weights = (2 ** (torch.arange(words * _BITS, device=members.device) % _BITS)).view(words, _BITS, 1)
     bits = (padded.view(B, H, words, _BITS, -1) * weights).sum(3).transpose(2, 3)  # (B, H, N, words)
-    lower = torch.zeros(kc, words, dtype=torch.long)  # bits of the clusters before c
-    for c in range(kc):
-        for t in range(words):
-            below = min(max(c - t * _BITS, 0), _BITS)
-            lower[c, t] = (1 << below) - 1
-    lower = lower.to(members.device)
+    # Bits of the clusters before c, in word t: the low min(max(c - t·bits, 0), bits) bits (built on the device).
+    below = (torch.arange(kc, device=members.device)[:, None]
+             - _BITS * torch.arange(words, device=members.device)).clamp(0, _BITS)  # (k, words)
+    lower = torch.bitwise_left_shift(torch.ones_like(below), below) - 1
     mine = bits.gather(2, members.reshape(B, H, kc * w, 1).expand(-1, -1, -1, words)).view(B, H, kc, w, words)
     earlier = mine & lower[None, None, :, None, :]
     out = torch.zeros(B, H, kc, w, w, dtype=torch.bool, device=members.device)
