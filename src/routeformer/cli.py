@@ -158,6 +158,36 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="cpu or cuda (default: cuda when there is a GPU)")
 
+    rec = suites.add_parser(
+        "recall",
+        help="long-range recall: accuracy of full, local and local+routing models trained on synthetic tasks",
+        description="Trains one small model per (task, attention) for a fixed number of steps on recall tasks "
+        "generated on the fly (multi-query associative recall, passkey, two-hop recall), each with a gap longer "
+        "than depth × window so that local-only attention stays at chance, and prints accuracy, chance, seconds "
+        "per step, keys scored per query and what the routing heads reached (cluster balance, needed key in the "
+        "query's cluster, in its window).",
+    )
+    rec.add_argument("--tasks", nargs="+", default=["mqar", "passkey", "two_hop"], metavar="TASK",
+                     help="mqar, passkey, two_hop (default: all three)")
+    rec.add_argument("--attention", nargs="+", default=["full", "local", "local+routing"], metavar="SPEC",
+                     help="full, local, local+routing (half and half) or any attention spec, e.g. local:2,routing:2")
+    rec.add_argument("--seq-len", type=_positive, default=128, help="sequence length N (default 128)")
+    rec.add_argument("--gap", type=_positive, default=32, help="positions between an answer and what it needs "
+                     "are more than this (default 32; must exceed depth × (window - 1))")
+    rec.add_argument("--depth", type=_positive, default=2, help="layers (default 2)")
+    rec.add_argument("--dim", type=_positive, default=64, help="model width (default 64)")
+    rec.add_argument("--heads", type=_positive, default=4, help="heads per layer (default 4)")
+    rec.add_argument("--window", type=_positive, default=8, help="local window (default 8)")
+    rec.add_argument("--num-clusters", type=_positive, help="routing k (default round(sqrt(N)))")
+    rec.add_argument("--routing-window", type=_positive, help="routing keys per query (default N // k)")
+    rec.add_argument("--shared-qk", action=argparse.BooleanOptionalAction, default=False,
+                     help="routing heads use their queries as keys (default: separate keys)")
+    rec.add_argument("--steps", type=_positive, default=800, help="training steps per model (default 800)")
+    rec.add_argument("--batch", type=_positive, default=32, help="sequences per step (default 32)")
+    rec.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    rec.add_argument("--eval", type=_positive, default=512, help="held-out sequences scored (default 512)")
+    rec.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
+
     every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
     every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="cpu or cuda (default: cuda when there is a GPU)")
@@ -339,7 +369,14 @@ def cmd_sample(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import attention, model
 
-    if args.suite == "attention":
+    if args.suite == "recall":
+        from .bench import recall
+
+        recall.run(args.tasks, args.attention, seq_len=args.seq_len, gap=args.gap, depth=args.depth, dim=args.dim,
+                   heads=args.heads, window=args.window, num_clusters=args.num_clusters,
+                   routing_window=args.routing_window, shared_qk=args.shared_qk, steps=args.steps,
+                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seed=args.seed)
+    elif args.suite == "attention":
         attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                       repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
                       only=args.only)

@@ -1,0 +1,151 @@
+"""Recall benchmark: does an attention mechanism reach, by content, what lies beyond every local window?
+
+    routeformer bench recall [--tasks mqar passkey two_hop] [--attention full local local+routing]
+
+Trains the same small model once per (task, attention) for a fixed number of steps on batches generated on the
+fly (``data/recall.py``; the gap between an answer and what it needs exceeds depth × window, so a local-only model
+stays at chance), then scores held-out batches. Columns: accuracy on the scored positions, the task's chance
+level, steps, seconds per step, the keys a query scores (mean over heads of each head's largest count, the
+attention cost), and for routing heads what they reached: cluster balance (largest cluster / mean size), how often
+the key the answer needs is in the query's cluster and how often it is within the query's routing window (the
+first hop's key for ``two_hop``; mean over routing heads and layers).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..data.recall import IGNORE, TASKS, RecallTask
+from ..model import TransformerConfig, TransformerLM
+from ..model.heads import RoutingHeads
+from .measure import format_table
+
+EVAL_SEED = 10**6  # held-out batches use seeds from here; training batches use seeds 0, 1, ...
+
+
+def attention_spec(name: str, heads: int) -> str:
+    """'full', 'local', 'local+routing' (half and half) or any spec a TransformerConfig accepts."""
+    half = heads // 2
+    return {"local+routing": f"local:{heads - half},routing:{half}"}.get(name, name)
+
+
+def keys_per_query(config: TransformerConfig) -> float:
+    """Mean over heads of the most keys one query of a head scores (full: seq_len)."""
+    most = {"full": config.seq_len, "local": config.window, "routing": config.routing_window}
+    counts = [(most[name] if name in most else float("nan"), h) for layer in config.layer_specs()
+              for name, h in layer]
+    return sum(c * h for c, h in counts) / sum(h for _, h in counts)
+
+
+def _has_routing(config: TransformerConfig) -> bool:
+    return any(name == "routing" for layer in config.layer_specs() for name, _ in layer)
+
+
+def _schedule(steps: int, warmup: int) -> Callable[[int], float]:
+    return lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+
+
+def train(model: TransformerLM, task: RecallTask, *, steps: int, batch: int, lr: float,
+          warmup: int = 50) -> float:
+    """Train on batches of seeds 0 … steps - 1; returns seconds per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(steps, min(warmup, steps)))
+    model.train()
+    start = time.perf_counter()
+    for step in range(steps):
+        b = task.make(batch, step)
+        logits = model(b.tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        (loss + model.commitment_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        model.update_routing()
+    return (time.perf_counter() - start) / steps
+
+
+@torch.no_grad()
+def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: int = 64) -> dict[str, float]:
+    """Accuracy on held-out batches, and what the routing heads reached (NaN without routing heads)."""
+    model.eval()
+    seen: list[tuple[RoutingHeads, torch.Tensor, torch.Tensor]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[1])))
+             for m in model.modules() if isinstance(m, RoutingHeads)]
+    correct = total = 0
+    balance, in_cluster, in_window = [], [], []
+    try:
+        for i in range(-(-sequences // batch)):
+            b = task.make(min(batch, sequences - i * batch), EVAL_SEED + i)
+            seen.clear()
+            logits = model(b.tokens)
+            scored = b.targets != IGNORE
+            correct += int((logits.argmax(-1)[scored] == b.targets[scored]).sum())
+            total += int(scored.sum())
+            rows, cols = scored.nonzero(as_tuple=True)
+            src = b.sources[rows, cols]
+            for heads, q, k in seen:
+                routing = heads.routing
+                clusters = routing.route(q, k)  # (B, H, N)
+                sizes = F.one_hot(clusters, routing.num_clusters).sum(2).float()  # (B, H, k)
+                balance.append((sizes.max(-1).values / sizes.mean(-1)).mean())
+                in_cluster.append((clusters[rows, :, cols] == clusters[rows, :, src]).float().mean())
+                in_window.append(routing.routing_mask(q, k)[rows, :, cols, src].float().mean())
+    finally:
+        for h in hooks:
+            h.remove()
+    mean = (lambda xs: float(torch.stack(xs).mean()) if xs else float("nan"))
+    return {"accuracy": correct / total, "balance": mean(balance), "in_cluster": mean(in_cluster),
+            "in_window": mean(in_window)}
+
+
+def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int = 32, depth: int = 2,
+        dim: int = 64, heads: int = 4, window: int = 8, num_clusters: int | None = None,
+        routing_window: int | None = None, shared_qk: bool = True, steps: int = 800, batch: int = 32,
+        lr: float = 1e-3, eval_sequences: int = 512, seed: int = 0,
+        echo: Callable[[str], None] = print) -> list[dict]:
+    """Train and score one model per (task, attention); print the table row by row, then whole; return the rows."""
+    for name in tasks:
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
+    if depth * (window - 1) >= gap:
+        raise ValueError(f"gap ({gap}) must exceed depth × (window - 1) = {depth * (window - 1)}, or a local-only "
+                         "model can see the answer and the benchmark would not test long-range reach")
+    echo(f"# recall benchmark: N={seq_len}, gap>{gap}, depth={depth}, dim={dim}, heads={heads}, window={window}, "
+         f"steps={steps}, batch={batch}, lr={lr}, seed={seed}, threads={torch.get_num_threads()}")
+    rows: list[dict] = []
+    for task_name in tasks:
+        task = TASKS[task_name](seq_len=seq_len, min_gap=gap)
+        for name in attentions:
+            config = TransformerConfig(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads,
+                                       seq_len=seq_len, attention=attention_spec(name, heads), window=window,
+                                       num_clusters=num_clusters, routing_window=routing_window,
+                                       shared_qk=shared_qk)
+            torch.manual_seed(seed)
+            model = TransformerLM(config)
+            s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)
+            row = {"task": task_name, "attention": name, "chance": task.chance, "steps": steps,
+                   "step_s": s_per_step, "keys_per_query": keys_per_query(config),
+                   "num_clusters": config.num_clusters if _has_routing(config) else None, **evaluate(model, task, sequences=eval_sequences)}
+            rows.append(row)
+            echo(table([row]).splitlines()[-1])
+    echo("")
+    echo(table(rows))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    pct = (lambda x: "-" if math.isnan(x) else f"{100 * x:.1f}")
+    return format_table(
+        ["task", "attention", "accuracy %", "chance %", "steps", "s/step", "keys/query", "k", "balance",
+         "in cluster %", "in window %"],
+        [[r["task"], r["attention"], pct(r["accuracy"]), pct(r["chance"]), r["steps"], f"{r['step_s']:.3f}",
+          f"{r['keys_per_query']:.1f}", r["num_clusters"] or "-",
+          "-" if math.isnan(r["balance"]) else f"{r['balance']:.2f}", pct(r["in_cluster"]), pct(r["in_window"])]
+         for r in rows])
+

@@ -1,0 +1,85 @@
+"""The recall tasks' guarantees: the answer's source lies more than min_gap back, nothing near a scored position
+names its answer, answers are uniform over as many choices as ``chance`` says, and batches follow their seed."""
+
+import pytest
+import torch
+
+from routeformer.data.recall import IGNORE, TASKS, mqar, passkey, two_hop
+
+SMALL = {"mqar": dict(seq_len=96, min_gap=24), "passkey": dict(seq_len=80, min_gap=30),
+         "two_hop": dict(seq_len=128, min_gap=20)}
+
+
+def scored(batch):
+    return [(b, t) for b, t in (batch.targets != IGNORE).nonzero().tolist()]
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_same_seed_same_batch_other_seed_other_batch(name):
+    task = TASKS[name](**SMALL[name])
+    a, b, c = task.make(8, 3), task.make(8, 3), task.make(8, 4)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(a.tokens, c.tokens)
+    assert a.tokens.shape == (8, task.seq_len) and a.tokens.dtype == torch.long
+    assert int(a.tokens.min()) >= 0 and int(a.tokens.max()) < task.vocab_size
+    assert int(a.targets[a.targets != IGNORE].max()) < task.vocab_size
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_answer_lies_beyond_the_gap_and_nothing_near_names_it(name):
+    task = TASKS[name](**SMALL[name])
+    batch = task.make(64, 0)
+    points = scored(batch)
+    assert len(points) == 64 * task.answers_per_sequence
+    for b, t in points:
+        s = int(batch.sources[b, t])
+        assert 0 <= s and t - s > task.min_gap
+        answer = int(batch.targets[b, t])
+        near = batch.tokens[b, t - task.min_gap:t + 1].tolist()
+        assert answer not in near
+        if name == "two_hop":  # the first hop's fact links the query to the b whose fact is the answer,
+            fact = int(batch.tokens[b, s])  # which lies more than min_gap before it
+            where = (batch.tokens[b] == answer).nonzero().flatten().tolist()
+            assert where and all(s - w > task.min_gap for w in where if w < t)
+            assert fact not in near
+        else:
+            assert int(batch.tokens[b, s]) == answer
+    assert (batch.sources[batch.targets == IGNORE] == -1).all()
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_given_the_query_answers_are_uniform_over_one_over_chance_choices(name):
+    """What a window model sees at a scored position, its own token, leaves 1 / chance equally likely answers."""
+    task = TASKS[name](**SMALL[name])
+    batch = task.make(6000 // task.answers_per_sequence, 1)
+    sel = batch.targets != IGNORE
+    queries, answers = batch.tokens[sel], batch.targets[sel]
+    choices = round(1 / task.chance)
+    for query in queries.unique().tolist():
+        values, counts = answers[queries == query].unique(return_counts=True)
+        assert len(values) == choices
+        expected = counts.sum().item() / choices
+        assert (counts - expected).abs().max() < 5 * expected ** 0.5  # five standard deviations
+
+
+def test_scored_positions_are_where_the_task_says():
+    batch = passkey(seq_len=40, min_gap=10).make(16, 0)
+    assert (batch.targets[:, -1] != IGNORE).all() and (batch.targets[:, :-1] == IGNORE).all()
+    batch = mqar(seq_len=64, min_gap=16, queries=3).make(16, 0)
+    assert (batch.targets[:, -6::2] != IGNORE).all() and (batch.targets[:, -6::2] == batch.tokens[:, -5::2]).all()
+    batch = two_hop(seq_len=128, min_gap=16, queries=2).make(16, 0)
+    assert (batch.targets[:, -4::2] == batch.tokens[:, -3::2]).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: mqar(seq_len=20, min_gap=16), "mqar: seq_len 20 is too short"),
+    (lambda: passkey(seq_len=10, min_gap=10), "passkey: seq_len 10 is too short"),
+    (lambda: two_hop(seq_len=40, min_gap=16), "two_hop: seq_len 40 is too short"),
+    (lambda: mqar(queries=5, keys=4), "queries"),
+    (lambda: two_hop(links=0), "links must be a positive integer"),
+    (lambda: passkey(min_gap=-1), "min_gap"),
+    (lambda: passkey().make(0, 0), "batch_size"),
+])
+def test_bad_settings_name_the_problem(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
