@@ -33,7 +33,7 @@ def test_every_answer_lies_beyond_the_gap_and_nothing_near_names_it(name):
     assert len(points) == 64 * task.answers_per_sequence
     for b, t in points:
         s = int(batch.sources[b, t])
-        assert 0 <= s and t - s > task.min_gap
+        assert s >= 0 and t - s > task.min_gap
         answer = int(batch.targets[b, t])
         near = batch.tokens[b, t - task.min_gap:t + 1].tolist()
         assert answer not in near

@@ -99,7 +99,9 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
     finally:
         for h in hooks:
             h.remove()
-    mean = (lambda xs: float(torch.stack(xs).mean()) if xs else float("nan"))
+    def mean(xs: list[torch.Tensor]) -> float:
+        return float(torch.stack(xs).mean()) if xs else float("nan")
+
     return {"accuracy": correct / total, "balance": mean(balance), "in_cluster": mean(in_cluster),
             "in_window": mean(in_window)}
 
@@ -131,7 +133,8 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
             s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)
             row = {"task": task_name, "attention": name, "chance": task.chance, "steps": steps,
                    "step_s": s_per_step, "keys_per_query": keys_per_query(config),
-                   "num_clusters": config.num_clusters if _has_routing(config) else None, **evaluate(model, task, sequences=eval_sequences)}
+                   "num_clusters": config.num_clusters if _has_routing(config) else None,
+                   **evaluate(model, task, sequences=eval_sequences)}
             rows.append(row)
             echo(table([row]).splitlines()[-1])
     echo("")
@@ -140,7 +143,9 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
 
 
 def table(rows: list[dict]) -> str:
-    pct = (lambda x: "-" if math.isnan(x) else f"{100 * x:.1f}")
+    def pct(x: float) -> str:
+        return "-" if math.isnan(x) else f"{100 * x:.1f}"
+
     return format_table(
         ["task", "attention", "accuracy %", "chance %", "steps", "s/step", "keys/query", "k", "balance",
          "in cluster %", "in window %"],
