@@ -54,6 +54,8 @@ def test_parse_attention(spec: str, heads: int, want) -> None:
     ({"attention": "longformer", "dilation": [1, 2]}, "dilation gives 2 values but there are 8 longformer heads"),
     ({"image_shape": [64, 64]}, r"image_shape must be \(rows, columns, channels\)"),
     ({"checkpointing": "yes"}, "checkpointing must be true or false"),
+    ({"separate_routing": 1}, "separate_routing must be true or false"),
+    ({"separate_routing": True}, "separate_routing=True routes queries and keys apart, which needs shared_qk=False"),
     ({"kmeans_decay": 1.0}, r"kmeans_decay must be in \[0, 1\)"),
 ])
 def test_bad_configurations(kwargs: dict, fragment: str) -> None:

@@ -12,6 +12,8 @@ from routeformer import TransformerConfig, TransformerLM
 
 SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
          "longformer", "local:2,routing:2"]
+SEPARATE = {"shared_qk": False, "separate_routing": True}  # routing heads that route queries and keys apart
+CONFIGS = [(spec, {}) for spec in SPECS] + [("local:2,routing:2", SEPARATE)]
 
 
 def tiny(spec: str = "local:2,routing:2", **kw) -> TransformerConfig:
@@ -34,9 +36,9 @@ def tokens(B: int, N: int, vocab: int = 23, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (B, N), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_no_leak_through_the_whole_model(spec: str) -> None:
-    model = randomised(tiny(spec))
+@pytest.mark.parametrize("spec, kw", CONFIGS)
+def test_no_leak_through_the_whole_model(spec: str, kw: dict) -> None:
+    model = randomised(tiny(spec, **kw))
     x = tokens(2, 48)
     with torch.no_grad():
         before = model(x)
@@ -49,11 +51,11 @@ def test_no_leak_through_the_whole_model(spec: str) -> None:
             assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])  # the change did reach the model
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec, kw", CONFIGS)
 @pytest.mark.parametrize("positions", ["relative", "absolute", "factorized", "none"])
-def test_cached_decoding_equals_the_forward(spec: str, positions: str) -> None:
+def test_cached_decoding_equals_the_forward(spec: str, kw: dict, positions: str) -> None:
     """Float32, atol 1e-4, well past window (6), stride (5) and block (8)."""
-    model = randomised(tiny(spec, positions=positions), dtype=torch.float32)
+    model = randomised(tiny(spec, positions=positions, **kw), dtype=torch.float32)
     x = tokens(2, 48)
     with torch.no_grad():
         full = model(x)
@@ -181,6 +183,7 @@ def test_bad_sampling_arguments(kwargs: dict, fragment: str) -> None:
     ("fixed_a1:2,fixed_a2:2", {}), ("longformer", {}),
     ("routing", {"shared_qk": False}),  # alone, shared-QK routing heads memorise slowly (they cannot see their own
     ("local:2,routing:2", {}),          # token): it is learned here, beside local heads, as the paper pairs them
+    ("routing", SEPARATE), ("local:2,routing:2", SEPARATE),
 ])
 def test_a_tiny_model_overfits_a_fixed_batch(spec: str, kw: dict) -> None:
     # The learning rate decays to zero (cosine) so that training ends converged: the verdict is read from a settled

@@ -22,7 +22,8 @@ def routing_problems(draw) -> dict:
         "B": draw(st.integers(1, 2)), "H": draw(st.integers(1, 3)), "N": draw(st.integers(1, 60)),
         "D": draw(st.integers(2, 10)), "k": draw(st.integers(1, 9)), "w": draw(st.integers(1, 12)),
         "causal": causal, "balanced": False if causal else draw(st.booleans()),
-        "shared": draw(st.booleans()), "rel": draw(st.one_of(st.none(), st.integers(1, 20))),
+        "shared": (shared := draw(st.booleans())), "separate": causal and not shared and draw(st.booleans()),
+        "rel": draw(st.one_of(st.none(), st.integers(1, 20))),
         "padding": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -31,7 +32,7 @@ def routing_problems(draw) -> dict:
 def test_forward_matches_reference_over_routing_mask(p: dict) -> None:
     torch.manual_seed(p["seed"])
     layer = make_layer(p["H"], p["D"], p["k"], p["w"], causal=p["causal"], balanced=p["balanced"],
-                       shared_qk=p["shared"], seed=p["seed"])
+                       shared_qk=p["shared"], separate=p["separate"], seed=p["seed"])
     q, k, v = rand_qkv(p["B"], p["H"], p["N"], p["D"], seed=p["seed"])
     if p["shared"]:
         k = q
@@ -70,11 +71,35 @@ def test_causal_mask_is_the_most_recent_window_of_the_own_cluster(shared: bool) 
                 assert got == want, (b, h, i)
 
 
-@pytest.mark.parametrize("shared", [True, False])
+def _separate_window(query_clusters: list[int], key_clusters: list[int], i: int, window: int) -> set[int]:
+    """Keys among the last `window` events (key event then query event of each position) of query i's cluster."""
+    c = query_clusters[i]
+    events = []
+    for m in range(i + 1):
+        events += [("key", m)] if key_clusters[m] == c else []
+        events += [("query", m)] if query_clusters[m] == c else []
+    return {m for kind, m in events[-window:] if kind == "key"}
+
+
+def test_separate_mask_is_the_keys_among_the_last_window_events_of_the_query_cluster() -> None:
+    H, N, D, k, w = 3, 80, 8, 4, 5
+    layer = make_layer(H, D, k, w, causal=True, shared_qk=False, separate=True)
+    q, kk, _ = rand_qkv(2, H, N, D, grad=False)
+    mask, qc, kc = layer.routing_mask(q, kk), layer.route(q, kk), layer.route_keys(q, kk)
+    assert not torch.equal(qc, kc), "queries and keys are routed apart"
+    assert int((mask.sum(-1) == w - 1).sum()) > 0  # the window binds (its last event is the query itself)
+    for b in range(2):
+        for h in range(H):
+            for i in range(N):
+                want = _separate_window(qc[b, h].tolist(), kc[b, h].tolist(), i, w)
+                assert set(mask[b, h, i].nonzero().flatten().tolist()) == want, (b, h, i)
+
+
+@pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
-def test_no_leak_from_the_future(shared: bool, extras: str) -> None:
+def test_no_leak_from_the_future(shared: bool, separate: bool, extras: str) -> None:
     H, N, D = 4, 64, 8
-    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared)
+    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared, separate=separate)
     q, k, v = rand_qkv(2, H, N, D, grad=False)
     kw: dict = {}
     if extras == "relative":
@@ -97,6 +122,12 @@ def test_one_cluster_and_a_window_covering_everything_is_full_attention(causal: 
     layer = make_layer(2, 8, 1, 64, causal=causal, balanced=balanced, shared_qk=False)
     q, k, v = rand_qkv(2, 2, 50, 8, grad=False)
     torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=causal))
+
+
+def test_separate_routing_with_one_cluster_and_a_window_of_every_event_is_full_attention() -> None:
+    layer = make_layer(2, 8, 1, 100, causal=True, shared_qk=False, separate=True)
+    q, k, v = rand_qkv(2, 2, 50, 8, grad=False)
+    torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=True))
 
 
 def test_balanced_tokens_in_several_clusters_and_in_none_are_both_exercised() -> None:
@@ -192,6 +223,8 @@ def test_state_dict_holds_centroids_and_projection() -> None:
     ({"window": True}, "window"),
     ({"causal": True, "balanced": True}, "balanced=True needs causal=False"),
     ({"decay": 1.0}, "decay"),
+    ({"separate": True}, "separate=True .* needs shared_qk=False and causal=True"),
+    ({"separate": True, "shared_qk": False, "causal": False}, "needs shared_qk=False and causal=True"),
 ])
 def test_bad_configuration(kwargs: dict, fragment: str) -> None:
     args = {"heads": 2, "head_dim": 8, "num_clusters": 3, "window": 4, **kwargs}

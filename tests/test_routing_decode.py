@@ -9,12 +9,12 @@ from helpers import rand_qkv, rand_rel
 from routeformer.attention import RoutingAttention
 
 
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("rel", [False, True])
 @pytest.mark.parametrize("clusters, window", [(3, 4), (16, 8), (1, 200)])
-def test_decoding_equals_the_forward(shared: bool, rel: bool, clusters: int, window: int) -> None:
+def test_decoding_equals_the_forward(shared: bool, separate: bool, rel: bool, clusters: int, window: int) -> None:
     B, H, N, D = 2, 3, 150, 16
-    layer = RoutingAttention(H, D, clusters, window, causal=True, shared_qk=shared).eval()
+    layer = RoutingAttention(H, D, clusters, window, causal=True, shared_qk=shared, separate=separate).eval()
     q, k, v = rand_qkv(B, H, N, D, dtype=torch.float32, grad=False)
     k = q if shared else k
     rp = rand_rel(D, 12, dtype=torch.float32) if rel else None

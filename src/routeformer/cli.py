@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--tasks", nargs="+", default=["mqar", "passkey", "two_hop"], metavar="TASK",
                      help="mqar, passkey, two_hop (default: all three)")
     rec.add_argument("--attention", nargs="+", default=["full", "local", "local+routing"], metavar="SPEC",
-                     help="full, local, local+routing (half and half) or any attention spec, e.g. local:2,routing:2")
+                     help="full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
+                     "a suffix /shared, /joint or /separate says how routing heads route (README, Routing that learns)")
     rec.add_argument("--seq-len", type=_positive, default=128, help="sequence length N (default 128)")
     rec.add_argument("--gap", type=_positive, default=32, help="positions between an answer and what it needs "
                      "are more than this (default 32; must exceed depth × (window - 1))")
@@ -180,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--window", type=_positive, default=8, help="local window (default 8)")
     rec.add_argument("--num-clusters", type=_positive, help="routing k (default round(sqrt(N)))")
     rec.add_argument("--routing-window", type=_positive, help="routing keys per query (default N // k)")
-    rec.add_argument("--shared-qk", action=argparse.BooleanOptionalAction, default=False,
-                     help="routing heads use their queries as keys (default: separate keys)")
     rec.add_argument("--steps", type=_positive, default=800, help="training steps per model (default 800)")
     rec.add_argument("--batch", type=_positive, default=32, help="sequences per step (default 32)")
     rec.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -374,7 +373,7 @@ def cmd_bench(args) -> int:
 
         recall.run(args.tasks, args.attention, seq_len=args.seq_len, gap=args.gap, depth=args.depth, dim=args.dim,
                    heads=args.heads, window=args.window, num_clusters=args.num_clusters,
-                   routing_window=args.routing_window, shared_qk=args.shared_qk, steps=args.steps,
+                   routing_window=args.routing_window, steps=args.steps,
                    batch=args.batch, lr=args.lr, eval_sequences=args.eval, seed=args.seed)
     elif args.suite == "attention":
         attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,

@@ -6,8 +6,8 @@ Trains the same small model once per (task, attention) for a fixed number of ste
 fly (``data/recall.py``; the gap between an answer and what it needs exceeds depth × window, so a local-only model
 stays at chance), then scores held-out batches. Columns: accuracy on the scored positions, the task's chance
 level, steps, seconds per step, the keys a query scores (mean over heads of each head's largest count, the
-attention cost), and for routing heads what they reached: cluster balance (largest cluster / mean size), how often
-the key the answer needs is in the query's cluster and how often it is within the query's routing window (the
+attention cost), and for routing heads what they reached: cluster balance (keys in the largest cluster / mean),
+how often the key the answer needs is in the query's cluster and how often it is within the query's routing window (the
 first hop's key for ``two_hop``; mean over routing heads and layers).
 """
 
@@ -28,10 +28,25 @@ from .measure import format_table
 EVAL_SEED = 10**6  # held-out batches use seeds from here; training batches use seeds 0, 1, ...
 
 
-def attention_spec(name: str, heads: int) -> str:
-    """'full', 'local', 'local+routing' (half and half) or any spec a TransformerConfig accepts."""
+# How routing heads route (config fields), chosen by a row's suffix: 'local+routing/separate'.
+ROUTING = {
+    "shared": {"shared_qk": True, "separate_routing": False},  # the paper's text models: keys are the queries
+    "joint": {"shared_qk": False, "separate_routing": False},  # one cluster per position, from n(q) + n(k)
+    "separate": {"shared_qk": False, "separate_routing": True},  # a query cluster and a key cluster per position
+}
+
+
+def attention_config(name: str, heads: int) -> dict:
+    """Config fields of a row: 'full', 'local', 'local+routing' (half and half) or any attention spec, optionally
+    followed by '/shared', '/joint' or '/separate' (how routing heads route; default: the config's default)."""
+    spec, _, routing = name.partition("/")
     half = heads // 2
-    return {"local+routing": f"local:{heads - half},routing:{half}"}.get(name, name)
+    fields = {"attention": {"local+routing": f"local:{heads - half},routing:{half}"}.get(spec, spec)}
+    if routing:
+        if routing not in ROUTING:
+            raise ValueError(f"unknown routing variant {routing!r} in {name!r}; choose from {', '.join(ROUTING)}")
+        fields.update(ROUTING[routing])
+    return fields
 
 
 def keys_per_query(config: TransformerConfig) -> float:
@@ -91,10 +106,10 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
             src = b.sources[rows, cols]
             for heads, q, k in seen:
                 routing = heads.routing
-                clusters = routing.route(q, k)  # (B, H, N)
-                sizes = F.one_hot(clusters, routing.num_clusters).sum(2).float()  # (B, H, k)
+                clusters, key_clusters = routing.route(q, k), routing.route_keys(q, k)  # (B, H, N)
+                sizes = F.one_hot(key_clusters, routing.num_clusters).sum(2).float()  # (B, H, k) keys per cluster
                 balance.append((sizes.max(-1).values / sizes.mean(-1)).mean())
-                in_cluster.append((clusters[rows, :, cols] == clusters[rows, :, src]).float().mean())
+                in_cluster.append((clusters[rows, :, cols] == key_clusters[rows, :, src]).float().mean())
                 in_window.append(routing.routing_mask(q, k)[rows, :, cols, src].float().mean())
     finally:
         for h in hooks:
@@ -108,10 +123,11 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
 
 def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int = 32, depth: int = 2,
         dim: int = 64, heads: int = 4, window: int = 8, num_clusters: int | None = None,
-        routing_window: int | None = None, shared_qk: bool = True, steps: int = 800, batch: int = 32,
-        lr: float = 1e-3, eval_sequences: int = 512, seed: int = 0,
+        routing_window: int | None = None, steps: int = 800, batch: int = 32,
+        lr: float = 1e-3, eval_sequences: int = 512, seed: int = 0, config: dict | None = None,
         echo: Callable[[str], None] = print) -> list[dict]:
-    """Train and score one model per (task, attention); print the table row by row, then whole; return the rows."""
+    """Train and score one model per (task, attention); print the table row by row, then whole; return the rows.
+    ``config``: further TransformerConfig fields for every model (``kmeans_decay``, ``positions``, ...)."""
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
@@ -125,9 +141,9 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
         task = TASKS[task_name](seq_len=seq_len, min_gap=gap)
         for name in attentions:
             config = TransformerConfig(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads,
-                                       seq_len=seq_len, attention=attention_spec(name, heads), window=window,
-                                       num_clusters=num_clusters, routing_window=routing_window,
-                                       shared_qk=shared_qk)
+                                       seq_len=seq_len, window=window, num_clusters=num_clusters,
+                                       routing_window=routing_window,
+                                       **{**attention_config(name, heads), **(config or {})})
             torch.manual_seed(seed)
             model = TransformerLM(config)
             s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)

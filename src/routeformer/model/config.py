@@ -66,6 +66,8 @@ class TransformerConfig:
         num_clusters, routing_window: routing heads' k and keys per query; defaults round(sqrt(seq_len)) and
             seq_len // num_clusters.
         shared_qk: routing heads use their queries as keys (the official text configurations).
+        separate_routing: routing heads route queries by q and keys by k (needs shared_qk=False); see
+            ``RoutingAttention``'s ``separate``.
         stride: strided heads' l; default round(sqrt(seq_len)). Also the row width of factorized positions.
         block, summary: fixed heads' l and c.
         dilation, global_tokens: Longformer heads' dilation (int or one per Longformer head) and global positions.
@@ -91,6 +93,7 @@ class TransformerConfig:
     num_clusters: int | None = None
     routing_window: int | None = None
     shared_qk: bool = True
+    separate_routing: bool = False
     stride: int | None = None
     block: int = 128
     summary: int = 8
@@ -171,9 +174,11 @@ class TransformerConfig:
             raise ValueError(f"kmeans_decay must be in [0, 1), got {self.kmeans_decay!r}")
         if not (isinstance(self.commitment, numbers.Real) and self.commitment >= 0):
             raise ValueError(f"commitment must be non-negative, got {self.commitment!r}")
-        for name in ("shared_qk", "checkpointing"):
+        for name in ("shared_qk", "separate_routing", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.separate_routing and self.shared_qk:
+            raise ValueError("separate_routing=True routes queries and keys apart, which needs shared_qk=False")
 
     def layer_specs(self) -> list[list[tuple[str, int]]]:
         """Per layer, the (mechanism, heads) groups."""

@@ -300,7 +300,8 @@ class RoutingHeads(HeadGroup):
     def __init__(self, heads: int, head_dim: int, config: TransformerConfig, seed: int) -> None:
         super().__init__(heads, head_dim)
         self.routing = RoutingAttention(heads, head_dim, config.num_clusters, config.routing_window, causal=True,
-                                        shared_qk=config.shared_qk, decay=config.kmeans_decay,
+                                        shared_qk=config.shared_qk, separate=config.separate_routing,
+                                        decay=config.kmeans_decay,
                                         commitment=config.commitment, seed=seed)
 
     def forward(self, q, k, v, rel_pos):

@@ -55,17 +55,18 @@ class RoutingCache:
             raise ValueError(f"max_len: positions up to {self.length + n - 1} are past the declared maximum of this "
                              f"cache (max_len={self.max_len}); create the cache with a larger max_len")
 
-    def fill(self, k: Tensor, v: Tensor, sort: ClusterOrder) -> None:
+    def fill(self, k: Tensor, v: Tensor, sort: ClusterOrder, *, events: bool = False) -> None:
         """Fill an empty cache with a whole prompt at once: k, v (B, H, n, D); ``sort``: the prompt's
         ``sort_by_cluster(clusters, num_clusters)`` (with rank and counts).
 
         Each cluster keeps its last ``window`` tokens, each in the ring slot (rank within the cluster) mod window,
-        the slot ``step`` would have written it to.
+        the slot ``step`` would have written it to. ``events``: k, v are separate routing's 2n events (key event
+        2p, query event 2p + 1); a query event's slot is left empty.
         """
         if self.length:
             raise ValueError("fill needs an empty cache")
         B, H, n, D = k.shape
-        self.check(n)
+        self.check(n // 2 if events else n)
         window = self.keys.shape[3]
         order, grouped, rank, counts = sort.order, sort.grouped, sort.rank, sort.counts
         keep = rank >= counts.gather(-1, grouped) - window  # the last `window` of each cluster
@@ -74,15 +75,16 @@ class RoutingCache:
         c, slot, pos = grouped[keep], (rank % window)[keep], order[keep]
         self.keys[b, h, c, slot] = k[b, h, pos].to(self.keys.dtype)
         self.values[b, h, c, slot] = v[b, h, pos].to(self.values.dtype)
-        self.positions[b, h, c, slot] = pos
+        self.positions[b, h, c, slot] = torch.where(pos % 2 == 0, pos // 2, -1) if events else pos
         self.counts.copy_(counts)
-        self.length = n
+        self.length = n // 2 if events else n
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, cluster: Tensor, *, scale: float, exclude_self: bool,
-             rel_pos: RelativePositions | None) -> Tensor:
+             rel_pos: RelativePositions | None, key_cluster: Tensor | None = None) -> Tensor:
         """Write the token at position ``length`` and return its output. q, k, v (B, H, D); cluster (B, H).
 
-        The caller checks ``max_len`` (``check``)."""
+        ``key_cluster`` (B, H): separate routing; the key goes to that cluster's buffer, then the query's event
+        takes an empty slot in ``cluster``'s. The caller checks ``max_len`` (``check``)."""
         B, H, D = q.shape
         if tuple(k.shape) != (B, H, D) or self.keys.shape[:2] != (B, H) or self.keys.shape[-1] != D:
             raise ValueError(f"decoding tensors of shape {tuple(q.shape)} do not fit a cache for "
@@ -90,11 +92,15 @@ class RoutingCache:
         t, window = self.length, self.keys.shape[3]
         b = torch.arange(B, device=q.device)[:, None]
         h = torch.arange(H, device=q.device)[None, :]
-        slot = self.counts[b, h, cluster] % window  # (B, H): the oldest entry, once the buffer is full
-        self.keys[b, h, cluster, slot] = k.to(self.keys.dtype)
-        self.values[b, h, cluster, slot] = v.to(self.values.dtype)
-        self.positions[b, h, cluster, slot] = t
-        self.counts[b, h, cluster] += 1
+        into = cluster if key_cluster is None else key_cluster
+        slot = self.counts[b, h, into] % window  # (B, H): the oldest entry, once the buffer is full
+        self.keys[b, h, into, slot] = k.to(self.keys.dtype)
+        self.values[b, h, into, slot] = v.to(self.values.dtype)
+        self.positions[b, h, into, slot] = t
+        self.counts[b, h, into] += 1
+        if key_cluster is not None:  # the query's event
+            self.positions[b, h, cluster, self.counts[b, h, cluster] % window] = -1
+            self.counts[b, h, cluster] += 1
         self.length += 1
 
         keys, values, pos = self.keys[b, h, cluster], self.values[b, h, cluster], self.positions[b, h, cluster]

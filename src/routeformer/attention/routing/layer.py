@@ -2,7 +2,9 @@
 
     q, k ──► r = normalise(q) · W_R          (shared QK)   ──► c = argmax_j <μ_j, r>     (B, H, N) clusters
              r = normalise(n(q) + n(k)) · W_R (separate QK)  └─► k-means statistics (training forward only)
+             r_q = n(q) · W_R, r_k = n(k) · W_R (separate routing): a query cluster and a key cluster per position
     causal / sorted window: sort by (c, position) ─► banded attention, same cluster, last `window` ─► unsort
+    separate routing (causal): the same over 2N events, key then query of each position (separate.py)
     balanced (non-causal):  each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
 
 Centroids move only in ``update_routing()`` (see ``kmeans.py``).
@@ -21,6 +23,7 @@ from ..relative import RelativePositions
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
 from .kmeans import SphericalKMeans
+from .separate import event_order, interleave, separate_window_attention, separate_window_mask
 from .sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
 
 
@@ -42,6 +45,10 @@ class RoutingAttention(nn.Module):
             tokens; a token in several clusters attends to the union of their keys, merged exactly; a token in
             none attends to the keys of its nearest centroid's cluster). False: the sorted window without the
             causal constraint. Default: True when non-causal.
+        separate: route queries by q and keys by k (needs shared_qk=False and causal=True): query i attends to
+            the keys j <= i routed to its cluster, among the last ``window`` events (keys and queries) of that
+            cluster (``separate.py``). A query and the key it needs can then meet in a cluster the way q and k meet
+            in q·k; with one cluster per position they cannot be routed apart. Twice the attention work.
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
 
@@ -51,8 +58,8 @@ class RoutingAttention(nn.Module):
     """
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
-                 shared_qk: bool = True, balanced: bool | None = None, decay: float = 0.999,
-                 commitment: float = 1e-4, seed: int = 0) -> None:
+                 shared_qk: bool = True, balanced: bool | None = None, separate: bool = False,
+                 decay: float = 0.999, commitment: float = 1e-4, seed: int = 0) -> None:
         super().__init__()
         self.heads = positive_int("heads", heads)
         self.head_dim = positive_int("head_dim", head_dim)
@@ -65,6 +72,9 @@ class RoutingAttention(nn.Module):
             raise ValueError("balanced=True needs causal=False: balanced clusters pick their members using later "
                              "tokens, which leaks the future into the past")
         self.balanced = bool(balanced)
+        self.separate = bool(separate)
+        if self.separate and (self.shared_qk or not self.causal):
+            raise ValueError("separate=True routes queries and keys apart: it needs shared_qk=False and causal=True")
         self.commitment = float(commitment)
         self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
         gen = torch.Generator().manual_seed(seed)
@@ -73,19 +83,36 @@ class RoutingAttention(nn.Module):
         self.commitment_loss: Tensor | None = None
 
     def routing_vectors(self, q: Tensor, k: Tensor) -> Tensor:
-        """Unit routing vectors r (B, H, N, D) in float32 or wider, whatever the input dtype or autocast state."""
+        """Unit routing vectors r (B, H, N, D) in float32 or wider, whatever the input dtype or autocast state;
+        separate routing: the queries' and the keys' as events (B, H, 2N, D), key event first (``interleave``)."""
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             x = F.normalize(q.to(acc), dim=-1)
-            if not self.shared_qk:
+            if self.separate:
+                x = interleave(F.normalize(k.to(acc), dim=-1), x)
+            elif not self.shared_qk:
                 x = F.normalize(x + F.normalize(k.to(acc), dim=-1), dim=-1)
             return torch.einsum("bhnd,hde->bhne", x, self.projection.to(acc))
 
     @torch.no_grad()
     def route(self, q: Tensor, k: Tensor) -> Tensor:
-        """The cluster of every position: (B, H, N) long."""
+        """The cluster of every query: (B, H, N) long."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        return self.kmeans.assign(self.routing_vectors(q, k))
+        clusters = self.kmeans.assign(self.routing_vectors(q, k))
+        return clusters[:, :, 1::2] if self.separate else clusters
+
+    @torch.no_grad()
+    def route_keys(self, q: Tensor, k: Tensor) -> Tensor:
+        """The cluster of every key: (B, H, N) long (the query's, unless routing is separate)."""
+        check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
+        clusters = self.kmeans.assign(self.routing_vectors(q, k))
+        return clusters[:, :, 0::2] if self.separate else clusters
+
+    def _event_padding(self, key_padding_mask: Tensor | None) -> Tensor | None:
+        """The padding mask of the routing vectors: (B, 2N) for separate routing's events."""
+        if key_padding_mask is None or not self.separate:
+            return key_padding_mask
+        return key_padding_mask.repeat_interleave(2, dim=-1)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                 key_padding_mask: Tensor | None = None, rel_pos: RelativePositions | None = None) -> Tensor:
@@ -94,9 +121,13 @@ class RoutingAttention(nn.Module):
         r = self.routing_vectors(q, k)
         scores = self.kmeans.scores(r)  # (B, H, N, k), once: the clusters and the balanced members both use it
         clusters = scores.argmax(-1)
-        self.kmeans.observe(r.detach(), clusters, key_padding_mask)
-        self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, key_padding_mask)
+        padding = self._event_padding(key_padding_mask)
+        self.kmeans.observe(r.detach(), clusters, padding)
+        self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, padding)
                                 if self.training else None)
+        if self.separate:
+            return separate_window_attention(q, k, v, clusters[:, :, 1::2], clusters[:, :, 0::2],
+                                             window=self.window, scale=scale, key_valid=key_valid, rel_pos=rel_pos)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_attention(q, k, v, members, clusters, exclude_self=self.shared_qk, scale=scale,
@@ -112,6 +143,8 @@ class RoutingAttention(nn.Module):
         scores = self.kmeans.scores(self.routing_vectors(q, k))
         clusters = scores.argmax(-1)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
+        if self.separate:
+            return separate_window_mask(clusters[:, :, 1::2], clusters[:, :, 0::2], self.window, valid)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_mask(members, clusters, self.shared_qk, valid)
@@ -142,7 +175,9 @@ class RoutingAttention(nn.Module):
         """
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
         cache.check(n)
-        clusters = self.kmeans.assign(self.routing_vectors(q, k))  # (B, H, n)
+        clusters = self.kmeans.assign(self.routing_vectors(q, k))  # (B, H, n), or (B, H, 2n) events if separate
+        if self.separate:
+            return self._decode_separate(q, k, v, clusters[:, :, 1::2], clusters[:, :, 0::2], cache, scale, rel_pos)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
             sort = sort_by_cluster(clusters, self.num_clusters)  # one sort for both
             out = sorted_window_attention(q, k, v, clusters, window=self.window, causal=True,
@@ -153,10 +188,26 @@ class RoutingAttention(nn.Module):
                            exclude_self=self.shared_qk, rel_pos=rel_pos) for t in range(n)]
         return torch.stack(outs, dim=2)
 
+    def _decode_separate(self, q: Tensor, k: Tensor, v: Tensor, query_clusters: Tensor, key_clusters: Tensor,
+                         cache: RoutingCache, scale: float, rel_pos: RelativePositions | None) -> Tensor:
+        """Each cluster's ring buffer holds its last ``window`` events: a key event writes the key, a query event
+        an empty slot (it takes its place in the window, as in the forward)."""
+        n = q.shape[2]
+        if cache.length == 0 and n > 1:
+            sort = event_order(query_clusters, key_clusters, self.num_clusters)
+            out = separate_window_attention(q, k, v, query_clusters, key_clusters, window=self.window, scale=scale,
+                                            rel_pos=rel_pos, sort=sort)
+            cache.fill(interleave(k, torch.zeros_like(k)), interleave(v, torch.zeros_like(v)), sort, events=True)
+            return out
+        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], query_clusters[:, :, t], scale=scale,
+                           exclude_self=False, rel_pos=rel_pos, key_cluster=key_clusters[:, :, t])
+                for t in range(n)]
+        return torch.stack(outs, dim=2)
+
     def extra_repr(self) -> str:
         mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"window={self.window}, {mode}, shared_qk={self.shared_qk}")
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}" + (", separate" if self.separate else ""))
 
 
 def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
