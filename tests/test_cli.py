@@ -31,7 +31,8 @@ def test_bench_rejects_bad_sizes(capsys) -> None:
 
 @pytest.mark.parametrize("args", [["--help"], *([cmd, "--help"] for cmd in ("prepare", "train", "evaluate", "sample",
                                                                           "bench")),
-                                  ["bench", "attention", "--help"], ["bench", "model", "--help"]])
+                                  ["bench", "attention", "--help"], ["bench", "model", "--help"],
+                                  ["bench", "recall", "--help"], ["bench", "text", "--help"]])
 def test_help(args: list[str]) -> None:
     """`python -m routeformer` runs the command line; every subcommand has --help."""
     done = subprocess.run([sys.executable, "-m", "routeformer", *args], capture_output=True, text=True, timeout=120)

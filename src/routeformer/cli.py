@@ -187,6 +187,27 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--eval", type=_positive, default=512, help="held-out sequences scored (default 512)")
     rec.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
 
+    txt = suites.add_parser(
+        "text",
+        help="validation bits per byte of local, local+routing and full models at one budget",
+        description="Trains one model per attention with the shipped default configuration (data set, width, "
+        "schedule) at the given context and wall-clock budget, and prints each one's bits per byte on the whole "
+        "validation split.",
+    )
+    txt.add_argument("--attention", nargs="+", default=["local", "local+routing", "full"], metavar="SPEC",
+                     help="as for bench recall (default: local local+routing full)")
+    txt.add_argument("--seq-len", type=_positive, default=1024, help="context (default 1024)")
+    txt.add_argument("--minutes", type=float, default=4.0, help="training budget per model (default 4)")
+    txt.add_argument("--steps", type=_positive, default=2000, help="steps of the cosine schedule (default 2000)")
+    txt.add_argument("--window", type=_positive, help="local window (default: the configuration's, 128)")
+    txt.add_argument("--num-clusters", type=_positive, help="routing k (default round(sqrt(seq_len)))")
+    txt.add_argument("--routing-window", type=_positive, help="routing keys per query (default seq_len // k)")
+    txt.add_argument("--data", default="stdlib", help="data set (default stdlib)")
+    txt.add_argument("--data-dir", metavar="DIR", help="where data sets live")
+    txt.add_argument("--out", default="runs/bench-text", help="where the run directories go")
+    txt.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a [model] or [train] field for every row")
+
     every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
     every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="cpu or cuda (default: cuda when there is a GPU)")
@@ -368,7 +389,13 @@ def cmd_sample(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import attention, model
 
-    if args.suite == "recall":
+    if args.suite == "text":
+        from .bench import text
+
+        text.run(args.attention, seq_len=args.seq_len, minutes=args.minutes, steps=args.steps, window=args.window,
+                 num_clusters=args.num_clusters, routing_window=args.routing_window, data=args.data,
+                 data_dir=args.data_dir, out=args.out, overrides=args.overrides)
+    elif args.suite == "recall":
         from .bench import recall
 
         recall.run(args.tasks, args.attention, seq_len=args.seq_len, gap=args.gap, depth=args.depth, dim=args.dim,

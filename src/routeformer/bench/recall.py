@@ -124,10 +124,10 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
 def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int = 32, depth: int = 2,
         dim: int = 64, heads: int = 4, window: int = 8, num_clusters: int | None = None,
         routing_window: int | None = None, steps: int = 800, batch: int = 32,
-        lr: float = 1e-3, eval_sequences: int = 512, seed: int = 0, config: dict | None = None,
+        lr: float = 1e-3, eval_sequences: int = 512, seed: int = 0, extra: dict | None = None,
         echo: Callable[[str], None] = print) -> list[dict]:
     """Train and score one model per (task, attention); print the table row by row, then whole; return the rows.
-    ``config``: further TransformerConfig fields for every model (``kmeans_decay``, ``positions``, ...)."""
+    ``extra``: further TransformerConfig fields for every model (``kmeans_decay``, ``positions``, ...)."""
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
@@ -143,7 +143,7 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
             config = TransformerConfig(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads,
                                        seq_len=seq_len, window=window, num_clusters=num_clusters,
                                        routing_window=routing_window,
-                                       **{**attention_config(name, heads), **(config or {})})
+                                       **{**attention_config(name, heads), **(extra or {})})
             torch.manual_seed(seed)
             model = TransformerLM(config)
             s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)

@@ -1,0 +1,67 @@
+"""Text benchmark: validation bits per byte of models that differ only in their attention, trained on the same
+data with the same parameters and the same wall-clock budget.
+
+    routeformer bench text [--attention local local+routing full] [--seq-len 1024] [--minutes 4]
+
+Each row is ``routeformer train`` (the shipped default configuration, its data set and schedule) with the row's
+attention, the given context and a budget of ``--minutes`` of training (the cosine schedule is stretched over
+``--steps``, so every row decays alike whatever its speed), then scored on the whole validation split. The run
+directories stay under ``--out`` for inspection.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from .measure import format_table
+from .recall import attention_config
+
+
+def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, steps: int = 2000,
+        window: int | None = None, num_clusters: int | None = None, routing_window: int | None = None,
+        data: str = "stdlib", data_dir: str | None = None, out: str = "runs/bench-text",
+        overrides: list[str] | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+    from ..data import DataError, Dataset, default_data_dir, prepare
+    from ..train import load_run_config, train
+
+    if data == "stdlib":
+        where = Path(data_dir).expanduser() if data_dir else default_data_dir()
+        try:
+            Dataset.open("stdlib", where, verify=False)
+        except DataError:
+            prepare("stdlib", where)
+    rows: list[dict] = []
+    for name in attentions:
+        probe = load_run_config(None, list(overrides or []))
+        fields = attention_config(name, probe.model.heads)
+        sets = [f"seq_len={seq_len}", f"attention={fields.pop('attention')!r}"]
+        sets += [f"{key}={str(value).lower()}" for key, value in fields.items()]
+        k = num_clusters or max(1, round(seq_len ** 0.5))
+        sets += [f"num_clusters={k}", f"routing_window={routing_window or seq_len // k}"]
+        if window is not None:
+            sets.append(f"window={window}")
+        run_config = load_run_config(None, list(overrides or []) + sets,
+                                     {"data": data, "data_dir": data_dir, "max_steps": steps,
+                                      "max_minutes": minutes})
+        run_dir = Path(out) / name.replace("/", "-").replace(":", "").replace(",", "-").replace("+", "-")
+        echo(f"# {name}: routeformer train --set {' --set '.join(sets)} --max-steps {steps} "
+             f"--max-minutes {minutes} --out {run_dir}")
+        result = train(run_config, run_dir, echo=lambda *_: None)
+        model = run_config.model
+        rows.append({"attention": name, "seq_len": model.seq_len, "steps": result.step, "minutes": result.minutes,
+                     "valid": result.valid, "unit": result.unit, "window": model.window,
+                     "routing": f"k={model.num_clusters}, w={model.routing_window}" if "routing" in
+                     str(model.attention) else "-"})
+        echo(table(rows[-1:]).splitlines()[-1])
+    echo("")
+    echo(table(rows))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    return format_table(["attention", "seq_len", "local window", "routing", "steps", "minutes", "valid"],
+                        [[r["attention"], r["seq_len"], r["window"], r["routing"], r["steps"], f"{r['minutes']:.1f}",
+                          "n/a" if r["valid"] is None or math.isnan(r["valid"]) else f"{r['valid']:.3f} {r['unit']}"]
+                         for r in rows])
