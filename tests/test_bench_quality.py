@@ -22,12 +22,14 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     local, routed = rows[0], rows[1]
     assert local[3] == routed[3] == "6.2"  # chance: 1 / 16 values
     assert local[6] == "4.0" and local[7] == "-" and local[9] == "-"  # no routing heads, no routing diagnostics
-    assert routed[7] == "7" and float(routed[6]) == (4 + 4 + 6 + 6) / 4  # k = round(sqrt(48)), window 48 // 7
+    # k = round(sqrt(48)) = 7, window 48 // 7 = 6; a separate routing head runs two events per position, each
+    # routed by k centroids and scoring its window
+    assert routed[7] == "7" and float(routed[6]) == (4 + 4 + 2 * 2 * (6 + 7)) / 4
     assert 0 <= float(routed[9]) <= 100 and 0 <= float(routed[10]) <= float(routed[9])
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--gap", "10", "--window", "8"], "gap (10) must exceed depth × (window - 1) = 14"),
+    (["--gap", "13", "--window", "8"], "gap (13) must be at least depth × (window - 1) = 14"),
     (["--tasks", "copy"], "unknown task 'copy'"),
     (["--attention", "local+routing/mixed"], "unknown routing variant 'mixed'"),
 ])

@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "a suffix /shared, /joint or /separate says how routing heads route (README, Routing that learns)")
     rec.add_argument("--seq-len", type=_positive, default=128, help="sequence length N (default 128)")
     rec.add_argument("--gap", type=_positive, default=32, help="positions between an answer and what it needs "
-                     "are more than this (default 32; must exceed depth × (window - 1))")
+                     "are more than this (default 32; at least depth × (window - 1))")
     rec.add_argument("--depth", type=_positive, default=2, help="layers (default 2)")
     rec.add_argument("--dim", type=_positive, default=64, help="model width (default 64)")
     rec.add_argument("--heads", type=_positive, default=4, help="heads per layer (default 4)")
@@ -258,7 +258,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .data import DataError, Dataset, default_data_dir, prepare
+    from .data import prepare_builtin
     from .train import Interrupted, load_run_config, train
     from .train.runs import read_run_config
     from .train.trainer import new_run_dir
@@ -282,13 +282,8 @@ def cmd_train(args) -> int:
         run = load_run_config(args.config, args.overrides, extra)
         run_dir = new_run_dir(run, args.out)
         # One process per machine prepares the built-in data set (each machine may have its own data directory).
-        if run.train.data == "stdlib" and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            data_dir = Path(run.train.data_dir).expanduser() if run.train.data_dir else default_data_dir()
-            try:
-                Dataset.open("stdlib", data_dir, verify=False)
-            except DataError:  # the built-in data set needs no download: prepare it on first use
-                print(f"preparing the stdlib data set in {data_dir / 'stdlib'} (first use)")
-                prepare("stdlib", data_dir)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            prepare_builtin(run.train.data, run.train.data_dir)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist  # the other processes wait for that preparation
 

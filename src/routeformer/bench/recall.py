@@ -3,12 +3,12 @@
     routeformer bench recall [--tasks mqar passkey two_hop] [--attention full local local+routing]
 
 Trains the same small model once per (task, attention) for a fixed number of steps on batches generated on the
-fly (``data/recall.py``; the gap between an answer and what it needs exceeds depth × window, so a local-only model
-stays at chance), then scores held-out batches. Columns: accuracy on the scored positions, the task's chance
-level, steps, seconds per step, the keys a query scores (mean over heads of each head's largest count, the
-attention cost), and for routing heads what they reached: cluster balance (keys in the largest cluster / mean),
-how often the key the answer needs is in the query's cluster and how often it is within the query's routing window (the
-first hop's key for ``two_hop``; mean over routing heads and layers).
+fly (``data/recall.py``: what an answer needs lies further back than depth × (window - 1), the reach of local
+attention, so a local-only model stays at chance), then scores held-out batches. Columns: accuracy on the scored
+positions, the task's chance level, steps, seconds per step, the keys a query scores (mean over heads of
+``TransformerConfig.keys_per_query``, the attention cost), and for routing heads what they reached: cluster balance
+(keys in the largest cluster / mean), how often the key the answer needs is in the query's cluster and how often it
+is within the query's routing window (the first hop's key for ``two_hop``; mean over routing heads and layers).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM
 from ..model.heads import RoutingHeads
+from ..train.config import TrainConfig
+from ..train.schedule import learning_rate
 from .measure import format_table
 
 EVAL_SEED = 10**6  # held-out batches use seeds from here; training batches use seeds 0, 1, ...
@@ -50,26 +52,18 @@ def attention_config(name: str, heads: int) -> dict:
 
 
 def keys_per_query(config: TransformerConfig) -> float:
-    """Mean over heads of the most keys one query of a head scores (full: seq_len)."""
-    most = {"full": config.seq_len, "local": config.window, "routing": config.routing_window}
-    counts = [(most[name] if name in most else float("nan"), h) for layer in config.layer_specs()
-              for name, h in layer]
-    return sum(c * h for c, h in counts) / sum(h for _, h in counts)
-
-
-def _has_routing(config: TransformerConfig) -> bool:
-    return any(name == "routing" for layer in config.layer_specs() for name, _ in layer)
-
-
-def _schedule(steps: int, warmup: int) -> Callable[[int], float]:
-    return lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    """Mean over heads of the keys one query scores (``TransformerConfig.keys_per_query``, the attention cost)."""
+    keys = config.keys_per_query()
+    heads = [(keys[name], h) for layer in config.layer_specs() for name, h in layer]
+    return sum(c * h for c, h in heads) / sum(h for _, h in heads)
 
 
 def train(model: TransformerLM, task: RecallTask, *, steps: int, batch: int, lr: float,
           warmup: int = 50) -> float:
     """Train on batches of seeds 0 … steps - 1; returns seconds per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(steps, min(warmup, steps)))
+    schedule = TrainConfig(lr=lr, min_lr=0.0, warmup_steps=min(warmup, steps), max_steps=steps)  # warm-up, cosine
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: learning_rate(s + 1, schedule) / lr)
     model.train()
     start = time.perf_counter()
     for step in range(steps):
@@ -131,9 +125,10 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
-    if depth * (window - 1) >= gap:
-        raise ValueError(f"gap ({gap}) must exceed depth × (window - 1) = {depth * (window - 1)}, or a local-only "
-                         "model can see the answer and the benchmark would not test long-range reach")
+    if gap < depth * (window - 1):
+        raise ValueError(f"gap ({gap}) must be at least depth × (window - 1) = {depth * (window - 1)}, the reach of "
+                         "local attention, or a local-only model can see the answer and the benchmark would not test "
+                         "long-range reach")
     echo(f"# recall benchmark: N={seq_len}, gap>{gap}, depth={depth}, dim={dim}, heads={heads}, window={window}, "
          f"steps={steps}, batch={batch}, lr={lr}, seed={seed}, threads={torch.get_num_threads()}")
     rows: list[dict] = []
@@ -149,7 +144,7 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
             s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)
             row = {"task": task_name, "attention": name, "chance": task.chance, "steps": steps,
                    "step_s": s_per_step, "keys_per_query": keys_per_query(config),
-                   "num_clusters": config.num_clusters if _has_routing(config) else None,
+                   "num_clusters": config.num_clusters if config.uses("routing") else None,
                    **evaluate(model, task, sequences=eval_sequences)}
             rows.append(row)
             echo(table([row]).splitlines()[-1])

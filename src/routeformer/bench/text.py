@@ -4,8 +4,9 @@ data with the same parameters and the same wall-clock budget.
     routeformer bench text [--attention local local+routing full] [--seq-len 1024] [--minutes 4]
 
 Each row is ``routeformer train`` (the shipped default configuration, its data set and schedule) with the row's
-attention, the given context and a budget of ``--minutes`` of training (the cosine schedule is stretched over
-``--steps``, so every row decays alike whatever its speed), then scored on the whole validation split. The run
+attention, the given context and a budget of ``--minutes`` of training, then scored on the whole validation split.
+The cosine schedule runs over ``--steps``: a row that reaches the time budget first stops where it is in the
+schedule, so a faster mechanism takes more steps and decays further, as it would in any budgeted run. The run
 directories stay under ``--out`` for inspection.
 """
 
@@ -23,25 +24,22 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         window: int | None = None, num_clusters: int | None = None, routing_window: int | None = None,
         data: str = "stdlib", data_dir: str | None = None, out: str = "runs/bench-text",
         overrides: list[str] | None = None, echo: Callable[[str], None] = print) -> list[dict]:
-    from ..data import DataError, Dataset, default_data_dir, prepare
+    from ..data import prepare_builtin
     from ..train import load_run_config, train
 
-    if data == "stdlib":
-        where = Path(data_dir).expanduser() if data_dir else default_data_dir()
-        try:
-            Dataset.open("stdlib", where, verify=False)
-        except DataError:
-            prepare("stdlib", where)
+    prepare_builtin(data, data_dir, echo)
+    heads = load_run_config(None, list(overrides or [])).model.heads
     rows: list[dict] = []
     for name in attentions:
-        probe = load_run_config(None, list(overrides or []))
-        fields = attention_config(name, probe.model.heads)
-        sets = [f"seq_len={seq_len}", f"attention={fields.pop('attention')!r}"]
-        sets += [f"{key}={str(value).lower()}" for key, value in fields.items()]
-        k = num_clusters or max(1, round(seq_len ** 0.5))
-        sets += [f"num_clusters={k}", f"routing_window={routing_window or seq_len // k}"]
+        fields = attention_config(name, heads)
+        spec = fields.pop("attention")
+        sets = [f"seq_len={seq_len}", f"attention={spec!r}"]
+        sets += [f"{key}={str(value).lower()}" for key, value in fields.items()]  # TOML booleans
         if window is not None:
             sets.append(f"window={window}")
+        if "routing" in spec:  # the shipped configuration pins k and the window for its own seq_len
+            k = num_clusters or max(1, round(seq_len ** 0.5))
+            sets += [f"num_clusters={k}", f"routing_window={routing_window or seq_len // k}"]
         run_config = load_run_config(None, list(overrides or []) + sets,
                                      {"data": data, "data_dir": data_dir, "max_steps": steps,
                                       "max_minutes": minutes})
@@ -52,8 +50,7 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         model = run_config.model
         rows.append({"attention": name, "seq_len": model.seq_len, "steps": result.step, "minutes": result.minutes,
                      "valid": result.valid, "unit": result.unit, "window": model.window,
-                     "routing": f"k={model.num_clusters}, w={model.routing_window}" if "routing" in
-                     str(model.attention) else "-"})
+                     "routing": f"k={model.num_clusters}, w={model.routing_window}" if model.uses("routing") else "-"})
         echo(table(rows[-1:]).splitlines()[-1])
     echo("")
     echo(table(rows))

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..attention.checks import positive_int
+
 IGNORE = -1
 
 
@@ -54,7 +56,8 @@ class RecallTask:
     """A task: its name, vocabulary, length, guaranteed gap, chance level and generator.
 
     ``make(batch_size, seed)`` returns a ``RecallBatch``; the same task, batch size and seed always give the same
-    batch. ``hops``: retrievals an answer needs. ``depth_needed``: attention layers a model needs to solve it.
+    batch. ``answers_per_sequence``: scored positions per sequence. ``hops``: retrievals an answer needs (so
+    attention layers a model needs at least).
     """
 
     name: str
@@ -67,22 +70,15 @@ class RecallTask:
     generate: Callable[[torch.Generator], Row] = field(repr=False, compare=False)
 
     def make(self, batch_size: int, seed: int) -> RecallBatch:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         gen = torch.Generator().manual_seed(int(seed))
         rows = [self.generate(gen) for _ in range(batch_size)]
         return RecallBatch(*(torch.stack(parts) for parts in zip(*rows, strict=True)))
 
 
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def _check_length(task: str, seq_len: int, min_gap: int, used: int, what: str) -> int:
     """Free positions left over (>= 0) once ``used`` positions and the gaps are placed."""
-    _positive("seq_len", seq_len)
+    positive_int("seq_len", seq_len)
     if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 0:
         raise ValueError(f"min_gap must be a non-negative integer, got {min_gap!r}")
     free = seq_len - used
@@ -110,9 +106,9 @@ def mqar(seq_len: int = 256, min_gap: int = 64, keys: int = 4, values: int = 16,
     query. Vocabulary: keys [0, keys), facts [keys, keys + keys · values), filler after them. Chance: 1 / values
     (a model that cannot see the facts knows the key, not the value).
     """
-    keys, values, queries, filler = (_positive(n, x) for n, x in
+    keys, values, queries, filler = (positive_int(n, x) for n, x in
                                      [("keys", keys), ("values", values), ("queries", queries), ("filler", filler)])
-    facts = keys if facts is None else _positive("facts", facts)
+    facts = keys if facts is None else positive_int("facts", facts)
     if not queries <= facts <= keys:
         raise ValueError(f"mqar needs queries ({queries}) <= facts ({facts}) <= keys ({keys})")
     free = _check_length("mqar", seq_len, min_gap, facts + 2 * queries + min_gap,
@@ -139,7 +135,7 @@ def passkey(seq_len: int = 256, min_gap: int = 64, values: int = 16, filler: int
     """Passkey retrieval: one needle token (one of ``values``) at a random position in filler; the sequence ends
     with a marker, whose next token is the needle. The needle lies more than ``min_gap`` positions before the
     marker. Vocabulary: needles [0, values), the marker ``values``, filler after. Chance: 1 / values."""
-    values, filler = _positive("values", values), _positive("filler", filler)
+    values, filler = positive_int("values", values), positive_int("filler", filler)
     free = _check_length("passkey", seq_len, min_gap, 2 + min_gap, f"a needle and a gap of {min_gap}")
     mark = values
 
@@ -168,7 +164,7 @@ def two_hop(seq_len: int = 256, min_gap: int = 64, links: int = 4, values: int =
     [links, links + links²), facts b → c next (links · values of them), filler after. Chance: 1 / (links · values)
     without either fact; one hop alone reaches 1 / values.
     """
-    links, values, queries, filler = (_positive(n, x) for n, x in
+    links, values, queries, filler = (positive_int(n, x) for n, x in
                                       [("links", links), ("values", values), ("queries", queries), ("filler", filler)])
     if queries > links:
         raise ValueError(f"two_hop needs queries ({queries}) <= links ({links})")

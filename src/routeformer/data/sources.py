@@ -25,7 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .store import BUILT_IN, DataError, DatasetMeta, atomic_file, commit_file, writable_directory, write_dataset
+from .store import (
+    BUILT_IN,
+    DataError,
+    Dataset,
+    DatasetMeta,
+    atomic_file,
+    commit_file,
+    default_data_dir,
+    writable_directory,
+    write_dataset,
+)
 
 ENWIK8 = {"url": "http://mattmahoney.net/dc/enwik8.zip", "member": "enwik8", "size": 100_000_000,
           "md5": ("a1fa5ffddb56f4953e226637dabbb36a",)}
@@ -111,6 +121,18 @@ def prepare(name: str, data_dir: Path, source: str | None = None, *, dataset_nam
     if src is not None and not src.exists():
         raise DataError(f"--from {src}: no such file or folder")
     return PREPARERS[name](target, data_dir, src, skip_checksum)
+
+
+def prepare_builtin(data: str, data_dir: str | Path | None, echo=print) -> None:
+    """The built-in data set needs no download: prepare ``stdlib`` on first use (no-op for other data sets)."""
+    if data != "stdlib":
+        return
+    where = Path(data_dir).expanduser() if data_dir else default_data_dir()
+    try:
+        Dataset.open("stdlib", where, verify=False)
+    except DataError:
+        echo(f"preparing the stdlib data set in {where / 'stdlib'} (first use)")
+        prepare("stdlib", where)
 
 
 def _stdlib(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:

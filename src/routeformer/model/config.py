@@ -190,6 +190,29 @@ class TransformerConfig:
             return [parse_attention(s, self.heads, f"attention[{i}]") for i, s in enumerate(self.attention)]
         raise ValueError(f"attention must be a spec string or a list of them (one per layer), got {self.attention!r}")
 
+    def uses(self, mechanism: str) -> bool:
+        """Whether some head of some layer uses ``mechanism``."""
+        return any(name == mechanism for spec in self.layer_specs() for name, _ in spec)
+
+    def keys_per_query(self, seq_len: int | None = None) -> dict[str, float]:
+        """The work of one query of each mechanism, in keys scored, at context ``seq_len`` (default the config's):
+        the mean keys it scores, plus the k centroids it is routed by for routing (twice both for separate routing,
+        which runs a key event and a query event per position). ``TransformerLM.flops_per_token`` counts it."""
+        n = seq_len or self.seq_len
+        keys = {
+            "full": (n + 1) / 2,
+            "local": min(self.window, n),
+            "routing": min(self.routing_window, n) + self.num_clusters,  # + routing each token to k centroids
+            "strided": min(self.stride + 1, n) + n / (2 * self.stride), "strided_a1": min(self.stride + 1, n),
+            "strided_a2": n / (2 * self.stride),
+            "fixed": min(self.block, n) / 2 + n * self.summary / (2 * self.block), "fixed_a1": min(self.block, n) / 2,
+            "fixed_a2": n * self.summary / (2 * self.block),
+            "longformer": min(self.window, n) + len(self.global_tokens),
+        }
+        if self.separate_routing:  # 2N events (a key and a query per position), each routed and banded
+            keys["routing"] *= 2
+        return keys
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -146,17 +146,7 @@ class TransformerLM(nn.Module):
         """Estimated FLOPs per token: 2 per weight multiply-add, plus attention's q·k and p·v over the keys each
         mechanism visits at context ``seq_len`` (default the config's); ×3 for forward + backward."""
         c = self.config
-        n = seq_len or c.seq_len
         dense = 2 * self.num_parameters(exclude_embeddings=True)
-        keys = {
-            "full": (n + 1) / 2,
-            "local": min(c.window, n),
-            "routing": min(c.routing_window, n) + c.num_clusters,  # + routing each token to k centroids
-            "strided": min(c.stride + 1, n) + n / (2 * c.stride), "strided_a1": min(c.stride + 1, n),
-            "strided_a2": n / (2 * c.stride),
-            "fixed": min(c.block, n) / 2 + n * c.summary / (2 * c.block), "fixed_a1": min(c.block, n) / 2,
-            "fixed_a2": n * c.summary / (2 * c.block),
-            "longformer": min(c.window, n) + len(c.global_tokens),
-        }
+        keys = c.keys_per_query(seq_len)
         attention = sum(4 * c.head_dim * keys[name] * heads for spec in c.layer_specs() for name, heads in spec)
         return (dense + attention) * (3 if training else 1)

@@ -98,15 +98,17 @@ class RoutingAttention(nn.Module):
     def route(self, q: Tensor, k: Tensor) -> Tensor:
         """The cluster of every query: (B, H, N) long."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        clusters = self.kmeans.assign(self.routing_vectors(q, k))
-        return clusters[:, :, 1::2] if self.separate else clusters
+        return self._split(self.kmeans.assign(self.routing_vectors(q, k)))[0]
 
     @torch.no_grad()
     def route_keys(self, q: Tensor, k: Tensor) -> Tensor:
         """The cluster of every key: (B, H, N) long (the query's, unless routing is separate)."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        clusters = self.kmeans.assign(self.routing_vectors(q, k))
-        return clusters[:, :, 0::2] if self.separate else clusters
+        return self._split(self.kmeans.assign(self.routing_vectors(q, k)))[1]
+
+    def _split(self, clusters: Tensor) -> tuple[Tensor, Tensor]:
+        """Clusters of the routing vectors -> (query clusters, key clusters), each (B, H, N)."""
+        return (clusters[:, :, 1::2], clusters[:, :, 0::2]) if self.separate else (clusters, clusters)
 
     def _event_padding(self, key_padding_mask: Tensor | None) -> Tensor | None:
         """The padding mask of the routing vectors: (B, 2N) for separate routing's events."""
@@ -126,8 +128,8 @@ class RoutingAttention(nn.Module):
         self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, padding)
                                 if self.training else None)
         if self.separate:
-            return separate_window_attention(q, k, v, clusters[:, :, 1::2], clusters[:, :, 0::2],
-                                             window=self.window, scale=scale, key_valid=key_valid, rel_pos=rel_pos)
+            return separate_window_attention(q, k, v, *self._split(clusters), window=self.window, scale=scale,
+                                             key_valid=key_valid, rel_pos=rel_pos)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_attention(q, k, v, members, clusters, exclude_self=self.shared_qk, scale=scale,
@@ -144,7 +146,7 @@ class RoutingAttention(nn.Module):
         clusters = scores.argmax(-1)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
         if self.separate:
-            return separate_window_mask(clusters[:, :, 1::2], clusters[:, :, 0::2], self.window, valid)
+            return separate_window_mask(*self._split(clusters), self.window, valid)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_mask(members, clusters, self.shared_qk, valid)
@@ -170,44 +172,35 @@ class RoutingAttention(nn.Module):
 
         Equal to the causal forward over the whole sequence at those positions. A new token costs O(k·D + window·D)
         per head whatever its position: it is routed, written to its cluster's ring buffer of the last ``window``
-        keys and values, and attends over that buffer. A prompt given to an empty cache runs the forward once and
-        fills the buffers in one pass.
+        keys and values (separate routing: its key to its key cluster's buffer, then an empty slot for its query
+        event to its query cluster's), and attends over its query cluster's buffer. A prompt given to an empty
+        cache runs the forward once and fills the buffers in one pass.
         """
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
         cache.check(n)
         clusters = self.kmeans.assign(self.routing_vectors(q, k))  # (B, H, n), or (B, H, 2n) events if separate
-        if self.separate:
-            return self._decode_separate(q, k, v, clusters[:, :, 1::2], clusters[:, :, 0::2], cache, scale, rel_pos)
+        query_clusters, key_clusters = self._split(clusters)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
-            sort = sort_by_cluster(clusters, self.num_clusters)  # one sort for both
-            out = sorted_window_attention(q, k, v, clusters, window=self.window, causal=True,
-                                          exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort)
-            cache.fill(k, v, sort)
-            return out
-        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], clusters[:, :, t], scale=scale,
-                           exclude_self=self.shared_qk, rel_pos=rel_pos) for t in range(n)]
-        return torch.stack(outs, dim=2)
-
-    def _decode_separate(self, q: Tensor, k: Tensor, v: Tensor, query_clusters: Tensor, key_clusters: Tensor,
-                         cache: RoutingCache, scale: float, rel_pos: RelativePositions | None) -> Tensor:
-        """Each cluster's ring buffer holds its last ``window`` events: a key event writes the key, a query event
-        an empty slot (it takes its place in the window, as in the forward)."""
-        n = q.shape[2]
-        if cache.length == 0 and n > 1:
-            sort = event_order(query_clusters, key_clusters, self.num_clusters)
-            out = separate_window_attention(q, k, v, query_clusters, key_clusters, window=self.window, scale=scale,
-                                            rel_pos=rel_pos, sort=sort)
-            cache.fill(interleave(k, torch.zeros_like(k)), interleave(v, torch.zeros_like(v)), sort, events=True)
+            if self.separate:  # the buffers hold events: a query event's slot stays empty
+                sort = event_order(query_clusters, key_clusters, self.num_clusters)
+                out = separate_window_attention(q, k, v, query_clusters, key_clusters, window=self.window,
+                                                scale=scale, rel_pos=rel_pos, sort=sort)
+                cache.fill(interleave(k, torch.zeros_like(k)), interleave(v, torch.zeros_like(v)), sort, events=True)
+            else:
+                sort = sort_by_cluster(clusters, self.num_clusters)  # one sort for both
+                out = sorted_window_attention(q, k, v, clusters, window=self.window, causal=True,
+                                              exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort)
+                cache.fill(k, v, sort)
             return out
         outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], query_clusters[:, :, t], scale=scale,
-                           exclude_self=False, rel_pos=rel_pos, key_cluster=key_clusters[:, :, t])
-                for t in range(n)]
+                           exclude_self=self.shared_qk, rel_pos=rel_pos,
+                           key_cluster=key_clusters[:, :, t] if self.separate else None) for t in range(n)]
         return torch.stack(outs, dim=2)
 
     def extra_repr(self) -> str:
         mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"window={self.window}, {mode}, shared_qk={self.shared_qk}" + (", separate" if self.separate else ""))
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}, separate={self.separate}")
 
 
 def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
