@@ -3,7 +3,10 @@ cluster of its key vector, and a query attends to the keys routed to its own clu
 
 Why: with one cluster per position, a query and the key it needs must share a cluster through a single vector
 built from both; routing queries by q and keys by k lets W_Q and W_K learn to meet in a cluster, as they meet in
-q·k. On the recall benchmark this is what lets routing heads learn retrieval (README, "Routing that learns").
+q·k. Measured on the recall benchmark (README, "Routing that learns"): routing apart with a window of the last
+keys of the cluster (an O(N²) mask experiment) learned mqar far better than one cluster per position, but this
+exact form, whose window counts the cluster's query events too, did not: unbalanced clusters push the needed key
+out of the window. It is an option for experiments, not the default.
 
 Exact and causal, with the sorted-window executor: every position p becomes two *events*, its key event
 (cluster c_k(p)) then its query event (cluster c_q(p)). Sorting the 2N events by (cluster, position, key before
