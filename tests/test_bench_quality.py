@@ -22,10 +22,11 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     local, routed = rows[0], rows[1]
     assert local[3] == routed[3] == "6.2"  # chance: 1 / 16 values
     assert local[6] == "4.0" and local[7] == "-" and local[9] == "-"  # no routing heads, no routing diagnostics
+    assert local[10] == "local: window=4"
     # k = round(sqrt(48)) = 7, window 48 // 7 = 6; a separate routing head runs two events per position, each
     # routed by k centroids and scoring its window
-    assert routed[7] == "7" and float(routed[6]) == (4 + 4 + 2 * 2 * (6 + 7)) / 4
-    assert 0 <= float(routed[9]) <= 100 and 0 <= float(routed[10]) <= float(routed[9])
+    assert "routing: k=7, w=6, separate" in routed[10] and float(routed[6]) == (4 + 4 + 2 * 2 * (6 + 7)) / 4
+    assert 0 <= float(routed[8]) <= 100 and 0 <= float(routed[9]) <= float(routed[8])
 
 
 @pytest.mark.parametrize("args, message", [

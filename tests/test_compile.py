@@ -32,7 +32,7 @@ def test_compiled_training_matches_eager(spec: str) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            model.update_routing()
+            model.after_optimizer_step()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
     for a, b in zip(eager.parameters(), compiled_model.parameters(), strict=True):

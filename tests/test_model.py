@@ -206,7 +206,7 @@ def test_a_tiny_model_overfits_a_fixed_batch(spec: str, kw: dict) -> None:
         (loss + model.commitment_loss).backward()
         opt.step()
         decay.step()
-        model.update_routing()
+        model.after_optimizer_step()
     model.eval()
     with torch.no_grad():
         logits = model(x)
@@ -260,7 +260,7 @@ def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics() -> 
     for (name, a), (_, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
         if "pending_counts" in name:
             assert torch.equal(a, b) and a.sum() == 2 * 48 * 2  # (batch × length) × routing heads, counted once
-    assert plain.update_routing() == 2
+    assert plain.after_optimizer_step() == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -297,7 +297,7 @@ def test_save_and_load_reproduce_the_logits_exactly(tmp_path) -> None:
     model = randomised(tiny(), dtype=torch.float32).train()
     x = tokens(2, 48)
     model(x)
-    model.update_routing()  # centroids initialised from data: they must travel with the weights
+    model.after_optimizer_step()  # centroids initialised from data: they must travel with the weights
     model.eval()
     model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]

@@ -1,21 +1,27 @@
-"""Attention: what may attend to what (``masks``), the dense definition (``reference``), and fast executors.
+"""Attention: what may attend to what (``masks``), the dense definition (``reference``), fast executors, and the
+head kinds a model is built from (``kinds/``, listed in ``registry.KINDS``; ``register_kind`` adds one).
 
 Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
 from .fixed import fixed_attention
 from .full import full_attention
+from .kinds import HeadGroup, HeadKind, KeyStore
 from .local import local_attention
 from .longformer import longformer_attention
 from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
 from .reference import reference_attention
-from .registry import PATTERNS, Pattern, get_pattern
+from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
 from .relative import RelativePositions
 from .routing import RoutingAttention, RoutingCache, SphericalKMeans, update_routing
 from .strided import strided_attention
 
 __all__ = [
+    "KINDS",
     "PATTERNS",
+    "HeadGroup",
+    "HeadKind",
+    "KeyStore",
     "Pattern",
     "RelativePositions",
     "RoutingAttention",
@@ -25,13 +31,16 @@ __all__ = [
     "fixed_mask",
     "full_attention",
     "full_mask",
+    "get_kind",
     "get_pattern",
     "local_attention",
     "local_mask",
     "longformer_attention",
     "longformer_mask",
     "reference_attention",
+    "register_kind",
     "strided_attention",
     "strided_mask",
+    "unregister_kind",
     "update_routing",
 ]

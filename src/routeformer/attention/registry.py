@@ -1,8 +1,11 @@
-"""The fixed attention patterns by name, each a fast function paired with its mask.
+"""The one registry of attention: head kinds for models (``KINDS``) and the functional fixed patterns (``PATTERNS``).
 
-The tests iterate over ``PATTERNS`` (holding each function to ``reference_attention`` under its mask), and a CLI test
-checks that the attention benchmark reports every name here; the model and the benchmarks choose their attention
-functions themselves.
+``KINDS`` maps each name ``TransformerConfig.attention`` accepts to its ``HeadKind`` (how to build the heads, their
+options, cost, decoding cache and hooks: see ``kinds/base.py``). The built-in kinds register themselves from
+``kinds/``; ``register_kind`` adds a user's own. Nothing outside ``attention/`` switches on a kind's name.
+
+``PATTERNS`` pairs each fixed pattern's fast function with its mask builder: the tests hold the first to
+``reference_attention`` under the second, and the attention benchmark reports every name here.
 """
 
 from __future__ import annotations
@@ -12,10 +15,60 @@ from dataclasses import dataclass
 
 from .fixed import fixed_attention
 from .full import full_attention
+from .kinds import fixed as fixed_kinds
+from .kinds import full as full_kind
+from .kinds import local as local_kind
+from .kinds import longformer as longformer_kind
+from .kinds import routing as routing_kind
+from .kinds import strided as strided_kinds
+from .kinds.base import HeadKind
 from .local import local_attention
 from .longformer import longformer_attention
 from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
 from .strided import strided_attention
+
+KINDS: dict[str, HeadKind] = {}
+
+
+def register_kind(kind: HeadKind, *, replace: bool = False) -> HeadKind:
+    """Make ``kind`` usable by name in ``TransformerConfig.attention``; returns it. A name that is taken is an
+    error unless ``replace`` (for re-running a notebook cell); names are letters, digits and '_'."""
+    if not isinstance(kind, HeadKind):
+        raise ValueError(f"register_kind takes a HeadKind, got {type(kind).__name__}")
+    if not kind.name or not kind.name.replace("_", "").isalnum():
+        raise ValueError(f"a head kind's name must be letters, digits and '_' (it appears in attention specs such "
+                         f"as 'local:4,{kind.name or 'name'}:4'), got {kind.name!r}")
+    if kind.name in KINDS and not replace:
+        raise ValueError(f"head kind {kind.name!r} is already registered; pass replace=True to redefine it")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove a kind registered by ``register_kind`` (tests; models built with it keep working)."""
+    get_kind(name)
+    del KINDS[name]
+
+
+def get_kind(name: str) -> HeadKind:
+    """The head kind called ``name``; a ValueError lists the known names otherwise."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown mechanism {name!r}; allowed: {', '.join(KINDS)}") from None
+
+
+# The built-in kinds, in the order error messages list them. A new built-in kind is one file in kinds/ and one
+# entry here.
+for _kind in (full_kind.KIND, local_kind.KIND, routing_kind.KIND, *strided_kinds.KINDS, *fixed_kinds.KINDS,
+              longformer_kind.KIND):
+    register_kind(_kind)
+
+
+def default_attention(heads: int) -> str:
+    """The default head mix: half local, half routing (all local with one head)."""
+    half = heads // 2
+    return f"local:{heads - half},routing:{half}" if half else "local"
 
 
 @dataclass(frozen=True)

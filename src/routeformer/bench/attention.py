@@ -39,7 +39,8 @@ class Candidate:
 
 def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.device, dtype: torch.dtype,
                causal: bool = True) -> list[Candidate]:
-    """The mechanisms compared at sequence length n, with the settings the papers suggest for it."""
+    """The mechanisms compared at sequence length n, with the settings the papers suggest for it; the first is the
+    baseline the others are measured against."""
     stride = max(1, round(math.sqrt(n)))
     clusters = max(1, round(math.sqrt(n)))
     routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
@@ -115,8 +116,8 @@ def run(
     echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
          f"{'causal' if causal else 'non-causal'}, threads={torch.get_num_threads()}, median of {repeats}")
     for n in ns:
-        cands = [c for c in candidates(n, heads, head_dim, window, dev, dtype, causal)
-                 if only is None or c.name.split(" ")[0] in only or c.name == "full"]
+        every = candidates(n, heads, head_dim, window, dev, dtype, causal)
+        cands = every[:1] + [c for c in every[1:] if only is None or c.name.split(" ")[0] in only]
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
         results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev)]
@@ -161,20 +162,20 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
         return call
 
     rows = []
-    for c in cands:
+    for i, c in enumerate(cands):
         t_fwd = median_time(forward(c), repeats, dev)
         t_both = median_time(train_step(c), repeats, dev)
         with PeakMemory(dev) as inference:
             forward(c)()
         with PeakMemory(dev) as training:
             train_step(c)()
-        rows.append({"mechanism": c.name, "settings": c.settings, "fwd_s": t_fwd, "fwd_bwd_s": t_both,
-                     "inference_bytes": inference.bytes, "training_bytes": training.bytes})
+        rows.append({"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": t_fwd,
+                     "fwd_bwd_s": t_both, "inference_bytes": inference.bytes, "training_bytes": training.bytes})
     return rows
 
 
 def attention_table(rows: list[dict]) -> str:
-    base = {r["n"]: r["fwd_bwd_s"] for r in rows if r["mechanism"] == "full"}
+    base = {r["n"]: r["fwd_bwd_s"] for r in rows if r["baseline"]}
 
     def mib(b: int | None) -> str:
         return "n/a" if b is None else f"{b / 2**20:.0f}"

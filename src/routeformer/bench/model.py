@@ -22,6 +22,7 @@ from .measure import PeakMemory, format_table, median_time, synchronize
 
 
 def model_configs(n: int, dim: int, depth: int, heads: int, window: int) -> dict[str, TransformerConfig]:
+    """The models compared at length n; the first is the baseline."""
     half = heads // 2
     common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n)}
     return {
@@ -34,11 +35,11 @@ def model_configs(n: int, dim: int, depth: int, heads: int, window: int) -> dict
 def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.commitment_loss
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        model.update_routing()
+        model.after_optimizer_step()
     return step
 
 
@@ -51,7 +52,7 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
          f"float32, {dev}, threads={torch.get_num_threads()}, median of {repeats}")
     train_rows: list[dict] = []
     for n in ns:
-        for name, config in model_configs(n, dim, depth, heads, window).items():
+        for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window).items()):
             torch.manual_seed(0)
             model = TransformerLM(config).to(dev).train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
@@ -60,7 +61,8 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
             seconds = median_time(step, repeats, dev)
             with PeakMemory(dev) as peak:
                 step()
-            train_rows.append({"n": n, "model": name, "params": model.num_parameters(), "step_s": seconds,
+            train_rows.append({"n": n, "model": name, "baseline": i == 0,
+                               "params": model.num_parameters(), "step_s": seconds,
                                "tokens_per_s": batch * n / seconds, "bytes": peak.bytes,
                                "flops_per_token": model.flops_per_token()})
     echo("")
@@ -97,7 +99,7 @@ def _ms_per_token(model: TransformerLM, position: int, steps: int, dev: torch.de
 
 
 def training_table(rows: list[dict]) -> str:
-    base = {r["n"]: r["tokens_per_s"] for r in rows if r["model"] == "full"}
+    base = {r["n"]: r["tokens_per_s"] for r in rows if r["baseline"]}
     return format_table(
         ["N", "model", "params", "step ms", "tokens/s", "peak MiB", "MFLOP/token", "throughput vs full"],
         [[r["n"], r["model"], f"{r['params'] / 1e6:.2f}M", f"{r['step_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}",

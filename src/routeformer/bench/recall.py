@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..attention.kinds import HeadGroup
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM
-from ..model.heads import RoutingHeads
 from ..train.config import TrainConfig
 from ..train.schedule import learning_rate
 from .measure import format_table
@@ -71,23 +71,24 @@ def train(model: TransformerLM, task: RecallTask, *, steps: int, batch: int, lr:
         logits = model(b.tokens)
         loss = F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
-        (loss + model.commitment_loss).backward()
+        (loss + model.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        model.update_routing()
+        model.after_optimizer_step(step)
     return (time.perf_counter() - start) / steps
 
 
 @torch.no_grad()
 def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: int = 64) -> dict[str, float]:
-    """Accuracy on held-out batches, and what the routing heads reached (NaN without routing heads)."""
+    """Accuracy on held-out batches, and what the head groups that report it (``HeadGroup.reach``: routing)
+    reached (NaN when none does)."""
     model.eval()
-    seen: list[tuple[RoutingHeads, torch.Tensor, torch.Tensor]] = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[1])))
-             for m in model.modules() if isinstance(m, RoutingHeads)]
+    seen: list[tuple[HeadGroup, torch.Tensor, torch.Tensor]] = []
+    hooks = [g.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[1])))
+             for g in model.head_groups() if type(g).reach is not HeadGroup.reach]
     correct = total = 0
-    balance, in_cluster, in_window = [], [], []
+    reached: dict[str, list[torch.Tensor]] = {"balance": [], "in_cluster": [], "in_window": []}
     try:
         for i in range(-(-sequences // batch)):
             b = task.make(min(batch, sequences - i * batch), EVAL_SEED + i)
@@ -98,21 +99,16 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
             total += int(scored.sum())
             rows, cols = scored.nonzero(as_tuple=True)
             src = b.sources[rows, cols]
-            for heads, q, k in seen:
-                routing = heads.routing
-                clusters, key_clusters = routing.route(q, k), routing.route_keys(q, k)  # (B, H, N)
-                sizes = F.one_hot(key_clusters, routing.num_clusters).sum(2).float()  # (B, H, k) keys per cluster
-                balance.append((sizes.max(-1).values / sizes.mean(-1)).mean())
-                in_cluster.append((clusters[rows, :, cols] == key_clusters[rows, :, src]).float().mean())
-                in_window.append(routing.routing_mask(q, k)[rows, :, cols, src].float().mean())
+            for group, q, k in seen:
+                for key, value in group.reach(q, k, rows, cols, src).items():
+                    reached.setdefault(key, []).append(value)
     finally:
         for h in hooks:
             h.remove()
     def mean(xs: list[torch.Tensor]) -> float:
         return float(torch.stack(xs).mean()) if xs else float("nan")
 
-    return {"accuracy": correct / total, "balance": mean(balance), "in_cluster": mean(in_cluster),
-            "in_window": mean(in_window)}
+    return {"accuracy": correct / total, **{key: mean(values) for key, values in reached.items()}}
 
 
 def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int = 32, depth: int = 2,
@@ -144,7 +140,7 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
             s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)
             row = {"task": task_name, "attention": name, "chance": task.chance, "steps": steps,
                    "step_s": s_per_step, "keys_per_query": keys_per_query(config),
-                   "num_clusters": config.num_clusters if config.uses("routing") else None,
+                   "heads": config.describe_heads(),
                    **evaluate(model, task, sequences=eval_sequences)}
             rows.append(row)
             echo(table([row]).splitlines()[-1])
@@ -158,10 +154,10 @@ def table(rows: list[dict]) -> str:
         return "-" if math.isnan(x) else f"{100 * x:.1f}"
 
     return format_table(
-        ["task", "attention", "accuracy %", "chance %", "steps", "s/step", "keys/query", "k", "balance",
-         "in cluster %", "in window %"],
+        ["task", "attention", "accuracy %", "chance %", "steps", "s/step", "keys/query", "balance",
+         "in cluster %", "in window %", "head options"],
         [[r["task"], r["attention"], pct(r["accuracy"]), pct(r["chance"]), r["steps"], f"{r['step_s']:.3f}",
-          f"{r['keys_per_query']:.1f}", r["num_clusters"] or "-",
-          "-" if math.isnan(r["balance"]) else f"{r['balance']:.2f}", pct(r["in_cluster"]), pct(r["in_window"])]
+          f"{r['keys_per_query']:.1f}", "-" if math.isnan(r["balance"]) else f"{r['balance']:.2f}",
+          pct(r["in_cluster"]), pct(r["in_window"]), r["heads"]]
          for r in rows])
 

@@ -37,9 +37,9 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         sets += [f"{key}={str(value).lower()}" for key, value in fields.items()]  # TOML booleans
         if window is not None:
             sets.append(f"window={window}")
-        if "routing" in spec:  # the shipped configuration pins k and the window for its own seq_len
-            k = num_clusters or max(1, round(seq_len ** 0.5))
-            sets += [f"num_clusters={k}", f"routing_window={routing_window or seq_len // k}"]
+        # The shipped configuration pins routing's k and window for its own seq_len (unused by other kinds).
+        k = num_clusters or max(1, round(seq_len ** 0.5))
+        sets += [f"num_clusters={k}", f"routing_window={routing_window or seq_len // k}"]
         run_config = load_run_config(None, list(overrides or []) + sets,
                                      {"data": data, "data_dir": data_dir, "max_steps": steps,
                                       "max_minutes": minutes})
@@ -49,8 +49,7 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         result = train(run_config, run_dir, echo=lambda *_: None)
         model = run_config.model
         rows.append({"attention": name, "seq_len": model.seq_len, "steps": result.step, "minutes": result.minutes,
-                     "valid": result.valid, "unit": result.unit, "window": model.window,
-                     "routing": f"k={model.num_clusters}, w={model.routing_window}" if model.uses("routing") else "-"})
+                     "valid": result.valid, "unit": result.unit, "heads": model.describe_heads()})
         echo(table(rows[-1:]).splitlines()[-1])
     echo("")
     echo(table(rows))
@@ -58,7 +57,8 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
 
 
 def table(rows: list[dict]) -> str:
-    return format_table(["attention", "seq_len", "local window", "routing", "steps", "minutes", "valid"],
-                        [[r["attention"], r["seq_len"], r["window"], r["routing"], r["steps"], f"{r['minutes']:.1f}",
-                          "n/a" if r["valid"] is None or math.isnan(r["valid"]) else f"{r['valid']:.3f} {r['unit']}"]
+    return format_table(["attention", "seq_len", "steps", "minutes", "valid", "head options"],
+                        [[r["attention"], r["seq_len"], r["steps"], f"{r['minutes']:.1f}",
+                          "n/a" if r["valid"] is None or math.isnan(r["valid"]) else f"{r['valid']:.3f} {r['unit']}",
+                          r["heads"]]
                          for r in rows])

@@ -7,20 +7,19 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from ..attention.checks import positive_int
+from ..attention.kinds.base import HeadKind
+from ..attention.registry import KINDS, default_attention, get_kind
 
-# Mechanisms a head can use. "strided" and "fixed" are the Sparse Transformer's merged heads (A1 ∪ A2); the
-# "_a1" / "_a2" variants attend to one set only, which gives its split heads ("strided_a1:4,strided_a2:4") and,
-# with one spec per layer, its interleaved layers (["strided_a1", "strided_a2"]).
-MECHANISMS = ("full", "local", "routing", "strided", "strided_a1", "strided_a2", "fixed", "fixed_a1", "fixed_a2",
-              "longformer")
 POSITIONS = ("relative", "absolute", "factorized", "none")
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
 
 
 def parse_attention(spec: str, heads: int, where: str = "attention") -> list[tuple[str, int]]:
-    """'local:4,routing:4' -> [('local', 4), ('routing', 4)]; a single name means every head."""
+    """'local:4,routing:4' -> [('local', 4), ('routing', 4)]; a single name means every head. Names are the
+    registered head kinds (``attention.registry.KINDS``)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"{where} must be a non-empty string such as 'local:4,routing:4', got {spec!r}")
     parts = [p.strip() for p in spec.split(",")]
@@ -28,8 +27,8 @@ def parse_attention(spec: str, heads: int, where: str = "attention") -> list[tup
     for part in parts:
         name, _, count = part.partition(":")
         name = name.strip()
-        if name not in MECHANISMS:
-            raise ValueError(f"{where}: unknown mechanism {name!r} in {spec!r}; allowed: {', '.join(MECHANISMS)}")
+        if name not in KINDS:
+            raise ValueError(f"{where}: unknown mechanism {name!r} in {spec!r}; allowed: {', '.join(KINDS)}")
         if count:
             try:
                 n = int(count)
@@ -51,6 +50,14 @@ def parse_attention(spec: str, heads: int, where: str = "attention") -> list[tup
     return out
 
 
+class HeadGroupSpec(NamedTuple):
+    """One group of heads of a layer: its kind, how many heads, and the kind's typed options."""
+
+    kind: HeadKind
+    heads: int
+    options: Any
+
+
 @dataclass
 class TransformerConfig:
     """A model, fully described. Defaults: a small byte-level half local, half routing model.
@@ -60,8 +67,9 @@ class TransformerConfig:
         dim, depth, heads: model width, blocks, attention heads per block.
         head_dim: width of a head; default dim // heads (dim must then be divisible by heads).
         seq_len: the training context.
-        attention: which mechanism each head uses: 'local:4,routing:4' (counts sum to heads) or one name for
-            every head ('full', 'local', 'strided', ...), or a list of such specs, one per layer.
+        attention: which kind of head each head is: 'local:4,routing:4' (counts sum to heads) or one name for
+            every head ('full', 'local', 'strided', ...), or a list of such specs, one per layer. Names are the
+            registered kinds (``routeformer.attention.KINDS``; ``register_kind`` adds one).
         window: local window (keys per query), also Longformer's.
         num_clusters, routing_window: routing heads' k and keys per query; defaults round(sqrt(seq_len)) and
             seq_len // num_clusters.
@@ -80,6 +88,10 @@ class TransformerConfig:
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
         commitment, kmeans_decay: routing's commitment-loss weight β and k-means EMA decay.
+        options: settings of user-registered kinds, {kind name: {field: value}} (the built-in kinds read the
+            fields above).
+
+    The fields each kind reads are checked only when a head uses it (``HeadKind.options``).
     """
 
     vocab_size: int = 256
@@ -108,6 +120,7 @@ class TransformerConfig:
     checkpointing: bool = False
     commitment: float = 1e-4
     kmeans_decay: float = 0.999
+    options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "depth", "heads", "seq_len", "window", "block", "summary"):
@@ -118,10 +131,8 @@ class TransformerConfig:
             self.head_dim = self.dim // self.heads
         positive_int("head_dim", self.head_dim)
         if self.attention is None:
-            half = self.heads // 2
-            self.attention = f"local:{self.heads - half},routing:{half}" if half else "local"
-        specs = self.layer_specs()  # validates the spec(s)
-        used = {name for spec in specs for name, _ in spec}
+            self.attention = default_attention(self.heads)
+        self.layer_specs()  # validates the spec(s)
         if self.num_clusters is None:
             self.num_clusters = max(1, round(math.sqrt(self.seq_len)))
         positive_int("num_clusters", self.num_clusters)
@@ -136,22 +147,8 @@ class TransformerConfig:
         positive_int("rel_clip", self.rel_clip)
         if self.summary > self.block:
             raise ValueError(f"summary ({self.summary}) must be at most block ({self.block})")
-        limits = {"local": ("window", self.window), "longformer": ("window", self.window),
-                  "routing": ("routing_window", self.routing_window), "strided": ("stride", self.stride),
-                  "strided_a1": ("stride", self.stride), "strided_a2": ("stride", self.stride),
-                  "fixed": ("block", self.block), "fixed_a1": ("block", self.block), "fixed_a2": ("block", self.block)}
-        for mech in sorted(used & set(limits)):
-            name, value = limits[mech]
-            if value > self.seq_len:
-                raise ValueError(f"{name} ({value}) is larger than seq_len ({self.seq_len}), which {mech} heads "
-                                 f"do not allow; use at most {self.seq_len}")
-        if "routing" in used and self.num_clusters > self.seq_len:
-            raise ValueError(f"num_clusters ({self.num_clusters}) is larger than seq_len ({self.seq_len})")
-        lf = max((n for spec in specs for name, n in spec if name == "longformer"), default=0)
         if isinstance(self.dilation, (list, tuple)):
             self.dilation = [positive_int(f"dilation[{i}]", d) for i, d in enumerate(self.dilation)]
-            if "longformer" in used and len(self.dilation) != lf:
-                raise ValueError(f"dilation gives {len(self.dilation)} values but there are {lf} longformer heads")
         else:
             positive_int("dilation", self.dilation)
         self.global_tokens = [int(g) for g in self.global_tokens]
@@ -179,6 +176,23 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.separate_routing and self.shared_qk:
             raise ValueError("separate_routing=True routes queries and keys apart, which needs shared_qk=False")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a mapping of kind name to its settings, got {self.options!r}")
+        for name, given in self.options.items():
+            if name not in KINDS:
+                raise ValueError(f"options: unknown kind {name!r}; registered: {', '.join(KINDS)}")
+            kind = KINDS[name]
+            if not kind.reads_config_options:
+                raise ValueError(f"options[{name!r}]: {name} heads take their settings from the config's own "
+                                 f"fields, not from options")
+            if not isinstance(given, dict):
+                raise ValueError(f"options[{name!r}] must be a mapping of field to value, got {given!r}")
+        groups = self.head_groups()  # each kind validates the fields it reads
+        if self.positions == "relative":
+            for group in (g for layer in groups for g in layer):
+                if not group.kind.relative_positions:
+                    raise ValueError(f"positions='relative': {group.kind.name} heads do not support relative "
+                                     "positions; use positions='absolute' or 'none'")
 
     def layer_specs(self) -> list[list[tuple[str, int]]]:
         """Per layer, the (mechanism, heads) groups."""
@@ -190,28 +204,27 @@ class TransformerConfig:
             return [parse_attention(s, self.heads, f"attention[{i}]") for i, s in enumerate(self.attention)]
         raise ValueError(f"attention must be a spec string or a list of them (one per layer), got {self.attention!r}")
 
+    def head_groups(self) -> list[list[HeadGroupSpec]]:
+        """Per layer, its groups of heads with their kinds and validated options."""
+        return [[HeadGroupSpec(kind, n, kind.resolve(self, n)) for kind, n in ((get_kind(name), n) for name, n in spec)]
+                for spec in self.layer_specs()]
+
     def uses(self, mechanism: str) -> bool:
         """Whether some head of some layer uses ``mechanism``."""
         return any(name == mechanism for spec in self.layer_specs() for name, _ in spec)
 
     def keys_per_query(self, seq_len: int | None = None) -> dict[str, float]:
-        """The work of one query of each mechanism, in keys scored, at context ``seq_len`` (default the config's):
-        the mean keys it scores, plus the k centroids it is routed by for routing (twice both for separate routing,
-        which runs a key event and a query event per position). ``TransformerLM.flops_per_token`` counts it."""
+        """The work of one query of each kind the model uses, in keys scored, at context ``seq_len`` (default the
+        config's): ``HeadKind.keys_per_query`` (routing adds the k centroids it is routed by, twice both for
+        separate routing). ``TransformerLM.flops_per_token`` counts it."""
         n = seq_len or self.seq_len
-        keys = {
-            "full": (n + 1) / 2,
-            "local": min(self.window, n),
-            "routing": min(self.routing_window, n) + self.num_clusters,  # + routing each token to k centroids
-            "strided": min(self.stride + 1, n) + n / (2 * self.stride), "strided_a1": min(self.stride + 1, n),
-            "strided_a2": n / (2 * self.stride),
-            "fixed": min(self.block, n) / 2 + n * self.summary / (2 * self.block), "fixed_a1": min(self.block, n) / 2,
-            "fixed_a2": n * self.summary / (2 * self.block),
-            "longformer": min(self.window, n) + len(self.global_tokens),
-        }
-        if self.separate_routing:  # 2N events (a key and a query per position), each routed and banded
-            keys["routing"] *= 2
-        return keys
+        return {g.kind.name: g.kind.keys_per_query(g.options, n) for layer in self.head_groups() for g in layer}
+
+    def describe_heads(self) -> str:
+        """The options of each kind the model uses: 'local: window=128; routing: k=16, w=16'."""
+        seen = {g.kind.name: g.kind.describe_options(g.options) for layer in self.head_groups() for g in layer}
+        return "; ".join(f"{name}: {text}" for name, text in seen.items())
+
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,26 +9,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
-from .config import TransformerConfig
-from .heads import build_heads
+from .config import HeadGroupSpec, TransformerConfig
 
 
 class MixedAttention(nn.Module):
-    """Multi-head attention whose heads are split among mechanisms (e.g. 4 local + 4 routing).
+    """Multi-head attention whose heads are split among kinds (e.g. 4 local + 4 routing), one ``HeadGroup`` each.
 
-    x (B, N, dim) -> (B, N, dim). Routing heads with shared QK take their queries as keys, so the key projection
-    only covers the other heads. Relative positions (one pair of tables per layer) are shared by every head.
+    x (B, N, dim) -> (B, N, dim). Groups whose keys are their queries (``HeadKind.shares_qk``: routing with shared
+    QK) take their queries as keys, so the key projection only covers the other heads. Relative positions (one pair
+    of tables per layer) are shared by every head.
     """
 
-    def __init__(self, config: TransformerConfig, spec: list[tuple[str, int]], layer: int) -> None:
+    def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int) -> None:
         super().__init__()
         H, D = config.heads, config.head_dim
         self.heads, self.head_dim = H, D
-        longformer_heads = sum(n for name, n in spec if name == "longformer")
-        dilation = (config.dilation if isinstance(config.dilation, list) else [config.dilation] * longformer_heads)
-        self.groups = nn.ModuleList(build_heads(name, n, config, dilation, seed=layer * 131 + i)
-                                    for i, (name, n) in enumerate(spec))
-        self.shares_qk = [name == "routing" and config.shared_qk for name, _ in spec]
+        self.groups = nn.ModuleList(g.kind.build(g.options, g.heads, D, layer * 131 + i) for i, g in enumerate(spec))
+        self.shares_qk = [g.kind.heads_share_qk(g.options) for g in spec]
         self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
         self.query = nn.Linear(config.dim, H * D)
         self.key = nn.Linear(config.dim, self.key_heads * D) if self.key_heads else None
@@ -52,8 +49,8 @@ class MixedAttention(nn.Module):
         return parts
 
     def forward(self, x: Tensor, caches: list | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
-        """(B, N, dim) -> ((B, N, dim), commitment loss of the routing heads or None). With ``caches`` (one per
-        group) x continues a decoded sequence at position ``start``."""
+        """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``caches``
+        (one per group) x continues a decoded sequence at position ``start``."""
         B, N, _ = x.shape
         outs, aux = [], None
         for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._split(x), strict=True)):
@@ -90,7 +87,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """H + a(H) + b(H): a = dropout(attention(norm(H))), b = dropout(ff(norm(H + a(H)))) (pre-norm, Child et al.)."""
 
-    def __init__(self, config: TransformerConfig, spec: list[tuple[str, int]], layer: int) -> None:
+    def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.dim)
         self.attention = MixedAttention(config, spec, layer)

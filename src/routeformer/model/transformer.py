@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..attention import update_routing
+from ..attention.kinds import HeadGroup
 from .config import TransformerConfig
 from .layers import Block, init_weights
 from .positions import PositionEmbedding
@@ -33,9 +33,10 @@ class ModelCache:
 class TransformerLM(nn.Module):
     """An autoregressive Transformer whose heads mix attention mechanisms (see ``TransformerConfig``).
 
-    ``model(tokens)`` maps (B, N) integer tokens to (B, N, vocab_size) logits and leaves the routing heads'
-    commitment loss in ``model.commitment_loss`` (a scalar tensor; add it to the training loss).
-    ``model.update_routing()`` is the k-means step: call it after each ``optimizer.step()``.
+    ``model(tokens)`` maps (B, N) integer tokens to (B, N, vocab_size) logits and leaves the head groups'
+    auxiliary loss (routing heads: the commitment loss) in ``model.aux_loss`` (a scalar tensor; add it to the
+    training loss; ``model.commitment_loss`` is the same tensor). ``model.after_optimizer_step()`` runs the head
+    groups' per-step hooks (routing: the k-means step): call it after each ``optimizer.step()``.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -46,7 +47,7 @@ class TransformerLM(nn.Module):
         d = config.dim
         self.embed = nn.Embedding(config.vocab_size, d)
         self.positions = PositionEmbedding(config) if config.positions in ("absolute", "factorized") else None
-        self.blocks = nn.ModuleList(Block(config, spec, i) for i, spec in enumerate(config.layer_specs()))
+        self.blocks = nn.ModuleList(Block(config, spec, i) for i, spec in enumerate(config.head_groups()))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.vocab_size, bias=False)
         # The Sparse Transformer's initialisation.
@@ -54,7 +55,12 @@ class TransformerLM(nn.Module):
         for block in self.blocks:
             init_weights(block, config.depth)
         nn.init.zeros_(self.head.weight)
-        self.commitment_loss: Tensor = torch.zeros(())
+        self.aux_loss: Tensor = torch.zeros(())
+
+    @property
+    def commitment_loss(self) -> Tensor:
+        """The auxiliary loss of the last forward (``aux_loss``), by the name the routing paper gives it."""
+        return self.aux_loss
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None) -> Tensor:
         """(B, N) tokens -> (B, N, vocab_size) logits. With ``cache`` the tokens continue the cached sequence."""
@@ -79,7 +85,7 @@ class TransformerLM(nn.Module):
                 aux = loss if aux is None else aux + loss
         if cache is not None:
             cache.length = start + N
-        self.commitment_loss = aux if aux is not None else x.new_zeros(())
+        self.aux_loss = aux if aux is not None else x.new_zeros(())
         return self.head(self.norm(x))
 
     def _check_tokens(self, tokens: Tensor) -> None:
@@ -123,9 +129,14 @@ class TransformerLM(nn.Module):
 
         return from_pretrained(cls, directory, map_location)
 
-    def update_routing(self, group: dist.ProcessGroup | None = None) -> int:
-        """The k-means step of every routing layer (all-reduced across ranks); returns how many were updated."""
-        return update_routing(self, group)
+    def head_groups(self) -> list[HeadGroup]:
+        """Every layer's head groups, in order."""
+        return [g for block in self.blocks for g in block.attention.groups]
+
+    def after_optimizer_step(self, step: int | None = None, group: dist.ProcessGroup | None = None) -> int:
+        """Run every head group's per-step hook (routing: the k-means step, all-reduced across the ranks of
+        ``group``); call it after each ``optimizer.step()`` on every rank. Returns how many groups had one."""
+        return sum(bool(g.after_optimizer_step(step, group)) for g in self.head_groups())
 
     def new_cache(self, batch: int, max_len: int) -> ModelCache:
         """An empty decoding cache for up to ``max_len`` positions."""
@@ -147,6 +158,7 @@ class TransformerLM(nn.Module):
         mechanism visits at context ``seq_len`` (default the config's); ×3 for forward + backward."""
         c = self.config
         dense = 2 * self.num_parameters(exclude_embeddings=True)
-        keys = c.keys_per_query(seq_len)
-        attention = sum(4 * c.head_dim * keys[name] * heads for spec in c.layer_specs() for name, heads in spec)
+        n = seq_len or c.seq_len
+        attention = sum(4 * c.head_dim * g.kind.keys_per_query(g.options, n) * g.heads
+                        for layer in c.head_groups() for g in layer)
         return (dense + attention) * (3 if training else 1)

@@ -1,10 +1,11 @@
 """The training loop: data-parallel across torchrun processes, resumable exactly, stoppable at any moment.
 
-A step: ``grad_accum`` micro-batches (forward, cross-entropy + the routing commitment loss, backward), gradient
-clipping, AdamW, then the k-means step of the routing heads. Every ``eval_every`` steps and at the end: validation
-loss, the run state (``checkpoint.pt``), the last weights (``model.safetensors`` + ``config.json``) and, when the
-validation loss improves, the best weights (``best/``). Ctrl-C (SIGINT) or SIGTERM: every rank stops at the same
-step boundary, the state is saved, and the process exits with status 130.
+A step: ``grad_accum`` micro-batches (forward, cross-entropy + the model's auxiliary loss, backward), gradient
+clipping, AdamW, then the head groups' per-step hooks (``after_optimizer_step``: routing's k-means step). Every
+``eval_every`` steps and at the end: validation loss, the run state (``checkpoint.pt``), the last weights
+(``model.safetensors`` + ``config.json``) and, when the validation loss improves, the best weights (``best/``).
+Ctrl-C (SIGINT) or SIGTERM: every rank stops at the same step boundary, the state is saved, and the process exits
+with status 130.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class _Trainer:
             from torch.nn.parallel import DistributedDataParallel
 
             # Buffers are not broadcast: the k-means statistics each rank gathers are its own until the
-            # all-reduce of update_routing(), which keeps the centroids identical.
+            # all-reduce of after_optimizer_step(), which keeps the centroids identical.
             self.model = DistributedDataParallel(
                 core, device_ids=[self.procs.device.index] if self.procs.device.type == "cuda" else None,
                 broadcast_buffers=False)
@@ -296,7 +297,7 @@ class _Trainer:
                 with self.autocast():
                     logits = self.model(tokens[:, :-1])
                     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-                    objective = (loss + self.core.commitment_loss.float()) / cfg.grad_accum
+                    objective = (loss + self.core.aux_loss.float()) / cfg.grad_accum
                 self.scaler.scale(objective).backward()
             losses.append(loss.detach())
         self.scaler.unscale_(self.optimizer)
@@ -304,7 +305,7 @@ class _Trainer:
             torch.nn.utils.clip_grad_norm_(self.core.parameters(), cfg.clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.core.update_routing()
+        self.core.after_optimizer_step(step)  # the head groups' per-step hooks (routing: k-means)
         # This rank's loss (one device-to-host copy a step, not one per micro-batch); the loop averages ranks.
         return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
 

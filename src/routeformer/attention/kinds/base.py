@@ -1,0 +1,221 @@
+"""What every head kind provides: a ``HeadGroup`` (the heads of a layer using the kind, with their forward, their
+decoding cache and their per-step hook) and a ``HeadKind`` (the registry entry: typed options read from the model
+config, the cost per query, whether keys are the queries, whether relative positions apply, how to build the group).
+
+A new kind is one file: a ``HeadGroup`` subclass and ``register_kind(HeadKind(...))`` (see ``registry.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..decoding import attend_cached
+from ..reference import reference_attention
+from ..relative import RelativePositions
+
+
+@dataclass
+class KeyStore:
+    """Keys and values of selected positions: (B, H, capacity, D) buffers and their positions (capacity,).
+
+    Positions arrive in increasing order from position 0 (a model's cache always starts there). ``ring``: position
+    p goes to slot p mod capacity (every position passes through a ring); otherwise slots fill once, in arrival
+    order. Either way the filled slots are the first min(count, capacity).
+    """
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor  # (capacity,), -1 for an empty slot
+    ring: bool
+    count: int = 0
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, capacity: int, head_dim: int, *, ring: bool, device, dtype) -> KeyStore:
+        return cls(torch.zeros(batch, heads, capacity, head_dim, device=device, dtype=dtype),
+                   torch.zeros(batch, heads, capacity, head_dim, device=device, dtype=dtype),
+                   torch.full((capacity,), -1, dtype=torch.long, device=device), ring)
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.numel()
+
+    def add(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Store k, v (B, H, n, D) of the given increasing positions (n,)."""
+        n, cap = positions.numel(), self.capacity
+        if n == 0:
+            return
+        if self.ring:
+            if n > cap:  # only the last `capacity` can survive
+                k, v, positions = k[:, :, -cap:], v[:, :, -cap:], positions[-cap:]
+            slots = positions % cap
+        else:
+            if self.count + n > cap:
+                raise ValueError(f"max_len: the cache holds {cap} positions and is full")
+            slots = slice(self.count, self.count + n)
+        self.keys[:, :, slots] = k.to(self.keys.dtype)
+        self.values[:, :, slots] = v.to(self.values.dtype)
+        self.positions[slots] = positions
+        self.count += n
+
+    def filled(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values (B, H, m, D) and positions (m,) of the filled slots (views, no copy)."""
+        m = min(self.count, self.capacity)
+        return self.keys[:, :, :m], self.values[:, :, :m], self.positions[:m]
+
+
+class HeadGroup(nn.Module):
+    """Some heads of a layer using one kind, always causal. q, k, v: (B, h, N, D) -> (B, h, N, D).
+
+    What a subclass writes: ``forward``; for decoding, ``store_size`` (or ``new_cache`` / ``keep`` / ``step``)
+    unless every position is kept; ``reference_mask`` (the explicit mask of what each query sees, for the tests)
+    or ``reference`` (a dense definition, for kinds that are not a mask over softmax attention); ``aux_loss``
+    and ``after_optimizer_step`` when the kind learns outside the gradient.
+
+    Decoding: ``new_cache`` makes the group's cache (by default one ``KeyStore`` of ``store_size``), ``keep``
+    stores what later queries need of new positions, ``step`` is the output of the query at position t.
+    """
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
+        raise NotImplementedError
+
+    def aux_loss(self) -> Tensor | None:
+        """A loss term of the last training forward to add to the model's (routing: the commitment loss)."""
+        return None
+
+    def after_optimizer_step(self, step: int | None, group: dist.ProcessGroup | None) -> bool:
+        """Called once per optimiser step, after ``optimizer.step()``, on every rank (``step``: the step just
+        taken, when the caller counts). Returns whether the group had anything to do (routing: the k-means step)."""
+        return False
+
+    # --- meaning, for tests and analysis ---------------------------------------------------------------------
+    def reference_mask(self, q: Tensor, k: Tensor) -> Tensor | None:
+        """The boolean mask (N, N), (h, N, N) or (B, h, N, N) of what each query attends to, or None when the kind
+        is not a mask over softmax attention (then ``reference`` is its definition)."""
+        return None
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
+        """The dense O(N²) definition of ``forward``: softmax attention under ``reference_mask`` by default."""
+        mask = self.reference_mask(q, k)
+        if mask is None:
+            raise NotImplementedError(f"{type(self).__name__} defines neither reference_mask nor reference")
+        return reference_attention(q, k, v, mask, scale=self.scale, rel_pos=rel_pos)
+
+    def reach(self, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, sources: Tensor) -> dict[str, Tensor]:
+        """Diagnostics for the recall benchmark: what the queries at (``rows``, ``cols``) could reach of the keys at
+        (``rows``, ``sources``), as scalars by name (routing: 'balance', 'in_cluster', 'in_window'). Default none."""
+        return {}
+
+    # --- decoding -------------------------------------------------------------------------------------------
+    def store_size(self, max_len: int) -> tuple[int, bool]:
+        """(capacity, ring) of the key store: by default every position, filled once."""
+        return max_len, False
+
+    def new_cache(self, batch: int, max_len: int, device, dtype):
+        capacity, ring = self.store_size(max_len)
+        return KeyStore.empty(batch, self.heads, capacity, self.head_dim, ring=ring, device=device, dtype=dtype)
+
+    def keep(self, cache, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
+        """Store what later queries will need of the new positions start, start + 1, … (``positions``)."""
+        cache.add(k, v, positions)
+
+    def step(self, q: Tensor, cache, t: int, rel_pos: RelativePositions | None) -> Tensor:
+        """Output (B, h, D) of the query at t. Default: every filled slot (a ring then holds just what t sees)."""
+        return self.attend(q, *cache.filled(), t, rel_pos)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, t: int,
+               rel_pos: RelativePositions | None, allowed: Tensor | None = None) -> Tensor:
+        return attend_cached(q, keys, values, positions, t, scale=self.scale, allowed=allowed, rel_pos=rel_pos)
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache, start: int,
+               rel_pos: RelativePositions | None) -> Tensor:
+        """Outputs (B, h, n, D) of n new positions from ``start`` on; equal to the causal forward over the whole
+        prefix. The caller checks that they fit the cache."""
+        n = q.shape[2]
+        positions = torch.arange(start, start + n, device=q.device)
+        if start == 0 and n > 1:  # a prompt: one forward, then keep what the future needs
+            out = self(q, k, v, rel_pos)
+            self.keep(cache, k, v, positions, start)
+            return out
+        outs = []
+        for i in range(n):
+            self.keep(cache, k[:, :, i:i + 1], v[:, :, i:i + 1], positions[i:i + 1], start + i)
+            outs.append(self.step(q[:, :, i], cache, start + i, rel_pos))
+        return torch.stack(outs, 2)
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """A registry entry: everything the rest of the package knows about a kind of head.
+
+    Fields:
+        name: what ``TransformerConfig.attention`` calls it ('local', 'routing', ...).
+        build: (options, heads, head_dim, seed) -> HeadGroup. ``seed`` differs per layer and group (for fixed
+            random projections).
+        keys_per_query: (options, n) -> the mean number of keys one query scores at context n (plus any other
+            per-query work in key-equivalents); ``TransformerLM.flops_per_token`` counts it.
+        options: (config, heads) -> the kind's typed options, validated (errors name the config field), or None.
+            ``heads``: this kind's heads in the layer. Default: ``option_type(**config.options[name])``.
+        option_type: the options dataclass read from ``TransformerConfig.options[name]`` when ``options`` is not
+            given (a user kind's own settings; its ``__post_init__`` validates them).
+        shares_qk: (options) -> whether the keys are the queries (the layer then projects no keys for it).
+        relative_positions: whether the kind supports Shaw et al.'s relative positions (the config says so
+            clearly when it does not).
+        describe: (options) -> a short summary of the options for tables ('window=128'); default the dataclass.
+        summary: one line for ``--help`` and tables.
+    """
+
+    name: str
+    build: Callable[[Any, int, int, int], HeadGroup]
+    keys_per_query: Callable[[Any, int], float]
+    options: Callable[[Any, int], Any] | None = None
+    option_type: type | None = None
+    shares_qk: Callable[[Any], bool] | None = None
+    relative_positions: bool = True
+    describe: Callable[[Any], str] | None = None
+    summary: str = ""
+
+    @property
+    def reads_config_options(self) -> bool:
+        """Whether the kind's settings come from ``TransformerConfig.options[name]`` (else from config fields)."""
+        return self.options is None
+
+    def resolve(self, config: Any, heads: int) -> Any:
+        """The typed, validated options of ``heads`` heads of this kind under ``config``."""
+        if self.options is not None:
+            return self.options(config, heads)
+        given = dict((getattr(config, "options", None) or {}).get(self.name, {}))
+        if self.option_type is None:
+            if given:
+                raise ValueError(f"options[{self.name!r}]: {self.name} heads take no options, got {sorted(given)}")
+            return None
+        names = {f.name for f in dataclasses.fields(self.option_type)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"options[{self.name!r}]: unknown field(s) {unknown}; {self.name} heads take "
+                             f"{', '.join(sorted(names)) or 'none'}")
+        try:
+            return self.option_type(**given)
+        except TypeError as err:
+            raise ValueError(f"options[{self.name!r}]: {err}") from None
+
+    def heads_share_qk(self, options: Any) -> bool:
+        return bool(self.shares_qk(options)) if self.shares_qk is not None else False
+
+    def describe_options(self, options: Any) -> str:
+        if self.describe is not None:
+            return self.describe(options)
+        if options is None or not dataclasses.is_dataclass(options):
+            return "-"
+        return ", ".join(f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options))
