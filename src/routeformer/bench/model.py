@@ -2,7 +2,8 @@
 
     routeformer bench model [--n 1024 4096 8192] [--positions 1024 4096 16384]
 
-Three models that differ only in their attention: all heads full, all heads local, half local and half routing.
+Models that differ only in their attention: by default all heads full, all heads local, half local and half routing
+(``attentions``: any specs of registered kinds; the first is the baseline).
 Training: tokens per second of a whole step (forward, backward, AdamW step, k-means update) and its peak memory.
 Generation: milliseconds per new token after a prompt of 1k, 4k and 16k tokens (relative positions, so positions
 past the training length are fine): local and routing heads keep bounded caches and should stay flat.
@@ -20,16 +21,18 @@ import torch.nn.functional as F
 from ..model import TransformerConfig, TransformerLM
 from .measure import PeakMemory, format_table, median_time, synchronize
 
+MODELS = ("full", "local", "local+routing")  # the default rows; 'local+routing' is half and half
 
-def model_configs(n: int, dim: int, depth: int, heads: int, window: int) -> dict[str, TransformerConfig]:
-    """The models compared at length n; the first is the baseline."""
+
+def model_configs(n: int, dim: int, depth: int, heads: int, window: int,
+                  attentions: tuple[str, ...] | list[str] = MODELS) -> dict[str, TransformerConfig]:
+    """The models compared at length n, one per attention spec (any registered kinds, or 'local+routing'); the
+    first is the baseline."""
     half = heads // 2
     common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n)}
-    return {
-        "full": TransformerConfig(attention="full", **common),
-        "local": TransformerConfig(attention="local", **common),
-        "local+routing": TransformerConfig(attention=f"local:{heads - half},routing:{half}", **common),
-    }
+    return {name: TransformerConfig(attention=name.replace("local+routing", f"local:{heads - half},routing:{half}"),
+                                    **common)
+            for name in attentions}
 
 
 def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], None]:
@@ -45,14 +48,15 @@ def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.T
 
 def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, heads: int = 8, window: int = 256,
         batch: int = 1, repeats: int = 3, steps: int = 8, device: str = "cpu",
+        attentions: tuple[str, ...] | list[str] = MODELS,
         echo: Callable[[str], None] = print) -> dict[str, list[dict]]:
-    """Print the training and the generation tables; return their rows."""
+    """Print the training and the generation tables for each attention spec; return their rows."""
     dev = torch.device(device)
     echo(f"# model benchmark: dim={dim}, depth={depth}, heads={heads}, window={window}, batch={batch}, "
          f"float32, {dev}, threads={torch.get_num_threads()}, median of {repeats}")
     train_rows: list[dict] = []
     for n in ns:
-        for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window).items()):
+        for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window, attentions).items()):
             torch.manual_seed(0)
             model = TransformerLM(config).to(dev).train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
@@ -69,7 +73,7 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
     echo(training_table(train_rows))
 
     gen_rows: list[dict] = []
-    for name, config in model_configs(max(ns), dim, depth, heads, window).items():
+    for name, config in model_configs(max(ns), dim, depth, heads, window, attentions).items():
         torch.manual_seed(0)
         model = TransformerLM(config).to(dev).eval()
         row: dict = {"model": name}
@@ -100,8 +104,9 @@ def _ms_per_token(model: TransformerLM, position: int, steps: int, dev: torch.de
 
 def training_table(rows: list[dict]) -> str:
     base = {r["n"]: r["tokens_per_s"] for r in rows if r["baseline"]}
+    first = next((r["model"] for r in rows if r["baseline"]), "first")
     return format_table(
-        ["N", "model", "params", "step ms", "tokens/s", "peak MiB", "MFLOP/token", "throughput vs full"],
+        ["N", "model", "params", "step ms", "tokens/s", "peak MiB", "MFLOP/token", f"throughput vs {first}"],
         [[r["n"], r["model"], f"{r['params'] / 1e6:.2f}M", f"{r['step_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}",
           "n/a" if r["bytes"] is None else f"{r['bytes'] / 2**20:.0f}", f"{r['flops_per_token'] / 1e6:.0f}",
           f"{r['tokens_per_s'] / base[r['n']]:.2f}×"] for r in rows],
