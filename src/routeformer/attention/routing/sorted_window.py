@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..relative import RelativePositions
-from ..tiles import band_attention
+from ..tiles import KeyRestrictions, band_attention
 
 
 class ClusterOrder(NamedTuple):
@@ -109,10 +109,10 @@ def sorted_window_attention(
     ks = qs if k is q else permute_seq(k, order, inverse)
     vs = permute_seq(v, order, inverse)
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
-    out, _ = band_attention(
-        qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid, groups=grouped,
-        exclude_self=exclude_self, rel_pos=rel_pos, rel_positions=order if rel_pos is not None else None,
-    )
+    restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self,
+                               positions=order if rel_pos is not None else None)
+    out, _ = band_attention(qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid,
+                            restrict=restrict, rel_pos=rel_pos)
     return permute_seq(out, inverse, order)
 
 

@@ -9,6 +9,7 @@
 """
 
 from .frontends import (
+    KeyRestrictions,
     band_attention,
     band_tiling,
     block_diagonal_attention,
@@ -20,6 +21,7 @@ from .frontends import (
 from .op import _lse_dtype, _tile_attention, neg_inf, saw_key
 
 __all__ = [
+    "KeyRestrictions",
     "_lse_dtype",
     "_tile_attention",
     "band_attention",

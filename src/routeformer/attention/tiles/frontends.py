@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,6 +23,24 @@ from ..relative import RelativePositions
 from .layout import _key_source, _pad_seq, _span, _windows
 from .op import _lse_dtype, _tile_attention, neg_inf
 from .relative import _RelTerms
+
+
+class KeyRestrictions(NamedTuple):
+    """Per-entry labels of a self-attention sequence (as many keys as queries) that narrow what the tile mask
+    allows, and where its entries sit. Routing attends with a band over its cluster-sorted sequence and needs all
+    three; any self-attention over a reordered or segmented sequence may use them.
+
+    groups: optional integer (B, H, N): a query sees only keys of its own group.
+    exclude_self: a query does not see the key at its own index unless no other key is allowed (shared-QK
+        attention, where q_i·k_i would dominate).
+    positions: optional integer (B, H, N): the original position of every entry of a sequence given in a permuted
+        order; relative distances (with ``rel_pos``) are taken between these positions, with gathers, instead of
+        between indices.
+    """
+
+    groups: Tensor | None = None
+    exclude_self: bool = False
+    positions: Tensor | None = None
 
 
 def tiled_attention(
@@ -36,17 +55,18 @@ def tiled_attention(
     tile_mask: Tensor | None = None,
     scale: float,
     key_valid: Tensor | None = None,
-    groups: Tensor | None = None,
-    exclude_self: bool = False,
+    restrict: KeyRestrictions | None = None,
     rel_pos: RelativePositions | None = None,
     rel_unit: int | None = None,
     rel_delta: Tensor | None = None,
-    rel_positions: Tensor | None = None,
     rel_band: tuple[int, int] | None = None,
     empty_rows: bool = False,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Attention of query blocks to spans of key blocks.
+    """Attention of query blocks to spans of key blocks: softmax(q·kᵀ · scale + rel, masked) · v (+ rel values).
+
+    Time O(Nq · S · D), memory O(Nq · S) for the scores, S = (back + 1 + ahead) · block keys per query block (S = Nk
+    for a single tile); no (Nq, Nk) tensor unless one tile holds every key.
 
     Args:
         q: (B, H, Nq, D); k, v: (B, H, Nk, D). Nk may differ from Nq only for a single tile
@@ -58,16 +78,14 @@ def tiled_attention(
         tile_mask: optional bool broadcastable to (B, H, n_blocks, block, S), ANDed with ``allow``: a mask that
             differs between tiles.
         key_valid: optional bool (B, 1 or H, Nk), False removes the key (padding).
-        groups: optional integer (B, H, N) (self-attention only): a query sees only keys of its own group.
-        exclude_self: (self-attention only) a query does not see the key at its own index unless no other key is
-            allowed (shared-QK attention, where q_i·k_i would dominate).
+        restrict: optional ``KeyRestrictions`` (self-attention only): groups, the query's own key, original
+            positions for the relative distances.
         rel_pos: optional relative position tables, with the position distance of every tile entry given by
             ``rel_unit`` (shift-invariant tiles: delta = rel_unit · (key index - query index)) and, optionally,
             ``rel_band = (offset, width)``: every key a row r may see lies in span columns
             [r + offset, r + offset + width), which lets the relative terms be computed on that strip alone;
             or ``rel_delta`` (any integer tensor broadcastable to (B, H, n_blocks, block, S), computed with
-            gathers), or ``rel_positions`` (B, H, N) (self-attention: the position of every sequence entry, for
-            sequences in a permuted order; distances are taken between those positions, with gathers).
+            gathers), or ``restrict.positions`` (distances between given positions, with gathers).
         empty_rows: ``allow`` may leave a query row without any key (declared by the caller, who built it).
         need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
 
@@ -77,6 +95,7 @@ def tiled_attention(
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
+    groups, exclude_self, positions = (None, False, None) if restrict is None else restrict
     single = back == 0 and ahead == 0 and block >= Nq
     if single:
         block, n_blocks, span = Nq, 1, Nk
@@ -123,8 +142,8 @@ def tiled_attention(
         own = shift_invariant_mask(block, back, ahead, lambda d: d == 0, device=q.device)  # that column
         mask = mask & ~(own & others[..., None])
 
-    if rel_pos is not None and rel_positions is not None:
-        positions = _pad_seq(rel_positions, padded)
+    if rel_pos is not None and positions is not None:
+        positions = _pad_seq(positions, padded)
         rel_delta = key_spans(positions) - positions.view(B, H, n_blocks, block, 1)  # (B, H, nb, T, S): key - query
     rel, key_table, value_table, offset = None, None, None, 0
     if rel_pos is not None:
@@ -167,7 +186,8 @@ def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tens
     """Merge attention over disjoint key sets: [(out_i, lse_i)] each (B, H, N, D), (B, H, N) -> (out, lse).
 
     softmax over the union = Σ_i exp(lse_i - lse) · softmax_i, with lse = logsumexp_i(lse_i). Exact; computed in
-    the lse dtype (float32 or wider) and returned in the dtype of the outputs.
+    the lse dtype (float32 or wider) and returned in the dtype of the outputs. O(P · N · D) for P parts. A key
+    in several parts counts once per part (softmax over the multiset union: its score is raised by log(count)).
     """
     lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), 0)  # (B, H, N)
     out = sum(o.to(lse.dtype) * (part_lse - lse).exp()[..., None] for o, part_lse in parts)
@@ -184,7 +204,10 @@ def shift_invariant_mask(block: int, back: int, ahead: int, rule, *, device: tor
 def block_diagonal_attention(q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
                              key_valid: Tensor | None, rel_pos: RelativePositions | None,
                              need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Attention within blocks of ``block`` positions (j <= i too when causal); block >= N is one dense tile."""
+    """Attention within blocks of ``block`` positions (j <= i too when causal); block >= N is one dense tile.
+
+    q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time O(N · block · D), memory O(N · block).
+    """
     size = min(block, q.shape[2])
     allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
     return tiled_attention(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
@@ -196,7 +219,9 @@ def subset_attention(q: Tensor, k: Tensor, v: Tensor, key_idx: Tensor, allow: Te
                      need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """Every query against the keys at positions ``key_idx`` (M,) only, under ``allow`` (N, M) (rows may be empty).
 
-    One dense (N, M) tile of the gathered keys; relative distances key_idx[m] - i, by gathers.
+    q, k, v: (B, H, N, D); key_valid (B, 1 or H, N) -> out (B, H, N, D) (zeros where a row sees nothing), lse
+    (B, H, N) or None. One dense (N, M) tile of the gathered keys: time O(N · M · D), memory O(N · M); relative
+    distances key_idx[m] - i, by gathers.
     """
     N = q.shape[2]
     delta = None if rel_pos is None else key_idx[None, :] - torch.arange(N, device=q.device)[:, None]
@@ -229,18 +254,18 @@ def band_attention(
     causal: bool,
     scale: float,
     key_valid: Tensor | None = None,
-    groups: Tensor | None = None,
-    exclude_self: bool = False,
+    restrict: KeyRestrictions | None = None,
     rel_pos: RelativePositions | None = None,
     rel_unit: int = 1,
-    rel_positions: Tensor | None = None,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window.
 
-    ``groups``, ``exclude_self`` and ``rel_positions`` as in ``tiled_attention`` (routing attends in a sorted
-    order, within clusters, at distances between original positions); otherwise distances are ``rel_unit`` times
-    the index difference.
+    q, k, v: (B, H, N, D); key_valid: (B, 1 or H, N) or None -> out (B, H, N, D) and lse (B, H, N) or None, as in
+    ``tiled_attention``. Relative distances are ``rel_unit`` times the index difference, or, with
+    ``restrict.positions``, taken between those positions (``restrict``: ``KeyRestrictions``, as routing uses to
+    attend in a sorted order, within clusters). Queries in blocks of ``band_tiling``: time O(N · window · D),
+    memory O(N · window).
     """
     n = q.shape[2]
     block, back, ahead = band_tiling(window, n, causal)
@@ -251,12 +276,11 @@ def band_attention(
     # Row r of a tile may see span columns r + back·block - (window - 1) onwards: window of them when causal,
     # 2·window - 1 otherwise. back·block >= window - 1 keeps that strip inside the tile.
     band = (back * block - (window - 1), window if causal else 2 * window - 1)
-    by_positions = rel_positions is not None
+    by_positions = restrict is not None and restrict.positions is not None
     return tiled_attention(
         q, k, v, block=block, back=back, ahead=ahead, allow=allow, scale=scale, key_valid=key_valid,
-        groups=groups, exclude_self=exclude_self, rel_pos=rel_pos, rel_unit=None if by_positions else rel_unit,
-        rel_positions=rel_positions, rel_band=band if back * block >= window - 1 and not by_positions else None,
-        need_lse=need_lse,
+        restrict=restrict, rel_pos=rel_pos, rel_unit=None if by_positions else rel_unit,
+        rel_band=band if back * block >= window - 1 and not by_positions else None, need_lse=need_lse,
     )
 
 
