@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..executors import KeyRestrictions, get_executor
 from ..relative import RelativePositions
-from ..tiles import KeyRestrictions, band_attention
 from .sorted_window import ClusterOrder, permute_seq, sort_by_cluster
 
 
@@ -53,8 +53,8 @@ def separate_window_attention(q: Tensor, k: Tensor, v: Tensor, query_clusters: T
         interleave(key_valid.expand(B, H, N), torch.zeros(B, H, N, dtype=torch.bool, device=q.device))
     qs, ks, vs = (permute_seq(x, order, inverse) for x in (qe, ke, ve))
     restrict = KeyRestrictions(groups=grouped, positions=order // 2 if rel_pos is not None else None)
-    out, _ = band_attention(qs, ks, vs, window=window, causal=True, scale=scale, key_valid=valid.gather(-1, order),
-                            restrict=restrict, rel_pos=rel_pos)
+    out, _ = get_executor().band(qs, ks, vs, window=window, causal=True, scale=scale,
+                                 key_valid=valid.gather(-1, order), restrict=restrict, rel_pos=rel_pos)
     return permute_seq(out, inverse, order)[:, :, 1::2]
 
 

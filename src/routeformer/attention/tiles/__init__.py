@@ -18,11 +18,11 @@ from .frontends import (
     subset_attention,
     tiled_attention,
 )
-from .op import _lse_dtype, _tile_attention, neg_inf, saw_key
+from .op import _tile_attention, lse_dtype, neg_inf, saw_key
 
 __all__ = [
     "KeyRestrictions",
-    "_lse_dtype",
+    "lse_dtype",
     "_tile_attention",
     "band_attention",
     "band_tiling",

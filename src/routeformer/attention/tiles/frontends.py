@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..relative import RelativePositions
 from .layout import _key_source, _pad_seq, _span, _windows
-from .op import _lse_dtype, _tile_attention, neg_inf
+from .op import _tile_attention, lse_dtype, neg_inf
 from .relative import _RelTerms
 
 
@@ -165,7 +165,7 @@ def tiled_attention(
             scores = scores.masked_fill(~mask, neg_inf(scores.dtype))
         probs = torch.softmax(scores, -1)
         out = probs @ vt + rel.values(probs)
-        lse = torch.logsumexp(scores.to(_lse_dtype(scores.dtype)), -1) if need_lse else None
+        lse = torch.logsumexp(scores.to(lse_dtype(scores.dtype)), -1) if need_lse else None
     # A row whose every key is masked would average the masked values: zero it, and give it lse = neg_inf exactly
     # (see ``neg_inf``). Only data-dependent masks (padding, per-tile masks) or a static mask with an empty row can
     # empty a real row; out-of-range keys and groups cannot (a query always has its own key in range and in its

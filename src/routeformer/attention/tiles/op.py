@@ -6,7 +6,7 @@ custom operator, opaque to torch.compile, whose functionalisation cannot follow 
 views that make it memory-lean; forward and backward are ops of their own.
 
 Conventions every executor's lse follows (``merge_partials`` relies on them): lse is in float32 or wider
-(``_lse_dtype``), and a row that sees no key has lse = ``neg_inf(lse.dtype)`` exactly (``saw_key``).
+(``lse_dtype``), and a row that sees no key has lse = ``neg_inf(lse.dtype)`` exactly (``saw_key``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def saw_key(lse: Tensor) -> Tensor:
     return lse > neg_inf(lse.dtype) / 2
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """lse is kept in float32 or wider: merging half-precision lse values would cost more than the softmax."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -82,7 +82,7 @@ def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: 
     out = torch.bmm(probs, vt)  # (X, T, D)
     if value_table is not None:  # o_i += Σ_j p_ij a^V_ij
         out.baddbmm_(_strip(probs, offset, width), value_table.expand(tiles, -1, -1))
-    acc = _lse_dtype(scores.dtype)
+    acc = lse_dtype(scores.dtype)
     if need_lse:  # lse = max(s) - log(max(p)): no second pass of exponentials
         lse = (peak.to(acc) - probs.amax(-1).to(acc).log()).view(*lead, T)
     else:
@@ -94,7 +94,7 @@ def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: 
 def _(qt, k, v, windows, mask, key_table, value_table, offset, need_lse):
     lead, (T, D) = qt.shape[:3], qt.shape[3:]
     tiles, block, reach = windows
-    acc = _lse_dtype(qt.dtype)
+    acc = lse_dtype(qt.dtype)
     lse = qt.new_empty(*lead, T, dtype=acc) if need_lse else qt.new_empty(0, dtype=acc)
     return qt.new_empty(*lead, T, D), lse, qt.new_empty(tiles, T, (reach + 1) * block)
 
@@ -114,7 +114,7 @@ def _tile_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, qt: Tens
     out3, grad3 = out.reshape(tiles, T, D), grad_out.reshape(tiles, T, D)
     kt, vt = _windows(k, windows), _windows(v, windows)
     width = 0 if key_table is None else key_table.shape[0]
-    acc = _lse_dtype(out.dtype)
+    acc = lse_dtype(out.dtype)
     grad_p = torch.bmm(grad3, vt.transpose(1, 2))  # (X, T, S)
     if value_table is not None:
         _strip(grad_p, offset, width).baddbmm_(grad3, value_table.T.expand(tiles, -1, -1))
