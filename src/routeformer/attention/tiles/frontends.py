@@ -27,8 +27,8 @@ from .relative import _RelTerms
 
 class KeyRestrictions(NamedTuple):
     """Per-entry labels of a self-attention sequence (as many keys as queries) that narrow what the tile mask
-    allows, and where its entries sit. Routing attends with a band over its cluster-sorted sequence and needs all
-    three; any self-attention over a reordered or segmented sequence may use them.
+    allows, and where its entries sit. Routing's band over its cluster-sorted sequence uses them; so may any
+    self-attention over a reordered or segmented sequence.
 
     groups: optional integer (B, H, N): a query sees only keys of its own group.
     exclude_self: a query does not see the key at its own index unless no other key is allowed (shared-QK
