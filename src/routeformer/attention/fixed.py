@@ -78,4 +78,4 @@ def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_vali
     else:
         allow = (j <= i) if causal else None
     return get_executor().subset(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                            need_lse=need_lse)
+                                 need_lse=need_lse)
