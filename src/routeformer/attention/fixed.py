@@ -6,9 +6,9 @@ import torch
 from torch import Tensor
 
 from .checks import check_split_heads, positive_int
+from .executors import get_executor, lse_dtype, merge_partials, neg_inf
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import _lse_dtype, block_diagonal_attention, merge_partials, neg_inf, subset_attention
 
 
 def fixed_attention(
@@ -51,7 +51,10 @@ def fixed_attention(
     return torch.cat([a1, a2], dim=1)
 
 
-_within_block = block_diagonal_attention  # A1; the old name, imported elsewhere
+def _within_block(q, k, v, block, *, causal, scale, key_valid, rel_pos, need_lse=False):
+    """A1: attention within blocks of ``block`` positions (the executor's block diagonal)."""
+    return get_executor().block_diagonal(q, k, v, block, causal=causal, scale=scale, key_valid=key_valid,
+                                         rel_pos=rel_pos, need_lse=need_lse)
 
 
 def summary_count(n: int, block: int, summary: int) -> int:
@@ -67,12 +70,12 @@ def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_vali
     m = torch.arange(count, device=q.device)
     cells = m // summary * block + (block - summary) + m % summary  # (M,), ascending
     if count == 0:  # the sequence ends before the first summary cell
-        acc = _lse_dtype(q.dtype)
+        acc = lse_dtype(q.dtype)
         return q.new_zeros(B, H, N, D), torch.full((B, H, N), neg_inf(acc), dtype=acc, device=q.device)
     i, j = pos[:, None], cells[None, :]
     if other_blocks:
         allow = (j // block < i // block) if causal else (j // block != i // block)
     else:
         allow = (j <= i) if causal else None
-    return subset_attention(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                            need_lse=need_lse)
+    return get_executor().subset(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                                 need_lse=need_lse)

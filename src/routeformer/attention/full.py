@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .executors import get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import band_attention, block_diagonal_attention, merge_partials, saw_key, tiled_attention
 
 
 def full_attention(
@@ -33,8 +33,8 @@ def full_attention(
     if rel_pos is not None:
         if rel_pos.max_distance + 1 < N:
             return _near_and_far(q, k, v, causal, scale, key_valid, rel_pos)
-        return block_diagonal_attention(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
-                                        rel_pos=rel_pos)[0]
+        return get_executor().block_diagonal(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
+                                             rel_pos=rel_pos)[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allow = key_valid[:, :, None, :]  # (B, 1, 1, N)
@@ -53,15 +53,16 @@ def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, k
     and the far keys (j < i - k, and j > i + k when non-causal) with the constant terms of distance ∓k."""
     N = q.shape[2]
     clip = rel_pos.max_distance
-    parts = [band_attention(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
-                            rel_pos=rel_pos, need_lse=True)]
+    executor = get_executor()
+    parts = [executor.band(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
+                           rel_pos=rel_pos, need_lse=True)]
     idx = torch.arange(N, device=q.device)
     sides = [(-1, idx[None, :] < idx[:, None] - clip)]
     if not causal:
         sides.append((1, idx[None, :] > idx[:, None] + clip))
     for sign, allow in sides:
-        out, lse = tiled_attention(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
-                                   empty_rows=True, need_lse=True)
+        out, lse = executor.tiled(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
+                                  empty_rows=True, need_lse=True)
         a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
         shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
         has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever the dtype of q

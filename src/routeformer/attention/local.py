@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from .checks import positive_int
+from .executors import get_executor
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import band_attention
 
 
 def local_attention(
@@ -30,6 +30,6 @@ def local_attention(
     """
     _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     window = positive_int("window", window)
-    out, _ = band_attention(q, k, v, window=window, causal=causal, scale=scale, key_valid=key_valid,
-                            rel_pos=rel_pos)
+    out, _ = get_executor().band(q, k, v, window=window, causal=causal, scale=scale, key_valid=key_valid,
+                                 rel_pos=rel_pos)
     return out

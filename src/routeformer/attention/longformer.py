@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 
 from .checks import check_per_head, check_positions, positive_int
+from .executors import get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import band_attention, merge_partials, subset_attention, tiled_attention
 
 
 def longformer_attention(
@@ -66,7 +66,7 @@ def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos)
     """Dilated band of (B, H, N, D) inputs, plus the global positions ``g`` (G,) (long, on q's device) or None."""
     B, H, N, D = q.shape
     qc, kc, vc = (to_columns(x, dilation) for x in (q, k, v))  # (B·d, H, N/d, D)
-    band, band_lse = band_attention(
+    band, band_lse = get_executor().band(
         qc, kc, vc, window=window, causal=causal, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, dilation, q.device),
         rel_pos=rel_pos, rel_unit=dilation, need_lse=g is not None,
@@ -81,13 +81,13 @@ def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos)
     steps = torch.div(diff, dilation, rounding_mode="floor")
     in_band = (diff % dilation == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
     allow = ~in_band & (diff <= 0) if causal else ~in_band
-    glob, glob_lse = subset_attention(q, k, v, g, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                                      need_lse=True)
+    glob, glob_lse = get_executor().subset(q, k, v, g, allow, scale=scale, key_valid=key_valid,
+                                           rel_pos=rel_pos, need_lse=True)
     out, _ = merge_partials([(out, from_columns(band_lse, dilation, N)), (glob, glob_lse)])
 
     # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
     rows_delta = pos[None, :] - g[:, None]  # (G, N)
-    rows, _ = tiled_attention(
+    rows, _ = get_executor().tiled(
         q[:, :, g], k, v, block=g.shape[0], allow=(rows_delta <= 0) if causal else None, scale=scale,
         key_valid=key_valid, rel_pos=rel_pos, rel_delta=None if rel_pos is None else rows_delta,
     )

@@ -4,7 +4,7 @@
     a^K_ij = w^K[clip(j - i, k)],  a^V_ij = w^V[clip(j - i, k)],  clip(x, k) = max(-k, min(k, x))
 
 2k + 1 learned vectors for each of K and V, shared across heads. Executors never build the (N, N, D) tensors of
-the equations (see ``tiles.py``). Where a tile's distances are shift-invariant they expand the tables to one row per
+the equations (see ``tiles/``). Where a tile's distances are shift-invariant they expand the tables to one row per
 distance the tile holds (at most O(span) rows: a sliding window's strip, or the S + T - 1 diagonals of a tile) and
 apply them with batched matmuls on strided views of the scores and probabilities; where distances are irregular
 they multiply queries by all 2k + 1 rows once and gather per score. The extra memory is O(#scores), i.e.

@@ -6,10 +6,10 @@ import torch
 from torch import Tensor
 
 from .checks import check_split_heads, positive_int
+from .executors import get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
-from .tiles import band_attention, merge_partials, tiled_attention
 
 
 def strided_attention(
@@ -40,13 +40,13 @@ def strided_attention(
     near = {"window": stride + 1, "causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
     if merged:
         parts = [
-            band_attention(q, k, v, need_lse=True, **near),
+            get_executor().band(q, k, v, need_lse=True, **near),
             column_attention(q, k, v, stride, causal=causal, gap=2, scale=scale, key_valid=key_valid,
                              rel_pos=rel_pos, need_lse=True),
         ]
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = band_attention(q[:, :half], k[:, :half], v[:, :half], **near)
+    a1, _ = get_executor().band(q[:, :half], k[:, :half], v[:, :half], **near)
     a2, _ = column_attention(q[:, half:], k[:, half:], v[:, half:], stride, causal=causal, gap=0, scale=scale,
                              key_valid=key_valid, rel_pos=rel_pos)
     return torch.cat([a1, a2], dim=1)
@@ -78,7 +78,7 @@ def column_attention(
         allow: Tensor | None = offset <= -gap
     else:
         allow = offset.abs() >= gap if gap else None
-    out, lse = tiled_attention(
+    out, lse = get_executor().tiled(
         qc, kc, vc, block=rows, allow=allow, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, width, q.device),
         rel_pos=rel_pos, rel_unit=width, empty_rows=gap > 0, need_lse=need_lse,

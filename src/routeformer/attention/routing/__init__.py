@@ -1,14 +1,20 @@
 """Routing attention: online spherical k-means routes queries and keys; each attends within its cluster.
 
-- ``layer.py``: ``RoutingAttention`` (routing vectors, forward, ``routing_mask``, decoding) and ``update_routing``.
+- ``router.py``: ``Router``, which assigns positions to groups (routing vectors W_R, k-means assignment, statistics,
+  commitment loss, the update step), and ``update_routing``.
+- ``layer.py``: ``RoutingAttention``, a ``Router`` that attends within its groups (forward, ``routing_mask``,
+  decoding).
 - ``kmeans.py``: ``SphericalKMeans``, centroids that move only in an explicit update step.
-- ``sorted_window.py``: causal (and non-causal) routing as a window over the cluster-sorted sequence.
+- ``sorted_window.py``: attention within groups as a window over the group-sorted sequence, causal or not (with its
+  log-sum-exp, so several routing rounds merge exactly).
+- ``separate.py``: queries and keys routed apart, as the sorted window over 2N events.
 - ``balanced.py``: the paper's balanced clusters for encoders.
 - ``cache.py``: per-cluster ring buffers for incremental decoding.
 """
 
 from .cache import RoutingCache
 from .kmeans import SphericalKMeans
-from .layer import RoutingAttention, update_routing
+from .layer import RoutingAttention
+from .router import Router, update_routing
 
-__all__ = ["RoutingAttention", "RoutingCache", "SphericalKMeans", "update_routing"]
+__all__ = ["Router", "RoutingAttention", "RoutingCache", "SphericalKMeans", "update_routing"]

@@ -1,8 +1,7 @@
 """RoutingAttention: content-based sparse attention routed by online spherical k-means (Roy et al. 2020).
 
-    q, k ──► r = normalise(q) · W_R          (shared QK)   ──► c = argmax_j <μ_j, r>     (B, H, N) clusters
-             r = normalise(n(q) + n(k)) · W_R (separate QK)  └─► k-means statistics (training forward only)
-             r_q = n(q) · W_R, r_k = n(k) · W_R (separate routing): a query cluster and a key cluster per position
+    q, k ──► Router (router.py): routing vectors r = n(·) · W_R, groups c = argmax_j <μ_j, r>    (B, H, N)
+                                 └─► k-means statistics (training forward only)
     causal / sorted window: sort by (c, position) ─► banded attention, same cluster, last `window` ─► unsort
     separate routing (causal): the same over 2N events, key then query of each position (separate.py)
     balanced (non-causal):  each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
@@ -14,21 +13,22 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..checks import positive_int
 from ..inputs import check_inputs
 from ..relative import RelativePositions
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
-from .kmeans import SphericalKMeans
+from .router import Router, update_routing
 from .separate import event_order, interleave, separate_window_attention, separate_window_mask
 from .sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
 
+__all__ = ["RoutingAttention", "update_routing"]
 
-class RoutingAttention(nn.Module):
-    """Routing attention over (B, H, N, D) queries, keys and values.
+
+class RoutingAttention(Router):
+    """Routing attention over (B, H, N, D) queries, keys and values: a ``Router`` that attends within its groups.
 
     Args:
         heads, head_dim: H and D.
@@ -55,80 +55,38 @@ class RoutingAttention(nn.Module):
     After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss
     (None after a forward in evaluation mode, which needs no loss).
     Time O(N·k·D + N·window·D), memory O(N·k + N·window) per head.
+
+    The routing (``projection`` W_R, ``kmeans``, ``routing_vectors``, ``route``, ``route_keys``, the statistics and
+    the commitment loss) is the ``Router`` this class extends, so the state_dict keys are the router's own
+    (``projection``, ``kmeans.*``); the attention is ``sorted_window_attention``, ``separate_window_attention`` or
+    ``balanced_attention`` over its groups.
     """
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
                  shared_qk: bool = True, balanced: bool | None = None, separate: bool = False,
                  decay: float = 0.999, commitment: float = 1e-4, seed: int = 0) -> None:
-        super().__init__()
-        self.heads = positive_int("heads", heads)
-        self.head_dim = positive_int("head_dim", head_dim)
-        self.num_clusters = positive_int("num_clusters", num_clusters)
-        self.window = positive_int("window", window)
-        self.causal, self.shared_qk = bool(causal), bool(shared_qk)
+        for name, value in (("heads", heads), ("head_dim", head_dim), ("num_clusters", num_clusters)):
+            positive_int(name, value)  # checked here first, in the order of the arguments
+        window = positive_int("window", window)
+        causal = bool(causal)
         if balanced is None:
-            balanced = not self.causal
-        if balanced and self.causal:
+            balanced = not causal
+        if balanced and causal:
             raise ValueError("balanced=True needs causal=False: balanced clusters pick their members using later "
                              "tokens, which leaks the future into the past")
-        self.balanced = bool(balanced)
-        self.separate = bool(separate)
-        if self.separate and (self.shared_qk or not self.causal):
+        if separate and (shared_qk or not causal):
             raise ValueError("separate=True routes queries and keys apart: it needs shared_qk=False and causal=True")
-        self.commitment = float(commitment)
-        self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
-        gen = torch.Generator().manual_seed(seed)
-        q, _ = torch.linalg.qr(torch.randn(self.heads, self.head_dim, self.head_dim, generator=gen))
-        self.register_buffer("projection", q)  # W_R (H, D, D), fixed random orthonormal
-        self.commitment_loss: Tensor | None = None
-
-    def routing_vectors(self, q: Tensor, k: Tensor) -> Tensor:
-        """Unit routing vectors r (B, H, N, D) in float32 or wider, whatever the input dtype or autocast state;
-        separate routing: the queries' and the keys' as events (B, H, 2N, D), key event first (``interleave``)."""
-        acc = torch.promote_types(q.dtype, torch.float32)
-        with torch.autocast(q.device.type, enabled=False):
-            x = F.normalize(q.to(acc), dim=-1)
-            if self.separate:
-                x = interleave(F.normalize(k.to(acc), dim=-1), x)
-            elif not self.shared_qk:
-                x = F.normalize(x + F.normalize(k.to(acc), dim=-1), dim=-1)
-            return torch.einsum("bhnd,hde->bhne", x, self.projection.to(acc))
-
-    @torch.no_grad()
-    def route(self, q: Tensor, k: Tensor) -> Tensor:
-        """The cluster of every query: (B, H, N) long."""
-        check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        return self._split(self.kmeans.assign(self.routing_vectors(q, k)))[0]
-
-    @torch.no_grad()
-    def route_keys(self, q: Tensor, k: Tensor) -> Tensor:
-        """The cluster of every key: (B, H, N) long (the query's, unless routing is separate)."""
-        check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        return self._split(self.kmeans.assign(self.routing_vectors(q, k)))[1]
-
-    def _split(self, clusters: Tensor) -> tuple[Tensor, Tensor]:
-        """Clusters of the routing vectors -> (query clusters, key clusters), each (B, H, N)."""
-        return (clusters[:, :, 1::2], clusters[:, :, 0::2]) if self.separate else (clusters, clusters)
-
-    def _event_padding(self, key_padding_mask: Tensor | None) -> Tensor | None:
-        """The padding mask of the routing vectors: (B, 2N) for separate routing's events."""
-        if key_padding_mask is None or not self.separate:
-            return key_padding_mask
-        return key_padding_mask.repeat_interleave(2, dim=-1)
+        super().__init__(heads, head_dim, num_clusters, shared_qk=shared_qk, separate=separate, decay=decay,
+                         commitment=commitment, seed=seed)
+        self.window, self.causal, self.balanced = window, causal, bool(balanced)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                 key_padding_mask: Tensor | None = None, rel_pos: RelativePositions | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D)."""
         _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-        r = self.routing_vectors(q, k)
-        scores = self.kmeans.scores(r)  # (B, H, N, k), once: the clusters and the balanced members both use it
-        clusters = scores.argmax(-1)
-        padding = self._event_padding(key_padding_mask)
-        self.kmeans.observe(r.detach(), clusters, padding)
-        self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, padding)
-                                if self.training else None)
+        scores, clusters = self.assign_and_observe(q, k, key_padding_mask)  # (B, H, N, k), (B, H, N)
         if self.separate:
-            return separate_window_attention(q, k, v, *self._split(clusters), window=self.window, scale=scale,
+            return separate_window_attention(q, k, v, *self.split(clusters), window=self.window, scale=scale,
                                              key_valid=key_valid, rel_pos=rel_pos)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
@@ -146,7 +104,7 @@ class RoutingAttention(nn.Module):
         clusters = scores.argmax(-1)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
         if self.separate:
-            return separate_window_mask(*self._split(clusters), self.window, valid)
+            return separate_window_mask(*self.split(clusters), self.window, valid)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_mask(members, clusters, self.shared_qk, valid)
@@ -154,7 +112,7 @@ class RoutingAttention(nn.Module):
 
     def update_routing(self, group: dist.ProcessGroup | None = None) -> None:
         """The k-means step: apply the statistics observed since the last call (all-reduced across ranks)."""
-        self.kmeans.update(group)
+        self.update(group)
 
     def new_cache(self, batch: int, max_len: int | None, *, device: torch.device | str | None = None,
                   dtype: torch.dtype = torch.float32) -> RoutingCache:
@@ -178,8 +136,8 @@ class RoutingAttention(nn.Module):
         """
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
         cache.check(n)
-        clusters = self.kmeans.assign(self.routing_vectors(q, k))  # (B, H, n), or (B, H, 2n) events if separate
-        query_clusters, key_clusters = self._split(clusters)
+        clusters = self.assign(q, k)  # (B, H, n), or (B, H, 2n) events if separate
+        query_clusters, key_clusters = self.split(clusters)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
             if self.separate:  # the buffers hold events: a query event's slot stays empty
                 sort = event_order(query_clusters, key_clusters, self.num_clusters)
@@ -202,13 +160,3 @@ class RoutingAttention(nn.Module):
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
                 f"window={self.window}, {mode}, shared_qk={self.shared_qk}, separate={self.separate}")
 
-
-def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
-    """Apply the k-means step of every routing layer inside ``module``; returns how many were updated.
-
-    Call it once per optimiser step, after ``optimizer.step()``, on every rank.
-    """
-    layers = [m for m in module.modules() if isinstance(m, SphericalKMeans)]
-    for layer in layers:
-        layer.update(group)
-    return len(layers)

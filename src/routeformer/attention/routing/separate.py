@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..executors import KeyRestrictions, get_executor
 from ..relative import RelativePositions
-from ..tiles import band_attention
 from .sorted_window import ClusterOrder, permute_seq, sort_by_cluster
 
 
@@ -52,9 +52,9 @@ def separate_window_attention(q: Tensor, k: Tensor, v: Tensor, query_clusters: T
     valid = is_key.expand(B, H, 2 * N) if key_valid is None else \
         interleave(key_valid.expand(B, H, N), torch.zeros(B, H, N, dtype=torch.bool, device=q.device))
     qs, ks, vs = (permute_seq(x, order, inverse) for x in (qe, ke, ve))
-    out, _ = band_attention(qs, ks, vs, window=window, causal=True, scale=scale, key_valid=valid.gather(-1, order),
-                            groups=grouped, exclude_self=False, rel_pos=rel_pos,
-                            rel_positions=order // 2 if rel_pos is not None else None)
+    restrict = KeyRestrictions(groups=grouped, positions=order // 2 if rel_pos is not None else None)
+    out, _ = get_executor().band(qs, ks, vs, window=window, causal=True, scale=scale,
+                                 key_valid=valid.gather(-1, order), restrict=restrict, rel_pos=rel_pos)
     return permute_seq(out, inverse, order)[:, :, 1::2]
 
 

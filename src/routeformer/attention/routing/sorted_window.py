@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..executors import KeyRestrictions, get_executor
 from ..relative import RelativePositions
-from ..tiles import band_attention
 
 
 class ClusterOrder(NamedTuple):
@@ -96,12 +96,20 @@ def sorted_window_attention(
     key_valid: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
     sort: ClusterOrder | None = None,
-) -> Tensor:
+    need_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Each query attends to the ``window`` nearest positions of its own cluster (only earlier ones when causal).
 
-    q, k, v: (B, H, N, D); clusters: (B, H, N); key_valid: (B, 1, N) or None -> (B, H, N, D). Causal: keys j <= i,
-    the most recent ``window`` of the cluster; non-causal: |rank_i - rank_j| < window within the cluster.
-    ``sort``: ``sort_by_cluster(clusters)`` when the caller already has it.
+    q, k, v: (B, H, N, D); clusters: (B, H, N) any integer groups (k-means clusters, hash buckets); key_valid:
+    (B, 1, N) or None -> (B, H, N, D). Causal: keys j <= i, the most recent ``window`` of the cluster; non-causal:
+    |rank_i - rank_j| < window within the cluster. ``sort``: ``sort_by_cluster(clusters)`` when the caller already
+    has it. Time O(N · window · D + N log N), memory O(N · window) per head.
+
+    ``need_lse``: return (out, lse) with lse (B, H, N) the log-sum-exp of each query's scores, in float32 or wider,
+    in the original position order (``neg_inf(lse.dtype)`` for a query that sees no key), so that several rounds of
+    routing (one ``clusters`` each) merge exactly with ``merge_partials``. The merge is a softmax over the multiset
+    union of the rounds' keys: a key that k rounds share counts k times (its weight is raised by log k); it equals
+    attention over the union of the masks (``sorted_window_mask``) when no two rounds share a (query, key) pair.
     """
     B, H, N, D = q.shape
     order, inverse, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
@@ -109,11 +117,14 @@ def sorted_window_attention(
     ks = qs if k is q else permute_seq(k, order, inverse)
     vs = permute_seq(v, order, inverse)
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
-    out, _ = band_attention(
-        qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid, groups=grouped,
-        exclude_self=exclude_self, rel_pos=rel_pos, rel_positions=order if rel_pos is not None else None,
-    )
-    return permute_seq(out, inverse, order)
+    restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self,
+                               positions=order if rel_pos is not None else None)
+    out, lse = get_executor().band(qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid,
+                                   restrict=restrict, rel_pos=rel_pos, need_lse=need_lse)
+    out = permute_seq(out, inverse, order)
+    if not need_lse:
+        return out
+    return out, lse.gather(-1, inverse)
 
 
 def sorted_window_mask(clusters: Tensor, window: int, causal: bool, exclude_self: bool,
