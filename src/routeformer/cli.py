@@ -37,6 +37,73 @@ def _positive_float(text: str) -> float:
     return value
 
 
+# --- options that several commands share, each defined once ------------------------------------------------------
+# Where commands word an option differently (what --data-dir is for, a suite's defaults), they pass the words.
+
+
+def _add_data(parser: argparse.ArgumentParser, help: str, default: str | None = None) -> None:
+    parser.add_argument("--data", default=default, metavar="NAME", help=help)
+
+
+def _add_data_dir(parser: argparse.ArgumentParser, help: str = "where data sets live") -> None:
+    parser.add_argument("--data-dir", metavar="DIR", help=help)
+
+
+def _add_overrides(parser: argparse.ArgumentParser, help: str = "override a [model] or [train] field (repeatable), "
+                   "e.g. --set dim=512 --set lr=3e-4") -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def _add_out(parser: argparse.ArgumentParser, help: str, default: str | None = None, metavar: str = "RUN_DIR") -> None:
+    parser.add_argument("--out", default=default, metavar=metavar, help=help)
+
+
+def _add_run_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by routeformer train")
+
+
+def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                        help="the best (lowest validation loss) or the last weights")
+
+
+def _add_device(parser: argparse.ArgumentParser, *, bench: bool = False) -> None:
+    """Commands that use a run: ``auto``, any device name. Benchmarks: cpu or cuda, cuda when there is a GPU."""
+    if bench:
+        parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                            help="cpu or cuda (default: cuda when there is a GPU)")
+    else:
+        parser.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+
+
+def _add_lengths(parser: argparse.ArgumentParser, default: list[int], help: str) -> None:
+    parser.add_argument("--n", type=_positive, nargs="+", default=default, help=help)
+
+
+def _add_seq_len(parser: argparse.ArgumentParser, default: int, help: str) -> None:
+    parser.add_argument("--seq-len", type=_positive, default=default, help=f"{help} (default {default})")
+
+
+def _add_attention_specs(parser: argparse.ArgumentParser, default: list[str], help: str) -> None:
+    parser.add_argument("--attention", nargs="+", default=default, metavar="SPEC", help=help)
+
+
+def _add_size(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    """--dim, --depth, --heads, --batch, --repeats, --steps: a positive count, its default named in the help."""
+    parser.add_argument(flag, type=_positive, default=default, help=f"{help} (default {default})")
+
+
+def _add_window(parser: argparse.ArgumentParser, default: int | None, help: str = "local window") -> None:
+    parser.add_argument("--window", type=_positive, default=default,
+                        help=help if default is None else f"{help} (default {default})")
+
+
+def _add_routing_sizes(parser: argparse.ArgumentParser, length: str) -> None:
+    """--num-clusters and --routing-window, whose defaults follow the sequence length ``length``."""
+    parser.add_argument("--num-clusters", type=_positive, help=f"routing k (default round(sqrt({length})))")
+    parser.add_argument("--routing-window", type=_positive, help=f"routing keys per query (default {length} // k)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .data import PREPARERS
 
@@ -54,8 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "text file or folder.")
     prep.add_argument("name", choices=sorted(PREPARERS), metavar="NAME", help=f"one of {', '.join(PREPARERS)}")
     prep.add_argument("--from", dest="source", metavar="PATH", help="a local archive, file or folder to use")
-    prep.add_argument("--data-dir", metavar="DIR", help="where data sets live (default ~/.cache/routeformer, or "
-                      "$ROUTEFORMER_DATA)")
+    _add_data_dir(prep, "where data sets live (default ~/.cache/routeformer, or $ROUTEFORMER_DATA)")
     prep.add_argument("--name", dest="dataset_name", metavar="NAME", help="store under this name (for text data)")
     prep.add_argument("--skip-checksum", action="store_true", help="accept enwik8 / text8 whose md5 is not the "
                       "published one")
@@ -68,11 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint and exits; --resume continues it exactly.")
     tr.add_argument("--config", metavar="FILE", help="a TOML file, or a shipped name: default, enwik8, "
                     "wikitext103, imagenet64")
-    tr.add_argument("--data", metavar="NAME", help="data set to train on (overrides [train] data)")
-    tr.add_argument("--data-dir", metavar="DIR", help="where data sets live")
-    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a [model] or [train] field (repeatable), e.g. --set dim=512 --set lr=3e-4")
-    tr.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/<data>-<date>-<time>)")
+    _add_data(tr, "data set to train on (overrides [train] data)")
+    _add_data_dir(tr)
+    _add_overrides(tr)
+    _add_out(tr, "run directory (default runs/<data>-<date>-<time>)")
     tr.add_argument("--max-steps", type=_positive, metavar="S",
                     help="train to optimiser step S (counted from the run's start; the cosine decay ends there "
                     "unless decay_steps is set)")
@@ -86,23 +151,22 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate", help="bits per byte / perplexity / bits per dimension of a run on a split",
         description="Evaluate a run's weights over a whole split in windows of seq_len: bits per byte (byte "
         "data), perplexity (words) or bits per dimension (images). Runs data-parallel under torchrun.")
-    ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by routeformer train")
+    _add_run_dir(ev)
     ev.add_argument("--split", choices=("valid", "test"), default="valid", help="the split to score (default "
                     "valid)")
-    ev.add_argument("--checkpoint", choices=("best", "last"), default="best",
-                    help="the best (lowest validation loss) or the last weights")
+    _add_checkpoint(ev)
     ev.add_argument("--stride", type=_positive, metavar="S", help="advance windows by S < seq_len and score only "
                     "their last S tokens, so every token has at least seq_len - S of context (default: "
                     "non-overlapping windows)")
     ev.add_argument("--batch-size", type=_positive, default=8, metavar="B", help="windows per forward (default 8)")
-    ev.add_argument("--data-dir", metavar="DIR", help="where the run's data set lives, if not where it was trained")
-    ev.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    _add_data_dir(ev, "where the run's data set lives, if not where it was trained")
+    _add_device(ev)
 
     sa = commands.add_parser(
         "sample", help="generate text from a run, streamed as it is produced",
         description="Continue a prompt with a run's model through its cached generation, printing the text as it "
         "is generated.")
-    sa.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by routeformer train")
+    _add_run_dir(sa)
     src = sa.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     src.add_argument("--prompt-file", metavar="FILE", help="read the text to continue from FILE")
@@ -112,11 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--top-p", type=_positive_float, metavar="P",
                     help="sample among the most likely tokens whose probabilities sum to P (nucleus, 0 < P <= 1)")
     sa.add_argument("--seed", type=int, metavar="S", help="make the sample repeatable")
-    sa.add_argument("--checkpoint", choices=("best", "last"), default="best",
-                    help="the best (lowest validation loss) or the last weights")
-    sa.add_argument("--data-dir", metavar="DIR", help="where the run's data set lives (for its vocabulary), if "
-                    "not where it was trained")
-    sa.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    _add_checkpoint(sa)
+    _add_data_dir(sa, "where the run's data set lives (for its vocabulary), if not where it was trained")
+    _add_device(sa)
 
     bench = commands.add_parser("bench", help="benchmarks: time and peak memory tables")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
@@ -127,14 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "memory of every attention pattern at each sequence length, beside causal full attention measured in the "
         "same run, and beside peer packages when installed (pip install -e '.[bench]').",
     )
-    att.add_argument("--n", type=_positive, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
-    att.add_argument("--batch", type=_positive, default=1, help="batch size B (default 1)")
-    att.add_argument("--heads", type=_positive, default=8, help="heads H (default 8)")
-    att.add_argument("--head-dim", type=_positive, default=64, help="head size D (default 64)")
-    att.add_argument("--window", type=_positive, default=256, help="local / Longformer window")
-    att.add_argument("--repeats", type=_positive, default=3, help="timed rounds (median reported)")
-    att.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                     help="cpu or cuda (default: cuda when there is a GPU)")
+    _add_lengths(att, [1024, 4096, 16384], "sequence lengths")
+    _add_size(att, "--batch", 1, "batch size B")
+    _add_size(att, "--heads", 8, "heads H")
+    _add_size(att, "--head-dim", 64, "head size D")
+    _add_window(att, 256, "local / Longformer window")
+    _add_size(att, "--repeats", 3, "timed rounds, median reported")
+    _add_device(att, bench=True)
     att.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="tensor dtype (default float32)")
     att.add_argument("--non-causal", action="store_true", help="encoder (non-causal) variants")
     att.add_argument("--only", nargs="+", metavar="NAME", help="mechanisms to run beside full (e.g. local strided)")
@@ -146,17 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
         "k-means update) of three models of one size that differ only in attention (full, local, half local and "
         "half routing), and milliseconds per generated token after prompts of the given lengths.",
     )
-    mod.add_argument("--n", type=_positive, nargs="+", default=[1024, 4096, 8192], help="training lengths")
+    _add_lengths(mod, [1024, 4096, 8192], "training lengths")
     mod.add_argument("--positions", type=_positive, nargs="+", default=[1024, 4096, 16384],
                      help="prompt lengths at which generation is timed")
-    mod.add_argument("--dim", type=_positive, default=256, help="model width (default 256)")
-    mod.add_argument("--depth", type=_positive, default=4, help="layers (default 4)")
-    mod.add_argument("--heads", type=_positive, default=8, help="heads per layer (default 8)")
-    mod.add_argument("--window", type=_positive, default=256, help="local window")
-    mod.add_argument("--batch", type=_positive, default=1, help="sequences per training step (default 1)")
-    mod.add_argument("--repeats", type=_positive, default=3, help="timed training steps (median reported)")
-    mod.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                     help="cpu or cuda (default: cuda when there is a GPU)")
+    _add_size(mod, "--dim", 256, "model width")
+    _add_size(mod, "--depth", 4, "layers")
+    _add_size(mod, "--heads", 8, "heads per layer")
+    _add_window(mod, 256)
+    _add_size(mod, "--batch", 1, "sequences per training step")
+    _add_size(mod, "--repeats", 3, "timed training steps, median reported")
+    _add_device(mod, bench=True)
 
     rec = suites.add_parser(
         "recall",
@@ -169,20 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--tasks", nargs="+", default=["mqar", "passkey", "two_hop"], metavar="TASK",
                      help="mqar, passkey, two_hop (default: all three)")
-    rec.add_argument("--attention", nargs="+", default=["full", "local", "local+routing"], metavar="SPEC",
-                     help="full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
-                     "a suffix /shared, /joint or /separate says how routing heads route (README, Routing that learns)")
-    rec.add_argument("--seq-len", type=_positive, default=128, help="sequence length N (default 128)")
+    _add_attention_specs(rec, ["full", "local", "local+routing"],
+                         "full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
+                         "a suffix /shared, /joint or /separate says how routing heads route (README, Routing that "
+                         "learns)")
+    _add_seq_len(rec, 128, "sequence length N")
     rec.add_argument("--gap", type=_positive, default=32, help="positions between an answer and what it needs "
                      "are more than this (default 32; at least depth × (window - 1))")
-    rec.add_argument("--depth", type=_positive, default=2, help="layers (default 2)")
-    rec.add_argument("--dim", type=_positive, default=64, help="model width (default 64)")
-    rec.add_argument("--heads", type=_positive, default=4, help="heads per layer (default 4)")
-    rec.add_argument("--window", type=_positive, default=8, help="local window (default 8)")
-    rec.add_argument("--num-clusters", type=_positive, help="routing k (default round(sqrt(N)))")
-    rec.add_argument("--routing-window", type=_positive, help="routing keys per query (default N // k)")
-    rec.add_argument("--steps", type=_positive, default=800, help="training steps per model (default 800)")
-    rec.add_argument("--batch", type=_positive, default=32, help="sequences per step (default 32)")
+    _add_size(rec, "--depth", 2, "layers")
+    _add_size(rec, "--dim", 64, "model width")
+    _add_size(rec, "--heads", 4, "heads per layer")
+    _add_window(rec, 8)
+    _add_routing_sizes(rec, "N")
+    _add_size(rec, "--steps", 800, "training steps per model")
+    _add_size(rec, "--batch", 32, "sequences per step")
     rec.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     rec.add_argument("--eval", type=_positive, default=512, help="held-out sequences scored (default 512)")
     rec.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
@@ -194,23 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
         "schedule) at the given context and wall-clock budget, and prints each one's bits per byte on the whole "
         "validation split.",
     )
-    txt.add_argument("--attention", nargs="+", default=["local", "local+routing", "full"], metavar="SPEC",
-                     help="as for bench recall (default: local local+routing full)")
-    txt.add_argument("--seq-len", type=_positive, default=1024, help="context (default 1024)")
+    _add_attention_specs(txt, ["local", "local+routing", "full"],
+                         "as for bench recall (default: local local+routing full)")
+    _add_seq_len(txt, 1024, "context")
     txt.add_argument("--minutes", type=float, default=4.0, help="training budget per model (default 4)")
-    txt.add_argument("--steps", type=_positive, default=2000, help="steps of the cosine schedule (default 2000)")
-    txt.add_argument("--window", type=_positive, help="local window (default: the configuration's, 128)")
-    txt.add_argument("--num-clusters", type=_positive, help="routing k (default round(sqrt(seq_len)))")
-    txt.add_argument("--routing-window", type=_positive, help="routing keys per query (default seq_len // k)")
-    txt.add_argument("--data", default="stdlib", help="data set (default stdlib)")
-    txt.add_argument("--data-dir", metavar="DIR", help="where data sets live")
-    txt.add_argument("--out", default="runs/bench-text", help="where the run directories go")
-    txt.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a [model] or [train] field for every row")
+    _add_size(txt, "--steps", 2000, "steps of the cosine schedule")
+    _add_window(txt, None, "local window (default: the configuration's, 128)")
+    _add_routing_sizes(txt, "seq_len")
+    _add_data(txt, "data set (default stdlib)", default="stdlib")
+    _add_data_dir(txt)
+    _add_out(txt, "where the run directories go", default="runs/bench-text", metavar="DIR")
+    _add_overrides(txt, "override a [model] or [train] field for every row")
 
     every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
-    every.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="cpu or cuda (default: cuda when there is a GPU)")
+    _add_device(every, bench=True)
     return parser
 
 
@@ -260,8 +317,8 @@ def cmd_prepare(args) -> int:
 def cmd_train(args) -> int:
     from .data import prepare_builtin
     from .train import Interrupted, load_run_config, train
+    from .train.rundir import new_run_dir
     from .train.runs import read_run_config
-    from .train.trainer import new_run_dir
 
     if args.resume:
         given = [name for name, value in (("--config", args.config), ("--data", args.data),

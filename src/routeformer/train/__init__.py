@@ -1,4 +1,6 @@
-"""Training: run configuration, the loop, checkpoints, distributed processes, evaluation, metrics."""
+"""Training: run configuration, and the trainer (trainer.py) put together from components with one job each: the
+run directory (rundir.py), precision and parallelism (parallel.py, over distributed.py), the loop (loop.py),
+evaluation (evaluation.py), checkpointing (checkpoint.py), stop signals (signals.py) and the sample (sampling.py)."""
 
 from .config import RunConfig, TrainConfig, load_run_config
 from .trainer import Interrupted, TrainResult, train

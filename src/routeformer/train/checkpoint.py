@@ -1,14 +1,23 @@
-"""The run state: one atomically written file holding everything a resumed run needs."""
+"""Checkpointing: the run state in one atomically written file (``checkpoint.pt``) holding everything a resumed run
+needs, and the weights beside it: the last (``model.safetensors`` + ``config.json``) and the best (``best/``)."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from ..durable import atomic_write
+from ..model import TransformerConfig, TransformerLM
+from ..model.pretrained import save_pretrained
+from .distributed import Processes
+from .parallel import Parallelism
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -30,3 +39,88 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict:
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"{path} cannot be read (truncated or corrupt?): {reason}") from None
+
+
+@dataclass
+class Progress:
+    """Where the run stands, beside its weights and optimizer: the last optimiser step taken, the best validation
+    loss so far, and the training loss summed since the last logged row (so a resumed run logs the same rows)."""
+
+    step: int = 0
+    best: float = math.inf
+    window: dict = field(default_factory=lambda: {"loss": 0.0, "steps": 0})
+
+    @classmethod
+    def of(cls, state: dict | None) -> Progress:
+        """A checkpoint's progress, or a fresh start's (``state`` None)."""
+        if state is None:
+            return cls()
+        return cls(int(state["step"]), float(state["best"]), dict(state["window"]))
+
+
+class Checkpointer:
+    """Saves the run state and weights of ``core`` (the unwrapped model) and ``optimizer`` into ``run_dir``, and
+    restores a checkpoint's state into them. Every rank calls every method (sharded states are gathered
+    collectively); rank 0 writes."""
+
+    def __init__(self, run_dir: Path, model_config: TransformerConfig, parallel: Parallelism, core: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.run_dir, self.model_config, self.parallel = run_dir, model_config, parallel
+        self.core, self.optimizer = core, optimizer
+        self.procs: Processes = parallel.procs
+        self.progress = Progress()
+
+    def restore(self, state: dict | None) -> Progress:
+        """Optimizer and scaler states, progress and this rank's random-number generators from ``state`` (the
+        model's weights were loaded before it was sharded); a fresh start's progress when ``state`` is None."""
+        if state is not None:
+            self.parallel.load_optimizer_state(self.core, self.optimizer, state["optimizer"])
+            self.parallel.scaler.load_state_dict(state["scaler"])
+        self.progress = Progress.of(state)
+        if state is not None:
+            rng = state["rng"][self.procs.rank % len(state["rng"])]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"], self.procs.device)
+        return self.progress
+
+    def save(self) -> None:
+        """checkpoint.pt and the last weights, at the current step."""
+        model_state, optim_state = self.parallel.full_state(self.core, self.optimizer)
+        rng = {"cpu": torch.get_rng_state()}
+        if self.procs.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.procs.device)
+        rngs = [rng]
+        if self.procs.distributed:
+            rngs = [None] * self.procs.world
+            dist.all_gather_object(rngs, rng)
+        if self.procs.main:
+            progress = self.progress
+            save_checkpoint(self.run_dir, {
+                "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optim_state,
+                "scaler": self.parallel.scaler.state_dict(), "step": progress.step, "best": progress.best,
+                "rng": rngs, "window": progress.window,
+            })
+        self.save_weights(self.run_dir, model_state)
+        if self.procs.distributed:
+            dist.barrier()
+
+    def keep_if_best(self, loss: float) -> None:
+        """The weights into best/ when validation ``loss`` is the lowest so far."""
+        if loss < self.progress.best:
+            self.progress.best = loss
+            self.save_weights(self.run_dir / "best")
+
+    def save_weights(self, directory: Path, model_state: dict | None = None) -> None:
+        """model.safetensors + config.json in ``directory`` (rank 0). Sharded parameters are gathered first
+        (every rank takes part) unless ``model_state`` already holds the full state."""
+        sharded = self.parallel.sharded
+        if sharded and model_state is None:
+            model_state, _ = self.parallel.full_state(self.core, self.optimizer)
+        if self.procs.main:
+            if sharded:
+                shadow = TransformerLM(self.model_config)
+                shadow.load_state_dict(model_state)
+                save_pretrained(shadow, directory)
+            else:
+                save_pretrained(self.core, directory)

@@ -1,10 +1,11 @@
-"""Evaluation: mean next-token NLL over a split, in windows of seq_len, and the metric of each kind of data."""
+"""Evaluation: mean next-token NLL over a split, in windows of seq_len, and the metric of each kind of data; during
+training, the periodic validation estimate and the final score on the whole validation split (:class:`Validator`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import eval_windows, window_batches
-from .distributed import Processes, sum_all
+from .distributed import Processes, routing_in_sync, sum_all
 
 UNITS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
 
@@ -70,3 +71,40 @@ def _my_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int
             yield rows, mask
     if first is not None and -(-count // procs.world) > len(range(procs.rank, count, procs.world)):
         yield first[0], torch.zeros_like(first[1])
+
+
+class Validator:
+    """The validation split scored during training, with ``core`` (the unwrapped model) under ``autocast``: a cheap
+    estimate every ``eval_every`` steps and the whole split at the end, each written as a row of metrics by
+    ``write``."""
+
+    def __init__(self, core: nn.Module, tokens: np.ndarray, kind: str, seq_len: int, *, batch_size: int,
+                 grad_accum: int, eval_tokens: int, procs: Processes,
+                 autocast: Callable[[], contextlib.AbstractContextManager], write: Callable[[dict], None]) -> None:
+        self.core, self.tokens, self.kind, self.seq_len = core, tokens, kind, seq_len
+        self.procs, self.autocast, self.write = procs, autocast, write
+        self.max_windows = max(1, eval_tokens // seq_len)
+        micro = max(1, batch_size // max(1, procs.world * grad_accum))
+        self.batch = 4 * micro  # no gradients to keep: larger batches than training's, for throughput
+
+    def estimate(self, step: int) -> float:
+        """Mean NLL on ``eval_tokens`` of the split in evenly spaced windows; also checks that every rank holds the
+        same routing centroids."""
+        mean = self._mean(self.max_windows)
+        in_sync = routing_in_sync(self.core, self.procs)
+        if not in_sync:
+            raise RuntimeError("routing centroids differ between ranks; this is a bug, please report it")
+        self.write({"step": step, "split": "valid", "loss": mean, "value": metric(self.kind, mean),
+                    "routing_in_sync": in_sync})
+        return mean
+
+    def whole_split(self, step: int) -> float:
+        """Mean NLL over the whole split."""
+        mean = self._mean(None)
+        self.write({"step": step, "split": "valid_full", "loss": mean, "value": metric(self.kind, mean)})
+        return mean
+
+    def _mean(self, max_windows: int | None) -> float:
+        total, count = evaluate(self.core, self.tokens, self.seq_len, batch=self.batch, procs=self.procs,
+                                autocast=self.autocast(), max_windows=max_windows)
+        return total / max(count, 1)

@@ -1,0 +1,148 @@
+"""The training loop: optimiser steps until ``max_steps``, the time budget or a stop request.
+
+A step: the learning rate of the schedule, ``grad_accum`` micro-batches (forward, cross-entropy + the model's
+auxiliary loss, backward; gradients synchronised on the last), unscaling and gradient clipping, AdamW, then the
+head groups' per-step hooks (``after_optimizer_step``: routing's k-means step). Every ``log_every`` steps a row of training
+metrics; every ``eval_every`` steps, at the end and on a stop: validation, then the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import BatchSampler
+from ..model import TransformerLM
+from . import distributed
+from .checkpoint import Checkpointer, Progress
+from .config import TrainConfig
+from .evaluation import Validator, metric
+from .parallel import Parallelism
+from .rundir import RunDirectory
+from .schedule import learning_rate
+from .signals import StopRequest
+
+SHORT_UNITS = {"bytes": "bpb", "words": "ppl", "images": "bpd"}
+
+
+def adamw(core: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings (parameters of two or more dimensions) only; built after
+    sharding, so that it holds this rank's shards."""
+    decay = [p for p in core.parameters() if p.dim() >= 2]
+    rest = [p for p in core.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-9)
+
+
+class Loop:
+    """Trains ``model`` (the data-parallel form of ``core``) with ``optimizer`` on the batches of ``sampler`` from
+    ``progress.step`` on."""
+
+    def __init__(self, cfg: TrainConfig, seq_len: int, kind: str, *, model: nn.Module, core: TransformerLM,
+                 optimizer: torch.optim.Optimizer, sampler: BatchSampler, parallel: Parallelism,
+                 progress: Progress, directory: RunDirectory, validator: Validator, checkpointer: Checkpointer,
+                 stop: StopRequest) -> None:
+        self.cfg, self.seq_len, self.kind = cfg, seq_len, kind
+        self.model, self.core, self.optimizer, self.sampler = model, core, optimizer, sampler
+        self.parallel, self.procs, self.progress = parallel, parallel.procs, progress
+        self.directory, self.validator, self.checkpointer, self.stop = directory, validator, checkpointer, stop
+
+    def run(self, resume: bool) -> str:
+        """Steps until max_steps, the time budget or a stop request; returns why it stopped: "max_steps", "time
+        budget" or "interrupted". Everything is saved when it returns."""
+        from tqdm import tqdm
+
+        cfg, procs, progress = self.cfg, self.procs, self.progress
+        start_time = time.monotonic()
+        budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
+        bar = tqdm(total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True, mininterval=1.0,
+                   disable=not procs.main)
+        tokens_per_step = cfg.batch_size * self.seq_len
+        last_eval = progress.step if resume else -1
+        first_step = progress.step
+        rate_time, rate_steps = time.monotonic(), 0
+        stopped = "max_steps"
+        try:
+            while progress.step < cfg.max_steps:
+                local_loss = self.step(progress.step + 1)
+                progress.step += 1
+                rate_steps += 1
+                elapsed = time.monotonic() - start_time
+                # One reduction a step: the mean loss, and whether some rank was asked to stop or ran out of time
+                # (so that every rank stops at the same step).
+                loss_sum, interrupted, out_of_time = distributed.sum_all(
+                    [local_loss, float(self.stop.requested), float(elapsed >= budget)], procs)
+                progress.window["loss"] += loss_sum / procs.world
+                progress.window["steps"] += 1
+                if progress.step % cfg.log_every == 0 or progress.step == cfg.max_steps:
+                    mean = progress.window["loss"] / progress.window["steps"]
+                    speed = rate_steps * tokens_per_step / max(time.monotonic() - rate_time, 1e-9)
+                    self.directory.write({"step": progress.step, "split": "train", "loss": mean,
+                                          "value": metric(self.kind, mean), "lr": learning_rate(progress.step, cfg),
+                                          "tokens_per_s": speed, "elapsed_s": elapsed})
+                    per_step = elapsed / (progress.step - first_step)  # this invocation's average, evaluations included
+                    left = min((cfg.max_steps - progress.step) * per_step, budget - elapsed)
+                    bar.set_postfix_str(f"loss {mean:.3f}, {SHORT_UNITS[self.kind]} {metric(self.kind, mean):.3f}, "
+                                        f"{speed:,.0f} tok/s, left {_clock(left)}", refresh=False)
+                    progress.window = {"loss": 0.0, "steps": 0}
+                    rate_time, rate_steps = time.monotonic(), 0
+                bar.update(1)
+                if interrupted:
+                    stopped = "interrupted"
+                elif out_of_time:
+                    stopped = "time budget"
+                if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps or stopped != "max_steps":
+                    if stopped != "interrupted":
+                        self.checkpointer.keep_if_best(self.validator.estimate(progress.step))
+                    self.checkpointer.save()
+                    last_eval = progress.step
+                if stopped != "max_steps":
+                    break
+            if last_eval != progress.step:
+                self.checkpointer.save()
+        finally:
+            bar.close()
+        return stopped
+
+    def step(self, step: int) -> float:
+        """Optimiser step ``step`` (1-based); returns this rank's mean loss (the caller averages ranks)."""
+        cfg = self.cfg
+        lr = learning_rate(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for micro in range(cfg.grad_accum):
+            tokens = self.sampler.batch(step, micro, cfg.grad_accum).to(self.procs.device, non_blocking=True)
+            last = micro == cfg.grad_accum - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.parallel.autocast():
+                    logits = self.model(tokens[:, :-1])
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                    objective = (loss + self.core.aux_loss.float()) / cfg.grad_accum
+                self.parallel.scaler.scale(objective).backward()
+            losses.append(loss.detach())
+        scaler = self.parallel.scaler
+        scaler.unscale_(self.optimizer)
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.core.parameters(), cfg.clip)
+        scaler.step(self.optimizer)
+        scaler.update()
+        # The head groups' per-step hooks, after the optimiser step (routing: the k-means step).
+        self.core.after_optimizer_step(step)
+        # This rank's loss (one device-to-host copy a step, not one per micro-batch); the loop averages ranks.
+        return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
