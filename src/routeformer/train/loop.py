@@ -2,8 +2,8 @@
 
 A step: the learning rate of the schedule, ``grad_accum`` micro-batches (forward, cross-entropy + the model's
 auxiliary loss, backward; gradients synchronised on the last), unscaling and gradient clipping, AdamW, then the
-head groups' per-step hooks (``after_optimizer_step``: routing's k-means step). Every ``log_every`` steps a row of training
-metrics; every ``eval_every`` steps, at the end and on a stop: validation, then the checkpoint.
+head groups' per-step hooks (``after_optimizer_step``: routing's k-means step). Every ``log_every`` steps a row of
+training metrics; every ``eval_every`` steps, at the end and on a stop: validation, then the checkpoint.
 """
 
 from __future__ import annotations
