@@ -136,7 +136,7 @@ def test_a_decoding_step_reads_what_its_query_needs_not_the_whole_cache(spec: st
     """The keys each step scores depend on the position, not on the cache's max_len (full: the t + 1 filled ones;
     strided: the column and the last l + 1; longformer: window + global positions)."""
     from routeformer.attention.decoding import attend_cached
-    from routeformer.model import heads
+    from routeformer.attention.kinds import base as heads  # HeadGroup.attend calls attend_cached from here
 
     scored: list[tuple[int, int]] = []  # (query position, keys scored)
 
