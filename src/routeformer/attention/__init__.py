@@ -4,6 +4,7 @@ head kinds a model is built from (``kinds/``, listed in ``registry.KINDS``; ``re
 Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
+from .executors import EXECUTORS, Executor, get_executor, register_executor, set_default_executor
 from .fixed import fixed_attention
 from .full import full_attention
 from .kinds import HeadGroup, HeadKind, KeyStore
@@ -13,10 +14,12 @@ from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_m
 from .reference import reference_attention
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
 from .relative import RelativePositions
-from .routing import RoutingAttention, RoutingCache, SphericalKMeans, update_routing
+from .routing import Router, RoutingAttention, RoutingCache, SphericalKMeans, update_routing
 from .strided import strided_attention
 
 __all__ = [
+    "EXECUTORS",
+    "Executor",
     "KINDS",
     "PATTERNS",
     "HeadGroup",
@@ -24,6 +27,7 @@ __all__ = [
     "KeyStore",
     "Pattern",
     "RelativePositions",
+    "Router",
     "RoutingAttention",
     "RoutingCache",
     "SphericalKMeans",
@@ -31,6 +35,7 @@ __all__ = [
     "fixed_mask",
     "full_attention",
     "full_mask",
+    "get_executor",
     "get_kind",
     "get_pattern",
     "local_attention",
@@ -38,7 +43,9 @@ __all__ = [
     "longformer_attention",
     "longformer_mask",
     "reference_attention",
+    "register_executor",
     "register_kind",
+    "set_default_executor",
     "strided_attention",
     "strided_mask",
     "unregister_kind",
