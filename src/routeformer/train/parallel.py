@@ -1,6 +1,6 @@
 """Precision and parallelism: on which processes and device the model trains (train/distributed.py), in which
 precision (autocast and the gradient scaler), and in which data-parallel form: replicated by DDP, or its blocks
-sharded by FSDP2 (``fsdp``), then compiled when asked. Also the collective forms of the states a checkpoint needs
+sharded by FSDP2 (``fsdp``); compiled when asked. Also the collective forms of the states a checkpoint needs
 from a sharded model and optimizer.
 """
 
@@ -58,9 +58,11 @@ class Parallelism:
             model = DistributedDataParallel(
                 core, device_ids=[self.procs.device.index] if self.procs.device.type == "cuda" else None,
                 broadcast_buffers=False)
-        if self.compile:
-            model = torch.compile(model)
         return model
+
+    def compiled(self, model: nn.Module) -> nn.Module:
+        """``model`` compiled by torch.compile when the run asks for it (``compile``), else ``model``."""
+        return torch.compile(model) if self.compile else model
 
     def full_state(self, core: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """The whole model and optimizer states (sharded ones gathered to the CPU, every rank taking part)."""

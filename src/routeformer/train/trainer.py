@@ -77,6 +77,7 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     optimizer = adamw(core, cfg)
     checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
     progress = checkpointer.restore(state)
+    model = parallel.compiled(model)  # last: compiling wraps the module the loop calls forward on
     directory.open_log(progress.step)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
                            world=procs.world, align=data.meta.sample_length or 1)
