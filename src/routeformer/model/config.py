@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..attention.checks import positive_int
+from ..attention.kernels import check_kernel
 from ..attention.kinds.base import HeadKind
 from ..attention.registry import KINDS, default_attention, get_kind
 
@@ -88,6 +89,13 @@ class TransformerConfig:
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
         commitment, kmeans_decay: routing's commitment-loss weight β and k-means EMA decay.
+        kernel: the similarity full and local heads normalise, 'exp' (softmax), 'poly2' or 'elu'
+            (``routeformer.attention.kernels``); other kinds take only 'exp', which the config checks.
+        linear_kernel: linear heads' kernel, 'elu' or 'poly2' (exp has no finite feature map: use performer heads).
+        features: Performer heads' random features m; default round(head_dim · ln head_dim).
+        redraw_every: Performer heads draw new random features every this many optimiser steps (0: never).
+        lsh_buckets, lsh_rounds, lsh_window: LSH heads' buckets (even), hash rounds and keys per query per round;
+            defaults round(sqrt(seq_len)) rounded up to even, 2, seq_len // lsh_buckets.
         options: settings of user-registered kinds, {kind name: {field: value}} (the built-in kinds read the
             fields above).
 
@@ -120,6 +128,13 @@ class TransformerConfig:
     checkpointing: bool = False
     commitment: float = 1e-4
     kmeans_decay: float = 0.999
+    kernel: str = "exp"
+    linear_kernel: str = "elu"
+    features: int | None = None
+    redraw_every: int = 0
+    lsh_buckets: int | None = None
+    lsh_rounds: int = 2
+    lsh_window: int | None = None
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -187,12 +202,17 @@ class TransformerConfig:
                                  f"fields, not from options")
             if not isinstance(given, dict):
                 raise ValueError(f"options[{name!r}] must be a mapping of field to value, got {given!r}")
+        check_kernel("kernel", self.kernel)
         groups = self.head_groups()  # each kind validates the fields it reads
-        if self.positions == "relative":
-            for group in (g for layer in groups for g in layer):
-                if not group.kind.relative_positions:
-                    raise ValueError(f"positions='relative': {group.kind.name} heads do not support relative "
-                                     "positions; use positions='absolute' or 'none'")
+        for group in (g for layer in groups for g in layer):
+            if self.kernel != "exp" and not group.kind.reads_kernel:
+                users = ", ".join(k.name for k in KINDS.values() if k.reads_kernel)
+                raise ValueError(f"kernel={self.kernel!r} applies to {users} heads; {group.kind.name} heads use the "
+                                 f"exponential kernel only (kernel='exp')")
+            if self.positions == "relative" and not group.kind.supports_relative(group.options):
+                raise ValueError(f"positions='relative': {group.kind.name} heads "
+                                 f"({group.kind.describe_options(group.options)}) do not support relative "
+                                 "positions; use positions='absolute' or 'none'")
 
     def layer_specs(self) -> list[list[tuple[str, int]]]:
         """Per layer, the (mechanism, heads) groups."""

@@ -171,7 +171,9 @@ class HeadKind:
             given (a user kind's own settings; its ``__post_init__`` validates them).
         shares_qk: (options) -> whether the keys are the queries (the layer then projects no keys for it).
         relative_positions: whether the kind supports Shaw et al.'s relative positions (the config says so
-            clearly when it does not).
+            clearly when it does not); a bool, or (options) -> bool when it depends on them.
+        reads_kernel: whether the kind's heads use ``TransformerConfig.kernel`` (full, local); a config whose
+            kernel is not 'exp' is an error for every other kind, so that the setting is never ignored.
         describe: (options) -> a short summary of the options for tables ('window=128'); default the dataclass.
         summary: one line for ``--help`` and tables.
     """
@@ -182,7 +184,8 @@ class HeadKind:
     options: Callable[[Any, int], Any] | None = None
     option_type: type | None = None
     shares_qk: Callable[[Any], bool] | None = None
-    relative_positions: bool = True
+    relative_positions: bool | Callable[[Any], bool] = True
+    reads_kernel: bool = False
     describe: Callable[[Any], str] | None = None
     summary: str = ""
 
@@ -209,6 +212,10 @@ class HeadKind:
             return self.option_type(**given)
         except TypeError as err:
             raise ValueError(f"options[{self.name!r}]: {err}") from None
+
+    def supports_relative(self, options: Any) -> bool:
+        rel = self.relative_positions
+        return bool(rel(options)) if callable(rel) else bool(rel)
 
     def heads_share_qk(self, options: Any) -> bool:
         return bool(self.shares_qk(options)) if self.shares_qk is not None else False
