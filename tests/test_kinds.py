@@ -26,7 +26,8 @@ from routeformer.testing import check_kind
 
 SMALL = {"window": 8, "stride": 6, "block": 12, "summary": 3, "num_clusters": 4, "routing_window": 8}
 BUILT_IN = ["full", "local", "routing", "strided", "strided_a1", "strided_a2", "fixed", "fixed_a1", "fixed_a2",
-            "longformer"]
+            "longformer", "linear", "performer"]
+ABSOLUTE = {"positions": "absolute"}  # the kernel heads have no relative positions
 
 
 def test_the_built_in_kinds_are_registered_in_order() -> None:
@@ -34,7 +35,14 @@ def test_the_built_in_kinds_are_registered_in_order() -> None:
 
 
 @pytest.mark.parametrize("name, extra", [
-    *[(name, {}) for name in KINDS if name != "longformer"],  # every kind registered when the tests are collected
+    *[(name, {} if KINDS[name].relative_positions is not False else ABSOLUTE)  # every kind registered now
+      for name in KINDS if name != "longformer"],
+    ("full", {"kernel": "elu", **ABSOLUTE}),
+    ("full", {"kernel": "poly2", **ABSOLUTE}),
+    ("local", {"kernel": "elu", **ABSOLUTE}),
+    ("local", {"kernel": "poly2", **ABSOLUTE}),
+    ("linear", {"linear_kernel": "poly2", **ABSOLUTE}),
+    ("performer", {"features": 12, "redraw_every": 1, **ABSOLUTE}),
     ("longformer", {"dilation": [1, 3], "global_tokens": [0, 7]}),
     ("routing", {"shared_qk": False}),
     ("routing", {"shared_qk": False, "separate_routing": True}),

@@ -7,10 +7,13 @@ Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functiona
 from .executors import EXECUTORS, Executor, get_executor, register_executor, set_default_executor
 from .fixed import fixed_attention
 from .full import full_attention
+from .kernels import KERNELS, kernel_attention
 from .kinds import HeadGroup, HeadKind, KeyStore
+from .linear import linear_attention
 from .local import local_attention
 from .longformer import longformer_attention
 from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
+from .performer import orthogonal_features, performer_attention
 from .reference import reference_attention
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
 from .relative import RelativePositions
@@ -20,6 +23,7 @@ from .strided import strided_attention
 __all__ = [
     "EXECUTORS",
     "Executor",
+    "KERNELS",
     "KINDS",
     "PATTERNS",
     "HeadGroup",
@@ -38,10 +42,14 @@ __all__ = [
     "get_executor",
     "get_kind",
     "get_pattern",
+    "kernel_attention",
+    "linear_attention",
     "local_attention",
     "local_mask",
     "longformer_attention",
     "longformer_mask",
+    "orthogonal_features",
+    "performer_attention",
     "reference_attention",
     "register_executor",
     "register_kind",

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .executors import get_executor, merge_partials, saw_key
 from .inputs import check_inputs
+from .kernels import check_kernel, kernel_attention
 from .relative import RelativePositions
 
 
@@ -20,8 +21,12 @@ def full_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    kernel: str = "exp",
 ) -> Tensor:
     """Dense softmax attention over every key (j <= i when causal).
+
+    ``kernel``: 'exp' (softmax, below), or 'poly2' / 'elu', which normalise those kernels instead
+    (``kernels.kernel_attention``: O(N²·D) in blocks; no relative positions; elu takes no scale).
 
     q, k, v: (B, H, N, D) -> (B, H, N, D). Runs through ``scaled_dot_product_attention`` (fused kernels where the
     backend has them). With ``rel_pos`` the scores are explicit, O(N²) memory: keys farther than the clipping
@@ -29,6 +34,8 @@ def full_attention(
     (the relative terms computed on the band) and the far keys, whose relative terms are one constant per query
     on the scores and one vector on the outputs; the two merge through their log-sum-exp. O(N²·D) time.
     """
+    if check_kernel("kernel", kernel) != "exp":
+        return kernel_attention(q, k, v, kernel, causal, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     if rel_pos is not None:
         if rel_pos.max_distance + 1 < N:

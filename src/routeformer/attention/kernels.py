@@ -89,6 +89,7 @@ def kernel_attention(
     *,
     window: int | None = None,
     key_padding_mask: Tensor | None = None,
+    rel_pos: object | None = None,
     block: int = 256,
 ) -> Tensor:
     """Exact attention under ``kernel`` ('poly2' or 'elu'): o_i = Σ_j K(q_i, k_j) v_j / Σ_j K(q_i, k_j).
@@ -100,6 +101,8 @@ def kernel_attention(
     """
     B, H, N, D, _, key_valid = check_inputs(q, k, v, None, key_padding_mask)
     check_kernel("kernel", kernel, FEATURE_KERNELS)
+    if rel_pos is not None:
+        raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
     s = kernel_scale(kernel, scale, D)
     block = positive_int("block", block)
     if window is not None:
@@ -124,3 +127,12 @@ def kernel_attention(
         # a row without weight outputs zeros; the where keeps its gradient finite
         outs.append((weights @ v[:, :, lo:hi]) / torch.where(total > 0, total, 1.0))
     return torch.cat(outs, 2).to(dtype)
+
+
+def attend_cached_kernel(q: Tensor, keys: Tensor, values: Tensor, kernel: str, scale: float) -> Tensor:
+    """One decoding step under ``kernel``: q (B, H, D) against every cached key, keys/values (B, H, M, D) ->
+    (B, H, D). O(M·D) per head."""
+    weights = pairwise(kernel, q[:, :, None].to(keys.dtype), keys, scale)[:, :, 0]  # (B, H, M)
+    total = weights.sum(-1, keepdim=True)
+    out = (weights[..., None, :] @ values)[:, :, 0] / torch.where(total > 0, total, 1.0)
+    return out.to(q.dtype)

@@ -210,9 +210,9 @@ class TransformerConfig:
                 raise ValueError(f"kernel={self.kernel!r} applies to {users} heads; {group.kind.name} heads use the "
                                  f"exponential kernel only (kernel='exp')")
             if self.positions == "relative" and not group.kind.supports_relative(group.options):
-                raise ValueError(f"positions='relative': {group.kind.name} heads "
-                                 f"({group.kind.describe_options(group.options)}) do not support relative "
-                                 "positions; use positions='absolute' or 'none'")
+                raise ValueError(f"positions='relative': {group.kind.name} heads do not support relative positions "
+                                 f"({group.kind.describe_options(group.options)}); use positions='absolute' or "
+                                 "'none'")
 
     def layer_specs(self) -> list[list[tuple[str, int]]]:
         """Per layer, the (mechanism, heads) groups."""

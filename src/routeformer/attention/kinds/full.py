@@ -1,26 +1,64 @@
-"""Full heads: every earlier key, the O(N²·D) baseline."""
+"""Full heads: every earlier key, the O(N²·D) baseline, under the model's kernel (``TransformerConfig.kernel``:
+softmax, or the poly2 / elu kernels of ``attention/kernels.py``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..full import full_attention
+from ..kernels import attend_cached_kernel, kernel_attention
 from ..masks import full_mask
 from .base import HeadGroup, HeadKind
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    kernel: str = "exp"  # config.kernel
 
 
 class FullHeads(HeadGroup):
     """Decoding keeps every position; a step reads the filled part, O(t·D)."""
 
+    def __init__(self, heads: int, head_dim: int, kernel: str = "exp") -> None:
+        super().__init__(heads, head_dim)
+        self.kernel = kernel
+
     def forward(self, q, k, v, rel_pos):
+        if self.kernel != "exp":
+            return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale)
         return full_attention(q, k, v, causal=True, rel_pos=rel_pos)
+
+    @property
+    def kernel_scale(self) -> float | None:
+        return None if self.kernel == "elu" else self.scale  # elu has no scale
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)
 
+    def reference(self, q, k, v, rel_pos=None):
+        if self.kernel != "exp":  # the quadratic definition under the kernel (kernel_attention is it)
+            return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale, block=q.shape[2])
+        return super().reference(q, k, v, rel_pos)
 
-def _build(options: Any, heads: int, head_dim: int, seed: int) -> FullHeads:
-    return FullHeads(heads, head_dim)
+    def attend(self, q, keys, values, positions, t, rel_pos, allowed=None):
+        if self.kernel != "exp":  # every filled slot is a key of t (no rel_pos: the config forbids it)
+            return attend_cached_kernel(q, keys, values, self.kernel, 1.0 if self.kernel == "elu" else self.scale)
+        return super().attend(q, keys, values, positions, t, rel_pos, allowed)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, kernel={self.kernel}"
 
 
-KIND = HeadKind("full", _build, keys_per_query=lambda options, n: (n + 1) / 2, summary="every earlier key")
+def kernel_options(config: Any, heads: int) -> KernelOptions:
+    return KernelOptions(getattr(config, "kernel", "exp"))
+
+
+def describe_kernel(options: KernelOptions) -> str:
+    return "-" if options.kernel == "exp" else f"kernel={options.kernel}"
+
+
+KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o.kernel),
+                keys_per_query=lambda options, n: (n + 1) / 2, options=kernel_options, reads_kernel=True,
+                relative_positions=lambda o: o.kernel == "exp", describe=describe_kernel,
+                summary="every earlier key")

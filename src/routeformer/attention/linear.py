@@ -1,0 +1,150 @@
+"""Linear attention (Katharopoulos et al. 2020): a kernel with a feature map, K(q, k) = φ(q)·φ(k), lets the sum over
+keys be taken once, o_i = φ(q_i)·(Σ_j φ(k_j) v_jᵀ) / φ(q_i)·(Σ_j φ(k_j)), in O(N·F·D) instead of O(N²·D).
+
+Causal attention needs the sum over j <= i for every i. Materialising every prefix sum is an (N, F, D) tensor per
+head; here the sequence is cut into chunks of c: inside a chunk the weights φ(q_i)·φ(k_j) are computed exactly as a
+(c, c) lower triangle, across chunks through the state Σ φ(k) vᵀ of the chunks before, one (F, D) state per chunk.
+Memory O(N·D + (N/c)·F·D) per head, which the default c >= F keeps O(N·D); time O(N·(c + F)·D).
+
+``feature_attention`` is the shared core (Performer heads feed it their random features); ``linear_attention`` is
+the public function for the elu and poly2 kernels. ``LinearState`` is the decoding state: (F, D) and (F,) per head,
+the same size at every position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checks import positive_int
+from .inputs import check_inputs
+from .kernels import FEATURE_KERNELS, check_kernel, feature_dim, feature_map, kernel_scale, pairwise
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of N products overflow or lose all precision in half precision: compute those in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def default_chunk(features: int) -> int:
+    """c = F clamped to [64, 512]: c >= F keeps the per-chunk states within O(N·D); the cap bounds the (c, c)
+    exact part for large F (poly2)."""
+    return min(512, max(64, features))
+
+
+def _divide(num: Tensor, den: Tensor) -> Tensor:
+    """num / den with rows whose weights sum to 0 (no key) giving zeros and finite gradients."""
+    return num / torch.where(den > 0, den, 1.0)[..., None]
+
+
+def feature_attention(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    chunk: int,
+    key_valid: Tensor | None = None,
+    intra: Callable[[Tensor, Tensor], Tensor] | None = None,
+    q: Tensor | None = None,
+    k: Tensor | None = None,
+) -> Tensor:
+    """o_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over j <= i (causal) or all j.
+
+    phi_q, phi_k: (B, H, N, F); v: (B, H, N, D); key_valid: (B, 1, N) bool or None (padded keys get φ = 0, so they
+    leave the numerator and the denominator). ``intra(q_c, k_c)`` -> (B, H, C, c, c) computes the within-chunk
+    weights from the raw q, k chunks when that is cheaper than through features (poly2: c·c·D instead of c·c·F);
+    by default they are φ(q)·φ(k). Returns (B, H, N, D) in the dtype of the inputs.
+    """
+    if key_valid is not None:
+        phi_k = phi_k * key_valid[..., None].to(phi_k.dtype)
+    if not causal:
+        state = phi_k.transpose(-1, -2) @ v  # (B, H, F, D)
+        return _divide(phi_q @ state, (phi_q * phi_k.sum(2, keepdim=True)).sum(-1))
+    B, H, N, Fd = phi_q.shape
+    D = v.shape[-1]
+    pad = (-N) % chunk
+    C = (N + pad) // chunk
+
+    def chunks(x: Tensor) -> Tensor:  # (B, H, N, X) -> (B, H, C, c, X); padded rows are zeros, so they add nothing
+        return F.pad(x, (0, 0, 0, pad)).reshape(x.shape[0], x.shape[1], C, chunk, x.shape[-1])
+
+    fq, fk, vc = chunks(phi_q), chunks(phi_k), chunks(v)
+    # Σ φ(k) vᵀ and Σ φ(k) of each chunk, then of the chunks strictly before: exclusive prefix sums over chunks
+    per_chunk = fk.transpose(-1, -2) @ vc  # (B, H, C, F, D)
+    before = per_chunk.cumsum(2) - per_chunk
+    norm = fk.sum(3)  # (B, H, C, F)
+    norm_before = norm.cumsum(2) - norm
+    num = fq @ before  # (B, H, C, c, D)
+    den = (fq @ norm_before[..., None])[..., 0]  # (B, H, C, c)
+    if intra is not None and q is not None and k is not None:
+        weights = intra(chunks(q), chunks(k))
+        if key_valid is not None:
+            weights = weights * chunks(key_valid[..., None].to(weights.dtype)).transpose(-1, -2)  # (B, 1, C, 1, c)
+    else:
+        weights = fq @ fk.transpose(-1, -2)  # (B, H, C, c, c)
+    weights = weights * torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    num = num + weights @ vc
+    den = den + weights.sum(-1)
+    out = _divide(num, den).reshape(B, H, C * chunk, D)
+    return out[:, :, :N]
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    kernel: str = "elu",
+    key_padding_mask: Tensor | None = None,
+    chunk: int | None = None,
+) -> Tensor:
+    """Full attention under the ``elu`` or ``poly2`` kernel (``kernels.py``) in linear time.
+
+    q, k, v: (B, H, N, D) -> (B, H, N, D); equal to ``kernel_attention(q, k, v, kernel)`` (the quadratic form) up
+    to rounding. Non-causal O(N·F·D); causal in chunks of ``chunk`` (default ``default_chunk(F)``), O(N·(c + F)·D)
+    time and O(N·D + (N/c)·F·D) memory per head. F = D for elu, 1 + D + D(D+1)/2 for poly2. ``scale``: poly2's s
+    (default 1/√D); elu has none. Half-precision inputs are computed in float32 and returned in their dtype.
+    """
+    B, H, N, D, _, key_valid = check_inputs(q, k, v, None, key_padding_mask)
+    check_kernel("kernel", kernel, FEATURE_KERNELS)
+    s = kernel_scale(kernel, scale, D)
+    chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else positive_int("chunk", chunk)
+    dtype = q.dtype
+    q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
+    phi_q, phi_k = feature_map(kernel, q, s), feature_map(kernel, k, s)
+    intra = (lambda qc, kc: pairwise(kernel, qc, kc, s)) if kernel == "poly2" else None
+    out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra, q=q, k=k)
+    return out.to(dtype)
+
+
+@dataclass
+class LinearState:
+    """The decoding state of linear heads: Σ φ(k) vᵀ (B, H, F, D) and Σ φ(k) (B, H, F) over the positions so far.
+    The same size at every position: a step costs O(F·D) per head."""
+
+    kv: Tensor
+    norm: Tensor
+    count: int = 0
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, features: int, head_dim: int, *, device, dtype) -> LinearState:
+        dtype = compute_dtype(dtype)
+        return cls(torch.zeros(batch, heads, features, head_dim, device=device, dtype=dtype),
+                   torch.zeros(batch, heads, features, device=device, dtype=dtype))
+
+    def add(self, phi_k: Tensor, v: Tensor) -> None:
+        """Take in the keys' features (B, H, n, F) and values (B, H, n, D)."""
+        self.kv = self.kv + phi_k.transpose(-1, -2) @ v.to(self.kv.dtype)
+        self.norm = self.norm + phi_k.sum(2)
+        self.count += phi_k.shape[2]
+
+    def read(self, phi_q: Tensor) -> Tensor:
+        """Outputs (B, H, n, D) of queries whose features are (B, H, n, F), over every key taken in."""
+        return _divide(phi_q @ self.kv, (phi_q @ self.norm[..., None])[..., 0])

@@ -1,0 +1,102 @@
+"""Performer attention (Choromanski et al. 2021, FAVOR+): softmax attention estimated with positive orthogonal
+random features, in linear time.
+
+exp(q'·k') = E_w[exp(w·q' - |q'|²/2) · exp(w·k' - |k'|²/2)] for w ~ N(0, I), with q' = √s·q, k' = √s·k (s the
+scale, 1/√D by default), so m features w_1..w_m give φ(x)_r = exp(w_r·x - |x|²/2)/√m and φ(q)·φ(k) ≈ exp(s·q·k),
+an unbiased estimate whose variance falls as m grows. Rows of W are drawn orthogonal in blocks of D (QR of a
+Gaussian matrix) and rescaled to the norms of independent Gaussian vectors (``orthogonal_features``).
+
+Stabilisation without a leak. The exponentials overflow unless shifted. Subtracting one maximum taken over every
+key of the sequence (the reference code, performer-pytorch issue 82) makes each output depend on later keys.
+Here the shifts are chosen so that no key's features depend on any other position:
+- a key gets exp(w_r·k' - |k'|²/2 - |w_r|²/2) = exp(-|k' - w_r|²/2), at most 1, a function of k' alone;
+- a query gets exp(w_r·q' + |w_r|²/2 - max_r(w_r·q' + |w_r|²/2)), at most 1, a function of q' alone.
+The per-feature factors exp(∓|w_r|²/2) cancel in every product φ(q)·φ(k), and the query's own factor cancels
+between numerator and denominator, so the attention weights are exactly those of FAVOR+. Features are computed in
+float32 for half-precision inputs (no NaN). A key whose k' lies farther than ~13 (float32) from every w_r gets
+all-zero features and no weight, as under any fixed shift.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .checks import check_scale, positive_int
+from .inputs import check_inputs
+from .linear import compute_dtype, default_chunk, feature_attention
+
+
+def default_features(head_dim: int) -> int:
+    """m = round(D · ln D) (the Performer paper's suggestion), at least D."""
+    return max(head_dim, round(head_dim * math.log(head_dim))) if head_dim > 1 else 1
+
+
+def orthogonal_features(heads: int, features: int, head_dim: int, *, generator: torch.Generator | None = None,
+                        device=None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(heads, m, D) random feature rows: orthogonal within each block of D rows, each row's norm that of an
+    independent D-dimensional Gaussian vector (so each row alone is N(0, I)). Drawn on the CPU from ``generator``
+    (the same rows on every rank for the same seed), then moved to ``device``."""
+    positive_int("features", features)
+    blocks = []
+    for _ in range(math.ceil(features / head_dim)):
+        gaussian = torch.randn(heads, head_dim, head_dim, generator=generator, dtype=torch.float64)
+        blocks.append(torch.linalg.qr(gaussian).Q.transpose(-1, -2))  # rows orthonormal
+    rows = torch.cat(blocks, 1)[:, :features]  # (H, m, D)
+    norms = torch.randn(heads, features, head_dim, generator=generator, dtype=torch.float64).norm(dim=-1)
+    return (rows * norms[..., None]).to(device=device, dtype=dtype)
+
+
+def performer_features(x: Tensor, projection: Tensor, scale: float, *, query: bool) -> Tensor:
+    """φ(x): (B, H, N, D) -> (B, H, N, m) with the leak-free shifts of the module docstring. projection: (H, m, D)."""
+    w = projection.to(x.dtype)
+    x = x * math.sqrt(scale)
+    proj = torch.einsum("bhnd,hmd->bhnm", x, w)  # w_r·x
+    half_w = 0.5 * w.square().sum(-1)[None, :, None, :]  # (1, H, 1, m): |w_r|²/2
+    m = w.shape[-2]
+    if query:
+        logits = proj + half_w
+        return torch.exp(logits - logits.amax(-1, keepdim=True).detach()) / math.sqrt(m)
+    return torch.exp(proj - half_w - 0.5 * x.square().sum(-1, keepdim=True)) / math.sqrt(m)
+
+
+def performer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    projection: Tensor | None = None,
+    features: int | None = None,
+    generator: torch.Generator | None = None,
+    key_padding_mask: Tensor | None = None,
+    chunk: int | None = None,
+) -> Tensor:
+    """Softmax attention estimated by FAVOR+ (module docstring). q, k, v: (B, H, N, D) -> (B, H, N, D).
+
+    ``projection`` (H, m, D) gives the random features (``orthogonal_features``); without it, ``features`` rows
+    (default ``default_features(D)``) are drawn from ``generator``. Causal in chunks as ``linear_attention``:
+    O(N·(c + m)·D) time, O(N·D + (N/c)·m·D) memory per head; non-causal O(N·m·D). Padded keys
+    (``key_padding_mask`` False) leave the numerator and the denominator.
+    """
+    B, H, N, D, s, key_valid = check_inputs(q, k, v, scale, key_padding_mask)
+    s = check_scale(scale, D)
+    if projection is None:
+        m = default_features(D) if features is None else positive_int("features", features)
+        projection = orthogonal_features(H, m, D, generator=generator, device=q.device)
+    elif features is not None:
+        raise ValueError("give either projection or features, not both")
+    if not isinstance(projection, Tensor) or projection.dim() != 3 or projection.shape[0] != H \
+            or projection.shape[2] != D:
+        raise ValueError(f"projection must have shape (H, m, D) = ({H}, m, {D}), got "
+                         f"{tuple(getattr(projection, 'shape', ()))}")
+    m = projection.shape[1]
+    chunk = default_chunk(m) if chunk is None else positive_int("chunk", chunk)
+    dtype = q.dtype
+    q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
+    phi_q = performer_features(q, projection, s, query=True)
+    phi_k = performer_features(k, projection, s, query=False)
+    return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid).to(dtype)
