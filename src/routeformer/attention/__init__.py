@@ -10,6 +10,7 @@ from .full import full_attention
 from .kinds import HeadGroup, HeadKind, KeyStore
 from .local import local_attention
 from .longformer import longformer_attention
+from .lsh import lsh_attention
 from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
 from .reference import reference_attention
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
@@ -42,6 +43,7 @@ __all__ = [
     "local_mask",
     "longformer_attention",
     "longformer_mask",
+    "lsh_attention",
     "reference_attention",
     "register_executor",
     "register_kind",
