@@ -40,7 +40,8 @@ def test_the_built_in_kinds_are_registered_in_order() -> None:
     ("routing", {"shared_qk": False, "separate_routing": True}),
 ])
 def test_every_built_in_kind_passes_the_generic_checks(name: str, extra: dict) -> None:
-    report = check_kind(name, seq_len=40, **{**SMALL, **extra})
+    positions = "absolute" if get_kind(name).relative_positions is False else "relative"  # e.g. lsh
+    report = check_kind(name, seq_len=40, positions=positions, **{**SMALL, **extra})
     assert max(report.reference, report.reference_grad, report.leak, report.decode) <= 1e-9
 
 
