@@ -26,7 +26,7 @@ from routeformer.testing import check_kind
 
 SMALL = {"window": 8, "stride": 6, "block": 12, "summary": 3, "num_clusters": 4, "routing_window": 8}
 BUILT_IN = ["full", "local", "routing", "strided", "strided_a1", "strided_a2", "fixed", "fixed_a1", "fixed_a2",
-            "longformer", "linear", "performer"]
+            "longformer", "lsh", "linear", "performer"]
 ABSOLUTE = {"positions": "absolute"}  # the kernel heads have no relative positions
 
 

@@ -12,6 +12,7 @@ from .kinds import HeadGroup, HeadKind, KeyStore
 from .linear import linear_attention
 from .local import local_attention
 from .longformer import longformer_attention
+from .lsh import lsh_attention
 from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
 from .performer import orthogonal_features, performer_attention
 from .reference import reference_attention
@@ -48,6 +49,7 @@ __all__ = [
     "local_mask",
     "longformer_attention",
     "longformer_mask",
+    "lsh_attention",
     "orthogonal_features",
     "performer_attention",
     "reference_attention",

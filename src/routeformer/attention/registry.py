@@ -20,6 +20,7 @@ from .kinds import full as full_kind
 from .kinds import linear as linear_kind
 from .kinds import local as local_kind
 from .kinds import longformer as longformer_kind
+from .kinds import lsh as lsh_kind
 from .kinds import performer as performer_kind
 from .kinds import routing as routing_kind
 from .kinds import strided as strided_kinds
@@ -63,7 +64,7 @@ def get_kind(name: str) -> HeadKind:
 # The built-in kinds, in the order error messages list them. A new built-in kind is one file in kinds/ and one
 # entry here.
 for _kind in (full_kind.KIND, local_kind.KIND, routing_kind.KIND, *strided_kinds.KINDS, *fixed_kinds.KINDS,
-              longformer_kind.KIND, linear_kind.KIND, performer_kind.KIND):
+              longformer_kind.KIND, lsh_kind.KIND, linear_kind.KIND, performer_kind.KIND):
     register_kind(_kind)
 
 
