@@ -36,12 +36,13 @@ def test_the_built_in_kinds_are_registered_in_order() -> None:
 
 @pytest.mark.parametrize("name, extra", [
     *[(name, {} if KINDS[name].relative_positions is not False else ABSOLUTE)  # every kind registered now
-      for name in KINDS if name != "longformer"],
+      for name in KINDS if name not in ("longformer", "linear")],
+    ("linear", {"kernel": "elu", **ABSOLUTE}),
     ("full", {"kernel": "elu", **ABSOLUTE}),
     ("full", {"kernel": "poly2", **ABSOLUTE}),
     ("local", {"kernel": "elu", **ABSOLUTE}),
     ("local", {"kernel": "poly2", **ABSOLUTE}),
-    ("linear", {"linear_kernel": "poly2", **ABSOLUTE}),
+    ("linear", {"kernel": "poly2", **ABSOLUTE}),
     ("performer", {"features": 12, "redraw_every": 1, **ABSOLUTE}),
     ("longformer", {"dilation": [1, 3], "global_tokens": [0, 7]}),
     ("routing", {"shared_qk": False}),

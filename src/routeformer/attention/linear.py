@@ -75,10 +75,12 @@ def feature_attention(
 
     fq, fk, vc = chunks(phi_q), chunks(phi_k), chunks(v)
     # Σ φ(k) vᵀ and Σ φ(k) of each chunk, then of the chunks strictly before: exclusive prefix sums over chunks
+    # (shifting the inclusive sums, not subtracting the chunk's own: (a + b) - b loses a when b is large, and
+    # would let a chunk's later positions perturb its earlier ones)
     per_chunk = fk.transpose(-1, -2) @ vc  # (B, H, C, F, D)
-    before = per_chunk.cumsum(2) - per_chunk
+    before = F.pad(per_chunk.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     norm = fk.sum(3)  # (B, H, C, F)
-    norm_before = norm.cumsum(2) - norm
+    norm_before = F.pad(norm.cumsum(2)[:, :, :-1], (0, 0, 1, 0))
     num = fq @ before  # (B, H, C, c, D)
     den = (fq @ norm_before[..., None])[..., 0]  # (B, H, C, c)
     if intra is not None and q is not None and k is not None:

@@ -89,9 +89,9 @@ class TransformerConfig:
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
         commitment, kmeans_decay: routing's commitment-loss weight β and k-means EMA decay.
-        kernel: the similarity full and local heads normalise, 'exp' (softmax), 'poly2' or 'elu'
-            (``routeformer.attention.kernels``); other kinds take only 'exp', which the config checks.
-        linear_kernel: linear heads' kernel, 'elu' or 'poly2' (exp has no finite feature map: use performer heads).
+        kernel: the similarity full, local and linear heads normalise, 'exp' (softmax), 'poly2' or 'elu'
+            (``routeformer.attention.kernels``); linear heads need 'poly2' or 'elu', other kinds take only 'exp',
+            which the config checks.
         features: Performer heads' random features m; default round(head_dim · ln head_dim).
         redraw_every: Performer heads draw new random features every this many optimiser steps (0: never).
         lsh_buckets, lsh_rounds, lsh_window: LSH heads' buckets (even), hash rounds and keys per query per round;
@@ -129,7 +129,6 @@ class TransformerConfig:
     commitment: float = 1e-4
     kmeans_decay: float = 0.999
     kernel: str = "exp"
-    linear_kernel: str = "elu"
     features: int | None = None
     redraw_every: int = 0
     lsh_buckets: int | None = None

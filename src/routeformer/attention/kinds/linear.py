@@ -13,7 +13,7 @@ from .base import HeadGroup, HeadKind
 
 @dataclass(frozen=True)
 class LinearOptions:
-    kernel: str  # config.linear_kernel: 'elu' or 'poly2'
+    kernel: str  # config.kernel: 'elu' or 'poly2'
     features: int  # F of the kernel at config.head_dim
 
 
@@ -58,10 +58,10 @@ class LinearHeads(FeatureHeads):
 
 
 def _options(config: Any, heads: int) -> LinearOptions:
-    kernel = config.linear_kernel
+    kernel = config.kernel
     if kernel not in FEATURE_KERNELS:
-        raise ValueError(f"linear_kernel must be 'elu' or 'poly2' (the exponential kernel has no finite feature map: "
-                         f"use performer heads), got {kernel!r}")
+        raise ValueError(f"kernel={kernel!r}: linear heads need kernel='elu' or 'poly2' (the exponential kernel has no "
+                         "finite feature map; performer heads estimate it)")
     return LinearOptions(kernel, feature_dim(kernel, config.head_dim))
 
 
@@ -70,6 +70,6 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
 
 
 KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o.kernel),
-                keys_per_query=_keys_per_query, options=_options, relative_positions=False,
+                keys_per_query=_keys_per_query, options=_options, relative_positions=False, reads_kernel=True,
                 describe=lambda o: f"kernel={o.kernel}, F={o.features}",
                 summary="every earlier key under the elu or poly2 kernel, in linear time")
