@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_size(mod, "--depth", 4, "layers")
     _add_size(mod, "--heads", 8, "heads per layer")
     _add_window(mod, 256)
+    from .bench import model as bench_model  # the row names (this imports nothing beyond the package)
+
+    mod.add_argument("--models", nargs="+", metavar="NAME", default=list(bench_model.MODELS),
+                     help="rows: attention specs ('full', 'local:4,routing:4') or presets "
+                     f"({', '.join(bench_model.PRESETS)}); the first is the baseline (default: %(default)s)")
     _add_size(mod, "--batch", 1, "sequences per training step")
     _add_size(mod, "--repeats", 3, "timed training steps, median reported")
     _add_device(mod, bench=True)
@@ -460,7 +465,7 @@ def cmd_bench(args) -> int:
                       only=args.only)
     elif args.suite == "model":
         model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
-                  batch=args.batch, repeats=args.repeats, device=args.device)
+                  batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models)
     else:
         attention.run([1024, 4096, 16384], device=args.device)
         print()

@@ -21,17 +21,30 @@ import torch.nn.functional as F
 from ..model import TransformerConfig, TransformerLM
 from .measure import PeakMemory, format_table, median_time, synchronize
 
-MODELS = ("full", "local", "local+routing")  # the default rows; 'local+routing' is half and half
+MODELS = ("full", "local", "local+routing")  # the default rows
+
+
+def _half_local(heads: int, other: str) -> str:
+    return f"local:{heads - heads // 2},{other}:{heads // 2}"
+
+
+# Named rows beyond plain attention specs: the heads and the settings they need. The kernel heads have no relative
+# positions, so their rows use none (a speed benchmark; generation runs past the training length); linear heads
+# need a kernel with a feature map.
+PRESETS: dict[str, Callable[[int], dict]] = {
+    "local+routing": lambda heads: {"attention": _half_local(heads, "routing")},
+    "local+lsh": lambda heads: {"attention": _half_local(heads, "lsh"), "positions": "none"},
+    "linear-elu": lambda heads: {"attention": "linear", "kernel": "elu", "positions": "none"},
+    "performer-favor": lambda heads: {"attention": "performer", "positions": "none"},
+}
 
 
 def model_configs(n: int, dim: int, depth: int, heads: int, window: int,
                   attentions: tuple[str, ...] | list[str] = MODELS) -> dict[str, TransformerConfig]:
-    """The models compared at length n, one per attention spec (any registered kinds, or 'local+routing'); the
-    first is the baseline."""
-    half = heads // 2
+    """The models compared at length n, one per row name: a preset (``PRESETS``) or an attention spec of registered
+    kinds; the first is the baseline."""
     common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n)}
-    return {name: TransformerConfig(attention=name.replace("local+routing", f"local:{heads - half},routing:{half}"),
-                                    **common)
+    return {name: TransformerConfig(**{**common, **(PRESETS[name](heads) if name in PRESETS else {"attention": name})})
             for name in attentions}
 
 
