@@ -74,11 +74,13 @@ def feature_attention(
         return F.pad(x, (0, 0, 0, pad)).reshape(x.shape[0], x.shape[1], C, chunk, x.shape[-1])
 
     fq, fk, vc = chunks(phi_q), chunks(phi_k), chunks(v)
-    # Σ φ(k) vᵀ and Σ φ(k) of each chunk, then of the chunks strictly before: exclusive prefix sums over chunks
+    # Σ φ(k) vᵀ and Σ φ(k) of each chunk, then of the chunks strictly before: exclusive prefix sums over chunks,
+    # shifted by one chunk rather than cumsum - own (that subtraction rounds differently with the chunk's later
+    # positions, so outputs at t moved by ~1e-5 in float32 when positions after t changed)
     per_chunk = fk.transpose(-1, -2) @ vc  # (B, H, C, F, D)
-    before = per_chunk.cumsum(2) - per_chunk
+    before = F.pad(per_chunk.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     norm = fk.sum(3)  # (B, H, C, F)
-    norm_before = norm.cumsum(2) - norm
+    norm_before = F.pad(norm.cumsum(2)[:, :, :-1], (0, 0, 1, 0))
     num = fq @ before  # (B, H, C, c, D)
     den = (fq @ norm_before[..., None])[..., 0]  # (B, H, C, c)
     if intra is not None and q is not None and k is not None:
