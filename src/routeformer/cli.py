@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device(att, bench=True)
     att.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="tensor dtype (default float32)")
     att.add_argument("--non-causal", action="store_true", help="encoder (non-causal) variants")
-    att.add_argument("--only", nargs="+", metavar="NAME", help="mechanisms to run beside full (e.g. local strided)")
+    att.add_argument("--only", nargs="+", metavar="NAME",
+                     help="mechanisms to run beside full, with their peers (e.g. local strided lsh performer)")
 
     mod = suites.add_parser(
         "model",

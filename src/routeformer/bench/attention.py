@@ -3,12 +3,17 @@
     routeformer bench attention [--n 1024 4096 16384] [--window 256] [--repeats 3]
 
 Prints, per sequence length, forward and forward+backward time (median of consecutive runs), peak memory of an
-inference forward and of a training forward+backward, and the forward+backward speed-up over ``full``. Peer
-implementations run beside ours when installed (``pip install -e ".[bench]"``).
+inference forward and of a training forward+backward, and the forward+backward speed-up over ``full``; then, for
+causal runs, the measured causal leak of every row (``leak.py``) at N = min(1024, largest N). Peer implementations
+run beside ours when installed (``pip install -e ".[bench]"``); ``--only NAME`` keeps the peers of NAME (the
+``peer_of`` of their row) as well as NAME. A row that cannot run (too much memory, an error) is printed with the
+reason in a note column.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,10 +26,19 @@ from ..attention import (
     RoutingAttention,
     fixed_attention,
     full_attention,
+    linear_attention,
     local_attention,
     longformer_attention,
+    lsh_attention,
+    orthogonal_features,
+    performer_attention,
     strided_attention,
 )
+from ..attention.kernels import feature_dim
+from ..attention.linear import default_chunk
+from ..attention.lsh import lsh_rotations
+from ..attention.performer import default_features
+from .leak import causal_leak, leak_positions, verdict
 from .measure import PeakMemory, format_table, median_time
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -35,6 +49,15 @@ class Candidate:
     name: str
     settings: str
     attend: Attend
+    peer_of: str | None = None  # the row of ours a peer is compared with: ``--only`` that name keeps the peer
+    skip: str | None = None  # why it is not run at this length (printed in the note column)
+    training_bytes: Callable[[Tensor], int] | None = None  # estimate for q: training is not run if over half free
+
+
+# Not run beyond this length: full-elu / full-poly2 (unfused O(N²) kernel attention) and linear-poly2 (F = 2145
+# features at D = 64: 13 s forward+backward and 2.4 GiB at N = 4096 on 2 CPU threads, 0.11× full, ~4× both at 16k).
+KERNEL_ATTENTION_MAX_N = 4096
+TRAINING_CAP_BYTES = 8 * 2**30  # over this (or half the free memory) estimated, a row is timed forward only
 
 
 def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.device, dtype: torch.dtype,
@@ -47,6 +70,16 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal).to(device).train()
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
+    buckets, lsh_window = lsh_settings(n)
+    rotations = lsh_rotations(heads, head_dim, buckets, 2).to(device)
+    features = default_features(head_dim)
+    projection = orthogonal_features(heads, features, head_dim, generator=torch.Generator().manual_seed(0),
+                                     device=device)
+    poly2 = feature_dim("poly2", head_dim)
+    quadratic = (None if n <= KERNEL_ATTENTION_MAX_N else
+                 f"not run at N > {KERNEL_ATTENTION_MAX_N}: exact O(N²) kernel attention, unfused")
+    too_many_features = (None if n <= KERNEL_ATTENTION_MAX_N else
+                         f"not run at N > {KERNEL_ATTENTION_MAX_N}: F={poly2} features, (B, H, N, F) feature maps")
     found = [
         Candidate("full", "SDPA", lambda q, k, v: full_attention(q, k, v, causal=causal)),
         Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal)),
@@ -62,14 +95,57 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                   lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal)),
         Candidate("routing", f"k={clusters}, window={routed}, shared QK",
                   lambda q, k, v: routing(q, q, v)),
+        Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
+                  lambda q, k, v: lsh_attention(q, v, buckets=buckets, rounds=2, window=lsh_window, causal=causal,
+                                                rotations=rotations)),
+        Candidate("linear", f"elu, F={head_dim}, chunk={default_chunk(head_dim)}",
+                  lambda q, k, v: linear_attention(q, k, v, causal=causal)),
+        Candidate("linear-poly2", f"(1+s·q·k)², F={poly2}, chunk={default_chunk(poly2)}",
+                  lambda q, k, v: linear_attention(q, k, v, causal=causal, kernel="poly2"), skip=too_many_features),
+        Candidate("performer", f"m={features}, orthogonal per head, drawn once, chunk={default_chunk(features)}",
+                  lambda q, k, v: performer_attention(q, k, v, causal=causal, projection=projection)),
+        Candidate("full-elu", "exact elu kernel, O(N²) blocks",
+                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="elu"), skip=quadratic),
+        Candidate("full-poly2", "exact (1+s·q·k)², O(N²) blocks",
+                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="poly2"), skip=quadratic),
     ]
-    found += _peers(window, causal, heads, head_dim, clusters, routed, device)
+    found += _peers(n, window, causal, heads, head_dim, clusters, routed, buckets, lsh_window, features, device)
     return found
 
 
-def _peers(window: int, causal: bool, heads: int, head_dim: int, clusters: int, routed: int,
-           device: torch.device) -> list[Candidate]:
-    """lucidrains' ``local-attention`` and ``routing-transformer`` (PyPI), at our settings, when installed."""
+def lsh_settings(n: int) -> tuple[int, int]:
+    """(buckets, window) of the lsh row at length n: buckets = round(sqrt(n)) rounded to an even number (at least
+    2), window = n // buckets, the mean bucket size (O(N^1.5) like routing)."""
+    buckets = max(2, 2 * round(math.sqrt(n) / 2))
+    return buckets, max(1, n // buckets)
+
+
+def reformer_bucket_size(n: int, window: int) -> int | None:
+    """reformer-pytorch's bucket_size closest to our lsh window from below: it needs n % (2 · bucket_size) == 0.
+    None when n is odd (no bucket size fits)."""
+    fits = [b for b in range(1, window + 1) if n % (2 * b) == 0]
+    return max(fits) if fits else None
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory free for one more allocation: CUDA's free memory, or the CPU's MemAvailable (Linux); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peers(n: int, window: int, causal: bool, heads: int, head_dim: int, clusters: int, routed: int,
+           buckets: int, lsh_window: int, features: int, device: torch.device) -> list[Candidate]:
+    """lucidrains' ``local-attention``, ``routing-transformer``, ``reformer-pytorch`` and ``performer-pytorch``
+    (PyPI), at our settings as far as their APIs allow, when installed; their attention cores on our (B, H, N, D)
+    tensors (folded to (B·H, N, D) where they take 3-d inputs)."""
     found = []
     try:
         from local_attention import LocalAttention
@@ -83,7 +159,7 @@ def _peers(window: int, causal: bool, heads: int, head_dim: int, clusters: int, 
             B, H, N, D = q.shape
             return local(q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, D)).view(B, H, N, D)
 
-        found.append(Candidate("local-attention (peer)", f"window={window}, exact", attend_local))
+        found.append(Candidate("local-attention (peer)", f"window={window}, exact", attend_local, peer_of="local"))
     try:
         from routing_transformer.routing_transformer import KmeansAttention
     except ImportError:
@@ -92,8 +168,69 @@ def _peers(window: int, causal: bool, heads: int, head_dim: int, clusters: int, 
         # Its causal routing picks each cluster's members with later tokens (it leaks); timed as it is used.
         kmeans = KmeansAttention(clusters, routed, heads, head_dim, causal=causal, shared_qk=True).to(device).train()
         found.append(Candidate("routing-transformer (peer)", f"k={clusters}, window={routed}, shared QK",
-                               lambda q, k, v: kmeans(q, q, v)[0]))
+                               lambda q, k, v: kmeans(q, q, v)[0], peer_of="routing"))
+    found += _reformer_peer(n, causal, lsh_window)
+    found += _performer_peer(n, causal, heads, head_dim, features, device)
     return found
+
+
+def _reformer_peer(n: int, causal: bool, lsh_window: int) -> list[Candidate]:
+    """reformer-pytorch's ``LSHAttention`` (shared QK, keys normalised, as ours): 2 hash rounds, buckets of our lsh
+    window. It sorts by (bucket, position) and cuts the sorted sequence into chunks of ``bucket_size``, each seeing
+    itself and the chunk before (up to 2 · bucket_size keys per round); it draws its rotations in every call
+    (``torch.randn``, per (batch · head) here), which is timed with it. ``allow_duplicate_attention=False``: a key
+    found by both rounds is counted once, as in ours (their -log(count) correction)."""
+    try:
+        from reformer_pytorch.reformer_pytorch import LSHAttention
+    except ImportError:
+        return []
+    size = reformer_bucket_size(n, lsh_window)
+    name = "reformer-pytorch (peer)"
+    if size is None:
+        return [Candidate(name, "-", _unavailable, peer_of="lsh",
+                          skip=f"N={n} is odd: needs N divisible by 2 · bucket_size")]
+    lsh = LSHAttention(bucket_size=size, n_hashes=2, causal=causal, allow_duplicate_attention=False,
+                       random_rotations_per_head=True).eval()
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, H, N, D = q.shape
+        return lsh(q.reshape(B * H, N, D), v.reshape(B * H, N, D))[0].view(B, H, N, D)
+
+    return [Candidate(name, f"bucket_size={size} ({n // size} buckets), n_hashes=2, chunk + one back, shared QK, "
+                            "counted once, rotations drawn per call", attend, peer_of="lsh")]
+
+
+def _performer_peer(n: int, causal: bool, heads: int, head_dim: int, features: int,
+                    device: torch.device) -> list[Candidate]:
+    """performer-pytorch's ``FastAttention`` (FAVOR+ softmax kernel) with nb_features = ours: one (m, D) projection
+    for all heads, drawn once at construction. Without the CUDA kernel of ``fast_transformers`` its causal path is
+    ``causal_linear_attention_noncuda``: 128 chunks, each holding an (N/128, m, D) prefix-sum tensor per head, which
+    training keeps for the backward pass; training is not run when that is estimated over
+    ``TRAINING_CAP_BYTES`` or half the free memory."""
+    try:
+        from performer_pytorch import performer_pytorch as pp
+    except ImportError:
+        return []
+    with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(io.StringIO()):  # it prints a warning
+        torch.manual_seed(0)
+        fast = pp.FastAttention(head_dim, nb_features=features, causal=causal).to(device)
+    noncuda = causal and fast.causal_linear_fn is pp.causal_linear_attention_noncuda
+    settings = f"nb_features={features}, one projection for all heads, drawn once"
+    settings += ", causal by chunked prefix sums (no CUDA kernel)" if noncuda else ""
+
+    def training_bytes(q: Tensor) -> int:
+        # the (N/128, m, D) context of each chunk, batch element and head, kept for the backward pass: peak
+        # measured (PeakMemory, CPU) at 1.14 × B·H·N·m·D elements at N = 1024 and 2048, H = 8, D = 64
+        B, H, N, D = q.shape
+        return int(1.15 * B * H * N * features * D * q.element_size())
+
+    return [Candidate("performer-pytorch (peer)", settings, fast, peer_of="performer",
+                      training_bytes=training_bytes if noncuda else None)]
+
+
+
+def _unavailable(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    raise RuntimeError("not runnable at this length")
 
 
 def run(
@@ -108,16 +245,17 @@ def run(
     dtype: torch.dtype = torch.float32,
     causal: bool = True,
     only: list[str] | None = None,
+    leak_n: int | None = None,
     echo: Callable[[str], None] = print,
 ) -> list[dict]:
-    """Measure every candidate at every length; print one table per length; return the rows."""
+    """Measure every candidate at every length; print one table per length (and, causal, the leak table of
+    ``leaks`` at N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows."""
     dev = torch.device(device)
     results: list[dict] = []
     echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
          f"{'causal' if causal else 'non-causal'}, threads={torch.get_num_threads()}, median of {repeats}")
     for n in ns:
-        every = candidates(n, heads, head_dim, window, dev, dtype, causal)
-        cands = every[:1] + [c for c in every[1:] if only is None or c.name.split(" ")[0] in only]
+        cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal), only)
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
         results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev)]
@@ -126,7 +264,56 @@ def run(
     if len(ns) > 1:
         echo("")
         echo(memory_growth(results))
+    leak_n = min(1024, max(ns)) if leak_n is None else leak_n
+    if causal and leak_n:
+        echo("")
+        echo(leak_table(leaks(leak_n, heads=heads, head_dim=head_dim, window=window, device=dev, only=only)))
     return results
+
+
+def selected(every: list[Candidate], only: list[str] | None) -> list[Candidate]:
+    """The baseline (first) and the candidates named in ``only`` (by the first word of their name) or whose
+    ``peer_of`` is named there; all when ``only`` is None."""
+    return every[:1] + [c for c in every[1:]
+                        if only is None or c.name.split(" ")[0] in only or c.peer_of in only]
+
+
+def leaks(n: int, *, heads: int = 8, head_dim: int = 64, window: int = 256, device: torch.device | str = "cpu",
+          only: list[str] | None = None, seed: int = 0) -> list[dict]:
+    """The causal leak (``leak.causal_leak``, float32, batch 1) of every causal candidate built for length n,
+    including the peers: one row per candidate with its settings, the largest change and the verdict."""
+    dev = torch.device(device)
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, n, head_dim, generator=gen).to(dev) for _ in range(3))
+    for c in selected(candidates(n, heads, head_dim, window, dev, torch.float32, True), only):
+        if c.skip:
+            rows.append({"mechanism": c.name, "settings": c.settings, "leak": None, "note": c.skip})
+            continue
+        try:
+            value = causal_leak(c.attend, q, k, v, seed=seed)
+        except Exception as e:  # a peer that refuses this length: report it, measure the rest
+            rows.append({"mechanism": c.name, "settings": c.settings, "leak": None, "note": _failure(e)})
+        else:
+            rows.append({"mechanism": c.name, "settings": c.settings, "leak": value, "note": verdict(value)})
+    return [{"n": n, **r} for r in rows]
+
+
+def leak_table(rows: list[dict]) -> str:
+    """Markdown table of ``leaks`` rows."""
+    n = rows[0]["n"] if rows else 0
+    positions = ", ".join(map(str, leak_positions(n)))
+    head = (f"causal leak at N={n}: max |Δ out[..., :t+1, :]| when q, k, v after t are redrawn, "
+            f"t in {{{positions}}}:")
+    table = format_table(["mechanism", "settings", "max |Δ out[:t+1]|", "leak"],
+                         [[r["mechanism"], r["settings"], "n/a" if r["leak"] is None else f"{r['leak']:.2e}",
+                           r["note"]] for r in rows])
+    return head + "\n" + table
+
+
+def _failure(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"failed: {type(e).__name__}: {text[:120]}"
 
 
 def memory_growth(rows: list[dict]) -> str:
@@ -163,14 +350,34 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
 
     rows = []
     for i, c in enumerate(cands):
-        t_fwd = median_time(forward(c), repeats, dev)
-        t_both = median_time(train_step(c), repeats, dev)
-        with PeakMemory(dev) as inference:
-            forward(c)()
-        with PeakMemory(dev) as training:
-            train_step(c)()
-        rows.append({"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": t_fwd,
-                     "fwd_bwd_s": t_both, "inference_bytes": inference.bytes, "training_bytes": training.bytes})
+        row = {"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
+               "inference_bytes": None, "training_bytes": None, "note": c.skip or ""}
+        rows.append(row)
+        if c.skip:
+            continue
+        try:
+            need = c.training_bytes(q) if c.training_bytes else 0
+            free = _available_bytes(dev) if c.training_bytes else None
+            limit = min(TRAINING_CAP_BYTES, free // 2 if free is not None else TRAINING_CAP_BYTES)
+            train = need <= limit
+            if not train:
+                row["note"] = (f"training not run: ~{need / 2**30:.1f} GiB estimated, over "
+                               f"{limit / 2**30:.1f} GiB (min of 8 GiB and half the free memory)")
+            row["fwd_s"] = median_time(forward(c), repeats, dev)
+            if train:
+                row["fwd_bwd_s"] = median_time(train_step(c), repeats, dev)
+            with PeakMemory(dev) as inference:
+                forward(c)()
+            row["inference_bytes"] = inference.bytes
+            if train:
+                with PeakMemory(dev) as training:
+                    train_step(c)()
+                row["training_bytes"] = training.bytes
+        except Exception as e:  # out of memory, or a peer refusing the shape: report it, measure the rest
+            q.grad = k.grad = v.grad = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            row["note"] = _failure(e)
     return rows
 
 
@@ -181,10 +388,18 @@ def attention_table(rows: list[dict]) -> str:
     def mib(b: int | None) -> str:
         return "n/a" if b is None else f"{b / 2**20:.0f}"
 
+    def ms(t: float | None) -> str:
+        return "n/a" if t is None else f"{t * 1e3:.1f}"
+
+    def speedup(r: dict) -> str:
+        b = base.get(r["n"])
+        return "n/a" if b is None or r["fwd_bwd_s"] is None else f"{b / r['fwd_bwd_s']:.2f}×"
+
+    notes = any(r.get("note") for r in rows)
     return format_table(
         ["N", "mechanism", "settings", "fwd ms", "fwd+bwd ms", "inference peak MiB", "training peak MiB",
-         f"fwd+bwd speed-up vs {first}"],
-        [[r["n"], r["mechanism"], r["settings"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
-          mib(r["inference_bytes"]), mib(r["training_bytes"]), f"{base[r['n']] / r['fwd_bwd_s']:.2f}×"]
+         f"fwd+bwd speed-up vs {first}", *(["note"] if notes else [])],
+        [[r["n"], r["mechanism"], r["settings"], ms(r["fwd_s"]), ms(r["fwd_bwd_s"]), mib(r["inference_bytes"]),
+          mib(r["training_bytes"]), speedup(r), *([r.get("note") or ""] if notes else [])]
          for r in rows],
     )
