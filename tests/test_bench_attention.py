@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from routeformer.attention import full_attention
-from routeformer.bench.attention import leaks, lsh_settings, reformer_bucket_size, run
+from routeformer.attention.lsh import default_lsh_settings
+from routeformer.bench.attention import leaks, reformer_bucket_size, run
 from routeformer.bench.leak import causal_leak, leak_positions, verdict
 
 OURS = ["lsh", "linear", "linear-poly2", "performer", "full-elu", "full-poly2"]
@@ -53,7 +54,8 @@ def test_leak_positions_and_verdicts() -> None:
 
 
 def test_lsh_and_reformer_settings() -> None:
-    assert lsh_settings(16384) == (128, 128) and lsh_settings(1024) == (32, 32) and lsh_settings(96) == (10, 9)
+    assert default_lsh_settings(16384) == (128, 128) and default_lsh_settings(1024) == (32, 32)
+    assert default_lsh_settings(96) == (10, 9) and default_lsh_settings(30) == (6, 5)  # sqrt 5.5 -> 5 -> 6
     assert reformer_bucket_size(16384, 128) == 128 and reformer_bucket_size(96, 9) == 8
     assert reformer_bucket_size(95, 9) is None
 

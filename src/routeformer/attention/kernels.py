@@ -117,7 +117,7 @@ def kernel_attention(
         lo = 0 if window is None else max(0, start - window + 1)
         hi = end if causal else (N if window is None else min(N, end + window - 1))
         i, j = idx[start:end, None], idx[None, lo:hi]
-        allow = (j <= i) if causal else torch.ones_like(i == j)
+        allow = (j <= i) if causal else torch.ones(end - start, hi - lo, dtype=torch.bool, device=q.device)
         if window is not None:
             allow = allow & ((i - j).abs() < window)
         if key_valid is not None:
@@ -129,10 +129,13 @@ def kernel_attention(
     return torch.cat(outs, 2).to(dtype)
 
 
-def attend_cached_kernel(q: Tensor, keys: Tensor, values: Tensor, kernel: str, scale: float) -> Tensor:
-    """One decoding step under ``kernel``: q (B, H, D) against every cached key, keys/values (B, H, M, D) ->
-    (B, H, D). O(M·D) per head."""
+def attend_cached_kernel(q: Tensor, keys: Tensor, values: Tensor, kernel: str, scale: float,
+                         allowed: Tensor | None = None) -> Tensor:
+    """One decoding step under ``kernel``: q (B, H, D) against cached keys/values (B, H, M, D), ``allowed`` an
+    optional bool mask broadcastable to (B, H, M) -> (B, H, D); zeros when no key has weight. O(M·D) per head."""
     weights = pairwise(kernel, q[:, :, None].to(keys.dtype), keys, scale)[:, :, 0]  # (B, H, M)
+    if allowed is not None:
+        weights = weights.masked_fill(~allowed, 0.0)
     total = weights.sum(-1, keepdim=True)
     out = (weights[..., None, :] @ values)[:, :, 0] / torch.where(total > 0, total, 1.0)
     return out.to(q.dtype)

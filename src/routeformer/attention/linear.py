@@ -83,7 +83,9 @@ def feature_attention(
     norm_before = F.pad(norm.cumsum(2)[:, :, :-1], (0, 0, 1, 0))
     num = fq @ before  # (B, H, C, c, D)
     den = (fq @ norm_before[..., None])[..., 0]  # (B, H, C, c)
-    if intra is not None and q is not None and k is not None:
+    if intra is not None:
+        if q is None or k is None:
+            raise ValueError("feature_attention: intra needs the raw q and k it is computed from")
         weights = intra(chunks(q), chunks(k))
         if key_valid is not None:
             weights = weights * chunks(key_valid[..., None].to(weights.dtype)).transpose(-1, -2)  # (B, 1, C, 1, c)

@@ -26,6 +26,8 @@ scores (no N×N tensor).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -36,7 +38,15 @@ from .inputs import check_inputs
 from .routing.sorted_window import drop_own_key, permute_seq, sort_by_cluster, sorted_window_mask
 from .tiles import band_tiling
 
-__all__ = ["lsh_attention", "lsh_hash", "lsh_mask", "lsh_rotations"]
+__all__ = ["default_lsh_settings", "lsh_attention", "lsh_hash", "lsh_mask", "lsh_rotations"]
+
+
+def default_lsh_settings(n: int) -> tuple[int, int]:
+    """(buckets, window) for length n: buckets = round(sqrt(n)) rounded up to an even number (at least 2), window =
+    n // buckets, the mean bucket size, so the cost is O(N^1.5) like routing's."""
+    buckets = max(2, round(math.sqrt(n)))
+    buckets += buckets % 2
+    return buckets, max(1, n // buckets)
 
 
 def lsh_rotations(heads: int, head_dim: int, buckets: int, rounds: int, *, seed: int = 0) -> Tensor:

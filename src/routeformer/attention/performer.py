@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from .checks import check_scale, positive_int
+from .checks import positive_int
 from .inputs import check_inputs
 from .linear import compute_dtype, default_chunk, feature_attention
 
@@ -83,18 +83,16 @@ def performer_attention(
     (``key_padding_mask`` False) leave the numerator and the denominator.
     """
     B, H, N, D, s, key_valid = check_inputs(q, k, v, scale, key_padding_mask)
-    s = check_scale(scale, D)
     if projection is None:
         m = default_features(D) if features is None else positive_int("features", features)
         projection = orthogonal_features(H, m, D, generator=generator, device=q.device)
     elif features is not None:
         raise ValueError("give either projection or features, not both")
-    if not isinstance(projection, Tensor) or projection.dim() != 3 or projection.shape[0] != H \
+    elif not isinstance(projection, Tensor) or projection.dim() != 3 or projection.shape[0] != H \
             or projection.shape[2] != D:
         raise ValueError(f"projection must have shape (H, m, D) = ({H}, m, {D}), got "
                          f"{tuple(getattr(projection, 'shape', ()))}")
-    m = projection.shape[1]
-    chunk = default_chunk(m) if chunk is None else positive_int("chunk", chunk)
+    chunk = default_chunk(projection.shape[1]) if chunk is None else positive_int("chunk", chunk)
     dtype = q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
     phi_q = performer_features(q, projection, s, query=True)

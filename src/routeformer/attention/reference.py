@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .inputs import check_inputs
+from .kernels import check_kernel, kernel_scale, pairwise
 from .relative import RelativePositions
 
 
@@ -22,8 +23,10 @@ def reference_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    kernel: str = "exp",
 ) -> Tensor:
-    """Dense masked softmax attention.
+    """Dense masked attention: softmax, or with ``kernel`` 'poly2' / 'elu' the generalised form
+    o_i = Σ_j K(q_i, k_j) v_j / Σ_j K(q_i, k_j) over the allowed j (``kernels.py``; no ``rel_pos``, no scale for elu).
 
     Args:
         q, k, v: (B, H, N, D).
@@ -37,11 +40,18 @@ def reference_attention(
         (B, H, N, D). A query row with no allowed key outputs zeros. Computes in the dtype of q (float64 in,
         float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel_pos``).
     """
+    kernel_s = kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]) if kernel != "exp" else None
     B, H, N, D, scale, _ = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)  # validation only
     allowed = _check_mask(mask, B, H, N, q)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
     allowed = allowed.expand(B, H, N, N)
+    if kernel_s is not None:
+        if rel_pos is not None:
+            raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
+        weights = pairwise(kernel, q, k, kernel_s).masked_fill(~allowed, 0.0)  # (B, H, N, N)
+        total = weights.sum(-1, keepdim=True)
+        return (weights @ v) / torch.where(total > 0, total, 1.0)
 
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
     if rel_pos is not None:

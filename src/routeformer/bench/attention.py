@@ -36,7 +36,7 @@ from ..attention import (
 )
 from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
-from ..attention.lsh import lsh_rotations
+from ..attention.lsh import default_lsh_settings, lsh_rotations
 from ..attention.performer import default_features
 from .leak import causal_leak, leak_positions, verdict
 from .measure import PeakMemory, format_table, median_time
@@ -70,7 +70,7 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal).to(device).train()
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
-    buckets, lsh_window = lsh_settings(n)
+    buckets, lsh_window = default_lsh_settings(n)
     rotations = lsh_rotations(heads, head_dim, buckets, 2).to(device)
     features = default_features(head_dim)
     projection = orthogonal_features(heads, features, head_dim, generator=torch.Generator().manual_seed(0),
@@ -111,13 +111,6 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     ]
     found += _peers(n, window, causal, heads, head_dim, clusters, routed, buckets, lsh_window, features, device)
     return found
-
-
-def lsh_settings(n: int) -> tuple[int, int]:
-    """(buckets, window) of the lsh row at length n: buckets = round(sqrt(n)) rounded to an even number (at least
-    2), window = n // buckets, the mean bucket size (O(N^1.5) like routing)."""
-    buckets = max(2, 2 * round(math.sqrt(n) / 2))
-    return buckets, max(1, n // buckets)
 
 
 def reformer_bucket_size(n: int, window: int) -> int | None:
@@ -226,7 +219,6 @@ def _performer_peer(n: int, causal: bool, heads: int, head_dim: int, features: i
 
     return [Candidate("performer-pytorch (peer)", settings, fast, peer_of="performer",
                       training_bytes=training_bytes if noncuda else None)]
-
 
 
 def _unavailable(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..decoding import attend_cached
+from ..kernels import attend_cached_kernel, kernel_scale
 from ..reference import reference_attention
 from ..relative import RelativePositions
 
@@ -82,10 +83,17 @@ class HeadGroup(nn.Module):
     stores what later queries need of new positions, ``step`` is the output of the query at position t.
     """
 
+    kernel = "exp"  # the similarity the heads normalise (``attention/kernels.py``); reference and attend follow it
+
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.scale = head_dim ** -0.5
+
+    @property
+    def kernel_scale(self) -> float | None:
+        """The ``scale`` argument for this group's kernel: the heads' scale, or None for elu (it takes none)."""
+        return None if self.kernel == "elu" else self.scale
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         raise NotImplementedError
@@ -106,11 +114,12 @@ class HeadGroup(nn.Module):
         return None
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
-        """The dense O(N²) definition of ``forward``: softmax attention under ``reference_mask`` by default."""
+        """The dense O(N²) definition of ``forward``: by default attention under ``reference_mask`` with the group's
+        ``kernel`` (softmax unless a subclass sets another)."""
         mask = self.reference_mask(q, k)
         if mask is None:
             raise NotImplementedError(f"{type(self).__name__} defines neither reference_mask nor reference")
-        return reference_attention(q, k, v, mask, scale=self.scale, rel_pos=rel_pos)
+        return reference_attention(q, k, v, mask, scale=self.kernel_scale, rel_pos=rel_pos, kernel=self.kernel)
 
     def reach(self, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, sources: Tensor) -> dict[str, Tensor]:
         """Diagnostics for the recall benchmark: what the queries at (``rows``, ``cols``) could reach of the keys at
@@ -136,6 +145,9 @@ class HeadGroup(nn.Module):
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, t: int,
                rel_pos: RelativePositions | None, allowed: Tensor | None = None) -> Tensor:
+        if self.kernel != "exp":  # the config allows no relative positions with another kernel
+            return attend_cached_kernel(q, keys, values, self.kernel, kernel_scale(self.kernel, self.kernel_scale,
+                                                                                   self.head_dim), allowed)
         return attend_cached(q, keys, values, positions, t, scale=self.scale, allowed=allowed, rel_pos=rel_pos)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache, start: int,

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..full import full_attention
-from ..kernels import attend_cached_kernel, kernel_attention
 from ..masks import full_mask
 from .base import HeadGroup, HeadKind
 
@@ -25,33 +24,17 @@ class FullHeads(HeadGroup):
         self.kernel = kernel
 
     def forward(self, q, k, v, rel_pos):
-        if self.kernel != "exp":
-            return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale)
-        return full_attention(q, k, v, causal=True, rel_pos=rel_pos)
-
-    @property
-    def kernel_scale(self) -> float | None:
-        return None if self.kernel == "elu" else self.scale  # elu has no scale
+        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)
-
-    def reference(self, q, k, v, rel_pos=None):
-        if self.kernel != "exp":  # the quadratic definition under the kernel (kernel_attention is it)
-            return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale, block=q.shape[2])
-        return super().reference(q, k, v, rel_pos)
-
-    def attend(self, q, keys, values, positions, t, rel_pos, allowed=None):
-        if self.kernel != "exp":  # every filled slot is a key of t (no rel_pos: the config forbids it)
-            return attend_cached_kernel(q, keys, values, self.kernel, 1.0 if self.kernel == "elu" else self.scale)
-        return super().attend(q, keys, values, positions, t, rel_pos, allowed)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, kernel={self.kernel}"
 
 
 def kernel_options(config: Any, heads: int) -> KernelOptions:
-    return KernelOptions(getattr(config, "kernel", "exp"))
+    return KernelOptions(config.kernel)
 
 
 def describe_kernel(options: KernelOptions) -> str:

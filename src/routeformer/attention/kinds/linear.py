@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..kernels import FEATURE_KERNELS, feature_dim, feature_map, kernel_attention
+from ..kernels import FEATURE_KERNELS, feature_dim, feature_map, kernel_scale
 from ..linear import LinearState, default_chunk, linear_attention
+from ..masks import full_mask
 from .base import HeadGroup, HeadKind
 
 
@@ -41,17 +42,15 @@ class LinearHeads(FeatureHeads):
         super().__init__(heads, head_dim)
         self.kernel = kernel
         self.num_features = feature_dim(kernel, head_dim)
-        self.kernel_scale = None if kernel == "elu" else self.scale
 
     def forward(self, q, k, v, rel_pos):
         return linear_attention(q, k, v, causal=True, scale=self.kernel_scale, kernel=self.kernel)
 
-    def reference(self, q, k, v, rel_pos=None):
-        """The quadratic definition: kernel-normalised attention over every earlier key."""
-        return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale, block=q.shape[2])
+    def reference_mask(self, q, k):  # the meaning: full causal attention under the kernel (the base reference)
+        return full_mask(q.shape[2], device=q.device)
 
     def features(self, x, query):
-        return feature_map(self.kernel, x, 1.0 if self.kernel == "elu" else self.scale)
+        return feature_map(self.kernel, x, kernel_scale(self.kernel, self.kernel_scale, self.head_dim))
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, kernel={self.kernel}, features={self.num_features}"

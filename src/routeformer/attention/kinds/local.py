@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..kernels import kernel_attention
 from ..local import local_attention
 from ..masks import local_mask
-from .base import HeadKind
+from .base import HeadGroup, HeadKind
 from .common import within_seq_len
-from .full import FullHeads
 
 
 @dataclass(frozen=True)
@@ -19,26 +17,18 @@ class LocalOptions:
     kernel: str = "exp"  # config.kernel
 
 
-class LocalHeads(FullHeads):
+class LocalHeads(HeadGroup):
     """Decoding keeps a ring buffer of exactly the window, O(window·D)."""
 
     def __init__(self, heads: int, head_dim: int, window: int, kernel: str = "exp") -> None:
-        super().__init__(heads, head_dim, kernel)
-        self.window = window
+        super().__init__(heads, head_dim)
+        self.window, self.kernel = window, kernel
 
     def forward(self, q, k, v, rel_pos):
-        if self.kernel != "exp":
-            return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale, window=self.window)
-        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos)
+        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)
-
-    def reference(self, q, k, v, rel_pos=None):
-        if self.kernel != "exp":
-            return kernel_attention(q, k, v, self.kernel, causal=True, scale=self.kernel_scale, window=self.window,
-                                    block=q.shape[2])
-        return super(FullHeads, self).reference(q, k, v, rel_pos)
 
     def store_size(self, max_len):
         return min(self.window, max_len), True  # the ring holds exactly the window
@@ -48,7 +38,7 @@ class LocalHeads(FullHeads):
 
 
 def _options(config: Any, heads: int) -> LocalOptions:
-    return LocalOptions(within_seq_len(config, "window", "local"), getattr(config, "kernel", "exp"))
+    return LocalOptions(within_seq_len(config, "window", "local"), config.kernel)
 
 
 KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o.window, o.kernel),

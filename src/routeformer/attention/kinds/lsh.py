@@ -10,7 +10,6 @@ buckets/2) per head, whatever its position.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch import Tensor
 from ..checks import positive_int
 from ..decoding import attend_cached
 from ..inputs import check_inputs
-from ..lsh import lsh_attention, lsh_hash, lsh_mask, lsh_rotations
+from ..lsh import default_lsh_settings, lsh_attention, lsh_hash, lsh_mask, lsh_rotations
 from ..reference import reference_attention
 from ..routing.cache import RoutingCache
 from ..routing.sorted_window import drop_own_key, sort_by_cluster
@@ -134,11 +133,8 @@ class LSHHeads(HeadGroup):
 
 
 def _options(config: Any, heads: int) -> LSHOptions:
-    buckets = config.lsh_buckets
-    if buckets is None:
-        buckets = max(2, round(math.sqrt(config.seq_len)))
-        buckets += buckets % 2
-    buckets = positive_int("lsh_buckets", buckets)
+    default_buckets = default_lsh_settings(config.seq_len)[0]
+    buckets = positive_int("lsh_buckets", default_buckets if config.lsh_buckets is None else config.lsh_buckets)
     if buckets % 2:
         raise ValueError(f"lsh_buckets must be even (a hash is the argmax over [xR; -xR]), got {buckets}")
     rounds = positive_int("lsh_rounds", config.lsh_rounds)
