@@ -15,7 +15,7 @@ from .longformer import longformer_attention
 from .lsh import lsh_attention
 from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
 from .performer import orthogonal_features, performer_attention
-from .reference import reference_attention
+from .reference import reference_attention, reference_weights
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
 from .relative import RelativePositions
 from .routing import Router, RoutingAttention, RoutingCache, SphericalKMeans, update_routing
@@ -53,6 +53,7 @@ __all__ = [
     "orthogonal_features",
     "performer_attention",
     "reference_attention",
+    "reference_weights",
     "register_executor",
     "register_kind",
     "set_default_executor",

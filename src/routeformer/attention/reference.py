@@ -14,6 +14,43 @@ from .kernels import check_kernel, kernel_scale, pairwise
 from .relative import RelativePositions
 
 
+def reference_weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor,
+    scale: float | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+    rel_pos: RelativePositions | None = None,
+    kernel: str = "exp",
+) -> Tensor:
+    """The attention weights α_ij of ``reference_attention`` (same arguments, no values): (B, H, N, N), each row
+    summing to 1 over the allowed keys, or all zeros when no key is allowed (or, for 'poly2' / 'elu', when every
+    allowed key has zero weight). O(N²·D) time, O(N²) memory (O(N²·D) with ``rel_pos``)."""
+    kernel_s = kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]) if kernel != "exp" else None
+    B, H, N, D, scale, _ = check_inputs(q, k, k, scale, key_padding_mask, rel_pos)  # validation only
+    allowed = _check_mask(mask, B, H, N, q)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    allowed = allowed.expand(B, H, N, N)
+    if kernel_s is not None:
+        if rel_pos is not None:
+            raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
+        weights = pairwise(kernel, q, k, kernel_s).masked_fill(~allowed, 0.0)  # (B, H, N, N)
+        total = weights.sum(-1, keepdim=True)
+        return weights / torch.where(total > 0, total, 1.0)
+
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
+    if rel_pos is not None:
+        a_key, _ = _literal_tables(rel_pos, N, q)  # (N, N, D)
+        scores = scores + (q[:, :, :, None, :] * a_key).sum(-1) * scale
+
+    has_key = allowed.any(-1, keepdim=True)  # (B, H, N, 1)
+    # A row with no allowed key would be softmax(-inf, ..., -inf) = NaN; give it finite scores and zero it after.
+    scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
+    return scores.softmax(-1) * has_key
+
+
 def reference_attention(
     q: Tensor,
     k: Tensor,
@@ -38,33 +75,14 @@ def reference_attention(
 
     Returns:
         (B, H, N, D). A query row with no allowed key outputs zeros. Computes in the dtype of q (float64 in,
-        float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel_pos``).
+        float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel_pos``). The weights alone are
+        ``reference_weights``.
     """
-    kernel_s = kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]) if kernel != "exp" else None
-    B, H, N, D, scale, _ = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)  # validation only
-    allowed = _check_mask(mask, B, H, N, q)
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    allowed = allowed.expand(B, H, N, N)
-    if kernel_s is not None:
-        if rel_pos is not None:
-            raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
-        weights = pairwise(kernel, q, k, kernel_s).masked_fill(~allowed, 0.0)  # (B, H, N, N)
-        total = weights.sum(-1, keepdim=True)
-        return (weights @ v) / torch.where(total > 0, total, 1.0)
-
-    scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
+    check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    probs = reference_weights(q, k, mask, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos, kernel=kernel)
+    out = probs @ v  # (B, H, N, D)
     if rel_pos is not None:
-        a_key, a_value = _literal_tables(rel_pos, N, q)  # (N, N, D) each
-        scores = scores + (q[:, :, :, None, :] * a_key).sum(-1) * scale
-
-    has_key = allowed.any(-1, keepdim=True)  # (B, H, N, 1)
-    # A row with no allowed key would be softmax(-inf, ..., -inf) = NaN; give it finite scores and zero it after.
-    scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
-    probs = scores.softmax(-1) * has_key  # (B, H, N, N)
-
-    out = probs @ v
-    if rel_pos is not None:
+        _, a_value = _literal_tables(rel_pos, q.shape[2], q)
         out = out + (probs[..., None] * a_value).sum(-2)
     return out
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..decoding import attend_cached
 from ..kernels import attend_cached_kernel, kernel_scale
-from ..reference import reference_attention
+from ..reference import reference_attention, reference_weights
 from ..relative import RelativePositions
 
 
@@ -119,7 +119,25 @@ class HeadGroup(nn.Module):
         mask = self.reference_mask(q, k)
         if mask is None:
             raise NotImplementedError(f"{type(self).__name__} defines neither reference_mask nor reference")
-        return reference_attention(q, k, v, mask, scale=self.kernel_scale, rel_pos=rel_pos, kernel=self.kernel)
+        return reference_attention(q, self.reference_keys(q, k), v, mask, scale=self.kernel_scale, rel_pos=rel_pos,
+                                   kernel=self.kernel)
+
+    def reference_keys(self, q: Tensor, k: Tensor) -> Tensor:
+        """The keys the heads score against (B, h, N, D): ``k``, unless the kind derives them (LSH: unit queries)."""
+        return k
+
+    def reference_weights(self, q: Tensor, k: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
+        """The attention weights (B, h, N, N) of ``reference`` (rows sum to 1 over what each query sees, 0 where it
+        sees nothing), for analysis; NotImplementedError for kinds that are not a mask over attention."""
+        mask = self.reference_mask(q, k)
+        if mask is None:
+            raise NotImplementedError(f"{type(self).__name__} heads are not a mask over attention: no weights")
+        return reference_weights(q, self.reference_keys(q, k), mask, scale=self.kernel_scale, rel_pos=rel_pos,
+                                 kernel=self.kernel)
+
+    def clusters(self, q: Tensor, k: Tensor) -> Tensor | None:
+        """The group (cluster) of every query, (B, h, N) long, for kinds that route (pictures colour by it); None."""
+        return None
 
     def reach(self, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, sources: Tensor) -> dict[str, Tensor]:
         """Diagnostics for the recall benchmark: what the queries at (``rows``, ``cols``) could reach of the keys at

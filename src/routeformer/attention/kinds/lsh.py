@@ -21,7 +21,6 @@ from ..checks import positive_int
 from ..decoding import attend_cached
 from ..inputs import check_inputs
 from ..lsh import default_lsh_settings, lsh_attention, lsh_hash, lsh_mask, lsh_rotations
-from ..reference import reference_attention
 from ..routing.cache import RoutingCache
 from ..routing.sorted_window import drop_own_key, sort_by_cluster
 from .base import HeadGroup, HeadKind
@@ -108,10 +107,8 @@ class LSHHeads(HeadGroup):
     def reference_mask(self, q, k):
         return lsh_mask(q, causal=True, **self._kwargs())
 
-    def reference(self, q, k, v, rel_pos=None):
-        """Dense softmax attention to the normalised queries under ``reference_mask``."""
-        return reference_attention(q, F.normalize(q, dim=-1), v, self.reference_mask(q, k), scale=self.scale,
-                                   rel_pos=rel_pos)
+    def reference_keys(self, q, k):  # shared QK: the keys are the unit queries
+        return F.normalize(q, dim=-1)
 
     def new_cache(self, batch, max_len, device, dtype):
         o = self.options

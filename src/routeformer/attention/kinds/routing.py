@@ -51,6 +51,9 @@ class RoutingHeads(HeadGroup):
     def reference_mask(self, q, k):
         return self.routing.routing_mask(q, k)
 
+    def clusters(self, q, k):
+        return self.routing.route(q, k)
+
     @torch.no_grad()
     def reach(self, q, k, rows, cols, sources):
         """Cluster balance (keys in the largest cluster / mean), and how often the key at ``sources`` is in the
