@@ -1,4 +1,4 @@
-"""The ``routeformer`` command line: prepare | train | evaluate | sample | bench.
+"""The ``routeformer`` command line: prepare | train | evaluate | sample | analyze | bench.
 
 Errors in what the user gave (files, options, data) are one line on stderr and exit status 2; set
 ROUTEFORMER_DEBUG=1 to see the traceback. An interrupted training run exits with status 130 after saving.
@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(sa, "where the run's data set lives (for its vocabulary), if not where it was trained")
     _add_device(sa)
 
+    _add_analyze(commands)
+
     bench = commands.add_parser("bench", help="benchmarks: time and peak memory tables")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     att = suites.add_parser(
@@ -275,6 +277,53 @@ def build_parser() -> argparse.ArgumentParser:
     every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
     _add_device(every, bench=True)
     return parser
+
+
+def _add_analyze(commands) -> None:
+    an = commands.add_parser(
+        "analyze", help="what approximations lose, how heads differ, what routing attends to",
+        description="Analyse a trained run on a split of its data: 'approximations' replaces every head's output "
+        "by sparse or approximate attention (the value-aware study); 'heads' measures the Jensen-Shannon "
+        "divergence between heads (the routing paper's Table 4); 'patterns' draws which inputs each output "
+        "attends to (its Figure 1) and the routing heads' cluster statistics. Writes text, CSV and PNG files to "
+        "RUN_DIR/analysis (or --out) and prints their paths.")
+    _add_run_dir(an)
+    kinds = an.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    approx = kinds.add_parser("approximations", help="metric with every head replaced by each approximation",
+                              description="Evaluate the run with the output of every attention head (of --layers) "
+                              "replaced by: exact, optimal-v-oblivious-r (ovo), optimal-v-aware-r (ova), "
+                              "sliding-window-r, LSH-r and random features with r features.")
+    approx.add_argument("--methods", default="ovo,ova,sliding,lsh,features",
+                        help="comma-separated, from exact, ovo, ova, sliding, lsh, features (default all; exact "
+                        "always runs)")
+    approx.add_argument("--r", default=None, metavar="R1,R2,...",
+                        help="keys per query (features for random features); default 1,2,4,8,16,D+1")
+    approx.add_argument("--windows", type=_positive, default=32, metavar="W",
+                        help="evenly spaced windows of seq_len tokens to score (default 32)")
+    approx.add_argument("--all-windows", action="store_true", help="score the whole split")
+    approx.add_argument("--lsh-rounds", type=_positive, default=1, help="LSH hash rounds (default 1)")
+    approx.add_argument("--seed", type=int, default=0, help="seed of the LSH rotations and random features")
+    hd = kinds.add_parser("heads", help="Jensen-Shannon divergence between the heads of each layer")
+    pat = kinds.add_parser("patterns", help="Figure-1 pictures of a layer's heads and routing cluster statistics")
+    pat.add_argument("--layer", type=int, default=0, help="the layer to draw (default 0)")
+    pat.add_argument("--head", type=int, help="one head of the layer (default: every head)")
+    text = pat.add_mutually_exclusive_group()
+    text.add_argument("--text", metavar="TEXT", help="the text to draw (default: the split's first window)")
+    text.add_argument("--text-file", metavar="FILE", help="read the text to draw from FILE")
+    pat.add_argument("--length", type=_positive, metavar="N", help="draw the first N tokens (default seq_len)")
+    for sub in (approx, hd, pat):
+        sub.add_argument("--split", choices=("valid", "test"), default="valid", help="the split (default valid)")
+        sub.add_argument("--batch-size", type=_positive, default=4 if sub is not approx else 8, metavar="B",
+                         help="windows per forward")
+        _add_checkpoint(sub)
+        _add_data_dir(sub, "where the run's data set lives, if not where it was trained")
+        _add_device(sub)
+        sub.add_argument("--out", metavar="DIR", help="where to write (default RUN_DIR/analysis)")
+    for sub in (approx, hd):
+        sub.add_argument("--layers", metavar="L1,L2,...", help="only these layers (default all)")
+    for sub in (hd, pat):
+        sub.add_argument("--batches", type=_positive, default=4, help="batches of windows for the statistics "
+                         "(default 4)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,8 +449,6 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import numpy as np
-
     from .train.runs import load_run, pick_device
 
     run_dir = Path(args.run_dir).expanduser()
@@ -418,16 +465,7 @@ def cmd_sample(args) -> int:
         text = args.prompt.encode("utf-8")
     if not text:
         raise ValueError("the prompt is empty")
-    if kind == "words":
-        vocab = data.vocab() or []
-        index = {w: i for i, w in enumerate(vocab)}
-        unk = index.get("<unk>", 0)
-        ids = [index.get(w, unk) for w in text.decode("utf-8", errors="replace").split()]
-        if not ids:
-            raise ValueError("the prompt holds no words")
-    else:
-        ids = list(text)
-    prompt = np.asarray(ids, dtype=np.int64)[None]
+    prompt = data.encode(text)[None]
     device = next(model.parameters()).device
     sys.stdout.write(text.decode("utf-8", errors="replace"))
     sys.stdout.flush()
@@ -441,6 +479,34 @@ def cmd_sample(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from .analysis import run
+
+    if args.analysis == "patterns" and args.text_file:
+        path = Path(args.text_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--text-file {path}: no such file")
+    target = run.open_target(args.run_dir, split=args.split, checkpoint=args.checkpoint, data_dir=args.data_dir,
+                             device=args.device, out=args.out)
+    if args.analysis == "approximations":
+        rs = (run.parse_ints(args.r, "--r") if args.r is not None
+              else [1, 2, 4, 8, 16, target.model.config.head_dim + 1])
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        files = run.approximations(target, methods=methods, rs=rs, layers=run.parse_layers(args.layers, target.model),
+                                   windows=None if args.all_windows else args.windows, batch=args.batch_size,
+                                   lsh_rounds=args.lsh_rounds, seed=args.seed)
+    elif args.analysis == "heads":
+        files = run.heads(target, layers=run.parse_layers(args.layers, target.model), batches=args.batches,
+                          batch=args.batch_size)
+    else:
+        text = (Path(args.text_file).expanduser().read_bytes() if args.text_file
+                else args.text.encode("utf-8") if args.text is not None else None)
+        files = run.patterns(target, layer=args.layer, head=args.head, text=text, length=args.length,
+                             batches=args.batches, batch=args.batch_size)
+    print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
 
@@ -475,7 +541,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "evaluate": cmd_evaluate, "sample": cmd_sample,
-            "bench": cmd_bench}
+            "analyze": cmd_analyze, "bench": cmd_bench}
 
 
 if __name__ == "__main__":

@@ -206,3 +206,17 @@ class Dataset:
         if self.meta.vocab_file is None:
             return None
         return (self.directory / self.meta.vocab_file).read_text().split("\n")[:-1]
+
+    def encode(self, text: bytes) -> np.ndarray:
+        """Text as this data set's tokens (int64): its bytes, or for word data its words (unknown ones as <unk>);
+        a DataError when nothing is left."""
+        if not text:
+            raise DataError("the text is empty")
+        if self.meta.kind != "words":
+            return np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+        index = {w: i for i, w in enumerate(self.vocab() or [])}
+        unk = index.get("<unk>", 0)
+        ids = [index.get(w, unk) for w in text.decode("utf-8", errors="replace").split()]
+        if not ids:
+            raise DataError("the text holds no words")
+        return np.asarray(ids, dtype=np.int64)

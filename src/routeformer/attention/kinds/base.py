@@ -135,8 +135,11 @@ class HeadGroup(nn.Module):
         return reference_weights(q, self.reference_keys(q, k), mask, scale=self.kernel_scale, rel_pos=rel_pos,
                                  kernel=self.kernel)
 
+    num_clusters: int | None = None  # kinds that route: how many clusters ``clusters`` draws from
+
     def clusters(self, q: Tensor, k: Tensor) -> Tensor | None:
-        """The group (cluster) of every query, (B, h, N) long, for kinds that route (pictures colour by it); None."""
+        """The cluster of every query, (B, h, N) long in [0, num_clusters), for kinds that route (analysis colours
+        and counts by it); None for the others."""
         return None
 
     def reach(self, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, sources: Tensor) -> dict[str, Tensor]:

@@ -34,6 +34,7 @@ class RoutingHeads(HeadGroup):
     def __init__(self, heads: int, head_dim: int, options: RoutingOptions, seed: int) -> None:
         super().__init__(heads, head_dim)
         o = options
+        self.num_clusters = o.num_clusters
         self.routing = RoutingAttention(heads, head_dim, o.num_clusters, o.window, causal=True,
                                         shared_qk=o.shared_qk, separate=o.separate, decay=o.decay,
                                         commitment=o.commitment, seed=seed)

@@ -1,0 +1,179 @@
+"""``routeformer analyze RUN_DIR approximations | heads | patterns``: each reads a run directory, analyses its
+model on a split of its data set and writes a text table, a CSV and PNG figures (by default under
+RUN_DIR/analysis), printing the table and the paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data import Dataset, eval_windows
+from ..durable import atomic_write
+from ..train.evaluation import UNITS
+from ..train.runs import load_run, pick_device
+from .approximate import METHODS
+from .divergence import format_divergences, head_divergences, write_divergence_csv
+from .figures import plot_approximations, plot_cluster_sizes, plot_divergences, plot_patterns
+from .heads import check_layers
+from .patterns import cluster_stats, format_cluster_stats, head_patterns
+from .substitution import approximation_table, format_table, methods_for, write_csv
+
+
+@dataclass
+class Target:
+    """What every analysis needs: the run's model (evaluation mode), its data split, where to write, and names."""
+
+    run_dir: Path
+    model: torch.nn.Module
+    tokens: np.ndarray
+    kind: str
+    unit: str
+    out: Path
+    label: str  # 'RUN_DIR (best weights, valid split of stdlib)'
+    data: Dataset
+
+
+def open_target(run_dir: str | Path, *, split: str = "valid", checkpoint: str = "best", data_dir: str | None = None,
+                device: str = "auto", out: str | Path | None = None) -> Target:
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} does not exist: give a run directory written by routeformer train")
+    model, _, data, which = load_run(run_dir, checkpoint, data_dir, pick_device(device))
+    tokens = data.split(split)
+    if len(tokens) < 2:
+        raise ValueError(f"the {split} split of {data.meta.name!r} is too short to analyse")
+    out_dir = Path(out).expanduser() if out is not None else run_dir / "analysis"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label = f"{run_dir} ({which} weights, {split} split of {data.meta.name})"
+    return Target(run_dir, model, tokens, data.meta.kind, UNITS[data.meta.kind], out_dir, label, data)
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; a ValueError naming ``what`` for anything but positive integers."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
+    return values
+
+
+def parse_layers(text: str | None, model) -> list[int] | None:
+    """'0,2' -> [0, 2] after checking they exist (None: every layer)."""
+    if text is None:
+        return None
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated layer numbers, got {text!r}") from None
+    return check_layers(model, layers)
+
+
+def sample_windows(tokens: np.ndarray, seq_len: int, count: int, batch: int) -> list[torch.Tensor]:
+    """``count`` evenly spaced non-overlapping windows of the split, as (b, seq_len) token batches of ``batch``."""
+    starts = [s for s, _ in eval_windows(len(tokens), seq_len) if s + seq_len <= len(tokens)]
+    if not starts:
+        raise ValueError(f"the split holds fewer than seq_len = {seq_len} tokens")
+    pick = np.unique(np.linspace(0, len(starts) - 1, min(count, len(starts))).round().astype(int))
+    rows = [torch.from_numpy(np.asarray(tokens[starts[i]:starts[i] + seq_len], dtype=np.int64)) for i in pick]
+    return [torch.stack(rows[i:i + batch]) for i in range(0, len(rows), batch)]
+
+
+def _write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n"))
+
+
+def approximations(target: Target, *, methods: list[str], rs: list[int], layers: list[int] | None = None,
+                   windows: int | None = 32, batch: int = 8, lsh_rounds: int = 1, seed: int = 0,
+                   verbose: bool = True) -> list[Path]:
+    """The approximation table of ``target`` (see ``substitution.py``); returns the files written."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    model = target.model
+    kernels = {g.kernel for g in model.head_groups()}
+    chosen = methods_for(methods, rs, features_ok=kernels == {"exp"})
+    if "features" in methods and kernels != {"exp"}:
+        print(f"random features skipped: they estimate the exponential kernel only (this model: "
+              f"{', '.join(sorted(kernels))})")
+    device = next(model.parameters()).device
+    own, results = approximation_table(model, target.tokens, target.kind, chosen, layers=layers, batch=batch,
+                                       max_windows=windows, lsh_rounds=lsh_rounds, seed=seed, device=device,
+                                       progress=(lambda s: print(f"  {s}", flush=True)) if verbose else None)
+    D = model.config.head_dim
+    scope = "every layer" if layers is None else f"layers {', '.join(map(str, layers))}"
+    header = (f"{target.label}: every head of {scope} replaced at once; "
+              f"{'all' if windows is None else windows} windows of {model.config.seq_len} tokens; head size D = {D} "
+              f"(optimal-v-aware is exact for r = 1 and r >= {D + 1}; between, an upper bound on the optimum)")
+    table = header + "\n" + format_table(own, results, target.unit)
+    print(table)
+    text, csv, png = (target.out / f"approximations.{ext}" for ext in ("txt", "csv", "png"))
+    _write_text(text, table)
+    write_csv(results, csv, target.unit)
+    written = [text, csv]
+    if plot_approximations(own, results, target.unit, png, target.label):
+        written.append(png)
+    return written
+
+
+def heads(target: Target, *, layers: list[int] | None = None, batches: int = 4, batch: int = 4,
+          verbose: bool = True) -> list[Path]:
+    """Jensen-Shannon divergences between the heads of each layer (``divergence.py``)."""
+    model = target.model
+    device = next(model.parameters()).device
+    windows = sample_windows(target.tokens, model.config.seq_len, batches * batch, batch)
+    results = head_divergences(model, (w.to(device) for w in windows), layers)
+    table = (f"{target.label}: Jensen-Shannon divergence (nats, at most ln 2 = 0.693) between the attention "
+             f"distributions of pairs of heads, exact and dense at N = {model.config.seq_len}; mean ± std over "
+             f"{len(windows)} batches of {batch} windows\n" + format_divergences(results))
+    if verbose:
+        print(table)
+    text, csv, png = (target.out / f"heads.{ext}" for ext in ("txt", "csv", "png"))
+    _write_text(text, table)
+    write_divergence_csv(results, csv)
+    written = [text, csv]
+    if plot_divergences(results, png):
+        written.append(png)
+    return written
+
+
+def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: bytes | None = None,
+             length: int | None = None, batches: int = 4, batch: int = 4, verbose: bool = True) -> list[Path]:
+    """Figure-1 pictures of ``layer`` (one ``head`` or all) on ``text`` (default: the split's first window), and
+    the cluster statistics of every routing head over ``batches`` of windows."""
+    model = target.model
+    check_layers(model, [layer])
+    if head is not None and not 0 <= head < model.config.heads:
+        raise ValueError(f"head {head} does not exist: layer {layer} has heads 0..{model.config.heads - 1}")
+    seq_len = model.config.seq_len
+    n = seq_len if length is None else length
+    if not 1 <= n <= seq_len:
+        raise ValueError(f"--length must be in [1, seq_len = {seq_len}], got {n}")
+    ids = target.data.encode(text)[:n] if text is not None else np.asarray(target.tokens[:n], dtype=np.int64)
+    device = next(model.parameters()).device
+    pats = head_patterns(model, torch.from_numpy(ids).to(device), layer, head)
+    name = f"patterns-layer{layer}" + ("" if head is None else f"-head{head}")
+    png = target.out / f"{name}.png"
+    written = []
+    drawn = plot_patterns(pats, png, f"{target.label}: {len(ids)} tokens; rows = outputs, columns = inputs"
+                          " (routing heads coloured by the query's cluster)")
+    if not drawn:
+        raise ValueError("patterns draws pictures with matplotlib: pip install matplotlib (or routeformer[plot])")
+    written.append(png)
+    windows = sample_windows(target.tokens, seq_len, batches * batch, batch)
+    stats = cluster_stats(model, (w.to(device) for w in windows))
+    table = (f"{target.label}: routing heads over {sum(len(w) for w in windows)} windows of {seq_len} tokens "
+             f"(sizes: keys per cluster per window; balance: largest / mean; captured: share of full attention's "
+             f"mass on the routed keys)\n" + format_cluster_stats(stats))
+    if verbose:
+        print(table)
+    text_path = target.out / "clusters.txt"
+    _write_text(text_path, table)
+    written.append(text_path)
+    if stats and plot_cluster_sizes(stats, target.out / "clusters.png"):
+        written.append(target.out / "clusters.png")
+    return written

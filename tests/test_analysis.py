@@ -1,0 +1,353 @@
+"""routeformer.analysis and ``routeformer analyze``: substitution of every head by approximations of attention (the
+value-aware study), Jensen-Shannon divergence between heads, attention pictures and cluster statistics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from routeformer.analysis import (
+    Method,
+    PairValues,
+    approximate,
+    approximation_table,
+    capture,
+    hooked,
+    methods_for,
+    ova_weights,
+    project_simplex,
+)
+from routeformer.analysis.divergence import LN2, head_divergences, js_divergence
+from routeformer.analysis.patterns import cluster_stats, head_patterns
+from routeformer.cli import main
+from routeformer.model import TransformerConfig, TransformerLM
+from routeformer.train.distributed import Processes
+from routeformer.train.evaluation import evaluate
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CONFIGS = {
+    "local+routing": dict(attention="local:2,routing:2", window=8, num_clusters=3, routing_window=6),
+    "full-poly2": dict(attention="full", kernel="poly2", positions="none"),
+    "full-elu": dict(attention="full", kernel="elu", positions="none"),
+}
+
+
+def tiny(name: str = "local+routing", seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(vocab_size=40, dim=32, depth=2, heads=4, seq_len=24, **CONFIGS[name])
+    model = TransformerLM(cfg).double().eval()
+    for p in model.parameters():  # the zero-initialised output layer would make every loss ln(vocab)
+        p.data.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def tokens(batch: int = 3, n: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 40, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def calls(model: TransformerLM, x: torch.Tensor):
+    return capture(model, x)
+
+
+def substituted_logits(model, x, method: Method) -> torch.Tensor:
+    with hooked(model, lambda call, own: approximate(call, method).output), torch.no_grad():
+        return model(x)
+
+
+# --- substitution -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_exact_substitution_reproduces_the_model(name) -> None:
+    model, x = tiny(name), tokens()
+    with torch.no_grad():
+        own = model(x)
+    torch.testing.assert_close(substituted_logits(model, x, Method("exact")), own, rtol=1e-9, atol=1e-10)
+
+
+def test_the_exact_row_reproduces_evaluate_and_the_model_comes_back_unchanged() -> None:
+    model = tiny().float()
+    split = np.random.default_rng(0).integers(0, 40, 24 * 6 + 1)
+    own, results = approximation_table(model, split, "bytes", methods_for(["ovo"], [1], True), batch=2,
+                                       max_windows=None)
+    total, count = evaluate(model, split, 24, batch=2, procs=Processes(0, 1, 0, torch.device("cpu")))
+    assert own == pytest.approx(total / count / math.log(2), rel=1e-12)
+    exact, ovo1 = results
+    assert exact.method == Method("exact") and exact.value == pytest.approx(own, rel=1e-5)
+    assert exact.relative_error < 1e-5 and ovo1.value > own and ovo1.keys_per_query == pytest.approx(1.0)
+    again, _ = evaluate(model, split, 24, batch=2, procs=Processes(0, 1, 0, torch.device("cpu")))
+    assert again == total  # the hooks are gone
+
+
+@pytest.mark.parametrize("method", [Method("ovo", 2), Method("ova", 3), Method("sliding", 2), Method("lsh", 2),
+                                    Method("features", 16)])
+def test_substituted_models_stay_causal(method) -> None:
+    model, x = tiny(), tokens(batch=2)
+    t = 11
+    future = x.clone()
+    future[:, t + 1:] = (future[:, t + 1:] + 7) % 40
+    a, b = substituted_logits(model, x, method), substituted_logits(model, future, method)
+    assert torch.equal(a[:, :t + 1], b[:, :t + 1])
+    assert not torch.equal(a[:, t + 1:], b[:, t + 1:])
+
+
+# --- the values each key offers -----------------------------------------------------------------------------------
+
+def test_pair_values_match_the_literal_tensors() -> None:
+    model, x = tiny(), tokens()
+    call = calls(model, x)[0]
+    values = PairValues(call.v, call.rel_pos)
+    N = x.shape[1]
+    pos = torch.arange(N)
+    _, a_value = call.rel_pos.tables(pos[None, :] - pos[:, None], call.v.dtype)  # (N, N, D)
+    literal = call.v[:, :, None, :, :] + a_value  # (B, h, N, N, D): u_ij
+    w = torch.rand(*call.v.shape[:3], N, dtype=torch.float64)
+    g = torch.randn_like(call.v)
+    torch.testing.assert_close(values.combine(w), (w[..., None] * literal).sum(-2))
+    torch.testing.assert_close(values.dots(g), (literal * g[:, :, :, None, :]).sum(-1))
+    torch.testing.assert_close(values.square_norms(), literal.square().sum(-1))
+    keys = torch.randint(0, N, (*call.v.shape[:3], 3))
+    expect = torch.gather(literal, 3, keys[..., None].expand(-1, -1, -1, -1, literal.shape[-1]))
+    torch.testing.assert_close(values.gather(keys), expect)
+
+
+# --- the methods --------------------------------------------------------------------------------------------------
+
+def _head(name="local+routing", layer=0, group=0):
+    model, x = tiny(name), tokens()
+    call = [c for c in calls(model, x) if c.layer == layer][group]
+    alpha = call.weights()
+    values = call.values()
+    return call, alpha, values, values.combine(alpha)
+
+
+def _error(values, weights, o):
+    return (values.combine(weights) - o).norm(dim=-1)
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_optimal_v_aware_1_is_the_nearest_value_by_a_plain_loop(group) -> None:
+    call, alpha, values, o = _head(group=group)
+    w = ova_weights(alpha, o, values, 1)
+    B, h, N, _ = alpha.shape
+    pos = torch.arange(N)
+    _, a_value = call.rel_pos.tables(pos[None, :] - pos[:, None], call.v.dtype)
+    a_value = a_value.detach()
+    for b in range(B):
+        for head in range(h):
+            for i in range(N):
+                best, best_j = math.inf, None
+                for j in range(N):
+                    if alpha[b, head, i, j] > 0:
+                        d = float((call.v[b, head, j] + a_value[i, j] - o[b, head, i]).norm())
+                        if d < best:
+                            best, best_j = d, j
+                assert torch.nonzero(w[b, head, i]).flatten().tolist() == [best_j]
+                assert float(w[b, head, i, best_j]) == 1.0
+
+
+def test_optimal_v_aware_is_exact_from_d_plus_1() -> None:
+    _, alpha, values, o = _head(name="full-elu")
+    D = o.shape[-1]
+    w = ova_weights(alpha, o, values, D + 1)
+    assert float(_error(values, w, o).max()) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["local+routing", "full-poly2"])
+@pytest.mark.parametrize("r", [2, 3, 5])
+def test_optimal_v_aware_is_feasible_and_never_worse_than_oblivious_or_aware_1(name, r) -> None:
+    call, alpha, values, o = _head(name)
+    aware = ova_weights(alpha, o, values, r)
+    oblivious = approximate(call, Method("ovo", r)).weights
+    single = ova_weights(alpha, o, values, 1)
+    assert (aware >= 0).all() and ((aware > 0) <= (alpha > 0)).all()  # only keys the head sees: causal
+    torch.testing.assert_close(aware.sum(-1), torch.ones_like(aware.sum(-1)))
+    assert int((aware > 0).sum(-1).max()) <= r
+    e_aware = _error(values, aware, o)
+    assert (e_aware <= _error(values, oblivious, o) + 1e-12).all()
+    assert (e_aware <= _error(values, single, o) + 1e-12).all()
+    assert (e_aware < _error(values, oblivious, o) - 1e-6).any()  # and it does better somewhere
+
+
+def test_the_simplex_projection_is_the_nearest_point_of_the_simplex() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 6, generator=gen, dtype=torch.float64) * 2
+    p = project_simplex(x)
+    assert (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(50, dtype=torch.float64))
+    others = torch.distributions.Dirichlet(torch.ones(6, dtype=torch.float64)).sample((50, 400))
+    assert ((x - p).norm(dim=-1)[:, None] <= (x[:, None] - others).norm(dim=-1) + 1e-12).all()
+
+
+def test_oblivious_sliding_and_lsh_keep_the_keys_they_say() -> None:
+    call, alpha, values, o = _head(name="full-elu")
+    ovo = approximate(call, Method("ovo", 3)).weights
+    sliding = approximate(call, Method("sliding", 3)).weights
+    lsh = approximate(call, Method("lsh", 2)).weights
+    N = alpha.shape[-1]
+    for w in (ovo, sliding, lsh):
+        torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))
+        assert ((w > 0) <= (alpha > 0)).all()
+    for i in range(N):
+        keep = alpha[..., i, :].topk(min(3, i + 1), dim=-1).indices
+        assert ((ovo[..., i, :] > 0) == torch.zeros_like(ovo[..., i, :], dtype=torch.bool).scatter(-1, keep,
+                                                                                                  True)).all()
+        window = torch.zeros(N, dtype=torch.bool)
+        window[max(0, i - 2):i + 1] = True
+        assert ((sliding[..., i, :] > 0) == window).all()
+    # renormalised, not reweighted: kept keys keep their ratios
+    torch.testing.assert_close(sliding[..., 5, 4] / sliding[..., 5, 5], alpha[..., 5, 4] / alpha[..., 5, 5])
+    assert int((lsh > 0).sum(-1).max()) <= 2
+
+
+def test_random_features_approach_the_exact_weights_as_features_grow() -> None:
+    model, x = tiny(), tokens()
+    call = calls(model, x)[0]
+    alpha = call.weights()
+    errors = [float((approximate(call, Method("features", m)).weights - alpha).abs().sum(-1).mean())
+              for m in (4, 4096)]
+    assert errors[1] < 0.25 * errors[0]
+    with pytest.raises(ValueError, match="exponential kernel only"):
+        approximate(calls(tiny("full-elu"), x)[0], Method("features", 8))
+
+
+def test_methods_refuse_bad_settings() -> None:
+    for bad in (dict(name="ovo", r=0), dict(name="ova", r=-2), dict(name="ovo"), dict(name="exact", r=3),
+                dict(name="best", r=2)):
+        with pytest.raises(ValueError):
+            Method(**bad)
+
+
+# --- heads and patterns -------------------------------------------------------------------------------------------
+
+def test_js_divergence_bounds() -> None:
+    p = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.5, 0.5, 0.0, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.3, 0.7]], dtype=torch.float64)
+    assert torch.equal(js_divergence(p, p), torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(js_divergence(p, q), torch.full((2,), LN2, dtype=torch.float64))
+    a, b = torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])
+    m = (a + b) / 2  # spelled out
+    expect = 0.5 * float((a * (a / m).log()).sum()) + 0.5 * float(b[0] * (b[0] / m[0]).log())
+    assert float(js_divergence(a, b)) == pytest.approx(expect)
+
+
+def test_head_divergences_by_kind_pair() -> None:
+    model = tiny()
+    results = head_divergences(model, [tokens(seed=s) for s in range(3)])
+    assert [r.layer for r in results] == [0, 1]
+    for r in results:
+        assert r.kinds == ["local", "local", "routing", "routing"]
+        assert set(r.pairs) == {"local-local", "local-routing", "routing-routing"}
+        assert torch.equal(r.mean.diagonal(), torch.zeros(4)) and (r.mean >= 0).all() and (r.mean <= LN2).all()
+        assert torch.equal(r.mean, r.mean.T) and (r.std > 0).any()
+        lr = [float(r.mean[a, b]) for a in (0, 1) for b in (2, 3)]
+        assert r.pairs["local-routing"][0] == pytest.approx(sum(lr) / 4, rel=1e-5)
+
+
+def test_patterns_and_cluster_statistics() -> None:
+    model = tiny()
+    pats = head_patterns(model, tokens(batch=1)[0], layer=1)
+    assert [p.head for p in pats] == [0, 1, 2, 3] and [p.kind for p in pats][2:] == ["routing", "routing"]
+    assert pats[0].clusters is None and pats[2].clusters.shape == (24,)
+    assert pats[0].weights.shape == (24, 24) and torch.equal(pats[0].weights.triu(1), torch.zeros(24, 24))
+    stats = cluster_stats(model, [tokens(seed=s) for s in range(2)])
+    assert [(s.layer, s.head) for s in stats] == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    for s in stats:
+        assert len(s.sizes) == 3 and float(s.sizes.sum()) == pytest.approx(24.0)
+        assert (s.sizes[:-1] >= s.sizes[1:]).all() and s.balance >= 1.0 and 0 < s.captured <= 1.0 + 1e-9
+    with pytest.raises(ValueError, match="head 7 does not exist"):
+        head_patterns(model, tokens(batch=1)[0], layer=0, head=7)
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+TINY = """
+[model]
+vocab_size = 256
+dim = 32
+depth = 2
+heads = 2
+seq_len = 32
+attention = "local:1,routing:1"
+window = 8
+num_clusters = 3
+routing_window = 8
+
+[train]
+data = "tiny"
+batch_size = 4
+lr = 3e-3
+warmup_steps = 2
+max_steps = 6
+eval_every = 6
+eval_tokens = 256
+log_every = 2
+sample_tokens = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from routeformer.data import prepare
+
+    root = tmp_path_factory.mktemp("analyze")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("".join(f"{i}: def route(q, keys): return max(keys, key=q.dot)\n"
+                                         for i in range(200)))
+    prepare("text", root / "data", str(corpus), dataset_name="tiny")
+    (root / "tiny.toml").write_text(TINY)
+    run = root / "run"
+    assert main(["train", "--config", str(root / "tiny.toml"), "--data-dir", str(root / "data"), "--out",
+                 str(run)]) == 0
+    return run
+
+
+def _one_line_error(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("routeformer: error: ") and "Traceback" not in err
+    return err
+
+
+def test_analyze_writes_tables_and_pictures(run_dir, capsys) -> None:
+    capsys.readouterr()
+    assert main(["analyze", str(run_dir), "approximations", "--r", "1,2,17", "--windows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "optimal-v-aware-2 (upper bound)" in out and "optimal-v-aware-17" in out and "random features-17" in out
+    own = float(out.split("model's own evaluation on these windows: ")[1].split()[0])
+    exact = float(out.split("\nexact")[1].split()[0])
+    assert exact == pytest.approx(own, abs=1e-4)
+    assert main(["analyze", str(run_dir), "heads", "--batches", "2", "--batch-size", "2"]) == 0
+    assert "local-routing" in capsys.readouterr().out
+    assert main(["analyze", str(run_dir), "patterns", "--layer", "1", "--text", "def route(q, keys):",
+                 "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    analysis = run_dir / "analysis"
+    for name in ("approximations.txt", "approximations.csv", "approximations.png", "heads.txt", "heads.csv",
+                 "heads.png", "patterns-layer1.png", "clusters.txt", "clusters.png"):
+        assert (analysis / name).is_file(), name
+        assert str(analysis / name) in out or name.startswith(("approximations", "heads"))
+    import matplotlib.image
+
+    for name in ("approximations.png", "heads.png", "patterns-layer1.png", "clusters.png"):
+        assert (analysis / name).read_bytes().startswith(PNG)
+        assert matplotlib.image.imread(analysis / name).ndim == 3
+
+
+def test_analyze_bad_inputs_are_one_line_errors(run_dir, capsys, tmp_path) -> None:
+    run = str(run_dir)
+    assert "does not exist" in _one_line_error(capsys, ["analyze", str(tmp_path / "nowhere"), "heads"])
+    assert "layer 5 does not exist" in _one_line_error(capsys, ["analyze", run, "heads", "--layers", "0,5"])
+    assert "layer 3 does not exist" in _one_line_error(capsys, ["analyze", run, "patterns", "--layer", "3"])
+    assert "head 2 does not exist" in _one_line_error(capsys, ["analyze", run, "patterns", "--head", "2"])
+    for bad in ("0", "2,-1", "x"):
+        assert "--r must be comma-separated positive integers" in _one_line_error(
+            capsys, ["analyze", run, "approximations", "--r", bad])
+    assert "unknown method(s) best" in _one_line_error(capsys, ["analyze", run, "approximations", "--methods",
+                                                                "ovo,best"])
+    assert "no such file" in _one_line_error(capsys, ["analyze", run, "patterns", "--text-file",
+                                                      str(tmp_path / "missing.txt")])
