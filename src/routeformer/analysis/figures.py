@@ -61,7 +61,7 @@ def plot_divergences(results: list[LayerDivergence], path: Path) -> bool:
     n = len(results)
     cols = min(n, 4)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 3.3 * rows), dpi=120, squeeze=False)
     image = None
     for ax, res in zip(axes.flat, results, strict=False):
         image = ax.imshow(res.mean.numpy(), vmin=0.0, vmax=LN2, cmap="viridis")

@@ -47,7 +47,7 @@ def open_target(run_dir: str | Path, *, split: str = "valid", checkpoint: str = 
         raise ValueError(f"the {split} split of {data.meta.name!r} is too short to analyse")
     out_dir = Path(out).expanduser() if out is not None else run_dir / "analysis"
     out_dir.mkdir(parents=True, exist_ok=True)
-    label = f"{run_dir} ({which} weights, {split} split of {data.meta.name})"
+    label = f"{run_dir.name} ({which} weights, {split} split of {data.meta.name})"
     return Target(run_dir, model, tokens, data.meta.kind, UNITS[data.meta.kind], out_dir, label, data)
 
 

@@ -95,12 +95,12 @@ def methods_for(names: list[str], rs: list[int], features_ok: bool) -> list[Meth
 def format_table(own: float, results: list[ApproximationResult], unit: str) -> str:
     """The results as an aligned text table, with the model's own evaluation on the first line."""
     lines = [f"model's own evaluation on these windows: {own:.4f} {unit}",
-             f"{'method':<28} {unit:>16} {'rel. error':>11} {'keys/query':>11}"]
+             f"{'method':<34} {unit:>16} {'rel. error':>11} {'keys/query':>11}"]
     for res in results:
         label = res.method.label + (" (upper bound)" if res.upper_bound else "")
         keys = "all" if res.keys_per_query is None else f"{res.keys_per_query:.1f}"
         value = f"{res.value:.4f}" if math.isfinite(res.value) else "inf"
-        lines.append(f"{label:<28} {value:>16} {res.relative_error:>11.4f} {keys:>11}")
+        lines.append(f"{label:<34} {value:>16} {res.relative_error:>11.4f} {keys:>11}")
     return "\n".join(lines)
 
 
