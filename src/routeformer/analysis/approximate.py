@@ -67,32 +67,42 @@ class HeadApproximation:
     upper_bound: bool = False  # ova for 1 < r <= D: a feasible point, not proven optimal
 
 
+@dataclass
+class _Head:
+    """What every method may use of one head group: its call, exact weights, visible keys, values and output."""
+
+    call: HeadCall
+    alpha: Tensor  # (B, h, N, N)
+    allowed: Tensor  # (B, h, N, N) bool: the keys the head sees (non-zero weight)
+    values: PairValues
+    exact: Tensor  # (B, h, N, D)
+    lsh_rounds: int
+    seed: int
+
+
+# method name -> (head, r) -> weights (B, h, N, N)
+_WEIGHTS = {
+    "exact": lambda head, r: head.alpha,
+    "ovo": lambda head, r: top_r(head.alpha, r),
+    "sliding": lambda head, r: renormalise(head.alpha * last_r(head.allowed, r)),
+    "lsh": lambda head, r: renormalise(head.alpha * lsh_keep(head.call, head.allowed, r, head.lsh_rounds, head.seed)),
+    "features": lambda head, r: feature_weights(head.call, head.allowed, r, head.seed),
+    "ova": lambda head, r: ova_weights(head.alpha, head.exact, head.values, r),
+}
+
+
 @torch.no_grad()
 def approximate(call: HeadCall, method: Method, *, lsh_rounds: int = 1, seed: int = 0) -> HeadApproximation:
     """``method`` applied to the head group of ``call`` (on its own q, k, v). ``seed`` draws LSH rotations and
     random features (different per layer and group, the same on every call)."""
     alpha = call.weights()  # (B, h, N, N)
     values = call.values()
-    allowed = alpha > 0
-    o = values.combine(alpha)  # (B, h, N, D)
-    r, name = method.r, method.name
-    bound = False
-    seed = seed + 7919 * call.layer + 104_729 * call.first_head
-    if name == "exact":
-        weights = alpha
-    elif name == "ovo":
-        weights = top_r(alpha, r)
-    elif name == "sliding":
-        weights = renormalise(alpha * last_r(allowed, r))
-    elif name == "lsh":
-        weights = renormalise(alpha * lsh_keep(call, allowed, r, lsh_rounds, seed))
-    elif name == "features":
-        weights = feature_weights(call, allowed, r, seed)
-    else:
-        D = call.v.shape[-1]
-        weights = ova_weights(alpha, o, values, r)
-        bound = 1 < r <= D and bool((allowed.sum(-1) > r).any())
-    return HeadApproximation(values.combine(weights), weights, o, bound)
+    head = _Head(call, alpha, alpha > 0, values, values.combine(alpha), lsh_rounds,
+                 seed + 7919 * call.layer + 104_729 * call.first_head)
+    weights = _WEIGHTS[method.name](head, method.r)
+    r, D = method.r or 0, call.v.shape[-1]
+    bound = method.name == "ova" and 1 < r <= D and bool((head.allowed.sum(-1) > r).any())
+    return HeadApproximation(values.combine(weights), weights, head.exact, bound)
 
 
 def renormalise(w: Tensor) -> Tensor:
