@@ -493,7 +493,7 @@ def cmd_analyze(args) -> int:
                              device=args.device, out=args.out)
     if args.analysis == "approximations":
         rs = (run.parse_ints(args.r, "--r") if args.r is not None
-              else [1, 2, 4, 8, 16, target.model.config.head_dim + 1])
+              else sorted({1, 2, 4, 8, 16, target.model.config.head_dim + 1}))
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         files = run.approximations(target, methods=methods, rs=rs, layers=run.parse_layers(args.layers, target.model),
                                    windows=None if args.all_windows else args.windows, batch=args.batch_size,

@@ -22,6 +22,7 @@ routed ones for a routing head), so a causal model never scores with a later key
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ class HeadApproximation:
     output: Tensor
     weights: Tensor
     exact: Tensor  # the head group's own output o (B, h, N, D)
+    keys: Tensor  # (B, h, N): keys per query the substitute needs (OVA at r >= D + 1: min(keys seen, D + 1))
     upper_bound: bool = False  # ova for 1 < r <= D: a feasible point, not proven optimal
 
 
@@ -87,7 +89,7 @@ _WEIGHTS = {
     "sliding": lambda head, r: renormalise(head.alpha * last_r(head.allowed, r)),
     "lsh": lambda head, r: renormalise(head.alpha * lsh_keep(head.call, head.allowed, r, head.lsh_rounds, head.seed)),
     "features": lambda head, r: feature_weights(head.call, head.allowed, r, head.seed),
-    "ova": lambda head, r: ova_weights(head.alpha, head.exact, head.values, r),
+    "ova": lambda head, r: ova_weights(head.alpha, head.exact, head.values, r, allowed=head.allowed),
 }
 
 
@@ -95,14 +97,19 @@ _WEIGHTS = {
 def approximate(call: HeadCall, method: Method, *, lsh_rounds: int = 1, seed: int = 0) -> HeadApproximation:
     """``method`` applied to the head group of ``call`` (on its own q, k, v). ``seed`` draws LSH rotations and
     random features (different per layer and group, the same on every call)."""
+    if call.q.dtype in (torch.float16, torch.bfloat16):  # the solvers and projections need float32's range
+        call = dataclasses.replace(call, q=call.q.float(), k=call.k.float(), v=call.v.float())
     alpha = call.weights()  # (B, h, N, N)
     values = call.values()
-    head = _Head(call, alpha, alpha > 0, values, values.combine(alpha), lsh_rounds,
+    head = _Head(call, alpha, call.allowed(), values, values.combine(alpha), lsh_rounds,
                  seed + 7919 * call.layer + 104_729 * call.first_head)
     weights = _WEIGHTS[method.name](head, method.r)
     r, D = method.r or 0, call.v.shape[-1]
+    keys = (weights > 0).sum(-1)
+    if method.name == "ova" and r > D:  # α itself; Carathéodory: D + 1 of its values give the same point
+        keys = keys.clamp_max(D + 1)
     bound = method.name == "ova" and 1 < r <= D and bool((head.allowed.sum(-1) > r).any())
-    return HeadApproximation(values.combine(weights), weights, head.exact, bound)
+    return HeadApproximation(values.combine(weights), weights, head.exact, keys, bound)
 
 
 def renormalise(w: Tensor) -> Tensor:
@@ -148,7 +155,7 @@ def feature_weights(call: HeadCall, allowed: Tensor, m: int, seed: int, chunk: i
     if group.kernel != "exp":
         raise ValueError(f"random features estimate the exponential kernel only; layer {call.layer}'s "
                          f"{call.kind} heads use kernel {group.kernel!r}")
-    q, k = call.q, call.k
+    q, k = call.q, group.reference_keys(call.q, call.k)
     B, h, N, D = q.shape
     gen = torch.Generator().manual_seed(seed)
     projection = orthogonal_features(h, m, D, generator=gen, device=q.device, dtype=q.dtype)
@@ -171,16 +178,19 @@ def feature_weights(call: HeadCall, allowed: Tensor, m: int, seed: int, chunk: i
 
 # --- optimal-v-aware-r ---------------------------------------------------------------------------------------------
 
-def ova_weights(alpha: Tensor, o: Tensor, values: PairValues, r: int, iterations: int = 60) -> Tensor:
+def ova_weights(alpha: Tensor, o: Tensor, values: PairValues, r: int, iterations: int = 60, *,
+                allowed: Tensor | None = None) -> Tensor:
     """OVA-r weights (B, h, N, N): at most r non-zero per row, non-negative, summing to 1, whose output is the
     nearest to ``o`` this algorithm finds (module docstring).
 
-    r = 1: the value nearest o. r >= D + 1, or a row with at most r keys: α itself (exact). Otherwise the best,
+    ``allowed`` (B, h, N, N) bool: the keys a query may use (default α > 0).
+    r = 1: the value nearest o. r >= D + 1, or a row with at most r keys: α itself (exact; by Carathéodory some
+    D + 1 of its values give the same point, not computed here). Otherwise the best,
     per row, of: OVO-r's weights; OVO-r's keys with weights refitted by projected gradient on the simplex; and
     greedy fully-corrective selection (Frank-Wolfe vertices added one at a time from the OVA-1 point, all weights
     refitted after each). Cost O(N² · (D + r)) per head plus O(N · r² · iterations) for the refits."""
     D = o.shape[-1]
-    allowed = alpha > 0
+    allowed = alpha > 0 if allowed is None else allowed
     count = allowed.sum(-1, keepdim=True)  # (B, h, N, 1)
     if r > D:
         return alpha
@@ -240,14 +250,13 @@ def _greedy(single: Tensor, o: Tensor, values: PairValues, allowed: Tensor, r: i
 
 def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Tensor | None = None) -> Tensor:
     """argmin over the simplex of |Σ_t w_t u_t - o|² by projected gradient from ``start`` (feasible), step 1/L
-    with L the largest eigenvalue of the Gram matrix (power iteration), keeping the best iterate. Entries where
-    ``valid`` is False stay 0. u (..., t, D), o (..., D), start and valid (..., t) -> (..., t)."""
+    with L >= the largest eigenvalue of the Gram matrix (its largest absolute row sum, Gershgorin), keeping the best
+    iterate. Entries where ``valid`` is False stay 0 (a row with none keeps ``start``). u (..., t, D), o (..., D),
+    start and valid (..., t) -> (..., t)."""
     gram = u @ u.transpose(-1, -2)  # (..., t, t)
     linear = (u @ o[..., None])[..., 0]  # (..., t)
-    vec = torch.ones_like(start)
-    for _ in range(20):
-        vec = F.normalize((gram @ vec[..., None])[..., 0], dim=-1)
-    lipschitz = ((gram @ vec[..., None])[..., 0] * vec).sum(-1, keepdim=True).clamp_min(1e-12) * 1.01
+    lipschitz = gram.abs().sum(-1).amax(-1, keepdim=True).clamp_min(1e-12)
+    excluded = torch.finfo(start.dtype).min / (4 * start.shape[-1])  # sorts last; their sums stay finite
 
     def objective(w: Tensor) -> Tensor:  # |u w - o|² - |o|²
         return ((gram @ w[..., None])[..., 0] * w).sum(-1) - 2 * (linear * w).sum(-1)
@@ -257,12 +266,12 @@ def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Te
     for _ in range(iterations):
         grad = (gram @ w[..., None])[..., 0] - linear
         step = w - grad / lipschitz
-        w = project_simplex(step if valid is None else step.masked_fill(~valid, -1e30))
+        w = project_simplex(step) if valid is None else project_simplex(step.masked_fill(~valid, excluded)) * valid
         value = objective(w)
         better = value < best_value
         best = torch.where(better[..., None], w, best)
         best_value = torch.where(better, value, best_value)
-    return best
+    return best if valid is None else torch.where(valid.any(-1, keepdim=True), best, start)
 
 
 def project_simplex(x: Tensor) -> Tensor:

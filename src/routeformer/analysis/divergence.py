@@ -80,7 +80,7 @@ def _pairwise(w: Tensor) -> Tensor:
     out = torch.zeros(H, H)
     for a, b in itertools.combinations(range(H), 2):
         both = attends[:, a] & attends[:, b]
-        value = js_divergence(w[:, a], w[:, b])[both].mean() if both.any() else torch.tensor(float("nan"))
+        value = float(js_divergence(w[:, a], w[:, b])[both].mean()) if both.any() else float("nan")
         out[a, b] = out[b, a] = value
     return out
 

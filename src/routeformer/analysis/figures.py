@@ -126,7 +126,7 @@ def plot_cluster_sizes(stats: list[ClusterStats], path: Path) -> bool:
         ax.set_title(f"layer {s.layer} head {s.head}: balance {s.balance:.2f}, captured {s.captured:.2f}",
                      fontsize=8)
         ax.set_xlabel("cluster (largest first)", fontsize=8)
-        ax.set_ylabel("keys per sequence", fontsize=8)
+        ax.set_ylabel("positions per sequence", fontsize=8)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     _save(plt, fig, path)

@@ -45,6 +45,16 @@ class HeadCall:
             raise ValueError(f"layer {self.layer}: {self.kind} heads are not a mask over attention, so they have no "
                              f"attention weights to analyse") from None
 
+    @torch.no_grad()
+    def allowed(self) -> Tensor:
+        """The keys each query of the group may see, (B, h, N, N) bool, from the kind's ``reference_mask`` (so a key
+        whose weight underflows to 0 still counts as seen)."""
+        mask = self.group.reference_mask(self.q, self.k)
+        if mask is None:
+            raise ValueError(f"layer {self.layer}: {self.kind} heads are not a mask over attention")
+        B, h, N, _ = self.q.shape
+        return mask.expand(B, h, N, N)
+
     def values(self) -> PairValues:
         return PairValues(self.v, self.rel_pos)
 
@@ -153,6 +163,8 @@ def check_layers(model: TransformerLM, layers: list[int] | None) -> list[int]:
     depth = len(model.blocks)
     if layers is None:
         return list(range(depth))
+    if not layers:
+        raise ValueError(f"no layers given: choose among 0..{depth - 1}")
     for layer in layers:
         if not 0 <= layer < depth:
             raise ValueError(f"layer {layer} does not exist: the model has layers 0..{depth - 1}")

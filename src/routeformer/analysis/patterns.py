@@ -48,7 +48,8 @@ def head_patterns(model: TransformerLM, tokens: Tensor, layer: int, head: int | 
 
 @dataclass
 class ClusterStats:
-    """A routing head over the data: mean keys per cluster per sequence, sorted from the largest (k,); balance
+    """A routing head over the data: mean positions per cluster per sequence (by the queries' clusters, which are
+    also the keys' unless routing is separate), sorted from the largest (k,); balance
     (the largest cluster over the mean size, averaged over sequences; 1 is perfectly balanced); and the mean share
     of full attention's mass (softmax over every key the head could see without routing) its routed keys hold."""
 

@@ -59,7 +59,7 @@ def parse_ints(text: str, what: str) -> list[int]:
         raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
-    return values
+    return sorted(set(values))
 
 
 def parse_layers(text: str | None, model) -> list[int] | None:
@@ -95,7 +95,8 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
     if unknown:
         raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     model = target.model
-    kernels = {g.kernel for g in model.head_groups()}
+    chosen_layers = range(len(model.blocks)) if layers is None else layers
+    kernels = {g.kernel for i in chosen_layers for g in model.blocks[i].attention.groups}
     chosen = methods_for(methods, rs, features_ok=kernels == {"exp"})
     if "features" in methods and kernels != {"exp"}:
         print(f"random features skipped: they estimate the exponential kernel only (this model: "
@@ -167,8 +168,8 @@ def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: b
     windows = sample_windows(target.tokens, seq_len, batches * batch, batch)
     stats = cluster_stats(model, (w.to(device) for w in windows))
     table = (f"{target.label}: routing heads over {sum(len(w) for w in windows)} windows of {seq_len} tokens "
-             f"(sizes: keys per cluster per window; balance: largest / mean; captured: share of full attention's "
-             f"mass on the routed keys)\n" + format_cluster_stats(stats))
+             f"(sizes: positions per cluster per window, by their queries' clusters; balance: largest / mean; "
+             f"captured: share of full attention's mass on the routed keys)\n" + format_cluster_stats(stats))
     if verbose:
         print(table)
     text_path = target.out / "clusters.txt"

@@ -39,12 +39,12 @@ class _Tally:
     def __init__(self) -> None:
         self.error, self.rows, self.keys, self.bound = 0.0, 0, 0.0, False
 
-    def add(self, exact: Tensor, output: Tensor, weights: Tensor, bound: bool) -> None:
+    def add(self, exact: Tensor, output: Tensor, keys: Tensor, bound: bool) -> None:
         norm = exact.norm(dim=-1)  # (B, h, N)
         real = norm > 0
         self.error += float(((output - exact).norm(dim=-1)[real] / norm[real]).sum())
         self.rows += int(real.sum())
-        self.keys += float((weights > 0).sum(-1)[real].float().sum())
+        self.keys += float(keys[real].float().sum())
         self.bound |= bound
 
 
@@ -69,7 +69,7 @@ def approximation_table(model: TransformerLM, tokens: np.ndarray, kind: str, met
 
         def replace(call: HeadCall, _own, method=method, tally=tally) -> Tensor:
             approx = approximate(call, method, lsh_rounds=lsh_rounds, seed=seed)
-            tally.add(approx.exact, approx.output, approx.weights, approx.upper_bound)
+            tally.add(approx.exact, approx.output, approx.keys, approx.upper_bound)
             return approx.output.to(call.v.dtype)
 
         with hooked(model, replace, layers):
