@@ -206,6 +206,18 @@ def test_oblivious_sliding_and_lsh_keep_the_keys_they_say() -> None:
     assert int((lsh > 0).sum(-1).max()) <= 2
 
 
+def test_kept_keys_keep_their_weight_when_full_attention_underflows() -> None:
+    import dataclasses
+
+    call = calls(tiny("local+routing"), tokens())[0]  # local heads, exponential kernel
+    sharp = dataclasses.replace(call, q=call.q * 1e4)  # softmax underflows to exact zeros beside the largest key
+    assert int((sharp.weights() == 0).sum()) > 0
+    for method in (Method("sliding", 1), Method("sliding", 3), Method("lsh", 2)):
+        approx = approximate(sharp, method)
+        assert (approx.keys >= 1).all(), method  # every query keeps at least its most recent key
+        torch.testing.assert_close(approx.weights.sum(-1), torch.ones_like(approx.weights.sum(-1)))
+
+
 @pytest.mark.parametrize("name", ["local+routing", "local+lsh"])
 def test_random_features_approach_the_exact_weights_as_features_grow(name) -> None:
     model, x = tiny(name), tokens()

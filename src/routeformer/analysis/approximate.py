@@ -11,7 +11,7 @@ routed ones for a routing head), so a causal model never scores with a later key
   r >= D + 1 are exact (argmin_j |u_ij - o|; Carathéodory); for 1 < r <= D the problem is NP-hard in general and
   the result is the best feasible point of several candidates (module ``ova_weights``), an upper bound on the
   optimal error that is never above OVO-r's or OVA-1's.
-- sliding (sliding-window-r): the r most recent keys, renormalised.
+- sliding (sliding-window-r): the r most recent keys, the kernel normalised over them.
 - lsh (LSH-r): angular LSH on the unit queries and keys (Reformer's h(x) = argmax([xR; -xR]), ``rounds`` rounds,
   round(√N) buckets); per round a query keeps the r most recent keys in its bucket (the sorted window of
   ``lsh_attention``), the rounds' sets are joined, and α is renormalised over them. A query whose bucket holds no
@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import orthogonal_features, performer_features
+from ..attention.reference import reference_weights
 from .heads import HeadCall, PairValues
 
 METHODS = ("exact", "ovo", "ova", "sliding", "lsh", "features")
@@ -81,13 +82,20 @@ class _Head:
     lsh_rounds: int
     seed: int
 
+    def restricted(self, keep: Tensor) -> Tensor:
+        """The head's kernel normalised over the kept keys only (B, h, N, N): K_ij / Σ_{j kept} K_ij, computed from
+        the scores, so that keys whose weight under all keys underflows to 0 still count when kept."""
+        call, group = self.call, self.call.group
+        return reference_weights(call.q, group.reference_keys(call.q, call.k), keep, scale=group.kernel_scale,
+                                 rel_pos=call.rel_pos, kernel=group.kernel)
+
 
 # method name -> (head, r) -> weights (B, h, N, N)
 _WEIGHTS = {
     "exact": lambda head, r: head.alpha,
     "ovo": lambda head, r: top_r(head.alpha, r),
-    "sliding": lambda head, r: renormalise(head.alpha * last_r(head.allowed, r)),
-    "lsh": lambda head, r: renormalise(head.alpha * lsh_keep(head.call, head.allowed, r, head.lsh_rounds, head.seed)),
+    "sliding": lambda head, r: head.restricted(last_r(head.allowed, r)),
+    "lsh": lambda head, r: head.restricted(lsh_keep(head.call, head.allowed, r, head.lsh_rounds, head.seed)),
     "features": lambda head, r: feature_weights(head.call, head.allowed, r, head.seed),
     "ova": lambda head, r: ova_weights(head.alpha, head.exact, head.values, r, allowed=head.allowed),
 }
