@@ -1,6 +1,9 @@
-"""Shared test machinery: random problems, the comparison with the dense reference, the leak check."""
+"""Shared test machinery: random problems, the comparison with the dense reference, the leak check, and the tiny
+text data set and model that the command-line tests train."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -67,3 +70,31 @@ def leaks(attend, q, k, v, t: int, atol: float = 0.0) -> bool:
         before = attend(q.detach(), k.detach(), v.detach())
         after = attend(*future_changed(q, k, v, t))
     return not torch.allclose(before[:, :, : t + 1], after[:, :, : t + 1], rtol=0.0, atol=atol)
+
+
+def tiny_model_toml(depth: int) -> str:
+    """The [model] table of the command-line tests: a byte model of dim 32, one local and one routing head."""
+    return f"""
+[model]
+vocab_size = 256
+dim = 32
+depth = {depth}
+heads = 2
+seq_len = 32
+attention = "local:1,routing:1"
+window = 8
+num_clusters = 3
+routing_window = 8
+"""
+
+
+def tiny_text_data(root: Path, text: str) -> Path:
+    """Prepare ``text`` as the text data set 'tiny' under root/data (from the file root/corpus/a.py); returns
+    root/data."""
+    from routeformer.data import prepare
+
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text(text)
+    prepare("text", root / "data", str(corpus), dataset_name="tiny")
+    return root / "data"

@@ -11,21 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tiny_model_toml, tiny_text_data
 from routeformer.cli import main
-from routeformer.data import prepare
 
-CONFIG = """
-[model]
-vocab_size = 256
-dim = 32
-depth = 2
-heads = 2
-seq_len = 32
-attention = "local:1,routing:1"
-window = 8
-num_clusters = 3
-routing_window = 8
-
+CONFIG = tiny_model_toml(depth=2) + """
 [train]
 data = "tiny"
 batch_size = 8
@@ -48,9 +37,7 @@ def _rows(run: Path, split: str) -> list[dict]:
 def single(tmp_path_factory) -> Path:
     """Data, configurations, and the reference: one process, two micro-batches of 4 per step."""
     root = tmp_path_factory.mktemp("dist")
-    corpus = root / "corpus.txt"
-    corpus.write_text("".join(f"{i} x = routing(q, k, v)  # line {i % 17}\n" for i in range(400)))
-    prepare("text", root / "data", str(corpus), dataset_name="tiny")
+    tiny_text_data(root, "".join(f"{i} x = routing(q, k, v)  # line {i % 17}\n" for i in range(400)))
     (root / "one.toml").write_text(CONFIG.format(accum=2))
     (root / "two.toml").write_text(CONFIG.format(accum=1))  # two processes: one micro-batch of 4 each
     assert main(["train", "--config", str(root / "one.toml"), "--data-dir", str(root / "data"), "--out",

@@ -14,24 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tiny_model_toml, tiny_text_data
 from routeformer.cli import main
 from routeformer.data import prepare
 from routeformer.train import load_run_config
 from routeformer.train.config import parse_override
 from routeformer.train.schedule import learning_rate
 
-TINY = """
-[model]
-vocab_size = 256
-dim = 32
-depth = 1
-heads = 2
-seq_len = 32
-attention = "local:1,routing:1"
-window = 8
-num_clusters = 3
-routing_window = 8
-
+TINY = tiny_model_toml(depth=1) + """
 [train]
 data = "tiny"
 batch_size = 4
@@ -48,12 +38,8 @@ sample_tokens = 16
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    corpus = root / "corpus"
-    corpus.mkdir()
     words = "def routing(query, keys): return sorted(keys, key=lambda k: -query @ k)\n"
-    (corpus / "a.py").write_text("".join(f"{i}: {words}" for i in range(300)))
-    data_dir = root / "data"
-    prepare("text", data_dir, str(corpus), dataset_name="tiny")
+    data_dir = tiny_text_data(root, "".join(f"{i}: {words}" for i in range(300)))
     config = root / "tiny.toml"
     config.write_text(TINY)
     return {"root": root, "data": data_dir, "config": config}

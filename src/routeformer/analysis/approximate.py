@@ -14,7 +14,7 @@ routed ones for a routing head), so a causal model never scores with a later key
 - sliding (sliding-window-r): the r most recent keys, the kernel normalised over them.
 - lsh (LSH-r): angular LSH on the unit queries and keys (Reformer's h(x) = argmax([xR; -xR]), ``rounds`` rounds,
   round(√N) buckets); per round a query keeps the r most recent keys in its bucket (the sorted window of
-  ``lsh_attention``), the rounds' sets are joined, and α is renormalised over them. A query whose bucket holds no
+  ``lsh_attention``), the rounds' sets are joined, and the kernel is normalised over them. A query whose bucket holds no
   key keeps its most recent key.
 - features (random features, r = m): Performer's positive orthogonal random features estimate exp(s·q·k)
   (exponential-kernel models only, as in the paper), normalised over the keys the head sees.
@@ -31,7 +31,6 @@ from torch import Tensor
 
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import orthogonal_features, performer_features
-from ..attention.reference import reference_weights
 from .heads import HeadCall, PairValues
 
 METHODS = ("exact", "ovo", "ova", "sliding", "lsh", "features")
@@ -70,34 +69,14 @@ class HeadApproximation:
     upper_bound: bool = False  # ova for 1 < r <= D: a feasible point, not proven optimal
 
 
-@dataclass
-class _Head:
-    """What every method may use of one head group: its call, exact weights, visible keys, values and output."""
-
-    call: HeadCall
-    alpha: Tensor  # (B, h, N, N)
-    allowed: Tensor  # (B, h, N, N) bool: the keys the head sees (non-zero weight)
-    values: PairValues
-    exact: Tensor  # (B, h, N, D)
-    lsh_rounds: int
-    seed: int
-
-    def restricted(self, keep: Tensor) -> Tensor:
-        """The head's kernel normalised over the kept keys only (B, h, N, N): K_ij / Σ_{j kept} K_ij, computed from
-        the scores, so that keys whose weight under all keys underflows to 0 still count when kept."""
-        call, group = self.call, self.call.group
-        return reference_weights(call.q, group.reference_keys(call.q, call.k), keep, scale=group.kernel_scale,
-                                 rel_pos=call.rel_pos, kernel=group.kernel)
-
-
-# method name -> (head, r) -> weights (B, h, N, N)
+# method name -> (call, r, lsh_rounds, seed) -> weights (B, h, N, N)
 _WEIGHTS = {
-    "exact": lambda head, r: head.alpha,
-    "ovo": lambda head, r: top_r(head.alpha, r),
-    "sliding": lambda head, r: head.restricted(last_r(head.allowed, r)),
-    "lsh": lambda head, r: head.restricted(lsh_keep(head.call, head.allowed, r, head.lsh_rounds, head.seed)),
-    "features": lambda head, r: feature_weights(head.call, head.allowed, r, head.seed),
-    "ova": lambda head, r: ova_weights(head.alpha, head.exact, head.values, r, allowed=head.allowed),
+    "exact": lambda call, r, rounds, seed: call.weights,
+    "ovo": lambda call, r, rounds, seed: top_r(call.weights, r),
+    "sliding": lambda call, r, rounds, seed: call.restricted(last_r(call.allowed, r)),
+    "lsh": lambda call, r, rounds, seed: call.restricted(lsh_keep(call, r, rounds, seed)),
+    "features": lambda call, r, rounds, seed: feature_weights(call, r, seed),
+    "ova": lambda call, r, rounds, seed: ova_weights(call.weights, call.output, call.values, r, allowed=call.allowed),
 }
 
 
@@ -107,17 +86,14 @@ def approximate(call: HeadCall, method: Method, *, lsh_rounds: int = 1, seed: in
     random features (different per layer and group, the same on every call)."""
     if call.q.dtype in (torch.float16, torch.bfloat16):  # the solvers and projections need float32's range
         call = dataclasses.replace(call, q=call.q.float(), k=call.k.float(), v=call.v.float())
-    alpha = call.weights()  # (B, h, N, N)
-    values = call.values()
-    head = _Head(call, alpha, call.allowed(), values, values.combine(alpha), lsh_rounds,
-                 seed + 7919 * call.layer + 104_729 * call.first_head)
-    weights = _WEIGHTS[method.name](head, method.r)
+    seed = seed + 7919 * call.layer + 104_729 * call.first_head
+    weights = _WEIGHTS[method.name](call, method.r, lsh_rounds, seed)
     r, D = method.r or 0, call.v.shape[-1]
     keys = (weights > 0).sum(-1)
     if method.name == "ova" and r > D:  # α itself; Carathéodory: D + 1 of its values give the same point
         keys = keys.clamp_max(D + 1)
-    bound = method.name == "ova" and 1 < r <= D and bool((head.allowed.sum(-1) > r).any())
-    return HeadApproximation(values.combine(weights), weights, head.exact, keys, bound)
+    bound = method.name == "ova" and 1 < r <= D and bool((call.allowed.sum(-1) > r).any())
+    return HeadApproximation(call.values.combine(weights), weights, call.output, keys, bound)
 
 
 def renormalise(w: Tensor) -> Tensor:
@@ -140,9 +116,9 @@ def last_r(allowed: Tensor, r: int) -> Tensor:
     return allowed & (from_right <= r)
 
 
-def lsh_keep(call: HeadCall, allowed: Tensor, r: int, rounds: int, seed: int) -> Tensor:
+def lsh_keep(call: HeadCall, r: int, rounds: int, seed: int) -> Tensor:
     """The keys LSH-r keeps (module docstring): (B, h, N, N) bool."""
-    q, k = call.q, call.k
+    q, k, allowed = call.q, call.k, call.allowed
     h, D, N = q.shape[1], q.shape[-1], q.shape[2]
     buckets = default_lsh_settings(N)[0]
     rotations = lsh_rotations(h, D, buckets, rounds, seed=seed)
@@ -155,7 +131,7 @@ def lsh_keep(call: HeadCall, allowed: Tensor, r: int, rounds: int, seed: int) ->
     return keep | (empty & last_r(allowed, 1))
 
 
-def feature_weights(call: HeadCall, allowed: Tensor, m: int, seed: int, chunk: int = 16) -> Tensor:
+def feature_weights(call: HeadCall, m: int, seed: int, chunk: int = 16) -> Tensor:
     """Performer's estimate of the softmax weights with m orthogonal random features, normalised over the allowed
     keys. With relative positions each pair's key is k_j + a^K_ij, so the key features are per pair (computed
     ``chunk`` queries at a time)."""
@@ -181,7 +157,7 @@ def feature_weights(call: HeadCall, allowed: Tensor, m: int, seed: int, chunk: i
             phi = performer_features(keys, projection, group.scale, query=False).view(B, h, len(i), N, m)
             rows.append(torch.einsum("bhcm,bhcnm->bhcn", phi_q[:, :, start:start + chunk], phi))
         weights = torch.cat(rows, 2)
-    return renormalise(weights * allowed)
+    return renormalise(weights * call.allowed)
 
 
 # --- optimal-v-aware-r ---------------------------------------------------------------------------------------------
@@ -243,16 +219,15 @@ def _greedy(single: Tensor, o: Tensor, values: PairValues, allowed: Tensor, r: i
     """Fully-corrective Frank-Wolfe from one vertex: r - 1 times add the key whose value most decreases the
     distance to o along the gradient, then refit every weight on the support."""
     idx, weights = _support(single, 1)  # (B, h, N, 1)
+    u = values.gather(idx)  # (B, h, N, t, D): the support's values
     for _ in range(r - 1):
-        u = values.gather(idx)  # (B, h, N, t, D)
         x = (weights[..., None] * u).sum(-2)  # current point (B, h, N, D)
         scores = values.dots(x - o).masked_fill(~allowed, float("inf"))
         scores = scores.scatter(-1, idx, float("inf"))  # keys already in the support
         new = scores.argmin(-1, keepdim=True)
         new = torch.where(torch.isinf(scores.gather(-1, new)), idx[..., :1], new)  # no key left: repeat one
-        idx = torch.cat([idx, new], -1)
-        weights = _simplex_fit(values.gather(idx), o, torch.cat([weights, torch.zeros_like(new, dtype=o.dtype)], -1),
-                               iterations)
+        idx, u = torch.cat([idx, new], -1), torch.cat([u, values.gather(new)], -2)
+        weights = _simplex_fit(u, o, torch.cat([weights, torch.zeros_like(new, dtype=o.dtype)], -1), iterations)
     return torch.zeros_like(single).scatter_add(-1, idx, weights)
 
 

@@ -52,15 +52,11 @@ def head_divergences(model: TransformerLM, batches: Iterable[Tensor],
     mean over sequences and positions (rows where both heads attend to something), then mean and standard
     deviation over the batches (std 0 with one batch)."""
     per_batch: dict[int, list[Tensor]] = {}
-    kinds: dict[int, list[str]] = {}
+    kinds = [[spec.kind.name for spec in layer for _ in range(spec.heads)] for layer in model.config.head_groups()]
     for tokens in batches:
         by_layer: dict[int, list[Tensor]] = {}
         for call in capture(model, tokens, layers):
-            w = call.weights().float()  # (B, h, N, N)
-            by_layer.setdefault(call.layer, []).append(w)
-            kinds.setdefault(call.layer, [])
-            if len(kinds[call.layer]) < call.first_head + call.group.heads:
-                kinds[call.layer].extend([call.kind] * call.group.heads)
+            by_layer.setdefault(call.layer, []).append(call.weights.float())  # (B, h, N, N) per group
         for layer, parts in by_layer.items():
             per_batch.setdefault(layer, []).append(_pairwise(torch.cat(parts, 1)))
     out = []

@@ -30,6 +30,17 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _panels(plt, n: int, width: float, height: float):
+    """A figure of n panels, at most 4 per row, each width × height inches: (figure, the n axes to draw on, the
+    whole grid of axes); the unused ones are switched off."""
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), dpi=120, squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:n], axes
+
+
 def plot_approximations(own: float, results: list[ApproximationResult], unit: str, path: Path, title: str) -> bool:
     """The metric of each method against r (log scale), the model's own as a dashed line."""
     plt = _pyplot()
@@ -58,19 +69,14 @@ def plot_divergences(results: list[LayerDivergence], path: Path) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    n = len(results)
-    cols = min(n, 4)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 3.3 * rows), dpi=120, squeeze=False)
+    fig, panels, axes = _panels(plt, len(results), 3.8, 3.3)
     image = None
-    for ax, res in zip(axes.flat, results, strict=False):
+    for ax, res in zip(panels, results, strict=True):
         image = ax.imshow(res.mean.numpy(), vmin=0.0, vmax=LN2, cmap="viridis")
         labels = [f"{h} {k}" for h, k in enumerate(res.kinds)]
         ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_title(f"layer {res.layer}", fontsize=9)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="Jensen-Shannon divergence (nats)")
     # tight_layout fights the shared colour bar; a tight bounding box instead
@@ -85,12 +91,9 @@ def plot_patterns(patterns: list[HeadPattern], path: Path, title: str) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    n = len(patterns)
-    cols = min(n, 4)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.6 * rows), dpi=120, squeeze=False)
+    fig, panels, _ = _panels(plt, len(patterns), 3.6, 3.6)
     palette = plt.get_cmap("tab20")
-    for ax, p in zip(axes.flat, patterns, strict=False):
+    for ax, p in zip(panels, patterns, strict=True):
         w = p.weights
         strength = (w / w.amax(-1, keepdim=True).clamp_min(1e-30)).numpy()  # (N, N) in [0, 1]
         if p.clusters is None:
@@ -104,30 +107,23 @@ def plot_patterns(patterns: list[HeadPattern], path: Path, title: str) -> bool:
         ax.set_title(f"layer {p.layer} head {p.head}: {p.kind}", fontsize=9)
         ax.set_xlabel("input (key) position", fontsize=8)
         ax.set_ylabel("output (query) position", fontsize=8)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
     fig.suptitle(title, fontsize=9)
     _save(plt, fig, path)
     return True
 
 
 def plot_cluster_sizes(stats: list[ClusterStats], path: Path) -> bool:
-    """For each routing head, the mean keys per cluster per sequence, largest first."""
+    """For each routing head, the mean positions per cluster per sequence, largest first."""
     plt = _pyplot()
     if plt is None:
         return False
-    n = len(stats)
-    cols = min(n, 4)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), dpi=120, squeeze=False)
-    for ax, s in zip(axes.flat, stats, strict=False):
+    fig, panels, _ = _panels(plt, len(stats), 3.2, 2.6)
+    for ax, s in zip(panels, stats, strict=True):
         ax.bar(range(len(s.sizes)), s.sizes.numpy(), color="tab:blue")
         ax.axhline(float(s.sizes.mean()), ls="--", color="black", lw=1)
         ax.set_title(f"layer {s.layer} head {s.head}: balance {s.balance:.2f}, captured {s.captured:.2f}",
                      fontsize=8)
         ax.set_xlabel("cluster (largest first)", fontsize=8)
         ax.set_ylabel("positions per sequence", fontsize=8)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
     _save(plt, fig, path)
     return True

@@ -6,6 +6,7 @@ model with every head group's output replaced by another function of its own que
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -36,27 +37,38 @@ class HeadCall:
     def heads(self) -> range:
         return range(self.first_head, self.first_head + self.group.heads)
 
-    @torch.no_grad()
-    def weights(self) -> Tensor:
-        """The exact attention weights (B, h, N, N) of the group (``HeadGroup.reference_weights``)."""
-        try:
-            return self.group.reference_weights(self.q, self.k, self.rel_pos)
-        except NotImplementedError:
-            raise ValueError(f"layer {self.layer}: {self.kind} heads are not a mask over attention, so they have no "
-                             f"attention weights to analyse") from None
-
-    @torch.no_grad()
+    @functools.cached_property
     def allowed(self) -> Tensor:
         """The keys each query of the group may see, (B, h, N, N) bool, from the kind's ``reference_mask`` (so a key
         whose weight underflows to 0 still counts as seen)."""
-        mask = self.group.reference_mask(self.q, self.k)
+        with torch.no_grad():
+            mask = self.group.reference_mask(self.q, self.k)
         if mask is None:
-            raise ValueError(f"layer {self.layer}: {self.kind} heads are not a mask over attention")
+            raise ValueError(f"layer {self.layer}: {self.kind} heads are not a mask over attention, so they have no "
+                             f"attention weights to analyse")
         B, h, N, _ = self.q.shape
         return mask.expand(B, h, N, N)
 
+    @functools.cached_property
+    def weights(self) -> Tensor:
+        """The exact attention weights (B, h, N, N) of the group, under ``allowed``."""
+        return self.restricted(self.allowed)
+
+    @torch.no_grad()
+    def restricted(self, keep: Tensor) -> Tensor:
+        """The group's kernel normalised over the keys in ``keep`` (B, h, N, N) only, computed from the scores (a
+        kept key counts even where its weight among all keys underflows to 0)."""
+        return self.group.reference_weights(self.q, self.k, self.rel_pos, mask=keep)
+
+    @functools.cached_property
     def values(self) -> PairValues:
+        """The value each key offers each query (``PairValues``)."""
         return PairValues(self.v, self.rel_pos)
+
+    @functools.cached_property
+    def output(self) -> Tensor:
+        """The group's exact output o = Σ_j α_ij u_ij, (B, h, N, D)."""
+        return self.values.combine(self.weights)
 
 
 class PairValues:

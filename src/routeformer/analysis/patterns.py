@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..attention.masks import full_mask
-from ..attention.reference import reference_weights
 from ..model import TransformerLM
-from .heads import HeadCall, capture
+from .heads import HeadCall, capture, check_layers
 
 
 @dataclass
@@ -31,18 +30,19 @@ class HeadPattern:
 
 @torch.no_grad()
 def head_patterns(model: TransformerLM, tokens: Tensor, layer: int, head: int | None = None) -> list[HeadPattern]:
-    """The patterns of ``head`` (default every head) of ``layer`` on one sequence of tokens (N,) or (1, N)."""
-    tokens = tokens.reshape(1, -1)
+    """The patterns of ``head`` (default every head) of ``layer`` on one sequence of tokens (N,) or (1, N); a
+    ValueError names a layer or head that does not exist."""
+    check_layers(model, [layer])
+    if head is not None and not 0 <= head < model.config.heads:
+        raise ValueError(f"head {head} does not exist: layer {layer} has heads 0..{model.config.heads - 1}")
     out = []
-    for call in capture(model, tokens, [layer]):
-        weights = call.weights()[0]  # (h, N, N)
+    for call in capture(model, tokens.reshape(1, -1), [layer]):
+        weights = call.weights[0]  # (h, N, N)
         clusters = call.group.clusters(call.q, call.k)
         for i, h in enumerate(call.heads):
             if head is None or h == head:
                 out.append(HeadPattern(layer, h, call.kind, weights[i].float().cpu(),
                                        None if clusters is None else clusters[0, i].cpu()))
-    if head is not None and not out:
-        raise ValueError(f"head {head} does not exist: layer {layer} has heads 0..{model.config.heads - 1}")
     return out
 
 
@@ -64,40 +64,34 @@ class ClusterStats:
 def cluster_stats(model: TransformerLM, batches: Iterable[Tensor],
                   layers: list[int] | None = None) -> list[ClusterStats]:
     """``ClusterStats`` of every routing head (every group whose ``clusters`` is not None) over ``batches``."""
-    sums: dict[tuple[int, int], list] = {}
+    per_batch: dict[tuple[int, int], list[tuple[Tensor, float, float]]] = {}
     for tokens in batches:
         for call in capture(model, tokens, layers):
             clusters = call.group.clusters(call.q, call.k)
             if clusters is None:
                 continue
-            routed = call.weights()  # (B, h, N, N)
-            full = _unrouted(call, routed)
-            captured = (full * (routed > 0)).sum(-1).mean((0, 2))  # (h,)
-            k = call.group.num_clusters or int(clusters.max()) + 1
-            sizes = F.one_hot(clusters, k).sum(2).float()  # (B, h, k)
+            captured = (_unrouted(call) * call.allowed).sum(-1).mean((0, 2))  # (h,)
+            sizes = F.one_hot(clusters, call.group.num_clusters).sum(2).float()  # (B, h, k)
             balance = (sizes.max(-1).values / sizes.mean(-1)).mean(0)  # (h,)
             ordered = sizes.sort(-1, descending=True).values.mean(0).cpu()  # (h, k)
             for i, h in enumerate(call.heads):
-                entry = sums.setdefault((call.layer, h), [0, torch.zeros(0), 0.0, 0.0])
-                entry[0] += 1
-                width = max(k, len(entry[1]))
-                entry[1] = F.pad(entry[1], (0, width - len(entry[1]))) + F.pad(ordered[i], (0, width - k))
-                entry[2] += float(balance[i])
-                entry[3] += float(captured[i])
-    return [ClusterStats(layer, head, s / n, b / n, c / n) for (layer, head), (n, s, b, c) in sorted(sums.items())]
+                per_batch.setdefault((call.layer, h), []).append((ordered[i], float(balance[i]), float(captured[i])))
+    out = []
+    for (layer, head), rows in sorted(per_batch.items()):
+        sizes, balance, captured = zip(*rows, strict=True)
+        out.append(ClusterStats(layer, head, torch.stack(sizes).mean(0), sum(balance) / len(rows),
+                                sum(captured) / len(rows)))
+    return out
 
 
-def _unrouted(call: HeadCall, routed: Tensor) -> Tensor:
-    """The head's weights with routing removed: every key j <= i (its own key only where the head would see it,
-    as shared-QK routing drops it), same scores (relative positions included) and kernel."""
-    q = call.q
-    N = q.shape[2]
-    eye = torch.eye(N, dtype=torch.bool, device=q.device)
-    own = (routed > 0) | (routed.sum(-1, keepdim=True) == 0)  # (B, h, N, N): rows that see nothing keep all
-    mask = full_mask(N, device=q.device) & (~eye | own)
-    group = call.group
-    return reference_weights(q, group.reference_keys(q, call.k), mask, scale=group.kernel_scale,
-                             rel_pos=call.rel_pos, kernel=group.kernel)
+def _unrouted(call: HeadCall) -> Tensor:
+    """The head's weights with routing removed: every key j <= i (its own key only where the head sees it, as
+    shared-QK routing drops it; rows that see nothing keep it), same scores (relative positions included) and
+    kernel."""
+    N = call.q.shape[2]
+    eye = torch.eye(N, dtype=torch.bool, device=call.q.device)
+    own = call.allowed | ~call.allowed.any(-1, keepdim=True)
+    return call.restricted(full_mask(N, device=call.q.device) & (~eye | own))
 
 
 def format_cluster_stats(stats: list[ClusterStats]) -> str:

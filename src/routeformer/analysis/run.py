@@ -26,14 +26,20 @@ from .substitution import approximation_table, format_table, methods_for, write_
 class Target:
     """What every analysis needs: the run's model (evaluation mode), its data split, where to write, and names."""
 
-    run_dir: Path
     model: torch.nn.Module
-    tokens: np.ndarray
-    kind: str
-    unit: str
+    data: Dataset
+    tokens: np.ndarray  # the split
     out: Path
     label: str  # 'RUN_DIR (best weights, valid split of stdlib)'
-    data: Dataset
+
+    @property
+    def kind(self) -> str:
+        """The data's kind ('bytes', 'words', 'images'), which names the metric."""
+        return self.data.meta.kind
+
+    @property
+    def unit(self) -> str:
+        return UNITS[self.kind]
 
 
 def open_target(run_dir: str | Path, *, split: str = "valid", checkpoint: str = "best", data_dir: str | None = None,
@@ -48,7 +54,7 @@ def open_target(run_dir: str | Path, *, split: str = "valid", checkpoint: str = 
     out_dir = Path(out).expanduser() if out is not None else run_dir / "analysis"
     out_dir.mkdir(parents=True, exist_ok=True)
     label = f"{run_dir.name} ({which} weights, {split} split of {data.meta.name})"
-    return Target(run_dir, model, tokens, data.meta.kind, UNITS[data.meta.kind], out_dir, label, data)
+    return Target(model, data, tokens, out_dir, label)
 
 
 def parse_ints(text: str, what: str) -> list[int]:
@@ -88,8 +94,7 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def approximations(target: Target, *, methods: list[str], rs: list[int], layers: list[int] | None = None,
-                   windows: int | None = 32, batch: int = 8, lsh_rounds: int = 1, seed: int = 0,
-                   verbose: bool = True) -> list[Path]:
+                   windows: int | None = 32, batch: int = 8, lsh_rounds: int = 1, seed: int = 0) -> list[Path]:
     """The approximation table of ``target`` (see ``substitution.py``); returns the files written."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -104,7 +109,7 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
     device = next(model.parameters()).device
     own, results = approximation_table(model, target.tokens, target.kind, chosen, layers=layers, batch=batch,
                                        max_windows=windows, lsh_rounds=lsh_rounds, seed=seed, device=device,
-                                       progress=(lambda s: print(f"  {s}", flush=True)) if verbose else None)
+                                       progress=lambda s: print(f"  {s}", flush=True))
     D = model.config.head_dim
     scope = "every layer" if layers is None else f"layers {', '.join(map(str, layers))}"
     header = (f"{target.label}: every head of {scope} replaced at once; "
@@ -121,8 +126,7 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
     return written
 
 
-def heads(target: Target, *, layers: list[int] | None = None, batches: int = 4, batch: int = 4,
-          verbose: bool = True) -> list[Path]:
+def heads(target: Target, *, layers: list[int] | None = None, batches: int = 4, batch: int = 4) -> list[Path]:
     """Jensen-Shannon divergences between the heads of each layer (``divergence.py``)."""
     model = target.model
     device = next(model.parameters()).device
@@ -131,8 +135,7 @@ def heads(target: Target, *, layers: list[int] | None = None, batches: int = 4, 
     table = (f"{target.label}: Jensen-Shannon divergence (nats, at most ln 2 = 0.693) between the attention "
              f"distributions of pairs of heads, exact and dense at N = {model.config.seq_len}; mean ± std over "
              f"{len(windows)} batches of {batch} windows\n" + format_divergences(results))
-    if verbose:
-        print(table)
+    print(table)
     text, csv, png = (target.out / f"heads.{ext}" for ext in ("txt", "csv", "png"))
     _write_text(text, table)
     write_divergence_csv(results, csv)
@@ -143,13 +146,10 @@ def heads(target: Target, *, layers: list[int] | None = None, batches: int = 4, 
 
 
 def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: bytes | None = None,
-             length: int | None = None, batches: int = 4, batch: int = 4, verbose: bool = True) -> list[Path]:
+             length: int | None = None, batches: int = 4, batch: int = 4) -> list[Path]:
     """Figure-1 pictures of ``layer`` (one ``head`` or all) on ``text`` (default: the split's first window), and
     the cluster statistics of every routing head over ``batches`` of windows."""
     model = target.model
-    check_layers(model, [layer])
-    if head is not None and not 0 <= head < model.config.heads:
-        raise ValueError(f"head {head} does not exist: layer {layer} has heads 0..{model.config.heads - 1}")
     seq_len = model.config.seq_len
     n = seq_len if length is None else length
     if not 1 <= n <= seq_len:
@@ -170,8 +170,7 @@ def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: b
     table = (f"{target.label}: routing heads over {sum(len(w) for w in windows)} windows of {seq_len} tokens "
              f"(sizes: positions per cluster per window, by their queries' clusters; balance: largest / mean; "
              f"captured: share of full attention's mass on the routed keys)\n" + format_cluster_stats(stats))
-    if verbose:
-        print(table)
+    print(table)
     text_path = target.out / "clusters.txt"
     _write_text(text_path, table)
     written.append(text_path)

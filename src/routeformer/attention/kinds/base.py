@@ -126,16 +126,19 @@ class HeadGroup(nn.Module):
         """The keys the heads score against (B, h, N, D): ``k``, unless the kind derives them (LSH: unit queries)."""
         return k
 
-    def reference_weights(self, q: Tensor, k: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
+    def reference_weights(self, q: Tensor, k: Tensor, rel_pos: RelativePositions | None = None,
+                          mask: Tensor | None = None) -> Tensor:
         """The attention weights (B, h, N, N) of ``reference`` (rows sum to 1 over what each query sees, 0 where it
-        sees nothing), for analysis; NotImplementedError for kinds that are not a mask over attention."""
-        mask = self.reference_mask(q, k)
+        sees nothing), for analysis: the heads' scores and kernel under ``mask`` (default ``reference_mask``; a
+        subset of it gives the kernel normalised over that subset). NotImplementedError for kinds that are not a
+        mask over attention."""
+        mask = self.reference_mask(q, k) if mask is None else mask
         if mask is None:
             raise NotImplementedError(f"{type(self).__name__} heads are not a mask over attention: no weights")
         return reference_weights(q, self.reference_keys(q, k), mask, scale=self.kernel_scale, rel_pos=rel_pos,
                                  kernel=self.kernel)
 
-    num_clusters: int | None = None  # kinds that route: how many clusters ``clusters`` draws from
+    num_clusters: int | None = None  # kinds that route (``clusters`` not None) set it: the clusters it draws from
 
     def clusters(self, q: Tensor, k: Tensor) -> Tensor | None:
         """The cluster of every query, (B, h, N) long in [0, num_clusters), for kinds that route (analysis colours
