@@ -153,7 +153,8 @@ def _wrapper(group: HeadGroup, layer: int, kind: str, first: int, replace):
 
 @torch.no_grad()
 def capture(model: TransformerLM, tokens: Tensor, layers: list[int] | None = None) -> list[HeadCall]:
-    """Run ``model`` on (B, N) tokens (evaluation mode) and return every head group's inputs, in layer order."""
+    """Run ``model`` on (B, N) tokens (evaluation mode, moved to the model's device) and return every head group's
+    inputs, in layer order."""
     calls: list[HeadCall] = []
 
     def keep(call: HeadCall, own: Callable[[], Tensor]) -> Tensor:
@@ -164,7 +165,7 @@ def capture(model: TransformerLM, tokens: Tensor, layers: list[int] | None = Non
     model.eval()
     try:
         with hooked(model, keep, layers):
-            model(tokens)
+            model(tokens.to(next(model.parameters()).device))
     finally:
         model.train(was_training)
     return calls

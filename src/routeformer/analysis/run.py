@@ -106,9 +106,8 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
     if "features" in methods and kernels != {"exp"}:
         print(f"random features skipped: they estimate the exponential kernel only (this model: "
               f"{', '.join(sorted(kernels))})")
-    device = next(model.parameters()).device
     own, results = approximation_table(model, target.tokens, target.kind, chosen, layers=layers, batch=batch,
-                                       max_windows=windows, lsh_rounds=lsh_rounds, seed=seed, device=device,
+                                       max_windows=windows, lsh_rounds=lsh_rounds, seed=seed,
                                        progress=lambda s: print(f"  {s}", flush=True))
     D = model.config.head_dim
     scope = "every layer" if layers is None else f"layers {', '.join(map(str, layers))}"
@@ -129,9 +128,8 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
 def heads(target: Target, *, layers: list[int] | None = None, batches: int = 4, batch: int = 4) -> list[Path]:
     """Jensen-Shannon divergences between the heads of each layer (``divergence.py``)."""
     model = target.model
-    device = next(model.parameters()).device
     windows = sample_windows(target.tokens, model.config.seq_len, batches * batch, batch)
-    results = head_divergences(model, (w.to(device) for w in windows), layers)
+    results = head_divergences(model, windows, layers)
     table = (f"{target.label}: Jensen-Shannon divergence (nats, at most ln 2 = 0.693) between the attention "
              f"distributions of pairs of heads, exact and dense at N = {model.config.seq_len}; mean ± std over "
              f"{len(windows)} batches of {batch} windows\n" + format_divergences(results))
@@ -155,8 +153,7 @@ def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: b
     if not 1 <= n <= seq_len:
         raise ValueError(f"--length must be in [1, seq_len = {seq_len}], got {n}")
     ids = target.data.encode(text)[:n] if text is not None else np.asarray(target.tokens[:n], dtype=np.int64)
-    device = next(model.parameters()).device
-    pats = head_patterns(model, torch.from_numpy(ids).to(device), layer, head)
+    pats = head_patterns(model, torch.from_numpy(ids), layer, head)
     name = f"patterns-layer{layer}" + ("" if head is None else f"-head{head}")
     png = target.out / f"{name}.png"
     written = []
@@ -166,7 +163,7 @@ def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: b
         raise ValueError("patterns draws pictures with matplotlib: pip install matplotlib (or routeformer[plot])")
     written.append(png)
     windows = sample_windows(target.tokens, seq_len, batches * batch, batch)
-    stats = cluster_stats(model, (w.to(device) for w in windows))
+    stats = cluster_stats(model, windows)
     table = (f"{target.label}: routing heads over {sum(len(w) for w in windows)} windows of {seq_len} tokens "
              f"(sizes: positions per cluster per window, by their queries' clusters; balance: largest / mean; "
              f"captured: share of full attention's mass on the routed keys)\n" + format_cluster_stats(stats))

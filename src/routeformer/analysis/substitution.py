@@ -9,13 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ..model import TransformerLM
 from ..train.distributed import Processes
 from ..train.evaluation import evaluate, metric
-from .approximate import Method, approximate
+from .approximate import HeadApproximation, Method, approximate
 from .heads import HeadCall, hooked
 
 
@@ -39,23 +38,23 @@ class _Tally:
     def __init__(self) -> None:
         self.error, self.rows, self.keys, self.bound = 0.0, 0, 0.0, False
 
-    def add(self, exact: Tensor, output: Tensor, keys: Tensor, bound: bool) -> None:
-        norm = exact.norm(dim=-1)  # (B, h, N)
+    def add(self, approx: HeadApproximation) -> None:
+        norm = approx.exact.norm(dim=-1)  # (B, h, N)
         real = norm > 0
-        self.error += float(((output - exact).norm(dim=-1)[real] / norm[real]).sum())
+        self.error += float(((approx.output - approx.exact).norm(dim=-1)[real] / norm[real]).sum())
         self.rows += int(real.sum())
-        self.keys += float(keys[real].float().sum())
-        self.bound |= bound
+        self.keys += float(approx.keys[real].float().sum())
+        self.bound |= approx.upper_bound
 
 
 def approximation_table(model: TransformerLM, tokens: np.ndarray, kind: str, methods: list[Method], *,
                         layers: list[int] | None = None, batch: int = 8, max_windows: int | None = 32,
-                        lsh_rounds: int = 1, seed: int = 0, device: torch.device | str = "cpu",
+                        lsh_rounds: int = 1, seed: int = 0,
                         progress: Callable[[str], None] | None = None) -> tuple[float, list[ApproximationResult]]:
     """(the model's own metric on the windows, one result per method). Windows: ``max_windows`` evenly spaced
     non-overlapping windows of seq_len tokens of ``tokens`` (None: all of them), the windows ``evaluate`` scores.
     ``kind`` is the data's kind ('bytes', 'words', 'images'), which names the metric."""
-    procs = Processes(0, 1, 0, torch.device(device))
+    procs = Processes(0, 1, 0, next(model.parameters()).device)  # one process, on the model's device
     seq_len = model.config.seq_len
 
     def score() -> float:
@@ -69,7 +68,7 @@ def approximation_table(model: TransformerLM, tokens: np.ndarray, kind: str, met
 
         def replace(call: HeadCall, _own, method=method, tally=tally) -> Tensor:
             approx = approximate(call, method, lsh_rounds=lsh_rounds, seed=seed)
-            tally.add(approx.exact, approx.output, approx.keys, approx.upper_bound)
+            tally.add(approx)
             return approx.output.to(call.v.dtype)
 
         with hooked(model, replace, layers):
