@@ -93,3 +93,18 @@ def test_peers_leak_as_measured() -> None:
     for name in PEERS:
         assert found[name]["leak"] > 1e-3 and found[name]["note"] == "LEAKS", found[name]
     assert found["lsh"]["leak"] < 1e-5 and found["performer"]["leak"] == 0.0
+
+
+def test_the_flex_backend_runs_the_executor_rows_and_they_do_not_leak() -> None:
+    """``backend="flex"`` on CPU (FlexAttention's dense eager operator): the rows run, the header says which
+    executor ran, and the measured causal leak of every pattern row is zero."""
+    executor_rows = ["local", "local+rel", "strided", "fixed", "longformer", "routing"]
+    lines: list[str] = []
+    rows = run([64], heads=2, head_dim=8, window=16, repeats=1, only=executor_rows, echo=lines.append,
+               backend="flex")
+    assert [r["mechanism"] for r in rows if "(peer)" not in r["mechanism"]] == ["full", *executor_rows]
+    assert all(r["fwd_bwd_s"] is not None for r in rows)
+    assert "backend flex" in lines[0]
+    for row in leaks(64, heads=2, head_dim=8, window=16, only=executor_rows, backend="flex"):
+        if "(peer)" not in row["mechanism"]:
+            assert row["leak"] == 0.0 or row["leak"] < 1e-6, row

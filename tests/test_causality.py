@@ -26,10 +26,11 @@ CAUSAL_CASES = [
 
 
 @pytest.mark.parametrize("name, params", CAUSAL_CASES)
-@pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
-def test_no_leak_from_the_future(name: str, params: dict, extras: str) -> None:
+@pytest.mark.parametrize("extras, backend", [("plain", "tiles"), ("relative", "tiles"), ("padding", "tiles"),
+                                             ("relative", "flex"), ("padding", "flex")])
+def test_no_leak_from_the_future(name: str, params: dict, extras: str, backend: str) -> None:
     q, k, v = rand_qkv(2, 4, 45, 8, grad=False)
-    kw: dict = {"causal": True, **params}
+    kw: dict = {"causal": True, "backend": backend, **params}
     if extras == "relative":
         kw["rel_pos"] = rand_rel(8, 6)
     if extras == "padding":

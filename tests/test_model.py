@@ -37,8 +37,9 @@ def tokens(B: int, N: int, vocab: int = 23, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec, kw", CONFIGS)
-def test_no_leak_through_the_whole_model(spec: str, kw: dict) -> None:
-    model = randomised(tiny(spec, **kw))
+@pytest.mark.parametrize("backend", ["tiles", "flex"])
+def test_no_leak_through_the_whole_model(spec: str, kw: dict, backend: str) -> None:
+    model = randomised(tiny(spec, backend=backend, **kw))
     x = tokens(2, 48)
     with torch.no_grad():
         before = model(x)
@@ -51,11 +52,16 @@ def test_no_leak_through_the_whole_model(spec: str, kw: dict) -> None:
             assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])  # the change did reach the model
 
 
-@pytest.mark.parametrize("spec, kw", CONFIGS)
-@pytest.mark.parametrize("positions", ["relative", "absolute", "factorized", "none"])
-def test_cached_decoding_equals_the_forward(spec: str, kw: dict, positions: str) -> None:
-    """Float32, atol 1e-4, well past window (6), stride (5) and block (8)."""
-    model = randomised(tiny(spec, positions=positions, **kw), dtype=torch.float32)
+DECODE_CASES = ([(spec, kw, positions, "tiles") for spec, kw in CONFIGS
+                 for positions in ("relative", "absolute", "factorized", "none")]
+                + [(spec, kw, "relative", "flex") for spec, kw in CONFIGS])
+
+
+@pytest.mark.parametrize("spec, kw, positions, backend", DECODE_CASES)
+def test_cached_decoding_equals_the_forward(spec: str, kw: dict, positions: str, backend: str) -> None:
+    """Float32, atol 1e-4, well past window (6), stride (5) and block (8); decoding is the same whatever the
+    backend of the forward."""
+    model = randomised(tiny(spec, positions=positions, backend=backend, **kw), dtype=torch.float32)
     x = tokens(2, 48)
     with torch.no_grad():
         full = model(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
@@ -40,7 +40,7 @@ def problems(draw, name: str) -> dict:
     }
 
 
-def _run(name: str, p: dict) -> None:
+def _run(name: str, p: dict, backend: str = "tiles") -> None:
     pattern = PATTERNS[name]
     q, k, v = rand_qkv(p["B"], p["H"], p["N"], p["D"], seed=p["seed"])
     rel = None if p["rel"] is None else rand_rel(p["D"], p["rel"], seed=p["seed"])
@@ -48,7 +48,7 @@ def _run(name: str, p: dict) -> None:
     mask = pattern.build_mask(p["N"], p["H"], p["causal"], **p["params"])
 
     def attend(q, k, v, **kw):
-        return pattern.attend(q, k, v, causal=p["causal"], **p["params"], **kw)
+        return pattern.attend(q, k, v, causal=p["causal"], **p["params"], backend=backend, **kw)
 
     compare_with_reference(attend, mask, q, k, v, key_padding_mask=padding, rel_pos=rel)
 
@@ -57,6 +57,14 @@ def _run(name: str, p: dict) -> None:
 @given(data=st.data())
 def test_matches_reference(name: str, data) -> None:
     _run(name, data.draw(problems(name)))
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@settings(max_examples=5)
+@given(data=st.data())
+def test_flex_matches_reference(name: str, data) -> None:
+    """The flex executor (FlexAttention's eager operator on CPU) on the same random problems, fewer of them."""
+    _run(name, data.draw(problems(name)), backend="flex")
 
 
 @pytest.mark.parametrize(
@@ -73,11 +81,11 @@ def test_matches_reference(name: str, data) -> None:
     ],
 )
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("rel", [None, 24])
-def test_multi_block_cases(name: str, params: dict, causal: bool, rel) -> None:
+@pytest.mark.parametrize("rel, backend", [(None, "tiles"), (24, "tiles"), (24, "flex")])
+def test_multi_block_cases(name: str, params: dict, causal: bool, rel, backend: str) -> None:
     """Longer sequences than the property test draws: many blocks, a ragged last block, clipped distances."""
     _run(name, {"B": 2, "H": 4, "N": 131, "D": 8, "causal": causal, "params": params, "rel": rel,
-                "padding": True, "seed": 7})
+                "padding": True, "seed": 7}, backend)
 
 
 def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:

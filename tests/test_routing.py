@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel
@@ -30,9 +30,19 @@ def routing_problems(draw) -> dict:
 
 @given(p=routing_problems())
 def test_forward_matches_reference_over_routing_mask(p: dict) -> None:
+    _check_against_reference(p, "tiles")
+
+
+@settings(max_examples=10)
+@given(p=routing_problems())
+def test_flex_forward_matches_reference_over_routing_mask(p: dict) -> None:
+    _check_against_reference(p, "flex")
+
+
+def _check_against_reference(p: dict, backend: str) -> None:
     torch.manual_seed(p["seed"])
     layer = make_layer(p["H"], p["D"], p["k"], p["w"], causal=p["causal"], balanced=p["balanced"],
-                       shared_qk=p["shared"], separate=p["separate"], seed=p["seed"])
+                       shared_qk=p["shared"], separate=p["separate"], seed=p["seed"], backend=backend)
     q, k, v = rand_qkv(p["B"], p["H"], p["N"], p["D"], seed=p["seed"])
     if p["shared"]:
         k = q
@@ -97,9 +107,10 @@ def test_separate_mask_is_the_keys_among_the_last_window_events_of_the_query_clu
 
 @pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
-def test_no_leak_from_the_future(shared: bool, separate: bool, extras: str) -> None:
+@pytest.mark.parametrize("backend", ["tiles", "flex"])
+def test_no_leak_from_the_future(shared: bool, separate: bool, extras: str, backend: str) -> None:
     H, N, D = 4, 64, 8
-    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared, separate=separate)
+    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared, separate=separate, backend=backend)
     q, k, v = rand_qkv(2, H, N, D, grad=False)
     kw: dict = {}
     if extras == "relative":

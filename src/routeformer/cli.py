@@ -76,6 +76,11 @@ def _add_device(parser: argparse.ArgumentParser, *, bench: bool = False) -> None
         parser.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
 
 
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=["auto", "tiles", "flex"], default="auto",
+                        help="executor of the patterns: auto (FlexAttention on CUDA, tiles elsewhere), tiles or flex")
+
+
 def _add_lengths(parser: argparse.ArgumentParser, default: list[int], help: str) -> None:
     parser.add_argument("--n", type=_positive, nargs="+", default=default, help=help)
 
@@ -200,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device(att, bench=True)
     att.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="tensor dtype (default float32)")
     att.add_argument("--non-causal", action="store_true", help="encoder (non-causal) variants")
+    _add_backend(att)
     att.add_argument("--only", nargs="+", metavar="NAME",
                      help="mechanisms to run beside full, with their peers (e.g. local strided lsh performer)")
 
@@ -225,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_size(mod, "--batch", 1, "sequences per training step")
     _add_size(mod, "--repeats", 3, "timed training steps, median reported")
     _add_device(mod, bench=True)
+    _add_backend(mod)
 
     rec = suites.add_parser(
         "recall",
@@ -529,10 +536,11 @@ def cmd_bench(args) -> int:
     elif args.suite == "attention":
         attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                       repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
-                      only=args.only)
+                      only=args.only, backend=args.backend)
     elif args.suite == "model":
         model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
-                  batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models)
+                  batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models,
+                  backend=args.backend)
     else:
         attention.run([1024, 4096, 16384], device=args.device)
         print()

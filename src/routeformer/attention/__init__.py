@@ -4,7 +4,7 @@ head kinds a model is built from (``kinds/``, listed in ``registry.KINDS``; ``re
 Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
-from .executors import EXECUTORS, Executor, get_executor, register_executor, set_default_executor
+from .executors import EXECUTORS, Executor, check_backend, get_executor, register_executor, resolve_backend
 from .fixed import fixed_attention
 from .full import full_attention
 from .kernels import KERNELS, kernel_attention
@@ -31,6 +31,7 @@ __all__ = [
     "HeadKind",
     "KeyStore",
     "Pattern",
+    "check_backend",
     "RelativePositions",
     "Router",
     "RoutingAttention",
@@ -56,7 +57,7 @@ __all__ = [
     "reference_weights",
     "register_executor",
     "register_kind",
-    "set_default_executor",
+    "resolve_backend",
     "strided_attention",
     "strided_mask",
     "unregister_kind",

@@ -1,18 +1,20 @@
 """Executors by name: how the pieces the patterns are built from are computed.
 
 A pattern (``local``, ``strided``, ``fixed``, ``longformer``, ``full``, ``routing``) says which keys each query
-sees and builds that from a few pieces; an executor computes the pieces without an N×N matrix. The patterns call
-the default executor (``get_executor()``), so another one (a fused GPU kernel) is added by registering it and
-making it the default, without touching the patterns:
+sees and builds that from a few pieces; an executor computes the pieces without an N×N matrix. Every pattern
+function takes ``backend`` (as do the head modules and ``TransformerConfig``) and calls
+``get_executor(backend, q.device)``:
 
-    register_executor("fused", dataclasses.replace(get_executor("tiled"), name="fused", band=fused_band))
-    set_default_executor("fused")
+- ``"tiles"`` (``tiles/``): blocked PyTorch with a fused custom operator; runs everywhere, the default off CUDA.
+- ``"flex"`` (``flex/``): FlexAttention, compiled, one fused kernel per piece with a block-sparse ``BlockMask``;
+  the default on CUDA. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
+- ``"auto"``: ``"flex"`` on CUDA, ``"tiles"`` elsewhere.
 
-Today there is one executor, ``"tiled"`` (``tiles/``: blocked PyTorch, runs everywhere). Every operation takes
-(B, H, N, D) queries, keys and values and returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no
-key, and lse (B, H, N) or None (``need_lse=False``), in float32 or wider, exactly ``neg_inf(lse.dtype)`` for a row
-that sees no key; ``merge_partials`` combines parts over disjoint key sets exactly on that convention. Routing's
-key restrictions (groups, the query's own key, original positions) travel as one ``KeyRestrictions`` argument.
+``register_executor`` adds another by name. Every operation takes (B, H, N, D) queries, keys and values and
+returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no key, and lse (B, H, N) or None
+(``need_lse=False``), in float32 or wider, exactly ``neg_inf(lse.dtype)`` for a row that sees no key;
+``merge_partials`` combines parts over disjoint key sets exactly on that convention. Routing's key restrictions
+(groups, the query's own key, original positions) travel as one ``KeyRestrictions`` argument.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from . import flex
 from .tiles import (
     KeyRestrictions,
     band_attention,
@@ -54,17 +59,28 @@ class Executor:
 
 
 EXECUTORS: dict[str, Executor] = {
-    "tiled": Executor("tiled", tiled_attention, band_attention, block_diagonal_attention, subset_attention),
+    "tiles": Executor("tiles", tiled_attention, band_attention, block_diagonal_attention, subset_attention),
+    "flex": Executor("flex", flex.tiled, flex.band, flex.block_diagonal, flex.subset),
 }
-_default = "tiled"
 
 
-def get_executor(name: str | None = None) -> Executor:
-    """The executor called ``name`` (None: the default one); a ValueError lists the known names otherwise."""
-    try:
-        return EXECUTORS[_default if name is None else name]
-    except KeyError:
-        raise ValueError(f"unknown attention executor {name!r}; known: {', '.join(EXECUTORS)}") from None
+def check_backend(name: str) -> str:
+    """``name`` if it is ``"auto"`` or a registered executor; a ValueError lists the choices otherwise."""
+    if name != "auto" and name not in EXECUTORS:
+        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(EXECUTORS)}")
+    return name
+
+
+def resolve_backend(name: str, device: torch.device | str | None) -> str:
+    """The executor ``name`` stands for on ``device``: ``"auto"`` is ``"flex"`` on CUDA, ``"tiles"`` elsewhere."""
+    if check_backend(name) != "auto":
+        return name
+    return "flex" if torch.device(device or "cpu").type == "cuda" else "tiles"
+
+
+def get_executor(backend: str = "auto", device: torch.device | str | None = None) -> Executor:
+    """The executor ``backend`` names on ``device`` (see ``resolve_backend``)."""
+    return EXECUTORS[resolve_backend(backend, device)]
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:
@@ -77,24 +93,17 @@ def register_executor(name: str, executor: Executor, *, replace: bool = False) -
     EXECUTORS[name] = executor
 
 
-def set_default_executor(name: str) -> str:
-    """Make the executor called ``name`` the one the patterns use; returns the previous default's name."""
-    global _default
-    get_executor(name)  # raises for an unknown name
-    previous, _default = _default, name
-    return previous
-
-
 __all__ = [
     "EXECUTORS",
     "OPERATIONS",
     "Executor",
+    "check_backend",
     "KeyRestrictions",
     "get_executor",
     "lse_dtype",
     "merge_partials",
     "neg_inf",
     "register_executor",
+    "resolve_backend",
     "saw_key",
-    "set_default_executor",
 ]

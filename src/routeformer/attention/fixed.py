@@ -23,6 +23,7 @@ def fixed_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Fixed attention with l = block, c = summary (Child et al. 2019).
 
@@ -33,12 +34,14 @@ def fixed_attention(
     q, k, v: (B, H, N, D) -> (B, H, N, D). A1 is a block-diagonal tiling; A2 gathers the N·c/l summary keys once
     and attends to them (merged heads: those of other blocks only, so no key counts twice), the two combined
     through their log-sum-exp. O(N · (l + N·c/l) · D) time, O(N · (l + N·c/l)) memory.
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     block, summary = positive_int("block", block), positive_int("summary", summary)
     if summary > block:
         raise ValueError(f"summary must be at most block, got summary={summary} > block={block}")
-    common = {"causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
+    common = {"causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos,
+              "executor": get_executor(backend, q.device)}
     if merged:
         parts = [
             _within_block(q, k, v, block, need_lse=True, **common),
@@ -51,9 +54,9 @@ def fixed_attention(
     return torch.cat([a1, a2], dim=1)
 
 
-def _within_block(q, k, v, block, *, causal, scale, key_valid, rel_pos, need_lse=False):
+def _within_block(q, k, v, block, *, causal, scale, key_valid, rel_pos, executor, need_lse=False):
     """A1: attention within blocks of ``block`` positions (the executor's block diagonal)."""
-    return get_executor().block_diagonal(q, k, v, block, causal=causal, scale=scale, key_valid=key_valid,
+    return executor.block_diagonal(q, k, v, block, causal=causal, scale=scale, key_valid=key_valid,
                                          rel_pos=rel_pos, need_lse=need_lse)
 
 
@@ -62,7 +65,8 @@ def summary_count(n: int, block: int, summary: int) -> int:
     return n // block * summary + max(0, n % block - (block - summary))
 
 
-def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_valid, rel_pos, need_lse=False):
+def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_valid, rel_pos, executor,
+               need_lse=False):
     """Attention to the summary positions (j mod l >= l - c), of other blocks only when ``other_blocks``."""
     B, H, N, D = q.shape
     pos = torch.arange(N, device=q.device)
@@ -77,5 +81,5 @@ def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_vali
         allow = (j // block < i // block) if causal else (j // block != i // block)
     else:
         allow = (j <= i) if causal else None
-    return get_executor().subset(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+    return executor.subset(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
                                  need_lse=need_lse)

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .executors import get_executor, merge_partials, saw_key
+from .executors import Executor, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
-from .kernels import check_kernel, kernel_attention
+from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .relative import RelativePositions
 
 
@@ -22,6 +22,7 @@ def full_attention(
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
     kernel: str = "exp",
+    backend: str = "auto",
 ) -> Tensor:
     """Dense softmax attention over every key (j <= i when causal).
 
@@ -33,14 +34,17 @@ def full_attention(
     distance k all share the table rows of distance ±k, so attention splits exactly into a band of |i - j| <= k
     (the relative terms computed on the band) and the far keys, whose relative terms are one constant per query
     on the scores and one vector on the outputs; the two merge through their log-sum-exp. O(N²·D) time.
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
     """
     if check_kernel("kernel", kernel) != "exp":
+        check_kernel_backend(kernel, backend)
         return kernel_attention(q, k, v, kernel, causal, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    executor = get_executor(backend, q.device)
     if rel_pos is not None:
         if rel_pos.max_distance + 1 < N:
-            return _near_and_far(q, k, v, causal, scale, key_valid, rel_pos)
-        return get_executor().block_diagonal(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
+            return _near_and_far(q, k, v, causal, scale, key_valid, rel_pos, executor)
+        return executor.block_diagonal(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
                                              rel_pos=rel_pos)[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
@@ -55,12 +59,11 @@ def full_attention(
 
 
 def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, key_valid: Tensor | None,
-                  rel_pos: RelativePositions) -> Tensor:
+                  rel_pos: RelativePositions, executor: Executor) -> Tensor:
     """Full attention with relative positions clipped at k < N - 1: the band |i - j| <= k with the relative terms,
     and the far keys (j < i - k, and j > i + k when non-causal) with the constant terms of distance ∓k."""
     N = q.shape[2]
     clip = rel_pos.max_distance
-    executor = get_executor()
     parts = [executor.band(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
                            rel_pos=rel_pos, need_lse=True)]
     idx = torch.arange(N, device=q.device)

@@ -37,6 +37,16 @@ def check_kernel(name: str, kernel: object, allowed: tuple[str, ...] = KERNELS) 
     return kernel  # type: ignore[return-value]
 
 
+def check_kernel_backend(kernel: str, backend: str) -> None:
+    """The poly2 and elu kernels have one implementation (blocked PyTorch, like the tiles executor): ``backend``
+    must be "auto" or "tiles"; "flex" is refused rather than ignored (FlexAttention normalises with exp)."""
+    from .executors import check_backend
+
+    if check_backend(backend) not in ("auto", "tiles"):
+        raise ValueError(f"backend={backend!r} has no path for kernel={kernel!r}: the poly2 and elu kernels run as "
+                         f"blocked PyTorch only; use backend='auto' or 'tiles'")
+
+
 def kernel_scale(kernel: str, scale: float | None, head_dim: int) -> float:
     """The scale s a kernel uses: poly2 takes one (default 1/√D); elu has none, so a given scale is an error."""
     if kernel == "elu":

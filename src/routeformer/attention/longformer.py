@@ -26,6 +26,7 @@ def longformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Query i attends to j = i + m · dilation for |m| < window (m <= 0 when causal); a global position attends
     to every position and every position attends to it (only earlier ones when causal).
@@ -34,12 +35,14 @@ def longformer_attention(
     along the columns of the sequence viewed as a grid of ``dilation`` columns; global keys outside a query's band
     are merged in through their log-sum-exp; global query rows are recomputed densely and replace the band rows.
     O(N · (window + G) · D) time for G global tokens.
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     window = positive_int("window", window)
     dilations = check_per_head("dilation", dilation, H)
     globals_ = check_positions("global_tokens", global_tokens, N)
     g = _index(globals_, q.device) if globals_ else None
+    executor = get_executor(backend, q.device)
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
         heads = [h for h in range(H) if dilations[h] == d]
@@ -48,7 +51,7 @@ def longformer_attention(
             idx = _index(heads, q.device)
             qkv = tuple(x[:, idx] for x in qkv)
         outs.append(_dilated(*qkv, window, d, g, causal=causal, scale=scale, key_valid=key_valid,
-                             rel_pos=rel_pos))
+                             rel_pos=rel_pos, executor=executor))
         order += heads
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     if order != sorted(order):
@@ -62,11 +65,11 @@ def _index(values: list[int], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
-def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos):
+def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos, executor):
     """Dilated band of (B, H, N, D) inputs, plus the global positions ``g`` (G,) (long, on q's device) or None."""
     B, H, N, D = q.shape
     qc, kc, vc = (to_columns(x, dilation) for x in (q, k, v))  # (B·d, H, N/d, D)
-    band, band_lse = get_executor().band(
+    band, band_lse = executor.band(
         qc, kc, vc, window=window, causal=causal, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, dilation, q.device),
         rel_pos=rel_pos, rel_unit=dilation, need_lse=g is not None,
@@ -81,13 +84,13 @@ def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos)
     steps = torch.div(diff, dilation, rounding_mode="floor")
     in_band = (diff % dilation == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
     allow = ~in_band & (diff <= 0) if causal else ~in_band
-    glob, glob_lse = get_executor().subset(q, k, v, g, allow, scale=scale, key_valid=key_valid,
+    glob, glob_lse = executor.subset(q, k, v, g, allow, scale=scale, key_valid=key_valid,
                                            rel_pos=rel_pos, need_lse=True)
     out, _ = merge_partials([(out, from_columns(band_lse, dilation, N)), (glob, glob_lse)])
 
     # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
     rows_delta = pos[None, :] - g[:, None]  # (G, N)
-    rows, _ = get_executor().tiled(
+    rows, _ = executor.tiled(
         q[:, :, g], k, v, block=g.shape[0], allow=(rows_delta <= 0) if causal else None, scale=scale,
         key_valid=key_valid, rel_pos=rel_pos, rel_delta=None if rel_pos is None else rows_delta,
     )

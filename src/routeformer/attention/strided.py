@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_split_heads, positive_int
-from .executors import get_executor, merge_partials
+from .executors import Executor, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
@@ -23,6 +23,7 @@ def strided_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Strided attention with l = stride (Child et al. 2019).
 
@@ -34,21 +35,23 @@ def strided_attention(
     sequence viewed as an (N / l, l) grid (the transpose trick); merged heads combine the two exactly through their
     log-sum-exp, with A2 restricted to rows two or more apart so no key counts twice.
     O(N · (l + N / l) · D) time, O(N · (l + N / l)) memory: O(N^1.5 · D) for l ≈ sqrt(N).
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     stride = positive_int("stride", stride)
+    executor = get_executor(backend, q.device)
     near = {"window": stride + 1, "causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
     if merged:
         parts = [
-            get_executor().band(q, k, v, need_lse=True, **near),
+            executor.band(q, k, v, need_lse=True, **near),
             column_attention(q, k, v, stride, causal=causal, gap=2, scale=scale, key_valid=key_valid,
-                             rel_pos=rel_pos, need_lse=True),
+                             rel_pos=rel_pos, need_lse=True, executor=executor),
         ]
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = get_executor().band(q[:, :half], k[:, :half], v[:, :half], **near)
+    a1, _ = executor.band(q[:, :half], k[:, :half], v[:, :half], **near)
     a2, _ = column_attention(q[:, half:], k[:, half:], v[:, half:], stride, causal=causal, gap=0, scale=scale,
-                             key_valid=key_valid, rel_pos=rel_pos)
+                             key_valid=key_valid, rel_pos=rel_pos, executor=executor)
     return torch.cat([a1, a2], dim=1)
 
 
@@ -64,6 +67,7 @@ def column_attention(
     key_valid: Tensor | None,
     rel_pos: RelativePositions | None,
     need_lse: bool = False,
+    executor: Executor,
 ) -> tuple[Tensor, Tensor | None]:
     """Keys in the query's column of the (N / width, width) grid at least ``gap`` rows away (earlier when causal).
 
@@ -78,7 +82,7 @@ def column_attention(
         allow: Tensor | None = offset <= -gap
     else:
         allow = offset.abs() >= gap if gap else None
-    out, lse = get_executor().tiled(
+    out, lse = executor.tiled(
         qc, kc, vc, block=rows, allow=allow, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, width, q.device),
         rel_pos=rel_pos, rel_unit=width, empty_rows=gap > 0, need_lse=need_lse,

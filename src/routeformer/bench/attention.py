@@ -1,13 +1,15 @@
 """Benchmark of every attention pattern against causal full attention, measured in the same run.
 
-    routeformer bench attention [--n 1024 4096 16384] [--window 256] [--repeats 3]
+    routeformer bench attention [--n 1024 4096 16384] [--window 256] [--repeats 3] [--backend auto|tiles|flex]
 
 Prints, per sequence length, forward and forward+backward time (median of consecutive runs), peak memory of an
 inference forward and of a training forward+backward, and the forward+backward speed-up over ``full``; then, for
 causal runs, the measured causal leak of every row (``leak.py``) at N = min(1024, largest N). Peer implementations
 run beside ours when installed (``pip install -e ".[bench]"``); ``--only NAME`` keeps the peers of NAME (the
 ``peer_of`` of their row) as well as NAME. A row that cannot run (too much memory, an error) is printed with the
-reason in a note column.
+reason in a note column. ``--backend`` chooses the executor of our patterns (``auto``: FlexAttention on CUDA,
+tiles elsewhere); on CUDA a sliding window written directly with FlexAttention (``flex-sliding (direct)``) runs
+beside ``local`` as the hand-written baseline.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..attention import (
     performer_attention,
     strided_attention,
 )
+from ..attention.executors import resolve_backend
 from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_rotations
@@ -61,13 +64,14 @@ TRAINING_CAP_BYTES = 8 * 2**30  # over this (or half the free memory) estimated,
 
 
 def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.device, dtype: torch.dtype,
-               causal: bool = True) -> list[Candidate]:
+               causal: bool = True, backend: str = "auto") -> list[Candidate]:
     """The mechanisms compared at sequence length n, with the settings the papers suggest for it; the first is the
-    baseline the others are measured against."""
+    baseline the others are measured against. ``backend``: the executor of the patterns that run on one."""
+    ex = {"backend": backend}
     stride = max(1, round(math.sqrt(n)))
     clusters = max(1, round(math.sqrt(n)))
     routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
-    routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal).to(device).train()
+    routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal, backend=backend).to(device).train()
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
     buckets, lsh_window = default_lsh_settings(n)
@@ -82,17 +86,17 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                          f"not run at N > {KERNEL_ATTENTION_MAX_N}: F={poly2} features, (B, H, N, F) feature maps")
     found = [
         Candidate("full", "SDPA", lambda q, k, v: full_attention(q, k, v, causal=causal)),
-        Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal)),
+        Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal, **ex)),
         Candidate("local+rel", f"window={window}, clip={window}",
-                  lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel)),
+                  lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel, **ex)),
         Candidate("strided", f"stride={stride}, merged",
-                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal)),
+                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, **ex)),
         Candidate("strided-split", f"stride={stride}, split",
-                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False)),
+                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False, **ex)),
         Candidate("fixed", "block=128, summary=8, merged",
-                  lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal)),
+                  lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal, **ex)),
         Candidate("longformer", f"window={window}, dilation 1|2, global [0]",
-                  lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal)),
+                  lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal, **ex)),
         Candidate("routing", f"k={clusters}, window={routed}, shared QK",
                   lambda q, k, v: routing(q, q, v)),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
@@ -109,8 +113,29 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
         Candidate("full-poly2", "exact (1+s·q·k)², O(N²) blocks",
                   lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="poly2"), skip=quadratic),
     ]
+    found += _flex_sliding(window, causal, device)
     found += _peers(n, window, causal, heads, head_dim, clusters, routed, buckets, lsh_window, features, device)
     return found
+
+
+def _flex_sliding(window: int, causal: bool, device: torch.device) -> list[Candidate]:
+    """A sliding window written directly with FlexAttention (``create_block_mask`` of the window rule, compiled
+    ``flex_attention``), as a user would: the baseline for ``local`` on CUDA. Not run elsewhere (uncompiled
+    FlexAttention is dense)."""
+    if device.type != "cuda":
+        return []
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def rule(b, h, i, j):
+        return ((j <= i) & (i - j < window)) if causal else ((i - j).abs() < window)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        mask = create_block_mask(rule, None, None, q.shape[2], k.shape[2], device=q.device)
+        return compiled(q, k, v, block_mask=mask)
+
+    return [Candidate("flex-sliding (direct)", f"window={window}, block mask per call", attend, peer_of="local")]
 
 
 def reformer_bucket_size(n: int, window: int) -> int | None:
@@ -238,6 +263,7 @@ def run(
     causal: bool = True,
     only: list[str] | None = None,
     leak_n: int | None = None,
+    backend: str = "auto",
     echo: Callable[[str], None] = print,
 ) -> list[dict]:
     """Measure every candidate at every length; print one table per length (and, causal, the leak table of
@@ -245,9 +271,10 @@ def run(
     dev = torch.device(device)
     results: list[dict] = []
     echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
-         f"{'causal' if causal else 'non-causal'}, threads={torch.get_num_threads()}, median of {repeats}")
+         f"{'causal' if causal else 'non-causal'}, backend {resolve_backend(backend, dev)}, "
+         f"threads={torch.get_num_threads()}, median of {repeats}")
     for n in ns:
-        cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal), only)
+        cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
         results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev)]
@@ -259,7 +286,8 @@ def run(
     leak_n = min(1024, max(ns)) if leak_n is None else leak_n
     if causal and leak_n:
         echo("")
-        echo(leak_table(leaks(leak_n, heads=heads, head_dim=head_dim, window=window, device=dev, only=only)))
+        echo(leak_table(leaks(leak_n, heads=heads, head_dim=head_dim, window=window, device=dev, only=only,
+                              backend=backend)))
     return results
 
 
@@ -271,14 +299,14 @@ def selected(every: list[Candidate], only: list[str] | None) -> list[Candidate]:
 
 
 def leaks(n: int, *, heads: int = 8, head_dim: int = 64, window: int = 256, device: torch.device | str = "cpu",
-          only: list[str] | None = None, seed: int = 0) -> list[dict]:
+          only: list[str] | None = None, seed: int = 0, backend: str = "auto") -> list[dict]:
     """The causal leak (``leak.causal_leak``, float32, batch 1) of every causal candidate built for length n,
     including the peers: one row per candidate with its settings, the largest change and the verdict."""
     dev = torch.device(device)
     rows = []
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, heads, n, head_dim, generator=gen).to(dev) for _ in range(3))
-    for c in selected(candidates(n, heads, head_dim, window, dev, torch.float32, True), only):
+    for c in selected(candidates(n, heads, head_dim, window, dev, torch.float32, True, backend), only):
         if c.skip:
             rows.append({"mechanism": c.name, "settings": c.settings, "leak": None, "note": c.skip})
             continue

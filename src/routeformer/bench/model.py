@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..attention.executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
 from .measure import PeakMemory, format_table, median_time, synchronize
 
@@ -40,10 +41,12 @@ PRESETS: dict[str, Callable[[int], dict]] = {
 
 
 def model_configs(n: int, dim: int, depth: int, heads: int, window: int,
-                  attentions: tuple[str, ...] | list[str] = MODELS) -> dict[str, TransformerConfig]:
+                  attentions: tuple[str, ...] | list[str] = MODELS,
+                  backend: str = "auto") -> dict[str, TransformerConfig]:
     """The models compared at length n, one per row name: a preset (``PRESETS``) or an attention spec of registered
-    kinds; the first is the baseline."""
-    common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n)}
+    kinds; the first is the baseline. ``backend``: ``TransformerConfig.backend`` of every model."""
+    common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n),
+              "backend": backend}
     return {name: TransformerConfig(**{**common, **(PRESETS[name](heads) if name in PRESETS else {"attention": name})})
             for name in attentions}
 
@@ -61,15 +64,16 @@ def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.T
 
 def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, heads: int = 8, window: int = 256,
         batch: int = 1, repeats: int = 3, steps: int = 8, device: str = "cpu",
-        attentions: tuple[str, ...] | list[str] = MODELS,
+        attentions: tuple[str, ...] | list[str] = MODELS, backend: str = "auto",
         echo: Callable[[str], None] = print) -> dict[str, list[dict]]:
     """Print the training and the generation tables for each attention spec; return their rows."""
     dev = torch.device(device)
     echo(f"# model benchmark: dim={dim}, depth={depth}, heads={heads}, window={window}, batch={batch}, "
-         f"float32, {dev}, threads={torch.get_num_threads()}, median of {repeats}")
+         f"float32, {dev}, backend {resolve_backend(backend, dev)}, threads={torch.get_num_threads()}, "
+         f"median of {repeats}")
     train_rows: list[dict] = []
     for n in ns:
-        for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window, attentions).items()):
+        for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window, attentions, backend).items()):
             torch.manual_seed(0)
             model = TransformerLM(config).to(dev).train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
@@ -86,7 +90,7 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
     echo(training_table(train_rows))
 
     gen_rows: list[dict] = []
-    for name, config in model_configs(max(ns), dim, depth, heads, window, attentions).items():
+    for name, config in model_configs(max(ns), dim, depth, heads, window, attentions, backend).items():
         torch.manual_seed(0)
         model = TransformerLM(config).to(dev).eval()
         row: dict = {"model": name}

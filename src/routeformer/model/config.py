@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..attention.checks import positive_int
+from ..attention.executors import check_backend
 from ..attention.kernels import check_kernel
 from ..attention.kinds.base import HeadKind
 from ..attention.registry import KINDS, default_attention, get_kind
@@ -88,6 +89,9 @@ class TransformerConfig:
         dropout: at the end of each residual branch only.
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
+        backend: how heads that run on an attention executor are computed: 'auto' (FlexAttention on CUDA, the
+            tiled PyTorch executor elsewhere), 'tiles' or 'flex' (``routeformer.attention.executors``). LSH,
+            linear, Performer and the poly2 / elu kernels have one implementation of their own.
         commitment, kmeans_decay: routing's commitment-loss weight β and k-means EMA decay.
         kernel: the similarity full, local and linear heads normalise, 'exp' (softmax), 'poly2' or 'elu'
             (``routeformer.attention.kernels``); linear heads need 'poly2' or 'elu', other kinds take only 'exp',
@@ -126,6 +130,7 @@ class TransformerConfig:
     ff_mult: float = 4.0
     activation: str = "sigmoid_gelu"
     checkpointing: bool = False
+    backend: str = "auto"
     commitment: float = 1e-4
     kmeans_decay: float = 0.999
     kernel: str = "exp"
@@ -202,7 +207,13 @@ class TransformerConfig:
             if not isinstance(given, dict):
                 raise ValueError(f"options[{name!r}] must be a mapping of field to value, got {given!r}")
         check_kernel("kernel", self.kernel)
+        check_backend(self.backend)
         groups = self.head_groups()  # each kind validates the fields it reads
+        on_executor = [g for layer in groups for g in layer if g.kind.runs_on_executor(g.options)]
+        if self.backend != "auto" and not on_executor:
+            raise ValueError(f"backend={self.backend!r} would change nothing: no head of this model runs on an "
+                             f"attention executor (LSH, linear, Performer and the poly2 / elu kernels compute "
+                             f"their own way); leave backend='auto'")
         for group in (g for layer in groups for g in layer):
             if self.kernel != "exp" and not group.kind.reads_kernel:
                 users = ", ".join(k.name for k in KINDS.values() if k.reads_kernel)

@@ -25,6 +25,9 @@ class MixedAttention(nn.Module):
         H, D = config.heads, config.head_dim
         self.heads, self.head_dim = H, D
         self.groups = nn.ModuleList(g.kind.build(g.options, g.heads, D, layer * 131 + i) for i, g in enumerate(spec))
+        for group, g in zip(self.groups, spec, strict=True):
+            if g.kind.runs_on_executor(g.options):
+                group.backend = config.backend
         self.shares_qk = [g.kind.heads_share_qk(g.options) for g in spec]
         self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
         self.query = nn.Linear(config.dim, H * D)

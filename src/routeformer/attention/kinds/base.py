@@ -84,6 +84,7 @@ class HeadGroup(nn.Module):
     """
 
     kernel = "exp"  # the similarity the heads normalise (``attention/kernels.py``); reference and attend follow it
+    backend = "auto"  # the executor of kinds that run on one (``executors.py``); the model sets its config's
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -210,6 +211,9 @@ class HeadKind:
             clearly when it does not); a bool, or (options) -> bool when it depends on them.
         reads_kernel: whether the kind's heads use ``TransformerConfig.kernel`` (full, local); a config whose
             kernel is not 'exp' is an error for every other kind, so that the setting is never ignored.
+        executor: whether the heads run on an attention executor, so that ``TransformerConfig.backend`` chooses
+            how they are computed; a bool, or (options) -> bool. Kinds with their own computation (LSH, linear,
+            Performer, the poly2 / elu kernels) set False.
         describe: (options) -> a short summary of the options for tables ('window=128'); default the dataclass.
         summary: one line for ``--help`` and tables.
     """
@@ -222,6 +226,7 @@ class HeadKind:
     shares_qk: Callable[[Any], bool] | None = None
     relative_positions: bool | Callable[[Any], bool] = True
     reads_kernel: bool = False
+    executor: bool | Callable[[Any], bool] = True
     describe: Callable[[Any], str] | None = None
     summary: str = ""
 
@@ -252,6 +257,10 @@ class HeadKind:
     def supports_relative(self, options: Any) -> bool:
         rel = self.relative_positions
         return bool(rel(options)) if callable(rel) else bool(rel)
+
+    def runs_on_executor(self, options: Any) -> bool:
+        uses = self.executor
+        return bool(uses(options)) if callable(uses) else bool(uses)
 
     def heads_share_qk(self, options: Any) -> bool:
         return bool(self.shares_qk(options)) if self.shares_qk is not None else False

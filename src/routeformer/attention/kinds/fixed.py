@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..executors import get_executor
 from ..fixed import _summaries, _within_block, fixed_attention, summary_count
 from ..masks import fixed_mask
 from .base import HeadGroup, HeadKind, KeyStore
@@ -48,8 +49,10 @@ class FixedHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
-            return fixed_attention(q, k, v, self.block, self.summary, causal=True, rel_pos=rel_pos)
-        common = {"causal": True, "scale": self.scale, "key_valid": None, "rel_pos": rel_pos}
+            return fixed_attention(q, k, v, self.block, self.summary, causal=True, rel_pos=rel_pos,
+                                   backend=self.backend)
+        common = {"causal": True, "scale": self.scale, "key_valid": None, "rel_pos": rel_pos,
+                  "executor": get_executor(self.backend, q.device)}
         if self.part == "a1":
             return _within_block(q, k, v, self.block, **common)[0]
         return _summaries(q, k, v, self.block, self.summary, other_blocks=False, **common)[0]

@@ -24,7 +24,7 @@ class FullHeads(HeadGroup):
         self.kernel = kernel
 
     def forward(self, q, k, v, rel_pos):
-        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel)
+        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.backend)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)
@@ -43,5 +43,6 @@ def describe_kernel(options: KernelOptions) -> str:
 
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o.kernel),
                 keys_per_query=lambda options, n: (n + 1) / 2, options=kernel_options, reads_kernel=True,
-                relative_positions=lambda o: o.kernel == "exp", describe=describe_kernel,
+                relative_positions=lambda o: o.kernel == "exp", executor=lambda o: o.kernel == "exp",
+                describe=describe_kernel,
                 summary="every earlier key")

@@ -70,5 +70,6 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
 
 KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o.kernel),
                 keys_per_query=_keys_per_query, options=_options, relative_positions=False, reads_kernel=True,
+                executor=False,
                 describe=lambda o: f"kernel={o.kernel}, F={o.features}",
                 summary="every earlier key under the elu or poly2 kernel, in linear time")

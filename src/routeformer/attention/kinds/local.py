@@ -25,7 +25,8 @@ class LocalHeads(HeadGroup):
         self.window, self.kernel = window, kernel
 
     def forward(self, q, k, v, rel_pos):
-        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel)
+        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,
+                               backend=self.backend)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)
@@ -43,6 +44,6 @@ def _options(config: Any, heads: int) -> LocalOptions:
 
 KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o.window, o.kernel),
                 keys_per_query=lambda o, n: min(o.window, n), options=_options, reads_kernel=True,
-                relative_positions=lambda o: o.kernel == "exp",
+                relative_positions=lambda o: o.kernel == "exp", executor=lambda o: o.kernel == "exp",
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
                 summary="the last `window` positions")

@@ -42,7 +42,7 @@ class LongformerHeads(HeadGroup):
     def forward(self, q, k, v, rel_pos):
         present = self._present(q.shape[2])
         return longformer_attention(q, k, v, self.window, self.dilation, present or None, causal=True,
-                                    rel_pos=rel_pos)
+                                    rel_pos=rel_pos, backend=self.backend)
 
     def reference_mask(self, q, k):
         return longformer_mask(q.shape[2], self.window, self.dilation, self._present(q.shape[2]), causal=True,

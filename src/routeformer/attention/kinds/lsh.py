@@ -152,6 +152,7 @@ KIND = HeadKind(
     lambda o, heads, head_dim, seed: LSHHeads(heads, head_dim, o, seed),
     keys_per_query=_keys_per_query,
     options=_options,
+    executor=False,
     shares_qk=lambda o: True,
     relative_positions=False,
     describe=lambda o: f"buckets={o.buckets}, rounds={o.rounds}, w={o.window}",

@@ -75,6 +75,6 @@ def _options(config: Any, heads: int) -> PerformerOptions:
 
 KIND = HeadKind("performer", lambda o, heads, head_dim, seed: PerformerHeads(heads, head_dim, o, seed),
                 keys_per_query=lambda o, n: 1.5 * o.features + min(n, default_chunk(o.features)) / 2,
-                options=_options, relative_positions=False,
+                options=_options, relative_positions=False, executor=False,
                 describe=lambda o: f"m={o.features}" + (f", redraw every {o.redraw_every}" if o.redraw_every else ""),
                 summary="softmax estimated by positive orthogonal random features, in linear time")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..executors import check_backend
 from ..routing import RoutingAttention
 from .base import HeadGroup, HeadKind
 from .common import within_seq_len
@@ -38,6 +39,14 @@ class RoutingHeads(HeadGroup):
         self.routing = RoutingAttention(heads, head_dim, o.num_clusters, o.window, causal=True,
                                         shared_qk=o.shared_qk, separate=o.separate, decay=o.decay,
                                         commitment=o.commitment, seed=seed)
+
+    @property
+    def backend(self) -> str:
+        return self.routing.backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.routing.backend = check_backend(name)
 
     def forward(self, q, k, v, rel_pos):
         return self.routing(q, k, v, rel_pos=rel_pos)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..executors import get_executor
 from ..local import local_attention
 from ..masks import strided_mask
 from ..strided import column_attention, strided_attention
@@ -36,11 +37,11 @@ class StridedHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
-            return strided_attention(q, k, v, self.stride, causal=True, rel_pos=rel_pos)
+            return strided_attention(q, k, v, self.stride, causal=True, rel_pos=rel_pos, backend=self.backend)
         if self.part == "a1":
-            return local_attention(q, k, v, self.stride + 1, causal=True, rel_pos=rel_pos)
+            return local_attention(q, k, v, self.stride + 1, causal=True, rel_pos=rel_pos, backend=self.backend)
         return column_attention(q, k, v, self.stride, causal=True, gap=0, scale=self.scale, key_valid=None,
-                                rel_pos=rel_pos)[0]
+                                rel_pos=rel_pos, executor=get_executor(self.backend, q.device))[0]
 
     def reference_mask(self, q, k):
         a1, a2 = strided_mask(q.shape[2], self.stride, merged=False, heads=2, device=q.device)

@@ -73,15 +73,18 @@ def balanced_attention(
     scale: float,
     key_valid: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    backend: str = "auto",
 ) -> Tensor:
-    """Attention within balanced clusters. q, k, v (B, H, N, D); members (B, H, k, w); clusters (B, H, N) argmax."""
+    """Attention within balanced clusters. q, k, v (B, H, N, D); members (B, H, k, w); clusters (B, H, N) argmax.
+    ``backend``: the executor of the cluster tiles (``executors.get_executor``)."""
+    executor = get_executor(backend, q.device)
     B, H, N, D = q.shape
     member_of = _membership(members, N)  # (B, H, k, N)
     selected = member_of.any(2)  # (B, H, N)
     valid = None if key_valid is None else key_valid.expand(B, H, N)
 
     # Queries that are members: one (w, w) tile per cluster, merged over clusters per token.
-    out, lse = _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos)
+    out, lse = _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos, executor)
     if exclude_self:  # nothing but itself: attend to itself
         alone = lse < neg_inf(q.dtype) / 2
         own = v if rel_pos is None else v + rel_pos.value.to(v.dtype)[rel_pos.max_distance]  # distance 0
@@ -91,11 +94,11 @@ def balanced_attention(
 
     # Queries in no cluster: the members of their nearest centroid's cluster.
     if not bool(selected.all()):
-        out = _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos)
+        out = _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor)
     return out
 
 
-def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos):
+def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos, executor):
     B, H, N, D = q.shape
     kc, w = members.shape[2:]
     flat = members.reshape(B, H, kc * w)
@@ -110,7 +113,7 @@ def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_p
     delta = None
     if rel_pos is not None:
         delta = (members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w)
-    o, lse = get_executor().tiled(tiles(q), tiles(k), tiles(v), block=w, scale=scale, key_valid=kv,
+    o, lse = executor.tiled(tiles(q), tiles(k), tiles(v), block=w, scale=scale, key_valid=kv,
                                   tile_mask=first.view(B, H * kc, 1, w, w), rel_pos=rel_pos, rel_delta=delta,
                                   need_lse=True)
     return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
@@ -149,7 +152,7 @@ def _merge_by_token(o: Tensor, lse: Tensor, token: Tensor, n: int) -> tuple[Tens
     return out.to(o.dtype), peak + den.log()
 
 
-def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos):
+def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor):
     """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members."""
     B, H, N, D = q.shape
     kc, w = members.shape[2:]
@@ -178,7 +181,7 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     delta = None
     if rel_pos is not None:
         delta = (keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w)
-    o, _ = get_executor().tiled(qt, kt, vt, block=w, scale=scale, key_valid=kv, rel_pos=rel_pos,
+    o, _ = executor.tiled(qt, kt, vt, block=w, scale=scale, key_valid=kv, rel_pos=rel_pos,
                                 rel_delta=delta)
     dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
     dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import positive_int
+from ..executors import check_backend
 from ..inputs import check_inputs
 from ..relative import RelativePositions
 from .balanced import balanced_attention, balanced_mask, balanced_members
@@ -51,6 +52,7 @@ class RoutingAttention(Router):
             in q·k; with one cluster per position they cannot be routed apart. Twice the attention work.
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
+        backend: the executor of the attention ("auto": FlexAttention on CUDA, tiles elsewhere; "tiles"; "flex").
 
     After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss
     (None after a forward in evaluation mode, which needs no loss).
@@ -64,7 +66,7 @@ class RoutingAttention(Router):
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
                  shared_qk: bool = True, balanced: bool | None = None, separate: bool = False,
-                 decay: float = 0.999, commitment: float = 1e-4, seed: int = 0) -> None:
+                 decay: float = 0.999, commitment: float = 1e-4, seed: int = 0, backend: str = "auto") -> None:
         for name, value in (("heads", heads), ("head_dim", head_dim), ("num_clusters", num_clusters)):
             positive_int(name, value)  # checked here first, in the order of the arguments
         window = positive_int("window", window)
@@ -79,6 +81,7 @@ class RoutingAttention(Router):
         super().__init__(heads, head_dim, num_clusters, shared_qk=shared_qk, separate=separate, decay=decay,
                          commitment=commitment, seed=seed)
         self.window, self.causal, self.balanced = window, causal, bool(balanced)
+        self.backend = check_backend(backend)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                 key_padding_mask: Tensor | None = None, rel_pos: RelativePositions | None = None) -> Tensor:
@@ -87,14 +90,14 @@ class RoutingAttention(Router):
         scores, clusters = self.assign_and_observe(q, k, key_padding_mask)  # (B, H, N, k), (B, H, N)
         if self.separate:
             return separate_window_attention(q, k, v, *self.split(clusters), window=self.window, scale=scale,
-                                             key_valid=key_valid, rel_pos=rel_pos)
+                                             key_valid=key_valid, rel_pos=rel_pos, backend=self.backend)
         if self.balanced:
             members = balanced_members(scores, self.window, key_padding_mask)
             return balanced_attention(q, k, v, members, clusters, exclude_self=self.shared_qk, scale=scale,
-                                      key_valid=key_valid, rel_pos=rel_pos)
+                                      key_valid=key_valid, rel_pos=rel_pos, backend=self.backend)
         return sorted_window_attention(q, k, v, clusters, window=self.window, causal=self.causal,
                                        exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
-                                       rel_pos=rel_pos)
+                                       rel_pos=rel_pos, backend=self.backend)
 
     @torch.no_grad()
     def routing_mask(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -158,5 +161,6 @@ class RoutingAttention(Router):
     def extra_repr(self) -> str:
         mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"window={self.window}, {mode}, shared_qk={self.shared_qk}, separate={self.separate}")
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}, separate={self.separate}, "
+                f"backend={self.backend}")
 

@@ -39,7 +39,8 @@ def event_order(query_clusters: Tensor, key_clusters: Tensor, num_clusters: int 
 
 def separate_window_attention(q: Tensor, k: Tensor, v: Tensor, query_clusters: Tensor, key_clusters: Tensor, *,
                               window: int, scale: float, key_valid: Tensor | None = None,
-                              rel_pos: RelativePositions | None = None, sort: ClusterOrder | None = None) -> Tensor:
+                              rel_pos: RelativePositions | None = None, sort: ClusterOrder | None = None,
+                              backend: str = "auto") -> Tensor:
     """Causal: query i attends to keys j <= i with key cluster c_k(j) = c_q(i), among the last ``window`` events
     of that cluster. q, k, v: (B, H, N, D); clusters (B, H, N); key_valid: (B, 1, N) or None -> (B, H, N, D).
     ``sort``: ``event_order(query_clusters, key_clusters)`` when the caller has it. Time and memory
@@ -53,7 +54,7 @@ def separate_window_attention(q: Tensor, k: Tensor, v: Tensor, query_clusters: T
         interleave(key_valid.expand(B, H, N), torch.zeros(B, H, N, dtype=torch.bool, device=q.device))
     qs, ks, vs = (permute_seq(x, order, inverse) for x in (qe, ke, ve))
     restrict = KeyRestrictions(groups=grouped, positions=order // 2 if rel_pos is not None else None)
-    out, _ = get_executor().band(qs, ks, vs, window=window, causal=True, scale=scale,
+    out, _ = get_executor(backend, q.device).band(qs, ks, vs, window=window, causal=True, scale=scale,
                                  key_valid=valid.gather(-1, order), restrict=restrict, rel_pos=rel_pos)
     return permute_seq(out, inverse, order)[:, :, 1::2]
 

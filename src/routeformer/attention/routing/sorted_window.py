@@ -97,13 +97,15 @@ def sorted_window_attention(
     rel_pos: RelativePositions | None = None,
     sort: ClusterOrder | None = None,
     need_lse: bool = False,
+    backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Each query attends to the ``window`` nearest positions of its own cluster (only earlier ones when causal).
 
     q, k, v: (B, H, N, D); clusters: (B, H, N) any integer groups (k-means clusters, hash buckets); key_valid:
     (B, 1, N) or None -> (B, H, N, D). Causal: keys j <= i, the most recent ``window`` of the cluster; non-causal:
     |rank_i - rank_j| < window within the cluster. ``sort``: ``sort_by_cluster(clusters)`` when the caller already
-    has it. Time O(N · window · D + N log N), memory O(N · window) per head.
+    has it. Time O(N · window · D + N log N), memory O(N · window) per head. ``backend``: the executor that runs
+    the band (``executors.get_executor``).
 
     ``need_lse``: return (out, lse) with lse (B, H, N) the log-sum-exp of each query's scores, in float32 or wider,
     in the original position order (``neg_inf(lse.dtype)`` for a query that sees no key), so that several rounds of
@@ -119,8 +121,9 @@ def sorted_window_attention(
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self,
                                positions=order if rel_pos is not None else None)
-    out, lse = get_executor().band(qs, ks, vs, window=window, causal=causal, scale=scale, key_valid=valid,
-                                   restrict=restrict, rel_pos=rel_pos, need_lse=need_lse)
+    out, lse = get_executor(backend, q.device).band(qs, ks, vs, window=window, causal=causal, scale=scale,
+                                                    key_valid=valid, restrict=restrict, rel_pos=rel_pos,
+                                                    need_lse=need_lse)
     out = permute_seq(out, inverse, order)
     if not need_lse:
         return out

@@ -1,0 +1,13 @@
+"""The flex executor: every pattern as FlexAttention calls (one fused kernel per piece on CUDA).
+
+- ``pattern.py``: a pattern as an exact rule (``mask_mod``), the key range of each query block, relative distances.
+- ``blocks.py``: ``BlockMask`` from that range (O(N · reach), cached for static patterns).
+- ``call.py``: one FlexAttention call in the executors' lse conventions (compiled on CUDA, the dense eager operator
+  on CPU, where FlexAttention has no backward: correctness only).
+- ``relative.py``: Shaw's key term as ``score_mod``; the value term from the log-sum-exp in a banded pass.
+- ``ops.py``: the four operations of ``executors.Executor`` with the tiled executor's signatures.
+"""
+
+from .ops import band, block_diagonal, subset, tiled
+
+__all__ = ["band", "block_diagonal", "subset", "tiled"]

@@ -1,0 +1,115 @@
+"""Shaw's relative positions on FlexAttention: the key term inside the kernel, the value term in a banded pass.
+
+Key term: ``score_mod`` adds q_i · a^K(delta_ij) · scale, read from qa = (q · scale) @ (a^K)ᵀ, (B, H, Nq, 2k + 1),
+computed once outside the kernel (its gradient reaches q and the table through FlexAttention's captured-buffer
+gradients).
+
+Value term: Σ_j p_ij a^V(clip(delta_ij)) needs the probabilities, which FlexAttention does not return. They are
+recomputed from its log-sum-exp, p_ij = exp(s_ij - lse_i), on the keys the pattern's ``frame`` enumerates:
+
+- ``("offsets", lo, hi, complete)``: key j = i + t for t in [lo, hi], one (B, H, N) vector per offset, so memory is
+  O(N · (hi - lo + 1)) and products are on shifted views (no gathered copies). With distances unit · t and
+  ``complete=False`` only the near keys |delta| < k are enumerated; every other key the query sees is clipped to
+  a^V(±k), so the far mass is what the near keys leave (one-sided patterns) or, for two-sided ones, the right
+  side's mass comes from a second call restricted to delta >= k (its log-sum-exp).
+- ``("all",)``: a single tile (Nq, Nk) of gathered keys, every pair at once (the small tiles of global tokens,
+  summary cells and balanced routing clusters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..relative import RelativePositions
+from ..tiles import neg_inf, saw_key
+from .pattern import FlexPattern
+
+
+def key_scores(q: Tensor, rel_pos: RelativePositions, scale: float) -> Tensor:
+    """qa = (q · scale) @ (a^K)ᵀ: (B, H, Nq, 2k + 1), column d + k the key term of distance d."""
+    return (q * scale) @ rel_pos.key.to(q.dtype).T
+
+
+def score_mod(qa: Tensor, delta, max_distance: int, nq: int) -> Callable:
+    """FlexAttention ``score_mod`` adding the relative key term of the pair's distance."""
+
+    def add_key_term(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        d = delta(b, h, i, j).clamp(-max_distance, max_distance) + max_distance
+        return score + qa[b, h, i.clamp(max=nq - 1), d].to(score.dtype)
+
+    return add_key_term
+
+
+def _weights(scores: Tensor, allowed: Tensor, lse: Tensor) -> Tensor:
+    """exp(s - lse) where allowed, else exactly 0 (no inf · 0 in the gradient); lse of rows without keys is
+    replaced by 0 first (they have no allowed key)."""
+    safe = torch.where(saw_key(lse), lse, 0.0)[..., None] if scores.dim() == lse.dim() + 1 else \
+        torch.where(saw_key(lse), lse, 0.0)
+    return torch.where(allowed, scores.to(lse.dtype) - safe, float("-inf")).exp()
+
+
+def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tensor, rel_pos: RelativePositions,
+               scale: float, right_lse: Callable[[], Tensor]) -> Tensor:
+    """Σ_j p_ij a^V(delta_ij): (B, H, Nq, D) in q's dtype. ``right_lse()`` gives the log-sum-exp over the keys with
+    delta >= k (only called for two-sided patterns whose frame is not complete)."""
+    B, H, Nq, D = q.shape
+    kmax = rel_pos.max_distance
+    a_v = rel_pos.value.to(lse.dtype)  # (2k + 1, D)
+    b = torch.arange(B, device=q.device).view(B, 1, 1)
+    h = torch.arange(H, device=q.device).view(1, H, 1)
+    if pattern.frame[0] == "all":
+        Nk = k.shape[2]
+        i = torch.arange(Nq, device=q.device).view(1, 1, Nq, 1)
+        j = torch.arange(Nk, device=q.device).view(1, 1, 1, Nk)
+        bb, hh = b[..., None], h[..., None]
+        idx = rel_pos.index(pattern.delta(bb, hh, i, j)).expand(B, H, Nq, Nk)
+        scores = (q * scale) @ k.transpose(-1, -2) + qa.gather(-1, idx)
+        p = _weights(scores, pattern.allowed(bb, hh, i, j), lse)
+        mass = p.new_zeros(B, H, Nq, 2 * kmax + 1).scatter_add(-1, idx, p)
+        return (mass @ a_v).to(q.dtype)
+
+    _, lo, hi, complete = pattern.frame
+    n = Nq
+    i = torch.arange(n, device=q.device).view(1, 1, n)
+    probs, rows = [], []
+    for t in range(lo, hi + 1):  # one offset at a time: O(N) memory each, products on shifted views
+        a, z = max(0, -t), n - max(0, t)  # queries a..z-1 have key i + t in range
+        if a >= z:
+            continue
+        qi, kj = i[..., a:z], i[..., a:z] + t
+        d = pattern.delta(b, h, qi, kj).expand(B, H, z - a)
+        idx = rel_pos.index(d)
+        s = (q[:, :, a:z] * k[:, :, a + t:z + t]).sum(-1) * scale + qa[:, :, a:z].gather(-1, idx[..., None])[..., 0]
+        p = _weights(s, pattern.allowed(b, h, qi, kj), lse[:, :, a:z])
+        probs.append(torch.nn.functional.pad(p, (a, n - z)))
+        rows.append(torch.nn.functional.pad(idx, (a, n - z)))
+    if not probs:
+        return q.new_zeros(B, H, Nq, D)
+    p = torch.stack(probs, -1)  # (B, H, N, C)
+    idx = torch.stack(rows, -1)
+    out = p.new_zeros(B, H, n, 2 * kmax + 1).scatter_add(-1, idx, p)  # mass per table row
+    if not complete:  # keys not enumerated are all at |delta| >= k: rows 0 (left) and 2k (right)
+        saw = saw_key(lse).to(lse.dtype)
+        far = saw - p.sum(-1)
+        if not pattern.one_sided:
+            right = right_lse()
+            has = saw_key(right)
+            far_right = torch.where(has, right - torch.where(saw_key(lse), lse, 0.0), float("-inf")).exp()
+            out[..., 2 * kmax] += far_right
+            far = far - far_right
+        out[..., 0] += far
+    return (out @ a_v).to(q.dtype)
+
+
+def own_score(q: Tensor, k: Tensor, qa: Tensor | None, rel_pos: RelativePositions | None, scale: float) -> Tensor:
+    """s_ii in the lse dtype: the score of each query's own key (distance 0), for the exclude-self fallback."""
+    s = (q * k).sum(-1) * scale
+    if qa is not None:
+        s = s + qa[..., rel_pos.max_distance]
+    return s.to(torch.promote_types(s.dtype, torch.float32))
+
+
+__all__ = ["key_scores", "neg_inf", "own_score", "score_mod", "value_term"]
