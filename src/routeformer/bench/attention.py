@@ -60,6 +60,7 @@ class Candidate:
 # Not run beyond this length: full-elu / full-poly2 (unfused O(N²) kernel attention) and linear-poly2 (F = 2145
 # features at D = 64: 13 s forward+backward and 2.4 GiB at N = 4096 on 2 CPU threads, 0.11× full, ~4× both at 16k).
 KERNEL_ATTENTION_MAX_N = 4096
+UNTRACKED = "memory not tracked: on CPU FlexAttention's operator refuses the tracker's dispatch mode"
 TRAINING_CAP_BYTES = 8 * 2**30  # over this (or half the free memory) estimated, a row is timed forward only
 
 
@@ -277,7 +278,9 @@ def run(
         cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
-        results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev)]
+        # On CPU peak memory is tracked by a dispatch mode, which FlexAttention's operator refuses.
+        track = not (dev.type == "cpu" and resolve_backend(backend, dev) == "flex")
+        results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev, track)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))
     if len(ns) > 1:
@@ -351,8 +354,9 @@ def memory_growth(rows: list[dict]) -> str:
 
 
 def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tensor, repeats: int,
-             dev: torch.device) -> list[dict]:
-    """Time (median of consecutive runs) and peak memory of each candidate on one input."""
+             dev: torch.device, track_memory: bool = True) -> list[dict]:
+    """Time (median of consecutive runs) and peak memory of each candidate on one input (``track_memory=False``:
+    no memory columns, with a note)."""
     for t in (q, k, v):
         t.requires_grad_(True)
 
@@ -386,6 +390,9 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
             row["fwd_s"] = median_time(forward(c), repeats, dev)
             if train:
                 row["fwd_bwd_s"] = median_time(train_step(c), repeats, dev)
+            if not track_memory:
+                row["note"] = row["note"] or UNTRACKED
+                continue
             with PeakMemory(dev) as inference:
                 forward(c)()
             row["inference_bytes"] = inference.bytes
