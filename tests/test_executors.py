@@ -36,13 +36,14 @@ def test_auto_is_flex_on_cuda_and_tiles_elsewhere_and_unknown_names_are_listed()
 def test_register_refuses_duplicates_and_incomplete_executors() -> None:
     with pytest.raises(ValueError, match="already registered"):
         register_executor("tiles", get_executor())
-    with pytest.raises(ValueError, match="lacks the operations subset"):
-        register_executor("partial", dataclasses.replace(get_executor(), subset=None))
+    with pytest.raises(ValueError, match="lacks the operations band"):
+        register_executor("partial", dataclasses.replace(get_executor(), band=None))
     assert "partial" not in EXECUTORS
 
 
 def test_patterns_call_the_executor_their_backend_names() -> None:
-    """A registered executor named as the backend receives the patterns' calls (here: the tiled ones, counted)."""
+    """A registered executor named as the backend receives the patterns' calls (here: the tiled ones, counted),
+    the block diagonal and key subsets included, through its own ``tiled``."""
     tiles = get_executor("tiles")
     calls: list[str] = []
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import _ordered_to_dense
 
-from helpers import rand_padding, rand_qkv, rand_rel
+from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
 from routeformer.attention import PATTERNS, RoutingAttention, flex
 from routeformer.attention.executors import get_executor
 from routeformer.attention.flex import blocks
@@ -85,10 +85,21 @@ def _check(seen: list) -> None:
         listed = mask.to_dense().bool()
         full = _ordered_to_dense(mask.full_kv_num_blocks, mask.full_kv_indices,
                                  mask.full_kv_indices.shape[-1]).bool()
-        nkb = some.shape[-1]
-        assert torch.equal(listed[..., :nkb], some), pattern.cache_key
-        assert torch.equal(full[..., :nkb], every), pattern.cache_key
-        assert not listed[..., nkb:].any()
+        assert listed.shape == full.shape == some.shape
+        assert torch.equal(listed, some), pattern.cache_key
+        assert torch.equal(full, every), pattern.cache_key
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_relative_values_when_every_key_of_a_piece_is_beyond_the_clip(causal: bool) -> None:
+    """Strided columns with the clip nearer than the second grid row: the value pass enumerates no near key of
+    that piece, and all its mass belongs to the clipped rows a^V(±k)."""
+    q, k, v = rand_qkv(2, 2, 60, 8)
+    rel = rand_rel(8, 4)
+    mask = PATTERNS["strided"].build_mask(60, 2, causal, stride=7)
+    compare_with_reference(lambda *x, **kw: PATTERNS["strided"].attend(*x, stride=7, causal=causal, backend="flex",
+                                                                       **kw),
+                           mask, q, k, v, key_padding_mask=rand_padding(2, 60), rel_pos=rel)
 
 
 def test_static_block_masks_are_cached_and_data_masks_are_not(monkeypatch) -> None:

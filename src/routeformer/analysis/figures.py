@@ -97,12 +97,11 @@ def plot_patterns(patterns: list[HeadPattern], path: Path, title: str) -> bool:
         w = p.weights
         strength = (w / w.amax(-1, keepdim=True).clamp_min(1e-30)).numpy()  # (N, N) in [0, 1]
         if p.clusters is None:
-            rgba = torch.zeros(*w.shape, 4)
-            rgba[..., 3] = torch.from_numpy(strength)  # black, opaque where attended
+            rgba = torch.zeros(*w.shape, 4)  # black
         else:
             colours = torch.tensor([palette(int(c) % 20) for c in p.clusters.tolist()])  # (N, 4) per query
             rgba = colours[:, None, :].expand(*w.shape, 4).clone()
-            rgba[..., 3] = torch.from_numpy(strength)
+        rgba[..., 3] = torch.from_numpy(strength)  # opaque where attended
         ax.imshow(rgba.numpy(), interpolation="nearest")
         ax.set_title(f"layer {p.layer} head {p.head}: {p.kind}", fontsize=9)
         ax.set_xlabel("input (key) position", fontsize=8)

@@ -23,44 +23,64 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from . import flex
-from .tiles import (
-    KeyRestrictions,
-    band_attention,
-    block_diagonal_attention,
-    lse_dtype,
-    merge_partials,
-    neg_inf,
-    saw_key,
-    subset_attention,
-    tiled_attention,
-)
+from .relative import RelativePositions
+from .tiles import KeyRestrictions, band_attention, lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
 
-OPERATIONS = ("tiled", "band", "block_diagonal", "subset")
+OPERATIONS = ("tiled", "band")
 
 
 @dataclass(frozen=True)
 class Executor:
-    """The operations a pattern needs, with the signatures and results of the tiled executor's functions.
+    """The two operations an executor provides, with the signatures and results of the tiled executor's functions,
+    and the pieces built from them (the same for every executor).
 
     tiled: ``tiled_attention`` (query blocks against spans of neighbouring key blocks under a tile mask; one dense
         tile when block >= N), O(N · S · D) for spans of S keys.
     band: ``band_attention`` (sliding window over the sequence order), O(N · window · D).
-    block_diagonal: ``block_diagonal_attention`` (within blocks of ``block`` positions), O(N · block · D).
-    subset: ``subset_attention`` (every query against M chosen keys), O(N · M · D).
     """
 
     name: str
     tiled: Callable
     band: Callable
-    block_diagonal: Callable
-    subset: Callable
+
+    def block_diagonal(self, q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
+                       key_valid: Tensor | None, rel_pos: RelativePositions | None,
+                       need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Attention within blocks of ``block`` positions (j <= i too when causal); block >= N is one dense tile.
+
+        q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time O(N · block · D), memory
+        O(N · block).
+        """
+        size = min(block, q.shape[2])
+        allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
+        return self.tiled(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                          rel_unit=1, need_lse=need_lse)
+
+    def subset(self, q: Tensor, k: Tensor, v: Tensor, key_idx: Tensor, allow: Tensor | None, *, scale: float,
+               key_valid: Tensor | None, rel_pos: RelativePositions | None,
+               need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Every query against the keys at positions ``key_idx`` (M,) only, under ``allow`` (N, M) (rows may be
+        empty).
+
+        q, k, v: (B, H, N, D); key_valid (B, 1 or H, N) -> out (B, H, N, D) (zeros where a row sees nothing), lse
+        (B, H, N) or None. One dense (N, M) tile of the gathered keys: time O(N · M · D), memory O(N · M);
+        relative distances key_idx[m] - i, by gathers.
+        """
+        N = q.shape[2]
+        delta = None if rel_pos is None else key_idx[None, :] - torch.arange(N, device=q.device)[:, None]
+        return self.tiled(
+            q, k[:, :, key_idx], v[:, :, key_idx], block=N, allow=allow, scale=scale,
+            key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos, rel_delta=delta,
+            empty_rows=True, need_lse=need_lse,
+        )
 
 
 EXECUTORS: dict[str, Executor] = {
-    "tiles": Executor("tiles", tiled_attention, band_attention, block_diagonal_attention, subset_attention),
-    "flex": Executor("flex", flex.tiled, flex.band, flex.block_diagonal, flex.subset),
+    "tiles": Executor("tiles", tiled_attention, band_attention),
+    "flex": Executor("flex", flex.tiled, flex.band),
 }
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_scale, positive_int
+from .executors import check_backend
 from .inputs import check_inputs
 
 KERNELS = ("exp", "poly2", "elu")
@@ -40,8 +41,6 @@ def check_kernel(name: str, kernel: object, allowed: tuple[str, ...] = KERNELS) 
 def check_kernel_backend(kernel: str, backend: str) -> None:
     """The poly2 and elu kernels have one implementation (blocked PyTorch, like the tiles executor): ``backend``
     must be "auto" or "tiles"; "flex" is refused rather than ignored (FlexAttention normalises with exp)."""
-    from .executors import check_backend
-
     if check_backend(backend) not in ("auto", "tiles"):
         raise ValueError(f"backend={backend!r} has no path for kernel={kernel!r}: the poly2 and elu kernels run as "
                          f"blocked PyTorch only; use backend='auto' or 'tiles'")

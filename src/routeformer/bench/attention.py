@@ -42,7 +42,7 @@ from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_rotations
 from ..attention.performer import default_features
 from .leak import causal_leak, leak_positions, verdict
-from .measure import PeakMemory, format_table, median_time
+from .measure import PeakMemory, format_table, median_time, memory_trackable
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -278,8 +278,7 @@ def run(
         cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
-        # On CPU peak memory is tracked by a dispatch mode, which FlexAttention's operator refuses.
-        track = not (dev.type == "cpu" and resolve_backend(backend, dev) == "flex")
+        track = memory_trackable(dev, backend)
         results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev, track)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))

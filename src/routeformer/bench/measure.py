@@ -12,6 +12,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..attention.executors import resolve_backend
+
+
+def memory_trackable(device: torch.device, backend: str) -> bool:
+    """Whether ``PeakMemory`` can watch attention run by ``backend`` on ``device``: on CPU its dispatch mode is
+    refused by FlexAttention's operator (and a refused trace breaks later flex calls in the process)."""
+    return not (device.type == "cpu" and resolve_backend(backend, device) == "flex")
+
 
 class PeakMemory:
     """Peak tensor memory allocated inside a ``with`` block, in bytes above what was live when it began.

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..attention.executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
-from .measure import PeakMemory, format_table, median_time, synchronize
+from .measure import PeakMemory, format_table, median_time, memory_trackable, synchronize
 
 MODELS = ("full", "local", "local+routing")  # the default rows
 
@@ -81,8 +81,8 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
             step = train_step(model, opt, tokens)
             seconds = median_time(step, repeats, dev)
             peak_bytes = None
-            if not (dev.type == "cpu" and resolve_backend(backend, dev) == "flex"):  # FlexAttention refuses
-                with PeakMemory(dev) as peak:  # the CPU tracker's dispatch mode
+            if memory_trackable(dev, backend):
+                with PeakMemory(dev) as peak:
                     step()
                 peak_bytes = peak.bytes
             train_rows.append({"n": n, "model": name, "baseline": i == 0,

@@ -5,9 +5,9 @@
 - ``call.py``: one FlexAttention call in the executors' lse conventions (compiled on CUDA, the dense eager operator
   on CPU, where FlexAttention has no backward: correctness only).
 - ``relative.py``: Shaw's key term as ``score_mod``; the value term from the log-sum-exp in a banded pass.
-- ``ops.py``: the four operations of ``executors.Executor`` with the tiled executor's signatures.
+- ``ops.py``: the two operations of ``executors.Executor`` (tiled, band) with the tiled executor's signatures.
 """
 
-from .ops import band, block_diagonal, subset, tiled
+from .ops import band, tiled
 
-__all__ = ["band", "block_diagonal", "subset", "tiled"]
+__all__ = ["band", "tiled"]

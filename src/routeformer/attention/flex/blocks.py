@@ -4,9 +4,9 @@ A query block [q0, q1] may only see keys in the pattern's ``reach(q0, q1)``; the
 candidates (a few per query block for a band: O(N · reach) work, not O(N²)). The exact rule is evaluated on the
 candidates alone (in chunks of query blocks, so at most about 2^24 pairs at once): a candidate where no pair is
 allowed is dropped, one where every pair is allowed is a *full* block (the kernel skips ``mask_mod`` there), the
-rest are partial. Everything is tensor operations on the queries' device, no Python loop per block or step.
-Static patterns (no data masks) are cached by their ``cache_key`` and sizes; routing's masks, which change with
-every batch, are built per call.
+rest are partial. Everything is tensor operations (the reach on the host, the rule on the queries' device),
+with no Python loop per block or step and no device-to-host read. Static patterns (no data masks) are cached by
+their ``cache_key`` and sizes; routing's masks, which change with every batch, are built per call.
 """
 
 from __future__ import annotations
@@ -45,15 +45,16 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
 
     bq, bk = block
     nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
-    first = torch.arange(nq_blocks, device=device) * bq
+    # The reach is arithmetic on block numbers: computed on the host, so no device sync reads the width.
+    first = torch.arange(nq_blocks) * bq
     last = (first + bq - 1).clamp(max=pattern.nq - 1)
     lo, hi = pattern.reach(first, last)
     lo_block = lo.clamp(0, pattern.nk - 1) // bk  # (nqb,)
     hi_block = hi.clamp(0, pattern.nk - 1) // bk
     width = int((hi_block - lo_block).max()) + 1  # candidates per query block
-    cand = lo_block[:, None] + torch.arange(width, device=device)  # (nqb, C)
-    in_reach = cand <= hi_block[:, None]
-    cand = cand.clamp(max=nk_blocks - 1)
+    cand = lo_block[:, None] + torch.arange(width)  # (nqb, C)
+    in_reach = (cand <= hi_block[:, None]).to(device)
+    cand = cand.clamp(max=nk_blocks - 1).to(device)
 
     b = torch.arange(B, device=device).view(B, 1, 1, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1, 1, 1)
@@ -65,8 +66,8 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
         qb = torch.arange(start, min(start + step, nq_blocks), device=device)
         i = qb.view(1, 1, -1, 1, 1, 1) * bq + rows  # (1, 1, c, 1, bq, 1)
         j = cand[qb].view(1, 1, -1, width, 1, 1) * bk + cols  # (1, 1, c, C, 1, bk)
-        allowed = pattern.allowed(b, h, i, j) & (i < pattern.nq) & (j < pattern.nk)
         real = (i < pattern.nq) & (j < pattern.nk)  # pairs inside the sequences
+        allowed = pattern.allowed(b, h, i, j) & real
         any_parts.append(allowed.flatten(-2).any(-1))
         all_parts.append((allowed | ~real).flatten(-2).all(-1))
     some = torch.cat(any_parts, 2) & in_reach  # (B, H, nqb, C)

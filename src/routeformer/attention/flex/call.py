@@ -59,12 +59,12 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable, block_mask, sca
     only where the public ``flex_attention`` refuses gradients (CPU)."""
     try:
         from torch._higher_order_ops.utils import setup_compilation_env
-        from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attention_hop
+        from torch.nn.attention.flex_attention import _apply_kernel_options
     except ImportError as exc:  # pragma: no cover - depends on the installed torch
         raise RuntimeError(f"backend='flex' on {q.device.type} needs FlexAttention's eager operator, which torch "
                            f"{torch.__version__} does not provide; use backend='tiles'") from exc
 
-    hop = _eager_hop(key, flex_attention_hop)
+    hop = _eager_hop(key)
     options = _apply_kernel_options(q, k, v, True, None, None)
     with setup_compilation_env() as backend:
         out, lse, _ = torch.compile(hop, backend=backend, fullgraph=True)(
@@ -73,8 +73,10 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable, block_mask, sca
 
 
 @functools.cache
-def _eager_hop(key: tuple, operator: Callable) -> Callable:
-    return _distinct(operator, key)
+def _eager_hop(key: tuple) -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention_hop
+
+    return _distinct(flex_attention_hop, key)
 
 
 def _identity(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:

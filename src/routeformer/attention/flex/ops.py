@@ -1,4 +1,5 @@
-"""The flex executor's operations, with the tiled executor's signatures and results (see ``executors.py``).
+"""The flex executor's two operations, ``tiled`` and ``band``, with the tiled executor's signatures and results
+(``executors.Executor`` builds the block diagonal and key subsets from ``tiled``).
 
 Each operation turns its arguments into one ``FlexPattern`` and runs ``attend``: one FlexAttention call (plus, with
 relative positions, the banded value pass and, for two-sided patterns with clipped distances, a second call for the
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..relative import RelativePositions
-from ..tiles import KeyRestrictions, neg_inf, saw_key
+from ..tiles import KeyRestrictions, saw_key
 from .blocks import block_mask
 from .call import flex_call
 from .pattern import FlexPattern, data_rule, full_range, index_delta, lookup, positions_delta, without_self
@@ -55,7 +56,7 @@ def _own_key_fallback(pattern, q, k, v, out, lse, qa, rel_pos, scale):
     h = torch.arange(H, device=q.device).view(1, H, 1)
     i = torch.arange(N, device=q.device).view(1, 1, N)
     alone = ~saw_key(lse) & pattern.own(b, h, i, i).expand(B, H, N)
-    own = v if rel_pos is None else v + rel_pos.value.to(v.dtype)[rel_pos.max_distance]
+    own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]  # the value term of distance 0
     out = torch.where(alone[..., None], own, out)
     lse = torch.where(alone, own_score(q, k, qa, rel_pos, scale).to(lse.dtype), lse)
     return out, lse
@@ -80,6 +81,18 @@ def _offsets(lo: int, hi: int, unit: int, rel_pos: RelativePositions | None, by_
     return ("offsets", max(lo, -m), min(hi, m), False)
 
 
+def _tile_offsets(allow: Tensor | None, T: int, S: int, back: int) -> tuple[int, int]:
+    """Smallest and largest key index - query index of the tile entries ``allow`` (T, S) permits (all without it);
+    (0, -1) when it permits none. One host read of two numbers when ``allow`` is given."""
+    d = torch.arange(S)[None, :] - back * T - torch.arange(T)[:, None]  # (T, S), on the host
+    if allow is None:
+        return int(d.min()), int(d.max())
+    d = d.to(allow.device)
+    big = T + S
+    lo, hi = torch.stack([torch.where(allow, d, big).min(), torch.where(allow, d, -big).max()]).tolist()
+    return (0, -1) if lo > hi else (lo, hi)
+
+
 def band(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, scale: float,
          key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
          rel_pos: RelativePositions | None = None, rel_unit: int = 1,
@@ -98,11 +111,10 @@ def band(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, scale: f
 
     by_index = positions is None
     delta = index_delta(rel_unit) if by_index else positions_delta(positions, n)
-    per_head = key_valid is not None or groups is not None
+    per_head = key_valid is not None or groups is not None or positions is not None
     frame = _offsets(-(window - 1), 0 if causal else window - 1, rel_unit, rel_pos, by_index)
-    args = dict(nq=n, nk=n, reach=reach, per_head=per_head or positions is not None,
-                cache_key=None if per_head else ("band", window, causal), delta=delta, frame=frame,
-                one_sided=causal)
+    args = dict(nq=n, nk=n, reach=reach, per_head=per_head, cache_key=None if per_head else ("band", window, causal),
+                delta=delta, frame=frame, one_sided=causal)
     return attend(FlexPattern(**_finish(args, rule, exclude)), q, k, v, scale=scale, rel_pos=rel_pos,
                   need_lse=need_lse)
 
@@ -163,16 +175,11 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: 
             return lookup(rel_delta, b, h, tile.clamp(0, n_tiles - 1), r.clamp(0, T - 1), s.clamp(0, S - 1))
     elif rel_unit is not None:
         delta = index_delta(rel_unit)
-    if rel_pos is not None and rel_delta is None:
-        lo, hi = (-(Nk - 1), Nk - 1) if single else (-(back * T + T - 1), ahead * T + T - 1)
-        frame = _offsets(lo, hi, rel_unit or 1, rel_pos, positions is None)
     one_sided = False
-    if rel_pos is not None and delta is not None:  # does any allowed pair of the static tile look ahead?
-        r = torch.arange(T, device=q.device)[:, None]
-        s = torch.arange(S, device=q.device)[None, :]
-        ahead_pairs = (s - r > 0) if single else (s - back * T - r > 0)
-        one_sided = positions is None and rel_delta is None and not bool(
-            ((allow if allow is not None else torch.ones_like(ahead_pairs)) & ahead_pairs).any())
+    if rel_pos is not None and rel_delta is None and Nq == Nk:  # offsets of the keys a tile may hold
+        lo, hi = _tile_offsets(allow, T, S, back if not single else 0)
+        frame = _offsets(lo, hi, rel_unit or 1, rel_pos, positions is None)
+        one_sided = positions is None and hi <= 0
     per_head = key_valid is not None or groups is not None or tile_mask is not None or positions is not None
     cacheable = not per_head and allow is None and rel_delta is None
     args = dict(nq=Nq, nk=Nk, reach=reach, per_head=per_head,
@@ -182,37 +189,4 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: 
                   need_lse=need_lse)
 
 
-def block_diagonal(q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
-                   key_valid: Tensor | None, rel_pos: RelativePositions | None,
-                   need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``tiles.block_diagonal_attention`` on FlexAttention: within blocks of ``block`` positions."""
-    n = q.shape[2]
-    size = min(block, n)
-    data = data_rule(n, n, key_valid, None)
-
-    def rule(b, h, i, j):
-        return (i // size == j // size) & ((j <= i) if causal else True) & data(b, h, i, j)
-
-    def reach(first, last):
-        return first // size * size, (last // size + 1) * size - 1
-
-    frame = _offsets(-(size - 1), 0 if causal else size - 1, 1, rel_pos, True)
-    args = dict(nq=n, nk=n, reach=reach, per_head=key_valid is not None,
-                cache_key=None if key_valid is not None else ("block_diagonal", size, causal),
-                delta=index_delta(1), frame=frame, one_sided=causal)
-    return attend(FlexPattern(**_finish(args, rule, False)), q, k, v, scale=scale, rel_pos=rel_pos,
-                  need_lse=need_lse)
-
-
-def subset(q: Tensor, k: Tensor, v: Tensor, key_idx: Tensor, allow: Tensor | None, *, scale: float,
-           key_valid: Tensor | None, rel_pos: RelativePositions | None,
-           need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``tiles.subset_attention`` on FlexAttention: every query against the keys at ``key_idx`` (M,)."""
-    N = q.shape[2]
-    delta = None if rel_pos is None else key_idx[None, :] - torch.arange(N, device=q.device)[:, None]
-    return tiled(q, k[:, :, key_idx], v[:, :, key_idx], block=N, allow=allow, scale=scale,
-                 key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos,
-                 rel_delta=delta, empty_rows=True, need_lse=need_lse)
-
-
-__all__ = ["attend", "band", "block_diagonal", "neg_inf", "subset", "tiled"]
+__all__ = ["attend", "band", "tiled"]

@@ -27,9 +27,10 @@ class FlexPattern:
     query block (1-D tensors) -> (lo, hi), the key indices that block may see lie in [lo, hi]. per_head: the rule
     depends on b or h (data masks), so block masks are per (B, H) and never cached. cache_key: identifies a static
     rule for the block-mask cache (None: do not cache). delta: (b, h, i, j) -> relative distance, or None.
-    frame: how the relative value pass enumerates each query's near keys: ``("offsets", unit)`` (delta =
-    unit · (j - i)), ``("positions", order, inverse)`` (the entries are a permutation of original positions: delta
-    = order[j] - order[i]) or ``("all",)`` (every key, one tile). one_sided: no allowed pair has delta > 0.
+    reach and cache_key are read on the host (``blocks.py``): reach gets CPU tensors.
+    frame: how the relative value pass enumerates each query's keys (``relative.value_term``):
+    ``("offsets", lo, hi, complete)`` (keys j = i + t for t in [lo, hi]; ``complete=False``: only those, the rest
+    being beyond the clip) or ``("all",)`` (every key, one tile). one_sided: no allowed pair has delta > 0.
     exclude_self: a query's own key only when it sees no other (applied after the call).
     own: the rule without ``exclude_self`` at (i, i), for that fallback.
     """

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..relative import RelativePositions
-from ..tiles import neg_inf, saw_key
+from ..tiles import saw_key
 from .pattern import FlexPattern
 
 
@@ -44,11 +44,15 @@ def score_mod(qa: Tensor, delta, max_distance: int, nq: int) -> Callable:
 
 
 def _weights(scores: Tensor, allowed: Tensor, lse: Tensor) -> Tensor:
-    """exp(s - lse) where allowed, else exactly 0 (no inf · 0 in the gradient); lse of rows without keys is
-    replaced by 0 first (they have no allowed key)."""
-    safe = torch.where(saw_key(lse), lse, 0.0)[..., None] if scores.dim() == lse.dim() + 1 else \
-        torch.where(saw_key(lse), lse, 0.0)
-    return torch.where(allowed, scores.to(lse.dtype) - safe, float("-inf")).exp()
+    """exp(scores - lse) where allowed, else exactly 0 (no inf · 0 in the gradient); ``lse`` broadcasts against
+    the scores and is finite (``_finite``)."""
+    return torch.where(allowed, scores.to(lse.dtype) - lse, float("-inf")).exp()
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """lse with the rows that saw no key (lse = neg_inf) at 0: they have no allowed key, and neg_inf would
+    overflow exp(s - lse)."""
+    return torch.where(saw_key(lse), lse, 0.0)
 
 
 def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tensor, rel_pos: RelativePositions,
@@ -57,6 +61,7 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tens
     delta >= k (only called for two-sided patterns whose frame is not complete)."""
     B, H, Nq, D = q.shape
     kmax = rel_pos.max_distance
+    finite = _finite(lse)
     a_v = rel_pos.value.to(lse.dtype)  # (2k + 1, D)
     b = torch.arange(B, device=q.device).view(B, 1, 1)
     h = torch.arange(H, device=q.device).view(1, H, 1)
@@ -67,7 +72,7 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tens
         bb, hh = b[..., None], h[..., None]
         idx = rel_pos.index(pattern.delta(bb, hh, i, j)).expand(B, H, Nq, Nk)
         scores = (q * scale) @ k.transpose(-1, -2) + qa.gather(-1, idx)
-        p = _weights(scores, pattern.allowed(bb, hh, i, j), lse)
+        p = _weights(scores, pattern.allowed(bb, hh, i, j), finite[..., None])
         mass = p.new_zeros(B, H, Nq, 2 * kmax + 1).scatter_add(-1, idx, p)
         return (mass @ a_v).to(q.dtype)
 
@@ -83,21 +88,20 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tens
         d = pattern.delta(b, h, qi, kj).expand(B, H, z - a)
         idx = rel_pos.index(d)
         s = (q[:, :, a:z] * k[:, :, a + t:z + t]).sum(-1) * scale + qa[:, :, a:z].gather(-1, idx[..., None])[..., 0]
-        p = _weights(s, pattern.allowed(b, h, qi, kj), lse[:, :, a:z])
+        p = _weights(s, pattern.allowed(b, h, qi, kj), finite[:, :, a:z])
         probs.append(torch.nn.functional.pad(p, (a, n - z)))
         rows.append(torch.nn.functional.pad(idx, (a, n - z)))
-    if not probs:
-        return q.new_zeros(B, H, Nq, D)
-    p = torch.stack(probs, -1)  # (B, H, N, C)
-    idx = torch.stack(rows, -1)
-    out = p.new_zeros(B, H, n, 2 * kmax + 1).scatter_add(-1, idx, p)  # mass per table row
+    out = lse.new_zeros(B, H, n, 2 * kmax + 1)  # mass per table row
+    near = lse.new_zeros(B, H, n)
+    if probs:  # (none when every key a query may see is beyond the clip)
+        p = torch.stack(probs, -1)  # (B, H, N, C)
+        out = out.scatter_add(-1, torch.stack(rows, -1), p)
+        near = p.sum(-1)
     if not complete:  # keys not enumerated are all at |delta| >= k: rows 0 (left) and 2k (right)
-        saw = saw_key(lse).to(lse.dtype)
-        far = saw - p.sum(-1)
+        far = saw_key(lse).to(lse.dtype) - near
         if not pattern.one_sided:
             right = right_lse()
-            has = saw_key(right)
-            far_right = torch.where(has, right - torch.where(saw_key(lse), lse, 0.0), float("-inf")).exp()
+            far_right = _weights(right, saw_key(right), finite)
             out[..., 2 * kmax] += far_right
             far = far - far_right
         out[..., 0] += far
@@ -112,4 +116,4 @@ def own_score(q: Tensor, k: Tensor, qa: Tensor | None, rel_pos: RelativePosition
     return s.to(torch.promote_types(s.dtype, torch.float32))
 
 
-__all__ = ["key_scores", "neg_inf", "own_score", "score_mod", "value_term"]
+__all__ = ["key_scores", "own_score", "score_mod", "value_term"]

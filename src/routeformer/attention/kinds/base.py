@@ -84,7 +84,7 @@ class HeadGroup(nn.Module):
     """
 
     kernel = "exp"  # the similarity the heads normalise (``attention/kernels.py``); reference and attend follow it
-    backend = "auto"  # the executor of kinds that run on one (``executors.py``); the model sets its config's
+    backend = "auto"  # the executor (``executors.py``) of kinds that run on one; the model sets its config's there
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()

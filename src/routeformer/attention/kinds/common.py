@@ -5,6 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 
+def exp_kernel(options: Any) -> bool:
+    """Heads with a ``kernel`` option (full, local) run the softmax patterns, and so take relative positions and
+    an executor, only with the exponential kernel."""
+    return options.kernel == "exp"
+
+
 def within_seq_len(config: Any, field: str, kind: str) -> int:
     """``config.<field>``, which ``kind`` heads cannot take larger than seq_len."""
     value = getattr(config, field)

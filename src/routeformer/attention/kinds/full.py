@@ -9,6 +9,7 @@ from typing import Any
 from ..full import full_attention
 from ..masks import full_mask
 from .base import HeadGroup, HeadKind
+from .common import exp_kernel
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,5 @@ def describe_kernel(options: KernelOptions) -> str:
 
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o.kernel),
                 keys_per_query=lambda options, n: (n + 1) / 2, options=kernel_options, reads_kernel=True,
-                relative_positions=lambda o: o.kernel == "exp", executor=lambda o: o.kernel == "exp",
-                describe=describe_kernel,
+                relative_positions=exp_kernel, executor=exp_kernel, describe=describe_kernel,
                 summary="every earlier key")

@@ -8,7 +8,7 @@ from typing import Any
 from ..local import local_attention
 from ..masks import local_mask
 from .base import HeadGroup, HeadKind
-from .common import within_seq_len
+from .common import exp_kernel, within_seq_len
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,6 @@ def _options(config: Any, heads: int) -> LocalOptions:
 
 KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o.window, o.kernel),
                 keys_per_query=lambda o, n: min(o.window, n), options=_options, reads_kernel=True,
-                relative_positions=lambda o: o.kernel == "exp", executor=lambda o: o.kernel == "exp",
+                relative_positions=exp_kernel, executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
                 summary="the last `window` positions")

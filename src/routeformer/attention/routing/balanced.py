@@ -87,7 +87,7 @@ def balanced_attention(
     out, lse = _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos, executor)
     if exclude_self:  # nothing but itself: attend to itself
         alone = lse < neg_inf(q.dtype) / 2
-        own = v if rel_pos is None else v + rel_pos.value.to(v.dtype)[rel_pos.max_distance]  # distance 0
+        own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]  # the value term of distance 0
         if valid is not None:
             own = own * valid[..., None]
         out = torch.where(alone[..., None], own, out)

@@ -1,7 +1,8 @@
 """The tiled executor: blocked PyTorch attention that runs everywhere (CPU training, GPU fallback).
 
-- ``frontends.py``: what callers use: ``tiled_attention`` and its shapes (``band_attention``,
-  ``block_diagonal_attention``, ``subset_attention``), ``merge_partials``, ``shift_invariant_mask``, ``band_tiling``.
+- ``frontends.py``: what callers use: ``tiled_attention`` and its sliding-window shape ``band_attention`` (the
+  block diagonal and key subsets every executor derives from its ``tiled``: ``executors.Executor``),
+  ``merge_partials``, ``shift_invariant_mask``, ``band_tiling``.
 - ``op.py``: the fused ``routeformer::tile_attention`` custom operator and its backward; the lse conventions
   (``neg_inf``, ``saw_key``).
 - ``layout.py``: the key layout: key rows, overlapping span views, per-key spans for masks, padding.
@@ -12,10 +13,8 @@ from .frontends import (
     KeyRestrictions,
     band_attention,
     band_tiling,
-    block_diagonal_attention,
     merge_partials,
     shift_invariant_mask,
-    subset_attention,
     tiled_attention,
 )
 from .op import _tile_attention, lse_dtype, neg_inf, saw_key
@@ -26,11 +25,9 @@ __all__ = [
     "_tile_attention",
     "band_attention",
     "band_tiling",
-    "block_diagonal_attention",
     "merge_partials",
     "neg_inf",
     "saw_key",
     "shift_invariant_mask",
-    "subset_attention",
     "tiled_attention",
 ]

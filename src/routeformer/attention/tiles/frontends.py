@@ -201,37 +201,6 @@ def shift_invariant_mask(block: int, back: int, ahead: int, rule, *, device: tor
     return rule(delta)
 
 
-def block_diagonal_attention(q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
-                             key_valid: Tensor | None, rel_pos: RelativePositions | None,
-                             need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Attention within blocks of ``block`` positions (j <= i too when causal); block >= N is one dense tile.
-
-    q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time O(N · block · D), memory O(N · block).
-    """
-    size = min(block, q.shape[2])
-    allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
-    return tiled_attention(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                           rel_unit=1, need_lse=need_lse)
-
-
-def subset_attention(q: Tensor, k: Tensor, v: Tensor, key_idx: Tensor, allow: Tensor | None, *, scale: float,
-                     key_valid: Tensor | None, rel_pos: RelativePositions | None,
-                     need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Every query against the keys at positions ``key_idx`` (M,) only, under ``allow`` (N, M) (rows may be empty).
-
-    q, k, v: (B, H, N, D); key_valid (B, 1 or H, N) -> out (B, H, N, D) (zeros where a row sees nothing), lse
-    (B, H, N) or None. One dense (N, M) tile of the gathered keys: time O(N · M · D), memory O(N · M); relative
-    distances key_idx[m] - i, by gathers.
-    """
-    N = q.shape[2]
-    delta = None if rel_pos is None else key_idx[None, :] - torch.arange(N, device=q.device)[:, None]
-    return tiled_attention(
-        q, k[:, :, key_idx], v[:, :, key_idx], block=N, allow=allow, scale=scale,
-        key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos, rel_delta=delta,
-        empty_rows=True, need_lse=need_lse,
-    )
-
-
 def band_tiling(window: int, n: int, causal: bool) -> tuple[int, int, int]:
     """(block, back, ahead) for a sliding window: blocks of queries, each with as many neighbouring key blocks as
     the window reaches.
