@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import flex
+from .ranges import range_attention
 from .relative import RelativePositions
 from .tiles import KeyRestrictions, band_attention, lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
 
@@ -76,6 +77,13 @@ class Executor:
             key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos, rel_delta=delta,
             empty_rows=True, need_lse=need_lse,
         )
+
+    def ranges(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
+               **options) -> tuple[Tensor, Tensor | None]:
+        """Each query entry against its own contiguous range of keys [lo, hi) (at most ``width`` keys): blocks of
+        entries, each one tile of ``tiled`` with its gathered span (``ranges.range_attention``, which documents
+        the options: query rows, key validity, positions for relative distances and the own-key exclusion)."""
+        return range_attention(self, q, k, v, lo, hi, width=width, scale=scale, **options)
 
 
 EXECUTORS: dict[str, Executor] = {

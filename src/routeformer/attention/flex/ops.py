@@ -124,17 +124,24 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: 
           key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
           rel_pos: RelativePositions | None = None, rel_unit: int | None = None, rel_delta: Tensor | None = None,
           rel_band: tuple[int, int] | None = None, empty_rows: bool = False,
-          need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``tiles.tiled_attention`` on FlexAttention: query block b sees key blocks b - back … b + ahead under the
-    tile mask (one tile of every key when back = ahead = 0 and block >= Nq). ``rel_band`` and ``empty_rows`` only
-    steer the tiled executor's work and change nothing here."""
+          need_lse: bool = False, rows: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """``tiles.tiled_attention`` on FlexAttention: query block b (``rows`` queries, default ``block``) sees key
+    blocks b - back … b + ahead under the tile mask (one tile of every key when back = ahead = 0 and block >= Nq).
+    ``rel_band`` and ``empty_rows`` only steer the tiled executor's work and change nothing here."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     groups, exclude, positions = (None, False, None) if restrict is None else restrict
-    single = back == 0 and ahead == 0 and block >= Nq
-    if not single and Nk != Nq:
+    single = back == 0 and ahead == 0 and block >= Nq and rows is None
+    if rows is not None:
+        if Nq != -(-Nk // block) * rows:
+            raise ValueError(f"with rows={rows}, q must hold ceil(Nk / block) · rows = {-(-Nk // block) * rows} "
+                             f"queries, got {Nq}")
+        if restrict is not None or rel_unit is not None or rel_band is not None:
+            raise ValueError("with rows, queries are not at key positions: restrict, rel_unit and rel_band do not "
+                             "apply (give distances as rel_delta)")
+    elif not single and Nk != Nq:
         raise ValueError(f"banded tiles need as many keys as queries, got {Nq} queries and {Nk} keys")
-    T, S = (Nq, Nk) if single else (block, (back + 1 + ahead) * block)
+    T, S = (Nq, Nk) if single else (rows or block, (back + 1 + ahead) * block)  # query rows, span of keys
     if allow is not None and tuple(allow.shape) != (T, S):
         raise ValueError(f"tile mask must have shape {(T, S)}, got {tuple(allow.shape)}")
     if rel_pos is not None and (rel_unit is None) == (rel_delta is None) and positions is None:
@@ -148,7 +155,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: 
         if single:
             return torch.zeros_like(i), i, j
         tile = i // T
-        return tile, i - tile * T, j - (tile - back) * T
+        return tile, i - tile * T, j - (tile - back) * block
 
     def rule(b, h, i, j):
         tile, r, s = cell(i, j)
@@ -163,7 +170,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: 
     def reach(first, last):
         if single:
             return full_range(Nk)(first, last)
-        return (first // T - back) * T, (last // T + ahead + 1) * T - 1
+        return (first // T - back) * block, (last // T + ahead + 1) * block - 1
 
     delta = None
     frame: tuple = ("all",)
@@ -183,7 +190,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: 
     per_head = key_valid is not None or groups is not None or tile_mask is not None or positions is not None
     cacheable = not per_head and allow is None and rel_delta is None
     args = dict(nq=Nq, nk=Nk, reach=reach, per_head=per_head,
-                cache_key=("tiled", single, T, back, ahead) if cacheable else None, delta=delta, frame=frame,
+                cache_key=("tiled", single, T, block, back, ahead) if cacheable else None, delta=delta, frame=frame,
                 one_sided=one_sided)
     return attend(FlexPattern(**_finish(args, rule, exclude)), q, k, v, scale=scale, rel_pos=rel_pos,
                   need_lse=need_lse)

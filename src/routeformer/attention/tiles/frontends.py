@@ -62,6 +62,7 @@ def tiled_attention(
     rel_band: tuple[int, int] | None = None,
     empty_rows: bool = False,
     need_lse: bool = False,
+    rows: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of query blocks to spans of key blocks: softmax(q·kᵀ · scale + rel, masked) · v (+ rel values).
 
@@ -88,6 +89,10 @@ def tiled_attention(
             gathers), or ``restrict.positions`` (distances between given positions, with gathers).
         empty_rows: ``allow`` may leave a query row without any key (declared by the caller, who built it).
         need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
+        rows: query rows per block when the queries are not the keys' own positions: q then holds exactly
+            n_blocks · rows queries (n_blocks = ceil(Nk / block)), whose block b sees key blocks b - back … b + ahead
+            (a layout the caller chose, e.g. the queries whose keys end in each key block); masks are (rows, S),
+            and ``restrict``, ``rel_unit`` and ``rel_band``, which read query positions, do not apply.
 
     Returns:
         out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
@@ -96,19 +101,29 @@ def tiled_attention(
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     groups, exclude_self, positions = (None, False, None) if restrict is None else restrict
-    single = back == 0 and ahead == 0 and block >= Nq
+    single = back == 0 and ahead == 0 and block >= Nq and rows is None
     if single:
         block, n_blocks, span = Nq, 1, Nk
+    elif rows is not None:
+        n_blocks, span = -(-Nk // block), (back + 1 + ahead) * block
+        if Nq != n_blocks * rows:
+            raise ValueError(f"with rows={rows}, q must hold ceil(Nk / block) · rows = {n_blocks * rows} queries, "
+                             f"got {Nq}")
+        if restrict is not None or rel_unit is not None or rel_band is not None:
+            raise ValueError("with rows, queries are not at key positions: restrict, rel_unit and rel_band do not "
+                             "apply (give distances as rel_delta)")
     else:
         if Nk != Nq:
             raise ValueError(f"banded tiles need as many keys as queries, got {Nq} queries and {Nk} keys")
         n_blocks, span = -(-Nq // block), (back + 1 + ahead) * block
-    padded = n_blocks * block - Nq
-    if allow is not None and tuple(allow.shape) != (block, span):
-        raise ValueError(f"tile mask must have shape {(block, span)}, got {tuple(allow.shape)}")
+    T = rows or block  # query rows per tile
+    padded = 0 if single else n_blocks * block - Nk  # keys past the end of the last block
+    if allow is not None and tuple(allow.shape) != (T, span):
+        raise ValueError(f"tile mask must have shape {(T, span)}, got {tuple(allow.shape)}")
 
-    q = _pad_seq((q * scale).contiguous(), padded)  # an elementwise op keeps a transposed input's layout
-    qt = q.view(B, H, n_blocks, block, D)  # (B, H, nb, T, D), contiguous
+    # an elementwise op keeps a transposed input's layout
+    q = _pad_seq((q if scale == 1.0 else q * scale).contiguous(), n_blocks * T - Nq)
+    qt = q.view(B, H, n_blocks, T, D)  # (B, H, nb, T, D), contiguous
     if single:
         windows = (B * H, Nk, 0)
         k, v = k.contiguous().view(B * H * Nk, D), v.contiguous().view(B * H * Nk, D)
@@ -121,11 +136,11 @@ def tiled_attention(
         return x[:, :, None, None, :] if single else _span(x, n_blocks, block, back, ahead)[:, :, :, None, :]
 
     # One boolean mask (broadcastable to (B, H, nb, T, S)) from the tile mask, out-of-range keys and padding.
-    mask = None if allow is None else allow.view(1, 1, 1, block, span)
+    mask = None if allow is None else allow.view(1, 1, 1, T, span)
     if tile_mask is not None:
         mask = _and(mask, tile_mask)
     if not single and (back or ahead or padded):  # span columns that are real key indices in [0, Nq)
-        mask = _and(mask, key_spans(_pad_seq(q.new_ones(1, 1, Nq, dtype=torch.bool), padded)))
+        mask = _and(mask, key_spans(_pad_seq(q.new_ones(1, 1, Nk, dtype=torch.bool), padded)))
     if key_valid is not None:
         mask = _and(mask, key_spans(_pad_seq(key_valid, padded)))
     if groups is not None:
@@ -154,7 +169,7 @@ def tiled_attention(
             delta = (torch.arange(width, device=q.device) + offset - back * block) * rel_unit
             key_table, value_table = rel_pos.tables(delta, qt.dtype)  # (W, D)
         else:
-            rel = _RelTerms(rel_pos, qt, block, span, back, rel_unit, rel_delta)
+            rel = _RelTerms(rel_pos, qt, T, span, back, rel_unit, rel_delta)
     if rel is None:
         out, lse, _ = _tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse)
         lse = lse if need_lse else None
@@ -176,9 +191,9 @@ def tiled_attention(
         if lse is not None:
             lse = lse.masked_fill(empty, neg_inf(lse.dtype))
 
-    out = out.reshape(B, H, n_blocks * block, D)[:, :, :Nq]
+    out = out.reshape(B, H, n_blocks * T, D)[:, :, :Nq]
     if lse is not None:
-        lse = lse.reshape(B, H, n_blocks * block)[:, :, :Nq]
+        lse = lse.reshape(B, H, n_blocks * T)[:, :, :Nq]
     return out, lse
 
 

@@ -62,6 +62,8 @@ def _fold(grad: Tensor, windows: tuple[int, int, int]) -> Tensor:
     """Gradient of ``_windows``: the overlapping spans (X, S, D) summed back into key rows."""
     tiles, block, reach = windows
     D = grad.shape[-1]
+    if reach == 0:  # spans that do not overlap (single tiles): the gradient is the spans' own, no copy
+        return grad.reshape(tiles * block, D)
     out = grad.new_zeros(tiles + reach, block, D)
     for o in range(reach + 1):
         out[o:o + tiles] += grad[:, o * block:(o + 1) * block]

@@ -1,0 +1,47 @@
+"""Moving rows of (B, H, N, D) tensors along N: sorting a sequence by cluster, laying entries out in tiles and back.
+
+``gather_rows`` is a plain gather (its gradient an index_add into zeros). ``move_rows`` is for maps that are one to
+one: its gradient is a gather too, by the map back, with no zero-filled buffer and no scatter-add.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows of x (B, H, N, D) picked per (B, H) by index (B, H, M) in [0, N) -> (B, H, M, D): one index_select over
+    the flattened rows."""
+    B, H, N, D = x.shape
+    base = torch.arange(B * H, device=x.device).view(B, H, 1) * N
+    return x.reshape(B * H * N, D).index_select(0, (index + base).reshape(-1)).view(B, H, -1, D)
+
+
+class _Move(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, back: Tensor, unreached: bool) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(back)
+        ctx.m, ctx.unreached = index.shape[-1], unreached
+        return gather_rows(x, index.clamp_max(x.shape[2] - 1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (back,) = ctx.saved_tensors
+        out = gather_rows(grad, back.clamp_max(ctx.m - 1))
+        if ctx.unreached:
+            out = out.masked_fill_((back >= ctx.m)[..., None], 0.0)
+        return out, None, None, None
+
+
+def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True) -> Tensor:
+    """out[..., j, :] = x[..., index[j], :] for x (B, H, N, D) and index (B, H, M); ``back`` (B, H, N) is the map the
+    other way, back[index[j]] = j, and carries the gradient: grad_x[i] = grad_out[back[i]].
+
+    For one-to-one maps: a permutation (``back`` its inverse), or rows laid out in slots with holes. An index of N
+    marks a hole of the output (its row holds some row of x, which the caller must mask: the hole's gradient reaches
+    nothing), and a ``back`` of M a row of x that reaches no output (its gradient is zero; ``unreached=False``
+    declares there is none, as for a permutation, and saves that pass). Time and memory O(M · D) forward,
+    O(N · D) backward.
+    """
+    return _Move.apply(x, index, back, unreached)

@@ -1,0 +1,99 @@
+"""Executor.ranges: every query entry against its own contiguous range of keys, on every executor, against the
+dense reference (forward and gradients), with relative positions, padding, reordered keys and block shapes that
+force every case of the blocking (entries left over, empty slots, empty ranges)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import rand_padding, rand_qkv, rand_rel
+from routeformer.attention import ranges
+from routeformer.attention.executors import get_executor, neg_inf
+
+gathered = ranges._gathered
+
+
+def _problem(B, H, N, M, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    hi = torch.randint(0, N + 1, (B, H, M), generator=g)
+    hi[..., :3] = torch.tensor([N, 0, hi[0, 0, 3]])  # the last key, an empty range at 0, a repeated end
+    lo = (hi - torch.randint(0, width + 1, (B, H, M), generator=g)).clamp_min(0)
+    rows = torch.randint(0, N, (B, H, M), generator=g)  # entry m is query row rows[m]
+    key_rows = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N)
+    return lo, hi, rows, key_rows
+
+
+def _reference(q, k, v, lo, hi, rows, key_rows, *, scale, valid, rel, key_pos):
+    """The definition, written out in float64: entry m sees rows key_rows[lo_m : hi_m] of k."""
+    B, H, N, D = k.shape
+    M = lo.shape[-1]
+    idx = torch.arange(N)
+    seq = (idx >= lo[..., None]) & (idx < hi[..., None])  # (B, H, M, N) over the key sequence
+    allow = torch.zeros(B, H, M, N, dtype=torch.bool).scatter_(-1, key_rows[:, :, None, :].expand(B, H, M, N), seq)
+    if valid is not None:
+        allow = allow & valid[:, :, None, :]
+    qe = q.gather(2, rows[..., None].expand(B, H, M, D))
+    query_pos = rows  # entries sit at their query row's position
+    delta = key_pos[:, :, None, :] - query_pos[..., None]  # (B, H, M, N)
+    s = qe @ k.transpose(-1, -2) * scale
+    if rel is not None:
+        a_key, a_value = rel.tables(delta, q.dtype)
+        s = s + (qe[:, :, :, None, :] * a_key).sum(-1) * scale
+    s = s.masked_fill(~allow, float("-inf"))
+    seen = allow.any(-1, keepdim=True)
+    p = torch.where(seen, s, 0.0).softmax(-1) * seen
+    out = p @ v
+    if rel is not None:
+        out = out + (p[..., None] * a_value).sum(-2)
+    lse = torch.where(seen[..., 0], torch.where(allow, s, float("-inf")).logsumexp(-1), neg_inf(s.dtype))
+    return out, lse
+
+
+@pytest.mark.parametrize("backend", ["tiles", "flex"])
+@pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
+@pytest.mark.parametrize("shape", [(None, None), (3, 4), (1, 16), "compiling"])
+def test_ranges_match_the_dense_definition(backend: str, extras: str, shape, monkeypatch) -> None:
+    """Block shapes: the defaults; tiles of 4 rows per stretch of 3 keys (many entries left over for the gathered
+    pass); one key per stretch; and the path taken under torch.compile (every entry gathered, no host read)."""
+    passes = []
+    monkeypatch.setattr(ranges, "_gathered", lambda *a, **kw: passes.append(kw.get("bound")) or gathered(*a, **kw))
+    compiling = shape == "compiling"
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        shape = (None, None)
+    B, H, N, M, D, width = 2, 2, 37, 53, 8, 6
+    q, k, v = rand_qkv(B, H, N, D)
+    lo, hi, rows, key_rows = _problem(B, H, N, M, width, seed=len(extras))
+    rel = rand_rel(D, 5) if extras == "relative" else None
+    padding = rand_padding(B, N) if extras == "padding" else None
+    valid = None if padding is None else padding[:, None, :]
+    key_pos = torch.arange(N).expand(B, H, N)  # row j of k is position j
+    stretch, block_rows = shape
+    entries = q.gather(2, rows[..., None].expand(B, H, M, D))  # entry m asks with query rows[m] (repeats too)
+    out, lse = get_executor(backend).ranges(
+        entries, k, v, lo, hi, width=width, scale=D**-0.5, key_order=key_rows, key_inverse=key_rows.argsort(-1),
+        key_valid=valid, query_pos=rows, key_pos=key_pos, rel_pos=rel, need_lse=True, stretch=stretch,
+        rows=block_rows)
+    ref, ref_lse = _reference(q, k, v, lo, hi, rows, key_rows, scale=D**-0.5, valid=valid, rel=rel,
+                              key_pos=key_pos)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    if compiling:
+        assert passes == [True], "every entry through the gathered pass, at its size bound"
+    elif shape == (3, 4):
+        assert passes == [None], "entries were left over for the gathered pass"
+    seen = ref_lse > neg_inf(ref_lse.dtype) / 2
+    assert (~seen).any() and seen.any()
+    torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=1e-10, atol=1e-10)
+    assert (lse[~seen] == neg_inf(lse.dtype)).all()
+    leaves = [q, k, v] + ([rel.key, rel.value] if rel is not None else [])
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_relative_positions_without_positions_are_refused() -> None:
+    q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
+    lo = hi = torch.zeros(1, 1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="need query_pos and key_pos"):
+        get_executor("tiles").ranges(q, k, v, lo, hi, width=2, scale=0.5, rel_pos=rand_rel(4, 2))
