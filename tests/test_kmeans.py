@@ -82,7 +82,7 @@ def _step(layer: RoutingAttention, q: torch.Tensor, v: torch.Tensor, use_checkpo
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_update_applied_once_per_step_under_activation_checkpointing(reentrant: bool) -> None:
     torch.manual_seed(0)
-    plain, ckpt = RoutingAttention(2, 8, 4, 4), RoutingAttention(2, 8, 4, 4)
+    plain, ckpt = RoutingAttention(2, 8, 4, 4, balance=0.1), RoutingAttention(2, 8, 4, 4, balance=0.1)
     padding = torch.rand(2, 30) > 0.2
     for step in range(3):
         q, _, v = rand_qkv(2, 2, 30, 8, dtype=torch.float32, seed=step)
@@ -90,9 +90,15 @@ def test_update_applied_once_per_step_under_activation_checkpointing(reentrant: 
         _step(ckpt, q.detach().clone().requires_grad_(), v.detach().clone().requires_grad_(), reentrant, padding)
         assert ckpt.kmeans.pending_counts.sum() == 2 * int(padding.sum())  # heads × real tokens, once
         torch.testing.assert_close(ckpt.kmeans.pending_counts, plain.kmeans.pending_counts, rtol=0, atol=0)
+        assert torch.equal(ckpt.pending_load, plain.pending_load)  # the cluster loads too
         update_routing(plain)
         update_routing(ckpt)
         assert torch.equal(plain.kmeans.centroids, ckpt.kmeans.centroids)
+        assert torch.equal(plain.bias, ckpt.bias)
+
+
+# Routing with every piece of state that must agree between ranks: centroids, the balancing bias, the warm-up count.
+SYNCED = {"decay": 0.9, "probes": 2, "balance": 0.05, "warmup": 2}
 
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
@@ -100,7 +106,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    layer = RoutingAttention(2, 8, 4, 6, decay=0.9)  # the same initial state on every rank
+    layer = RoutingAttention(2, 8, 4, 6, **SYNCED)  # the same initial state on every rank
     data = []
     for step in range(4):
         q, _, v = rand_qkv(2, 2, 40, 8, dtype=torch.float32, seed=100 * rank + step)  # each rank its own batch
@@ -118,18 +124,21 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_gloo_processes_keep_centroids_bit_identical(tmp_path) -> None:
+def test_two_gloo_processes_keep_centroids_and_bias_bit_identical(tmp_path) -> None:
     out = str(tmp_path / "result.pt")
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
     results = torch.load(out)
     a, b = (r["state"] for r in results)
-    for name in ("kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts", "kmeans.initialized"):
+    for name in ("kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts", "kmeans.initialized", "bias", "steps"):
         assert torch.equal(a[name], b[name]), f"{name} differs between ranks"
-    # The last update used the statistics of both ranks: a single process on both batches gets the same centroids.
-    single = RoutingAttention(2, 8, 4, 6, decay=0.9)
+    assert a["bias"].abs().sum() > 0 and int(a["steps"]) == 4
+    # The last update used the statistics of both ranks: a single process on both batches gets the same centroids
+    # and, from the loads of both, the same bias.
+    single = RoutingAttention(2, 8, 4, 6, **SYNCED)
     single.load_state_dict(torch.load(out + ".before"))
     q = torch.cat([r["last"][0] for r in results])
     v = torch.cat([r["last"][1] for r in results])
     single(q, q, v)
     single.update_routing()
     torch.testing.assert_close(single.kmeans.centroids, a["kmeans.centroids"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(single.bias, a["bias"])

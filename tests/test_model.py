@@ -13,7 +13,9 @@ from routeformer import TransformerConfig, TransformerLM
 SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
          "longformer", "local:2,routing:2"]
 SEPARATE = {"shared_qk": False, "separate_routing": True}  # routing heads that route queries and keys apart
-CONFIGS = [(spec, {}) for spec in SPECS] + [("local:2,routing:2", SEPARATE)]
+PROBED = {"routing_probes": 2, "routing_balance": 0.01}  # each query probes two clusters, balanced by a bias
+CONFIGS = [(spec, {}) for spec in SPECS] + [("local:2,routing:2", SEPARATE), ("local:2,routing:2", PROBED),
+                                            ("routing", {**SEPARATE, **PROBED, "routing_gate": True})]
 
 
 def tiny(spec: str = "local:2,routing:2", **kw) -> TransformerConfig:
@@ -352,9 +354,9 @@ def test_decoding_past_the_cache_is_an_error() -> None:
         model(tokens(1, 1), cache)
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_torch_compile_traces_training_without_graph_breaks(spec: str) -> None:
-    model = TransformerLM(tiny(spec)).train()
+@pytest.mark.parametrize("spec, kw", CONFIGS + [("local:2,routing:2", {"routing_warmup": 5})])
+def test_torch_compile_traces_training_without_graph_breaks(spec: str, kw: dict) -> None:
+    model = TransformerLM(tiny(spec, **kw)).train()
     x = tokens(2, 48)
 
     def step(x):

@@ -13,24 +13,112 @@ from routeformer.attention.routing.sorted_window import sorted_window_attention,
 
 
 @pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
-def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bool, separate: bool) -> None:
+@pytest.mark.parametrize("probes, balance", [(1, 0.0), (3, 0.01)])
+def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bool, separate: bool, probes: int,
+                                                                      balance: float) -> None:
     B, H, N, D, k = 2, 3, 30, 8, 4
-    router = Router(H, D, k, shared_qk=shared, separate=separate, seed=3).double()
-    layer = RoutingAttention(H, D, k, 5, shared_qk=shared, separate=separate, seed=3).double()
+    options = dict(shared_qk=shared, separate=separate, probes=probes, balance=balance, seed=3)
+    router = Router(H, D, k, **options).double()
+    layer = RoutingAttention(H, D, k, 5, **options).double()
     assert isinstance(layer, Router)
     q, kk, v = rand_qkv(B, H, N, D, grad=False)
     kk = q if shared else kk
     assert torch.equal(router.route(q, kk), layer.route(q, kk))
     assert torch.equal(router.route_keys(q, kk), layer.route_keys(q, kk))
-    events = 2 * N if separate else N
-    scores, clusters = router.assign_and_observe(q, kk)
-    assert scores.shape == (B, H, events, k) and torch.equal(clusters, router.assign(q, kk))
+    routes = router.routes(q, kk, observe=True)
+    assert routes.scores.shape == (B, H, N, k) and routes.probes.shape == (B, H, N, probes)
+    assert torch.equal(routes.keys, router.route_keys(q, kk)) and torch.equal(routes.probes, router.probe(q, kk))
+    assert torch.equal(routes.probes[..., 0], router.route(q, kk))
+    assert torch.equal(routes.probes[..., 0], routes.keys) != separate  # separate: queries route apart
+    assert (routes.probes.sort(-1).values.diff(dim=-1) > 0).all(), "probed clusters are distinct"
     layer(q, kk, v)
     assert torch.equal(router.commitment_loss, layer.commitment_loss)
+    events = 2 * N if separate else N  # separate routing observes the queries' vectors too
     assert router.kmeans.pending_counts.sum() == H * B * events
+    if balance:
+        assert router.pending_load.sum() == H * B * N  # the loads count keys
     assert update_routing(torch.nn.ModuleList([router, layer])) == 2
     assert torch.equal(router.kmeans.centroids, layer.kmeans.centroids)
     assert bool(router.kmeans.initialized)
+    if balance:
+        assert torch.equal(router.bias, layer.bias) and router.bias.abs().sum() > 0
+
+
+def test_probes_are_the_best_clusters_by_biased_score_own_cluster_first() -> None:
+    """Built independently: a key's cluster is the argmax of cosine + bias, a query's probes its p best clusters
+    by the same score, distinct, its own first."""
+    B, H, N, D, k, p = 2, 2, 40, 8, 6, 3
+    router = Router(H, D, k, probes=p, balance=0.05).double()
+    with torch.no_grad():
+        router.bias.copy_(torch.randn(H, k, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 0.3)
+    q, _, _ = rand_qkv(B, H, N, D, grad=False)
+    r = torch.nn.functional.normalize(q, dim=-1) @ router.projection  # (B, H, N, D) with W_R per head
+    score = r @ router.kmeans.centroids.transpose(-1, -2) + router.bias[:, None, :]
+    plain = (r @ router.kmeans.centroids.transpose(-1, -2)).argmax(-1)
+    routes = router.routes(q, q)
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                ranked = sorted(range(k), key=lambda c, b=b, h=h, i=i: -float(score[b, h, i, c]))
+                assert routes.keys[b, h, i] == ranked[0]
+                assert routes.probes[b, h, i].tolist() == ranked[:p]
+    assert not torch.equal(routes.keys, plain), "the bias changes some assignments"
+
+
+def test_the_bias_steps_towards_equal_loads_between_optimiser_steps() -> None:
+    """b_c += rate · sign(mean load - load_c), loads counted over the real keys of the training forwards since the
+    last step; nothing moves in evaluation mode or without a forward."""
+    H, D, k, rate = 2, 8, 4, 0.25
+    router = Router(H, D, k, balance=rate).double()
+    q, _, _ = rand_qkv(3, H, 50, D, grad=False)
+    padding = torch.rand(3, 50, generator=torch.Generator().manual_seed(4)) > 0.4
+    keys = router.routes(q, q).keys
+    router.routes(q, q, padding, observe=True)
+    router.routes(q[:1], q[:1], observe=True)  # a second micro-batch
+    load = torch.zeros(H, k, dtype=torch.float64)
+    for b in range(3):
+        for h in range(H):
+            for j in range(50):
+                load[h, keys[b, h, j]] += float(padding[b, j]) + (b == 0)
+    assert torch.equal(router.pending_load, load)
+    router.update()
+    assert torch.equal(router.bias, rate * torch.sign(load.mean(-1, keepdim=True) - load))
+    router.eval()
+    router.routes(q, q, observe=True)
+    before = router.bias.clone()
+    router.update()
+    router.train()
+    router.update()
+    assert torch.equal(router.bias, before)
+
+
+def test_a_balanced_router_spreads_keys_that_one_cluster_would_take() -> None:
+    """The centroids are seeded on spread-out vectors; then every vector comes from around one new direction, which
+    one centroid is nearest to: under the plain argmax it takes almost every key (the others keep nothing, so
+    k-means never moves them). The bias, stepping once per forward, spreads the keys: the largest cluster ends
+    near the mean size."""
+    torch.manual_seed(0)
+    H, D, k = 1, 8, 4
+    plain, balanced = Router(H, D, k).double(), Router(H, D, k, balance=0.01).double()
+    spread, direction = torch.randn(8, H, 64, D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+
+    def batch():
+        return direction + 0.3 * torch.randn(8, H, 64, D, dtype=torch.float64)
+
+    for router in (plain, balanced):
+        router.routes(spread, spread, observe=True)
+        router.update()  # seeds the centroids
+        for _ in range(300):
+            x = batch()
+            router.routes(x, x, observe=True)
+            router.update()
+    x = batch()
+
+    def largest(router):
+        sizes = torch.nn.functional.one_hot(router.routes(x, x).keys, k).sum((0, 2)).double()
+        return float(sizes.max() / sizes.mean())
+
+    assert largest(plain) > 2.5 and largest(balanced) < 1.5, (largest(plain), largest(balanced))
 
 
 def _scores(q, k, scale, rel):

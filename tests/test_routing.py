@@ -18,14 +18,22 @@ def make_layer(H: int, D: int, k: int, w: int, dtype=torch.float64, **kw) -> Rou
 @st.composite
 def routing_problems(draw) -> dict:
     causal = draw(st.booleans())
+    k = draw(st.integers(1, 9))
     return {
         "B": draw(st.integers(1, 2)), "H": draw(st.integers(1, 3)), "N": draw(st.integers(1, 60)),
-        "D": draw(st.integers(2, 10)), "k": draw(st.integers(1, 9)), "w": draw(st.integers(1, 12)),
+        "D": draw(st.integers(2, 10)), "k": k, "w": draw(st.integers(1, 12)),
         "causal": causal, "balanced": False if causal else draw(st.booleans()),
         "shared": (shared := draw(st.booleans())), "separate": causal and not shared and draw(st.booleans()),
+        "probes": draw(st.integers(1, min(k, 3))) if causal else 1, "bias": causal and draw(st.booleans()),
         "rel": draw(st.one_of(st.none(), st.integers(1, 20))),
         "padding": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
     }
+
+
+def random_bias(layer: RoutingAttention, seed: int) -> None:
+    """A bias as training leaves it: large enough to move assignments."""
+    with torch.no_grad():
+        layer.bias.copy_(0.5 * torch.randn(layer.bias.shape, generator=torch.Generator().manual_seed(seed)))
 
 
 @given(p=routing_problems())
@@ -42,7 +50,10 @@ def test_flex_forward_matches_reference_over_routing_mask(p: dict) -> None:
 def _check_against_reference(p: dict, backend: str) -> None:
     torch.manual_seed(p["seed"])
     layer = make_layer(p["H"], p["D"], p["k"], p["w"], causal=p["causal"], balanced=p["balanced"],
-                       shared_qk=p["shared"], separate=p["separate"], seed=p["seed"], backend=backend)
+                       shared_qk=p["shared"], separate=p["separate"], probes=p["probes"],
+                       balance=0.01 if p["bias"] else 0.0, seed=p["seed"], backend=backend)
+    if p["bias"]:
+        random_bias(layer, p["seed"])
     q, k, v = rand_qkv(p["B"], p["H"], p["N"], p["D"], seed=p["seed"])
     if p["shared"]:
         k = q
@@ -81,36 +92,45 @@ def test_causal_mask_is_the_most_recent_window_of_the_own_cluster(shared: bool) 
                 assert got == want, (b, h, i)
 
 
-def _separate_window(query_clusters: list[int], key_clusters: list[int], i: int, window: int) -> set[int]:
-    """Keys among the last `window` events (key event then query event of each position) of query i's cluster."""
-    c = query_clusters[i]
-    events = []
-    for m in range(i + 1):
-        events += [("key", m)] if key_clusters[m] == c else []
-        events += [("query", m)] if query_clusters[m] == c else []
-    return {m for kind, m in events[-window:] if kind == "key"}
+def _probed_window(keys: list[int], probes: list[int], i: int, window: int, shared: bool) -> set[int]:
+    """The last `window` keys j <= i of each probed cluster; shared QK: not its own unless nothing else."""
+    seen: set[int] = set()
+    for c in probes:
+        seen |= set([j for j in range(i + 1) if keys[j] == c][-window:])
+    if shared and len(seen) > 1:
+        seen.discard(i)
+    return seen
 
 
-def test_separate_mask_is_the_keys_among_the_last_window_events_of_the_query_cluster() -> None:
+@pytest.mark.parametrize("shared, separate, probes", [(True, False, 2), (True, False, 3), (False, False, 2),
+                                                      (False, True, 1), (False, True, 2)])
+def test_probed_mask_is_the_last_window_keys_of_each_probed_cluster(shared: bool, separate: bool,
+                                                                    probes: int) -> None:
     H, N, D, k, w = 3, 80, 8, 4, 5
-    layer = make_layer(H, D, k, w, causal=True, shared_qk=False, separate=True)
+    layer = make_layer(H, D, k, w, causal=True, shared_qk=shared, separate=separate, probes=probes, balance=0.01)
+    random_bias(layer, 0)
     q, kk, _ = rand_qkv(2, H, N, D, grad=False)
-    mask, qc, kc = layer.routing_mask(q, kk), layer.route(q, kk), layer.route_keys(q, kk)
-    assert not torch.equal(qc, kc), "queries and keys are routed apart"
-    assert int((mask.sum(-1) == w - 1).sum()) > 0  # the window binds (its last event is the query itself)
+    kk = q if shared else kk
+    mask, probed, keys = layer.routing_mask(q, kk), layer.probe(q, kk), layer.route_keys(q, kk)
+    if separate:
+        assert not torch.equal(probed[..., 0], keys), "queries and keys are routed apart"
+    assert int(mask.sum(-1).max()) <= probes * w and int((mask.sum(-1) >= w).sum()) > 0  # the windows bind
     for b in range(2):
         for h in range(H):
             for i in range(N):
-                want = _separate_window(qc[b, h].tolist(), kc[b, h].tolist(), i, w)
+                want = _probed_window(keys[b, h].tolist(), probed[b, h, i].tolist(), i, w, shared)
                 assert set(mask[b, h, i].nonzero().flatten().tolist()) == want, (b, h, i)
 
 
-@pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
-@pytest.mark.parametrize("extras", ["plain", "relative", "padding"])
+@pytest.mark.parametrize("shared, separate, probes", [(True, False, 1), (False, False, 1), (False, True, 1),
+                                                      (True, False, 3), (False, True, 2)])
+@pytest.mark.parametrize("extras", ["plain", "relative", "padding", "gate"])
 @pytest.mark.parametrize("backend", ["tiles", "flex"])
-def test_no_leak_from_the_future(shared: bool, separate: bool, extras: str, backend: str) -> None:
+def test_no_leak_from_the_future(shared: bool, separate: bool, probes: int, extras: str, backend: str) -> None:
     H, N, D = 4, 64, 8
-    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared, separate=separate, backend=backend)
+    layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared, separate=separate, probes=probes,
+                       balance=0.01, gate=extras == "gate", backend=backend)
+    random_bias(layer, 1)
     q, k, v = rand_qkv(2, H, N, D, grad=False)
     kw: dict = {}
     if extras == "relative":
@@ -135,8 +155,8 @@ def test_one_cluster_and_a_window_covering_everything_is_full_attention(causal: 
     torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=causal))
 
 
-def test_separate_routing_with_one_cluster_and_a_window_of_every_event_is_full_attention() -> None:
-    layer = make_layer(2, 8, 1, 100, causal=True, shared_qk=False, separate=True)
+def test_separate_routing_with_one_cluster_and_a_window_of_every_key_is_full_attention() -> None:
+    layer = make_layer(2, 8, 1, 50, causal=True, shared_qk=False, separate=True)
     q, k, v = rand_qkv(2, 2, 50, 8, grad=False)
     torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=True))
 
@@ -234,8 +254,14 @@ def test_state_dict_holds_centroids_and_projection() -> None:
     ({"window": True}, "window"),
     ({"causal": True, "balanced": True}, "balanced=True needs causal=False"),
     ({"decay": 1.0}, "decay"),
-    ({"separate": True}, "separate=True .* needs shared_qk=False and causal=True"),
-    ({"separate": True, "shared_qk": False, "causal": False}, "needs shared_qk=False and causal=True"),
+    ({"separate": True}, "separate=True .* needs shared_qk=False"),
+    ({"separate": True, "shared_qk": False, "causal": False}, "separate apply to causal routing only"),
+    ({"probes": 2, "balance": 0.1, "causal": False}, "probes, balance apply to causal routing only"),
+    ({"probes": 4}, r"probes \(4\) must be at most num_clusters \(3\)"),
+    ({"probes": 0}, "probes must be a positive integer"),
+    ({"balance": -0.1}, "balance must be a non-negative number"),
+    ({"warmup": -1}, "warmup must be a non-negative integer"),
+    ({"warmup": 2.5}, "warmup must be a non-negative integer"),
 ])
 def test_bad_configuration(kwargs: dict, fragment: str) -> None:
     args = {"heads": 2, "head_dim": 8, "num_clusters": 3, "window": 4, **kwargs}

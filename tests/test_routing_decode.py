@@ -9,12 +9,20 @@ from helpers import rand_qkv, rand_rel
 from routeformer.attention import RoutingAttention
 
 
-@pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("shared, separate, probes, gate", [
+    (True, False, 1, False), (False, False, 1, False), (False, True, 1, False),
+    (True, False, 3, False), (False, True, 2, False), (True, False, 2, True),
+])
 @pytest.mark.parametrize("rel", [False, True])
 @pytest.mark.parametrize("clusters, window", [(3, 4), (16, 8), (1, 200)])
-def test_decoding_equals_the_forward(shared: bool, separate: bool, rel: bool, clusters: int, window: int) -> None:
+def test_decoding_equals_the_forward(shared: bool, separate: bool, probes: int, gate: bool, rel: bool, clusters: int,
+                                     window: int) -> None:
     B, H, N, D = 2, 3, 150, 16
-    layer = RoutingAttention(H, D, clusters, window, causal=True, shared_qk=shared, separate=separate).eval()
+    probes = min(probes, clusters)
+    layer = RoutingAttention(H, D, clusters, window, causal=True, shared_qk=shared, separate=separate,
+                             probes=probes, balance=0.01, gate=gate).eval()
+    with torch.no_grad():  # a bias as training leaves it
+        layer.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     q, k, v = rand_qkv(B, H, N, D, dtype=torch.float32, grad=False)
     k = q if shared else k
     rp = rand_rel(D, 12, dtype=torch.float32) if rel else None

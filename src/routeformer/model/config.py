@@ -16,6 +16,8 @@ from ..attention.kinds.base import HeadKind
 from ..attention.registry import KINDS, default_attention, get_kind
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
+# What a saved config without the routing rule's fields was trained with: one probe, no bias, no warm-up.
+LEGACY_ROUTING = {"routing_probes": 1, "routing_balance": 0.0, "routing_warmup": 0, "routing_gate": False}
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
 
 
@@ -78,6 +80,11 @@ class TransformerConfig:
         shared_qk: routing heads use their queries as keys (the official text configurations).
         separate_routing: routing heads route queries by q and keys by k (needs shared_qk=False); see
             ``RoutingAttention``'s ``separate``.
+        routing_probes: the clusters each routing query probes (p; it scores up to p · routing_window keys).
+        routing_balance: the step of the bias that balances the routing clusters between optimiser steps (0: the
+            paper's plain argmax).
+        routing_warmup: optimiser steps of dense causal attention before the routing heads route (0: none).
+        routing_gate: weigh each probed cluster by the query's softmax over its centroid scores.
         stride: strided heads' l; default round(sqrt(seq_len)). Also the row width of factorized positions.
         block, summary: fixed heads' l and c.
         dilation, global_tokens: Longformer heads' dilation (int or one per Longformer head) and global positions.
@@ -118,6 +125,10 @@ class TransformerConfig:
     routing_window: int | None = None
     shared_qk: bool = True
     separate_routing: bool = False
+    routing_probes: int = 1
+    routing_balance: float = 0.0
+    routing_warmup: int = 0
+    routing_gate: bool = False
     stride: int | None = None
     block: int = 128
     summary: int = 8
@@ -190,7 +201,15 @@ class TransformerConfig:
             raise ValueError(f"kmeans_decay must be in [0, 1), got {self.kmeans_decay!r}")
         if not (isinstance(self.commitment, numbers.Real) and self.commitment >= 0):
             raise ValueError(f"commitment must be non-negative, got {self.commitment!r}")
-        for name in ("shared_qk", "separate_routing", "checkpointing"):
+        positive_int("routing_probes", self.routing_probes)
+        if isinstance(self.routing_balance, bool) or not (isinstance(self.routing_balance, numbers.Real)
+                                                          and 0.0 <= self.routing_balance < math.inf):
+            raise ValueError(f"routing_balance must be a non-negative number (0: no bias), got "
+                             f"{self.routing_balance!r}")
+        if isinstance(self.routing_warmup, bool) or not isinstance(self.routing_warmup, int) or self.routing_warmup < 0:
+            raise ValueError(f"routing_warmup must be a non-negative integer (optimiser steps), got "
+                             f"{self.routing_warmup!r}")
+        for name in ("shared_qk", "separate_routing", "routing_gate", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.separate_routing and self.shared_qk:
@@ -243,12 +262,21 @@ class TransformerConfig:
         """Whether some head of some layer uses ``mechanism``."""
         return any(name == mechanism for spec in self.layer_specs() for name, _ in spec)
 
-    def keys_per_query(self, seq_len: int | None = None) -> dict[str, float]:
+    def keys_per_query(self, seq_len: int | None = None, step: int | None = None) -> dict[str, float]:
         """The work of one query of each kind the model uses, in keys scored, at context ``seq_len`` (default the
-        config's): ``HeadKind.keys_per_query`` (routing adds the k centroids it is routed by, twice both for
-        separate routing). ``TransformerLM.flops_per_token`` counts it."""
+        config's) and optimiser step ``step`` (None: after any warm-up): ``HeadKind.cost`` (routing adds the k
+        centroids it is routed by; during its dense warm-up it scores every earlier key).
+        ``TransformerLM.flops_per_token`` counts it."""
         n = seq_len or self.seq_len
-        return {g.kind.name: g.kind.keys_per_query(g.options, n) for layer in self.head_groups() for g in layer}
+        return {g.kind.name: g.kind.cost(g.options, n, step) for layer in self.head_groups() for g in layer}
+
+    def warmup_steps(self, seq_len: int | None = None) -> list[int]:
+        """The optimiser steps at which some kind's warm-up ends (sorted, without 0): where the cost per step
+        changes."""
+        n = seq_len or self.seq_len
+        ends = {g.kind.warmup(g.options, n)[0] for layer in self.head_groups() for g in layer
+                if g.kind.warmup is not None}
+        return sorted(e for e in ends if e > 0)
 
     def describe_heads(self) -> str:
         """The options of each kind the model uses: 'local: window=128; routing: k=16, w=16'."""
@@ -261,6 +289,8 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> TransformerConfig:
+        if "routing_probes" not in data:  # written before routing had probes, a bias and a warm-up: the rule then
+            data = {**LEGACY_ROUTING, **data}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

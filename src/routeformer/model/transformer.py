@@ -153,12 +153,21 @@ class TransformerLM(nn.Module):
                 total -= sum(p.numel() for p in self.positions.parameters())
         return total
 
-    def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> float:
+    def flops_per_token(self, seq_len: int | None = None, training: bool = True, step: int | None = None) -> float:
         """Estimated FLOPs per token: 2 per weight multiply-add, plus attention's q·k and p·v over the keys each
-        mechanism visits at context ``seq_len`` (default the config's); ×3 for forward + backward."""
+        mechanism visits at context ``seq_len`` (default the config's) and optimiser step ``step`` (None: after any
+        warm-up, such as routing's dense one); ×3 for forward + backward."""
         c = self.config
         dense = 2 * self.num_parameters(exclude_embeddings=True)
         n = seq_len or c.seq_len
-        attention = sum(4 * c.head_dim * g.kind.keys_per_query(g.options, n) * g.heads
+        attention = sum(4 * c.head_dim * g.kind.cost(g.options, n, step) * g.heads
                         for layer in c.head_groups() for g in layer)
         return (dense + attention) * (3 if training else 1)
+
+    def training_flops(self, steps: int, tokens_per_step: int, seq_len: int | None = None) -> float:
+        """Estimated FLOPs of ``steps`` optimiser steps of ``tokens_per_step`` tokens each, warm-ups included."""
+        total, done = 0.0, 0
+        for end in [*(e for e in self.config.warmup_steps(seq_len) if e < steps), steps]:
+            total += (end - done) * tokens_per_step * self.flops_per_token(seq_len, step=done)
+            done = end
+        return total

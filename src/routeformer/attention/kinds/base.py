@@ -202,6 +202,8 @@ class HeadKind:
             random projections).
         keys_per_query: (options, n) -> the mean number of keys one query scores at context n (plus any other
             per-query work in key-equivalents); ``TransformerLM.flops_per_token`` counts it.
+        warmup: (options, n) -> (steps, keys per query) for kinds that start training another way (routing's
+            dense warm-up): the first ``steps`` optimiser steps cost that many keys per query instead.
         options: (config, heads) -> the kind's typed options, validated (errors name the config field), or None.
             ``heads``: this kind's heads in the layer. Default: ``option_type(**config.options[name])``.
         option_type: the options dataclass read from ``TransformerConfig.options[name]`` when ``options`` is not
@@ -221,6 +223,7 @@ class HeadKind:
     name: str
     build: Callable[[Any, int, int, int], HeadGroup]
     keys_per_query: Callable[[Any, int], float]
+    warmup: Callable[[Any, int], tuple[int, float]] | None = None
     options: Callable[[Any, int], Any] | None = None
     option_type: type | None = None
     shares_qk: Callable[[Any], bool] | None = None
@@ -253,6 +256,14 @@ class HeadKind:
             return self.option_type(**given)
         except TypeError as err:
             raise ValueError(f"options[{self.name!r}]: {err}") from None
+
+    def cost(self, options: Any, n: int, step: int | None = None) -> float:
+        """Keys per query at context ``n``, at optimiser step ``step`` (None: after any warm-up)."""
+        if step is not None and self.warmup is not None:
+            steps, keys = self.warmup(options, n)
+            if step < steps:
+                return keys
+        return self.keys_per_query(options, n)
 
     def supports_relative(self, options: Any) -> bool:
         rel = self.relative_positions

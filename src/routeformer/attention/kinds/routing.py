@@ -1,8 +1,9 @@
-"""Routing heads (Roy et al. 2020): online spherical k-means routes each position to a cluster, and a query attends
-to the last `routing_window` positions of its cluster (``routing/``).
+"""Routing heads (Roy et al. 2020): online spherical k-means routes each key to a cluster, and a query attends to
+the last `routing_window` keys of each cluster it probes (``routing/``).
 
-Decoding keeps a ring buffer of `window` keys per cluster, O(k·D + window·D). The k-means step runs after each
-optimiser step (``after_optimizer_step``); the commitment loss is the group's ``aux_loss``.
+Decoding keeps a ring buffer of `window` keys per cluster, O(k·D + p·window·D) per token; during a dense warm-up it
+keeps every position, as full attention does. The k-means and bias step runs after each optimiser step
+(``after_optimizer_step``); the commitment loss is the group's ``aux_loss``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ..executors import check_backend
+from ..reference import reference_attention
 from ..routing import RoutingAttention
+from ..routing.probes import probe_masks
 from .base import HeadGroup, HeadKind
 from .common import within_seq_len
 
@@ -22,11 +25,15 @@ from .common import within_seq_len
 @dataclass(frozen=True)
 class RoutingOptions:
     num_clusters: int  # config.num_clusters: k
-    window: int  # config.routing_window: keys per query
+    window: int  # config.routing_window: keys per query and probe
     shared_qk: bool  # config.shared_qk
     separate: bool  # config.separate_routing
     decay: float  # config.kmeans_decay
     commitment: float  # config.commitment
+    probes: int = 1  # config.routing_probes
+    balance: float = 0.0  # config.routing_balance
+    warmup: int = 0  # config.routing_warmup
+    gate: bool = False  # config.routing_gate
 
 
 class RoutingHeads(HeadGroup):
@@ -37,7 +44,8 @@ class RoutingHeads(HeadGroup):
         o = options
         self.num_clusters = o.num_clusters
         self.routing = RoutingAttention(heads, head_dim, o.num_clusters, o.window, causal=True,
-                                        shared_qk=o.shared_qk, separate=o.separate, decay=o.decay,
+                                        shared_qk=o.shared_qk, separate=o.separate, probes=o.probes,
+                                        balance=o.balance, warmup=o.warmup, gate=o.gate, decay=o.decay,
                                         commitment=o.commitment, seed=seed)
 
     @property
@@ -61,24 +69,55 @@ class RoutingHeads(HeadGroup):
     def reference_mask(self, q, k):
         return self.routing.routing_mask(q, k)
 
+    def reference(self, q, k, v, rel_pos=None):
+        routing = self.routing
+        if routing.gate and not routing.warming_up:  # the probes' softmaxes weighed by the gates
+            routes = routing.routes(q, k)
+            masks = probe_masks(routes.keys, routes.probes, routing.window)  # (B, h, p, N, N)
+            if routing.shared_qk:  # the own key only where the union holds nothing else
+                eye = torch.eye(q.shape[2], dtype=torch.bool, device=q.device)
+                masks = masks & ~(eye & (masks.any(2) & ~eye).any(-1, keepdim=True))[:, :, None]
+            gates = routing._gates(routes)
+            return sum(gates[:, :, :, t, None] * reference_attention(q, k, v, masks[:, :, t], scale=self.scale,
+                                                                     rel_pos=rel_pos)
+                       for t in range(routing.probes))
+        return super().reference(q, k, v, rel_pos)
+
     def clusters(self, q, k):
         return self.routing.route(q, k)
 
     @torch.no_grad()
     def reach(self, q, k, rows, cols, sources):
-        """Cluster balance (keys in the largest cluster / mean), and how often the key at ``sources`` is in the
-        cluster of the query at (``rows``, ``cols``) and within its window (each a scalar over the heads)."""
+        """Cluster balance (keys in the largest cluster / mean), and for each probe t how often the key at
+        ``sources`` is in cluster t of the query at (``rows``, ``cols``) and within its window there (scalars over
+        the heads; ``in_cluster`` and ``in_window`` over all probes)."""
         routing = self.routing
-        clusters, key_clusters = routing.route(q, k), routing.route_keys(q, k)  # (B, H, N)
-        sizes = F.one_hot(key_clusters, routing.num_clusters).sum(2).float()  # (B, H, k) keys per cluster
-        return {"balance": (sizes.max(-1).values / sizes.mean(-1)).mean(),
-                "in_cluster": (clusters[rows, :, cols] == key_clusters[rows, :, sources]).float().mean(),
-                "in_window": routing.routing_mask(q, k)[rows, :, cols, sources].float().mean()}
+        routes = routing.routes(q, k)
+        sizes = F.one_hot(routes.keys, routing.num_clusters).sum(2).float()  # (B, H, k) keys per cluster
+        home = routes.keys[rows, :, sources]  # (S, H): the cluster of each needed key
+        hit = routes.probes[rows, :, cols] == home[..., None]  # (S, H, p)
+        windows = probe_masks(routes.keys, routes.probes, routing.window)[rows, :, :, cols, sources]  # (S, H, p)
+        out = {"balance": (sizes.max(-1).values / sizes.mean(-1)).mean(),
+               "in_cluster": hit.any(-1).float().mean(), "in_window": windows.any(-1).float().mean()}
+        for t in range(routing.probes):
+            out[f"in_cluster_{t + 1}"] = hit[..., t].float().mean()
+            out[f"in_window_{t + 1}"] = windows[..., t].float().mean()
+        return out
 
+    # Decoding: the routed ring buffers, or during the warm-up every position (``HeadGroup``'s store).
     def new_cache(self, batch, max_len, device, dtype):
+        if self.routing.warming_up:
+            return super().new_cache(batch, max_len, device, dtype)
         return self.routing.new_cache(batch, None, device=device, dtype=dtype)  # the model checks max_len
 
+    def step(self, q, cache, t, rel_pos):  # the warm-up: every earlier key; shared QK: its own only at t = 0
+        keys, values, positions = cache.filled()
+        allowed = (positions < t) | (positions == 0) if self.routing.shared_qk else None
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed)
+
     def decode(self, q, k, v, cache, start, rel_pos):
+        if self.routing.warming_up:
+            return super().decode(q, k, v, cache, start, rel_pos)
         return self.routing.decode(q, k, v, cache, rel_pos=rel_pos)
 
 
@@ -86,21 +125,37 @@ def _options(config: Any, heads: int) -> RoutingOptions:
     window = within_seq_len(config, "routing_window", "routing")
     if config.num_clusters > config.seq_len:
         raise ValueError(f"num_clusters ({config.num_clusters}) is larger than seq_len ({config.seq_len})")
+    if config.routing_probes > config.num_clusters:
+        raise ValueError(f"routing_probes ({config.routing_probes}) must be at most num_clusters "
+                         f"({config.num_clusters})")
     return RoutingOptions(config.num_clusters, window, config.shared_qk, config.separate_routing,
-                          config.kmeans_decay, config.commitment)
+                          config.kmeans_decay, config.commitment, config.routing_probes, config.routing_balance,
+                          config.routing_warmup, config.routing_gate)
 
 
 def _keys_per_query(o: RoutingOptions, n: int) -> float:
-    keys = min(o.window, n) + o.num_clusters  # + routing each token to k centroids
-    return 2 * keys if o.separate else keys  # separate: 2N events (a key and a query per position), each banded
+    return o.probes * min(o.window, n) + o.num_clusters  # + routing each token to k centroids
+
+
+def _warmup(o: RoutingOptions, n: int) -> tuple[int, float]:
+    return o.warmup, (n + 1) / 2 + o.num_clusters  # every earlier key, and still the routing
+
+
+def _describe(o: RoutingOptions) -> str:
+    text = f"k={o.num_clusters}, w={o.window}"
+    for name, value, default in (("p", o.probes, 1), ("bias", o.balance, 0.0), ("warm-up", o.warmup, 0)):
+        if value != default:
+            text += f", {name}={value:g}"
+    return text + (", separate" if o.separate else "") + (", gate" if o.gate else "")
 
 
 KIND = HeadKind(
     "routing",
     lambda o, heads, head_dim, seed: RoutingHeads(heads, head_dim, o, seed),
     keys_per_query=_keys_per_query,
+    warmup=_warmup,
     options=_options,
     shares_qk=lambda o: o.shared_qk,
-    describe=lambda o: f"k={o.num_clusters}, w={o.window}" + (", separate" if o.separate else ""),
-    summary="the last `routing_window` positions of the query's k-means cluster",
+    describe=_describe,
+    summary="the last `routing_window` keys of each of the `routing_probes` k-means clusters the query probes",
 )

@@ -7,7 +7,7 @@
 - ``kmeans.py``: ``SphericalKMeans``, centroids that move only in an explicit update step.
 - ``sorted_window.py``: attention within groups as a window over the group-sorted sequence, causal or not (with its
   log-sum-exp, so several routing rounds merge exactly).
-- ``separate.py``: queries and keys routed apart, as the sorted window over 2N events.
+- ``probes.py``: several clusters per query (and separate routing): the last `window` keys of each, one softmax.
 - ``balanced.py``: the paper's balanced clusters for encoders.
 - ``cache.py``: per-cluster ring buffers for incremental decoding.
 """

@@ -1,8 +1,8 @@
 """Incremental decoding for causal routing: one ring buffer of the last `window` keys and values per cluster.
 
-The causal forward lets position t attend to the most recent `window` positions j <= t of its own cluster. After
-writing token t into its cluster's ring buffer, that buffer holds exactly those positions, so a new token costs
-O(k · D) to route plus O(window · D) to attend, per head, whatever its position.
+The causal forward lets position t attend to the most recent `window` keys j <= t of each cluster it probes. After
+writing key t into its cluster's ring buffer, the buffers hold exactly those keys, so a new token costs O(k · D) to
+route plus O(p · window · D) to attend over its p probed clusters, per head, whatever its position.
 """
 
 from __future__ import annotations
@@ -55,18 +55,16 @@ class RoutingCache:
             raise ValueError(f"max_len: positions up to {self.length + n - 1} are past the declared maximum of this "
                              f"cache (max_len={self.max_len}); create the cache with a larger max_len")
 
-    def fill(self, k: Tensor, v: Tensor, sort: ClusterOrder, *, events: bool = False) -> None:
+    def fill(self, k: Tensor, v: Tensor, sort: ClusterOrder) -> None:
         """Fill an empty cache with a whole prompt at once: k, v (B, H, n, D); ``sort``: the prompt's
-        ``sort_by_cluster(clusters, num_clusters)`` (with rank and counts).
+        ``sort_by_cluster(key clusters, num_clusters)`` (with rank and counts).
 
-        Each cluster keeps its last ``window`` tokens, each in the ring slot (rank within the cluster) mod window,
-        the slot ``step`` would have written it to. ``events``: k, v are separate routing's 2n events (key event
-        2p, query event 2p + 1); a query event's slot is left empty.
-        """
+        Each cluster keeps its last ``window`` keys, each in the ring slot (rank within the cluster) mod window, the
+        slot ``step`` would have written it to."""
         if self.length:
             raise ValueError("fill needs an empty cache")
         B, H, n, D = k.shape
-        self.check(n // 2 if events else n)
+        self.check(n)
         window = self.keys.shape[3]
         order, grouped, rank, counts = sort.order, sort.grouped, sort.rank, sort.counts
         keep = rank >= counts.gather(-1, grouped) - window  # the last `window` of each cluster
@@ -75,16 +73,15 @@ class RoutingCache:
         c, slot, pos = grouped[keep], (rank % window)[keep], order[keep]
         self.keys[b, h, c, slot] = k[b, h, pos].to(self.keys.dtype)
         self.values[b, h, c, slot] = v[b, h, pos].to(self.values.dtype)
-        self.positions[b, h, c, slot] = torch.where(pos % 2 == 0, pos // 2, -1) if events else pos
+        self.positions[b, h, c, slot] = pos
         self.counts.copy_(counts)
-        self.length = n // 2 if events else n
+        self.length = n
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor, cluster: Tensor, *, scale: float, exclude_self: bool,
-             rel_pos: RelativePositions | None, key_cluster: Tensor | None = None) -> Tensor:
-        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); cluster (B, H).
-
-        ``key_cluster`` (B, H): separate routing; the key goes to that cluster's buffer, then the query's event
-        takes an empty slot in ``cluster``'s. The caller checks ``max_len`` (``check``)."""
+    def step(self, q: Tensor, k: Tensor, v: Tensor, key_cluster: Tensor, probes: Tensor, *, scale: float,
+             exclude_self: bool, rel_pos: RelativePositions | None, gates: Tensor | None = None) -> Tensor:
+        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); key_cluster (B, H), the
+        buffer its key joins; probes (B, H, p), the buffers its query reads; gates (B, H, p) or None: each probe's
+        softmax scaled by its gate instead of one softmax over the union. The caller checks ``max_len``."""
         B, H, D = q.shape
         if tuple(k.shape) != (B, H, D) or self.keys.shape[:2] != (B, H) or self.keys.shape[-1] != D:
             raise ValueError(f"decoding tensors of shape {tuple(q.shape)} do not fit a cache for "
@@ -92,19 +89,23 @@ class RoutingCache:
         t, window = self.length, self.keys.shape[3]
         b = torch.arange(B, device=q.device)[:, None]
         h = torch.arange(H, device=q.device)[None, :]
-        into = cluster if key_cluster is None else key_cluster
-        slot = self.counts[b, h, into] % window  # (B, H): the oldest entry, once the buffer is full
-        self.keys[b, h, into, slot] = k.to(self.keys.dtype)
-        self.values[b, h, into, slot] = v.to(self.values.dtype)
-        self.positions[b, h, into, slot] = t
-        self.counts[b, h, into] += 1
-        if key_cluster is not None:  # the query's event
-            self.positions[b, h, cluster, self.counts[b, h, cluster] % window] = -1
-            self.counts[b, h, cluster] += 1
+        slot = self.counts[b, h, key_cluster] % window  # (B, H): the oldest entry, once the buffer is full
+        self.keys[b, h, key_cluster, slot] = k.to(self.keys.dtype)
+        self.values[b, h, key_cluster, slot] = v.to(self.values.dtype)
+        self.positions[b, h, key_cluster, slot] = t
+        self.counts[b, h, key_cluster] += 1
         self.length += 1
 
-        keys, values, pos = self.keys[b, h, cluster], self.values[b, h, cluster], self.positions[b, h, cluster]
-        allow = pos >= 0  # (B, H, window)
+        p = probes.shape[-1]
+        b, h = b[..., None], h[..., None]
+        keys, values = self.keys[b, h, probes].flatten(2, 3), self.values[b, h, probes].flatten(2, 3)  # (B, H, p·w, D)
+        pos = self.positions[b, h, probes].flatten(2, 3)  # (B, H, p·w)
+        allow = pos >= 0
         if exclude_self:
             allow = drop_own_key(allow, pos == t)
-        return attend_cached(q, keys, values, pos, t, scale=scale, allowed=allow, rel_pos=rel_pos)
+        if gates is None:
+            return attend_cached(q, keys, values, pos, t, scale=scale, allowed=allow, rel_pos=rel_pos)
+        parts = [attend_cached(q, keys[:, :, s], values[:, :, s], pos[:, :, s], t, scale=scale,
+                               allowed=allow[:, :, s], rel_pos=rel_pos) * gates[:, :, i, None].to(q.dtype)
+                 for i, s in enumerate(slice(j * window, (j + 1) * window) for j in range(p))]
+        return sum(parts)

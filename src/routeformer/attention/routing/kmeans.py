@@ -121,10 +121,14 @@ class SphericalKMeans(nn.Module):
         weight = valid[:, None, :].to(err.dtype).expand_as(err)
         return (err * weight).sum() / weight.sum().clamp_min(1.0)
 
+    def counting(self) -> bool:
+        """Whether a forward now counts towards the next update: training mode, and not a recomputation."""
+        return self.training and not recomputing()
+
     @torch.no_grad()
     def observe(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None) -> None:
         """Add the statistics of one training forward: r (B, H, N, D) unit vectors, clusters (B, H, N)."""
-        if not self.training or recomputing():
+        if not self.counting():
             return
         B, H, N, D = r.shape
         r = r.to(self.pending_sums.dtype)

@@ -1,12 +1,14 @@
 """RoutingAttention: content-based sparse attention routed by online spherical k-means (Roy et al. 2020).
 
-    q, k ──► Router (router.py): routing vectors r = n(·) · W_R, groups c = argmax_j <μ_j, r>    (B, H, N)
-                                 └─► k-means statistics (training forward only)
-    causal / sorted window: sort by (c, position) ─► banded attention, same cluster, last `window` ─► unsort
-    separate routing (causal): the same over 2N events, key then query of each position (separate.py)
-    balanced (non-causal):  each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
+    q, k ──► Router (router.py): key clusters c(j), the p clusters P(i) each query probes       (B, H, N), (B, H, N, p)
+                                 └─► k-means statistics and cluster loads (training forward only)
+    causal, one probe:     sort by (c, position) ─► banded attention, same cluster, last `window` ─► unsort
+    causal, several probes (or separate routing): the last `window` keys of each probed cluster, one softmax over
+                           their union (probes.py)
+    dense warm-up:         every earlier key, for the first `warmup` optimiser steps, while the routing learns
+    balanced (non-causal): each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
 
-Centroids move only in ``update_routing()`` (see ``kmeans.py``).
+Centroids and the balancing bias move only in ``update_routing()`` (see ``kmeans.py`` and ``router.py``).
 """
 
 from __future__ import annotations
@@ -16,28 +18,31 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import positive_int
-from ..executors import check_backend
+from ..executors import KeyRestrictions, check_backend, get_executor
 from ..inputs import check_inputs
 from ..relative import RelativePositions
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
-from .router import Router, update_routing
-from .separate import event_order, interleave, separate_window_attention, separate_window_mask
-from .sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
+from .probes import probed_window_attention, probed_window_mask
+from .router import Router, Routes, update_routing
+from .sorted_window import drop_own_key, sort_by_cluster, sorted_window_attention, sorted_window_mask
 
 __all__ = ["RoutingAttention", "update_routing"]
 
+GATE_SHARPNESS = 8.0  # the gates are softmax(8 · cos(r_q, μ)) over the centroids: cosines lie in [-1, 1]
+
 
 class RoutingAttention(Router):
-    """Routing attention over (B, H, N, D) queries, keys and values: a ``Router`` that attends within its groups.
+    """Routing attention over (B, H, N, D) queries, keys and values: a ``Router`` that attends within its clusters.
 
     Args:
         heads, head_dim: H and D.
         num_clusters: k centroids per head (≈ sqrt(N) gives O(N^1.5 · D)).
-        window: keys per query: the most recent ``window`` positions of the query's cluster (causal), or the
+        window: keys per query and probe: the most recent ``window`` keys of each probed cluster (causal), or the
             ``window`` nearest in the cluster's order (non-causal sorted), or the size of each balanced cluster.
-        causal: a query sees only positions <= its own. Causal routing is always the sorted window: the paper's
-            balanced clusters choose members with later tokens and would leak the future into the past.
+        causal: a query sees only positions <= its own. Causal routing never lets a later token decide which
+            earlier tokens share a cluster (the paper's balanced clusters would: they leak the future into the
+            past); balance comes from the bias instead (``balance``).
         shared_qk: queries and keys are the same vectors (pass k = q): the routing vector of a position comes from
             q, and a query does not attend to its own key unless no other key is visible (q_i·k_i would dominate).
             With ``shared_qk=False`` each position routes on normalise(n(q_i) + n(k_i)), one cluster per position
@@ -46,27 +51,33 @@ class RoutingAttention(Router):
             tokens; a token in several clusters attends to the union of their keys, merged exactly; a token in
             none attends to the keys of its nearest centroid's cluster). False: the sorted window without the
             causal constraint. Default: True when non-causal.
-        separate: route queries by q and keys by k (needs shared_qk=False and causal=True): query i attends to
-            the keys j <= i routed to its cluster, among the last ``window`` events (keys and queries) of that
-            cluster (``separate.py``). A query and the key it needs can then meet in a cluster the way q and k meet
-            in q·k; with one cluster per position they cannot be routed apart. Twice the attention work.
+        separate: causal, shared_qk=False: route queries by q and keys by k; a query probes the clusters nearest its
+            query vector, a key joins the cluster of its key vector, so W_Q and W_K can learn to meet in a cluster as
+            they meet in q·k.
+        probes: causal: the clusters each query probes, p (``probes.py``); a query scores up to p · window keys.
+        balance: causal: the step of the per-cluster bias that balances the clusters' loads between optimiser
+            steps (``router.py``); 0 keeps the paper's plain argmax.
+        warmup: causal: optimiser steps (``update`` calls) of dense causal attention first, while the k-means, the
+            bias and the projections learn; then the layer routes. The counter is saved with the model.
+        gate: causal: scale each probed cluster's softmax by the query's softmax over its centroid scores instead
+            of one softmax over the union: a differentiable path into the routing.
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
         backend: the executor of the attention ("auto": FlexAttention on CUDA, tiles elsewhere; "tiles"; "flex").
 
     After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss
     (None after a forward in evaluation mode, which needs no loss).
-    Time O(N·k·D + N·window·D), memory O(N·k + N·window) per head.
+    Time O(N·k·D + N·p·window·D), memory O(N·k + N·p·window) per head; O(N²·D) during the warm-up.
 
-    The routing (``projection`` W_R, ``kmeans``, ``routing_vectors``, ``route``, ``route_keys``, the statistics and
+    The routing (``projection`` W_R, ``kmeans``, the bias, ``route``, ``route_keys``, ``probe``, the statistics and
     the commitment loss) is the ``Router`` this class extends, so the state_dict keys are the router's own
-    (``projection``, ``kmeans.*``); the attention is ``sorted_window_attention``, ``separate_window_attention`` or
-    ``balanced_attention`` over its groups.
+    (``projection``, ``kmeans.*``, ``bias``) and, with a warm-up, ``steps``.
     """
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
-                 shared_qk: bool = True, balanced: bool | None = None, separate: bool = False,
-                 decay: float = 0.999, commitment: float = 1e-4, seed: int = 0, backend: str = "auto") -> None:
+                 shared_qk: bool = True, balanced: bool | None = None, separate: bool = False, probes: int = 1,
+                 balance: float = 0.0, warmup: int = 0, gate: bool = False, decay: float = 0.999,
+                 commitment: float = 1e-4, seed: int = 0, backend: str = "auto") -> None:
         for name, value in (("heads", heads), ("head_dim", head_dim), ("num_clusters", num_clusters)):
             positive_int(name, value)  # checked here first, in the order of the arguments
         window = positive_int("window", window)
@@ -76,53 +87,121 @@ class RoutingAttention(Router):
         if balanced and causal:
             raise ValueError("balanced=True needs causal=False: balanced clusters pick their members using later "
                              "tokens, which leaks the future into the past")
-        if separate and (shared_qk or not causal):
-            raise ValueError("separate=True routes queries and keys apart: it needs shared_qk=False and causal=True")
-        super().__init__(heads, head_dim, num_clusters, shared_qk=shared_qk, separate=separate, decay=decay,
-                         commitment=commitment, seed=seed)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a non-negative integer (optimiser steps), got {warmup!r}")
+        if not causal:
+            given = [name for name, value, default in (("separate", separate, False), ("probes", probes, 1),
+                                                      ("balance", balance, 0.0), ("warmup", warmup, 0),
+                                                      ("gate", gate, False)) if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to causal routing only (causal=True)")
+        super().__init__(heads, head_dim, num_clusters, shared_qk=shared_qk, separate=separate, probes=probes,
+                         balance=balance, decay=decay, commitment=commitment, seed=seed)
         self.window, self.causal, self.balanced = window, causal, bool(balanced)
+        self.gate, self.warmup = bool(gate), warmup
         self.backend = check_backend(backend)
+        self._steps = 0  # a python mirror of `steps`: the forward decides without reading a tensor
+        if warmup:
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
+    # --- modes ----------------------------------------------------------------------------------------------
+    @property
+    def warming_up(self) -> bool:
+        """Whether the layer still attends densely (its first ``warmup`` optimiser steps)."""
+        return self._steps < self.warmup
+
+    @property
+    def probing(self) -> bool:
+        """Whether queries see more than their own cluster's window (``probes.py``), else the sorted window."""
+        return self.probes > 1 or self.separate or self.gate
+
+    def update(self, group: dist.ProcessGroup | None = None) -> None:
+        """The k-means and bias step (``Router.update``), and one step of the warm-up's count."""
+        super().update(group)
+        if self.warmup:
+            self.steps += 1
+            self._steps = int(self.steps)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.warmup:
+            self._steps = int(self.steps)
+
+    def update_routing(self, group: dist.ProcessGroup | None = None) -> None:
+        """The routing step of one optimiser step (``update``)."""
+        self.update(group)
+
+    # --- forward --------------------------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                 key_padding_mask: Tensor | None = None, rel_pos: RelativePositions | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D)."""
         _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-        scores, clusters = self.assign_and_observe(q, k, key_padding_mask)  # (B, H, N, k), (B, H, N)
-        if self.separate:
-            return separate_window_attention(q, k, v, *self.split(clusters), window=self.window, scale=scale,
-                                             key_valid=key_valid, rel_pos=rel_pos, backend=self.backend)
+        routes = self.routes(q, k, key_padding_mask, observe=True)
+        executor = get_executor(self.backend, q.device)
+        if self.warming_up:
+            return self._dense(q, k, v, scale, key_valid, rel_pos)
+        if self.probing:
+            return probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
+                                           exclude_self=self.shared_qk, scale=scale, executor=executor,
+                                           key_valid=key_valid, rel_pos=rel_pos, gates=self._gates(routes))
         if self.balanced:
-            members = balanced_members(scores, self.window, key_padding_mask)
-            return balanced_attention(q, k, v, members, clusters, exclude_self=self.shared_qk, scale=scale,
+            members = balanced_members(routes.scores, self.window, key_padding_mask)
+            return balanced_attention(q, k, v, members, routes.keys, exclude_self=self.shared_qk, scale=scale,
                                       key_valid=key_valid, rel_pos=rel_pos, backend=self.backend)
-        return sorted_window_attention(q, k, v, clusters, window=self.window, causal=self.causal,
+        return sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=self.causal,
                                        exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
                                        rel_pos=rel_pos, backend=self.backend)
 
+    def _dense(self, q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
+               rel_pos: RelativePositions | None) -> Tensor:
+        """The warm-up: causal attention to every earlier key (shared QK: not the own key, unless alone), as one
+        dense tile, O(N²) memory."""
+        n = q.shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
+        out, _ = get_executor(self.backend, q.device).tiled(q, k, v, block=n, allow=causal, scale=scale,
+                                                            key_valid=key_valid, restrict=restrict,
+                                                            rel_pos=rel_pos, rel_unit=1)
+        return out
+
+    def _gates(self, routes: Routes) -> Tensor | None:
+        """(B, H, N, p): each probed cluster's share of the query's softmax over its centroid scores, with a
+        gradient into the query's routing vector (the centroids stay out of it: k-means moves them)."""
+        if not self.gate:
+            return None
+        scores = torch.einsum("bhnd,hkd->bhnk", routes.vectors, self.kmeans.centroids.to(routes.vectors.dtype))
+        return (GATE_SHARPNESS * scores).softmax(-1).gather(-1, routes.probes)
+
     @torch.no_grad()
     def routing_mask(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        """The exact boolean (B, H, N, N) mask ``forward`` computes, for tests, figures and analysis at small N."""
+        """The exact boolean (B, H, N, N) mask ``forward`` computes, for tests, figures and analysis at small N.
+        With gates the forward weighs the probes apart; the mask is still the union of what they see."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=key_padding_mask)
-        scores = self.kmeans.scores(self.routing_vectors(q, k))
-        clusters = scores.argmax(-1)
+        routes = self.routes(q, k)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
-        if self.separate:
-            return separate_window_mask(*self.split(clusters), self.window, valid)
+        if self.warming_up:
+            n = q.shape[2]
+            allow = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            allow = allow.expand(*q.shape[:2], n, n) if valid is None else allow & valid[:, :, None, :]
+            return drop_own_key(allow, torch.eye(n, dtype=torch.bool, device=q.device)) if self.shared_qk else allow
+        if self.probing:
+            return probed_window_mask(routes.keys, routes.probes, self.window, self.shared_qk, valid)
         if self.balanced:
-            members = balanced_members(scores, self.window, key_padding_mask)
-            return balanced_mask(members, clusters, self.shared_qk, valid)
-        return sorted_window_mask(clusters, self.window, self.causal, self.shared_qk, valid)
+            members = balanced_members(routes.scores, self.window, key_padding_mask)
+            return balanced_mask(members, routes.keys, self.shared_qk, valid)
+        return sorted_window_mask(routes.keys, self.window, self.causal, self.shared_qk, valid)
 
-    def update_routing(self, group: dist.ProcessGroup | None = None) -> None:
-        """The k-means step: apply the statistics observed since the last call (all-reduced across ranks)."""
-        self.update(group)
-
+    # --- decoding -------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int | None, *, device: torch.device | str | None = None,
                   dtype: torch.dtype = torch.float32) -> RoutingCache:
         """An empty decoding cache for up to ``max_len`` positions (causal only); None: the caller checks the
         length itself (as ``TransformerLM``'s cache does, once for every layer)."""
         if not self.causal:
             raise ValueError("incremental decoding needs causal=True")
+        if self.warming_up:
+            raise ValueError(f"this layer attends densely for {self.warmup - self._steps} more optimiser steps "
+                             f"(warmup={self.warmup}); its cache is not the routed one: decode with a model's "
+                             f"cache (TransformerLM.generate), which keeps every position during the warm-up")
         return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
                                   max_len=max_len, device=device or self.projection.device, dtype=dtype)
 
@@ -131,36 +210,39 @@ class RoutingAttention(Router):
                rel_pos: RelativePositions | None = None) -> Tensor:
         """Outputs (B, H, n, D) of n new positions (B, H, n, D), continuing ``cache`` and updating it in place.
 
-        Equal to the causal forward over the whole sequence at those positions. A new token costs O(k·D + window·D)
-        per head whatever its position: it is routed, written to its cluster's ring buffer of the last ``window``
-        keys and values (separate routing: its key to its key cluster's buffer, then an empty slot for its query
-        event to its query cluster's), and attends over its query cluster's buffer. A prompt given to an empty
-        cache runs the forward once and fills the buffers in one pass.
+        Equal to the causal forward over the whole sequence at those positions. A new token costs
+        O(k·D + p·window·D) per head whatever its position: it is routed, its key written to its cluster's ring
+        buffer of the last ``window`` keys and values, and it attends over the buffers of the clusters it probes.
+        A prompt given to an empty cache runs the forward once and fills the buffers in one pass.
         """
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
         cache.check(n)
-        clusters = self.assign(q, k)  # (B, H, n), or (B, H, 2n) events if separate
-        query_clusters, key_clusters = self.split(clusters)
+        if self.warming_up:
+            raise ValueError("decode: this layer is in its dense warm-up (see new_cache)")
+        routes = self.routes(q, k)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
-            if self.separate:  # the buffers hold events: a query event's slot stays empty
-                sort = event_order(query_clusters, key_clusters, self.num_clusters)
-                out = separate_window_attention(q, k, v, query_clusters, key_clusters, window=self.window,
-                                                scale=scale, rel_pos=rel_pos, sort=sort)
-                cache.fill(interleave(k, torch.zeros_like(k)), interleave(v, torch.zeros_like(v)), sort, events=True)
+            sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both
+            executor = get_executor(self.backend, q.device)
+            if self.probing:
+                out = probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
+                                              exclude_self=self.shared_qk, scale=scale, executor=executor,
+                                              rel_pos=rel_pos, gates=self._gates(routes), sort=sort)
             else:
-                sort = sort_by_cluster(clusters, self.num_clusters)  # one sort for both
-                out = sorted_window_attention(q, k, v, clusters, window=self.window, causal=True,
-                                              exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort)
-                cache.fill(k, v, sort)
+                out = sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=True,
+                                              exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort,
+                                              backend=self.backend)
+            cache.fill(k, v, sort)
             return out
-        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], query_clusters[:, :, t], scale=scale,
-                           exclude_self=self.shared_qk, rel_pos=rel_pos,
-                           key_cluster=key_clusters[:, :, t] if self.separate else None) for t in range(n)]
+        gates = self._gates(routes)
+        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], routes.keys[:, :, t], routes.probes[:, :, t],
+                           scale=scale, exclude_self=self.shared_qk, rel_pos=rel_pos,
+                           gates=None if gates is None else gates[:, :, t]) for t in range(n)]
         return torch.stack(outs, dim=2)
 
     def extra_repr(self) -> str:
         mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
+        extra = "".join(f", {name}={value}" for name, value, default in
+                        (("separate", self.separate, False), ("probes", self.probes, 1), ("balance", self.balance, 0.0),
+                         ("warmup", self.warmup, 0), ("gate", self.gate, False)) if value != default)
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"window={self.window}, {mode}, shared_qk={self.shared_qk}, separate={self.separate}, "
-                f"backend={self.backend}")
-
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}{extra}, backend={self.backend}")

@@ -1,16 +1,27 @@
-"""The router: assigns every position to a group, observes statistics, and moves on the optimiser step.
+"""The router: assigns every key to a cluster and gives every query the clusters it probes.
 
-    q, k ──► r = normalise(q) · W_R          (shared QK)
-             r = normalise(n(q) + n(k)) · W_R (separate QK)
-             r_q = n(q) · W_R, r_k = n(k) · W_R (separate routing: 2N events, key event first)
-         ──► c = argmax_j <μ_j, r>   (B, H, N) groups       ──► k-means statistics (training forward only)
+    q, k ──► r = normalise(q) · W_R            (shared QK: one vector per position)
+             r = normalise(n(q) + n(k)) · W_R   (joint: one vector per position)
+             r_q = n(q) · W_R, r_k = n(k) · W_R  (separate: a query vector and a key vector per position)
+         ──► s = <μ_c, r> + b_c                  (B, H, N, k) cosines to the centroids, plus the balancing bias
+         ──► key cluster  c(j) = argmax_c s(r_k(j))
+             probes       P(i) = its p best clusters by s(r_q(i)), best first (c(i) first, unless separate)
+         ──► k-means statistics and cluster loads (training forward only)
+
+Balance without a leak: the bias b (H, k) is model state that changes only between optimiser steps, b_c += rate ·
+sign(mean load - load_c), the loads counting the keys each cluster received in the training forwards since the last
+step (the auxiliary-loss-free balancing of mixture-of-experts routers). No token competes with another token of its
+sequence, so which cluster a key joins depends on that key alone, never on later positions; balance comes from the
+bias over training. ``balance=0`` keeps the plain argmax of the paper.
 
 A router knows nothing of attention: ``RoutingAttention`` (``layer.py``) routes with it and attends within the
-groups with ``sorted_window_attention`` (or the balanced clusters). Another way of grouping positions (hash
-buckets) can reuse that attention as it is.
+clusters. Another way of grouping positions (hash buckets) can reuse that attention as it is.
 """
 
 from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,115 +31,191 @@ from torch import Tensor, nn
 from ..checks import positive_int
 from ..inputs import check_inputs
 from .kmeans import SphericalKMeans
-from .separate import interleave
+
+
+class Routes(NamedTuple):
+    """The routing of one forward pass.
+
+    scores: (B, H, N, k) cosines of the queries' routing vectors to the centroids, float32 or wider, without the
+        bias (the balanced clusters of encoders and the analysis read them; they carry no gradient: routing learns
+        outside it).
+    keys: (B, H, N) long, the cluster of every key.
+    probes: (B, H, N, p) long, the distinct clusters every query probes, best first. Unless routing is separate,
+        ``probes[..., 0]`` is the position's own cluster ``keys``.
+    vectors: (B, H, N, D) the queries' unit routing vectors, with their gradient (for the gates).
+    """
+
+    scores: Tensor
+    keys: Tensor
+    probes: Tensor
+    vectors: Tensor
 
 
 class Router(nn.Module):
-    """Online spherical k-means routing of (B, H, N, D) queries and keys into ``num_clusters`` groups per head.
+    """Online spherical k-means routing of (B, H, N, D) queries and keys into ``num_clusters`` clusters per head.
 
     Args:
         heads, head_dim: H and D.
         num_clusters: k centroids per head.
         shared_qk: queries and keys are the same vectors: a position routes on its query alone. Otherwise it routes
-            on normalise(n(q_i) + n(k_i)), one group per position.
-        separate: route queries by q and keys by k (needs shared_qk=False): every position becomes two events, its
-            key event 2p and its query event 2p + 1, each with its own group (``split`` takes them apart).
+            on normalise(n(q_i) + n(k_i)) (one vector per position), unless ``separate``.
+        separate: route queries by q and keys by k (needs shared_qk=False): a key joins the cluster of its key
+            vector, a query probes the clusters nearest its query vector, so W_Q and W_K can learn to meet in a
+            cluster as they meet in q·k.
+        probes: p, the clusters each query probes (1: its own cluster only).
+        balance: the bias step per optimiser step (0: no bias, the paper's plain argmax).
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
 
-    State: ``projection`` W_R (H, D, D), a buffer; ``kmeans`` the centroids (``SphericalKMeans``). Centroids move only
-    in ``update`` (``update_routing`` calls it for every router in a model once per optimiser step). After
-    ``assign_and_observe`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² (None after one in
-    evaluation mode). Cost O(N · D² + N · k · D) time, O(N · k) memory per head.
+    State: ``projection`` W_R (H, D, D), a buffer; ``kmeans`` the centroids (``SphericalKMeans``); with ``balance``
+    the bias ``bias`` (H, k), a buffer saved with the model. Centroids and bias move only in ``update``
+    (``update_routing`` calls it for every router in a model once per optimiser step), from statistics all-reduced
+    across ranks, so they stay identical on every rank. After ``routes(..., observe=True)`` in training mode,
+    ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² (None after a forward in evaluation mode). Cost
+    O(N · D² + N · k · D) time, O(N · k) memory per head.
     """
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, *, shared_qk: bool = True,
-                 separate: bool = False, decay: float = 0.999, commitment: float = 1e-4, seed: int = 0) -> None:
+                 separate: bool = False, probes: int = 1, balance: float = 0.0, decay: float = 0.999,
+                 commitment: float = 1e-4, seed: int = 0) -> None:
         super().__init__()
         self.heads = positive_int("heads", heads)
         self.head_dim = positive_int("head_dim", head_dim)
         self.num_clusters = positive_int("num_clusters", num_clusters)
+        self.probes = positive_int("probes", probes)
+        if self.probes > self.num_clusters:
+            raise ValueError(f"probes ({probes}) must be at most num_clusters ({num_clusters})")
         self.shared_qk, self.separate = bool(shared_qk), bool(separate)
         if self.separate and self.shared_qk:
             raise ValueError("separate=True routes queries and keys apart: it needs shared_qk=False")
+        if isinstance(balance, bool) or not isinstance(balance, numbers.Real) or not 0 <= balance < float("inf"):
+            raise ValueError(f"balance must be a non-negative number (the bias step; 0: no bias), got {balance!r}")
+        self.balance = float(balance)
         self.commitment = float(commitment)
         self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
         gen = torch.Generator().manual_seed(seed)
         q, _ = torch.linalg.qr(torch.randn(self.heads, self.head_dim, self.head_dim, generator=gen))
         self.register_buffer("projection", q)  # W_R (H, D, D), fixed random orthonormal
+        # Only with a balance: a model without one keeps the paper rule's state dict (a None buffer is not saved).
+        self.register_buffer("bias", torch.zeros(self.heads, self.num_clusters) if self.balance else None)
+        self.register_buffer("pending_load", torch.zeros(self.heads, self.num_clusters) if self.balance else None,
+                             persistent=False)
         self.commitment_loss: Tensor | None = None
 
+    # --- routing -------------------------------------------------------------------------------------------
     def routing_vectors(self, q: Tensor, k: Tensor) -> Tensor:
-        """Unit routing vectors r (B, H, N, D) in float32 or wider, whatever the input dtype or autocast state;
-        separate routing: the queries' and the keys' as events (B, H, 2N, D), key event first (``interleave``)."""
+        """Unit routing vectors (B, H, N, D) in float32 or wider, whatever the input dtype or autocast state; separate
+        routing: the keys' and the queries' as events (B, H, 2N, D), each position's key event first."""
+        rq, rk = self.query_and_key_vectors(q, k)
+        if rq is rk:
+            return rq
+        B, H, N, D = rq.shape
+        return torch.stack([rk, rq], dim=3).reshape(B, H, 2 * N, D)
+
+    def query_and_key_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Unit routing vectors of the queries and of the keys, (B, H, N, D) each, in float32 or wider whatever the
+        input dtype or autocast state; one tensor twice unless routing is separate."""
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
+            proj = self.projection.to(acc)
             x = F.normalize(q.to(acc), dim=-1)
             if self.separate:
-                x = interleave(F.normalize(k.to(acc), dim=-1), x)
-            elif not self.shared_qk:
+                rk = F.normalize(k.to(acc), dim=-1)
+                return (torch.einsum("bhnd,hde->bhne", x, proj), torch.einsum("bhnd,hde->bhne", rk, proj))
+            if not self.shared_qk:
                 x = F.normalize(x + F.normalize(k.to(acc), dim=-1), dim=-1)
-            return torch.einsum("bhnd,hde->bhne", x, self.projection.to(acc))
+            r = torch.einsum("bhnd,hde->bhne", x, proj)
+            return r, r
 
-    @torch.no_grad()
-    def assign(self, q: Tensor, k: Tensor) -> Tensor:
-        """The group of every routing vector: (B, H, N) long, or (B, H, 2N) events when separate (see ``split``).
-        Observes nothing."""
-        return self.kmeans.assign(self.routing_vectors(q, k))
+    def _biased(self, scores: Tensor) -> Tensor:
+        return scores if self.bias is None else scores + self.bias[:, None, :].to(scores.dtype)
 
-    def split(self, clusters: Tensor) -> tuple[Tensor, Tensor]:
-        """Groups of the routing vectors -> (query groups, key groups), each (B, H, N): the same tensor twice unless
-        routing is separate."""
-        return (clusters[:, :, 1::2], clusters[:, :, 0::2]) if self.separate else (clusters, clusters)
+
+    def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None, *,
+               observe: bool = False) -> Routes:
+        """Route q, k (B, H, N, D): the clusters of the keys and the probes of the queries (``Routes``).
+
+        ``observe`` (a training forward): in training mode add the k-means statistics of the real positions
+        (``key_padding_mask`` (B, N), True = real) and the keys' cluster loads for the next ``update``, and set
+        ``commitment_loss``; in evaluation mode it observes nothing and sets ``commitment_loss`` to None."""
+        rq, rk = self.query_and_key_vectors(q, k)
+        scores = self.kmeans.scores(rq)  # (B, H, N, k)
+        biased = self._biased(scores)
+        # One argmax, or one topk: a query's first probe is its best cluster (ties as topk breaks them).
+        probes = biased.argmax(-1, keepdim=True) if self.probes == 1 else biased.topk(self.probes, dim=-1).indices
+        if rq is rk:
+            keys = probes[..., 0]
+        else:
+            keys = self._biased(self.kmeans.scores(rk)).argmax(-1)
+        if observe:
+            self._observe(rq, rk, probes[..., 0], keys, key_padding_mask)
+        return Routes(scores, keys, probes, rq)
+
+    def _observe(self, rq: Tensor, rk: Tensor, query_clusters: Tensor, keys: Tensor,
+                 key_padding_mask: Tensor | None) -> None:
+        if rq is rk:
+            r, clusters, valid = rk, keys, key_padding_mask
+        else:  # separate: the centroids follow both the keys and the queries
+            r, clusters = torch.cat([rk, rq], dim=2), torch.cat([keys, query_clusters], dim=2)
+            valid = None if key_padding_mask is None else key_padding_mask.repeat(1, 2)
+        self.kmeans.observe(r.detach(), clusters, valid)
+        self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, valid)
+                                if self.training else None)
+        if self.bias is not None and self.kmeans.counting():
+            H, k = self.heads, self.num_clusters
+            flat = torch.arange(H, device=keys.device)[None, :, None] * k + keys  # (B, H, N): head h's cluster c
+            weight = (torch.ones_like(flat, dtype=self.pending_load.dtype) if key_padding_mask is None
+                      else key_padding_mask[:, None, :].to(self.pending_load.dtype).expand(flat.shape))
+            self.pending_load.view(-1).index_add_(0, flat.reshape(-1), weight.reshape(-1))
 
     @torch.no_grad()
     def route(self, q: Tensor, k: Tensor) -> Tensor:
-        """The group of every query: (B, H, N) long."""
+        """The cluster every query probes first: (B, H, N) long (its own cluster, unless routing is separate)."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        return self.split(self.assign(q, k))[0]
+        return self.routes(q, k).probes[..., 0]
 
     @torch.no_grad()
     def route_keys(self, q: Tensor, k: Tensor) -> Tensor:
-        """The group of every key: (B, H, N) long (the query's, unless routing is separate)."""
+        """The cluster of every key: (B, H, N) long."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
-        return self.split(self.assign(q, k))[1]
+        return self.routes(q, k).keys
 
-    def assign_and_observe(self, q: Tensor, k: Tensor,
-                           key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Route a forward pass: (scores (B, H, N', k) cosines to the centroids, groups (B, H, N') argmax), N' = N
-        (2N events when separate). In training mode also adds the k-means statistics of the real positions
-        (``key_padding_mask`` (B, N), True = real) for the next ``update`` and sets ``commitment_loss``; in
-        evaluation mode observes nothing and sets ``commitment_loss`` to None."""
-        r = self.routing_vectors(q, k)
-        scores = self.kmeans.scores(r)  # once: the groups and the balanced members both use it
-        clusters = scores.argmax(-1)
-        padding = self._event_padding(key_padding_mask)
-        self.kmeans.observe(r.detach(), clusters, padding)
-        self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, padding)
-                                if self.training else None)
-        return scores, clusters
+    @torch.no_grad()
+    def probe(self, q: Tensor, k: Tensor) -> Tensor:
+        """The clusters every query probes, best first: (B, H, N, p) long."""
+        check_inputs(q, k, v=q, scale=None, key_padding_mask=None)
+        return self.routes(q, k).probes
 
-    def _event_padding(self, key_padding_mask: Tensor | None) -> Tensor | None:
-        """The padding mask of the routing vectors: (B, 2N) for separate routing's events."""
-        if key_padding_mask is None or not self.separate:
-            return key_padding_mask
-        return key_padding_mask.repeat_interleave(2, dim=-1)
-
+    # --- the step between optimiser steps -------------------------------------------------------------------
+    @torch.no_grad()
     def update(self, group: dist.ProcessGroup | None = None) -> None:
-        """The k-means step: apply the statistics observed since the last call (all-reduced across ranks)."""
+        """The k-means step and the bias step: apply the statistics observed since the last call (all-reduced
+        across ranks)."""
         self.kmeans.update(group)
+        if self.bias is None:
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.pending_load, group=group)
+        load = self.pending_load
+        if float(load.sum()) > 0:  # the same value on every rank after the all-reduce
+            self.bias += self.balance * torch.sign(load.mean(-1, keepdim=True) - load)
+        load.zero_()
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"shared_qk={self.shared_qk}, separate={self.separate}")
+                f"shared_qk={self.shared_qk}, separate={self.separate}, probes={self.probes}, "
+                f"balance={self.balance}")
 
 
 def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
-    """Apply the k-means step of every routing layer inside ``module``; returns how many were updated.
+    """Apply the k-means (and bias) step of every router inside ``module``, and of any k-means module outside a
+    router; returns how many were updated.
 
     Call it once per optimiser step, after ``optimizer.step()``, on every rank.
     """
-    layers = [m for m in module.modules() if isinstance(m, SphericalKMeans)]
-    for layer in layers:
+    routers = [m for m in module.modules() if isinstance(m, Router)]
+    owned = {id(r.kmeans) for r in routers}
+    loose = [m for m in module.modules() if isinstance(m, SphericalKMeans) and id(m) not in owned]
+    for layer in [*routers, *loose]:
         layer.update(group)
-    return len(layers)
+    return len(routers) + len(loose)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..executors import KeyRestrictions, get_executor
 from ..relative import RelativePositions
+from ..rows import move_rows
 
 
 class ClusterOrder(NamedTuple):
@@ -56,31 +57,10 @@ def drop_own_key(allow: Tensor, own: Tensor) -> Tensor:
     return allow & ~(own & others)
 
 
-class _Permute(torch.autograd.Function):
-    """x (B, H, N, D) reordered along N by a permutation; its gradient is reordered by the inverse permutation
-    (a gather, not the zero-filled scatter-add autograd would use for a general gather)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        return _gather_seq(x, order)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        return _gather_seq(grad, inverse), None, None
-
-
-def _gather_seq(x: Tensor, index: Tensor) -> Tensor:
-    """Rows of x (B, H, N, D) picked per (B, H) by index (B, H, N): one index_select over the flattened rows."""
-    B, H, N, D = x.shape
-    base = torch.arange(B * H, device=x.device).view(B, H, 1) * N
-    return x.reshape(B * H * N, D).index_select(0, (index + base).view(-1)).view(B, H, N, D)
-
-
 def permute_seq(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
-    """x (B, H, N, D) reordered along N by the permutation ``order`` (B, H, N), whose inverse is ``inverse``."""
-    return _Permute.apply(x, order, inverse)
+    """x (B, H, N, D) reordered along N by the permutation ``order`` (B, H, N), whose inverse is ``inverse``; the
+    gradient is reordered by the inverse (a gather, not the zero-filled scatter-add of a general gather)."""
+    return move_rows(x, order, inverse, unreached=False)
 
 
 def sorted_window_attention(

@@ -1,0 +1,111 @@
+"""Multi-probe routed attention: every key lives in one cluster, every query looks into several.
+
+A key j is in the cluster c(j) it is routed to. A query i probes p distinct clusters P_1(i), …, P_p(i) (its own
+first, unless routing is separate) and attends to the last ``window`` keys j <= i of each: one softmax over the
+union. A key has one cluster, so the probes' key sets are disjoint and every key counts once. Which keys query i
+sees depends on its own probes and on the clusters of positions <= i only: nothing later can change it.
+
+Computed without an N×N matrix: the keys sorted by (cluster, position) put every cluster's keys side by side in time
+order; the keys of probe (i, t) are then the ``window`` sorted keys just before where position i would sit in
+cluster P_t(i) (a binary search), a contiguous range, and ``Executor.ranges`` attends each of the N·p entries to
+its range. The p partial results merge exactly through their log-sum-exp. Time O(N·p·(window + G)·D + N log N),
+memory O(N·p·(window + G)) per head (``ranges.py``: G is the stretch of its blocks, about window / 2).
+
+Shared QK: a query does not see its own key unless it sees no other key at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..executors import Executor, saw_key
+from ..relative import RelativePositions
+from .sorted_window import ClusterOrder, sort_by_cluster
+
+
+def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: ClusterOrder | None = None,
+                 exclude_self: bool = False) -> tuple[Tensor, Tensor, ClusterOrder]:
+    """The ranges [lo, hi) of the keys sorted by (cluster, position) that every (query, probe) entry sees: each
+    (B, H, N·p), entry i·p + t for query i and probe t; and the keys' sort. ``exclude_self``: the entries of a
+    query's own cluster stop before its own key, which is the last key of their window (the window still counts
+    it, as the single-cluster rule does)."""
+    N = key_clusters.shape[-1]
+    p = probes.shape[-1]
+    sort = sort if sort is not None else sort_by_cluster(key_clusters)
+    composite = sort.grouped * N + sort.order  # (B, H, N), increasing
+    pos = torch.arange(N, device=probes.device)
+    wanted = probes.reshape(*probes.shape[:2], N * p)  # entry i·p + t
+    hi = torch.searchsorted(composite, wanted * N + pos.repeat_interleave(p), right=True)  # keys before it, <= i
+    first = torch.searchsorted(composite, wanted * N)  # the cluster's first sorted key
+    lo = torch.maximum(first, hi - window)
+    if exclude_self:
+        own = wanted == key_clusters.repeat_interleave(p, dim=-1)  # the query's own cluster: key i ends its range
+        hi = hi - own.long()
+    return lo, hi, sort
+
+
+def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor, *,
+                            window: int, exclude_self: bool, scale: float, executor: Executor,
+                            key_valid: Tensor | None = None, rel_pos: RelativePositions | None = None,
+                            gates: Tensor | None = None, sort: ClusterOrder | None = None) -> Tensor:
+    """Query i attends to the last ``window`` keys j <= i of each cluster in ``probes[i]``.
+
+    q, k, v: (B, H, N, D); key_clusters: (B, H, N) long; probes: (B, H, N, p) long, distinct per query; key_valid:
+    (B, 1, N) or None; gates: optional (B, H, N, p): each probed cluster's softmax is scaled by its gate instead of
+    the union sharing one softmax -> (B, H, N, D). ``exclude_self``: shared QK (see the module).
+    """
+    B, H, N, D = q.shape
+    p = probes.shape[-1]
+    lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
+    pos = torch.arange(N, device=q.device)
+    queries = (q * scale)[:, :, :, None].expand(B, H, N, p, D).reshape(B, H, N * p, D)  # entry i·p + t: query i
+    out, lse = executor.ranges(queries, k, v, lo, hi, width=window, scale=1.0, key_order=sort.order,
+                               key_inverse=sort.inverse, key_valid=key_valid,
+                               query_pos=pos.repeat_interleave(p).expand(B, H, N * p), key_pos=pos.expand(B, H, N),
+                               rel_pos=rel_pos, need_lse=True)
+    out, lse = out.view(B, H, N, p, D), lse.view(B, H, N, p)
+    seen = saw_key(lse)  # (B, H, N, p)
+    if gates is not None:
+        merged = (out * gates[..., None].to(out.dtype)).sum(3)
+    else:  # softmax over the union of disjoint key sets: each probe's weighted by its share exp(lse_t - lse)
+        share = (lse - lse.logsumexp(-1, keepdim=True)).exp()  # a probe that saw nothing has lse = neg_inf: 0
+        merged = (out * share[..., None].to(out.dtype)).sum(3)
+    seen = seen.any(-1)
+    if not exclude_self:
+        return merged
+    # Shared QK: a query that sees no other key sees its own (if it is a real key; in its own, first probe).
+    own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]
+    if gates is not None:
+        own = own * gates[..., :1].to(own.dtype)
+    alone = ~seen if key_valid is None else ~seen & key_valid
+    return torch.where(alone[..., None], own, merged)
+
+
+def probed_window_mask(key_clusters: Tensor, probes: Tensor, window: int, exclude_self: bool,
+                       key_valid: Tensor | None = None) -> Tensor:
+    """The boolean (B, H, N, N) mask of ``probed_window_attention`` (the union over the probes), written from its
+    definition (O(N²·p)); ``probe_masks`` gives each probe's."""
+    union = probe_masks(key_clusters, probes, window, key_valid).any(2)
+    if exclude_self:
+        eye = torch.eye(union.shape[-1], dtype=torch.bool, device=union.device)
+        union = union & ~(eye & (union & ~eye).any(-1, keepdim=True))
+    return union
+
+
+def probe_masks(key_clusters: Tensor, probes: Tensor, window: int, key_valid: Tensor | None = None) -> Tensor:
+    """(B, H, p, N, N): for each probe t, the last ``window`` keys j <= i of cluster probes[i, t] (padded keys hold
+    their place in the window and are then removed), from the definition."""
+    n = key_clusters.shape[-1]
+    idx = torch.arange(n, device=key_clusters.device)
+    earlier = idx[None, :] <= idx[:, None]  # (N, N): j <= i
+    member = key_clusters[:, :, None, None, :] == probes.permute(0, 1, 3, 2)[..., None]  # (B, H, p, N, N)
+    member = member & earlier
+    newer = member.flip(-1).cumsum(-1).flip(-1)  # [.., i, j]: members m of the cluster with j <= m <= i
+    allow = member & (newer <= window)
+    if key_valid is not None:
+        allow = allow & key_valid[:, :, None, None, :]
+    return allow
+
+
+__all__ = ["probe_masks", "probe_ranges", "probed_window_attention", "probed_window_mask"]

@@ -1,0 +1,128 @@
+"""The routing rule's options beyond the paper's argmax: the gates over several probes and the dense warm-up, at the
+layer and in a model (the probes and the bias: test_router.py, test_routing.py, test_routing_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import rand_qkv, rand_rel
+from routeformer import TransformerConfig, TransformerLM
+from routeformer.attention import KeyStore, RoutingAttention, RoutingCache, reference_attention
+from routeformer.attention.routing.probes import probe_masks
+
+
+def _layer(**kw) -> RoutingAttention:
+    layer = RoutingAttention(2, 8, 4, 5, causal=True, balance=0.01, **kw).double()
+    with torch.no_grad():
+        layer.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    return layer
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_gates_weigh_each_probed_cluster_by_the_query_softmax_over_its_centroids(shared: bool) -> None:
+    """Written out independently: g_t = softmax(8 · cos(r_q, μ))[P_t], each probe's keys normalised apart."""
+    B, H, N, D = 2, 2, 40, 8
+    layer = _layer(shared_qk=shared, probes=3, gate=True)
+    q, k, v = rand_qkv(B, H, N, D)
+    k = q if shared else k
+    rel = rand_rel(D, 6)
+    out = layer(q, k, v, rel_pos=rel)
+    r = F.normalize(q if shared else F.normalize(q, dim=-1) + F.normalize(k, dim=-1), dim=-1) @ layer.projection
+    gates = (8 * r @ layer.kmeans.centroids.transpose(-1, -2)).softmax(-1)  # (B, H, N, k)
+    probes = layer.probe(q, k)
+    masks = probe_masks(layer.route_keys(q, k), probes, 5)  # (B, H, p, N, N)
+    if shared:
+        eye = torch.eye(N, dtype=torch.bool)
+        masks = masks & ~(eye & (masks.any(2) & ~eye).any(-1, keepdim=True))[:, :, None]
+    want = sum(gates.gather(-1, probes)[..., t, None] * reference_attention(q, k, v, masks[:, :, t], rel_pos=rel)
+               for t in range(3))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    # The gates are a path for the gradient into the routing: q's gradient changes when they are held constant.
+    (grad,) = torch.autograd.grad(out.square().sum(), q)
+    held = want.detach() - sum(
+        (gates.gather(-1, probes)[..., t, None] - gates.gather(-1, probes)[..., t, None].detach())
+        * reference_attention(q, k, v, masks[:, :, t], rel_pos=rel) for t in range(3))
+    assert not torch.allclose(grad, torch.autograd.grad(held.square().sum(), q)[0])
+
+
+def _dense(q, k, v, shared, rel=None):
+    n = q.shape[2]
+    allow = torch.ones(n, n, dtype=torch.bool).tril()
+    if shared:  # not the own key, unless it is the only one (position 0)
+        allow = allow & ~(torch.eye(n, dtype=torch.bool) & (torch.arange(n) > 0)[:, None])
+    return reference_attention(q, k, v, allow, rel_pos=rel)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_warm_up_attends_densely_for_its_steps_and_the_routing_learns_all_along(shared: bool) -> None:
+    layer = _layer(shared_qk=shared, probes=2, warmup=3)
+    q, k, v = rand_qkv(2, 2, 30, 8)
+    k = q if shared else k
+    rel = rand_rel(8, 5)
+    for step in range(3):
+        assert layer.warming_up and int(layer.steps) == step
+        for mode in (layer.train, layer.eval):  # the model is a function of its state, not of its mode
+            mode()
+            torch.testing.assert_close(layer(q, k, v, rel_pos=rel), _dense(q, k, v, shared, rel), rtol=1e-10,
+                                       atol=1e-10)
+        layer.train()
+        layer(q, k, v)
+        assert layer.kmeans.pending_counts.sum() > 0 and layer.pending_load.sum() > 0  # observed all the same
+        bias = layer.bias.clone()
+        layer.update_routing()
+        assert not torch.equal(bias, layer.bias)
+    assert not layer.warming_up
+    routed = layer(q, k, v, rel_pos=rel)
+    torch.testing.assert_close(routed, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
+    assert not torch.allclose(routed, _dense(q, k, v, shared, rel))
+    # The count is model state: a layer loaded from it routes at once.
+    fresh = RoutingAttention(2, 8, 4, 5, causal=True, shared_qk=shared, balance=0.01, probes=2, warmup=3).double()
+    assert fresh.warming_up
+    fresh.load_state_dict(layer.state_dict())
+    assert not fresh.warming_up
+    torch.testing.assert_close(fresh(q, k, v, rel_pos=rel), routed, rtol=0, atol=0)
+
+
+def test_a_layer_in_its_warm_up_has_no_routed_cache() -> None:
+    with pytest.raises(ValueError, match="attends densely for 2 more optimiser steps"):
+        RoutingAttention(2, 8, 4, 5, warmup=2).new_cache(1, 10)
+
+
+def test_a_model_decodes_exactly_during_and_after_the_warm_up() -> None:
+    """During the warm-up the routing heads keep every position (as full attention does); after it, the routed
+    ring buffers. Either way decoding reproduces the forward."""
+    config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=40, attention="local:2,routing:2",
+                               window=6, num_clusters=4, routing_window=5, routing_probes=2, routing_balance=0.05,
+                               routing_warmup=2)
+    torch.manual_seed(0)
+    model = TransformerLM(config).double()
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.5)
+    tokens = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
+    kinds = []
+    for _ in range(3):
+        model.eval()
+        full = model(tokens)
+        cache = model.new_cache(2, 40)
+        kinds.append(type(cache.layers[0][1]))
+        parts = [model(tokens[:, :9], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(9, 40)]
+        torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-9)
+        model.train()
+        (model(tokens).sum() + model.aux_loss).backward()
+        model.after_optimizer_step()
+    assert kinds == [KeyStore, KeyStore, RoutingCache]
+
+
+def test_training_flops_count_the_dense_warm_up() -> None:
+    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", window=8,
+                num_clusters=8, routing_window=8, routing_probes=2)
+    plain, warm = (TransformerLM(TransformerConfig(**base, routing_warmup=w)) for w in (0, 10))
+    assert warm.flops_per_token(step=10) == plain.flops_per_token() == plain.flops_per_token(step=0)
+    dense_keys = (64 + 1) / 2 + 8  # every earlier key, and the routing
+    routed_keys = 2 * 8 + 8
+    extra = 3 * 4 * 8 * 2 * 2 * (dense_keys - routed_keys)  # ×3 training, 4·D per key, 2 heads, 2 layers
+    assert warm.flops_per_token(step=9) - plain.flops_per_token() == pytest.approx(extra)
+    assert warm.training_flops(30, 100) == pytest.approx(plain.training_flops(30, 100) + 10 * 100 * extra)
+    assert warm.training_flops(5, 100) == pytest.approx(plain.training_flops(5, 100) + 5 * 100 * extra)
