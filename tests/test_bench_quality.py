@@ -5,34 +5,49 @@ from __future__ import annotations
 
 import pytest
 
-from routeformer.bench.recall import attention_config
+from routeformer.bench import recall
+from routeformer.bench.recall import HEADERS, attention_config
 from routeformer.cli import main
 from routeformer.data import prepare
 
 
 def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
-    assert main(["bench", "recall", "--tasks", "passkey", "mqar", "--attention", "local", "local+routing/separate",
+    probed = "local+routing/separate@routing_probes=2@routing_warmup=1"
+    assert main(["bench", "recall", "--tasks", "passkey", "mqar", "--attention", "full", "local", probed,
                  "--seq-len", "48", "--gap", "12", "--window", "4", "--dim", "16", "--steps", "2", "--batch", "2",
-                 "--eval", "4"]) == 0
+                 "--eval", "4", "--seeds", "0", "1"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("| task"):].splitlines()
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table[2:]]
-    assert [(r[0], r[1]) for r in rows] == [("passkey", "local"), ("passkey", "local+routing/separate"),
-                                            ("mqar", "local"), ("mqar", "local+routing/separate")]
-    local, routed = rows[0], rows[1]
-    assert local[3] == routed[3] == "6.2"  # chance: 1 / 16 values
-    assert local[6] == "4.0" and local[7] == "-" and local[9] == "-"  # no routing heads, no routing diagnostics
-    assert local[10] == "local: window=4"
-    # k = round(sqrt(48)) = 7, window 48 // 7 = 6; a separate routing head runs two events per position, each
-    # routed by k centroids and scoring its window
-    assert "routing: k=7, w=6, separate" in routed[10] and float(routed[6]) == (4 + 4 + 2 * 2 * (6 + 7)) / 4
-    assert 0 <= float(routed[8]) <= 100 and 0 <= float(routed[9]) <= float(routed[8])
+    assert [cell.strip() for cell in table[0].split("|")[1:-1]] == HEADERS
+    rows = [dict(zip(HEADERS, (cell.strip() for cell in line.split("|")[1:-1]), strict=True)) for line in table[2:]]
+    assert [(r["task"], r["attention"]) for r in rows] == [(t, a) for t in ("passkey", "mqar")
+                                                           for a in ("full", "local", probed)]
+    full, local, routed = rows[3:]
+    assert local["chance %"] == routed["chance %"] == "6.2"  # chance: 1 / 16 values
+    assert len(local["seeds %"].split("/")) == 2  # one accuracy per seed, the mean beside
+    assert full["vs first"] in ("1.00", "-")  # the first row is the baseline ("-" when it scored 0)
+    assert local["keys/query"] == "4.0" and local["balance"] == "-" and local["in window %"] == "-"
+    assert local["head options"] == "local: window=4"
+    # k = round(sqrt(48)) = 7, window 48 // 7 = 6: two probes of 6 keys, and the 7 centroids that route
+    assert "routing: k=7, w=6, p=2, warm-up=1, separate" in routed["head options"]
+    assert float(routed["keys/query"]) == (4 + 4 + 2 * (2 * 6 + 7)) / 4
+    # with two probes each diagnostic is the total and the share of each probe (a key has one cluster)
+    total, shares = routed["in window %"].split(" ", 1)
+    assert abs(float(total) - sum(float(x) for x in shares.strip("()").split("+"))) < 0.2
+    assert 0 <= float(routed["in window %"].split()[0]) <= float(routed["in cluster %"].split()[0]) <= 100
+
+def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops() -> None:
+    rows = recall.run(["passkey"], ["local+routing", "local+routing@routing_warmup=1", "full"], seq_len=48, gap=12,
+                      window=4, dim=16, steps=2, batch=2, eval_sequences=4, echo=lambda *_: None)
+    routed, warm, full = (r["train_flops"] for r in rows)
+    assert routed < warm < full  # one of two steps dense: between routing all along and full attention
 
 
 @pytest.mark.parametrize("args, message", [
     (["--gap", "13", "--window", "8"], "gap (13) must be at least depth × (window - 1) = 14"),
     (["--tasks", "copy"], "unknown task 'copy'"),
     (["--attention", "local+routing/mixed"], "unknown routing variant 'mixed'"),
+    (["--attention", "local+routing@routing_probs=2"], "'@routing_probs=2' sets no model config field"),
 ])
 def test_bench_recall_refuses_what_would_not_test_reach(args, message, capsys) -> None:
     assert main(["bench", "recall", "--steps", "1", *args]) != 0
@@ -44,6 +59,9 @@ def test_attention_rows_name_their_routing() -> None:
     assert attention_config("local+routing/separate", 8) == {"attention": "local:4,routing:4", "shared_qk": False,
                                                              "separate_routing": True}
     assert attention_config("full", 4) == {"attention": "full"}
+    assert attention_config("local+routing/joint@routing_probes=3@routing_gate=true", 4) == {
+        "attention": "local:2,routing:2", "shared_qk": False, "separate_routing": False, "routing_probes": 3,
+        "routing_gate": True}
 
 
 def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -> None:

@@ -246,11 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mqar, passkey, two_hop (default: all three)")
     _add_attention_specs(rec, ["full", "local", "local+routing"],
                          "full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
-                         "a suffix /shared, /joint or /separate says how routing heads route (README, Routing that "
-                         "learns)")
+                         "a suffix /shared, /joint or /separate says how routing heads route, and '@field=value' "
+                         "suffixes set model config fields for the row (local+routing@routing_probes=1); the first "
+                         "row is the baseline of the 'vs first' column (default: full local local+routing)")
     _add_seq_len(rec, 128, "sequence length N")
     rec.add_argument("--gap", type=_positive, default=32, help="positions between an answer and what it needs "
                      "are more than this (default 32; at least depth × (window - 1))")
+    _add_size(rec, "--facts", 4, "mqar: facts per sequence, each with its own key")
     _add_size(rec, "--depth", 2, "layers")
     _add_size(rec, "--dim", 64, "model width")
     _add_size(rec, "--heads", 4, "heads per layer")
@@ -260,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_size(rec, "--batch", 32, "sequences per step")
     rec.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     rec.add_argument("--eval", type=_positive, default=512, help="held-out sequences scored (default 512)")
-    rec.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
+    rec.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="SEED",
+                     help="model initialisation seeds: every row trains once per seed and reports the mean "
+                     "(default 0)")
 
     txt = suites.add_parser(
         "text",
@@ -529,10 +533,11 @@ def cmd_bench(args) -> int:
     elif args.suite == "recall":
         from .bench import recall
 
-        recall.run(args.tasks, args.attention, seq_len=args.seq_len, gap=args.gap, depth=args.depth, dim=args.dim,
+        recall.run(args.tasks, args.attention, seq_len=args.seq_len, gap=args.gap, facts=args.facts, depth=args.depth,
+                   dim=args.dim,
                    heads=args.heads, window=args.window, num_clusters=args.num_clusters,
                    routing_window=args.routing_window, steps=args.steps,
-                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seed=args.seed)
+                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds)
     elif args.suite == "attention":
         attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                       repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,

@@ -73,6 +73,10 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     clusters = max(1, round(math.sqrt(n)))
     routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
     routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal, backend=backend).to(device).train()
+    # The multi-probe rule at the same keys per query: two clusters of half the window each (causal only).
+    probed = max(1, routed // 2)
+    probing = (RoutingAttention(heads, head_dim, clusters, probed, causal=True, probes=min(2, clusters), balance=0.01,
+                                backend=backend).to(device).train() if causal else None)
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
     buckets, lsh_window = default_lsh_settings(n)
@@ -100,6 +104,8 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                   lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal, **ex)),
         Candidate("routing", f"k={clusters}, window={routed}, shared QK",
                   lambda q, k, v: routing(q, q, v)),
+        Candidate("routing-p2", f"k={clusters}, 2 probes × window={probed}, bias, shared QK",
+                  lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only"),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
                   lambda q, k, v: lsh_attention(q, v, buckets=buckets, rounds=2, window=lsh_window, causal=causal,
                                                 rotations=rotations)),

@@ -1,14 +1,20 @@
 """Recall benchmark: does an attention mechanism reach, by content, what lies beyond every local window?
 
-    routeformer bench recall [--tasks mqar passkey two_hop] [--attention full local local+routing]
+    routeformer bench recall [--tasks mqar passkey two_hop] [--attention full local local+routing] [--seeds 0 1]
 
-Trains the same small model once per (task, attention) for a fixed number of steps on batches generated on the
-fly (``data/recall.py``: what an answer needs lies further back than depth × (window - 1), the reach of local
+Trains the same small model once per (task, attention, seed) for a fixed number of steps on batches generated on
+the fly (``data/recall.py``: what an answer needs lies further back than depth × (window - 1), the reach of local
 attention, so a local-only model stays at chance), then scores held-out batches. Columns: accuracy on the scored
-positions, the task's chance level, steps, seconds per step, the keys a query scores (mean over heads of
-``TransformerConfig.keys_per_query``, the attention cost), and for routing heads what they reached: cluster balance
-(keys in the largest cluster / mean), how often the key the answer needs is in the query's cluster and how often it
-is within the query's routing window (the first hop's key for ``two_hop``; mean over routing heads and layers).
+positions (mean over the seeds, and each seed's), the accuracy over the task's first row's (the baseline: full
+attention in the default list), the task's chance level, steps, seconds per step, the keys a query scores (mean
+over heads of ``TransformerConfig.keys_per_query``, the attention cost), the training FLOPs
+(``TransformerLM.training_flops``, a dense warm-up included), and for routing heads what they reached: cluster
+balance (keys in the largest cluster / mean), how often the key the answer needs is in a cluster the query probes
+and how often it is within the query's window there (the first hop's key for ``two_hop``; mean over routing heads,
+layers and seeds; with several probes, the share of each probe in parentheses).
+
+A row is an attention spec, optionally followed by how routing heads route (``/shared``, ``/joint``,
+``/separate``) and by config fields for that row: ``local+routing/separate@routing_probes=2@routing_warmup=400``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from ..attention.kinds import HeadGroup
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM
-from ..train.config import TrainConfig
+from ..train.config import FIELDS, TrainConfig, parse_override
 from ..train.schedule import learning_rate
 from .measure import format_table
 
@@ -34,20 +40,28 @@ EVAL_SEED = 10**6  # held-out batches use seeds from here; training batches use 
 ROUTING = {
     "shared": {"shared_qk": True, "separate_routing": False},  # the paper's text models: keys are the queries
     "joint": {"shared_qk": False, "separate_routing": False},  # one cluster per position, from n(q) + n(k)
-    "separate": {"shared_qk": False, "separate_routing": True},  # a query cluster and a key cluster per position
+    "separate": {"shared_qk": False, "separate_routing": True},  # a query's probes from q, a key's cluster from k
 }
 
 
 def attention_config(name: str, heads: int) -> dict:
     """Config fields of a row: 'full', 'local', 'local+routing' (half and half) or any attention spec, optionally
-    followed by '/shared', '/joint' or '/separate' (how routing heads route; default: the config's default)."""
-    spec, _, routing = name.partition("/")
+    followed by '/shared', '/joint' or '/separate' (how routing heads route; default: the config's default) and by
+    '@field=value' settings of the model config (values read as TOML), e.g. 'local+routing@routing_probes=1'."""
+    head, *settings = name.split("@")
+    spec, _, routing = head.partition("/")
     half = heads // 2
-    fields = {"attention": {"local+routing": f"local:{heads - half},routing:{half}"}.get(spec, spec)}
+    fields: dict = {"attention": {"local+routing": f"local:{heads - half},routing:{half}"}.get(spec, spec)}
     if routing:
         if routing not in ROUTING:
             raise ValueError(f"unknown routing variant {routing!r} in {name!r}; choose from {', '.join(ROUTING)}")
         fields.update(ROUTING[routing])
+    for item in settings:
+        key = item.partition("=")[0].strip()
+        if key not in FIELDS["model"]:
+            raise ValueError(f"{name!r}: '@{item}' sets no model config field; valid fields: "
+                             f"{', '.join(sorted(FIELDS['model']))}")
+        fields[key] = parse_override(item)[2]
     return fields
 
 
@@ -82,13 +96,13 @@ def train(model: TransformerLM, task: RecallTask, *, steps: int, batch: int, lr:
 @torch.no_grad()
 def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: int = 64) -> dict[str, float]:
     """Accuracy on held-out batches, and what the head groups that report it (``HeadGroup.reach``: routing)
-    reached (NaN when none does)."""
+    reached (absent when none does)."""
     model.eval()
     seen: list[tuple[HeadGroup, torch.Tensor, torch.Tensor]] = []
     hooks = [g.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[1])))
              for g in model.head_groups() if type(g).reach is not HeadGroup.reach]
     correct = total = 0
-    reached: dict[str, list[torch.Tensor]] = {"balance": [], "in_cluster": [], "in_window": []}
+    reached: dict[str, list[torch.Tensor]] = {}
     try:
         for i in range(-(-sequences // batch)):
             b = task.make(min(batch, sequences - i * batch), EVAL_SEED + i)
@@ -105,19 +119,17 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
     finally:
         for h in hooks:
             h.remove()
-    def mean(xs: list[torch.Tensor]) -> float:
-        return float(torch.stack(xs).mean()) if xs else float("nan")
-
-    return {"accuracy": correct / total, **{key: mean(values) for key, values in reached.items()}}
+    return {"accuracy": correct / total, **{key: float(torch.stack(v).mean()) for key, v in reached.items()}}
 
 
-def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int = 32, depth: int = 2,
+def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int = 32, facts: int = 4, depth: int = 2,
         dim: int = 64, heads: int = 4, window: int = 8, num_clusters: int | None = None,
         routing_window: int | None = None, steps: int = 800, batch: int = 32,
-        lr: float = 1e-3, eval_sequences: int = 512, seed: int = 0, extra: dict | None = None,
-        echo: Callable[[str], None] = print) -> list[dict]:
-    """Train and score one model per (task, attention); print the table row by row, then whole; return the rows.
-    ``extra``: further TransformerConfig fields for every model (``kmeans_decay``, ``positions``, ...)."""
+        lr: float = 1e-3, eval_sequences: int = 512, seeds: list[int] | tuple[int, ...] = (0,),
+        extra: dict | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+    """Train and score one model per (task, attention, seed); print the table row by row, then whole; return the
+    rows. ``facts``: mqar's facts (each with its own key). ``extra``: further TransformerConfig fields for every
+    model (``kmeans_decay``, ``positions``, ...)."""
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
@@ -125,23 +137,39 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
         raise ValueError(f"gap ({gap}) must be at least depth × (window - 1) = {depth * (window - 1)}, the reach of "
                          "local attention, or a local-only model can see the answer and the benchmark would not test "
                          "long-range reach")
-    echo(f"# recall benchmark: N={seq_len}, gap>{gap}, depth={depth}, dim={dim}, heads={heads}, window={window}, "
-         f"steps={steps}, batch={batch}, lr={lr}, seed={seed}, threads={torch.get_num_threads()}")
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds: give at least one")
+    configs = {}
+    for name in attentions:  # every row's config, checked before anything trains
+        configs[name] = {**attention_config(name, heads), **(extra or {})}
+    echo(f"# recall benchmark: N={seq_len}, gap>{gap}, mqar facts={facts}, depth={depth}, dim={dim}, heads={heads}, "
+         f"window={window}, "
+         f"steps={steps}, batch={batch}, lr={lr}, seeds={' '.join(map(str, seeds))}, "
+         f"threads={torch.get_num_threads()}")
     rows: list[dict] = []
     for task_name in tasks:
-        task = TASKS[task_name](seq_len=seq_len, min_gap=gap)
+        options = {"keys": facts} if task_name == "mqar" else {}
+        task = TASKS[task_name](seq_len=seq_len, min_gap=gap, **options)
+        first = None  # the task's first row (full attention in the default list) is the baseline
         for name in attentions:
             config = TransformerConfig(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads,
                                        seq_len=seq_len, window=window, num_clusters=num_clusters,
-                                       routing_window=routing_window,
-                                       **{**attention_config(name, heads), **(extra or {})})
-            torch.manual_seed(seed)
-            model = TransformerLM(config)
-            s_per_step = train(model, task, steps=steps, batch=batch, lr=lr)
+                                       routing_window=routing_window, **configs[name])
+            results, times = [], []
+            for seed in seeds:
+                torch.manual_seed(seed)
+                model = TransformerLM(config)
+                times.append(train(model, task, steps=steps, batch=batch, lr=lr))
+                results.append(evaluate(model, task, sequences=eval_sequences))
             row = {"task": task_name, "attention": name, "chance": task.chance, "steps": steps,
-                   "step_s": s_per_step, "keys_per_query": keys_per_query(config),
-                   "heads": config.describe_heads(),
-                   **evaluate(model, task, sequences=eval_sequences)}
+                   "step_s": sum(times) / len(times), "keys_per_query": keys_per_query(config),
+                   "train_flops": model.training_flops(steps, batch * seq_len), "heads": config.describe_heads(),
+                   "seeds": [r["accuracy"] for r in results],
+                   **{key: sum(r[key] for r in results) / len(results) for key in results[0]}}
+            if first is None:
+                first = row["accuracy"]
+            row["vs_first"] = row["accuracy"] / first if first else None
             rows.append(row)
             echo(table([row]).splitlines()[-1])
     echo("")
@@ -149,15 +177,29 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
     return rows
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _per_probe(row: dict, key: str) -> str:
+    """'58.0' for one probe; '58.0 (31.2+26.8)' for several (a key lies in one cluster: the shares add up)."""
+    if key not in row:
+        return "-"
+    parts = [row[f"{key}_{t}"] for t in range(1, 100) if f"{key}_{t}" in row]
+    total = _pct(row[key])
+    return total if len(parts) <= 1 else f"{total} ({'+'.join(_pct(p) for p in parts)})"
+
+
+HEADERS = ["task", "attention", "accuracy %", "seeds %", "vs first", "chance %", "steps", "s/step", "keys/query",
+           "train TFLOP", "balance", "in cluster %", "in window %", "head options"]
+
+
 def table(rows: list[dict]) -> str:
-    def pct(x: float) -> str:
-        return "-" if math.isnan(x) else f"{100 * x:.1f}"
-
     return format_table(
-        ["task", "attention", "accuracy %", "chance %", "steps", "s/step", "keys/query", "balance",
-         "in cluster %", "in window %", "head options"],
-        [[r["task"], r["attention"], pct(r["accuracy"]), pct(r["chance"]), r["steps"], f"{r['step_s']:.3f}",
-          f"{r['keys_per_query']:.1f}", "-" if math.isnan(r["balance"]) else f"{r['balance']:.2f}",
-          pct(r["in_cluster"]), pct(r["in_window"]), r["heads"]]
+        HEADERS,
+        [[r["task"], r["attention"], _pct(r["accuracy"]), "/".join(_pct(a) for a in r["seeds"]),
+          "-" if r["vs_first"] is None else f"{r['vs_first']:.2f}", _pct(r["chance"]), r["steps"],
+          f"{r['step_s']:.3f}", f"{r['keys_per_query']:.1f}", f"{r['train_flops'] / 1e12:.2f}",
+          f"{r['balance']:.2f}" if "balance" in r else "-", _per_probe(r, "in_cluster"), _per_probe(r, "in_window"),
+          r["heads"]]
          for r in rows])
-
