@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel
 from routeformer.attention import RoutingAttention, full_attention, reference_attention
+from routeformer.attention.routing import probes as probes_module
 
 
 def make_layer(H: int, D: int, k: int, w: int, dtype=torch.float64, **kw) -> RoutingAttention:
@@ -27,6 +30,7 @@ def routing_problems(draw) -> dict:
         "probes": draw(st.integers(1, min(k, 3))) if causal else 1, "bias": causal and draw(st.booleans()),
         "rel": draw(st.one_of(st.none(), st.integers(1, 20))),
         "padding": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+        "dense": draw(st.booleans()),  # several probes: one dense tile, or the ranges of longer sequences
     }
 
 
@@ -48,6 +52,11 @@ def test_flex_forward_matches_reference_over_routing_mask(p: dict) -> None:
 
 
 def _check_against_reference(p: dict, backend: str) -> None:
+    with mock.patch.object(probes_module, "DENSE_UP_TO", 10**9 if p["dense"] else 0):
+        _check_path_against_reference(p, backend)
+
+
+def _check_path_against_reference(p: dict, backend: str) -> None:
     torch.manual_seed(p["seed"])
     layer = make_layer(p["H"], p["D"], p["k"], p["w"], causal=p["causal"], balanced=p["balanced"],
                        shared_qk=p["shared"], separate=p["separate"], probes=p["probes"],
@@ -126,7 +135,21 @@ def test_probed_mask_is_the_last_window_keys_of_each_probed_cluster(shared: bool
                                                       (True, False, 3), (False, True, 2)])
 @pytest.mark.parametrize("extras", ["plain", "relative", "padding", "gate"])
 @pytest.mark.parametrize("backend", ["tiles", "flex"])
-def test_no_leak_from_the_future(shared: bool, separate: bool, probes: int, extras: str, backend: str) -> None:
+def test_no_leak_from_the_future(shared: bool, separate: bool, probes: int, extras: str, backend: str,
+                                 monkeypatch) -> None:
+    """On the ranges of longer sequences (the dense tile of short ones is its mask, whose causality
+    test_probed_mask_is_the_last_window_keys_of_each_probed_cluster checks, and two cases below)."""
+    monkeypatch.setattr(probes_module, "DENSE_UP_TO", 0)
+    _no_leak(shared, separate, probes, extras, backend)
+
+
+@pytest.mark.parametrize("shared, separate", [(True, False), (False, True)])
+def test_no_leak_from_the_future_through_the_dense_tile(shared: bool, separate: bool, monkeypatch) -> None:
+    monkeypatch.setattr(probes_module, "DENSE_UP_TO", 10**9)
+    _no_leak(shared, separate, 3, "relative", "tiles")
+
+
+def _no_leak(shared: bool, separate: bool, probes: int, extras: str, backend: str) -> None:
     H, N, D = 4, 64, 8
     layer = make_layer(H, D, 6, 5, causal=True, shared_qk=shared, separate=separate, probes=probes,
                        balance=0.01, gate=extras == "gate", backend=backend)

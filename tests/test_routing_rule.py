@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import rand_qkv, rand_rel
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import KeyStore, RoutingAttention, RoutingCache, reference_attention
+from routeformer.attention.routing import probes as probes_module
 from routeformer.attention.routing.probes import probe_masks
 
 
@@ -20,9 +21,13 @@ def _layer(**kw) -> RoutingAttention:
     return layer
 
 
+@pytest.mark.parametrize("dense", [True, False])
 @pytest.mark.parametrize("shared", [True, False])
-def test_gates_weigh_each_probed_cluster_by_the_query_softmax_over_its_centroids(shared: bool) -> None:
-    """Written out independently: g_t = softmax(8 · cos(r_q, μ))[P_t], each probe's keys normalised apart."""
+def test_gates_weigh_each_probed_cluster_by_the_query_softmax_over_its_centroids(shared: bool, dense: bool,
+                                                                                monkeypatch) -> None:
+    """Written out independently: g_t = softmax(8 · cos(r_q, μ))[P_t], each probe's keys normalised apart; on the
+    dense tile of short sequences and on the ranges of longer ones."""
+    monkeypatch.setattr(probes_module, "DENSE_UP_TO", 10**9 if dense else 0)
     B, H, N, D = 2, 2, 40, 8
     layer = _layer(shared_qk=shared, probes=3, gate=True)
     q, k, v = rand_qkv(B, H, N, D)

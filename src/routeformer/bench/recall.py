@@ -140,22 +140,22 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
     seeds = list(seeds)
     if not seeds:
         raise ValueError("seeds: give at least one")
-    configs = {}
-    for name in attentions:  # every row's config, checked before anything trains
-        configs[name] = {**attention_config(name, heads), **(extra or {})}
+    built = {}
+    for task_name in tasks:  # every task and every row's config, checked before anything trains
+        options = {"keys": facts} if task_name == "mqar" else {}
+        task = TASKS[task_name](seq_len=seq_len, min_gap=gap, **options)
+        base = dict(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads, seq_len=seq_len, window=window,
+                    num_clusters=num_clusters, routing_window=routing_window)
+        built[task_name] = task, [TransformerConfig(**{**base, **attention_config(name, heads), **(extra or {})})
+                                  for name in attentions]
     echo(f"# recall benchmark: N={seq_len}, gap>{gap}, mqar facts={facts}, depth={depth}, dim={dim}, heads={heads}, "
-         f"window={window}, "
-         f"steps={steps}, batch={batch}, lr={lr}, seeds={' '.join(map(str, seeds))}, "
+         f"window={window}, steps={steps}, batch={batch}, lr={lr}, seeds={' '.join(map(str, seeds))}, "
          f"threads={torch.get_num_threads()}")
     rows: list[dict] = []
     for task_name in tasks:
-        options = {"keys": facts} if task_name == "mqar" else {}
-        task = TASKS[task_name](seq_len=seq_len, min_gap=gap, **options)
+        task, configs = built[task_name]
         first = None  # the task's first row (full attention in the default list) is the baseline
-        for name in attentions:
-            config = TransformerConfig(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads,
-                                       seq_len=seq_len, window=window, num_clusters=num_clusters,
-                                       routing_window=routing_window, **configs[name])
+        for name, config in zip(attentions, configs, strict=True):
             results, times = [], []
             for seed in seeds:
                 torch.manual_seed(seed)

@@ -16,12 +16,16 @@ Shared QK: a query does not see its own key unless it sees no other key at all.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from ..executors import Executor, saw_key
 from ..relative import RelativePositions
 from .sorted_window import ClusterOrder, sort_by_cluster
+
+DENSE_UP_TO = 256  # sequences up to this length run as one dense masked tile per head (faster there; see README)
 
 
 def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: ClusterOrder | None = None,
@@ -57,6 +61,9 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
     """
     B, H, N, D = q.shape
     p = probes.shape[-1]
+    if N <= DENSE_UP_TO:
+        return _dense(q, k, v, key_clusters, probes, window=window, exclude_self=exclude_self, scale=scale,
+                      executor=executor, key_valid=key_valid, rel_pos=rel_pos, gates=gates)
     lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
     pos = torch.arange(N, device=q.device)
     queries = (q * scale)[:, :, :, None].expand(B, H, N, p, D).reshape(B, H, N * p, D)  # entry i·p + t: query i
@@ -80,6 +87,58 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
         own = own * gates[..., :1].to(own.dtype)
     alone = ~seen if key_valid is None else ~seen & key_valid
     return torch.where(alone[..., None], own, merged)
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor, *, window: int,
+           exclude_self: bool, scale: float, executor: Executor, key_valid: Tensor | None,
+           rel_pos: RelativePositions | None, gates: Tensor | None) -> Tensor:
+    """Short sequences: one dense (N, N) tile per head under the exact mask (``_window_masks``), O(N²·(p + D))."""
+    N = q.shape[2]
+    p = probes.shape[-1]
+    recent, probed = _window_masks(key_clusters, probes, window, key_valid)
+    union = recent & functools.reduce(torch.logical_or, probed)
+    own = None
+    if exclude_self:  # the own key only where the union holds nothing else
+        eye = torch.eye(N, dtype=torch.bool, device=q.device)
+        own = eye & (union & ~eye).any(-1, keepdim=True)
+        union = union & ~own
+    idx = torch.arange(N, device=q.device)
+    delta = None if rel_pos is None else idx[None, :] - idx[:, None]
+    # A row can see nothing only if some key is padding or a query's first probe is not its own cluster.
+    empty = (key_valid is not None or torch.compiler.is_compiling()  # no host read while compiling
+             or bool((probes[..., 0] != key_clusters).any()))
+
+    def attend(allow: Tensor) -> Tensor:
+        out, _ = executor.tiled(q, k, v, block=N, tile_mask=allow[:, :, None], scale=scale, key_valid=key_valid,
+                                rel_pos=rel_pos, rel_delta=delta, empty_rows=empty)
+        return out
+
+    if gates is None:
+        return attend(union)
+    parts = []
+    for t in range(p):  # each probe its own softmax, scaled by its gate
+        allow = recent & probed[t] if own is None else recent & probed[t] & ~own
+        parts.append(attend(allow) * gates[..., t, None].to(q.dtype))
+    return sum(parts)
+
+
+def _window_masks(key_clusters: Tensor, probes: Tensor, window: int,
+                  key_valid: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+    """``probe_masks`` from cumulative counts (no flip and cumsum per probe): ``recent`` (B, H, N, N), key j <= i
+    among the last ``window`` keys of its own cluster at position i (and real), and for each probe t, whether j's
+    cluster is query i's probe t; probe t's mask is their conjunction.
+
+    members[i, j] counts the keys of j's cluster at positions <= i, so that cluster's keys in [j, i] number
+    members[i, j] - members[j, j] + 1."""
+    n = key_clusters.shape[-1]
+    idx = torch.arange(n, device=key_clusters.device)
+    same = key_clusters[..., :, None] == key_clusters[..., None, :]  # (B, H, N, N): m and j share a cluster
+    members = same.cumsum(-2, dtype=torch.int32)  # [i, j]: keys of j's cluster at positions <= i
+    recent = (members - members.diagonal(dim1=-2, dim2=-1)[..., None, :] < window) & (idx[None, :] <= idx[:, None])
+    if key_valid is not None:
+        recent = recent & key_valid[..., None, :]
+    probed = [key_clusters[..., None, :] == probes[..., t, None] for t in range(probes.shape[-1])]
+    return recent, probed
 
 
 def probed_window_mask(key_clusters: Tensor, probes: Tensor, window: int, exclude_self: bool,
