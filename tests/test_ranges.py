@@ -97,3 +97,63 @@ def test_relative_positions_without_positions_are_refused() -> None:
     lo = hi = torch.zeros(1, 1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="need query_pos and key_pos"):
         get_executor("tiles").ranges(q, k, v, lo, hi, width=2, scale=0.5, rel_pos=rand_rel(4, 2))
+
+
+@pytest.mark.parametrize("backend", ["tiles", "flex"])
+@pytest.mark.parametrize("merge, extras", [(2, "plain"), (3, "relative"), (2, "padding")])
+def test_merged_entries_are_one_softmax_over_their_ranges(backend: str, merge: int, extras: str,
+                                                         monkeypatch) -> None:
+    """merge = p: query row i asks with p entries whose ranges are disjoint; its output is the softmax over their
+    union (each key once), the entries left over for the gathered pass included (stretches of 3 keys, 4 rows)."""
+    passes = []
+    monkeypatch.setattr(ranges, "_gathered", lambda *a, **kw: passes.append(1) or gathered(*a, **kw))
+    B, H, N, Nq, D, width = 2, 2, 41, 23, 8, 6
+    q, k, v = rand_qkv(B, H, Nq, D)
+    _, kk, vv = rand_qkv(B, H, N, D, seed=5)
+    k, v = kk.detach().requires_grad_(), vv.detach().requires_grad_()
+    g = torch.Generator().manual_seed(merge)
+    part = N // merge  # entry t of a row lies in [t·part, (t + 1)·part): disjoint
+    t = torch.arange(Nq * merge) % merge
+    hi = t * part + torch.randint(0, part + 1, (B, H, Nq * merge), generator=g)
+    lo = torch.maximum(hi - torch.randint(0, width + 1, (B, H, Nq * merge), generator=g), t * part)
+    hi[0, 0, :merge] = lo[0, 0, :merge]  # a row that sees nothing
+    key_rows = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N)
+    rel = rand_rel(D, 5) if extras == "relative" else None
+    valid = rand_padding(B, N)[:, None, :] if extras == "padding" else None
+    query_pos = torch.randint(0, N, (B, H, Nq), generator=g)
+    key_pos = torch.arange(N).expand(B, H, N)
+    out, lse = get_executor(backend).ranges(
+        q, k, v, lo, hi, width=width, scale=D**-0.5, merge=merge, key_order=key_rows,
+        key_inverse=key_rows.argsort(-1), key_valid=valid, query_pos=query_pos, key_pos=key_pos, rel_pos=rel,
+        need_lse=True, stretch=3, rows=4)
+    # The definition: row i sees the union of its entries' ranges of the reordered keys.
+    idx = torch.arange(N)
+    seq = ((idx >= lo[..., None]) & (idx < hi[..., None])).view(B, H, Nq, merge, N).any(3)
+    allow = torch.zeros(B, H, Nq, N, dtype=torch.bool).scatter_(-1, key_rows[:, :, None, :].expand(B, H, Nq, N), seq)
+    if valid is not None:
+        allow = allow & valid[:, :, None, :]
+    s = q @ k.transpose(-1, -2) * D**-0.5
+    if rel is not None:
+        a_key, a_value = rel.tables(key_pos[:, :, None, :] - query_pos[..., None], q.dtype)
+        s = s + (q[:, :, :, None, :] * a_key).sum(-1) * D**-0.5
+    seen = allow.any(-1, keepdim=True)
+    p = torch.where(allow, s, float("-inf")).where(seen, 0.0).softmax(-1) * seen
+    ref = p @ v + ((p[..., None] * a_value).sum(-2) if rel is not None else 0)
+    ref_lse = torch.where(seen[..., 0], torch.where(allow, s, float("-inf")).logsumexp(-1), neg_inf(s.dtype))
+    assert passes == [1], "entries were left over for the gathered pass"
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    assert (~seen).any() and seen.any()
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    leaves = [q, k, v] + ([rel.key, rel.value] if rel is not None else [])
+    grad, grad_lse = torch.randn_like(out), torch.randn_like(lse).where(seen[..., 0], 0.0)
+    got = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), leaves)
+    want = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), leaves)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_entries_must_match_the_queries_and_merge() -> None:
+    q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
+    lo = hi = torch.zeros(1, 1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match="12 entries; 8 queries with merge=2 need 16"):
+        get_executor("tiles").ranges(q, k, v, lo, hi, width=2, scale=0.5, merge=2)

@@ -79,11 +79,12 @@ class Executor:
         )
 
     def ranges(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
-               **options) -> tuple[Tensor, Tensor | None]:
-        """Each query entry against its own contiguous range of keys [lo, hi) (at most ``width`` keys): blocks of
-        entries, each one tile of ``tiled`` with its gathered span (``ranges.range_attention``, which documents
-        the options: query rows, key validity, positions for relative distances and the own-key exclusion)."""
-        return range_attention(self, q, k, v, lo, hi, width=width, scale=scale, **options)
+               merge: int = 1, **options) -> tuple[Tensor, Tensor | None]:
+        """Each query entry against its own contiguous range of keys [lo, hi) (at most ``width`` keys), the
+        ``merge`` entries of a query row as one softmax: tiles of entries per stretch of keys, each a tile of
+        ``tiled`` (``ranges.range_attention``, which documents the options: key order, validity, positions for
+        relative distances)."""
+        return range_attention(self, q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
 
 
 EXECUTORS: dict[str, Executor] = {

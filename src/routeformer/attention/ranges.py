@@ -1,25 +1,29 @@
-"""Attention of every query to a contiguous range of keys: the piece behind multi-probe routing.
+"""Attention of query entries to contiguous ranges of keys: the piece behind multi-probe routing.
 
-Query entry m attends to the keys [lo_m, hi_m) of one key sequence, at most ``width`` of them. The ranges are
-arbitrary (several entries may end at the same key, and many keys may end no range), so no band fits. Instead the
-key sequence is cut into stretches of G keys, and every entry goes with the stretch its last key lies in: its keys
-then lie in that stretch and the ``reach = ceil((width - 1) / G)`` before it. The first R entries of every stretch
-form one tile of R rows against the span of reach + 1 stretches, a strided view of the keys (no copy), and all
-tiles are one call of the executor's ``tiled`` with ``rows=R``. R is chosen from the entries' spread (about the
-mean per stretch, a multiple of 8) so that few entries are left over; those few each get a span of keys gathered
-for them (``_gathered``). Time and memory O((N / G · R + leftover) · (width + G) · D).
+Entry m asks with query row m // merge and attends to the keys [lo_m, hi_m) of one key sequence, at most ``width``
+of them; the ``merge`` entries of a query row are one softmax over the union of their ranges (disjoint ranges: a
+key counts once). The ranges are arbitrary (several entries may end at the same key, and many keys may end no
+range), so no band fits. Instead the key sequence is cut into stretches of G keys, and every entry goes with the
+stretch its last key lies in: its keys then lie in that stretch and the ``reach = ceil((width - 1) / G)`` before
+it. The first R entries of every stretch form one tile of R rows against the span of reach + 1 stretches, a strided
+view of the keys (no copy), and all tiles are one call of the executor's ``tiled`` with ``rows=R``. R is chosen
+from the entries' spread (about the mean per stretch, a multiple of 8) so that few entries are left over; those
+few each get a span of keys gathered for them (``_gathered``). The entries' results are merged straight out of the
+tiles (``_Merge``), without laying them out in entry order first. Time and memory
+O((N / G · R + leftover) · (width + G) · D).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .relative import RelativePositions
 from .rows import gather_rows, move_rows
+from .tiles import neg_inf, saw_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executors import Executor
@@ -28,29 +32,33 @@ LEFTOVER = 0.03  # R is the smallest multiple of 8 that leaves at most this shar
 
 
 def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int,
-                    scale: float, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
+                    scale: float, merge: int = 1, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
                     key_valid: Tensor | None = None, query_pos: Tensor | None = None, key_pos: Tensor | None = None,
                     rel_pos: RelativePositions | None = None, need_lse: bool = False, stretch: int | None = None,
                     rows: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Entry m attends to keys lo_m <= j < hi_m of k, v; softmax(q·kᵀ · scale + rel) over them.
+    """Query row i attends to the keys lo_m <= j < hi_m of k, v of its entries m = i·merge … i·merge + merge - 1:
+    softmax(q·kᵀ · scale + rel) over their union.
 
     Args:
-        q: (B, H, M, D) the entries' queries.
+        q: (B, H, Nq, D) the queries; entry m asks with row m // ``merge``.
         k, v: (B, H, N, D) keys and values; the ranges index the sequence k[key_order] (``key_order`` (B, H, N) a
             permutation, e.g. the keys sorted by cluster, and ``key_inverse`` its inverse; default: k as it is).
-        lo, hi: (B, H, M) long with 0 <= lo <= hi <= N and hi - lo <= ``width``.
+        lo, hi: (B, H, Nq · merge) long with 0 <= lo <= hi <= N and hi - lo <= ``width``. The ranges of one row's
+            entries must not overlap (a key in two of them would count twice).
         key_valid: optional bool (B, 1 or H, N) per row of k, False removes the key (padding).
-        query_pos, key_pos: (B, H, M) and (B, H, N) (per row of k) long positions, needed with ``rel_pos``:
+        query_pos, key_pos: (B, H, Nq) and (B, H, N) (per row of k) long positions, needed with ``rel_pos``:
             relative distances are key_pos - query_pos.
         stretch, rows: G and R (defaults: ``range_stretch(width)``, and from the entries' spread; ``rows`` also
             fixes the gathered pass's block rows).
 
     Returns:
-        out (B, H, M, D), zeros for an entry that sees no key, and lse (B, H, M) in float32 or wider
-        (``neg_inf`` exactly for an entry that sees no key) or None, as the executor's operations return them.
+        out (B, H, Nq, D), zeros for a row that sees no key, and lse (B, H, Nq) in float32 or wider (``neg_inf``
+        exactly for a row that sees no key) or None, as the executor's operations return them.
     """
     B, H, N, D = k.shape
-    M = lo.shape[-1]
+    Nq, M = q.shape[2], lo.shape[-1]
+    if Nq * merge != M:
+        raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={merge} need {Nq * merge}")
     if rel_pos is not None and (key_pos is None or query_pos is None):
         raise ValueError("relative positions need query_pos and key_pos")
     G = stretch or range_stretch(width)
@@ -58,17 +66,88 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
         k, v = (move_rows(x, key_order, key_inverse, unreached=False) for x in (k, v))
         key_valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, key_order)
         key_pos = None if key_pos is None else key_pos.gather(-1, key_order)
-    if scale != 1.0:  # once, before the entries are laid out (the executor is called with scale 1)
+    if scale != 1.0:  # once, on the query rows (the executor is called with scale 1)
         q = q * scale
-    sides = _Sides(q, query_pos, lo, hi)
+    sides = _Sides(q, query_pos, lo, hi, merge)
+    keys = _Keys(k, v, key_valid, key_pos, rel_pos)
     if torch.compiler.is_compiling():  # no host read: every entry through the gathered pass, at its size bound
-        return _gathered(executor, sides, k, v, width=width, stretch=G, rows=rows, key_valid=key_valid,
-                         key_pos=key_pos, rel_pos=rel_pos, need_lse=need_lse, bound=True)
+        parts = [_gathered(executor, sides, keys, torch.arange(M, device=k.device).expand(B, H, M), width=width,
+                           stretch=G, rows=rows, bound=True)]
+    else:
+        parts = _tiles(executor, sides, keys, width=width, stretch=G, rows=rows)
+    return _merge(parts, merge, Nq, need_lse)
 
+
+class _Keys(NamedTuple):
+    """The key side, in the order the ranges index: keys, values, validity and positions."""
+
+    k: Tensor
+    v: Tensor
+    valid: Tensor | None
+    pos: Tensor | None
+    rel_pos: RelativePositions | None
+
+
+class _Part(NamedTuple):
+    """The result of one pass over some entries, in its own layout of X slots: out (B, H, X, D), lse (B, H, X), and
+    ``entry`` (B, H, X), the entry in each slot (M for an empty one)."""
+
+    out: Tensor
+    lse: Tensor
+    entry: Tensor
+
+
+class _Sides:
+    """The query side of a set of entries: the (scaled) query rows, their positions, the ranges, and ``merge``."""
+
+    def __init__(self, q: Tensor, pos: Tensor | None, lo: Tensor, hi: Tensor, merge: int) -> None:
+        self.q, self.pos, self.lo, self.hi, self.merge = q, pos, lo, hi, merge
+
+    def at(self, entry: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(lo, hi, position) of the entries in slots ``entry`` (B, H, X), M for an empty slot (range empty)."""
+        M = self.lo.shape[-1]
+        filled = entry < M
+        e = entry.clamp_max(M - 1)
+        lo = torch.where(filled, self.lo.gather(-1, e), 0).view(shape)
+        hi = torch.where(filled, self.hi.gather(-1, e), 0).view(shape)
+        return lo, hi, None if self.pos is None else self.pos.gather(-1, e // self.merge).view(shape)
+
+    def queries(self, entry: Tensor) -> Tensor:
+        """The query rows of the entries in slots ``entry`` (B, H, X) -> (B, H, X, D) (an empty slot gets row 0; its
+        range is empty)."""
+        M = self.lo.shape[-1]
+        return _GatherRows.apply(self.q, torch.where(entry < M, entry // self.merge, 0))
+
+
+class _GatherRows(torch.autograd.Function):
+    """out[..., j, :] = x[..., index[j], :] for rows picked any number of times; the gradient adds them back
+    (index_add), with no intermediate (B, H, M, D) copy."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.shape = x.shape
+        return gather_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        B, H, N, D = ctx.shape
+        flat = (index + torch.arange(B * H, device=index.device).view(B, H, 1) * N).reshape(-1)
+        out = grad.new_zeros(B * H * N, D).index_add_(0, flat, grad.reshape(-1, D))
+        return out.view(B, H, N, D), None
+
+
+def _tiles(executor: Executor, sides: _Sides, keys: _Keys, *, width: int, stretch: int,
+           rows: int | None) -> list[_Part]:
+    """The tiles of R rows per stretch, and the gathered pass for the entries left over."""
+    k = keys.k
+    B, H, N, D = k.shape
+    M, G = sides.lo.shape[-1], stretch
     # Entries in order of hi; group g holds those whose last key lies in stretch g: hi in (g·G, (g + 1)·G].
     n_groups = -(-N // G)
-    order = hi.argsort(dim=-1, stable=True)  # (B, H, M)
-    group = (hi.gather(-1, order) - 1).clamp_min(0) // G
+    order = sides.hi.argsort(dim=-1, stable=True)  # (B, H, M)
+    group = (sides.hi.gather(-1, order) - 1).clamp_min(0) // G
     counts = torch.zeros(B, H, n_groups, dtype=torch.long, device=k.device).scatter_add_(-1, group,
                                                                                        torch.ones_like(group))
     rank = torch.arange(M, device=k.device) - (counts.cumsum(-1) - counts).gather(-1, group)
@@ -82,102 +161,142 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
     span = torch.arange((reach + 1) * G, device=k.device)
     key_index = (torch.arange(n_groups, device=k.device)[:, None] - reach) * G + span  # (ng, S): key of each column
     first, last, query_at = sides.at(entry, (B, H, n_groups, R, 1))
-    mask = (key_index[:, None, :] >= first) & (key_index[:, None, :] < last)  # lo, hi in [0, N]: keys in range
+    # lo, hi lie in [0, N]: the mask also keeps every column outside the keys out, as ``rows`` requires
+    mask = (key_index[:, None, :] >= first) & (key_index[:, None, :] < last)
     delta = None
-    if rel_pos is not None:
-        positions = key_pos.gather(-1, key_index.clamp(0, N - 1).view(1, 1, -1).expand(B, H, -1))
+    if keys.rel_pos is not None:
+        positions = keys.pos.gather(-1, key_index.clamp(0, N - 1).view(1, 1, -1).expand(B, H, -1))
         delta = positions.view(B, H, n_groups, 1, -1) - query_at
-    where = torch.empty_like(slot).scatter_(-1, order, slot)  # entry m -> its slot, or the dump: left over
-    out, lse = executor.tiled(sides.queries(entry, where), k, v, block=G, back=reach, rows=R, tile_mask=mask,
-                              scale=1.0, key_valid=key_valid, rel_pos=rel_pos, rel_delta=delta, empty_rows=True,
-                              need_lse=need_lse)
+    out, lse = executor.tiled(sides.queries(entry), k, keys.v, block=G, back=reach, rows=R, tile_mask=mask,
+                              scale=1.0, key_valid=keys.valid, rel_pos=keys.rel_pos, rel_delta=delta,
+                              need_lse=True)
+    parts = [_Part(out, lse, entry)]
     left = int((~in_tile).sum(-1).max())
     if left:  # the leftover entries, each block of them with its own gathered span
         pick = torch.where(in_tile, M, order).sort(-1).values[..., :left]  # leftover entries first, then M
-        number = torch.full((B, H, M + 1), left, dtype=torch.long, device=k.device).scatter_(
-            -1, pick, torch.arange(left, device=k.device).expand(B, H, left))[..., :M]  # entry -> its place, or left
-        sub = sides.subset(pick, number)
-        more, more_lse = _gathered(executor, sub, k, v, width=width, stretch=G, rows=rows, key_valid=key_valid,
-                                   key_pos=key_pos, rel_pos=rel_pos, need_lse=need_lse)
-        where = torch.where(where == dump, dump + number, where)
-        entry = torch.cat([entry, torch.where(pick < M, pick, M)], dim=-1)
-        out = torch.cat([out, more], dim=2)
-        lse = None if lse is None else torch.cat([lse, more_lse], dim=2)
-    out = move_rows(out, where, entry)
-    return out, None if lse is None else lse.gather(-1, where)
+        parts.append(_gathered(executor, sides, keys, pick, width=width, stretch=G, rows=rows))
+    return parts
 
 
-class _Sides:
-    """The query side of a set of entries: their (scaled) queries, positions and ranges."""
-
-    def __init__(self, q: Tensor, pos: Tensor | None, lo: Tensor, hi: Tensor) -> None:
-        self.q, self.pos, self.lo, self.hi = q, pos, lo, hi
-
-    def at(self, entry: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(lo, hi, position) of the entries in slots ``entry`` (B, H, X), M for an empty slot (range empty)."""
-        M = self.lo.shape[-1]
-        filled = entry < M
-        e = entry.clamp_max(M - 1)
-        lo = torch.where(filled, self.lo.gather(-1, e), 0).view(shape)
-        hi = torch.where(filled, self.hi.gather(-1, e), 0).view(shape)
-        return lo, hi, None if self.pos is None else self.pos.gather(-1, e).view(shape)
-
-    def queries(self, entry: Tensor, where: Tensor) -> Tensor:
-        """The queries laid out in slots: ``entry`` (B, H, X) the entry of each slot (M: empty, its query masked
-        anyway), ``where`` (B, H, M) each entry's slot -> (B, H, X, D)."""
-        return move_rows(self.q, entry, where)
-
-    def subset(self, pick: Tensor, number: Tensor) -> _Sides:
-        """The entries ``pick`` (B, H, L) (M: none; their ranges are empty), ``number`` (B, H, M) each entry's
-        place in ``pick`` (L where it has none)."""
-        M = self.lo.shape[-1]
-        real, e = pick < M, pick.clamp_max(M - 1)
-        return _Sides(move_rows(self.q, pick, number), None if self.pos is None else self.pos.gather(-1, e),
-                      torch.where(real, self.lo.gather(-1, e), 0), torch.where(real, self.hi.gather(-1, e), 0))
-
-
-def _gathered(executor: Executor, sides: _Sides, k: Tensor, v: Tensor, *, width: int, stretch: int,
-              rows: int | None, key_valid: Tensor | None, key_pos: Tensor | None, rel_pos: RelativePositions | None,
-              need_lse: bool, bound: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Entries in blocks of at most T rows whose hi lie in one stretch of G keys, each block one tile against its own
-    gathered span of width + G - 1 keys (keys in the ranges' order). ``bound``: as many blocks as there can be
-    (M / T + N / G), not as there are (no host read)."""
+def _gathered(executor: Executor, sides: _Sides, keys: _Keys, pick: Tensor, *, width: int, stretch: int,
+              rows: int | None, bound: bool = False) -> _Part:
+    """The entries ``pick`` (B, H, L) (M: none) in blocks of at most T rows whose hi lie in one stretch of G keys,
+    each block one tile against its own gathered span of width + G - 1 keys (keys in the ranges' order).
+    ``bound``: as many blocks as there can be (L / T + N / G), not as there are (no host read)."""
+    k, v = keys.k, keys.v
     B, H, N, D = k.shape
-    lo, hi = sides.lo, sides.hi
-    M = lo.shape[-1]
-    dev = k.device
-    G = stretch
-    T = rows or max(8, min(128, round(M * G / N)))
+    M, L, dev, G = sides.lo.shape[-1], pick.shape[-1], k.device, stretch
+    real = pick < M
+    hi = torch.where(real, sides.hi.gather(-1, pick.clamp_max(M - 1)), N + 1)  # the picked entries' ends; none last
+    T = rows or max(8, min(128, round(L * G / N)))
     S = width + G - 1
     order = hi.argsort(dim=-1, stable=True)
-    group = (hi.gather(-1, order) - 1).clamp_min(0) // G
+    group = (hi.gather(-1, order) - 1).clamp(0, N - 1) // G
     n_groups = (N - 1) // G + 1
     counts = torch.zeros(B, H, n_groups, dtype=torch.long, device=dev).scatter_add_(-1, group, torch.ones_like(group))
-    rank = torch.arange(M, device=dev) - (counts.cumsum(-1) - counts).gather(-1, group)
+    rank = torch.arange(L, device=dev) - (counts.cumsum(-1) - counts).gather(-1, group)
     blocks = (counts + T - 1) // T
     block = (blocks.cumsum(-1) - blocks).gather(-1, group) + rank // T
-    n_blocks = -(-M // T) + n_groups if bound else max(1, int(blocks.sum(-1).max()))
+    n_blocks = -(-L // T) + n_groups if bound else max(1, int(blocks.sum(-1).max()))
     slot = block * T + rank % T
-    entry = torch.full((B, H, n_blocks * T), M, dtype=torch.long, device=dev).scatter_(-1, slot, order)
-    where = torch.empty_like(slot).scatter_(-1, order, slot)  # entry m -> its slot
+    entry = torch.full((B, H, n_blocks * T), M, dtype=torch.long, device=dev).scatter_(-1, slot, pick.gather(-1, order))
     start = torch.zeros(B, H, n_blocks, dtype=torch.long, device=dev).scatter_(-1, block, group) * G + 1 - width
-    keys = start[..., None] + torch.arange(S, device=dev)  # (B, H, NB, S)
-    key_index = keys.clamp(0, N - 1).view(B, H, n_blocks * S)
+    key_at = start[..., None] + torch.arange(S, device=dev)  # (B, H, NB, S)
+    key_index = key_at.clamp(0, N - 1).view(B, H, n_blocks * S)
     first, last, query_at = sides.at(entry, (B, H, n_blocks, T, 1))
-    keys = keys[:, :, :, None, :]
-    mask = (keys >= first) & (keys < last)
-    if key_valid is not None:
-        mask = mask & key_valid.expand(B, H, N).gather(-1, key_index).view(B, H, n_blocks, 1, S)
-    delta = None if rel_pos is None else key_pos.gather(-1, key_index).view(B, H, n_blocks, 1, S) - query_at
+    key_at = key_at[:, :, :, None, :]
+    mask = (key_at >= first) & (key_at < last)
+    if keys.valid is not None:
+        mask = mask & keys.valid.expand(B, H, N).gather(-1, key_index).view(B, H, n_blocks, 1, S)
+    delta = None if keys.rel_pos is None else (keys.pos.gather(-1, key_index).view(B, H, n_blocks, 1, S) - query_at)
     kb, vb = gather_rows(k, key_index), gather_rows(v, key_index)
     heads = H * n_blocks
     out, lse = executor.tiled(
-        sides.queries(entry, where).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D), block=T,
-        tile_mask=mask.view(B, heads, 1, T, S), scale=1.0, rel_pos=rel_pos,
-        rel_delta=None if delta is None else delta.reshape(B, heads, 1, T, S), empty_rows=True, need_lse=need_lse,
+        sides.queries(entry).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D), block=T,
+        tile_mask=mask.view(B, heads, 1, T, S), scale=1.0, rel_pos=keys.rel_pos,
+        rel_delta=None if delta is None else delta.reshape(B, heads, 1, T, S), need_lse=True,
     )
-    out = move_rows(out.view(B, H, n_blocks * T, D), where, entry)
-    return out, None if lse is None else lse.view(B, H, n_blocks * T).gather(-1, where)
+    return _Part(out.view(B, H, n_blocks * T, D), lse.view(B, H, n_blocks * T), entry)
+
+
+def _merge(parts: list[_Part], merge: int, rows: int, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """Each query row's ``merge`` entries, out of the parts' slots, as one softmax over their keys (``_Merge``)."""
+    B, H, _, D = parts[0].out.shape
+    M = rows * merge
+    entry = torch.cat([p.entry for p in parts], -1) if len(parts) > 1 else parts[0].entry  # (B, H, X)
+    # where each entry sits among the slots of the parts laid end to end (an entry is in exactly one slot)
+    slots = torch.arange(entry.shape[-1], device=entry.device).expand_as(entry)
+    source = torch.empty(B, H, M + 1, dtype=torch.long, device=entry.device).scatter_(-1, entry, slots)[..., :M]
+    lse = torch.cat([p.lse for p in parts], -1) if len(parts) > 1 else parts[0].lse
+    out, merged_lse = _Merge.apply(source.view(B, H, rows, merge), entry, lse, merge, *(p.out for p in parts))
+    return out, merged_lse if need_lse else None
+
+
+class _Merge(torch.autograd.Function):
+    """Outputs of slots, merged per query row: o_i = Σ_t w_it o_{s(i,t)}, w_it = exp(l_{s(i,t)} - L_i),
+    L_i = logsumexp_t l_{s(i,t)} (a slot whose row saw no key has weight 0 and leaves L_i alone).
+
+    The slots' outputs come in several parts laid end to end (the tiles, the gathered pass); ``source`` (B, H, Nq,
+    merge) is each entry's slot among them, ``entry`` (B, H, X) each slot's entry (M: none), ``lse`` (B, H, X) the
+    slots' log-sum-exp. The gradient reaches the slots straight from the rows' (no (B, H, M, D) tensor in entry
+    order): d o_s = w_s · d o_i and d l_s = w_s · (d o_i · o_s - d o_i · o_i + d L_i), with s = s(i, t).
+    """
+
+    @staticmethod
+    def forward(ctx, source: Tensor, entry: Tensor, lse: Tensor, merge: int, *outs: Tensor):  # type: ignore[override]
+        B, H, Nq, p = source.shape
+        starts = [0]
+        for o in outs:
+            starts.append(starts[-1] + o.shape[2])
+        slot_lse = lse.gather(-1, source.view(B, H, Nq * p)).view(B, H, Nq, p)
+        seen = saw_key(slot_lse)
+        floor = neg_inf(lse.dtype)
+        slot_lse = torch.where(seen, slot_lse, floor)
+        total = slot_lse.logsumexp(-1, keepdim=True)
+        weight = torch.where(seen, (slot_lse - total).exp(), 0.0)  # (B, H, Nq, p)
+        merged = None
+        for t in range(p):
+            part = _pick(outs, starts, source[..., t])
+            merged = part.mul_(weight[..., t, None].to(part.dtype)) if merged is None else merged.addcmul_(
+                part, weight[..., t, None].to(part.dtype))
+        total = torch.where(seen.any(-1, keepdim=True), total, floor)[..., 0]
+        ctx.save_for_backward(source, entry, weight, merged, *outs)
+        ctx.merge, ctx.starts = merge, starts
+        return merged, total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, grad_total: Tensor | None):  # type: ignore[override]
+        source, entry, weight, merged, *outs = ctx.saved_tensors
+        B, H, Nq, p = source.shape
+        M = Nq * p
+        X = entry.shape[-1]
+        # Per slot: its weight and its query row (an empty slot: weight 0, row 0).
+        slot_weight = weight.new_zeros(B, H, X + 1).scatter_(-1, source.view(B, H, M), weight.view(B, H, M))[..., :X]
+        row = torch.where(entry < M, entry // ctx.merge, 0)
+        along = (grad.to(weight.dtype) * merged.to(weight.dtype)).sum(-1)  # (B, H, Nq): d o_i · o_i
+        if grad_total is not None:
+            along = along - grad_total
+        grad_outs, grad_lse = [], []
+        for i, out in enumerate(outs):
+            lo, hi = ctx.starts[i], ctx.starts[i + 1]
+            w, r = slot_weight[..., lo:hi], row[..., lo:hi]
+            g = gather_rows(grad, r).mul_(w[..., None].to(grad.dtype))  # (B, H, X_i, D)
+            grad_outs.append(g)
+            grad_lse.append((g.to(w.dtype) * out.to(w.dtype)).sum(-1) - w * along.gather(-1, r))
+        lse_grad = torch.cat(grad_lse, -1) if len(grad_lse) > 1 else grad_lse[0]
+        return (None, None, lse_grad, None, *grad_outs)
+
+
+def _pick(outs: tuple[Tensor, ...], starts: list[int], index: Tensor) -> Tensor:
+    """Rows ``index`` (B, H, Nq) of the parts ``outs`` laid end to end -> a fresh (B, H, Nq, D)."""
+    first = outs[0].shape[2]
+    rows = gather_rows(outs[0], index.clamp_max(first - 1))
+    for i in range(1, len(outs)):  # the few rows of later parts (the gathered pass's leftovers)
+        where = (index >= starts[i]) & (index < starts[i + 1])
+        if bool(where.any()):
+            b, h, n = where.nonzero(as_tuple=True)
+            rows[b, h, n] = outs[i][b, h, index[b, h, n] - starts[i]]
+    return rows
 
 
 def _tile_rows(counts: Tensor, entries: int) -> int:

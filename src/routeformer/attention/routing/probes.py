@@ -65,27 +65,23 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
         return _dense(q, k, v, key_clusters, probes, window=window, exclude_self=exclude_self, scale=scale,
                       executor=executor, key_valid=key_valid, rel_pos=rel_pos, gates=gates)
     lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
-    pos = torch.arange(N, device=q.device)
-    queries = (q * scale)[:, :, :, None].expand(B, H, N, p, D).reshape(B, H, N * p, D)  # entry i·p + t: query i
-    out, lse = executor.ranges(queries, k, v, lo, hi, width=window, scale=1.0, key_order=sort.order,
-                               key_inverse=sort.inverse, key_valid=key_valid,
-                               query_pos=pos.repeat_interleave(p).expand(B, H, N * p), key_pos=pos.expand(B, H, N),
-                               rel_pos=rel_pos, need_lse=True)
-    out, lse = out.view(B, H, N, p, D), lse.view(B, H, N, p)
-    seen = saw_key(lse)  # (B, H, N, p)
-    if gates is not None:
-        merged = (out * gates[..., None].to(out.dtype)).sum(3)
-    else:  # softmax over the union of disjoint key sets: each probe's weighted by its share exp(lse_t - lse)
-        share = (lse - lse.logsumexp(-1, keepdim=True)).exp()  # a probe that saw nothing has lse = neg_inf: 0
-        merged = (out * share[..., None].to(out.dtype)).sum(3)
-    seen = seen.any(-1)
+    pos = torch.arange(N, device=q.device).expand(B, H, N)
+    ranges = dict(width=window, scale=scale, key_order=sort.order, key_inverse=sort.inverse, key_valid=key_valid,
+                  key_pos=pos, rel_pos=rel_pos, need_lse=True)
+    if gates is None:  # one softmax over the union of the probes' (disjoint) ranges
+        merged, lse = executor.ranges(q, k, v, lo, hi, merge=p, query_pos=pos, **ranges)
+    else:  # each probe's softmax apart, scaled by its gate
+        out, lse = executor.ranges(q.repeat_interleave(p, dim=2), k, v, lo, hi, query_pos=pos.repeat_interleave(p, -1),
+                                   **ranges)
+        merged = (out.view(B, H, N, p, D) * gates[..., None].to(out.dtype)).sum(3)
+        lse = lse.view(B, H, N, p).logsumexp(-1)  # neg_inf + log p where no probe saw a key: still unseen
     if not exclude_self:
         return merged
     # Shared QK: a query that sees no other key sees its own (if it is a real key; in its own, first probe).
     own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]
     if gates is not None:
         own = own * gates[..., :1].to(own.dtype)
-    alone = ~seen if key_valid is None else ~seen & key_valid
+    alone = ~saw_key(lse) if key_valid is None else ~saw_key(lse) & key_valid
     return torch.where(alone[..., None], own, merged)
 
 

@@ -92,7 +92,10 @@ def tiled_attention(
         rows: query rows per block when the queries are not the keys' own positions: q then holds exactly
             n_blocks · rows queries (n_blocks = ceil(Nk / block)), whose block b sees key blocks b - back … b + ahead
             (a layout the caller chose, e.g. the queries whose keys end in each key block); masks are (rows, S),
-            and ``restrict``, ``rel_unit`` and ``rel_band``, which read query positions, do not apply.
+            and ``restrict``, ``rel_unit`` and ``rel_band``, which read query positions, do not apply. The caller
+            owns the mask: ``tile_mask`` is required and must keep out every span column beyond the keys, and a row
+            it leaves without a key is not zeroed (its lse lies below ``neg_inf / 2``, so ``saw_key`` is False, and
+            its output is finite and meaningless: the caller discards it, as ``ranges`` does).
 
     Returns:
         out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
@@ -112,6 +115,8 @@ def tiled_attention(
         if restrict is not None or rel_unit is not None or rel_band is not None:
             raise ValueError("with rows, queries are not at key positions: restrict, rel_unit and rel_band do not "
                              "apply (give distances as rel_delta)")
+        if tile_mask is None:
+            raise ValueError("with rows, the caller gives the tile mask (it keeps out the columns beyond the keys)")
     else:
         if Nk != Nq:
             raise ValueError(f"banded tiles need as many keys as queries, got {Nq} queries and {Nk} keys")
@@ -139,7 +144,7 @@ def tiled_attention(
     mask = None if allow is None else allow.view(1, 1, 1, T, span)
     if tile_mask is not None:
         mask = _and(mask, tile_mask)
-    if not single and (back or ahead or padded):  # span columns that are real key indices in [0, Nq)
+    if not single and rows is None and (back or ahead or padded):  # span columns that are keys: [0, Nk)
         mask = _and(mask, key_spans(_pad_seq(q.new_ones(1, 1, Nk, dtype=torch.bool), padded)))
     if key_valid is not None:
         mask = _and(mask, key_spans(_pad_seq(key_valid, padded)))
@@ -185,7 +190,7 @@ def tiled_attention(
     # (see ``neg_inf``). Only data-dependent masks (padding, per-tile masks) or a static mask with an empty row can
     # empty a real row; out-of-range keys and groups cannot (a query always has its own key in range and in its
     # group), and padded rows are cut off below.
-    if mask is not None and (key_valid is not None or tile_mask is not None or empty_rows):
+    if mask is not None and rows is None and (key_valid is not None or tile_mask is not None or empty_rows):
         empty = ~mask.any(-1)  # (…, nb, T)
         out = out.masked_fill(empty[..., None], 0.0)
         if lse is not None:

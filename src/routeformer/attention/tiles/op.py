@@ -148,6 +148,7 @@ def _tile_setup(ctx, inputs, output) -> None:
     out, _, probs = output
     ctx.save_for_backward(qt, k, v, probs, out, key_table, value_table)
     ctx.windows, ctx.offset = windows, offset
+    ctx.set_materialize_grads(False)  # no (X, T, S) zeros for the probabilities' gradient, which nothing uses
 
 
 def _tile_backward(ctx, grad_out, grad_lse, grad_probs):
