@@ -36,11 +36,18 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     assert abs(float(total) - sum(float(x) for x in shares.strip("()").split("+"))) < 0.2
     assert 0 <= float(routed["in window %"].split()[0]) <= float(routed["in cluster %"].split()[0]) <= 100
 
-def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops() -> None:
-    rows = recall.run(["passkey"], ["local+routing", "local+routing@routing_warmup=1", "full"], seq_len=48, gap=12,
-                      window=4, dim=16, steps=2, batch=2, eval_sequences=4, echo=lambda *_: None)
-    routed, warm, full = (r["train_flops"] for r in rows)
-    assert routed < warm < full  # one of two steps dense: between routing all along and full attention
+def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops(monkeypatch) -> None:
+    made = []
+    make = recall.RecallTask.make
+    monkeypatch.setattr(recall.RecallTask, "make", lambda self, b, seed: made.append((self.seq_len, b))
+                        or make(self, b, seed))
+    rows = recall.run(["passkey"], ["local+routing", "local+routing@routing_warmup=1",
+                                    "local+routing@routing_warmup=1@routing_warmup_len=16", "full"], seq_len=48,
+                      gap=12, window=4, dim=16, steps=2, batch=2, eval_sequences=4, echo=lambda *_: None)
+    routed, warm, short, full = (r["train_flops"] for r in rows)
+    assert routed < short < warm < full  # one of two steps dense: between routing all along and full attention
+    # the short warm-up's step trains on 3 × 2 sequences of 16 tokens, the same tokens as 2 of 48
+    assert made[6:9] == [(16, 6), (48, 2), (48, 4)]  # then the second step, then the scoring (3 calls a row)
 
 
 @pytest.mark.parametrize("args, message", [

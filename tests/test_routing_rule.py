@@ -131,3 +131,39 @@ def test_training_flops_count_the_dense_warm_up() -> None:
     assert warm.flops_per_token(step=9) - plain.flops_per_token() == pytest.approx(extra)
     assert warm.training_flops(30, 100) == pytest.approx(plain.training_flops(30, 100) + 10 * 100 * extra)
     assert warm.training_flops(5, 100) == pytest.approx(plain.training_flops(5, 100) + 5 * 100 * extra)
+
+
+def test_a_warm_up_at_a_shorter_length_is_counted_at_that_length() -> None:
+    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", window=8,
+                num_clusters=8, routing_window=8, routing_probes=2, routing_warmup=10)
+    full, short = (TransformerLM(TransformerConfig(**base, routing_warmup_len=n)) for n in (None, 16))
+    assert [short.config.train_len(s) for s in (0, 9, 10, 100)] == [16, 16, 64, 64]
+    assert [full.config.train_len(s) for s in (0, 9, 10)] == [64, 64, 64]
+    # the same tokens per step, each scoring the keys of a 16-token context while the warm-up lasts
+    warm = 10 * 100 * short.flops_per_token(16, step=0)
+    assert short.training_flops(30, 100) == pytest.approx(warm + 20 * 100 * short.flops_per_token())
+    assert short.training_flops(30, 100) < full.training_flops(30, 100)
+    assert short.flops_per_token(16, step=0) < full.flops_per_token(64, step=0)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"routing_warmup_len": 16}, "routing_warmup is 0"),
+    ({"routing_warmup": 5, "routing_warmup_len": 24}, r"must divide seq_len \(64\)"),
+    ({"routing_warmup": 5, "routing_warmup_len": 0}, "routing_warmup_len must be a positive integer"),
+])
+def test_bad_warm_up_lengths(fields: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1",
+                          window=8, num_clusters=4, **fields)
+
+
+def test_cut_sequences_keeps_every_next_token_prediction() -> None:
+    from routeformer.train.loop import cut_sequences
+
+    tokens = torch.arange(2 * 13).view(2, 13)  # (B, L + 1) with L = 12
+    pieces = cut_sequences(tokens, 4)
+    assert pieces.shape == (6, 5)
+    inputs, targets = pieces[:, :-1].reshape(2, 12), pieces[:, 1:].reshape(2, 12)
+    assert torch.equal(inputs, tokens[:, :-1]) and torch.equal(targets, tokens[:, 1:])
+    with pytest.raises(ValueError, match="cannot cut sequences of 12 tokens into pieces of 5"):
+        cut_sequences(tokens, 5)

@@ -298,3 +298,22 @@ def test_every_option_and_argument_is_explained() -> None:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
             assert action.help, f"{parser.prog}: {action.option_strings or action.dest} has no help"
+
+
+def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatch) -> None:
+    """routing_warmup_len: while routing's warm-up lasts, the trainer cuts each batch into shorter sequences (the
+    same tokens); then it trains at seq_len."""
+    from routeformer.model import TransformerLM
+
+    seen = []
+    forward = TransformerLM.forward
+
+    def recording(self, tokens, *args, **kwargs):
+        if self.training:
+            seen.append(tuple(tokens.shape))
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "forward", recording)
+    run = setup["root"] / "short-warm-up"
+    assert train(setup, run, "--set", "routing_warmup=3", "--set", "routing_warmup_len=8", "--max-steps", "5") == 0
+    assert seen == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up

@@ -72,16 +72,21 @@ def keys_per_query(config: TransformerConfig) -> float:
     return sum(c * h for c, h in heads) / sum(h for _, h in heads)
 
 
-def train(model: TransformerLM, task: RecallTask, *, steps: int, batch: int, lr: float,
-          warmup: int = 50) -> float:
-    """Train on batches of seeds 0 … steps - 1; returns seconds per step."""
+def train(model: TransformerLM, task: RecallTask | Callable[[int], RecallTask], *, steps: int, batch: int,
+          lr: float, warmup: int = 50) -> float:
+    """Train on batches of seeds 0 … steps - 1; returns seconds per step. ``task``: the task, or the task at each
+    length, for warm-ups that train on shorter sequences (``TransformerConfig.train_len``): those steps draw
+    batch · seq_len / length sequences of that length, the same number of tokens."""
+    at = task if callable(task) else (lambda n: task)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = TrainConfig(lr=lr, min_lr=0.0, warmup_steps=min(warmup, steps), max_steps=steps)  # warm-up, cosine
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: learning_rate(s + 1, schedule) / lr)
     model.train()
     start = time.perf_counter()
+    seq_len = model.config.seq_len
     for step in range(steps):
-        b = task.make(batch, step)
+        n = model.config.train_len(step)
+        b = at(n).make(batch * seq_len // n, step)
         logits = model(b.tokens)
         loss = F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
@@ -146,21 +151,26 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
         task = TASKS[task_name](seq_len=seq_len, min_gap=gap, **options)
         base = dict(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads, seq_len=seq_len, window=window,
                     num_clusters=num_clusters, routing_window=routing_window)
-        built[task_name] = task, [TransformerConfig(**{**base, **attention_config(name, heads), **(extra or {})})
-                                  for name in attentions]
+        configs = [TransformerConfig(**{**base, **attention_config(name, heads), **(extra or {})})
+                   for name in attentions]
+        # Warm-ups at a shorter length train on the task at that length, its gap just beyond local reach.
+        lengths = {c.train_len(0) for c in configs} - {seq_len}
+        short = {n: TASKS[task_name](seq_len=n, min_gap=depth * (window - 1), **options) for n in lengths}
+        built[task_name] = (lambda n, task=task, short=short: short.get(n, task)), configs
     echo(f"# recall benchmark: N={seq_len}, gap>{gap}, mqar facts={facts}, depth={depth}, dim={dim}, heads={heads}, "
          f"window={window}, steps={steps}, batch={batch}, lr={lr}, seeds={' '.join(map(str, seeds))}, "
          f"threads={torch.get_num_threads()}")
     rows: list[dict] = []
     for task_name in tasks:
-        task, configs = built[task_name]
+        tasks_at, configs = built[task_name]
+        task = tasks_at(seq_len)
         first = None  # the task's first row (full attention in the default list) is the baseline
         for name, config in zip(attentions, configs, strict=True):
             results, times = [], []
             for seed in seeds:
                 torch.manual_seed(seed)
                 model = TransformerLM(config)
-                times.append(train(model, task, steps=steps, batch=batch, lr=lr))
+                times.append(train(model, tasks_at, steps=steps, batch=batch, lr=lr))
                 results.append(evaluate(model, task, sequences=eval_sequences))
             row = {"task": task_name, "attention": name, "chance": task.chance, "steps": steps,
                    "step_s": sum(times) / len(times), "keys_per_query": keys_per_query(config),

@@ -5,6 +5,8 @@ data with the same parameters and the same wall-clock budget.
 
 Each row is ``routeformer train`` (the shipped default configuration, its data set and schedule) with the row's
 attention, the given context and a budget of ``--minutes`` of training, then scored on the whole validation split.
+``train TFLOP`` is the estimated work of the steps it took (``TransformerLM.training_flops``: a routing warm-up
+counted at its own cost and length).
 The cosine schedule runs over ``--steps``: a row that reaches the time budget first stops where it is in the
 schedule, so a faster mechanism takes more steps and decays further, as it would in any budgeted run. The run
 directories stay under ``--out`` for inspection.
@@ -16,6 +18,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from ..model import TransformerLM
 from .measure import format_table
 from .recall import attention_config
 
@@ -48,8 +51,10 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
              f"--max-minutes {minutes} --out {run_dir}")
         result = train(run_config, run_dir, echo=lambda *_: None)
         model = run_config.model
+        flops = TransformerLM(model).training_flops(result.step, run_config.train.batch_size * model.seq_len)
         rows.append({"attention": name, "seq_len": model.seq_len, "steps": result.step, "minutes": result.minutes,
-                     "valid": result.valid, "unit": result.unit, "heads": model.describe_heads()})
+                     "train_flops": flops, "valid": result.valid, "unit": result.unit,
+                     "heads": model.describe_heads()})
         echo(table(rows[-1:]).splitlines()[-1])
     echo("")
     echo(table(rows))
@@ -57,8 +62,9 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
 
 
 def table(rows: list[dict]) -> str:
-    return format_table(["attention", "seq_len", "steps", "minutes", "valid", "head options"],
+    return format_table(["attention", "seq_len", "steps", "minutes", "train TFLOP", "valid", "head options"],
                         [[r["attention"], r["seq_len"], r["steps"], f"{r['minutes']:.1f}",
+                          f"{r['train_flops'] / 1e12:.2f}",
                           "n/a" if r["valid"] is None or math.isnan(r["valid"]) else f"{r['valid']:.3f} {r['unit']}",
                           r["heads"]]
                          for r in rows])

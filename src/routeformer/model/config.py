@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ..attention.checks import positive_int
 from ..attention.executors import check_backend
 from ..attention.kernels import check_kernel
-from ..attention.kinds.base import HeadKind
+from ..attention.kinds.base import HeadKind, Warmup
 from ..attention.registry import KINDS, default_attention, get_kind
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
@@ -84,6 +84,9 @@ class TransformerConfig:
         routing_balance: the step of the bias that balances the routing clusters between optimiser steps (0: the
             paper's plain argmax).
         routing_warmup: optimiser steps of dense causal attention before the routing heads route (0: none).
+        routing_warmup_len: the sequence length the warm-up trains at (None: seq_len; it must divide seq_len): the
+            trainers cut each batch into sequences that long while the warm-up lasts, the same tokens at a
+            fraction of the dense attention's cost.
         routing_gate: weigh each probed cluster by the query's softmax over its centroid scores.
         stride: strided heads' l; default round(sqrt(seq_len)). Also the row width of factorized positions.
         block, summary: fixed heads' l and c.
@@ -128,6 +131,7 @@ class TransformerConfig:
     routing_probes: int = 1
     routing_balance: float = 0.0
     routing_warmup: int = 0
+    routing_warmup_len: int | None = None
     routing_gate: bool = False
     stride: int | None = None
     block: int = 128
@@ -209,6 +213,8 @@ class TransformerConfig:
         if isinstance(self.routing_warmup, bool) or not isinstance(self.routing_warmup, int) or self.routing_warmup < 0:
             raise ValueError(f"routing_warmup must be a non-negative integer (optimiser steps), got "
                              f"{self.routing_warmup!r}")
+        if self.routing_warmup_len is not None:
+            positive_int("routing_warmup_len", self.routing_warmup_len)
         for name in ("shared_qk", "separate_routing", "routing_gate", "checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -270,13 +276,20 @@ class TransformerConfig:
         n = seq_len or self.seq_len
         return {g.kind.name: g.kind.cost(g.options, n, step) for layer in self.head_groups() for g in layer}
 
-    def warmup_steps(self, seq_len: int | None = None) -> list[int]:
-        """The optimiser steps at which some kind's warm-up ends (sorted, without 0): where the cost per step
-        changes."""
-        n = seq_len or self.seq_len
-        ends = {g.kind.warmup(g.options, n)[0] for layer in self.head_groups() for g in layer
-                if g.kind.warmup is not None}
-        return sorted(e for e in ends if e > 0)
+    def warmups(self) -> list[Warmup]:
+        """The warm-ups of the kinds the model uses (``HeadKind.warmup``), those that last a step or more."""
+        found = [g.kind.warmup(g.options) for layer in self.head_groups() for g in layer if g.kind.warmup is not None]
+        return [w for w in found if w.steps > 0]
+
+    def cost_changes(self) -> list[int]:
+        """The optimiser steps (counted from 0) at which some kind's warm-up ends: where the cost per step changes."""
+        return sorted({w.steps for w in self.warmups()})
+
+    def train_len(self, step: int) -> int:
+        """The sequence length to train at optimiser step ``step`` (counted from 0): the shortest length a warm-up
+        still running asks for, else seq_len. Batches are cut into sequences that long (the same tokens)."""
+        lengths = [w.length for w in self.warmups() if step < w.steps and w.length is not None]
+        return min(lengths, default=self.seq_len)
 
     def describe_heads(self) -> str:
         """The options of each kind the model uses: 'local: window=128; routing: k=16, w=16'."""

@@ -164,10 +164,12 @@ class TransformerLM(nn.Module):
                         for layer in c.head_groups() for g in layer)
         return (dense + attention) * (3 if training else 1)
 
-    def training_flops(self, steps: int, tokens_per_step: int, seq_len: int | None = None) -> float:
-        """Estimated FLOPs of ``steps`` optimiser steps of ``tokens_per_step`` tokens each, warm-ups included."""
+    def training_flops(self, steps: int, tokens_per_step: int) -> float:
+        """Estimated FLOPs of ``steps`` optimiser steps of ``tokens_per_step`` tokens each, warm-ups included (at
+        the length each trains at, ``TransformerConfig.train_len``)."""
         total, done = 0.0, 0
-        for end in [*(e for e in self.config.warmup_steps(seq_len) if e < steps), steps]:
-            total += (end - done) * tokens_per_step * self.flops_per_token(seq_len, step=done)
+        for end in [*(e for e in self.config.cost_changes() if e < steps), steps]:
+            n = self.config.train_len(done)
+            total += (end - done) * tokens_per_step * self.flops_per_token(n, step=done)
             done = end
         return total

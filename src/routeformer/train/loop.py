@@ -118,8 +118,11 @@ class Loop:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
+        length = self.core.config.train_len(step - 1)  # shorter during a warm-up that asks for it
         for micro in range(cfg.grad_accum):
             tokens = self.sampler.batch(step, micro, cfg.grad_accum).to(self.procs.device, non_blocking=True)
+            if length < self.seq_len:
+                tokens = cut_sequences(tokens, length)
             last = micro == cfg.grad_accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
@@ -139,6 +142,15 @@ class Loop:
         self.core.after_optimizer_step(step)
         # This rank's loss (one device-to-host copy a step, not one per micro-batch); the loop averages ranks.
         return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
+
+
+def cut_sequences(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, L + 1) training tokens (inputs and the next token) -> (B · L / length, length + 1): each sequence cut
+    into L / length sequences, the same tokens predicted from a shorter context (L a multiple of length)."""
+    B, L = tokens.shape[0], tokens.shape[1] - 1
+    if L % length:
+        raise ValueError(f"cannot cut sequences of {L} tokens into pieces of {length}")
+    return tokens.unfold(1, length + 1, length).reshape(B * (L // length), length + 1)
 
 
 def _clock(seconds: float) -> str:

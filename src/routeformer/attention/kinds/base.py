@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -192,6 +192,15 @@ class HeadGroup(nn.Module):
         return torch.stack(outs, 2)
 
 
+class Warmup(NamedTuple):
+    """How a kind starts training (``HeadKind.warmup``): for ``steps`` optimiser steps it costs
+    ``keys_per_query(n)`` keys per query at context n, trained on sequences of ``length`` (None: the model's)."""
+
+    steps: int
+    keys_per_query: Callable[[int], float]
+    length: int | None = None
+
+
 @dataclass(frozen=True)
 class HeadKind:
     """A registry entry: everything the rest of the package knows about a kind of head.
@@ -202,8 +211,10 @@ class HeadKind:
             random projections).
         keys_per_query: (options, n) -> the mean number of keys one query scores at context n (plus any other
             per-query work in key-equivalents); ``TransformerLM.flops_per_token`` counts it.
-        warmup: (options, n) -> (steps, keys per query) for kinds that start training another way (routing's
-            dense warm-up): the first ``steps`` optimiser steps cost that many keys per query instead.
+        warmup: (options, n) -> ``Warmup`` for kinds that start training another way (routing's dense warm-up):
+            for its first ``steps`` optimiser steps the kind costs ``keys_per_query(n)`` instead, and asks to be
+            trained on sequences of ``length`` (the trainers cut each batch into sequences that long; None: the
+            model's).
         options: (config, heads) -> the kind's typed options, validated (errors name the config field), or None.
             ``heads``: this kind's heads in the layer. Default: ``option_type(**config.options[name])``.
         option_type: the options dataclass read from ``TransformerConfig.options[name]`` when ``options`` is not
@@ -223,7 +234,7 @@ class HeadKind:
     name: str
     build: Callable[[Any, int, int, int], HeadGroup]
     keys_per_query: Callable[[Any, int], float]
-    warmup: Callable[[Any, int], tuple[int, float]] | None = None
+    warmup: Callable[[Any], Warmup] | None = None
     options: Callable[[Any, int], Any] | None = None
     option_type: type | None = None
     shares_qk: Callable[[Any], bool] | None = None
@@ -260,9 +271,9 @@ class HeadKind:
     def cost(self, options: Any, n: int, step: int | None = None) -> float:
         """Keys per query at context ``n``, at optimiser step ``step`` (None: after any warm-up)."""
         if step is not None and self.warmup is not None:
-            steps, keys = self.warmup(options, n)
-            if step < steps:
-                return keys
+            warm = self.warmup(options)
+            if step < warm.steps:
+                return warm.keys_per_query(n)
         return self.keys_per_query(options, n)
 
     def supports_relative(self, options: Any) -> bool:

@@ -18,7 +18,7 @@ from ..executors import check_backend
 from ..reference import reference_attention
 from ..routing import RoutingAttention
 from ..routing.probes import probe_masks
-from .base import HeadGroup, HeadKind
+from .base import HeadGroup, HeadKind, Warmup
 from .common import within_seq_len
 
 
@@ -33,6 +33,7 @@ class RoutingOptions:
     probes: int = 1  # config.routing_probes
     balance: float = 0.0  # config.routing_balance
     warmup: int = 0  # config.routing_warmup
+    warmup_len: int | None = None  # config.routing_warmup_len
     gate: bool = False  # config.routing_gate
 
 
@@ -128,17 +129,27 @@ def _options(config: Any, heads: int) -> RoutingOptions:
     if config.routing_probes > config.num_clusters:
         raise ValueError(f"routing_probes ({config.routing_probes}) must be at most num_clusters "
                          f"({config.num_clusters})")
+    length = config.routing_warmup_len
+    if length is not None:
+        if not config.routing_warmup:
+            raise ValueError(f"routing_warmup_len ({length}) is the length of routing's warm-up, and routing_warmup "
+                             f"is 0: set routing_warmup (steps) or leave routing_warmup_len out")
+        if length > config.seq_len or config.seq_len % length:
+            raise ValueError(f"routing_warmup_len ({length}) must divide seq_len ({config.seq_len}): the warm-up "
+                             f"trains on each sequence cut into pieces that long")
     return RoutingOptions(config.num_clusters, window, config.shared_qk, config.separate_routing,
-                          config.kmeans_decay, config.commitment, config.routing_probes, config.routing_balance,
-                          config.routing_warmup, config.routing_gate)
+                          config.kmeans_decay, config.commitment, probes=config.routing_probes,
+                          balance=config.routing_balance, warmup=config.routing_warmup, warmup_len=length,
+                          gate=config.routing_gate)
 
 
 def _keys_per_query(o: RoutingOptions, n: int) -> float:
     return o.probes * min(o.window, n) + o.num_clusters  # + routing each token to k centroids
 
 
-def _warmup(o: RoutingOptions, n: int) -> tuple[int, float]:
-    return o.warmup, (n + 1) / 2 + o.num_clusters  # every earlier key, and still the routing
+def _warmup(o: RoutingOptions) -> Warmup:
+    # every earlier key, and still the routing (the k-means and the bias learn all along)
+    return Warmup(o.warmup, lambda n: (n + 1) / 2 + o.num_clusters, o.warmup_len)
 
 
 def _describe(o: RoutingOptions) -> str:
@@ -146,6 +157,8 @@ def _describe(o: RoutingOptions) -> str:
     for name, value, default in (("p", o.probes, 1), ("bias", o.balance, 0.0), ("warm-up", o.warmup, 0)):
         if value != default:
             text += f", {name}={value:g}"
+    if o.warmup_len is not None:
+        text += f" at length {o.warmup_len}"
     return text + (", separate" if o.separate else "") + (", gate" if o.gate else "")
 
 
