@@ -24,6 +24,7 @@ from torch import Tensor
 from .relative import RelativePositions
 from .rows import gather_rows, move_rows
 from .tiles import neg_inf, saw_key
+from .tiles.op import rowdot
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executors import Executor
@@ -273,7 +274,7 @@ class _Merge(torch.autograd.Function):
         # Per slot: its weight and its query row (an empty slot: weight 0, row 0).
         slot_weight = weight.new_zeros(B, H, X + 1).scatter_(-1, source.view(B, H, M), weight.view(B, H, M))[..., :X]
         row = torch.where(entry < M, entry // ctx.merge, 0)
-        along = (grad.to(weight.dtype) * merged.to(weight.dtype)).sum(-1)  # (B, H, Nq): d o_i · o_i
+        along = rowdot(grad.to(weight.dtype), merged.to(weight.dtype))  # (B, H, Nq): d o_i · o_i
         if grad_total is not None:
             along = along - grad_total
         grad_outs, grad_lse = [], []
@@ -282,7 +283,7 @@ class _Merge(torch.autograd.Function):
             w, r = slot_weight[..., lo:hi], row[..., lo:hi]
             g = gather_rows(grad, r).mul_(w[..., None].to(grad.dtype))  # (B, H, X_i, D)
             grad_outs.append(g)
-            grad_lse.append((g.to(w.dtype) * out.to(w.dtype)).sum(-1) - w * along.gather(-1, r))
+            grad_lse.append(rowdot(g.to(w.dtype), out.to(w.dtype)) - w * along.gather(-1, r))
         lse_grad = torch.cat(grad_lse, -1) if len(grad_lse) > 1 else grad_lse[0]
         return (None, None, lse_grad, None, *grad_outs)
 

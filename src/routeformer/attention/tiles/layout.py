@@ -31,8 +31,12 @@ class _KeyRows(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
         B, H, N, D = x.shape
-        rows = x.new_zeros((back + B * H * n_blocks + ahead) * block, D)
-        rows[back * block:(back + B * H * n_blocks) * block].view(B, H, n_blocks * block, D)[:, :, :N] = x
+        rows = x.new_empty((back + B * H * n_blocks + ahead) * block, D)  # zeros only where x does not go
+        rows[:back * block].zero_()
+        rows[(back + B * H * n_blocks) * block:].zero_()
+        body = rows[back * block:(back + B * H * n_blocks) * block].view(B, H, n_blocks * block, D)
+        body[:, :, :N] = x
+        body[:, :, N:].zero_()
         return rows
 
     @staticmethod
@@ -64,8 +68,10 @@ def _fold(grad: Tensor, windows: tuple[int, int, int]) -> Tensor:
     D = grad.shape[-1]
     if reach == 0:  # spans that do not overlap (single tiles): the gradient is the spans' own, no copy
         return grad.reshape(tiles * block, D)
-    out = grad.new_zeros(tiles + reach, block, D)
-    for o in range(reach + 1):
+    out = grad.new_empty(tiles + reach, block, D)
+    out[:tiles] = grad[:, :block]  # the first block of every span starts its rows: no zero pass first
+    out[tiles:].zero_()
+    for o in range(1, reach + 1):
         out[o:o + tiles] += grad[:, o * block:(o + 1) * block]
     return out.view((tiles + reach) * block, D)
 

@@ -37,6 +37,13 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_d a[..., d] · b[..., d] for a, b (..., D) -> (...): batched (1, D)·(D, 1) matmuls, several times faster on
+    CPU than (a * b).sum(-1), which writes the product out first."""
+    D = a.shape[-1]
+    return torch.bmm(a.reshape(-1, 1, D), b.reshape(-1, D, 1)).view(a.shape[:-1])
+
+
 def _strip(x: Tensor, offset: int, width: int) -> Tensor:
     """View x[b, r, r + offset + t] (X, T, width) of a contiguous (..., T, S) tile: a sliding window's keys.
 
@@ -118,7 +125,7 @@ def _tile_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, qt: Tens
     grad_p = torch.bmm(grad3, vt.transpose(1, 2))  # (X, T, S)
     if value_table is not None:
         _strip(grad_p, offset, width).baddbmm_(grad3, value_table.T.expand(tiles, -1, -1))
-    row = (grad3.to(acc) * out3.to(acc)).sum(-1, keepdim=True)  # Σ_j p_ij dp_ij
+    row = rowdot(grad3.to(acc), out3.to(acc))[..., None]  # Σ_j p_ij dp_ij
     if grad_lse is not None and grad_lse.numel():  # d lse / d s = p
         row = row - grad_lse.reshape(tiles, T, 1).to(acc)
     grad_s = grad_p.sub_(row).mul_(probs)  # ds = p ∘ (dp - row), in place
