@@ -99,22 +99,27 @@ def _sync_worker(rank: int, store: str, out: str) -> None:
     torch.manual_seed(0)
     model = TransformerLM(TransformerConfig(vocab_size=16, dim=16, depth=1, heads=2, seq_len=16,
                                             attention="local:1,routing:1", window=4, num_clusters=2,
-                                            routing_window=4))
+                                            routing_window=4, routing_balance=0.01, routing_warmup=3))
     same = routing_in_sync(model, procs)
-    if rank == 1:  # one ulp of one centroid on one rank
-        centroids = next(b for n, b in model.named_buffers() if n.endswith("kmeans.centroids"))
-        centroids.view(-1)[0] = torch.nextafter(centroids.view(-1)[0], torch.tensor(2.0))
-    drifted = routing_in_sync(model, procs)
+    drifted = {}
+    for name in ("kmeans.centroids", "routing.bias", "routing.steps"):  # one ulp (one step) on one rank
+        buf = next(b for n, b in model.named_buffers() if n.endswith(name))
+        before = buf.clone()
+        if rank == 1:
+            flat = buf.view(-1)
+            flat[0] = flat[0] + 1 if buf.dtype == torch.long else torch.nextafter(flat[0], torch.tensor(2.0))
+        drifted[name] = routing_in_sync(model, procs)
+        buf.copy_(before)
     if rank == 0:
-        torch.save({"same": same, "drifted": drifted}, out)
+        torch.save({"same": same, **drifted}, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_the_sync_check_sees_one_ulp_of_drift(tmp_path) -> None:
+def test_the_sync_check_sees_one_ulp_of_drift_in_centroids_bias_or_warm_up_count(tmp_path) -> None:
     import torch.multiprocessing as mp
 
     out = tmp_path / "result.pt"
     mp.spawn(_sync_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
     result = torch.load(out)
-    assert result == {"same": True, "drifted": False}
+    assert result == {"same": True, "kmeans.centroids": False, "routing.bias": False, "routing.steps": False}

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..attention.routing.router import Router
+
 
 @dataclass
 class Processes:
@@ -77,12 +79,17 @@ def sum_all(values: list[float], procs: Processes) -> list[float]:
 
 
 def routing_in_sync(model: nn.Module, procs: Processes) -> bool:
-    """Every rank holds bit-identical routing state (centroids, EMA sums and counts, projections)."""
+    """Every rank holds bit-identical routing state: every buffer of every router (centroids, EMA sums and counts,
+    projections, the balancing bias and the warm-up count), pending statistics aside (each rank's own until the
+    next step all-reduces them)."""
     if not procs.distributed:
         return True
+    routers = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, Router))
     digest = hashlib.sha256()
     for name, buf in sorted(model.named_buffers()):
-        if any(part in name for part in ("centroids", "ema_", "projection", "initialized")):
+        routed = name.startswith(routers) or any(part in name for part in ("centroids", "ema_", "initialized"))
+        if routed and "pending" not in name:
+            digest.update(name.encode())
             digest.update(buf.detach().cpu().contiguous().numpy().tobytes())
     gathered: list[str | None] = [None] * procs.world
     dist.all_gather_object(gathered, digest.hexdigest())
