@@ -1,0 +1,178 @@
+"""Experiments: variants of the routing rule, measured by ``routeformer bench recall``.
+
+    python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@routing_probes=2" ...
+
+Registers two head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
+remaining arguments. Both are routing heads (the library's rule and options: probes, bias, warm-up) with one
+change each, computed densely (explicit (N, N) masks per head, O(N²): experiments at N = 128, not
+implementations); both are leak-free by construction, which the script checks before it trains.
+
+- ``routing_cb``, a compressed branch: queries also attend, in the same softmax, to one summary per cluster, the
+  mean key and mean value of the keys routed to that cluster at earlier positions (causal prefix means, NSA's
+  compressed branch over k-means clusters instead of blocks). The summaries give the query projection a gradient
+  from every cluster, not only from the keys it was routed to.
+- ``routing_sel``, selection by the compressed branch: as ``routing_cb``, but a query probes the p clusters whose
+  summary keys score highest (q · mean key), NSA's selection over k-means clusters; the compressed branch trains
+  those scores, and the keys are still routed by k-means.
+- ``routing_ad``, attention-distilled routing: during the dense warm-up each query's routing scores are trained to
+  predict where its dense attention goes, a cross-entropy between softmax(τ · (cos(r_q, μ) + b)) over the clusters
+  and the attention mass each cluster's keys receive (SeerAttention distils attention into a block gate the same
+  way). The weight is ``options.routing_ad.weight`` (default 1), τ = 10; the loss joins the commitment loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from routeformer.attention import HeadKind, register_kind
+from routeformer.attention.kinds.routing import KIND as ROUTING
+from routeformer.attention.kinds.routing import RoutingHeads
+from routeformer.attention.routing.probes import probe_masks
+
+DISTILL_WEIGHT = 1.0  # the weight of routing_ad's loss (--distill-weight)
+DISTILL_SHARPNESS = 10.0
+
+
+def summaries(q, k, v, keys, num_clusters, shared):
+    """Per cluster, the mean key and value of the keys routed to it at positions j < i (shared QK) or j <= i:
+    (B, H, N, k, D) each, and whether the cluster has any such key (B, H, N, k)."""
+    member = F.one_hot(keys, num_clusters).to(q.dtype)  # (B, H, N, k)
+    count = member.cumsum(2)
+    sum_k = torch.einsum("bhnc,bhnd->bhncd", member, k).cumsum(2)
+    sum_v = torch.einsum("bhnc,bhnd->bhncd", member, v).cumsum(2)
+    if shared:  # exclusive prefix: the own key is not in its cluster's summary
+        count = count - member
+        sum_k = sum_k - member[..., None] * k[:, :, :, None]
+        sum_v = sum_v - member[..., None] * v[:, :, :, None]
+    scale = 1 / count.clamp_min(1)[..., None]
+    return sum_k * scale, sum_v * scale, count > 0
+
+
+class CompressedRouting(RoutingHeads):
+    """Routing with a compressed branch; ``select``: the probes are the clusters whose summary keys score highest
+    (q · mean key, NSA's selection), not the nearest centroids."""
+
+    select = False
+
+    def forward(self, q, k, v, rel_pos):
+        routing = self.routing
+        if routing.warming_up:
+            return super().forward(q, k, v, rel_pos)
+        routes = routing.routes(q, k, None, observe=True)  # the k-means statistics, bias loads, commitment
+        B, H, N, D = q.shape
+        eye = torch.eye(N, dtype=torch.bool, device=q.device)
+        mean_k, mean_v, has = summaries(q, k, v, routes.keys, routing.num_clusters, routing.shared_qk)
+        c = torch.einsum("bhid,bhicd->bhic", q, mean_k) * self.scale
+        c = c.masked_fill(~has, float("-inf"))
+        probes = c.detach().topk(routing.probes, -1).indices if self.select else routes.probes
+        allow = probe_masks(routes.keys, probes, routing.window).any(2)  # (B, H, N, N)
+        if routing.shared_qk:
+            allow = allow & ~eye
+        s = (q @ k.transpose(-1, -2)) * self.scale
+        if rel_pos is not None:
+            idx = torch.arange(N, device=q.device)
+            a_k, a_v = rel_pos.tables(idx[None, :] - idx[:, None], q.dtype)  # (N, N, D)
+            s = s + torch.einsum("bhid,ijd->bhij", q, a_k) * self.scale
+        s = s.masked_fill(~allow, float("-inf"))
+        scores = torch.cat([s, c], -1)
+        seen = torch.isfinite(scores).any(-1, keepdim=True)
+        p = torch.where(seen, scores, 0.0).softmax(-1) * seen
+        pr, ps = p[..., :N], p[..., N:]
+        out = pr @ v + torch.einsum("bhic,bhicd->bhid", ps, mean_v)
+        if rel_pos is not None:
+            out = out + torch.einsum("bhij,ijd->bhid", pr, a_v)
+        if routing.shared_qk:  # nothing else in view: the own key, as the library's rule
+            own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]
+            out = torch.where(seen, out, own)
+        return out
+
+
+class SelectedRouting(CompressedRouting):
+    select = True
+
+
+class DistilledRouting(RoutingHeads):
+    def forward(self, q, k, v, rel_pos):
+        out = super().forward(q, k, v, rel_pos)
+        routing = self.routing
+        self._distill = None
+        if self.training and routing.warming_up:  # the dense attention is the routing's target
+            with torch.no_grad():
+                N = q.shape[2]
+                s = (q @ k.transpose(-1, -2)) * self.scale
+                if rel_pos is not None:
+                    idx = torch.arange(N, device=q.device)
+                    a_k, _ = rel_pos.tables(idx[None, :] - idx[:, None], q.dtype)
+                    s = s + torch.einsum("bhid,ijd->bhij", q, a_k) * self.scale
+                allow = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+                if routing.shared_qk:  # as the warm-up attends: not the own key, but at position 0
+                    allow = allow & ~(torch.eye(N, dtype=torch.bool, device=q.device)
+                                      & (torch.arange(N, device=q.device) > 0)[:, None])
+                p = s.masked_fill(~allow, float("-inf")).softmax(-1)
+                keys = routing.routes(q, k).keys  # (B, H, N) each key's cluster
+                mass = p @ F.one_hot(keys, routing.num_clusters).to(p.dtype)  # (B, H, N, k)
+            rq, _ = routing.query_and_key_vectors(q, k)
+            logits = torch.einsum("bhnd,hkd->bhnk", rq, routing.kmeans.centroids.to(rq.dtype))
+            if routing.bias is not None:
+                logits = logits + routing.bias[:, None, :].to(rq.dtype)
+            self._distill = DISTILL_WEIGHT * -(mass * (DISTILL_SHARPNESS * logits).log_softmax(-1)).sum(-1).mean()
+        return out
+
+    def aux_loss(self):
+        loss = super().aux_loss()
+        if getattr(self, "_distill", None) is not None:
+            loss = self._distill if loss is None else loss + self._distill
+        return loss
+
+
+def _leak_check() -> None:
+    """Changing the tokens after t changes no output at or before t."""
+    from routeformer import TransformerConfig, TransformerLM
+
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=40, dim=32, depth=2, heads=4, seq_len=64, window=4, num_clusters=4,
+                               routing_window=6, attention="local:2,routing_cb:2", routing_probes=2,
+                               routing_balance=0.01)
+    for kind in ("routing_cb", "routing_ad", "routing_sel"):
+        model = TransformerLM(replace(config, attention=f"local:2,{kind}:2")).double().eval()
+        tokens = torch.randint(0, 40, (2, 64))
+        for t in (0, 20, 62):
+            other = tokens.clone()
+            other[:, t + 1:] = torch.randint(0, 40, other[:, t + 1:].shape)
+            gap = (model(tokens)[:, :t + 1] - model(other)[:, :t + 1]).abs().max()
+            assert gap == 0, f"{kind} leaks into position {t}: {gap}"
+
+
+register_kind(HeadKind(
+    "routing_cb", lambda o, heads, head_dim, seed: CompressedRouting(heads, head_dim, o, seed),
+    keys_per_query=lambda o, n: ROUTING.keys_per_query(o, n) + o.num_clusters,  # + one summary per cluster
+    warmup=ROUTING.warmup, options=ROUTING.options, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    summary="routing heads that also attend to the causal mean key and value of every cluster"), replace=True)
+
+register_kind(HeadKind(
+    "routing_sel", lambda o, heads, head_dim, seed: SelectedRouting(heads, head_dim, o, seed),
+    keys_per_query=lambda o, n: ROUTING.keys_per_query(o, n) + o.num_clusters,  # + one summary per cluster
+    warmup=ROUTING.warmup, options=ROUTING.options, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    summary="routing heads that probe the clusters whose mean key scores highest, with the compressed branch"),
+    replace=True)
+
+register_kind(HeadKind(
+    "routing_ad", lambda o, heads, head_dim, seed: DistilledRouting(heads, head_dim, o, seed),
+    keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, options=ROUTING.options,
+    shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    summary="routing heads whose query routing learns from the dense attention during the warm-up"), replace=True)
+
+if __name__ == "__main__":
+    from routeformer.cli import main
+
+    args = sys.argv[1:]
+    if "--distill-weight" in args:
+        at = args.index("--distill-weight")
+        DISTILL_WEIGHT = float(args[at + 1])
+        del args[at:at + 2]
+    _leak_check()
+    sys.exit(main(["bench", "recall", *args]))
