@@ -2,10 +2,10 @@
 
     python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@routing_probes=2" ...
 
-Registers two head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
+Registers three head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
 remaining arguments. Both are routing heads (the library's rule and options: probes, bias, warm-up) with one
 change each, computed densely (explicit (N, N) masks per head, O(N²): experiments at N = 128, not
-implementations); both are leak-free by construction, which the script checks before it trains.
+implementations); all are leak-free by construction, which the script checks before it trains.
 
 - ``routing_cb``, a compressed branch: queries also attend, in the same softmax, to one summary per cluster, the
   mean key and mean value of the keys routed to that cluster at earlier positions (causal prefix means, NSA's
