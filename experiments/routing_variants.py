@@ -2,7 +2,7 @@
 
     python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@routing_probes=2" ...
 
-Registers three head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
+Registers four head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
 remaining arguments. Both are routing heads (the library's rule and options: probes, bias, warm-up) with one
 change each, computed densely (explicit (N, N) masks per head, O(N²): experiments at N = 128, not
 implementations); all are leak-free by construction, which the script checks before it trains.
@@ -14,6 +14,9 @@ implementations); all are leak-free by construction, which the script checks bef
 - ``routing_sel``, selection by the compressed branch: as ``routing_cb``, but a query probes the p clusters whose
   summary keys score highest (q · mean key), NSA's selection over k-means clusters; the compressed branch trains
   those scores, and the keys are still routed by k-means.
+- ``full_cur``, the baseline for a warm-up at a shorter length: full attention trained on the same curriculum
+  (the first ``routing_warmup`` steps on sequences of ``routing_warmup_len``, through the same ``Warmup`` hook), so
+  that routing's short warm-up is compared with full attention given the same short sequences first.
 - ``routing_ad``, attention-distilled routing: during the dense warm-up each query's routing scores are trained to
   predict where its dense attention goes, a cross-entropy between softmax(τ · (cos(r_q, μ) + b)) over the clusters
   and the attention mass each cluster's keys receive (SeerAttention distils attention into a block gate the same
@@ -23,12 +26,15 @@ implementations); all are leak-free by construction, which the script checks bef
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from routeformer.attention import HeadKind, register_kind
+from routeformer.attention.kinds.base import Warmup
+from routeformer.attention.kinds.full import KIND as FULL
 from routeformer.attention.kinds.routing import KIND as ROUTING
 from routeformer.attention.kinds.routing import RoutingHeads
 from routeformer.attention.routing.probes import probe_masks
@@ -165,6 +171,27 @@ register_kind(HeadKind(
     keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, options=ROUTING.options,
     shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads whose query routing learns from the dense attention during the warm-up"), replace=True)
+
+@dataclass(frozen=True)
+class Curriculum:
+    full: Any  # the full kind's options
+    steps: int  # config.routing_warmup
+    length: int | None  # config.routing_warmup_len
+
+
+def _curriculum(config: Any, heads: int) -> Curriculum:
+    if config.routing_warmup_len is not None and config.seq_len % config.routing_warmup_len:
+        raise ValueError(f"routing_warmup_len ({config.routing_warmup_len}) must divide seq_len ({config.seq_len})")
+    return Curriculum(FULL.options(config, heads), config.routing_warmup, config.routing_warmup_len)
+
+
+register_kind(HeadKind(
+    "full_cur", lambda o, heads, head_dim, seed: FULL.build(o.full, heads, head_dim, seed),
+    keys_per_query=lambda o, n: FULL.keys_per_query(o.full, n),
+    warmup=lambda o: Warmup(o.steps, lambda n: (n + 1) / 2, o.length), options=_curriculum, reads_kernel=True,
+    describe=lambda o: f"curriculum: {o.steps} steps at length {o.length}",
+    summary="full attention trained first on shorter sequences (routing_warmup steps at routing_warmup_len)"),
+    replace=True)
 
 if __name__ == "__main__":
     from routeformer.cli import main

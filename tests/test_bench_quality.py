@@ -28,9 +28,9 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     assert full["vs first"] in ("1.00", "-")  # the first row is the baseline ("-" when it scored 0)
     assert local["keys/query"] == "4.0" and local["balance"] == "-" and local["in window %"] == "-"
     assert local["head options"] == "local: window=4"
-    # k = round(sqrt(48)) = 7, window 48 // 7 = 6: two probes of 6 keys, and the 7 centroids that route
-    assert "routing: k=7, w=6, p=2, warm-up=1, separate" in routed["head options"]
-    assert float(routed["keys/query"]) == (4 + 4 + 2 * (2 * 6 + 7)) / 4
+    # k = round(sqrt(48)) = 7, window 48 // (7 · 2) = 3: two probes of 3 keys, and the 7 centroids that route
+    assert "routing: k=7, w=3, p=2, bias=0.01, warm-up=1, separate" in routed["head options"]
+    assert float(routed["keys/query"]) == (4 + 4 + 2 * (2 * 3 + 7)) / 4
     # with two probes each diagnostic is the total and the share of each probe (a key has one cluster)
     total, shares = routed["in window %"].split(" ", 1)
     assert abs(float(total) - sum(float(x) for x in shares.strip("()").split("+"))) < 0.2
@@ -81,5 +81,8 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
                  "--out", str(tmp_path / "runs"), "--set", "dim=16", "--set", "depth=1", "--set", "eval_every=100",
                  "--set", "warmup_steps=1", "--set", "batch_size=2"]) == 0
     out = capsys.readouterr().out
-    assert "| local " in out and "| local+routing " in out and "k=6, w=5" in out
+    # k = round(sqrt(32)) = 6 and 32 // (6 · 2 probes) = 2 keys per probe; the shipped warm-up length (64 of 256)
+    # keeps its share of the bench's length: 8 of 32
+    assert "| local " in out and "| local+routing " in out
+    assert "k=6, w=2, p=2, bias=0.01, warm-up=1000 at length 8" in out
     assert out.count("bits per byte") >= 2 and (tmp_path / "runs" / "local").is_dir()

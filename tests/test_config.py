@@ -12,7 +12,10 @@ def test_defaults_are_half_local_half_routing_and_derived_fields_resolved() -> N
     c = TransformerConfig()
     assert c.attention == "local:4,routing:4"
     assert c.head_dim == c.dim // c.heads
-    assert c.num_clusters == 32 and c.routing_window == 32 and c.stride == 32 and c.rel_clip == c.window
+    assert c.num_clusters == 32 and c.stride == 32 and c.rel_clip == c.window
+    # the balanced two-probe rule, N / k keys per query in all: 2 probes of 16
+    assert c.routing_probes == 2 and c.routing_window == 16 and c.routing_balance > 0 and c.routing_warmup == 0
+    assert TransformerConfig(routing_probes=1).routing_window == 32
 
 
 def test_json_round_trip(tmp_path) -> None:

@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from routeformer import TransformerConfig, TransformerLM
+from routeformer.attention.routing import probes as probes_module
 
 SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
          "longformer", "local:2,routing:2"]
 SEPARATE = {"shared_qk": False, "separate_routing": True}  # routing heads that route queries and keys apart
 PROBED = {"routing_probes": 2, "routing_balance": 0.01}  # each query probes two clusters, balanced by a bias
-CONFIGS = [(spec, {}) for spec in SPECS] + [("local:2,routing:2", SEPARATE), ("local:2,routing:2", PROBED),
+PAPER = {"routing_probes": 1, "routing_balance": 0.0}  # the paper's rule: one cluster, plain argmax
+CONFIGS = [(spec, {}) for spec in SPECS] + [("local:2,routing:2", SEPARATE), ("local:2,routing:2", PAPER),
                                             ("routing", {**SEPARATE, **PROBED, "routing_gate": True})]
 
 
@@ -273,8 +275,12 @@ def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics() -> 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", SPECS)
-def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str) -> None:
+def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str, monkeypatch) -> None:
     """Random weights (the paper's init zeroes the logit weights, so no gradient would reach attention)."""
+    decisions = []  # each probed routing call's (key clusters, probes): a rounding can flip a near-tie
+    record = probes_module.probe_ranges
+    monkeypatch.setattr(probes_module, "probe_ranges", lambda clusters, probes, *a, **kw: decisions.append(
+        (clusters, probes)) or record(clusters, probes, *a, **kw))
     config = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=4, seq_len=4096, attention=spec, window=128,
                                block=128, summary=8, global_tokens=[0, 2048] if spec == "longformer" else [])
     model = randomised(config, dtype=torch.float32).train()
@@ -297,8 +303,17 @@ def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str) -> 
         assert p.grad is not None and p.grad.abs().sum() > 0  # the attention weights
     eps = torch.finfo(dtype).eps
     assert abs(loss.item() - exact.item()) < eps / 4 * exact.item()  # measured: bf16 < 0.02 eps, fp16 < 0.01 eps
-    # logits: about 0.6 eps; under bf16 a few routing decisions flip (3.6 eps)
-    assert ((logits.float() - exact_logits).norm() / exact_logits.norm()).item() < 8 * eps
+    # logits: about 0.6 eps; under bf16 a few routing decisions flip (3.6 eps). A query whose second probe flips
+    # (a near-tie between its 2nd and 3rd clusters: 0.1% of the queries under float16, 3% under bfloat16) sees
+    # other keys: those rows apart.
+    same = torch.ones(4096, dtype=torch.bool)
+    if decisions:
+        (_, exact_probes), (_, low_probes) = decisions  # the exact forward's, then autocast's (depth 1)
+        flipped = (exact_probes != low_probes).any(-1).any(1)[0]  # (N,): in some head
+        assert flipped.float().mean() < 0.05
+        same = ~flipped
+    error = (logits.float() - exact_logits)[:, same].norm() / exact_logits[:, same].norm()
+    assert error.item() < 8 * eps
 
 
 def test_save_and_load_reproduce_the_logits_exactly(tmp_path) -> None:

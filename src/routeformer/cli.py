@@ -106,7 +106,8 @@ def _add_window(parser: argparse.ArgumentParser, default: int | None, help: str 
 def _add_routing_sizes(parser: argparse.ArgumentParser, length: str) -> None:
     """--num-clusters and --routing-window, whose defaults follow the sequence length ``length``."""
     parser.add_argument("--num-clusters", type=_positive, help=f"routing k (default round(sqrt({length})))")
-    parser.add_argument("--routing-window", type=_positive, help=f"routing keys per query (default {length} // k)")
+    parser.add_argument("--routing-window", type=_positive,
+                        help=f"routing keys per probed cluster (default {length} // (k · probes))")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,21 +31,29 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
     from ..train import load_run_config, train
 
     prepare_builtin(data, data_dir, echo)
-    heads = load_run_config(None, list(overrides or [])).model.heads
+    base = load_run_config(None, list(overrides or [])).model
+    settings = {"data": data, "data_dir": data_dir, "max_steps": steps, "max_minutes": minutes}
     rows: list[dict] = []
     for name in attentions:
-        fields = attention_config(name, heads)
+        fields = attention_config(name, base.heads)
         spec = fields.pop("attention")
         sets = [f"seq_len={seq_len}", f"attention={spec!r}"]
-        sets += [f"{key}={str(value).lower()}" for key, value in fields.items()]  # TOML booleans
         if window is not None:
             sets.append(f"window={window}")
-        # The shipped configuration pins routing's k and window for its own seq_len (unused by other kinds).
+        # The shipped configuration pins routing's k, window and warm-up length for its own seq_len (unused by
+        # other kinds): keep seq_len / k keys per query over the row's probes, and the warm-up's share of seq_len.
         k = num_clusters or max(1, round(seq_len ** 0.5))
-        sets += [f"num_clusters={k}", f"routing_window={routing_window or seq_len // k}"]
-        run_config = load_run_config(None, list(overrides or []) + sets,
-                                     {"data": data, "data_dir": data_dir, "max_steps": steps,
-                                      "max_minutes": minutes})
+        probes = fields.get("routing_probes", base.routing_probes)
+        sets += [f"num_clusters={k}", f"routing_window={routing_window or max(1, seq_len // (k * probes))}"]
+        if base.routing_warmup_len is not None and "routing_warmup_len" not in fields:
+            pieces = base.seq_len // base.routing_warmup_len
+            if seq_len % pieces:
+                raise ValueError(f"--seq-len {seq_len}: the configuration's routing warm-up cuts each sequence into "
+                                 f"{pieces} pieces, which must divide it (or give the row @routing_warmup_len=...)")
+            sets.append(f"routing_warmup_len={seq_len // pieces}")
+        # the row's own @field settings last: they override the bench's
+        sets += [f"{key}={str(value).lower() if isinstance(value, bool) else value!r}" for key, value in fields.items()]
+        run_config = load_run_config(None, list(overrides or []) + sets, settings)
         run_dir = Path(out) / name.replace("/", "-").replace(":", "").replace(",", "-").replace("+", "-")
         echo(f"# {name}: routeformer train --set {' --set '.join(sets)} --max-steps {steps} "
              f"--max-minutes {minutes} --out {run_dir}")

@@ -75,15 +75,18 @@ class TransformerConfig:
             every head ('full', 'local', 'strided', ...), or a list of such specs, one per layer. Names are the
             registered kinds (``routeformer.attention.KINDS``; ``register_kind`` adds one).
         window: local window (keys per query), also Longformer's.
-        num_clusters, routing_window: routing heads' k and keys per query; defaults round(sqrt(seq_len)) and
-            seq_len // num_clusters.
+        num_clusters, routing_window: routing heads' k and keys per probed cluster; defaults round(sqrt(seq_len))
+            and seq_len // (num_clusters · routing_probes), so that a query scores about seq_len / k keys.
         shared_qk: routing heads use their queries as keys (the official text configurations).
         separate_routing: routing heads route queries by q and keys by k (needs shared_qk=False); see
             ``RoutingAttention``'s ``separate``.
         routing_probes: the clusters each routing query probes (p; it scores up to p · routing_window keys).
+            Default 2 (the paper's rule: 1, with routing_balance 0).
         routing_balance: the step of the bias that balances the routing clusters between optimiser steps (0: the
-            paper's plain argmax).
-        routing_warmup: optimiser steps of dense causal attention before the routing heads route (0: none).
+            paper's plain argmax). Default 0.01.
+        routing_warmup: optimiser steps of dense causal attention before the routing heads route (0: none, the
+            default: a warm-up is part of a training recipe, as a learning-rate warm-up is; routing heads learn
+            long-range retrieval only after one, see the README's recall benchmark).
         routing_warmup_len: the sequence length the warm-up trains at (None: seq_len; it must divide seq_len): the
             trainers cut each batch into sequences that long while the warm-up lasts, the same tokens at a
             fraction of the dense attention's cost.
@@ -128,8 +131,8 @@ class TransformerConfig:
     routing_window: int | None = None
     shared_qk: bool = True
     separate_routing: bool = False
-    routing_probes: int = 1
-    routing_balance: float = 0.0
+    routing_probes: int = 2
+    routing_balance: float = 0.01
     routing_warmup: int = 0
     routing_warmup_len: int | None = None
     routing_gate: bool = False
@@ -170,8 +173,9 @@ class TransformerConfig:
         if self.num_clusters is None:
             self.num_clusters = max(1, round(math.sqrt(self.seq_len)))
         positive_int("num_clusters", self.num_clusters)
+        positive_int("routing_probes", self.routing_probes)
         if self.routing_window is None:
-            self.routing_window = max(1, self.seq_len // self.num_clusters)
+            self.routing_window = max(1, self.seq_len // (self.num_clusters * self.routing_probes))
         positive_int("routing_window", self.routing_window)
         if self.stride is None:
             self.stride = max(1, round(math.sqrt(self.seq_len)))
@@ -205,7 +209,6 @@ class TransformerConfig:
             raise ValueError(f"kmeans_decay must be in [0, 1), got {self.kmeans_decay!r}")
         if not (isinstance(self.commitment, numbers.Real) and self.commitment >= 0):
             raise ValueError(f"commitment must be non-negative, got {self.commitment!r}")
-        positive_int("routing_probes", self.routing_probes)
         if isinstance(self.routing_balance, bool) or not (isinstance(self.routing_balance, numbers.Real)
                                                           and 0.0 <= self.routing_balance < math.inf):
             raise ValueError(f"routing_balance must be a non-negative number (0: no bias), got "

@@ -131,12 +131,12 @@ def _options(config: Any, heads: int) -> RoutingOptions:
                          f"({config.num_clusters})")
     length = config.routing_warmup_len
     if length is not None:
-        if not config.routing_warmup:
-            raise ValueError(f"routing_warmup_len ({length}) is the length of routing's warm-up, and routing_warmup "
-                             f"is 0: set routing_warmup (steps) or leave routing_warmup_len out")
         if length > config.seq_len or config.seq_len % length:
             raise ValueError(f"routing_warmup_len ({length}) must divide seq_len ({config.seq_len}): the warm-up "
                              f"trains on each sequence cut into pieces that long")
+        # Without a warm-up it has nothing to set (as a learning-rate warm-up's settings with none): a configuration
+        # that ships a warm-up stays usable with `--set routing_warmup=0`, and the heads describe no warm-up.
+        length = length if config.routing_warmup else None
     return RoutingOptions(config.num_clusters, window, config.shared_qk, config.separate_routing,
                           config.kmeans_decay, config.commitment, probes=config.routing_probes,
                           balance=config.routing_balance, warmup=config.routing_warmup, warmup_len=length,
