@@ -192,3 +192,30 @@ def test_probes_in_half_precision_match_float64_over_the_same_routing(dtype: tor
     assert low.dtype == dtype
     error = (low.double() - exact).norm(dim=-1) / exact.norm(dim=-1)  # (B, H, N): per query
     assert error.max().item() < 8 * torch.finfo(dtype).eps  # measured: float16 2.4 eps (a mask bug gave 1100)
+
+
+def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
+    """Most queries probe a cluster whose keys all came early (so their ranges end in one stretch of keys) and a
+    cluster with no key at all: the tiles' R rows per stretch stay within two rows per entry (uncapped, one step
+    of a model at N = 2048 took 24 GB), the rest goes through the gathered pass, and the output is the reference's."""
+    from routeformer.attention import ranges
+    from routeformer.attention.executors import get_executor
+    from routeformer.attention.routing.probes import probed_window_attention, probed_window_mask
+
+    chosen = []
+    tile_rows = ranges._tile_rows
+    monkeypatch.setattr(ranges, "_tile_rows", lambda counts, entries: chosen.append(
+        (tile_rows(counts, entries), counts.shape[-1], entries)) or chosen[-1][0])
+    torch.manual_seed(0)
+    B, H, N, D = 1, 2, 512, 8
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    clusters = torch.zeros(B, H, N, dtype=torch.long)
+    clusters[..., :40] = 1  # cluster 1: the first 40 keys only
+    probes = torch.stack([torch.ones_like(clusters), torch.full_like(clusters, 2)], -1)  # 1, and 2 (empty)
+    probes[..., 40:, 0] = torch.where(torch.arange(N - 40) % 4 == 0, 0, 1)  # a few later queries probe cluster 0
+    out = probed_window_attention(q, k, v, clusters, probes, window=12, exclude_self=False, scale=D ** -0.5,
+                                  executor=get_executor("tiles"))
+    want = reference_attention(q, k, v, probed_window_mask(clusters, probes, 12, exclude_self=False))
+    torch.testing.assert_close(out, want)
+    R, groups, entries = chosen[0]
+    assert groups * R <= 2 * entries + 8 * groups  # crowded: without the cap R would be ~ the crowded group's count

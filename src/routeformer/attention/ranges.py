@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .executors import Executor
 
 LEFTOVER = 0.03  # R is the smallest multiple of 8 that leaves at most this share of the entries to the gathered pass
+TILE_ROWS_PER_ENTRY = 2  # ... unless the tiles would then hold more rows than this many per entry
 
 
 def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int,
@@ -305,9 +306,14 @@ def _pick(outs: tuple[Tensor, ...], starts: list[int], index: Tensor) -> Tensor:
 
 
 def _tile_rows(counts: Tensor, entries: int) -> int:
-    """R: the smallest multiple of 8 that leaves at most ``LEFTOVER`` of the entries over (one host read)."""
+    """R: the smallest multiple of 8 that leaves at most ``LEFTOVER`` of the entries over (one host read), capped
+    so that the tiles hold at most ``TILE_ROWS_PER_ENTRY`` rows per entry: every stretch gets R rows, so a few
+    crowded stretches (many queries whose probed cluster ended in the same stretch of keys, or whose range is
+    empty there) would otherwise make the tiles O(N · entries) (at N = 2048 a model step took 24 GB); what the cap
+    leaves over goes through the gathered pass, O(entries · width)."""
     per_group = counts.flatten(0, 1).sort(-1, descending=True).values  # (B·H, ng)
-    top = int(per_group.max())
+    cap = max(8, 8 * (TILE_ROWS_PER_ENTRY * entries // (8 * per_group.shape[-1])))
+    top = min(int(per_group.max()), cap)
     for R in range(8, top + 8, 8):
         if int((per_group - R).clamp_min(0).sum(-1).max()) <= LEFTOVER * entries:
             return R
