@@ -79,10 +79,11 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
     assert main(["bench", "text", "--attention", "local", "local+routing", "--seq-len", "32", "--window", "8",
                  "--steps", "3", "--minutes", "1", "--data", "tiny", "--data-dir", str(tmp_path / "data"),
                  "--out", str(tmp_path / "runs"), "--set", "dim=16", "--set", "depth=1", "--set", "eval_every=100",
-                 "--set", "warmup_steps=1", "--set", "batch_size=2"]) == 0
+                 "--set", "warmup_steps=1", "--set", "batch_size=2", "--set", "routing_probes=2",
+                 "--set", "routing_warmup=1000", "--set", "routing_warmup_len=64"]) == 0
     out = capsys.readouterr().out
-    # k = round(sqrt(32)) = 6 and 32 // (6 · 2 probes) = 2 keys per probe; the shipped warm-up length (64 of 256)
-    # keeps its share of the bench's length: 8 of 32
+    # k = round(sqrt(32)) = 6 and 32 // (6 · 2 probes) = 2 keys per probe; the configuration's warm-up length (64 of
+    # its 256) keeps its share of the bench's length: 8 of 32
     assert "| local " in out and "| local+routing " in out
-    assert "k=6, w=2, p=2, bias=0.01, warm-up=1000 at length 8" in out
+    assert "k=6, w=2, p=2, warm-up=1000 at length 8" in out
     assert out.count("bits per byte") >= 2 and (tmp_path / "runs" / "local").is_dir()
