@@ -191,7 +191,7 @@ def test_probes_in_half_precision_match_float64_over_the_same_routing(dtype: tor
         low = layer(q, q, v)
     assert low.dtype == dtype
     error = (low.double() - exact).norm(dim=-1) / exact.norm(dim=-1)  # (B, H, N): per query
-    assert error.max().item() < 8 * torch.finfo(dtype).eps  # measured: float16 2.4 eps (a mask bug gave 1100)
+    assert error.max().item() < 8 * torch.finfo(dtype).eps  # measured: float16 2.4 eps (an lse bug gave 1100 eps)
 
 
 def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:

@@ -230,10 +230,6 @@ def _merge(parts: list[_Part], merge: int, rows: int, need_lse: bool) -> tuple[T
     slots = torch.arange(entry.shape[-1], device=entry.device).expand_as(entry)
     source = torch.empty(B, H, M + 1, dtype=torch.long, device=entry.device).scatter_(-1, entry, slots)[..., :M]
     lse = torch.cat([p.lse for p in parts], -1) if len(parts) > 1 else parts[0].lse
-    # A slot that saw no key (an empty range, or only padding) leaves the tiles at the lse of its masked scores,
-    # about neg_inf of the *score* dtype: that lies below saw_key's bound only for float32 and wider scores. Put it
-    # at the lse dtype's neg_inf, so that a half-precision slot without a key counts as unseen too.
-    lse = torch.where(lse > neg_inf(parts[0].out.dtype) / 2, lse, neg_inf(lse.dtype))
     out, merged_lse = _Merge.apply(source.view(B, H, rows, merge), entry, lse, merge, *(p.out for p in parts))
     return out, merged_lse if need_lse else None
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..model import TransformerLM
+from ..model.config import default_routing_window
 from .measure import format_table
 from .recall import attention_config
 
@@ -44,7 +45,7 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         # other kinds): keep seq_len / k keys per query over the row's probes, and the warm-up's share of seq_len.
         k = num_clusters or max(1, round(seq_len ** 0.5))
         probes = fields.get("routing_probes", base.routing_probes)
-        sets += [f"num_clusters={k}", f"routing_window={routing_window or max(1, seq_len // (k * probes))}"]
+        sets += [f"num_clusters={k}", f"routing_window={routing_window or default_routing_window(seq_len, k, probes)}"]
         if base.routing_warmup_len is not None and "routing_warmup_len" not in fields:
             pieces = base.seq_len // base.routing_warmup_len
             if seq_len % pieces:

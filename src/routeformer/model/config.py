@@ -17,6 +17,11 @@ from ..attention.registry import KINDS, default_attention, get_kind
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
 # What a saved config without the routing rule's fields was trained with: one probe, no bias, no warm-up.
+def default_routing_window(seq_len: int, num_clusters: int, probes: int) -> int:
+    """Keys per probed cluster so that a routing query scores about seq_len / k keys over its probes."""
+    return max(1, seq_len // (num_clusters * probes))
+
+
 LEGACY_ROUTING = {"routing_probes": 1, "routing_balance": 0.0, "routing_warmup": 0, "routing_gate": False}
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
 
@@ -175,7 +180,7 @@ class TransformerConfig:
         positive_int("num_clusters", self.num_clusters)
         positive_int("routing_probes", self.routing_probes)
         if self.routing_window is None:
-            self.routing_window = max(1, self.seq_len // (self.num_clusters * self.routing_probes))
+            self.routing_window = default_routing_window(self.seq_len, self.num_clusters, self.routing_probes)
         positive_int("routing_window", self.routing_window)
         if self.stride is None:
             self.stride = max(1, round(math.sqrt(self.seq_len)))

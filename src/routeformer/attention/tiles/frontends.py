@@ -94,8 +94,9 @@ def tiled_attention(
             (a layout the caller chose, e.g. the queries whose keys end in each key block); masks are (rows, S),
             and ``restrict``, ``rel_unit`` and ``rel_band``, which read query positions, do not apply. The caller
             owns the mask: ``tile_mask`` is required and must keep out every span column beyond the keys, and a row
-            it leaves without a key is not zeroed (its lse lies below ``neg_inf / 2``, so ``saw_key`` is False, and
-            its output is finite and meaningless: the caller discards it, as ``ranges`` does).
+            it leaves without a key is not zeroed (its lse lies below ``neg_inf(lse.dtype) / 2``, put at
+            ``neg_inf(lse.dtype)`` for half-precision scores, so ``saw_key`` is False, and its output is finite and
+            meaningless: the caller discards it, as ``ranges`` does).
 
     Returns:
         out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
@@ -195,6 +196,10 @@ def tiled_attention(
         out = out.masked_fill(empty[..., None], 0.0)
         if lse is not None:
             lse = lse.masked_fill(empty, neg_inf(lse.dtype))
+    elif rows is not None and lse is not None and lse.dtype != q.dtype:
+        # Rows mode leaves empty rows to the caller, at the lse of their masked scores: about neg_inf of the score
+        # dtype, below saw_key's bound in the (wider) lse dtype only when the scores are float32 or wider.
+        lse = torch.where(lse > neg_inf(q.dtype) / 2, lse, neg_inf(lse.dtype))
 
     out = out.reshape(B, H, n_blocks * T, D)[:, :, :Nq]
     if lse is not None:
