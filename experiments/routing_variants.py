@@ -3,9 +3,10 @@
     python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@routing_probes=2" ...
 
 Registers four head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
-remaining arguments. Both are routing heads (the library's rule and options: probes, bias, warm-up) with one
+remaining arguments. Three are routing heads (the library's rule and options: probes, bias, warm-up) with one
 change each, computed densely (explicit (N, N) masks per head, O(N²): experiments at N = 128, not
-implementations); all are leak-free by construction, which the script checks before it trains.
+implementations); the fourth is a baseline. All are leak-free by construction, which the script checks before it
+trains.
 
 - ``routing_cb``, a compressed branch: queries also attend, in the same softmax, to one summary per cluster, the
   mean key and mean value of the keys routed to that cluster at earlier positions (causal prefix means, NSA's
@@ -20,7 +21,7 @@ implementations); all are leak-free by construction, which the script checks bef
 - ``routing_ad``, attention-distilled routing: during the dense warm-up each query's routing scores are trained to
   predict where its dense attention goes, a cross-entropy between softmax(τ · (cos(r_q, μ) + b)) over the clusters
   and the attention mass each cluster's keys receive (SeerAttention distils attention into a block gate the same
-  way). The weight is ``options.routing_ad.weight`` (default 1), τ = 10; the loss joins the commitment loss.
+  way). The weight is ``--distill-weight`` (default 1), τ = 10; the loss joins the commitment loss.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _leak_check() -> None:
     config = TransformerConfig(vocab_size=40, dim=32, depth=2, heads=4, seq_len=64, window=4, num_clusters=4,
                                routing_window=6, attention="local:2,routing_cb:2", routing_probes=2,
                                routing_balance=0.01)
-    for kind in ("routing_cb", "routing_ad", "routing_sel"):
+    for kind in ("routing_cb", "routing_ad", "routing_sel", "full_cur"):
         model = TransformerLM(replace(config, attention=f"local:2,{kind}:2")).double().eval()
         tokens = torch.randint(0, 40, (2, 64))
         for t in (0, 20, 62):
