@@ -157,3 +157,18 @@ def test_entries_must_match_the_queries_and_merge() -> None:
     lo = hi = torch.zeros(1, 1, 12, dtype=torch.long)
     with pytest.raises(ValueError, match="12 entries; 8 queries with merge=2 need 16"):
         get_executor("tiles").ranges(q, k, v, lo, hi, width=2, scale=0.5, merge=2)
+
+
+def test_span_masks_are_the_columns_inside_each_range() -> None:
+    """The looked-up mask against the comparison it replaces, over starts before, inside and after the span and
+    ranges that are empty, reversed, cut at either end or wider than the span."""
+    g = torch.Generator().manual_seed(0)
+    width = 12
+    first = torch.randint(-20, 40, (3, 7, 1), generator=g)
+    last = first + torch.randint(-3, 30, (3, 7, 1), generator=g)
+    start = torch.randint(-15, 25, (3, 1, 1), generator=g)
+    columns = start + torch.arange(width)  # (3, 1, width)
+    want = (columns >= first) & (columns < last)
+    got = ranges.span_mask(first, last, start, width)
+    assert got.dtype == torch.bool and got.shape == (3, 7, width)
+    assert torch.equal(got, want)

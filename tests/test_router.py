@@ -63,6 +63,14 @@ def test_probes_are_the_best_clusters_by_biased_score_own_cluster_first() -> Non
                 assert routes.keys[b, h, i] == ranked[0]
                 assert routes.probes[b, h, i].tolist() == ranked[:p]
     assert not torch.equal(routes.keys, plain), "the bias changes some assignments"
+    # the scores the routing used come back whole (the search for the next probes masks winners and restores them)
+    torch.testing.assert_close(routes.scores, score, rtol=0, atol=1e-12)
+
+
+def test_tied_scores_probe_the_lower_cluster_first() -> None:
+    router = Router(1, 4, 5, probes=3)
+    scores = torch.tensor([[[[0.5, 0.9, 0.2, 0.9, 0.5]]]])  # (B, H, N, k): two ties
+    assert router._best(scores.clone()).tolist() == [[[[1, 3, 0]]]]
 
 
 def test_the_bias_steps_towards_equal_loads_between_optimiser_steps() -> None:

@@ -219,3 +219,42 @@ def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
     torch.testing.assert_close(out, want)
     R, groups, entries = chosen[0]
     assert groups * R <= 2 * entries + 8 * groups  # crowded: without the cap R would be ~ the crowded group's count
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("own_first", [True, False])
+def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(own_first: bool, padding: bool) -> None:
+    """N = 512 takes the ranges. Queries whose probed windows hold no key but their own see it, if they probe their
+    own cluster (not own_first: a quarter probe two other clusters, as separate routing may, and see nothing): from
+    the ranges before attending, or (padding: ranges of padded keys only) after. Forward and gradients against the
+    dense mask in float64."""
+    from routeformer.attention.executors import get_executor
+    from routeformer.attention.routing.probes import probed_window_attention, probed_window_mask
+
+    g = torch.Generator().manual_seed(5)
+    B, H, N, D, k = 1, 2, 512, 8, 24
+    q, v = (torch.randn(B, H, N, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    clusters = torch.randint(0, k, (B, H, N), generator=g)
+    other = (clusters + torch.randint(1, k, (B, H, N), generator=g)) % k  # a second, different cluster
+    probes = torch.stack([clusters, other], -1)
+    if not own_first:  # a quarter of the queries probe two clusters, neither their own
+        third = (clusters + torch.randint(1, k, (B, H, N), generator=g)) % k
+        third = torch.where(third == other, (other + 1) % k, third)
+        third = torch.where(third == clusters, (third + 1) % k, third)
+        swap = torch.rand(B, H, N, generator=g) < 0.25
+        probes[..., 0] = torch.where(swap, third, clusters)
+    valid = (torch.rand(B, 1, N, generator=g) > 0.2) if padding else None
+    mask = probed_window_mask(clusters, probes, 6, exclude_self=True, key_valid=valid)
+    alone = mask.sum(-1) == 1
+    assert alone.sum() > 20, "the test needs queries that see only their own key"
+    if not own_first:
+        assert (alone & (probes != clusters[..., None]).all(-1)).any(), "... and some that do not probe their own"
+    out = probed_window_attention(q, q, v, clusters, probes, window=6, exclude_self=True, scale=D ** -0.5,
+                                  executor=get_executor("tiles"), key_valid=valid)
+    want = reference_attention(q, q, v, mask)
+    torch.testing.assert_close(out, want)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, v), grad)
+    expected = torch.autograd.grad(want, (q, v), grad)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)

@@ -15,6 +15,7 @@ O((N / G · R + leftover) · (width + G) · D).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -65,7 +66,10 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
         raise ValueError("relative positions need query_pos and key_pos")
     G = stretch or range_stretch(width)
     if key_order is not None:  # the keys in the order the ranges index: one copy, then every span is a view
-        k, v = (move_rows(x, key_order, key_inverse, unreached=False) for x in (k, v))
+        # q·k scaled once on that copy of the keys (free), unless relative terms q·a need the query scaled
+        key_scale, scale = (scale, 1.0) if rel_pos is None else (1.0, scale)
+        k = move_rows(k, key_order, key_inverse, unreached=False, scale=key_scale)
+        v = move_rows(v, key_order, key_inverse, unreached=False)
         key_valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, key_order)
         key_pos = None if key_pos is None else key_pos.gather(-1, key_order)
     if scale != 1.0:  # once, on the query rows (the executor is called with scale 1)
@@ -164,7 +168,7 @@ def _tiles(executor: Executor, sides: _Sides, keys: _Keys, *, width: int, stretc
     key_index = (torch.arange(n_groups, device=k.device)[:, None] - reach) * G + span  # (ng, S): key of each column
     first, last, query_at = sides.at(entry, (B, H, n_groups, R, 1))
     # lo, hi lie in [0, N]: the mask also keeps every column outside the keys out, as ``rows`` requires
-    mask = (key_index[:, None, :] >= first) & (key_index[:, None, :] < last)
+    mask = span_mask(first, last, key_index[:, :1, None], span.numel())
     delta = None
     if keys.rel_pos is not None:
         positions = keys.pos.gather(-1, key_index.clamp(0, N - 1).view(1, 1, -1).expand(B, H, -1))
@@ -206,8 +210,7 @@ def _gathered(executor: Executor, sides: _Sides, keys: _Keys, pick: Tensor, *, w
     key_at = start[..., None] + torch.arange(S, device=dev)  # (B, H, NB, S)
     key_index = key_at.clamp(0, N - 1).view(B, H, n_blocks * S)
     first, last, query_at = sides.at(entry, (B, H, n_blocks, T, 1))
-    key_at = key_at[:, :, :, None, :]
-    mask = (key_at >= first) & (key_at < last)
+    mask = span_mask(first, last, start[..., None, None], S)  # (B, H, NB, T, S)
     if keys.valid is not None:
         mask = mask & keys.valid.expand(B, H, N).gather(-1, key_index).view(B, H, n_blocks, 1, S)
     delta = None if keys.rel_pos is None else (keys.pos.gather(-1, key_index).view(B, H, n_blocks, 1, S) - query_at)
@@ -299,6 +302,31 @@ def _pick(outs: tuple[Tensor, ...], starts: list[int], index: Tensor) -> Tensor:
             b, h, n = where.nonzero(as_tuple=True)
             rows[b, h, n] = outs[i][b, h, index[b, h, n] - starts[i]]
     return rows
+
+
+def span_mask(first: Tensor, last: Tensor, start: Tensor, width: int) -> Tensor:
+    """The bool (..., width) mask of the columns start + c, 0 <= c < width, that lie in [first, last): first, last
+    (..., 1) long, start broadcastable to them.
+
+    Looked up rather than compared: a row's columns in [a, b) are ``_at_least(a) & _below(b)``, two rows of small
+    (width + 1, width) tables, gathered (memcpy-like) instead of two broadcast comparisons of long tensors (about
+    15 times faster on CPU at the routing tiles' sizes)."""
+    a = (first - start).clamp(0, width)
+    b = (last - start).clamp(0, width)
+    shape = (*torch.broadcast_shapes(a.shape, b.shape)[:-1], width)
+    at_least, below = _column_tables(width, first.device)
+    mask = (at_least.index_select(0, a.expand(shape[:-1] + (1,)).reshape(-1))
+            & below.index_select(0, b.expand(shape[:-1] + (1,)).reshape(-1)))
+    return mask.view(torch.bool).view(shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _column_tables(width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row a of the first table: columns c >= a; row b of the second: columns c < b; (width + 1, width) uint8 each
+    (uint8, not bool: index_select copies uint8 rows several times faster)."""
+    col = torch.arange(width, device=device)
+    bound = torch.arange(width + 1, device=device)[:, None]
+    return (col >= bound).to(torch.uint8), (col < bound).to(torch.uint8)
 
 
 def _tile_rows(counts: Tensor, entries: int) -> int:

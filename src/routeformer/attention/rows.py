@@ -20,21 +20,25 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
 
 class _Move(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, back: Tensor, unreached: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, index: Tensor, back: Tensor, unreached: bool,  # type: ignore[override]
+                scale: float) -> Tensor:
         ctx.save_for_backward(back)
-        ctx.m, ctx.unreached = index.shape[-1], unreached
-        return gather_rows(x, index.clamp_max(x.shape[2] - 1))
+        ctx.m, ctx.unreached, ctx.scale = index.shape[-1], unreached, scale
+        out = gather_rows(x, index.clamp_max(x.shape[2] - 1))
+        return out if scale == 1.0 else out.mul_(scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         (back,) = ctx.saved_tensors
         out = gather_rows(grad, back.clamp_max(ctx.m - 1))
+        if ctx.scale != 1.0:
+            out.mul_(ctx.scale)
         if ctx.unreached:
             out = out.masked_fill_((back >= ctx.m)[..., None], 0.0)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
-def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True) -> Tensor:
+def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True, scale: float = 1.0) -> Tensor:
     """out[..., j, :] = x[..., index[j], :] for x (B, H, N, D) and index (B, H, M); ``back`` (B, H, N) is the map the
     other way, back[index[j]] = j, and carries the gradient: grad_x[i] = grad_out[back[i]].
 
@@ -42,6 +46,7 @@ def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True)
     marks a hole of the output (its row holds some row of x, which the caller must mask: the hole's gradient reaches
     nothing), and a ``back`` of M a row of x that reaches no output (its gradient is zero; ``unreached=False``
     declares there is none, as for a permutation, and saves that pass). Time and memory O(M · D) forward,
-    O(N · D) backward.
+    O(N · D) backward. ``scale``: the moved rows come out multiplied by it (in place on the fresh copy, both ways:
+    no (B, H, N, D) pass of its own).
     """
-    return _Move.apply(x, index, back, unreached)
+    return _Move.apply(x, index, back, unreached, scale)

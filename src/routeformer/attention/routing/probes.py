@@ -65,6 +65,8 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
         return _dense(q, k, v, key_clusters, probes, window=window, exclude_self=exclude_self, scale=scale,
                       executor=executor, key_valid=key_valid, rel_pos=rel_pos, gates=gates)
     lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
+    if exclude_self and key_valid is None:  # shared QK: a query that sees no other key sees its own
+        hi = _own_key_when_alone(lo, hi, key_clusters, probes)
     pos = torch.arange(N, device=q.device).expand(B, H, N)
     ranges = dict(width=window, scale=scale, key_order=sort.order, key_inverse=sort.inverse, key_valid=key_valid,
                   key_pos=pos, rel_pos=rel_pos, need_lse=True)
@@ -75,14 +77,28 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
                                    **ranges)
         merged = (out.view(B, H, N, p, D) * gates[..., None].to(out.dtype)).sum(3)
         lse = lse.view(B, H, N, p).logsumexp(-1)  # neg_inf + log p where no probe saw a key: still unseen
-    if not exclude_self:
+    if not exclude_self or key_valid is None:
         return merged
-    # Shared QK: a query that sees no other key sees its own (if it is a real key; in its own, first probe).
+    # Shared QK with padding: ranges that hold only padded keys are known after attending. A query that sees no
+    # other key sees its own if it is a real key and the query probes its own cluster (first, unless separate).
     own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]
+    probed = probes == key_clusters[..., None]  # (B, H, N, p): which probe, if any, is the own cluster
     if gates is not None:
-        own = own * gates[..., :1].to(own.dtype)
-    alone = ~saw_key(lse) if key_valid is None else ~saw_key(lse) & key_valid
+        own = own * (gates * probed).sum(-1, keepdim=True).to(own.dtype)
+    alone = ~saw_key(lse) & key_valid & probed.any(-1)
     return torch.where(alone[..., None], own, merged)
+
+
+def _own_key_when_alone(lo: Tensor, hi: Tensor, key_clusters: Tensor, probes: Tensor) -> Tensor:
+    """Shared QK with every key real: a query whose ranges hold no key sees its own if it probes its own cluster.
+    ``probe_ranges`` stopped that cluster's range just before the own key, so the range is empty and starts there:
+    its hi moves on by one. Found from the ranges before attending, instead of replacing rows afterwards (two
+    (B, H, N, D) selects forward and two backward). Returns the new hi (B, H, N·p)."""
+    B, H, N = key_clusters.shape
+    p = probes.shape[-1]
+    own = probes == key_clusters[..., None]  # (B, H, N, p)
+    alone = (hi - lo).view(B, H, N, p).sum(-1) == 0  # (B, H, N)
+    return hi + (own & alone[..., None]).view(B, H, N * p).long()
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor, *, window: int,
