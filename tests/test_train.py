@@ -18,7 +18,8 @@ from helpers import tiny_model_toml, tiny_text_data
 from routeformer.cli import main
 from routeformer.data import prepare
 from routeformer.train import load_run_config
-from routeformer.train.config import parse_override
+from routeformer.train.config import TrainConfig, parse_override
+from routeformer.train.loop import budget_warning
 from routeformer.train.schedule import learning_rate
 
 TINY = tiny_model_toml(depth=1) + """
@@ -58,7 +59,15 @@ def metrics(run: Path, split: str) -> list[dict]:
 def test_a_run_directory_holds_everything(setup, capsys) -> None:
     run = setup["root"] / "run"
     assert train(setup, run) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # a line per periodic validation on screen, and a progress bar for the final evaluation
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 4", "step 8", "step 12"], out
+    assert all("train bpb" in line and "valid bpb" in line and "tok/s" in line and "elapsed" in line
+               and "left" in line for line in lines)
+    assert "final evaluation" in captured.err and "window" in captured.err
+    assert "warning" not in out
     for name in ("config.toml", "checkpoint.pt", "model.safetensors", "config.json", "metrics.jsonl",
                  "best/model.safetensors", "best/config.json"):
         assert (run / name).is_file(), name
@@ -177,9 +186,23 @@ def _error(capsys, argv: list[str]) -> str:
     return err
 
 
+def test_schedule_and_budget_warnings(setup, capsys, tmp_path) -> None:
+    """Said once, at the start (warm-up) or after a few steps (budget), and the run goes on."""
+    assert train(setup, tmp_path / "w", "--set", "warmup_steps=12") == 0
+    out = capsys.readouterr().out
+    assert out.count("warning: warmup_steps (12) >= max_steps (12)") == 1
+    cut = budget_warning(TrainConfig(max_steps=1000, max_minutes=1.0), 10, 0.5, 55.0)
+    assert cut is not None and "near step 120 of max_steps 1,000" in cut
+    assert budget_warning(TrainConfig(max_steps=100, max_minutes=1.0), 10, 0.5, 55.0) is None
+    assert budget_warning(TrainConfig(max_steps=100), 10, 0.5, float("inf")) is None
+
+
 def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     cfg, data = str(setup["config"]), str(setup["data"])
     base = ["train", "--config", cfg, "--data-dir", data, "--out", str(tmp_path / "r")]
+    assert "fsdp shards the model across the processes of torchrun" in _error(capsys, base + ["--fsdp"])
+    assert "--only: unknown mechanism(s) 'typo'; choices: full, local" in _error(
+        capsys, ["bench", "attention", "--n", "64", "--only", "typo"])
     assert "dropout must be in [0, 1)" in _error(capsys, base + ["--set", "dropout=2"])
     assert "unknown key; valid keys: activation" in _error(capsys, base + ["--set", "dimension=3"])
     assert "seq_len (4096) + 1 is longer than the valid split" in _error(capsys, base + ["--set", "seq_len=4096",

@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--name", dest="dataset_name", metavar="NAME", help="store under this name (for text data)")
     prep.add_argument("--skip-checksum", action="store_true", help="accept enwik8 / text8 whose md5 is not the "
                       "published one")
+    prep.add_argument("--force", action="store_true", help="replace a data set of the same name whose content "
+                      "differs (default: refuse; runs trained on it would be scored on the new data)")
 
     tr = commands.add_parser(
         "train", help="train a model (with no arguments: the main job on stdlib)",
@@ -363,7 +365,7 @@ def cmd_prepare(args) -> int:
 
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     meta = prepare(args.name, data_dir, args.source, dataset_name=args.dataset_name,
-                   skip_checksum=args.skip_checksum)
+                   skip_checksum=args.skip_checksum, force=args.force)
     where = data_dir / meta.name
     print(f"prepared {meta.name} in {where}: " + ", ".join(f"{s} {n:,}" for s, n in meta.splits.items())
           + f" tokens; vocabulary {meta.vocab_size:,}; metric {meta.metric}")
@@ -449,7 +451,8 @@ def cmd_evaluate(args) -> int:
         tokens = data.split(args.split)
         if len(tokens) < 2:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
-        total, count = evaluate(model, tokens, seq, batch=args.batch_size, procs=procs, stride=args.stride)
+        total, count = evaluate(model, tokens, seq, batch=args.batch_size, procs=procs, stride=args.stride,
+                                progress=f"{args.split} split")
         if procs.main:
             mean = total / count
             print(f"{run_dir} ({which} weights) on the {args.split} split of {data.meta.name}: "

@@ -26,9 +26,11 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual permissions
     try:
         write(tmp)
+        # mkstemp makes 0600 files, and so do writers that create the file anew (safetensors): give the file the
+        # permissions the user's umask gives any other
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         durable_replace(tmp, path)

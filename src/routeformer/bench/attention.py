@@ -301,7 +301,14 @@ def run(
 
 def selected(every: list[Candidate], only: list[str] | None) -> list[Candidate]:
     """The baseline (first) and the candidates named in ``only`` (by the first word of their name) or whose
-    ``peer_of`` is named there; all when ``only`` is None."""
+    ``peer_of`` is named there; all when ``only`` is None. A name that is none of them is a ValueError listing
+    the choices."""
+    if only is not None:
+        names = {c.name.split(" ")[0] for c in every} | {c.peer_of for c in every if c.peer_of}
+        unknown = [name for name in only if name not in names]
+        if unknown:
+            raise ValueError(f"--only: unknown mechanism(s) {', '.join(map(repr, unknown))}; choices: "
+                             f"{', '.join(c.name.split(' ')[0] for c in every if not c.peer_of)}")
     return every[:1] + [c for c in every[1:]
                         if only is None or c.name.split(" ")[0] in only or c.peer_of in only]
 

@@ -111,8 +111,9 @@ def _verified(data: bytes, spec: dict, name: str, path: Path, skip_checksum: boo
 
 
 def prepare(name: str, data_dir: Path, source: str | None = None, *, dataset_name: str | None = None,
-            skip_checksum: bool = False) -> DatasetMeta:
-    """Prepare data set ``name`` into ``data_dir/<dataset_name or name>``."""
+            skip_checksum: bool = False, force: bool = False) -> DatasetMeta:
+    """Prepare data set ``name`` into ``data_dir/<dataset_name or name>``; an existing data set there with other
+    content is replaced only when ``force`` (runs trained on it would otherwise be scored on other data)."""
     if name not in PREPARERS:
         raise DataError(f"unknown data set {name!r}; known: {', '.join(PREPARERS)}")
     writable_directory(data_dir)
@@ -120,7 +121,7 @@ def prepare(name: str, data_dir: Path, source: str | None = None, *, dataset_nam
     src = Path(source).expanduser() if source is not None else None
     if src is not None and not src.exists():
         raise DataError(f"--from {src}: no such file or folder")
-    return PREPARERS[name](target, data_dir, src, skip_checksum)
+    return PREPARERS[name](target, data_dir, src, skip_checksum, force)
 
 
 def prepare_builtin(data: str, data_dir: str | Path | None, echo=print) -> None:
@@ -135,7 +136,8 @@ def prepare_builtin(data: str, data_dir: str | Path | None, echo=print) -> None:
         prepare("stdlib", where)
 
 
-def _stdlib(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:
+def _stdlib(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
+            force: bool) -> DatasetMeta:
     root = src or Path(sysconfig.get_paths()["stdlib"])
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -153,11 +155,12 @@ def _stdlib(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool)
     meta = DatasetMeta(target.name, "bytes", 256, "uint8", {}, {}, source=f"{root} ({len(files)} .py files)",
                        source_checksum=hashlib.sha256(blob).hexdigest(),
                        notes="Python standard library sources in sorted path order; split 90/5/5 %")
-    return write_dataset(target, meta, _proportional(data))
+    return write_dataset(target, meta, _proportional(data), force=force)
 
 
 def _mahoney(spec_name: str, name: str):
-    def prepare_one(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:
+    def prepare_one(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
+                    force: bool) -> DatasetMeta:
         spec = globals()[spec_name]
         path = src or download(spec["url"], data_dir / "downloads" / Path(spec["url"]).name, name)
         data = _verified(_read_member(path, spec["member"]), spec, name, path, skip_checksum)
@@ -165,11 +168,12 @@ def _mahoney(spec_name: str, name: str):
                            source_checksum="md5:" + hashlib.md5(data.tobytes()).hexdigest(),
                            notes="split 90M / 5M / 5M bytes as in the literature")
         size = spec["size"]  # 10^8: 90M / 5M / 5M
-        return write_dataset(target, meta, _split_bytes(data, size * 9 // 10, size // 20))
+        return write_dataset(target, meta, _split_bytes(data, size * 9 // 10, size // 20), force=force)
     return prepare_one
 
 
-def _wikitext103(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:
+def _wikitext103(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
+                 force: bool) -> DatasetMeta:
     path = src or download(WIKITEXT103_URL, data_dir / "downloads" / "wikitext-103-v1.zip", "wikitext103")
     texts = {}
     for split in ("train", "valid", "test"):
@@ -197,7 +201,7 @@ def _wikitext103(target: Path, data_dir: Path, src: Path | None, skip_checksum: 
     meta = DatasetMeta(target.name, "words", len(vocab), "uint32", {}, {}, source=str(path),
                        source_checksum="sha256:" + _file_sha256(path) if path.is_file() else None,
                        notes="whitespace tokens of every line + <eos>; vocabulary from train, by frequency")
-    return write_dataset(target, meta, {s: encode(texts[s], s) for s in texts}, vocab=vocab)
+    return write_dataset(target, meta, {s: encode(texts[s], s) for s in texts}, vocab=vocab, force=force)
 
 
 def _words(line: str) -> list[str]:
@@ -227,7 +231,8 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _imagenet64(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:
+def _imagenet64(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
+                force: bool) -> DatasetMeta:
     if src is None:
         raise DataError("ImageNet 64x64 needs a login to download: fetch the npz batches (Imagenet64_train_*.zip "
                         "and Imagenet64_val.zip) from image-net.org and run `routeformer prepare imagenet64 "
@@ -258,7 +263,7 @@ def _imagenet64(target: Path, data_dir: Path, src: Path | None, skip_checksum: b
                              f"last {held_out} training images, test = the validation batch")
     splits = {"train": stream(train_files, 0, keep), "valid": stream(train_files, keep, total_train),
               "test": stream(val_files, 0, 1 << 62)}
-    return write_dataset(target, meta, splits)
+    return write_dataset(target, meta, splits, force=force)
 
 
 def _npz_batches(src: Path) -> list[tuple[str, object]]:
@@ -300,7 +305,8 @@ def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
 
 
-def _text(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -> DatasetMeta:
+def _text(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
+          force: bool) -> DatasetMeta:
     if src is None:
         raise DataError("the text data set needs --from PATH (a text file or a folder of them)")
     files = sorted((p for p in src.rglob("*") if p.is_file() and not _hidden(p.relative_to(src))),
@@ -312,7 +318,7 @@ def _text(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool) -
         raise DataError(f"{src} holds {len(blob)} bytes; need at least 100 to split 90/5/5")
     meta = DatasetMeta(target.name, "bytes", 256, "uint8", {}, {}, source=f"{src} ({len(files)} files)",
                        source_checksum=hashlib.sha256(blob).hexdigest(), notes="bytes, split 90/5/5 %")
-    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)))
+    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)), force=force)
 
 
 PREPARERS = {

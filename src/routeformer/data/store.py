@@ -114,10 +114,11 @@ def writable_directory(path: Path) -> Path:
 
 
 def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable[np.ndarray]],
-                  vocab: list[str] | None = None) -> DatasetMeta:
+                  vocab: list[str] | None = None, *, force: bool = False) -> DatasetMeta:
     """Write the splits and vocabulary into a staging folder, then move the finished data set into place.
 
-    A data set already in ``directory`` stays untouched until the new one is complete.
+    A data set already in ``directory`` stays untouched until the new one is complete, and for good unless its
+    splits are the same or ``force``: a DataError names the splits that would change.
     """
     staging = writable_directory(directory.with_name(f".{directory.name}.staging"))
     try:
@@ -134,6 +135,11 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
         tmp, handle = atomic_file(staging / "meta.json")
         handle.write((json.dumps(asdict(meta), indent=2) + "\n").encode())
         commit_file(tmp, handle, staging / "meta.json")
+        changed = [] if force else _changed_splits(directory, meta)
+        if changed:
+            raise DataError(f"data set {meta.name!r} in {directory.parent} already exists with other content "
+                            f"({', '.join(changed)} would change), and runs trained on it would then be scored on "
+                            f"the new data; give it another --name, or pass --force to replace it")
     except BaseException:  # a half-written data set never replaces the old one, nor lingers
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -146,6 +152,19 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
     else:
         os.replace(staging, directory)
     return meta
+
+
+def _changed_splits(directory: Path, meta: DatasetMeta) -> list[str]:
+    """The split files of the data set in ``directory`` whose checksum differs from ``meta``'s (all of them when
+    its meta.json cannot be read; none when there is no data set there)."""
+    path = directory / "meta.json"
+    if not path.is_file():
+        return []
+    try:
+        old = json.loads(path.read_text())["sha256"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return [f"{split}.bin" for split in SPLITS]
+    return [f"{split}.bin" for split in SPLITS if not isinstance(old, dict) or old.get(split) != meta.sha256[split]]
 
 
 class Dataset:

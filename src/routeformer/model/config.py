@@ -325,7 +325,7 @@ class TransformerConfig:
     def load(cls, path: str | Path) -> TransformerConfig:
         try:
             data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of config fields")

@@ -33,10 +33,13 @@ def context_policy(seq_len: int, stride: int | None) -> str:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, procs: Processes,
              autocast: contextlib.AbstractContextManager | None = None, stride: int | None = None,
-             max_windows: int | None = None) -> tuple[float, int]:
+             max_windows: int | None = None, progress: str | None = None) -> tuple[float, int]:
     """(sum of NLL in nats, number of predictions) over the split, every prediction counted once, summed over
     ranks (each rank takes every world-th batch of windows). ``max_windows`` keeps that many evenly spaced
-    non-overlapping windows (the cheap estimate used during training)."""
+    non-overlapping windows (the cheap estimate used during training). ``progress``: the label of a progress
+    bar on stderr (windows scored, time left), shown by the main process."""
+    from tqdm import tqdm
+
     windows = eval_windows(len(tokens), seq_len, stride)
     if max_windows is not None and len(windows) > max_windows:
         pick = np.linspace(0, len(windows) - 1, max_windows).round().astype(int)
@@ -45,6 +48,9 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    # Each rank scores every world-th batch: the main process's bar counts its own windows times the world size.
+    bar = tqdm(total=len(windows), desc=progress, unit="window", dynamic_ncols=True, mininterval=1.0, leave=False,
+               disable=progress is None or not procs.main)
     try:
         for rows, mask in mine:
             rows, mask = rows.to(procs.device), mask.to(procs.device)
@@ -53,7 +59,9 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
             nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
             total += float(nll[mask.flatten()].sum())
             count += int(mask.sum())
+            bar.update(min(rows.shape[0] * procs.world, bar.total - bar.n))
     finally:
+        bar.close()
         model.train(was_training)
     total, count = sum_all([total, float(count)], procs)
     return total, int(count)
@@ -99,12 +107,12 @@ class Validator:
         return mean
 
     def whole_split(self, step: int) -> float:
-        """Mean NLL over the whole split."""
-        mean = self._mean(None)
+        """Mean NLL over the whole split (with a progress bar: it can take minutes)."""
+        mean = self._mean(None, progress="final evaluation")
         self.write({"step": step, "split": "valid_full", "loss": mean, "value": metric(self.kind, mean)})
         return mean
 
-    def _mean(self, max_windows: int | None) -> float:
+    def _mean(self, max_windows: int | None, progress: str | None = None) -> float:
         total, count = evaluate(self.core, self.tokens, self.seq_len, batch=self.batch, procs=self.procs,
-                                autocast=self.autocast(), max_windows=max_windows)
+                                autocast=self.autocast(), max_windows=max_windows, progress=progress)
         return total / max(count, 1)

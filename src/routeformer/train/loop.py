@@ -67,6 +67,9 @@ class Loop:
         last_eval = progress.step if resume else -1
         first_step = progress.step
         rate_time, rate_steps = time.monotonic(), 0
+        shown, train = "", math.nan  # the last training row, as the bar shows it, and its mean loss
+        speed = math.nan
+        checked = False  # whether the time budget was compared with max_steps yet
         stopped = "max_steps"
         try:
             while progress.step < cfg.max_steps:
@@ -86,12 +89,19 @@ class Loop:
                     self.directory.write({"step": progress.step, "split": "train", "loss": mean,
                                           "value": metric(self.kind, mean), "lr": learning_rate(progress.step, cfg),
                                           "tokens_per_s": speed, "elapsed_s": elapsed})
-                    per_step = elapsed / (progress.step - first_step)  # this invocation's average, evaluations included
-                    left = min((cfg.max_steps - progress.step) * per_step, budget - elapsed)
-                    bar.set_postfix_str(f"loss {mean:.3f}, {SHORT_UNITS[self.kind]} {metric(self.kind, mean):.3f}, "
-                                        f"{speed:,.0f} tok/s, left {_clock(left)}", refresh=False)
+                    shown = (f"loss {mean:.3f}, {SHORT_UNITS[self.kind]} {metric(self.kind, mean):.3f}, "
+                             f"{speed:,.0f} tok/s, ")
+                    train = mean
                     progress.window = {"loss": 0.0, "steps": 0}
                     rate_time, rate_steps = time.monotonic(), 0
+                per_step = elapsed / (progress.step - first_step)  # this invocation's average, evaluations included
+                left = min((cfg.max_steps - progress.step) * per_step, budget - elapsed)
+                if not checked and (progress.step - first_step >= BUDGET_CHECK_STEPS or elapsed >= budget / 10):
+                    checked = True  # once, on an estimate of a few steps
+                    short = budget_warning(cfg, progress.step, per_step, budget - elapsed)
+                    if short and procs.main:
+                        bar.write(f"warning: {short}")
+                bar.set_postfix_str(f"{shown}left {_clock(left)}", refresh=False)  # time left: every step
                 bar.update(1)
                 if interrupted:
                     stopped = "interrupted"
@@ -99,7 +109,17 @@ class Loop:
                     stopped = "time budget"
                 if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps or stopped != "max_steps":
                     if stopped != "interrupted":
-                        self.checkpointer.keep_if_best(self.validator.estimate(progress.step))
+                        window = progress.window  # the steps since the last training row, if any
+                        recent = window["loss"] / window["steps"] if window["steps"] else train
+                        if rate_steps:
+                            speed = rate_steps * tokens_per_step / max(time.monotonic() - rate_time, 1e-9)
+                        valid = self.validator.estimate(progress.step)
+                        self.checkpointer.keep_if_best(valid)
+                        elapsed = time.monotonic() - start_time
+                        left = 0.0 if stopped != "max_steps" else min(
+                            (cfg.max_steps - progress.step) * elapsed / (progress.step - first_step), budget - elapsed)
+                        if procs.main:  # under the bar, and kept on screen
+                            bar.write(validation_line(progress.step, self.kind, recent, valid, speed, elapsed, left))
                     self.checkpointer.save()
                     last_eval = progress.step
                 if stopped != "max_steps":
@@ -151,6 +171,35 @@ def cut_sequences(tokens: torch.Tensor, length: int) -> torch.Tensor:
     if L % length:
         raise ValueError(f"cannot cut sequences of {L} tokens into pieces of {length}")
     return tokens.unfold(1, length + 1, length).reshape(B * (L // length), length + 1)
+
+
+BUDGET_CHECK_STEPS = 10  # the time budget is compared with max_steps once: after this many steps (or a tenth of it)
+
+
+def budget_warning(cfg: TrainConfig, step: int, per_step: float, time_left: float) -> str | None:
+    """Why the time budget will stop the run before ``max_steps`` at ``per_step`` seconds a step, or None."""
+    if not math.isfinite(time_left) or (cfg.max_steps - step) * per_step <= time_left:
+        return None
+    reach = step + int(time_left / per_step)
+    return (f"at {per_step:.2f} s a step the time budget ({cfg.max_minutes:g} min) stops the run near step {reach:,} "
+            f"of max_steps {cfg.max_steps:,}, before the learning-rate schedule has decayed; lower max_steps or "
+            f"raise max_minutes")
+
+
+def schedule_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that make the learning-rate schedule do something else than it says."""
+    if cfg.warmup_steps >= cfg.max_steps:
+        return [f"warmup_steps ({cfg.warmup_steps:,}) >= max_steps ({cfg.max_steps:,}): the run ends in its "
+                f"learning-rate warm-up (the rate never reaches lr={cfg.lr:g} and never decays)"]
+    return []
+
+
+def validation_line(step: int, kind: str, train: float, valid: float, speed: float, elapsed: float,
+                    left: float) -> str:
+    """The line a periodic validation prints: step, training and validation metric, speed, time used and left."""
+    unit = SHORT_UNITS[kind]
+    return (f"step {step}: train {unit} {metric(kind, train):.3f}, valid {unit} {metric(kind, valid):.3f}, "
+            f"{speed:,.0f} tok/s, elapsed {_clock(elapsed)}, left {_clock(left)}")
 
 
 def _clock(seconds: float) -> str:

@@ -19,7 +19,10 @@ from .distributed import Processes
 class Parallelism:
     def __init__(self, procs: Processes, cfg: TrainConfig) -> None:
         self.procs = procs
-        self.sharded = cfg.fsdp and procs.distributed
+        if cfg.fsdp and not procs.distributed:
+            raise ValueError("fsdp shards the model across the processes of torchrun; this run has one process "
+                             "(start it with torchrun --nproc-per-node N, or drop --fsdp)")
+        self.sharded = cfg.fsdp
         self.compile = cfg.compile
         dev, choice = procs.device, cfg.precision
         if choice == "auto":

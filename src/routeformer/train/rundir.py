@@ -4,16 +4,40 @@ ranks only wait for it. Reading a run directory back is runs.py."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
 import torch.distributed as dist
 
+from ..data import DataError, DatasetMeta
 from ..durable import atomic_write
 from .checkpoint import CHECKPOINT
 from .config import RunConfig
 from .distributed import Processes
 from .metrics import MetricsLog, plot_losses, truncate_metrics
+
+DATA_RECORD = "data.json"  # the name and split checksums of the data set a run trained on
+
+
+def read_data_record(run_dir: Path) -> dict | None:
+    """The run's data.json (None for a run that has none: it started before runs recorded their data)."""
+    path = run_dir / DATA_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("sha256"), dict):
+            raise ValueError("no sha256 table")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is corrupt ({err})") from None
+    return record
+
+
+def data_changes(record: dict, meta: DatasetMeta) -> str:
+    """What differs between a run's recorded data and ``meta`` ("" when nothing)."""
+    changed = [f"{split}.bin" for split, digest in record["sha256"].items() if meta.sha256.get(split) != digest]
+    return f"{', '.join(changed)} changed since the run started" if changed else ""
 
 
 def new_run_dir(run: RunConfig, out: str | Path | None) -> Path:
@@ -45,6 +69,24 @@ class RunDirectory:
                 (self.path / "metrics.jsonl").unlink(missing_ok=True)
         if self.procs.distributed:
             dist.barrier()
+
+    def record_data(self, meta: DatasetMeta) -> None:
+        """A new run records the checksums of its data set (data.json); a resumed run refuses data that differs
+        from them (its batches, and the validation it is compared on, would silently change)."""
+        if not self.procs.main:
+            return
+        path = self.path / DATA_RECORD
+        recorded = read_data_record(self.path)
+        if self.resume and recorded is not None:
+            changed = data_changes(recorded, meta)
+            if changed:
+                raise DataError(f"data set {meta.name!r} is not the one {self.path} trained on ({changed}); "
+                                f"--resume refuses to go on with other data: prepare the original again or start "
+                                f"a new run")
+            return
+        record = {"name": meta.name, "splits": meta.splits, "sha256": meta.sha256}
+        text = json.dumps(record, indent=2) + "\n"
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
     def open_log(self, step: int) -> None:
         """Open metrics.jsonl for appending (rank 0); a resumed run first drops the rows after its checkpoint's

@@ -15,6 +15,7 @@ from ..data import DataError, Dataset, DatasetMeta
 from ..model import TransformerConfig, TransformerLM
 from .config import RunConfig, TrainConfig
 from .distributed import resolve_device
+from .rundir import data_changes, read_data_record
 
 
 def read_run_config(run_dir: Path) -> RunConfig:
@@ -42,6 +43,11 @@ def load_run(run_dir: Path, which: str = "best", data_dir: str | None = None,
                         f"data set {data.meta.name!r} in {data.directory} has {data.meta.vocab_size}: wrong data for "
                         f"this checkpoint")
     check_sample_layout(model.config, data.meta)
+    recorded = read_data_record(run_dir)
+    if recorded is not None and data_changes(recorded, data.meta):
+        print(f"warning: data set {data.meta.name!r} in {data.directory} is not the one {run_dir} trained on "
+              f"({data_changes(recorded, data.meta)}): its scores are not comparable with the "
+              f"run's", file=sys.stderr)
     return model, run, data, which
 
 

@@ -1,10 +1,11 @@
 """Training a run: data-parallel across torchrun processes, resumable exactly, stoppable at any moment.
 
-:func:`train` puts the components together, in this order: the data (checked against the model), the run directory
-(rundir.py), precision and parallelism (parallel.py), the model (its seeded initial weights, or a checkpoint's) in
-its data-parallel form, the optimizer and the checkpoint's state (checkpoint.py), the metrics log, the batches,
-validation (evaluation.py), then the loop (loop.py) under the stop signals (signals.py), and at the end the score
-on the whole validation split, the sample (sampling.py) and the loss curve.
+:func:`train` puts the components together, in this order: the data (checked against the model), precision and
+parallelism (parallel.py), the run directory (rundir.py, with the checksums of the data), the model (its seeded
+initial weights, or a checkpoint's) in its data-parallel form, the optimizer and the checkpoint's state
+(checkpoint.py), the metrics log, the batches, validation (evaluation.py), then the loop (loop.py) under the stop
+signals (signals.py), and at the end the score on the whole validation split, the sample (sampling.py) and the
+loss curve.
 
 Every ``eval_every`` steps and at the end: validation loss, the run state (``checkpoint.pt``), the last weights
 (``model.safetensors`` + ``config.json``) and, when the validation loss improves, the best weights (``best/``).
@@ -23,10 +24,10 @@ import torch
 from ..data import BatchSampler, DataError, Dataset
 from ..model import TransformerLM
 from . import distributed
-from .checkpoint import Checkpointer, load_checkpoint
+from .checkpoint import CHECKPOINT, Checkpointer, load_checkpoint
 from .config import RunConfig
 from .evaluation import UNITS, Validator, metric
-from .loop import Loop, adamw
+from .loop import Loop, adamw, schedule_warnings
 from .parallel import Parallelism
 from .rundir import RunDirectory, new_run_dir
 from .runs import check_sample_layout
@@ -63,20 +64,27 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     started = time.monotonic()
     data = open_data(run)  # first: a start that fails on its data leaves no run directory behind
     kind = data.meta.kind
+    parallel = Parallelism(procs, cfg)  # so does one whose precision or parallelism cannot be had
     directory = RunDirectory(run_dir, run, procs, resume)
     directory.prepare()
-    parallel = Parallelism(procs, cfg)
+    directory.record_data(data.meta)
     state = load_checkpoint(run_dir) if resume else None
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     core = TransformerLM(run.model)
     num_params = core.num_parameters()  # before sharding, which leaves each rank a part
-    if state is not None:
-        core.load_state_dict(state["model"])  # before sharding: the checkpoint holds the whole model
-    core = core.to(procs.device)
-    model = parallel.wrap(core)
-    optimizer = adamw(core, cfg)
-    checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
-    progress = checkpointer.restore(state)
+    try:
+        if state is not None:
+            core.load_state_dict(state["model"])  # before sharding: the checkpoint holds the whole model
+        core = core.to(procs.device)
+        model = parallel.wrap(core)
+        optimizer = adamw(core, cfg)
+        checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
+        progress = checkpointer.restore(state)
+    except (KeyError, TypeError, IndexError, RuntimeError, AttributeError) as err:
+        if state is None:
+            raise
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{run_dir / CHECKPOINT} does not fit this run's model or optimiser: {reason}") from None
     model = parallel.compiled(model)  # last: compiling wraps the module the loop calls forward on
     directory.open_log(progress.step)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
@@ -88,6 +96,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter model{sharded} "
              f"({m.depth} layers, dim {m.dim}, attention {m.attention}) on {cfg.data} ({UNITS[kind]}), "
              f"seq_len {m.seq_len}, batch {cfg.batch_size}, {parallel.describe()}; run directory {run_dir}")
+        for warning in schedule_warnings(cfg):
+            echo(f"warning: {warning}")
     try:
         validator = Validator(core, data.split("valid"), kind, run.model.seq_len, batch_size=cfg.batch_size,
                               grad_accum=cfg.grad_accum, eval_tokens=cfg.eval_tokens, procs=procs,
