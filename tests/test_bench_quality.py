@@ -86,4 +86,4 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
     # its 256) keeps its share of the bench's length: 8 of 32
     assert "| local " in out and "| local+routing " in out
     assert "k=6, w=2, p=2, warm-up=1000 at length 8" in out
-    assert out.count("bits per byte") >= 2 and (tmp_path / "runs" / "local").is_dir()
+    assert out.count("bits per byte") >= 2 and (tmp_path / "runs" / "32-local").is_dir()  # per length and row

@@ -71,7 +71,9 @@ def test_a_run_directory_holds_everything(setup, capsys) -> None:
     for name in ("config.toml", "checkpoint.pt", "model.safetensors", "config.json", "metrics.jsonl",
                  "best/model.safetensors", "best/config.json"):
         assert (run / name).is_file(), name
-    assert "validation bits per byte" in out and f"run directory: {run}" in out and "sample:" in out
+    assert "validation bits per byte" in out and f"run directory: {run}" in out and "sample (the prompt" in out
+    body = out.split("-" * 72)[1]  # the sample: 64 bytes of the validation split, the mark, the continuation
+    assert body.count("⟫") == 1 and len(body.split("⟫")[0].strip("\n").encode()) <= 64
     resolved = load_run_config(run / "config.toml")
     assert resolved.model.num_clusters == 3 and resolved.train.data == "tiny" and resolved.train.max_steps == 12
     assert [r["step"] for r in metrics(run, "valid")] == [4, 8, 12]
@@ -321,6 +323,20 @@ def test_every_option_and_argument_is_explained() -> None:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
             assert action.help, f"{parser.prog}: {action.option_strings or action.dest} has no help"
+            default = action.default
+            if action.option_strings and default not in (None, False, argparse.SUPPRESS, []):
+                shown = parser._get_formatter()._get_help_string(action)
+                assert "default" in shown, f"{parser.prog}: {action.option_strings[0]} does not state its default"
+        if parser.prog != "routeformer":
+            assert parser.description, f"{parser.prog} has no description"
+
+
+def test_version(capsys) -> None:
+    from routeformer import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"routeformer {__version__}"
 
 
 def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatch) -> None:

@@ -110,12 +110,38 @@ def _add_routing_sizes(parser: argparse.ArgumentParser, length: str) -> None:
                         help=f"routing keys per probed cluster (default {length} // (k · probes))")
 
 
+PROMPT_END = "⟫"  # printed where a run's final sample turns from its prompt to the model's continuation
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already speaks of it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default in (None, False, argparse.SUPPRESS)
+                or isinstance(default, (list, tuple)) and not default):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The command line's parsers (sub-commands inherit the class): help texts that state defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     from .data import PREPARERS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="routeformer", description="Long-sequence Transformers with routing attention: prepare data, train, "
         "evaluate, sample, benchmark.")
+    parser.add_argument("--version", action="version", version=f"routeformer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     prep = commands.add_parser(
@@ -190,7 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_analyze(commands)
 
-    bench = commands.add_parser("bench", help="benchmarks: time and peak memory tables")
+    bench = commands.add_parser(
+        "bench", help="benchmarks: time and peak memory tables",
+        description="Benchmarks that print tables: 'attention' (time and memory of every pattern beside full "
+        "attention), 'model' (training and generation of models that differ only in attention), 'recall' "
+        "(long-range retrieval accuracy of trained models), 'text' (bits per byte on real text at equal time), "
+        "'all' (attention, then model).")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     att = suites.add_parser(
         "attention",
@@ -288,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_out(txt, "where the run directories go", default="runs/bench-text", metavar="DIR")
     _add_overrides(txt, "override a [model] or [train] field for every row")
 
-    every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)")
+    every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)",
+                              description="Run 'bench attention' and then 'bench model', each with its defaults.")
     _add_device(every, bench=True)
     return parser
 
@@ -317,8 +349,13 @@ def _add_analyze(commands) -> None:
     approx.add_argument("--all-windows", action="store_true", help="score the whole split")
     approx.add_argument("--lsh-rounds", type=_positive, default=1, help="LSH hash rounds (default 1)")
     approx.add_argument("--seed", type=int, default=0, help="seed of the LSH rotations and random features")
-    hd = kinds.add_parser("heads", help="Jensen-Shannon divergence between the heads of each layer")
-    pat = kinds.add_parser("patterns", help="Figure-1 pictures of a layer's heads and routing cluster statistics")
+    hd = kinds.add_parser("heads", help="Jensen-Shannon divergence between the heads of each layer",
+                          description="The mean Jensen-Shannon divergence between the attention distributions of "
+                          "every pair of heads in each layer (the routing paper's Table 4), over --batches "
+                          "batches of the split.")
+    pat = kinds.add_parser("patterns", help="Figure-1 pictures of a layer's heads and routing cluster statistics",
+                           description="Pictures of which inputs each output of a layer's heads attends to (the "
+                           "routing paper's Figure 1), and the routing heads' cluster sizes and balance.")
     pat.add_argument("--layer", type=int, default=0, help="the layer to draw (default 0)")
     pat.add_argument("--head", type=int, help="one head of the layer (default: every head)")
     text = pat.add_mutually_exclusive_group()
@@ -426,7 +463,9 @@ def cmd_train(args) -> int:
         print(f"validation {result.unit}: {result.valid:.4f} (whole split; final evaluation and sample "
               f"{result.final_seconds:.0f} s)")
         if result.sample is not None:
-            print(f"sample:\n{'-' * 72}\n{result.sample}\n{'-' * 72}")
+            prompt, continuation = result.sample
+            print(f"sample (the prompt, from the validation split, ends at {PROMPT_END}; the rest is the model's):\n"
+                  f"{'-' * 72}\n{prompt}{PROMPT_END}{continuation}\n{'-' * 72}")
         print(f"run directory: {result.run_dir}")
         print(f"checkpoint:    {result.run_dir / 'checkpoint.pt'} (best weights in {result.run_dir / 'best'})")
         print(f"loss curve:    {result.plot}" if result.plot else "loss curve:    not drawn (pip install matplotlib)")

@@ -55,7 +55,8 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         # the row's own @field settings last: they override the bench's
         sets += [f"{key}={str(value).lower() if isinstance(value, bool) else value!r}" for key, value in fields.items()]
         run_config = load_run_config(None, list(overrides or []) + sets, settings)
-        run_dir = Path(out) / name.replace("/", "-").replace(":", "").replace(",", "-").replace("+", "-")
+        # one folder per (length, row): the README's runs at 256, 1024 and 2048 share --out
+        run_dir = Path(out) / f"{seq_len}-{name.replace('/', '-').replace(':', '').replace(',', '-').replace('+', '-')}"
         echo(f"# {name}: routeformer train --set {' --set '.join(sets)} --max-steps {steps} "
              f"--max-minutes {minutes} --out {run_dir}")
         result = train(run_config, run_dir, echo=lambda *_: None)

@@ -13,9 +13,10 @@ from ..model import TransformerLM
 
 
 def sample(model: TransformerLM, data: Dataset, *, tokens: int, seed: int, device: torch.device,
-           autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> str | None:
-    """``tokens`` tokens (temperature 0.8, top-p 0.95, ``seed``) after 64 tokens of the validation split, from its
-    first line start for bytes; None for images or ``tokens`` = 0."""
+           autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+           ) -> tuple[str, str] | None:
+    """(prompt, continuation) as text: ``tokens`` tokens (temperature 0.8, top-p 0.95, ``seed``) after a prompt of
+    64 tokens of the validation split, from its first line start for bytes; None for images or ``tokens`` = 0."""
     kind = data.meta.kind
     if kind == "images" or tokens == 0:
         return None
@@ -27,7 +28,8 @@ def sample(model: TransformerLM, data: Dataset, *, tokens: int, seed: int, devic
     prompt = torch.from_numpy(valid[start:start + 64].astype(np.int64))[None].to(device)
     with autocast():
         out = model.generate(prompt, tokens, temperature=0.8, top_p=0.95, seed=seed)
-    return decode(out[0].tolist(), kind, data.vocab())
+    ids, vocab = out[0].tolist(), data.vocab()
+    return decode(ids[:prompt.shape[1]], kind, vocab), decode(ids[prompt.shape[1]:], kind, vocab)
 
 
 def decode(ids: list[int], kind: str, vocab: list[str] | None) -> str:

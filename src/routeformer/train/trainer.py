@@ -44,7 +44,7 @@ class TrainResult:
     stopped: str
     unit: str
     valid: float | None
-    sample: str | None
+    sample: tuple[str, str] | None  # (prompt, continuation)
     plot: Path | None
     minutes: float  # from the start to the end of training
     final_seconds: float  # the whole-split evaluation and the sample

@@ -1,0 +1,137 @@
+"""Every shell command in the README's fenced blocks runs, at toy sizes: its options are the real ones, its
+configuration names exist, its settings are accepted. Commands that train get a tiny data set and a tiny model
+(appended options override the README's: argparse keeps the last value), in the README's order inside one folder
+(so a command may use the run directory an earlier one made). Commands for GPUs are parsed, and run only where
+CUDA is; the setup lines run their `routeformer` part (the test command is what is running)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_text_data
+from routeformer.cli import build_parser, main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = README.parent
+
+TOY_MODEL = ["--set", "dim=32", "--set", "depth=1", "--set", "batch_size=2", "--set", "grad_accum=1",
+             "--set", "eval_tokens=64", "--set", "eval_every=2", "--set", "sample_tokens=4"]
+TOY_TRAIN = ["--max-steps", "2", "--max-minutes", "2", "--set", "seq_len=64", "--set", "window=16",
+             "--set", "num_clusters=4", "--set", "routing_window=8", *TOY_MODEL]
+TOY_RECALL = ["--steps", "2", "--seeds", "0", "--eval", "8", "--batch", "4", "--dim", "32"]
+TOY_TEXT = ["--steps", "2", "--minutes", "1", *TOY_MODEL]
+
+
+def readme_commands(text: str) -> list[str]:
+    """Command lines of the fenced blocks (continuations joined, `for x in a b; do ...; done` kept whole), without
+    the usage summaries (`[--option ...]`, `a|b` alternatives)."""
+    commands, inside, pending, continued = [], False, "", False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            continue
+        if not inside:
+            continue
+        stripped = line.strip()
+        if not pending and not re.match(r"(\.venv/bin/)?(routeformer|python3?|torchrun|for) ", stripped):
+            continue
+        # a new line of a loop's body is a new command, unless the line before it continued
+        joined_by = "; " if pending.startswith("for ") and not continued and not pending.endswith("do") else " "
+        pending = f"{pending}{joined_by}{stripped}" if pending else stripped
+        continued = pending.endswith("\\")
+        if continued:
+            pending = pending[:-1].strip()
+            continue
+        if pending.startswith("for ") and not pending.endswith("done"):
+            continue
+        if not re.search(r"\[--|\w\|\w.*\[\.\.\.\]", pending):
+            commands.append(pending)
+        pending = ""
+    return commands
+
+
+COMMANDS = readme_commands(README.read_text())
+
+
+def _expand(command: str) -> list[list[str]]:
+    """One command line -> the routeformer argv lists it runs ('' for the test command itself)."""
+    loop = re.fullmatch(r"for (\w+) in ([^;]+); do (.*?)(?:;)? *done", command)
+    if loop:  # the first value is enough at toy sizes
+        name, values, body = loop.groups()
+        first = values.split()[0]
+        return [argv for part in body.split(";") if part.strip()
+                for argv in _expand(part.strip().replace(f"${name}", first))]
+    argvs = []
+    for part in command.split("&&"):
+        words = shlex.split(part.split("#")[0])
+        if not words:
+            continue
+        if words[0] in ("routeformer", ".venv/bin/routeformer"):
+            argvs.append(words[1:])
+        elif words[:2] == ["python", "experiments/routing_variants.py"]:
+            argvs.append(["experiments/routing_variants.py", *words[2:]])
+        elif words[0] == "torchrun":  # the processes need GPUs; one process runs the same command
+            argvs.append(words[words.index("routeformer") + 1:])
+    return argvs
+
+
+def test_the_readme_has_commands_to_run() -> None:
+    argvs = [argv for command in COMMANDS for argv in _expand(command)]
+    assert ["train"] in argvs  # the main job
+    assert any(a[:2] == ["bench", "recall"] for a in argvs) and any(a[:2] == ["bench", "text"] for a in argvs)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("readme")
+    line = "def attend(query, keys, values): return softmax(query @ keys.T) @ values  # {}\n"
+    tiny_text_data(root, "".join(line.format(i) for i in range(2000)))  # ~150 KB: splits longer than 2048
+    return root
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)))
+def test_readme_command_runs_at_toy_size(index: int, folder: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(folder)  # run directories (runs/...) land here, and later commands find them
+    data = ["--data", "tiny", "--data-dir", str(folder / "data")]
+    for argv in _expand(COMMANDS[index]):
+        if argv[0] == "experiments/routing_variants.py":
+            _run_experiment(argv, monkeypatch)
+            continue
+        try:
+            build_parser().parse_args(argv)  # every option real, every value of the right type
+        except SystemExit as stop:  # --version, --help: they print and exit 0
+            assert stop.code == 0, f"routeformer {' '.join(argv)}: exit {stop.code}"
+            continue
+        if "cuda" in argv and not torch.cuda.is_available():
+            continue  # a GPU command: parsed above
+        if argv[0] == "train":
+            toy = [*argv, *data, *TOY_TRAIN]
+            if "--out" not in argv:
+                toy += ["--out", str(folder / "runs" / f"main-{index}")]
+        elif argv[:2] == ["bench", "recall"]:
+            toy = [*argv, *TOY_RECALL]
+        elif argv[:2] == ["bench", "text"]:
+            toy = [*argv, *data, *TOY_TEXT, "--out", str(folder / "bench-text")]
+        elif argv[0] == "analyze":
+            toy = [*argv, "--windows", "2"] if "approximations" in argv else argv
+        else:
+            toy = argv
+        assert main(toy) == 0, f"README command failed at toy size: routeformer {' '.join(toy)}"
+    capsys.readouterr()
+
+
+def _run_experiment(argv: list[str], monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / argv[0]), *argv[1:], *TOY_RECALL])
+    try:
+        runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    except SystemExit as stop:
+        assert stop.code in (0, None), f"{' '.join(argv)} exited with {stop.code}"
