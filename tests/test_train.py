@@ -179,6 +179,9 @@ def test_evaluate_and_sample(setup, capsys) -> None:
     assert out.startswith("def routing(") and len(out) > len("def routing(")
     assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1"]) == 0
     assert capsys.readouterr().out == out  # seeded: the same text
+    # a prompt that is not UTF-8 (argv bytes 0xff 0xfe arrive as surrogates): its bytes are the prompt
+    assert main(["sample", str(run), "--prompt", "def \udcff\udcfe(", "--tokens", "4", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("def \ufffd\ufffd(")
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -299,8 +302,13 @@ def test_learning_rate_schedules() -> None:
 
 
 def test_main_job_defaults_prepare_stdlib_on_first_use(tmp_path, capsys, monkeypatch) -> None:
+    from routeformer.train.evaluation import Validator
+
     monkeypatch.setenv("ROUTEFORMER_DATA", str(tmp_path / "data"))
-    assert main(["train", "--max-steps", "1", "--set", "dim=32", "--set", "heads=2", "--set",
+    # what is tested is the preparation: the final score on stdlib's whole validation split (1.57M bytes, a minute
+    # here even for this model) is replaced by the periodic estimate
+    monkeypatch.setattr(Validator, "whole_split", Validator.estimate)
+    assert main(["train", "--max-steps", "1", "--set", "dim=32", "--set", "depth=1", "--set", "heads=2", "--set",
                  "attention=local:1,routing:1", "--set", "seq_len=64", "--set", "window=16", "--set", "batch_size=2",
                  "--set", "sample_tokens=4", "--set", "eval_tokens=64", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out

@@ -516,7 +516,8 @@ def cmd_sample(args) -> int:
             raise FileNotFoundError(f"--prompt-file {path}: no such file")
         text = path.read_bytes()
     else:
-        text = args.prompt.encode("utf-8")
+        # Python hands undecodable argv bytes over as surrogates: give the model those very bytes back
+        text = args.prompt.encode("utf-8", errors="surrogateescape")
     if not text:
         raise ValueError("the prompt is empty")
     prompt = data.encode(text)[None]
