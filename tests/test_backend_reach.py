@@ -1,0 +1,88 @@
+"""The configured backend is the one that computes: every path (forward, prompt, decoding step) of every kind that
+runs on an executor, in a model whose ``backend`` names a recording executor, reaches that executor and no
+other. The built-in executors are replaced by ones that fail for the duration, so a path that re-resolves
+``"auto"`` (or names ``"tiles"`` itself) fails the test instead of silently running elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from routeformer import TransformerConfig, TransformerLM
+from routeformer.attention import executors
+from routeformer.attention.executors import Executor
+from routeformer.attention.registry import KINDS
+from routeformer.attention.tiles import band_attention, tiled_attention
+
+SPECS = {  # a model spec per built-in kind that runs on an executor, with the settings it needs
+    "full": "full", "local": "local", "routing": "local:2,routing:2", "strided_a1": "strided_a1:2,strided_a2:2",
+    "strided_a2": "strided_a1:2,strided_a2:2", "strided": "strided", "fixed_a1": "fixed_a1:2,fixed_a2:2",
+    "fixed_a2": "fixed_a1:2,fixed_a2:2", "fixed": "fixed", "longformer": "longformer",
+}
+PROBED = {"routing_probes": 2, "routing_balance": 0.01}  # the default rule; the paper's rule runs too
+
+
+def _refuse(name: str) -> Executor:
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a path reached the {name!r} executor instead of the configured one")
+
+    return Executor(name, refuse, refuse)
+
+
+@pytest.fixture
+def recording(monkeypatch) -> list[str]:
+    calls: list[str] = []
+
+    def tiled(*args, **kwargs):
+        calls.append("tiled")
+        return tiled_attention(*args, **kwargs)
+
+    def band(*args, **kwargs):
+        calls.append("band")
+        return band_attention(*args, **kwargs)
+
+    table = {"recording": Executor("recording", tiled, band), "tiles": _refuse("tiles"), "flex": _refuse("flex")}
+    monkeypatch.setattr(executors, "EXECUTORS", table)
+    return calls
+
+
+def test_every_kind_on_an_executor_is_covered() -> None:
+    on_executor = {name for name, kind in KINDS.items() if kind.executor is True or callable(kind.executor)}
+    assert on_executor <= set(SPECS), f"add a spec for {sorted(on_executor - set(SPECS))}"
+
+
+@pytest.mark.parametrize("rule", [{}, PROBED], ids=["paper", "probes"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recording: list[str]) -> None:
+    spec = SPECS[name]
+    if rule and "routing" not in spec:
+        pytest.skip("the routing rule matters to routing heads only")
+    config = TransformerConfig(vocab_size=23, dim=32, depth=1, heads=4, seq_len=300, attention=spec, window=6,
+                               stride=5, block=8, summary=2, num_clusters=3, routing_window=6, dilation=2,
+                               global_tokens=[2] if spec == "longformer" else [], backend="recording", **rule)
+    torch.manual_seed(0)
+    model = TransformerLM(config).eval()
+    tokens = torch.randint(0, 23, (1, 290))  # longer than the dense-tile size of probed routing (256)
+    with torch.no_grad():
+        model(tokens)
+        assert recording, "the forward reached no executor"
+        recording.clear()
+        model.generate(tokens[:, :270], max_new_tokens=3, temperature=0.0)  # a prompt, then decoding steps
+
+
+@pytest.mark.parametrize("probes", [1, 2])
+def test_the_routing_layer_reaches_its_executor_on_every_path(probes: int, recording: list[str]) -> None:
+    """``RoutingAttention`` on its own (the functional layer, with its own cache): forward, a prompt, steps."""
+    from routeformer.attention import RoutingAttention
+
+    torch.manual_seed(0)
+    layer = RoutingAttention(2, 8, num_clusters=4, window=8, probes=probes, backend="recording").eval()
+    q, v = torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
+    with torch.no_grad():
+        layer(q, q, v)
+        assert recording
+        recording.clear()
+        cache = layer.new_cache(1, max_len=300)
+        layer.decode(q[:, :, :290], q[:, :, :290], v[:, :, :290], cache)  # the prompt: one forward
+        assert recording, "the prompt reached no executor"
+        layer.decode(q[:, :, 290:292], q[:, :, 290:292], v[:, :, 290:292], cache)
