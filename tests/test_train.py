@@ -170,7 +170,9 @@ def test_evaluate_and_sample(setup, capsys) -> None:
         assert train(setup, run) == 0
     capsys.readouterr()
     assert main(["evaluate", str(run), "--split", "test"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "test split" in captured.err and "window" in captured.err  # its progress bar
     assert "bits per byte" in out and "test split of tiny" in out and "non-overlapping windows of 32 tokens" in out
     assert main(["evaluate", str(run), "--stride", "8", "--checkpoint", "last"]) == 0
     assert "scoring the last 8 of each (at least 24 tokens of context)" in capsys.readouterr().out
