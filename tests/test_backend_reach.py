@@ -62,6 +62,10 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
                                global_tokens=[2] if spec == "longformer" else [], backend="recording", **rule)
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
+    # resolved once, when the model is built: the heads hold the executor itself, not a name to look up per call
+    held = [m.backend for m in model.modules() if isinstance(getattr(m, "backend", None), Executor)]
+    assert held and all(e.name == "recording" for e in held)
+    assert not any(isinstance(getattr(m, "backend", None), str) for m in model.modules())
     tokens = torch.randint(0, 23, (1, 290))  # longer than the dense-tile size of probed routing (256)
     with torch.no_grad():
         model(tokens)

@@ -76,7 +76,8 @@ def test_the_config_backend_reaches_every_executor_head_and_is_checked() -> None
     config = TransformerConfig(dim=32, heads=4, depth=1, seq_len=32, window=4, num_clusters=2,
                                attention="local:1,routing:1,lsh:2", backend="flex", positions="none")
     groups = TransformerLM(config).blocks[0].attention.groups
-    assert [g.backend for g in groups[:2]] == ["flex", "flex"] and groups[1].routing.backend == "flex"
+    # resolved once into the executor itself
+    assert [g.backend for g in groups[:2]] == [EXECUTORS["flex"]] * 2 and groups[1].routing.backend is EXECUTORS["flex"]
     assert groups[2].backend == "auto"  # LSH computes its own way: the setting is not its to take
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         TransformerConfig(dim=32, heads=4, seq_len=32, window=4, backend="fast")

@@ -93,23 +93,50 @@ EXECUTORS: dict[str, Executor] = {
 }
 
 
-def check_backend(name: str) -> str:
-    """``name`` if it is ``"auto"`` or a registered executor; a ValueError lists the choices otherwise."""
-    if name != "auto" and name not in EXECUTORS:
+Backend = str | Executor  # a registered executor's name, "auto", or an executor resolved already
+
+
+def check_backend(name: Backend) -> Backend:
+    """``name`` if it is an executor, ``"auto"`` or a registered executor's name; a ValueError lists the choices
+    otherwise."""
+    if not isinstance(name, Executor) and name != "auto" and name not in EXECUTORS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(EXECUTORS)}")
     return name
 
 
-def resolve_backend(name: str, device: torch.device | str | None) -> str:
+def resolve_backend(name: Backend, device: torch.device | str | None) -> str:
     """The executor ``name`` stands for on ``device``: ``"auto"`` is ``"flex"`` on CUDA, ``"tiles"`` elsewhere."""
+    if isinstance(name, Executor):
+        return resolve_backend(name.name, device) if name.name == "auto" else name.name
     if check_backend(name) != "auto":
         return name
     return "flex" if torch.device(device or "cpu").type == "cuda" else "tiles"
 
 
-def get_executor(backend: str = "auto", device: torch.device | str | None = None) -> Executor:
-    """The executor ``backend`` names on ``device`` (see ``resolve_backend``)."""
+def get_executor(backend: Backend = "auto", device: torch.device | str | None = None) -> Executor:
+    """The executor ``backend`` is on ``device``: an executor as it is, a name looked up (see ``resolve_backend``)."""
+    if isinstance(backend, Executor):
+        return backend
     return EXECUTORS[resolve_backend(backend, device)]
+
+
+def executor_for(backend: Backend) -> Executor:
+    """``backend`` resolved once, for a module to keep and hand on: a named executor, or for ``"auto"`` the one
+    executor whose operations take the registered executor of their queries' device (``resolve_backend``)."""
+    if isinstance(backend, Executor):
+        return backend
+    return AUTO if check_backend(backend) == "auto" else EXECUTORS[backend]
+
+
+def _on_device(operation: str) -> Callable:
+    def run(q: Tensor, *args, **kwargs):
+        return getattr(EXECUTORS[resolve_backend("auto", q.device)], operation)(q, *args, **kwargs)
+
+    run.__name__ = f"auto_{operation}"
+    return run
+
+
+AUTO = Executor("auto", _on_device("tiled"), _on_device("band"))
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:
@@ -123,10 +150,13 @@ def register_executor(name: str, executor: Executor, *, replace: bool = False) -
 
 
 __all__ = [
+    "AUTO",
     "EXECUTORS",
     "OPERATIONS",
     "Executor",
+    "Backend",
     "check_backend",
+    "executor_for",
     "KeyRestrictions",
     "get_executor",
     "lse_dtype",

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_split_heads, positive_int
-from .executors import get_executor, lse_dtype, merge_partials, neg_inf
+from .executors import Backend, get_executor, lse_dtype, merge_partials, neg_inf
 from .inputs import check_inputs
 from .relative import RelativePositions
 
@@ -23,7 +23,7 @@ def fixed_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Fixed attention with l = block, c = summary (Child et al. 2019).
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .executors import Executor, get_executor, merge_partials, saw_key
+from .executors import Backend, Executor, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .relative import RelativePositions
@@ -22,7 +22,7 @@ def full_attention(
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
     kernel: str = "exp",
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Dense softmax attention over every key (j <= i when causal).
 

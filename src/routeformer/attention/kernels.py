@@ -38,10 +38,12 @@ def check_kernel(name: str, kernel: object, allowed: tuple[str, ...] = KERNELS) 
     return kernel  # type: ignore[return-value]
 
 
-def check_kernel_backend(kernel: str, backend: str) -> None:
+def check_kernel_backend(kernel: str, backend) -> None:
     """The poly2 and elu kernels have one implementation (blocked PyTorch, like the tiles executor): ``backend``
-    must be "auto" or "tiles"; "flex" is refused rather than ignored (FlexAttention normalises with exp)."""
-    if check_backend(backend) not in ("auto", "tiles"):
+    (a name or an executor) must be "auto" or "tiles"; "flex" is refused rather than ignored (FlexAttention
+    normalises with exp)."""
+    name = getattr(check_backend(backend), "name", backend)
+    if name not in ("auto", "tiles"):
         raise ValueError(f"backend={backend!r} has no path for kernel={kernel!r}: the poly2 and elu kernels run as "
                          f"blocked PyTorch only; use backend='auto' or 'tiles'")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .checks import positive_int
-from .executors import get_executor
+from .executors import Backend, get_executor
 from .inputs import check_inputs
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .relative import RelativePositions
@@ -22,7 +22,7 @@ def local_attention(
     *,
     key_padding_mask: Tensor | None = None,
     kernel: str = "exp",
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Sliding-window attention: causal, query i sees i - window < j <= i; non-causal, |i - j| < window.
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_per_head, check_positions, positive_int
-from .executors import get_executor, merge_partials
+from .executors import Backend, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
@@ -26,7 +26,7 @@ def longformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Query i attends to j = i + m · dilation for |m| < window (m <= 0 when causal); a global position attends
     to every position and every position attends to it (only earlier ones when causal).

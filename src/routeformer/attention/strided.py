@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_split_heads, positive_int
-from .executors import Executor, get_executor, merge_partials
+from .executors import Backend, Executor, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
@@ -23,7 +23,7 @@ def strided_attention(
     *,
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Strided attention with l = stride (Child et al. 2019).
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
+from ..attention.executors import executor_for
 from .config import HeadGroupSpec, TransformerConfig
 
 
@@ -26,8 +27,8 @@ class MixedAttention(nn.Module):
         self.heads, self.head_dim = H, D
         self.groups = nn.ModuleList(g.kind.build(g.options, g.heads, D, layer * 131 + i) for i, g in enumerate(spec))
         for group, g in zip(self.groups, spec, strict=True):
-            if g.kind.runs_on_executor(g.options):
-                group.backend = config.backend
+            if g.kind.runs_on_executor(g.options):  # resolved once, here: the heads hand the executor on
+                group.backend = executor_for(config.backend)
         self.shares_qk = [g.kind.heads_share_qk(g.options) for g in spec]
         self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
         self.query = nn.Linear(config.dim, H * D)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..decoding import attend_cached
+from ..executors import Backend
 from ..kernels import attend_cached_kernel, kernel_scale
 from ..reference import reference_attention, reference_weights
 from ..relative import RelativePositions
@@ -84,7 +85,8 @@ class HeadGroup(nn.Module):
     """
 
     kernel = "exp"  # the similarity the heads normalise (``attention/kernels.py``); reference and attend follow it
-    backend = "auto"  # the executor (``executors.py``) of kinds that run on one; the model sets its config's there
+    backend: Backend = "auto"  # the executor (``executors.py``) of kinds that run on one; the model resolves its
+    # config's once and sets it here
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()

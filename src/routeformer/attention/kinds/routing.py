@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..executors import check_backend
+from ..executors import Backend, Executor, executor_for
 from ..reference import reference_attention
 from ..routing import RoutingAttention
 from ..routing.probes import probe_masks
@@ -50,12 +50,12 @@ class RoutingHeads(HeadGroup):
                                         commitment=o.commitment, seed=seed)
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> Executor:
         return self.routing.backend
 
     @backend.setter
-    def backend(self, name: str) -> None:
-        self.routing.backend = check_backend(name)
+    def backend(self, backend: Backend) -> None:
+        self.routing.backend = executor_for(backend)
 
     def forward(self, q, k, v, rel_pos):
         return self.routing(q, k, v, rel_pos=rel_pos)

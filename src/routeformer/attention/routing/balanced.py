@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..executors import get_executor, neg_inf
+from ..executors import Backend, get_executor, neg_inf
 from ..relative import RelativePositions
 from .sorted_window import drop_own_key, sort_by_cluster
 
@@ -73,7 +73,7 @@ def balanced_attention(
     scale: float,
     key_valid: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor:
     """Attention within balanced clusters. q, k, v (B, H, N, D); members (B, H, k, w); clusters (B, H, N) argmax.
     ``backend``: the executor of the cluster tiles (``executors.get_executor``)."""

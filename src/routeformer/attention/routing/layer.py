@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import positive_int
-from ..executors import KeyRestrictions, check_backend, get_executor
+from ..executors import Backend, KeyRestrictions, executor_for, get_executor
 from ..inputs import check_inputs
 from ..relative import RelativePositions
 from .balanced import balanced_attention, balanced_mask, balanced_members
@@ -77,7 +77,7 @@ class RoutingAttention(Router):
     def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
                  shared_qk: bool = True, balanced: bool | None = None, separate: bool = False, probes: int = 1,
                  balance: float = 0.0, warmup: int = 0, gate: bool = False, decay: float = 0.999,
-                 commitment: float = 1e-4, seed: int = 0, backend: str = "auto") -> None:
+                 commitment: float = 1e-4, seed: int = 0, backend: Backend = "auto") -> None:
         for name, value in (("heads", heads), ("head_dim", head_dim), ("num_clusters", num_clusters)):
             positive_int(name, value)  # checked here first, in the order of the arguments
         window = positive_int("window", window)
@@ -99,7 +99,7 @@ class RoutingAttention(Router):
                          balance=balance, decay=decay, commitment=commitment, seed=seed)
         self.window, self.causal, self.balanced = window, causal, bool(balanced)
         self.gate, self.warmup = bool(gate), warmup
-        self.backend = check_backend(backend)
+        self.backend = executor_for(backend)  # resolved once; every path hands this executor on
         self._steps = 0  # a python mirror of `steps`: the forward decides without reading a tensor
         if warmup:
             self.register_buffer("steps", torch.zeros((), dtype=torch.long))
@@ -245,4 +245,4 @@ class RoutingAttention(Router):
                         (("separate", self.separate, False), ("probes", self.probes, 1), ("balance", self.balance, 0.0),
                          ("warmup", self.warmup, 0), ("gate", self.gate, False)) if value != default)
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"window={self.window}, {mode}, shared_qk={self.shared_qk}{extra}, backend={self.backend}")
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}{extra}, backend={self.backend.name}")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..executors import KeyRestrictions, get_executor
+from ..executors import Backend, KeyRestrictions, get_executor
 from ..relative import RelativePositions
 from ..rows import move_rows
 
@@ -77,7 +77,7 @@ def sorted_window_attention(
     rel_pos: RelativePositions | None = None,
     sort: ClusterOrder | None = None,
     need_lse: bool = False,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Each query attends to the ``window`` nearest positions of its own cluster (only earlier ones when causal).
 
