@@ -197,7 +197,8 @@ OVERFIT = [
 ]
 
 
-def overfit(spec: str, kw: dict, perturbation: int | None = None) -> float:
+def overfit(spec: str, kw: dict, perturbation: int | None = None, *, steps: int = 300, num_clusters: int = 2,
+            routing_window: int = 16) -> float:
     """The loss on a fixed batch after training on it, from the seeded initial weights, or from those weights each
     multiplied by (1 + 1e-6 · noise) drawn with seed ``perturbation``.
 
@@ -210,7 +211,8 @@ def overfit(spec: str, kw: dict, perturbation: int | None = None) -> float:
     model and 3-4 of every other: the worst 0.001, longformer 0.011 (a plateau it reaches from every start)."""
     torch.manual_seed(0)
     config = TransformerConfig(vocab_size=16, dim=64, depth=2, heads=4, seq_len=32, attention=spec, window=6,
-                               stride=5, block=8, summary=2, num_clusters=2, routing_window=16, dilation=2,
+                               stride=5, block=8, summary=2, num_clusters=num_clusters,
+                               routing_window=routing_window, dilation=2,
                                global_tokens=[2] if spec == "longformer" else [], **kw)
     model = TransformerLM(config)
     if perturbation is not None:
@@ -218,7 +220,6 @@ def overfit(spec: str, kw: dict, perturbation: int | None = None) -> float:
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
-    steps = 300
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), weight_decay=0.0)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     data = torch.randint(0, 16, (4, 33), generator=torch.Generator().manual_seed(1))

@@ -95,7 +95,7 @@ class Loop:
                     progress.window = {"loss": 0.0, "steps": 0}
                     rate_time, rate_steps = time.monotonic(), 0
                 per_step = elapsed / (progress.step - first_step)  # this invocation's average, evaluations included
-                left = min((cfg.max_steps - progress.step) * per_step, budget - elapsed)
+                left = _time_left(cfg.max_steps - progress.step, per_step, budget - elapsed)
                 if not checked and (progress.step - first_step >= BUDGET_CHECK_STEPS or elapsed >= budget / 10):
                     checked = True  # once, on an estimate of a few steps
                     short = budget_warning(cfg, progress.step, per_step, budget - elapsed)
@@ -116,8 +116,8 @@ class Loop:
                         valid = self.validator.estimate(progress.step)
                         self.checkpointer.keep_if_best(valid)
                         elapsed = time.monotonic() - start_time
-                        left = 0.0 if stopped != "max_steps" else min(
-                            (cfg.max_steps - progress.step) * elapsed / (progress.step - first_step), budget - elapsed)
+                        left = 0.0 if stopped != "max_steps" else _time_left(
+                            cfg.max_steps - progress.step, elapsed / (progress.step - first_step), budget - elapsed)
                         if procs.main:  # under the bar, and kept on screen
                             bar.write(validation_line(progress.step, self.kind, recent, valid, speed, elapsed, left))
                     self.checkpointer.save()
@@ -200,6 +200,11 @@ def validation_line(step: int, kind: str, train: float, valid: float, speed: flo
     unit = SHORT_UNITS[kind]
     return (f"step {step}: train {unit} {metric(kind, train):.3f}, valid {unit} {metric(kind, valid):.3f}, "
             f"{speed:,.0f} tok/s, elapsed {_clock(elapsed)}, left {_clock(left)}")
+
+
+def _time_left(steps: int, per_step: float, budget_left: float) -> float:
+    """Seconds until the run ends: its remaining steps at ``per_step``, or the time budget if that comes first."""
+    return min(steps * per_step, budget_left)
 
 
 def _clock(seconds: float) -> str:

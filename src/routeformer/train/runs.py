@@ -44,10 +44,10 @@ def load_run(run_dir: Path, which: str = "best", data_dir: str | None = None,
                         f"this checkpoint")
     check_sample_layout(model.config, data.meta)
     recorded = read_data_record(run_dir)
-    if recorded is not None and data_changes(recorded, data.meta):
+    changed = "" if recorded is None else data_changes(recorded, data.meta)
+    if changed:
         print(f"warning: data set {data.meta.name!r} in {data.directory} is not the one {run_dir} trained on "
-              f"({data_changes(recorded, data.meta)}): its scores are not comparable with the "
-              f"run's", file=sys.stderr)
+              f"({changed}): its scores are not comparable with the run's", file=sys.stderr)
     return model, run, data, which
 
 
