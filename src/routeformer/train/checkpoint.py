@@ -30,6 +30,14 @@ def save_checkpoint(run_dir: Path, state: dict) -> None:
     atomic_write(run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
 
+STATE_KEYS = ("model", "optimizer", "scaler", "step", "best", "rng", "window")  # what ``Checkpointer.save`` writes
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first line, or its type's name when it has no message: a one-line error's reason."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict:
     path = run_dir / CHECKPOINT
     if not path.is_file():
@@ -38,16 +46,13 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict:
         state = torch.load(path, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, IndexError,
             KeyError, TypeError, AttributeError) as err:  # random bytes reach the unpickler's own errors too
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"{path} cannot be read (truncated or corrupt?): {reason}") from None
+        raise ValueError(f"{path} cannot be read (truncated or corrupt?): {first_line(err)}") from None
     missing = [key for key in STATE_KEYS if not isinstance(state, dict) or key not in state]
     if missing or not isinstance(state["model"], dict) or not isinstance(state["rng"], list) or not state["rng"]:
         what = f"lacks {', '.join(missing)}" if missing else "holds a malformed model or rng entry"
         raise ValueError(f"{path} is not a run state (it {what}): corrupt, or not written by routeformer")
     return state
 
-
-STATE_KEYS = ("model", "optimizer", "scaler", "step", "best", "rng", "window")  # what ``Checkpointer.save`` writes
 
 
 @dataclass

@@ -15,6 +15,7 @@ is raised (the command line exits with status 130).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from ..data import BatchSampler, DataError, Dataset
 from ..model import TransformerLM
 from . import distributed
-from .checkpoint import CHECKPOINT, Checkpointer, load_checkpoint
+from .checkpoint import CHECKPOINT, Checkpointer, first_line, load_checkpoint
 from .config import RunConfig
 from .evaluation import UNITS, Validator, metric
 from .loop import Loop, adamw, schedule_warnings
@@ -72,19 +73,15 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     core = TransformerLM(run.model)
     num_params = core.num_parameters()  # before sharding, which leaves each rank a part
-    try:
-        if state is not None:
+    if state is not None:
+        with _state_fits(run_dir):
             core.load_state_dict(state["model"])  # before sharding: the checkpoint holds the whole model
-        core = core.to(procs.device)
-        model = parallel.wrap(core)
-        optimizer = adamw(core, cfg)
-        checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
+    core = core.to(procs.device)
+    model = parallel.wrap(core)
+    optimizer = adamw(core, cfg)
+    checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
+    with _state_fits(run_dir) if state is not None else contextlib.nullcontext():
         progress = checkpointer.restore(state)
-    except (KeyError, TypeError, IndexError, RuntimeError, AttributeError) as err:
-        if state is None:
-            raise
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"{run_dir / CHECKPOINT} does not fit this run's model or optimiser: {reason}") from None
     model = parallel.compiled(model)  # last: compiling wraps the module the loop calls forward on
     directory.open_log(progress.step)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
@@ -122,6 +119,16 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
                            time.monotonic() - final_start)
     finally:
         directory.close()
+
+
+@contextlib.contextmanager
+def _state_fits(run_dir: Path):
+    """A checkpoint whose content does not fit the run's model or optimiser: a one-line error naming it."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, RuntimeError, AttributeError) as err:
+        raise ValueError(f"{run_dir / CHECKPOINT} does not fit this run's model or optimiser: {first_line(err)}") \
+            from None
 
 
 def open_data(run: RunConfig) -> Dataset:
