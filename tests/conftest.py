@@ -12,4 +12,6 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("default")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist each worker takes its share of the cores; alone, the suite takes up to two.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
