@@ -12,12 +12,12 @@ from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import executors
 from routeformer.attention.executors import Executor
 from routeformer.attention.registry import KINDS
-from routeformer.attention.tiles import band_attention, tiled_attention
+from routeformer.attention.tiles import tiled_attention
 
 SPECS = {  # a model spec per built-in kind that runs on an executor, with the settings it needs
     "full": "full", "local": "local", "routing": "local:2,routing:2", "strided_a1": "strided_a1:2,strided_a2:2",
     "strided_a2": "strided_a1:2,strided_a2:2", "strided": "strided", "fixed_a1": "fixed_a1:2,fixed_a2:2",
-    "fixed_a2": "fixed_a1:2,fixed_a2:2", "fixed": "fixed", "longformer": "longformer",
+    "fixed_a2": "fixed_a1:2,fixed_a2:2", "fixed": "fixed", "longformer": "longformer", "lsh": "lsh",
 }
 PROBED = {"routing_probes": 2, "routing_balance": 0.01}  # the default rule; the paper's rule runs too
 
@@ -26,7 +26,7 @@ def _refuse(name: str) -> Executor:
     def refuse(*args, **kwargs):
         raise AssertionError(f"a path reached the {name!r} executor instead of the configured one")
 
-    return Executor(name, refuse, refuse)
+    return Executor(name, refuse)
 
 
 @pytest.fixture
@@ -37,11 +37,7 @@ def recording(monkeypatch) -> list[str]:
         calls.append("tiled")
         return tiled_attention(*args, **kwargs)
 
-    def band(*args, **kwargs):
-        calls.append("band")
-        return band_attention(*args, **kwargs)
-
-    table = {"recording": Executor("recording", tiled, band), "tiles": _refuse("tiles"), "flex": _refuse("flex")}
+    table = {"recording": Executor("recording", tiled), "tiles": _refuse("tiles"), "flex": _refuse("flex")}
     monkeypatch.setattr(executors, "EXECUTORS", table)
     return calls
 
@@ -59,7 +55,8 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
         pytest.skip("the routing rule matters to routing heads only")
     config = TransformerConfig(vocab_size=23, dim=32, depth=1, heads=4, seq_len=300, attention=spec, window=6,
                                stride=5, block=8, summary=2, num_clusters=3, routing_window=6, dilation=2,
-                               global_tokens=[2] if spec == "longformer" else [], backend="recording", **rule)
+                               global_tokens=[2] if spec == "longformer" else [], backend="recording",
+                               positions="absolute" if spec == "lsh" else "relative", **rule)
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
     # resolved once, when the model is built: the heads hold the executor itself, not a name to look up per call

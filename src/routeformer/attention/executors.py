@@ -10,11 +10,15 @@ function takes ``backend`` (as do the head modules and ``TransformerConfig``) an
   the default on CUDA. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
 - ``"auto"``: ``"flex"`` on CUDA, ``"tiles"`` elsewhere.
 
-``register_executor`` adds another by name. Every operation takes (B, H, N, D) queries, keys and values and
-returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no key, and lse (B, H, N) or None
+``register_executor`` adds another by name. An executor has one operation, ``tiled``, which takes (B, H, N, D)
+queries, keys and values and values that describe the rest (``tiling.py``): a ``Tiling`` (blocks, neighbouring
+blocks, static and per-tile masks), ``KeyRestrictions`` (groups, the query's own key), ``Distances`` for relative
+positions (unit offsets, explicit deltas or positions) and an optional additive ``bias``; it checks them, refuses
+what the executor does not support (``supports``, out of ``FEATURES``) with an error that says which executor
+does, and returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no key, and lse (B, H, N) or None
 (``need_lse=False``), in float32 or wider, exactly ``neg_inf(lse.dtype)`` for a row that sees no key;
-``merge_partials`` combines parts over disjoint key sets exactly on that convention. Routing's key restrictions
-(groups, the query's own key, original positions) travel as one ``KeyRestrictions`` argument.
+``merge_partials`` combines parts over disjoint key sets exactly on that convention. The band, block diagonal,
+key subsets and ranges are built on ``tiled``, the same for every executor.
 """
 
 from __future__ import annotations
@@ -28,24 +32,92 @@ from torch import Tensor
 from . import flex
 from .ranges import range_attention
 from .relative import RelativePositions
-from .tiles import KeyRestrictions, band_attention, lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
+from .tiles import lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
+from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
-OPERATIONS = ("tiled", "band")
+FEATURES = ("rows", "tile_mask", "groups", "exclude_self", "distances.delta", "distances.positions", "bias",
+            "bias with relative positions")
+
+
+def _features(tiling: Tiling, restrict: KeyRestrictions | None, rel_pos: RelativePositions | None,
+              distances: Distances | None, bias: Tensor | None) -> list[str]:
+    """The ``FEATURES`` one call asks for."""
+    asked = [name for name, used in (
+        ("rows", tiling.rows is not None), ("tile_mask", tiling.tile_mask is not None),
+        ("groups", restrict is not None and restrict.groups is not None),
+        ("exclude_self", restrict is not None and restrict.exclude_self),
+        ("distances.delta", rel_pos is not None and distances.delta is not None),
+        ("distances.positions", rel_pos is not None and distances.positions is not None),
+        ("bias", bias is not None), ("bias with relative positions", bias is not None and rel_pos is not None),
+    ) if used]
+    return asked
 
 
 @dataclass(frozen=True)
 class Executor:
-    """The two operations an executor provides, with the signatures and results of the tiled executor's functions,
-    and the pieces built from them (the same for every executor).
+    """An executor: one operation, ``run``, that computes attention over a ``Tiling``, the ``FEATURES`` it
+    supports, and the pieces built from it (the same for every executor).
 
-    tiled: ``tiled_attention`` (query blocks against spans of neighbouring key blocks under a tile mask; one dense
-        tile when block >= N), O(N · S · D) for spans of S keys.
-    band: ``band_attention`` (sliding window over the sequence order), O(N · window · D).
+    ``run(q, k, v, tiling, *, scale, key_valid, restrict, rel_pos, distances, bias, need_lse)`` is called by
+    ``tiled`` once the arguments are checked; see ``tiled`` for their meaning.
     """
 
     name: str
-    tiled: Callable
-    band: Callable
+    run: Callable
+    supports: frozenset[str] = frozenset(FEATURES)
+
+    def tiled(self, q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float,
+              key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
+              rel_pos: RelativePositions | None = None, distances: Distances | None = None,
+              bias: Tensor | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Attention of query blocks to spans of key blocks: softmax(q·kᵀ · scale + rel + bias, masked) · v (+ the
+        relative value term).
+
+        Args:
+            q: (B, H, Nq, D); k, v: (B, H, Nk, D). Nk may differ from Nq only for a single tile or with rows.
+            tiling: which keys each query block sees (``tiling.Tiling``).
+            key_valid: optional bool (B, 1 or H, Nk), False removes the key (padding).
+            restrict: optional ``KeyRestrictions`` (self-attention only): groups, the query's own key.
+            rel_pos: optional relative position tables; then ``distances`` (``tiling.Distances``) says how far
+                apart each pair is: by index (unit), explicit per tile entry (delta) or between given positions.
+            bias: optional additive score term, broadcastable to (B, H, n_blocks, T, S), without a gradient
+                (LSH's -log(count) for keys several rounds reach).
+            need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
+
+        Returns:
+            out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows
+            that see no key get exactly ``neg_inf(lse.dtype)``, see ``saw_key``) or ``None``. Time O(Nq · S · D),
+            memory O(Nq · S) for S keys per span.
+
+        Raises:
+            ValueError: the inputs do not fit the tiling, or this executor does not support what the call asks for.
+        """
+        Nq, Nk = q.shape[2], k.shape[2]
+        if rel_pos is not None and distances is None:
+            raise ValueError("relative positions need distances (tiling.Distances: unit, delta or positions)")
+        if bias is not None:
+            if not isinstance(bias, Tensor) or not bias.is_floating_point():
+                raise ValueError(f"bias must be a floating tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+            if bias.requires_grad:
+                raise ValueError("bias takes no gradient: pass it detached")
+        tiling.check(Nq, Nk, restrict, distances)
+        missing = [f for f in _features(tiling, restrict, rel_pos, distances, bias) if f not in self.supports]
+        if missing:
+            others = [name for name, ex in EXECUTORS.items() if all(f in ex.supports for f in missing)]
+            raise ValueError(f"the {self.name!r} executor does not support {', '.join(missing)}"
+                             + (f"; {', '.join(repr(o) for o in others)} does" if others else ""))
+        return self.run(q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict, rel_pos=rel_pos,
+                        distances=distances, bias=bias, need_lse=need_lse)
+
+    def band(self, q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, scale: float,
+             key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
+             rel_pos: RelativePositions | None = None, distances: Distances = INDEX,
+             need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window
+        (``Tiling.band``). q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time
+        O(N · window · D), memory O(N · window)."""
+        return self.tiled(q, k, v, Tiling.band(window, q.shape[2], causal), scale=scale, key_valid=key_valid,
+                          restrict=restrict, rel_pos=rel_pos, distances=distances, need_lse=need_lse)
 
     def block_diagonal(self, q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
                        key_valid: Tensor | None, rel_pos: RelativePositions | None,
@@ -57,8 +129,8 @@ class Executor:
         """
         size = min(block, q.shape[2])
         allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
-        return self.tiled(q, k, v, block=size, allow=allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                          rel_unit=1, need_lse=need_lse)
+        return self.tiled(q, k, v, Tiling(block=size, allow=allow), scale=scale, key_valid=key_valid,
+                          rel_pos=rel_pos, distances=INDEX, need_lse=need_lse)
 
     def subset(self, q: Tensor, k: Tensor, v: Tensor, key_idx: Tensor, allow: Tensor | None, *, scale: float,
                key_valid: Tensor | None, rel_pos: RelativePositions | None,
@@ -73,9 +145,9 @@ class Executor:
         N = q.shape[2]
         delta = None if rel_pos is None else key_idx[None, :] - torch.arange(N, device=q.device)[:, None]
         return self.tiled(
-            q, k[:, :, key_idx], v[:, :, key_idx], block=N, allow=allow, scale=scale,
-            key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos, rel_delta=delta,
-            empty_rows=True, need_lse=need_lse,
+            q, k[:, :, key_idx], v[:, :, key_idx], Tiling.dense(N, allow=allow), scale=scale,
+            key_valid=None if key_valid is None else key_valid[:, :, key_idx], rel_pos=rel_pos,
+            distances=None if delta is None else Distances(delta=delta), need_lse=need_lse,
         )
 
     def ranges(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
@@ -88,8 +160,9 @@ class Executor:
 
 
 EXECUTORS: dict[str, Executor] = {
-    "tiles": Executor("tiles", tiled_attention, band_attention),
-    "flex": Executor("flex", flex.tiled, flex.band),
+    "tiles": Executor("tiles", tiled_attention),
+    # the relative value pass recomputes probabilities from the lse without the bias
+    "flex": Executor("flex", flex.tiled, frozenset(FEATURES) - {"bias with relative positions"}),
 }
 
 
@@ -128,31 +201,32 @@ def executor_for(backend: Backend) -> Executor:
     return AUTO if check_backend(backend) == "auto" else EXECUTORS[backend]
 
 
-def _on_device(operation: str) -> Callable:
-    def run(q: Tensor, *args, **kwargs):
-        return getattr(EXECUTORS[resolve_backend("auto", q.device)], operation)(q, *args, **kwargs)
-
-    run.__name__ = f"auto_{operation}"
-    return run
+def _on_device(q: Tensor, *args, **kwargs):
+    """AUTO's run: the registered executor of q's device, which checks what it supports."""
+    return EXECUTORS[resolve_backend("auto", q.device)].tiled(q, *args, **kwargs)
 
 
-AUTO = Executor("auto", _on_device("tiled"), _on_device("band"))
+AUTO = Executor("auto", _on_device)
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:
     """Make ``executor`` available as ``name``; an existing name is replaced only with ``replace=True``."""
     if name in EXECUTORS and not replace:
         raise ValueError(f"attention executor {name!r} is already registered; pass replace=True to replace it")
-    missing = [op for op in OPERATIONS if not callable(getattr(executor, op, None))]
-    if missing:
-        raise ValueError(f"attention executor {name!r} lacks the operations {', '.join(missing)}")
+    if not isinstance(executor, Executor) or not callable(executor.run):
+        raise ValueError(f"attention executor {name!r} must be an Executor with a callable run")
+    unknown = sorted(set(executor.supports) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"attention executor {name!r} names unknown features {unknown}; known: {', '.join(FEATURES)}")
     EXECUTORS[name] = executor
 
 
 __all__ = [
     "AUTO",
     "EXECUTORS",
-    "OPERATIONS",
+    "FEATURES",
+    "Distances",
+    "Tiling",
     "Executor",
     "Backend",
     "check_backend",

@@ -10,6 +10,7 @@ from .executors import Backend, Executor, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .relative import RelativePositions
+from .tiling import Tiling
 
 
 def full_attention(
@@ -71,8 +72,8 @@ def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, k
     if not causal:
         sides.append((1, idx[None, :] > idx[:, None] + clip))
     for sign, allow in sides:
-        out, lse = executor.tiled(q, k, v, block=N, allow=allow, scale=scale, key_valid=key_valid,
-                                  empty_rows=True, need_lse=True)
+        out, lse = executor.tiled(q, k, v, Tiling.dense(N, allow=allow), scale=scale, key_valid=key_valid,
+                                  need_lse=True)
         a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
         shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
         has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever the dtype of q

@@ -12,6 +12,7 @@ from .executors import Backend, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
+from .tiling import Distances, Tiling
 
 
 def longformer_attention(
@@ -72,7 +73,7 @@ def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos,
     band, band_lse = executor.band(
         qc, kc, vc, window=window, causal=causal, scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, dilation, q.device),
-        rel_pos=rel_pos, rel_unit=dilation, need_lse=g is not None,
+        rel_pos=rel_pos, distances=Distances(unit=dilation), need_lse=g is not None,
     )
     out = from_columns(band, dilation, N)
     if g is None:
@@ -91,7 +92,7 @@ def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos,
     # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
     rows_delta = pos[None, :] - g[:, None]  # (G, N)
     rows, _ = executor.tiled(
-        q[:, :, g], k, v, block=g.shape[0], allow=(rows_delta <= 0) if causal else None, scale=scale,
-        key_valid=key_valid, rel_pos=rel_pos, rel_delta=None if rel_pos is None else rows_delta,
+        q[:, :, g], k, v, Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None), scale=scale,
+        key_valid=key_valid, rel_pos=rel_pos, distances=None if rel_pos is None else Distances(delta=rows_delta),
     )
     return out.index_copy(2, g, rows)

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import positive_int
-from .executors import lse_dtype, merge_partials, neg_inf
+from .executors import Backend, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .routing.sorted_window import drop_own_key, permute_seq, sort_by_cluster, sorted_window_mask
-from .tiles import band_tiling
+from .tiling import KeyRestrictions, Tiling, shift_invariant_mask
 
 __all__ = ["default_lsh_settings", "lsh_attention", "lsh_hash", "lsh_mask", "lsh_rotations"]
 
@@ -73,7 +73,10 @@ def lsh_hash(x: Tensor, rotations: Tensor) -> Tensor:
     acc = torch.promote_types(x.dtype, torch.float32)
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         proj = torch.einsum("bhnd,hrdk->bhrnk", x.to(acc), rotations.to(device=x.device, dtype=acc))
-        return torch.cat([proj, -proj], -1).argmax(-1)
+        # argmax over [xR; -xR] without the copy: the larger of max(xR) and -min(xR), the first half on a tie
+        top, at = proj.max(-1)
+        low, at_low = proj.min(-1)
+        return torch.where(top >= -low, at, at_low + proj.shape[-1])
 
 
 def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool = True,
@@ -102,6 +105,7 @@ def lsh_attention(
     key_padding_mask: Tensor | None = None,
     rotations: Tensor | None = None,
     seed: int = 0,
+    backend: Backend = "auto",
 ) -> Tensor:
     """LSH attention with shared QK: softmax(q_i · k_j · scale) over the union of the rounds' windows, with the
     keys k_j = q_j / |q_j| (the queries normalised to unit length, as in Reformer).
@@ -118,83 +122,79 @@ def lsh_attention(
         key_padding_mask: (B, N) bool, True = a real key; padded keys are never attended.
         rotations: (H, rounds, D, buckets/2) random rotations of the hash; None draws them with ``lsh_rotations``
             from ``seed``.
+        backend: the executor that runs each round's band (``executors.get_executor``).
 
     Returns:
         (B, H, N, D) in the dtype of q; zeros for a query that sees no key (only possible with padding). Exact
         (float64 in, float64 throughout) against ``reference_attention(q, q/|q|, v, lsh_mask(...))``.
         Time O(rounds · N · window · D + rounds² · N · window + rounds · N · D · buckets/2), memory
-        O(rounds · N · window) per head.
+        O(rounds · N · window) per head (each round's probabilities, kept for the backward; the counts and masks
+        of one round at a time).
     """
     hashes, valid, scale = _prepare(q, v, buckets, rounds, window, scale, key_padding_mask, rotations, seed)
+    executor = get_executor(backend, q.device)
     B, H, N, D = q.shape
     R = hashes.shape[2]
-    block, back, ahead = band_tiling(window, N, causal)
-    nb = -(-N // block)
-    S = (back + 1 + ahead) * block
-    pad_front, pad_back = back * block, nb * block - N + ahead * block
+    band = Tiling.band(window, N, causal)
+    lo, hi = band.offsets
+    # Each round's band without the query's own key: it comes back below, for queries that see nothing else.
+    if causal and window > 1:
+        tiling = Tiling(block=band.block, back=band.back, offsets=(lo, -1))
+    else:
+        tiling = Tiling(block=band.block, back=band.back, ahead=band.ahead, allow=shift_invariant_mask(
+            band.block, band.back, band.ahead, lambda d: (d >= lo) & (d <= hi) & (d != 0), device=q.device))
 
-    # Per round, the sequence sorted by (bucket, position); rounds folded into the heads for the gathers.
-    flat = hashes.reshape(B, H * R, N)
-    order, inverse, grouped = sort_by_cluster(flat)[:3]  # (B, H·R, N)
-    expand = (B, H, R, N, D)
-    qs = permute_seq(q[:, :, None].expand(expand).reshape(B, H * R, N, D), order, inverse).view(expand)
-    vs = permute_seq(v[:, :, None].expand(expand).reshape(B, H * R, N, D), order, inverse).view(expand)
-    ks = F.normalize(qs, dim=-1)
+    # Per round, the sequence sorted by (bucket, position).
+    order, inverse, grouped = sort_by_cluster(hashes.reshape(B, H * R, N))[:3]  # (B, H·R, N)
+    order, inverse, grouped = (x.view(B, H, R, N) for x in (order, inverse, grouped))
+    key_valid = None if valid is None else valid.expand(B, H, N)
+    keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
+    outs, lses = [], []
+    for r in range(R):
+        qs, ks, vs = (permute_seq(x, order[:, :, r], inverse[:, :, r]) for x in (q, keys, v))
+        bias = None if R == 1 else _once_bias(hashes, buckets, order, inverse, r, band, window, causal, q.dtype)
+        out, lse = executor.tiled(
+            qs, ks, vs, tiling, scale=1.0, need_lse=True, bias=bias,
+            key_valid=None if key_valid is None else key_valid.gather(-1, order[:, :, r]),
+            restrict=KeyRestrictions(groups=grouped[:, :, r]),
+        )
+        outs.append(permute_seq(out, inverse[:, :, r], order[:, :, r]))
+        lses.append(lse.gather(-1, inverse[:, :, r]))
+    out, lse = merge_partials(list(zip(outs, lses, strict=True)))
+    # The own key: only when no other key is visible in any round (and it is not padding).
+    alone = ~saw_key(lse) if key_valid is None else ~saw_key(lse) & key_valid
+    return torch.where(alone[..., None], v, out)
 
-    def spans(x: Tensor, value: float | int = 0) -> Tensor:
-        """Sorted per-entry values (B, H, R, N) -> (B, H, R, nb, S): the keys each query block sees."""
-        return F.pad(x, (pad_front, pad_back), value=value).unfold(-1, S, block)
 
-    def rows(x: Tensor, value: float | int = 0) -> Tensor:
-        """Sorted per-entry values (B, H, R, N) -> (B, H, R, nb, block, 1): each query's."""
-        return F.pad(x, (0, nb * block - N), value=value).view(B, H, R, nb, block, 1)
+def _once_bias(hashes: Tensor, buckets: int, order: Tensor, inverse: Tensor, r: int, band: Tiling, window: int,
+               causal: bool, dtype: torch.dtype) -> Tensor:
+    """-log c_ij on the pairs round r's tiles allow (B, H, nb, T, S; any value elsewhere): c_ij the number of rounds
+    whose window holds key j for query i, so that a key several rounds reach counts once in the merged softmax.
 
-    # Static tile geometry: the sorted index gap (query - key) of tile entry (row t, column c), and the own key.
-    t = torch.arange(block, device=q.device)[:, None]
-    c = torch.arange(S, device=q.device)[None, :]
-    gap = t + back * block - c  # (block, S)
-    own = gap == 0
-
-    # c_ij: the rounds whose window holds j for i, from each round's buckets and sorted indices, gathered into
-    # every round's sorted order (entries past the ends get bucket -1: in no window).
-    sorted_index = inverse.view(B, H, R, N)  # position -> its sorted index, per round
-    into = order.view(B, H, R, N)  # the position of every round's sorted entries
-    count = torch.zeros(B, H, R, nb, block, S, dtype=torch.int32, device=q.device)
-    for r2 in range(R):
-        bucket2 = hashes[:, :, r2, None, :].expand(B, H, R, N).gather(-1, into)
-        index2 = sorted_index[:, :, r2, None, :].expand(B, H, R, N).gather(-1, into)
-        same = rows(bucket2, -1) == spans(bucket2, -1)[..., None, :]
-        d = rows(index2) - spans(index2)[..., None, :]
-        count += same & ((d >= 0) & (d < window) if causal else d.abs() < window)
-    # The round's own window: same bucket, sorted gap in the window (its term of count).
-    grouped = grouped.view(B, H, R, N)
-    window_mask = rows(grouped, -1) == spans(grouped, -1)[..., None, :]
-    window_mask = window_mask & ((gap >= 0) & (gap < window) if causal else gap.abs() < window)
-    allow = window_mask
-    if valid is not None:
-        key_valid = valid.expand(B, H, N)[:, :, None, :].expand(B, H, R, N).gather(-1, into)
-        allow = allow & spans(key_valid, False)[..., None, :]
-
-    # The own key: only when no other key is visible in any round.
-    others = (allow & ~own).any(-1).view(B, H, R, nb * block)[..., :N]  # sorted order, per round
-    others = others.gather(-1, sorted_index).any(2, keepdim=True).expand(B, H, R, N)  # by position, any round
-    others = others.gather(-1, into)  # back into each round's sorted order
-    allow = allow & ~(own & rows(others, False))
-
-    qt = F.pad(qs * scale, (0, 0, 0, nb * block - N)).view(B, H, R, nb, block, D)
-    kt = F.pad(ks, (0, 0, pad_front, pad_back)).unfold(3, S, block)  # (B, H, R, nb, D, S)
-    vt = F.pad(vs, (0, 0, pad_front, pad_back)).unfold(3, S, block)
-    scores = qt @ kt - torch.log(count.clamp_min(1).to(qt.dtype))
-    scores = scores.masked_fill(~allow, neg_inf(scores.dtype))
-    seen = allow.any(-1)  # (B, H, R, nb, block)
-    lse = torch.logsumexp(scores.to(lse_dtype(scores.dtype)), -1).masked_fill(~seen, neg_inf(lse_dtype(q.dtype)))
-    probs = torch.softmax(scores, -1)
-    out = (probs @ vt.transpose(-1, -2)).masked_fill(~seen[..., None], 0.0)  # (B, H, R, nb, block, D)
-
-    out = out.view(B, H * R, nb * block, D)[:, :, :N]
-    out = permute_seq(out, inverse, order).view(B, H, R, N, D)
-    lse = lse.view(B, H * R, nb * block)[:, :, :N].gather(-1, inverse).view(B, H, R, N)
-    return merge_partials([(out[:, :, r], lse[:, :, r]) for r in range(R)])[0]
+    Round r's own window holds every pair its tiles allow. Another round r2 holds it when the pair shares a bucket
+    there and lies within ``window`` sorted places: with labels bucket · (N + window) + sorted index (gathered into
+    round r's order), when the query's and the key's differ by less than ``window`` (a different bucket lies at
+    least N + window away; when causal the allowed key is earlier, so in a shared bucket it sorts earlier and the
+    difference is positive). Entries past the ends get labels no window reaches. O((rounds - 1) · N · S) per head.
+    """
+    N = hashes.shape[-1]
+    top = buckets * (N + window)  # labels lie in [0, top)
+    # float32 holds every integer below 2^24 exactly: then the arithmetic runs in the bias's own type
+    kind = torch.float32 if top < 2 ** 23 and dtype == torch.float32 else torch.float64 if top < 2 ** 50 else None
+    if kind is None:
+        raise ValueError(f"lsh: buckets · (N + window) = {top} is too large for exact labels")
+    others = None
+    for r2 in range(hashes.shape[2]):
+        if r2 == r:
+            continue
+        label = (hashes[:, :, r2] * (N + window) + inverse[:, :, r2]).gather(-1, order[:, :, r]).to(kind)
+        gap = band.query_rows(label, -top) - band.key_spans(label, top)  # (B, H, nb, T, S)
+        # 1 where |gap| < window, else 0, for integer gaps: clamp(window - |gap|, 0, 1), in place
+        hit = gap.abs_().neg_().add_(window).clamp_(0, 1)
+        others = hit if others is None else others.add_(hit)
+    if hashes.shape[2] == 2:  # c = 1 + others is 1 or 2
+        return others.mul_(-math.log(2)).to(dtype)
+    return others.log1p_().neg_().to(dtype)  # c_ij = 1 + others
 
 
 def _check_buckets(buckets: object) -> int:

@@ -26,6 +26,7 @@ from .relative import RelativePositions
 from .rows import gather_rows, move_rows
 from .tiles import neg_inf, saw_key
 from .tiles.op import rowdot
+from .tiling import Distances, Tiling
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executors import Executor
@@ -56,7 +57,7 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
 
     Returns:
         out (B, H, Nq, D), zeros for a row that sees no key, and lse (B, H, Nq) in float32 or wider (``neg_inf``
-        exactly for a row that sees no key) or None, as the executor's operations return them.
+        exactly for a row that sees no key) or None, as the executor's ``tiled`` returns them.
     """
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
@@ -173,8 +174,9 @@ def _tiles(executor: Executor, sides: _Sides, keys: _Keys, *, width: int, stretc
     if keys.rel_pos is not None:
         positions = keys.pos.gather(-1, key_index.clamp(0, N - 1).view(1, 1, -1).expand(B, H, -1))
         delta = positions.view(B, H, n_groups, 1, -1) - query_at
-    out, lse = executor.tiled(sides.queries(entry), k, keys.v, block=G, back=reach, rows=R, tile_mask=mask,
-                              scale=1.0, key_valid=keys.valid, rel_pos=keys.rel_pos, rel_delta=delta,
+    out, lse = executor.tiled(sides.queries(entry), k, keys.v, Tiling(block=G, back=reach, rows=R, tile_mask=mask),
+                              scale=1.0, key_valid=keys.valid, rel_pos=keys.rel_pos,
+                              distances=None if delta is None else Distances(delta=delta),
                               need_lse=True)
     parts = [_Part(out, lse, entry)]
     left = int((~in_tile).sum(-1).max())
@@ -217,9 +219,9 @@ def _gathered(executor: Executor, sides: _Sides, keys: _Keys, pick: Tensor, *, w
     kb, vb = gather_rows(k, key_index), gather_rows(v, key_index)
     heads = H * n_blocks
     out, lse = executor.tiled(
-        sides.queries(entry).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D), block=T,
-        tile_mask=mask.view(B, heads, 1, T, S), scale=1.0, rel_pos=keys.rel_pos,
-        rel_delta=None if delta is None else delta.reshape(B, heads, 1, T, S), need_lse=True,
+        sides.queries(entry).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D),
+        Tiling.dense(T, tile_mask=mask.view(B, heads, 1, T, S)), scale=1.0, rel_pos=keys.rel_pos,
+        distances=None if delta is None else Distances(delta=delta.reshape(B, heads, 1, T, S)), need_lse=True,
     )
     return _Part(out.view(B, H, n_blocks * T, D), lse.view(B, H, n_blocks * T), entry)
 

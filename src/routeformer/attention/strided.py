@@ -10,6 +10,7 @@ from .executors import Backend, Executor, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .relative import RelativePositions
+from .tiling import Distances, Tiling
 
 
 def strided_attention(
@@ -83,8 +84,8 @@ def column_attention(
     else:
         allow = offset.abs() >= gap if gap else None
     out, lse = executor.tiled(
-        qc, kc, vc, block=rows, allow=allow, scale=scale,
+        qc, kc, vc, Tiling.dense(rows, allow=allow), scale=scale,
         key_valid=columns_key_valid(key_valid, B, N, width, q.device),
-        rel_pos=rel_pos, rel_unit=width, empty_rows=gap > 0, need_lse=need_lse,
+        rel_pos=rel_pos, distances=Distances(unit=width), need_lse=need_lse,
     )
     return from_columns(out, width, N), None if lse is None else from_columns(lse, width, N)

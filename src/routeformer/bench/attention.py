@@ -108,7 +108,7 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                   lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only"),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
                   lambda q, k, v: lsh_attention(q, v, buckets=buckets, rounds=2, window=lsh_window, causal=causal,
-                                                rotations=rotations)),
+                                                rotations=rotations, **ex)),
         Candidate("linear", f"elu, F={head_dim}, chunk={default_chunk(head_dim)}",
                   lambda q, k, v: linear_attention(q, k, v, causal=causal)),
         Candidate("linear-poly2", f"(1+s·q·k)², F={poly2}, chunk={default_chunk(poly2)}",

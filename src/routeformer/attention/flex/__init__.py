@@ -5,9 +5,9 @@
 - ``call.py``: one FlexAttention call in the executors' lse conventions (compiled on CUDA, the dense eager operator
   on CPU, where FlexAttention has no backward: correctness only).
 - ``relative.py``: Shaw's key term as ``score_mod``; the value term from the log-sum-exp in a banded pass.
-- ``ops.py``: the two operations of ``executors.Executor`` (tiled, band) with the tiled executor's signatures.
+- ``ops.py``: ``tiled``, the executor's one operation, with the tiled executor's signature (``tiling.Tiling``).
 """
 
-from .ops import band, tiled
+from .ops import tiled
 
-__all__ = ["band", "tiled"]
+__all__ = ["tiled"]

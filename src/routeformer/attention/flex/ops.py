@@ -1,7 +1,7 @@
-"""The flex executor's two operations, ``tiled`` and ``band``, with the tiled executor's signatures and results
-(``executors.Executor`` builds the block diagonal and key subsets from ``tiled``).
+"""The flex executor's one operation, ``tiled``, with the tiled executor's signature and results
+(``executors.Executor`` builds the band, block diagonal and key subsets from it).
 
-Each operation turns its arguments into one ``FlexPattern`` and runs ``attend``: one FlexAttention call (plus, with
+It turns its arguments into one ``FlexPattern`` and runs ``attend``: one FlexAttention call (plus, with
 relative positions, the banded value pass and, for two-sided patterns with clipped distances, a second call for the
 right side's mass), then the exclude-self fallback.
 """
@@ -12,21 +12,26 @@ import torch
 from torch import Tensor
 
 from ..relative import RelativePositions
-from ..tiles import KeyRestrictions, saw_key
+from ..tiles import saw_key
+from ..tiling import Distances, KeyRestrictions, Tiling
 from .blocks import block_mask
 from .call import flex_call
-from .pattern import FlexPattern, data_rule, full_range, index_delta, lookup, positions_delta, without_self
+from .pattern import FlexPattern, Rule, data_rule, index_delta, lookup, positions_delta, without_self
 from .relative import key_scores, own_score, score_mod, value_term
 
 
 def attend(pattern: FlexPattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-           rel_pos: RelativePositions | None, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-    """Attention of q (B, H, Nq, D) to k, v (B, H, Nk, D) under ``pattern`` -> (out, lse or None)."""
+           rel_pos: RelativePositions | None, need_lse: bool, bias: Rule | None = None) -> tuple[Tensor, Tensor | None]:
+    """Attention of q (B, H, Nq, D) to k, v (B, H, Nk, D) under ``pattern`` -> (out, lse or None); ``bias``:
+    (b, h, i, j) -> an additive score term (not with ``rel_pos``)."""
     B, H = q.shape[:2]
     mod, qa = None, None
     if rel_pos is not None:
         qa = key_scores(q, rel_pos, scale)
         mod = score_mod(qa, pattern.delta, rel_pos.max_distance, pattern.nq)
+    elif bias is not None:
+        def mod(score, b, h, i, j):
+            return score + bias(b, h, i, j).to(score.dtype)
     out, lse = flex_call(q, k, v, block_mask=block_mask(pattern, B, H, q.device), scale=scale, score_mod=mod)
     if rel_pos is not None:
         out = out + value_term(pattern, q, k, lse, qa, rel_pos, scale, lambda: _right_lse(pattern, q, k, v, mod,
@@ -93,107 +98,73 @@ def _tile_offsets(allow: Tensor | None, T: int, S: int, back: int) -> tuple[int,
     return (0, -1) if lo > hi else (lo, hi)
 
 
-def band(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, scale: float,
-         key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
-         rel_pos: RelativePositions | None = None, rel_unit: int = 1,
-         need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``tiles.band_attention`` on FlexAttention: causal i - window < j <= i, else |i - j| < window."""
-    n = q.shape[2]
-    groups, exclude, positions = (None, False, None) if restrict is None else restrict
-    data = data_rule(n, n, key_valid, groups)
-
-    def rule(b, h, i, j):
-        d = j - i
-        return ((d <= 0) & (d > -window) if causal else d.abs() < window) & data(b, h, i, j)
-
-    def reach(first, last):
-        return first - (window - 1), last + (0 if causal else window - 1)
-
-    by_index = positions is None
-    delta = index_delta(rel_unit) if by_index else positions_delta(positions, n)
-    per_head = key_valid is not None or groups is not None or positions is not None
-    frame = _offsets(-(window - 1), 0 if causal else window - 1, rel_unit, rel_pos, by_index)
-    args = dict(nq=n, nk=n, reach=reach, per_head=per_head, cache_key=None if per_head else ("band", window, causal),
-                delta=delta, frame=frame, one_sided=causal)
-    return attend(FlexPattern(**_finish(args, rule, exclude)), q, k, v, scale=scale, rel_pos=rel_pos,
-                  need_lse=need_lse)
-
-
-def tiled(q: Tensor, k: Tensor, v: Tensor, *, block: int, back: int = 0, ahead: int = 0,
-          allow: Tensor | None = None, tile_mask: Tensor | None = None, scale: float,
-          key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
-          rel_pos: RelativePositions | None = None, rel_unit: int | None = None, rel_delta: Tensor | None = None,
-          rel_band: tuple[int, int] | None = None, empty_rows: bool = False,
-          need_lse: bool = False, rows: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """``tiles.tiled_attention`` on FlexAttention: query block b (``rows`` queries, default ``block``) sees key
-    blocks b - back … b + ahead under the tile mask (one tile of every key when back = ahead = 0 and block >= Nq).
-    ``rel_band`` and ``empty_rows`` only steer the tiled executor's work and change nothing here."""
+def tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float, key_valid: Tensor | None = None,
+          restrict: KeyRestrictions | None = None, rel_pos: RelativePositions | None = None,
+          distances: Distances | None = None, bias: Tensor | None = None,
+          need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``tiles.tiled_attention`` on FlexAttention: query block b sees key blocks b - back … b + ahead under the
+    tiling's masks, as one exact rule (``executors.Executor.tiled`` documents and checks the arguments). ``bias``
+    is added in the kernel's ``score_mod``; with relative positions it is refused by the executor (the relative
+    value pass recomputes the probabilities without it)."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    groups, exclude, positions = (None, False, None) if restrict is None else restrict
-    single = back == 0 and ahead == 0 and block >= Nq and rows is None
-    if rows is not None:
-        if Nq != -(-Nk // block) * rows:
-            raise ValueError(f"with rows={rows}, q must hold ceil(Nk / block) · rows = {-(-Nk // block) * rows} "
-                             f"queries, got {Nq}")
-        if restrict is not None or rel_unit is not None or rel_band is not None:
-            raise ValueError("with rows, queries are not at key positions: restrict, rel_unit and rel_band do not "
-                             "apply (give distances as rel_delta)")
-    elif not single and Nk != Nq:
-        raise ValueError(f"banded tiles need as many keys as queries, got {Nq} queries and {Nk} keys")
-    T, S = (Nq, Nk) if single else (rows or block, (back + 1 + ahead) * block)  # query rows, span of keys
-    if allow is not None and tuple(allow.shape) != (T, S):
-        raise ValueError(f"tile mask must have shape {(T, S)}, got {tuple(allow.shape)}")
-    if rel_pos is not None and (rel_unit is None) == (rel_delta is None) and positions is None:
-        raise ValueError("relative positions need exactly one of rel_unit and rel_delta")
+    groups, exclude = (None, False) if restrict is None else restrict
+    single = tiling.single(Nq)
+    n_tiles, T, S = tiling.shape(Nq, Nk)
     data = data_rule(Nq, Nk, key_valid, groups)
-    n_tiles = 1 if single else -(-Nq // T)
-    tile_mask, rel_delta = (None if x is None else x.view(*(1,) * (5 - x.dim()), *x.shape)
-                            for x in (tile_mask, rel_delta))
+    allow, offsets = tiling.allow, tiling.offsets
+    tile_mask, rel_delta, bias = (None if x is None else x.view(*(1,) * (5 - x.dim()), *x.shape)
+                                  for x in (tiling.tile_mask, None if distances is None else distances.delta, bias))
 
-    def cell(i, j):  # (tile, row, span column) of a pair
-        if single:
-            return torch.zeros_like(i), i, j
-        tile = i // T
-        return tile, i - tile * T, j - (tile - back) * block
+    def cell(i, j):  # (tile, row, span column) of a pair, clamped for lookups
+        tile, r, s = tiling.cell(i, j, Nq)
+        return tile.clamp(0, n_tiles - 1), r.clamp(0, T - 1), s.clamp(0, S - 1)
 
     def rule(b, h, i, j):
-        tile, r, s = cell(i, j)
+        s = tiling.cell(i, j, Nq)[2]
         ok = data(b, h, i, j) & (s >= 0) & (s < S)
-        r, s = r.clamp(0, T - 1), s.clamp(0, S - 1)
+        tile, r, s = cell(i, j)
         if allow is not None:
             ok = ok & allow[r, s]
+        if offsets is not None:
+            ok = ok & (j - i >= offsets[0]) & (j - i <= offsets[1])
         if tile_mask is not None:
-            ok = ok & lookup(tile_mask, b, h, tile.clamp(0, n_tiles - 1), r, s)
+            ok = ok & lookup(tile_mask, b, h, tile, r, s)
         return ok
 
     def reach(first, last):
-        if single:
-            return full_range(Nk)(first, last)
-        return (first // T - back) * block, (last // T + ahead + 1) * block - 1
+        lo, hi = tiling.key_reach(first, last, Nq, Nk)
+        if offsets is not None:
+            lo, hi = torch.maximum(lo, first + offsets[0]), torch.minimum(hi, last + offsets[1])
+        return lo, hi
 
     delta = None
     frame: tuple = ("all",)
-    if positions is not None:
-        delta = positions_delta(positions, Nq)
+    by_index = distances is not None and distances.unit is not None
+    if distances is not None and distances.positions is not None:
+        delta = positions_delta(distances.positions, Nq)
     elif rel_delta is not None:
         def delta(b, h, i, j):
-            tile, r, s = cell(i, j)
-            return lookup(rel_delta, b, h, tile.clamp(0, n_tiles - 1), r.clamp(0, T - 1), s.clamp(0, S - 1))
-    elif rel_unit is not None:
-        delta = index_delta(rel_unit)
+            return lookup(rel_delta, b, h, *cell(i, j))
+    elif by_index:
+        delta = index_delta(distances.unit)
     one_sided = False
     if rel_pos is not None and rel_delta is None and Nq == Nk:  # offsets of the keys a tile may hold
-        lo, hi = _tile_offsets(allow, T, S, back if not single else 0)
-        frame = _offsets(lo, hi, rel_unit or 1, rel_pos, positions is None)
-        one_sided = positions is None and hi <= 0
-    per_head = key_valid is not None or groups is not None or tile_mask is not None or positions is not None
+        lo, hi = offsets if offsets is not None else _tile_offsets(allow, T, S, 0 if single else tiling.back)
+        frame = _offsets(lo, hi, distances.unit if by_index else 1, rel_pos, by_index)
+        one_sided = hi <= 0
+    extra = None
+    if bias is not None:
+        def extra(b, h, i, j):
+            return lookup(bias, b, h, *cell(i, j))
+    per_head = (key_valid is not None or groups is not None or tile_mask is not None
+                or (distances is not None and distances.positions is not None) or bias is not None)
     cacheable = not per_head and allow is None and rel_delta is None
-    args = dict(nq=Nq, nk=Nk, reach=reach, per_head=per_head,
-                cache_key=("tiled", single, T, block, back, ahead) if cacheable else None, delta=delta, frame=frame,
+    cache_key = ("tiled", single, T, tiling.block, tiling.back, tiling.ahead, offsets) if cacheable else None
+    args = dict(nq=Nq, nk=Nk, reach=reach, per_head=per_head, cache_key=cache_key, delta=delta, frame=frame,
                 one_sided=one_sided)
     return attend(FlexPattern(**_finish(args, rule, exclude)), q, k, v, scale=scale, rel_pos=rel_pos,
-                  need_lse=need_lse)
+                  need_lse=need_lse, bias=extra)
 
 
-__all__ = ["attend", "band", "tiled"]
+__all__ = ["attend", "tiled"]

@@ -88,10 +88,3 @@ def positions_delta(positions: Tensor, n: int) -> Rule:
         return lookup(positions, b, h, j.clamp(max=n - 1)) - lookup(positions, b, h, i.clamp(max=n - 1))
 
     return delta
-
-
-def full_range(nk: int) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    def reach(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.zeros_like(first), torch.full_like(last, nk - 1)
-
-    return reach

@@ -102,7 +102,7 @@ class LSHHeads(HeadGroup):
     def forward(self, q, k, v, rel_pos):
         if rel_pos is not None:
             raise ValueError("lsh heads do not support relative positions")
-        return lsh_attention(q, v, causal=True, scale=self.scale, **self._kwargs())
+        return lsh_attention(q, v, causal=True, scale=self.scale, backend=self.backend, **self._kwargs())
 
     def reference_mask(self, q, k):
         return lsh_mask(q, causal=True, **self._kwargs())
@@ -152,7 +152,6 @@ KIND = HeadKind(
     lambda o, heads, head_dim, seed: LSHHeads(heads, head_dim, o, seed),
     keys_per_query=_keys_per_query,
     options=_options,
-    executor=False,
     shares_qk=lambda o: True,
     relative_positions=False,
     describe=lambda o: f"buckets={o.buckets}, rounds={o.rounds}, w={o.window}",

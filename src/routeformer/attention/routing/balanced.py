@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..executors import Backend, get_executor, neg_inf
 from ..relative import RelativePositions
+from ..tiling import Distances, Tiling
 from .sorted_window import drop_own_key, sort_by_cluster
 
 _BITS = 63  # cluster memberships packed 63 to an int64 word (bit 63 is the sign)
@@ -112,9 +113,9 @@ def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_p
     kv = None if valid is None else valid.gather(-1, flat).view(B, H * kc, w)
     delta = None
     if rel_pos is not None:
-        delta = (members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w)
-    o, lse = executor.tiled(tiles(q), tiles(k), tiles(v), block=w, scale=scale, key_valid=kv,
-                                  tile_mask=first.view(B, H * kc, 1, w, w), rel_pos=rel_pos, rel_delta=delta,
+        delta = Distances(delta=(members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w))
+    o, lse = executor.tiled(tiles(q), tiles(k), tiles(v), Tiling.dense(w, tile_mask=first.view(B, H * kc, 1, w, w)),
+                            scale=scale, key_valid=kv, rel_pos=rel_pos, distances=delta,
                                   need_lse=True)
     return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
 
@@ -180,9 +181,8 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     kv = None if valid is None else valid.gather(-1, keys.reshape(B, H, total * w)).view(B, H * total, w)
     delta = None
     if rel_pos is not None:
-        delta = (keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w)
-    o, _ = executor.tiled(qt, kt, vt, block=w, scale=scale, key_valid=kv, rel_pos=rel_pos,
-                                rel_delta=delta)
+        delta = Distances(delta=(keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w))
+    o, _ = executor.tiled(qt, kt, vt, Tiling.dense(w), scale=scale, key_valid=kv, rel_pos=rel_pos, distances=delta)
     dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
     dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))
     return dest[:, :, :N]

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import positive_int
-from ..executors import Backend, KeyRestrictions, executor_for, get_executor
+from ..executors import Backend, executor_for, get_executor
 from ..inputs import check_inputs
 from ..relative import RelativePositions
+from ..tiling import INDEX, KeyRestrictions, Tiling
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
 from .probes import probed_window_attention, probed_window_mask
@@ -159,9 +160,9 @@ class RoutingAttention(Router):
         n = q.shape[2]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
-        out, _ = get_executor(self.backend, q.device).tiled(q, k, v, block=n, allow=causal, scale=scale,
+        out, _ = get_executor(self.backend, q.device).tiled(q, k, v, Tiling.dense(n, allow=causal), scale=scale,
                                                             key_valid=key_valid, restrict=restrict,
-                                                            rel_pos=rel_pos, rel_unit=1)
+                                                            rel_pos=rel_pos, distances=INDEX)
         return out
 
     def _gates(self, routes: Routes) -> Tensor | None:

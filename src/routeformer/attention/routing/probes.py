@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..executors import Executor, saw_key
 from ..relative import RelativePositions
+from ..tiling import Distances, Tiling
 from .sorted_window import ClusterOrder, sort_by_cluster
 
 DENSE_UP_TO = 256  # sequences up to this length run as one dense masked tile per head (faster there; see README)
@@ -115,14 +116,11 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor
         own = eye & (union & ~eye).any(-1, keepdim=True)
         union = union & ~own
     idx = torch.arange(N, device=q.device)
-    delta = None if rel_pos is None else idx[None, :] - idx[:, None]
-    # A row can see nothing only if some key is padding or a query's first probe is not its own cluster.
-    empty = (key_valid is not None or torch.compiler.is_compiling()  # no host read while compiling
-             or bool((probes[..., 0] != key_clusters).any()))
+    delta = None if rel_pos is None else Distances(delta=idx[None, :] - idx[:, None])
 
     def attend(allow: Tensor) -> Tensor:
-        out, _ = executor.tiled(q, k, v, block=N, tile_mask=allow[:, :, None], scale=scale, key_valid=key_valid,
-                                rel_pos=rel_pos, rel_delta=delta, empty_rows=empty)
+        out, _ = executor.tiled(q, k, v, Tiling.dense(N, tile_mask=allow[:, :, None]), scale=scale,
+                                key_valid=key_valid, rel_pos=rel_pos, distances=delta)
         return out
 
     if gates is None:

@@ -14,9 +14,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..executors import Backend, KeyRestrictions, get_executor
+from ..executors import Backend, get_executor
 from ..relative import RelativePositions
 from ..rows import move_rows
+from ..tiling import INDEX, Distances, KeyRestrictions
 
 
 class ClusterOrder(NamedTuple):
@@ -99,11 +100,11 @@ def sorted_window_attention(
     ks = qs if k is q else permute_seq(k, order, inverse)
     vs = permute_seq(v, order, inverse)
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
-    restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self,
-                               positions=order if rel_pos is not None else None)
+    restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self)
+    distances = INDEX if rel_pos is None else Distances(positions=order)  # between the entries' own positions
     out, lse = get_executor(backend, q.device).band(qs, ks, vs, window=window, causal=causal, scale=scale,
                                                     key_valid=valid, restrict=restrict, rel_pos=rel_pos,
-                                                    need_lse=need_lse)
+                                                    distances=distances, need_lse=need_lse)
     out = permute_seq(out, inverse, order)
     if not need_lse:
         return out

@@ -64,15 +64,16 @@ def _softmax_(scores: Tensor) -> Tensor:
 @torch.library.custom_op("routeformer::tile_attention", mutates_args=())
 def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: Tensor | None,
                     key_table: Tensor | None, value_table: Tensor | None, offset: int,
-                    need_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """softmax(q·kᵀ + rel) · v over tiles, holding two (…, T, S) buffers per step instead of five.
+                    need_lse: bool, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """softmax(q·kᵀ + rel + bias) · v over tiles, holding two (…, T, S) buffers per step instead of five.
 
     Returns (out (B, H, nb, T, D), lse (B, H, nb, T) or empty, probs). Queries come as tiles (B, H, nb, T, D),
     computed as X = B·H·nb batched matmuls; keys and values as ``_key_source`` rows whose spans ``_windows`` views
     without a copy. Forward computes the scores, adds the relative-position strip, masks and normalises them in one
     buffer and keeps only the probabilities. Relative positions (optional) come in strip form: ``key_table`` and
     ``value_table`` (W, D) hold a^K and a^V of strip column t, the strip of row r starting at span column
-    r + ``offset``; every strip product is a bmm on a strided view.
+    r + ``offset``; every strip product is a bmm on a strided view. ``bias`` (optional, broadcastable to
+    (B, H, nb, T, S)) is an additive per-pair term without a gradient.
     """
     lead, (T, D) = qt.shape[:3], qt.shape[3:]
     q3 = qt.reshape(-1, T, D)  # (X, T, D)
@@ -82,6 +83,8 @@ def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: 
     width = 0 if key_table is None else key_table.shape[0]
     if key_table is not None:  # s_ij += q_i·a^K_ij on the strip
         _strip(scores, offset, width).baddbmm_(q3, key_table.T.expand(tiles, -1, -1))
+    if bias is not None:
+        scores.view(*lead, T, -1).add_(bias)
     if mask is not None:
         scores.view(*lead, T, -1).masked_fill_(~mask, neg_inf(scores.dtype))
     peak = scores.amax(-1) if need_lse else None
@@ -98,7 +101,7 @@ def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: 
 
 
 @_tile_attention.register_fake
-def _(qt, k, v, windows, mask, key_table, value_table, offset, need_lse):
+def _(qt, k, v, windows, mask, key_table, value_table, offset, need_lse, bias=None):
     lead, (T, D) = qt.shape[:3], qt.shape[3:]
     tiles, block, reach = windows
     acc = lse_dtype(qt.dtype)
@@ -151,7 +154,7 @@ def _(grad_out, grad_lse, qt, k, v, probs, out, key_table, value_table, windows,
 
 
 def _tile_setup(ctx, inputs, output) -> None:
-    qt, k, v, windows, mask, key_table, value_table, offset, need_lse = inputs
+    qt, k, v, windows, mask, key_table, value_table, offset, need_lse, bias = inputs
     out, _, probs = output
     ctx.save_for_backward(qt, k, v, probs, out, key_table, value_table)
     ctx.windows, ctx.offset = windows, offset
@@ -165,7 +168,7 @@ def _tile_backward(ctx, grad_out, grad_lse, grad_probs):
     gq, gk, gv, gkey, gvalue = _tile_attention_backward(grad_out, grad_lse, qt, k, v, probs, out, key_table,
                                                         value_table, ctx.windows, ctx.offset)
     return (gq, gk, gv, None, None, gkey if key_table is not None else None,
-            gvalue if value_table is not None else None, None, None)
+            gvalue if value_table is not None else None, None, None, None)
 
 
 _tile_attention.register_autograd(_tile_backward, setup_context=_tile_setup)

@@ -12,15 +12,16 @@ class _RelTerms:
     """The two relative-position terms of one tiling: q_i·a^K_ij on the scores and Σ_j p_ij a^V_ij on the output.
 
     Three ways, from fastest to most general:
-    - strip (``rel_band``, handled by ``tiled_attention`` itself, not here): a sliding window's keys lie on a strip
-      of the tile whose column t is at distance (t + offset - back·T) · unit for every row, so both terms are
-      batched matmuls of q and p against the (W, D) tables on a strided view of the tile (inside the fused
-      ``routeformer::tile_attention`` op), with no copy.
-    - skew (``rel_unit`` alone): distance depends only on s - r, so the L = S + T - 1 distances of a tile are
-      enumerated once, queries multiply that extended table, and a strided view picks row r's entries
+    - strip (an ``offsets`` tiling with unit distances, handled by ``tiled_attention`` itself, not here): a sliding
+      window's keys lie on a strip of the tile whose column t is at distance (t + offset - back·T) · unit for every
+      row, so both terms are batched matmuls of q and p against the (W, D) tables on a strided view of the tile
+      (inside the fused ``routeformer::tile_attention`` op), with no copy.
+    - skew (``Distances.unit`` otherwise): distance depends only on s - r, so the L = S + T - 1 distances of a tile
+      are enumerated once, queries multiply that extended table, and a strided view picks row r's entries
       (Transformer-XL's relative shift); the value term is the transposed operation.
-    - gather (``rel_delta``): queries multiply the whole table and each entry is gathered (scattered back for the
-      value term). Used where distances are irregular (summary cells, global tokens).
+    - gather (``Distances.delta``, or ``Distances.positions`` turned into deltas): queries multiply the whole table
+      and each entry is gathered (scattered back for the value term). Used where distances are irregular (summary
+      cells, global tokens, routing's sorted order).
     """
 
     def __init__(self, rel_pos: RelativePositions, qt: Tensor, block: int, span: int, back: int,

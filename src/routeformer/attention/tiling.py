@@ -1,0 +1,234 @@
+"""The values an attention executor takes: which keys each query may see (``Tiling``), how far apart a query and a
+key are for relative positions (``Distances``), and the labels that narrow a self-attention's keys
+(``KeyRestrictions``).
+
+A *tiling* cuts the queries into blocks of T rows; query block b sees the keys of blocks b - back … b + ahead, a
+*span* of S = (back + 1 + ahead) · block keys, under one (T, S) mask that is the same for every block (``allow``,
+or the key-minus-query index range ``offsets`` of a sliding window), and optionally a mask that differs between
+tiles (``tile_mask``). A single tile (``Tiling.dense``) holds every key. The geometry (which key index span column
+s of block b is, which tile holds a pair) is written here once, for every executor.
+
+Every executor computes softmax(q·kᵀ · scale + rel + bias, masked) · v over the tiles; ``executors.Executor.tiled``
+checks these values against the inputs before it hands them on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class KeyRestrictions(NamedTuple):
+    """Per-entry labels of a self-attention sequence (as many keys as queries) that narrow what the tiling allows.
+    Routing's band over its cluster-sorted sequence uses them; so may any self-attention over a reordered or
+    segmented sequence.
+
+    groups: optional integer (B, H, N): a query sees only keys of its own group.
+    exclude_self: a query does not see the key at its own index unless no other key is allowed (shared-QK
+        attention, where q_i·k_i would dominate).
+    """
+
+    groups: Tensor | None = None
+    exclude_self: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Distances:
+    """The relative distance (key - query) of every pair, for relative positions: exactly one of
+
+    unit: ``unit`` · (key index - query index): shift-invariant tiles, the fastest form.
+    delta: an integer tensor broadcastable to (B, H, n_blocks, T, S), one distance per tile entry (irregular
+        distances: summary cells, global tokens, gathered keys).
+    positions: integer (B, H, N), the original position of every entry of a sequence given in a permuted order
+        (self-attention only): distance = positions[key] - positions[query].
+    """
+
+    unit: int | None = None
+    delta: Tensor | None = None
+    positions: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("unit", "delta", "positions") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"Distances takes exactly one of unit, delta and positions, got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.unit is not None and (isinstance(self.unit, bool) or not isinstance(self.unit, int)
+                                      or self.unit < 1):
+            raise ValueError(f"Distances.unit must be a positive integer, got {self.unit!r}")
+        for name in ("delta", "positions"):
+            x = getattr(self, name)
+            if x is not None and (not isinstance(x, Tensor) or x.is_floating_point() or x.dtype == torch.bool):
+                raise ValueError(f"Distances.{name} must be an integer tensor, got "
+                                 f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
+INDEX = Distances(unit=1)  # the distance of a pair is its key index - query index
+
+
+@dataclass(frozen=True, eq=False)
+class Tiling:
+    """Which keys each block of queries sees.
+
+    block: keys per key block (and query rows per block unless ``rows``).
+    back, ahead: neighbouring key blocks each query block sees. back = ahead = 0 with block >= the number of
+        queries is one tile of every key (``dense``), where the keys may outnumber the queries.
+    allow: static (T, S) bool mask, True = may attend; span column s of query block b is key index
+        (b - back) · block + s (in a single tile, column s is key s).
+    offsets: (lo, hi): instead of ``allow``, a pair may attend when lo <= key index - query index <= hi (a
+        sliding window; executors may use it to compute relative terms on the strip of the tile it covers).
+    tile_mask: optional bool broadcastable to (B, H, n_blocks, T, S), ANDed with the static mask: a mask that
+        differs between tiles.
+    rows: query rows per block when the queries are not the keys' own positions: q then holds exactly
+        n_blocks · rows queries (n_blocks = ceil(Nk / block)), block b's against key blocks b - back … b + ahead
+        (a layout the caller chose, e.g. the queries whose keys end in each key block). Then ``tile_mask`` is
+        required and must keep out every span column beyond the keys; key restrictions, ``offsets`` and unit
+        distances, which read query positions, do not apply; and a row the mask leaves without a key is not
+        zeroed: its lse lies below ``neg_inf(lse.dtype) / 2`` (``saw_key`` is False) and its output is finite and
+        meaningless, for the caller to discard (as ``ranges`` does).
+    """
+
+    block: int
+    back: int = 0
+    ahead: int = 0
+    allow: Tensor | None = None
+    offsets: tuple[int, int] | None = None
+    tile_mask: Tensor | None = None
+    rows: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block", "back", "ahead", "rows"):
+            x = getattr(self, name)
+            low = 1 if name in ("block", "rows") else 0
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < low):
+                raise ValueError(f"Tiling.{name} must be an integer >= {low}, got {x!r}")
+        if self.allow is not None and self.offsets is not None:
+            raise ValueError("a tiling takes allow or offsets, not both")
+        if self.offsets is not None and (len(self.offsets) != 2 or self.offsets[0] > self.offsets[1]):
+            raise ValueError(f"Tiling.offsets must be (lo, hi) with lo <= hi, got {self.offsets!r}")
+        for name in ("allow", "tile_mask"):
+            x = getattr(self, name)
+            if x is not None and (not isinstance(x, Tensor) or x.dtype != torch.bool):
+                raise ValueError(f"Tiling.{name} must be a bool tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+
+    # --- constructors -------------------------------------------------------------------------------------------
+    @staticmethod
+    def dense(n: int, *, allow: Tensor | None = None, tile_mask: Tensor | None = None) -> Tiling:
+        """One tile of every key for ``n`` queries: ``allow`` (n, Nk), ``tile_mask`` broadcastable to
+        (B, H, 1, n, Nk)."""
+        return Tiling(block=max(1, n), allow=allow, tile_mask=tile_mask)
+
+    @staticmethod
+    def band(window: int, n: int, causal: bool) -> Tiling:
+        """Sliding window over n positions: causal i - window < j <= i, else |i - j| < window.
+
+        Blocks of ``window`` queries below 128, else half a window (a span of 1.5 windows instead of 2: a quarter
+        fewer scores, with matmuls still large enough; measured faster on CPU for windows >= 128, slower below),
+        each with as many neighbouring key blocks as the window reaches.
+        """
+        block = min(window if window < 128 else -(-window // 2), n)
+        reach = min(math.ceil((window - 1) / block), -(-n // block) - 1)
+        return Tiling(block=block, back=reach, ahead=0 if causal else reach,
+                      offsets=(-(window - 1), 0 if causal else window - 1))
+
+    # --- geometry -------------------------------------------------------------------------------------------------
+    def single(self, nq: int) -> bool:
+        """One tile of every key."""
+        return self.back == 0 and self.ahead == 0 and self.block >= nq and self.rows is None
+
+    def shape(self, nq: int, nk: int) -> tuple[int, int, int]:
+        """(n_blocks, T, S): tiles, query rows per tile, keys per span."""
+        if self.single(nq):
+            return 1, nq, nk
+        return -(-(nk if self.rows else nq) // self.block), self.rows or self.block, self.span
+
+    @property
+    def span(self) -> int:
+        return (self.back + 1 + self.ahead) * self.block
+
+    def static_mask(self, nq: int, nk: int, device: torch.device) -> Tensor | None:
+        """The (T, S) mask every tile shares: ``allow``, or the ``offsets`` rule, or None (the whole span)."""
+        if self.offsets is None:
+            return self.allow
+        lo, hi = self.offsets
+        _, T, S = self.shape(nq, nk)
+        delta = torch.arange(S, device=device)[None, :] - (0 if self.single(nq) else self.back * self.block) \
+            - torch.arange(T, device=device)[:, None]
+        return (delta >= lo) & (delta <= hi)
+
+    def strip(self, nq: int) -> tuple[int, int] | None:
+        """(offset, width) when every key a row r may see lies in span columns [r + offset, r + offset + width)
+        inside the span (``offsets`` tilings that fit): relative terms can then be computed on that strip alone."""
+        if self.offsets is None or self.rows is not None:
+            return None
+        lo, hi = self.offsets
+        T = min(self.block, nq) if self.single(nq) else self.block
+        base = 0 if self.single(nq) else self.back * self.block
+        if base + lo < 0 or T - 1 + base + hi > (self.span if not self.single(nq) else nq) - 1:
+            return None
+        return base + lo, hi - lo + 1
+
+    def key_spans(self, x: Tensor, fill: float | int | bool = 0) -> Tensor:
+        """Per-key values (..., Nk) of a banded tiling -> (..., n_blocks, 1, S): the keys of each query block's span
+        (``fill`` beyond the ends), a view of x padded."""
+        nb = -(-x.shape[-1] // self.block)
+        before, after = self.back * self.block, (nb + self.ahead) * self.block - x.shape[-1]
+        return F.pad(x, (before, after), value=fill).unfold(-1, self.span, self.block)[..., None, :]
+
+    def query_rows(self, x: Tensor, fill: float | int | bool = 0) -> Tensor:
+        """Per-query values (..., Nq) of a banded tiling -> (..., n_blocks, T, 1) (``fill`` past the end)."""
+        nb = -(-x.shape[-1] // self.block)
+        return F.pad(x, (0, nb * self.block - x.shape[-1]), value=fill).view(*x.shape[:-1], nb, self.block, 1)
+
+    def cell(self, i: Tensor, j: Tensor, nq: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(tile, row, span column) of the pairs (query i, key j); the column may lie outside [0, S)."""
+        if self.single(nq):
+            return torch.zeros_like(i), i, j
+        T = self.rows or self.block
+        tile = i // T
+        return tile, i - tile * T, j - (tile - self.back) * self.block
+
+    def key_reach(self, first: Tensor, last: Tensor, nq: int, nk: int) -> tuple[Tensor, Tensor]:
+        """The first and last key index any of the queries first … last may see (clipped by the caller)."""
+        if self.single(nq):
+            return torch.zeros_like(first), torch.zeros_like(last) + nk - 1
+        T = self.rows or self.block
+        return (first // T - self.back) * self.block, (last // T + self.ahead + 1) * self.block - 1
+
+    def check(self, nq: int, nk: int, restrict: KeyRestrictions | None, distances: Distances | None) -> None:
+        """A ValueError naming the problem when these inputs do not fit this tiling."""
+        single = self.single(nq)
+        if self.rows is not None:
+            n_blocks = -(-nk // self.block)
+            if nq != n_blocks * self.rows:
+                raise ValueError(f"with rows={self.rows}, q must hold ceil(Nk / block) · rows = "
+                                 f"{n_blocks * self.rows} queries, got {nq}")
+            if restrict is not None or self.offsets is not None or (distances is not None and distances.delta is None):
+                raise ValueError("with rows, queries are not at key positions: key restrictions, offsets and "
+                                 "distances by unit or positions do not apply (give distances as delta)")
+            if self.tile_mask is None:
+                raise ValueError("with rows, the caller gives the tile mask (it keeps out the columns beyond the "
+                                 "keys)")
+        elif not single and nk != nq:
+            raise ValueError(f"banded tiles need as many keys as queries, got {nq} queries and {nk} keys")
+        _, T, S = self.shape(nq, nk)
+        if self.allow is not None and tuple(self.allow.shape) != (T, S):
+            raise ValueError(f"tile mask must have shape {(T, S)}, got {tuple(self.allow.shape)}")
+        if restrict is not None and (restrict.exclude_self or restrict.groups is not None) and nk != nq:
+            raise ValueError("key restrictions need self-attention (as many keys as queries)")
+        if distances is not None and distances.positions is not None and nk != nq:
+            raise ValueError("distances by positions need self-attention (as many keys as queries)")
+
+
+def shift_invariant_mask(block: int, back: int, ahead: int, rule, *, device: torch.device | None = None) -> Tensor:
+    """Tile mask (block, S) on ``device`` from ``rule(delta)`` with delta = key index - query index (a LongTensor)."""
+    span = (back + 1 + ahead) * block
+    delta = torch.arange(span, device=device)[None, :] - back * block - torch.arange(block, device=device)[:, None]
+    return rule(delta)
+
+
+__all__ = ["INDEX", "Distances", "KeyRestrictions", "Tiling", "shift_invariant_mask"]
