@@ -13,8 +13,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention.kinds import HeadGroup
 from .config import TransformerConfig
+from .generate import generate, stream
 from .layers import Block, init_weights
 from .positions import PositionEmbedding
+from .pretrained import from_pretrained, save_pretrained
 
 
 class ModelCache:
@@ -105,28 +107,20 @@ class TransformerLM(nn.Module):
                  top_p: float | None = None, seed: int | None = None) -> Tensor:
         """prompt (B, N) or (N,) -> (B, N + max_new_tokens), with every mechanism's decoding cache (see
         ``generate.py`` for what happens past ``seq_len``). temperature 0 is greedy; seed makes it repeatable."""
-        from .generate import generate
-
         return generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed)
 
     def stream(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
         """Like ``generate``, yielding each new position's tokens (B,) as soon as it is sampled."""
-        from .generate import stream
-
         return stream(self, prompt, max_new_tokens, temperature, top_k, top_p, seed)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """model.safetensors (weights, routing centroids and projections) and config.json, written atomically."""
-        from .pretrained import save_pretrained
-
         save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> TransformerLM:
         """The model saved by ``save_pretrained``; errors name the file and what is wrong with it."""
-        from .pretrained import from_pretrained
-
         return from_pretrained(cls, directory, map_location)
 
     def head_groups(self) -> list[HeadGroup]:

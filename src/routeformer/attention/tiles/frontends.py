@@ -121,7 +121,7 @@ def tiled_attention(
     # A row whose every key is masked would average the masked values: zero it, and give it lse = neg_inf exactly
     # (see ``neg_inf``). Only a mask that can leave a real row empty needs the pass: a sliding window (its own key
     # always in range and in its group) and the whole span cannot; padded rows are cut off below.
-    if mask is not None and rows is None and _may_empty_rows(tiling, key_valid):
+    if mask is not None and rows is None and _may_empty_rows(tiling, key_valid, Nq, single):
         # (…, nb, T); from the lse when there is one (a masked score is neg_inf of the score dtype, a real one far
         # above half of it), without a pass over the mask
         empty = ~(lse > neg_inf(qt.dtype) / 2) if lse is not None else ~mask.any(-1)
@@ -139,13 +139,23 @@ def tiled_attention(
     return out, lse
 
 
-def _may_empty_rows(tiling: Tiling, key_valid: Tensor | None) -> bool:
-    """Whether the masks may leave a query row without a key: padding, per-tile masks and a static mask the caller
-    built may; an ``offsets`` window that holds the query's own index (key index - query index = 0), or the whole
-    span, may not."""
-    if key_valid is not None or tiling.tile_mask is not None or tiling.allow is not None:
+def _may_empty_rows(tiling: Tiling, key_valid: Tensor | None, nq: int, single: bool) -> bool:
+    """Whether the masks may leave a query row without a key: padding and per-tile masks may; an ``offsets`` window
+    that holds the query's own index (key index - query index = 0), or the whole span, may not; a static mask the
+    caller built may, unless, read on the host (CPU masks outside compilation only: no device synchronisation, no
+    graph break), it gives every real
+    row a key among the keys in range: one tile (every key in range), or blocks without neighbours (the last block
+    holds its first c = nq - (nb - 1) · block keys)."""
+    if key_valid is not None or tiling.tile_mask is not None:
         return True
-    return tiling.offsets is not None and not tiling.offsets[0] <= 0 <= tiling.offsets[1]
+    allow = tiling.allow
+    if allow is None:
+        return tiling.offsets is not None and not tiling.offsets[0] <= 0 <= tiling.offsets[1]
+    if (allow.device.type != "cpu" or torch.compiler.is_compiling()  # no host read while compiling
+            or not (single or tiling.back == tiling.ahead == 0)):
+        return True
+    last = nq - (-(-nq // tiling.block) - 1) * tiling.block  # rows (and keys) of the last block
+    return not (bool(allow.any(-1).all()) and (single or bool(allow[:last, :last].any(-1).all())))
 
 
 def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
