@@ -162,6 +162,9 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
                                          r"'tiles' does"):
         get_executor("flex").tiled(q, k, v, Tiling.dense(16), scale=1.0, bias=bias, rel_pos=rand_rel(4, 3),
                                    distances=INDEX)
+    with pytest.raises(ValueError, match=r"does not support bias, bias with exclude_self; 'tiles' does"):
+        Executor("partial", get_executor("flex").run, frozenset({"exclude_self"})).tiled(
+            q, k, v, Tiling.dense(16), scale=1.0, bias=bias, restrict=KeyRestrictions(exclude_self=True))
     plain = Executor("plain", get_executor("tiles").run, frozenset({"tile_mask"}))
     with pytest.raises(ValueError, match="the 'plain' executor does not support groups, exclude_self; 'tiles', "
                                          "'flex' does"):

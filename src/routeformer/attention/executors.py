@@ -36,7 +36,7 @@ from .tiles import lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 FEATURES = ("rows", "tile_mask", "groups", "exclude_self", "distances.delta", "distances.positions", "bias",
-            "bias with relative positions")
+            "bias with relative positions", "bias with exclude_self")
 
 
 def _features(tiling: Tiling, restrict: KeyRestrictions | None, rel_pos: RelativePositions | None,
@@ -49,6 +49,7 @@ def _features(tiling: Tiling, restrict: KeyRestrictions | None, rel_pos: Relativ
         ("distances.delta", rel_pos is not None and distances.delta is not None),
         ("distances.positions", rel_pos is not None and distances.positions is not None),
         ("bias", bias is not None), ("bias with relative positions", bias is not None and rel_pos is not None),
+        ("bias with exclude_self", bias is not None and restrict is not None and restrict.exclude_self),
     ) if used]
     return asked
 
@@ -161,8 +162,9 @@ class Executor:
 
 EXECUTORS: dict[str, Executor] = {
     "tiles": Executor("tiles", tiled_attention),
-    # the relative value pass recomputes probabilities from the lse without the bias
-    "flex": Executor("flex", flex.tiled, frozenset(FEATURES) - {"bias with relative positions"}),
+    # the relative value pass and the own-key fallback recompute scores without the bias
+    "flex": Executor("flex", flex.tiled,
+                     frozenset(FEATURES) - {"bias with relative positions", "bias with exclude_self"}),
 }
 
 

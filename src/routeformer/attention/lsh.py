@@ -152,7 +152,7 @@ def lsh_attention(
     outs, lses = [], []
     for r in range(R):
         qs, ks, vs = (permute_seq(x, order[:, :, r], inverse[:, :, r]) for x in (q, keys, v))
-        bias = None if R == 1 else _once_bias(hashes, buckets, order, inverse, r, band, window, causal, q.dtype)
+        bias = None if R == 1 else _once_bias(hashes, buckets, order, inverse, r, band, window, q.dtype)
         out, lse = executor.tiled(
             qs, ks, vs, tiling, scale=1.0, need_lse=True, bias=bias,
             key_valid=None if key_valid is None else key_valid.gather(-1, order[:, :, r]),
@@ -167,7 +167,7 @@ def lsh_attention(
 
 
 def _once_bias(hashes: Tensor, buckets: int, order: Tensor, inverse: Tensor, r: int, band: Tiling, window: int,
-               causal: bool, dtype: torch.dtype) -> Tensor:
+               dtype: torch.dtype) -> Tensor:
     """-log c_ij on the pairs round r's tiles allow (B, H, nb, T, S; any value elsewhere): c_ij the number of rounds
     whose window holds key j for query i, so that a key several rounds reach counts once in the merged softmax.
 

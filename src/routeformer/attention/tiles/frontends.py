@@ -143,9 +143,8 @@ def _may_empty_rows(tiling: Tiling, key_valid: Tensor | None, nq: int, single: b
     """Whether the masks may leave a query row without a key: padding and per-tile masks may; an ``offsets`` window
     that holds the query's own index (key index - query index = 0), or the whole span, may not; a static mask the
     caller built may, unless, read on the host (CPU masks outside compilation only: no device synchronisation, no
-    graph break), it gives every real
-    row a key among the keys in range: one tile (every key in range), or blocks without neighbours (the last block
-    holds its first c = nq - (nb - 1) · block keys)."""
+    graph break), it gives every real row a key among the keys in range: one tile (every key in range), or blocks
+    without neighbours (the last block holds its first c = nq - (nb - 1) · block keys)."""
     if key_valid is not None or tiling.tile_mask is not None:
         return True
     allow = tiling.allow
