@@ -108,8 +108,8 @@ class TransformerConfig:
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
         backend: how heads that run on an attention executor are computed: 'auto' (FlexAttention on CUDA, the
-            tiled PyTorch executor elsewhere), 'tiles' or 'flex' (``routeformer.attention.executors``). LSH,
-            linear, Performer and the poly2 / elu kernels have one implementation of their own.
+            tiled PyTorch executor elsewhere), 'tiles' or 'flex' (``routeformer.attention.executors``).
+            Linear, Performer and the poly2 / elu kernels have one implementation of their own.
         commitment, kmeans_decay: routing's commitment-loss weight β and k-means EMA decay.
         kernel: the similarity full, local and linear heads normalise, 'exp' (softmax), 'poly2' or 'elu'
             (``routeformer.attention.kernels``); linear heads need 'poly2' or 'elu', other kinds take only 'exp',
@@ -245,7 +245,7 @@ class TransformerConfig:
         on_executor = [g for layer in groups for g in layer if g.kind.runs_on_executor(g.options)]
         if self.backend != "auto" and not on_executor:
             raise ValueError(f"backend={self.backend!r} would change nothing: no head of this model runs on an "
-                             f"attention executor (LSH, linear, Performer and the poly2 / elu kernels compute "
+                             f"attention executor (linear, Performer and the poly2 / elu kernels compute "
                              f"their own way); leave backend='auto'")
         for group in (g for layer in groups for g in layer):
             if self.kernel != "exp" and not group.kind.reads_kernel:

@@ -227,7 +227,7 @@ class HeadKind:
         reads_kernel: whether the kind's heads use ``TransformerConfig.kernel`` (full, local); a config whose
             kernel is not 'exp' is an error for every other kind, so that the setting is never ignored.
         executor: whether the heads run on an attention executor, so that ``TransformerConfig.backend`` chooses
-            how they are computed; a bool, or (options) -> bool. Kinds with their own computation (LSH, linear,
+            how they are computed; a bool, or (options) -> bool. Kinds with their own computation (linear,
             Performer, the poly2 / elu kernels) set False.
         describe: (options) -> a short summary of the options for tables ('window=128'); default the dataclass.
         summary: one line for ``--help`` and tables.
