@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from routeformer.attention import HeadKind, register_kind
+from routeformer.attention.full import KIND as FULL
 from routeformer.attention.kinds.base import Warmup
-from routeformer.attention.kinds.full import KIND as FULL
-from routeformer.attention.kinds.routing import KIND as ROUTING
-from routeformer.attention.kinds.routing import RoutingHeads
+from routeformer.attention.routing.kind import KIND as ROUTING
+from routeformer.attention.routing.kind import RoutingHeads
 from routeformer.attention.routing.probes import probe_masks
 
 DISTILL_WEIGHT = 1.0  # the weight of routing_ad's loss (--distill-weight)

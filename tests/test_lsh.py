@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import leaks, rand_padding, rand_qkv
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import get_kind, lsh_attention, reference_attention
-from routeformer.attention.kinds import lsh as lsh_kind
+from routeformer.attention import lsh as lsh_kind
 from routeformer.attention.lsh import lsh_hash, lsh_mask, lsh_rotations
 from routeformer.attention.routing.sorted_window import sorted_window_mask
 from routeformer.testing import check_kind

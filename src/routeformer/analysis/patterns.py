@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention.masks import full_mask
+from ..attention.full import full_mask
 from ..model import TransformerLM
 from .heads import HeadCall, capture, check_layers
 

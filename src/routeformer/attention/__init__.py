@@ -1,25 +1,26 @@
-"""Attention: what may attend to what (``masks``), the dense definition (``reference``), fast executors, and the
-head kinds a model is built from (``kinds/``, listed in ``registry.KINDS``; ``register_kind`` adds one).
+"""Attention: one module per mechanism (its function, its mask, its head kind and options: ``full``, ``local``,
+``strided``, ``fixed``, ``longformer``, ``lsh``, ``linear``, ``performer``, and the ``routing`` folder), the dense
+definition (``reference``), the executors that compute the patterns, and the registry of head kinds a model is
+built from (``registry.KINDS``; ``register_kind`` adds one; ``kinds/`` holds their base classes).
 
 Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
 from .executors import EXECUTORS, Executor, check_backend, get_executor, register_executor, resolve_backend
-from .fixed import fixed_attention
-from .full import full_attention
+from .fixed import fixed_attention, fixed_mask
+from .full import full_attention, full_mask
 from .kernels import KERNELS, kernel_attention
 from .kinds import HeadGroup, HeadKind, KeyStore
 from .linear import linear_attention
-from .local import local_attention
-from .longformer import longformer_attention
+from .local import local_attention, local_mask
+from .longformer import longformer_attention, longformer_mask
 from .lsh import lsh_attention
-from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
 from .performer import orthogonal_features, performer_attention
 from .reference import reference_attention, reference_weights
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
 from .relative import RelativePositions
 from .routing import Router, RoutingAttention, RoutingCache, SphericalKMeans, update_routing
-from .strided import strided_attention
+from .strided import strided_attention, strided_mask
 
 __all__ = [
     "EXECUTORS",

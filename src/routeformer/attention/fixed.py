@@ -1,6 +1,21 @@
-"""The Sparse Transformer's fixed pattern: attend within your block, and to the summary cells of every block."""
+"""The Sparse Transformer's fixed pattern: attend within your block, and to the summary cells of every block.
+
+This module is the mechanism's one home: its functional form, its mask (what it means, for the tests), its head kind
+and options, registered in ``registry.py``.
+
+Heads. Fixed heads (Sparse Transformer): the own block of l = block positions (A1) and the last c = summary
+positions of every block (A2).
+
+Three kinds: 'fixed' (A1 ∪ A2), 'fixed_a1' and 'fixed_a2' (one set each), as for strided heads.
+
+Decoding keeps one buffer holding a ring of the current block beside the summary cells so far; a step reads the
+block and the earlier blocks' summary cells as one slice, O((l + t·c/l)·D) (a1: O(l·D); a2: O(t·c/l·D)).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -8,6 +23,9 @@ from torch import Tensor
 from .checks import check_split_heads, positive_int
 from .executors import Backend, get_executor, lse_dtype, merge_partials, neg_inf
 from .inputs import check_inputs
+from .kinds.base import HeadGroup, HeadKind, KeyStore
+from .kinds.common import within_seq_len
+from .masks import _grid, _split
 from .relative import RelativePositions
 
 
@@ -83,3 +101,131 @@ def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_vali
         allow = (j <= i) if causal else None
     return executor.subset(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
                                  need_lse=need_lse)
+
+
+# --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
+
+
+def fixed_mask(
+    n: int,
+    block: int,
+    summary: int,
+    causal: bool = True,
+    merged: bool = True,
+    heads: int | None = None,
+    *,
+    device=None,
+) -> Tensor:
+    """Sparse Transformer fixed pattern, l = block, c = summary.
+
+    A1(i) = {j : floor(j / l) = floor(i / l)}, A2(i) = {j : j mod l >= l - c}, both intersected with j <= i when
+    causal. ``merged`` as in ``strided_mask``.
+    """
+    l, c = positive_int("block", block), positive_int("summary", summary)
+    if c > l:
+        raise ValueError(f"summary must be at most block, got summary={c} > block={l}")
+    i, j = _grid(n, device)
+    a1 = (j // l) == (i // l)
+    a2 = (j % l) >= (l - c)
+    if causal:
+        a1, a2 = a1 & (j <= i), a2 & (j <= i)
+    return _split(a1, a2, merged, heads)
+
+
+# --- the head kinds: how a model uses it ---
+
+
+@dataclass(frozen=True)
+class FixedOptions:
+    block: int  # config.block: l
+    summary: int  # config.summary: c <= l
+    part: str  # 'merged', 'a1' or 'a2'
+
+
+@dataclass
+class FixedCache:
+    """Fixed heads' decoding state: one buffer of [a ring of the current block | the summary cells in order];
+    ``block`` and ``summary`` are stores over its two parts (views; None when the part needs none)."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    block: KeyStore | None
+    summary: KeyStore | None
+
+
+class FixedHeads(HeadGroup):
+    """part: 'merged' (A1 ∪ A2), 'a1' (the own block) or 'a2' (summary cells)."""
+
+    def __init__(self, heads: int, head_dim: int, block: int, summary: int, part: str) -> None:
+        super().__init__(heads, head_dim)
+        self.block, self.summary, self.part = block, summary, part
+
+    def forward(self, q, k, v, rel_pos):
+        if self.part == "merged":
+            return fixed_attention(q, k, v, self.block, self.summary, causal=True, rel_pos=rel_pos,
+                                   backend=self.backend)
+        common = {"causal": True, "scale": self.scale, "key_valid": None, "rel_pos": rel_pos,
+                  "executor": get_executor(self.backend, q.device)}
+        if self.part == "a1":
+            return _within_block(q, k, v, self.block, **common)[0]
+        return _summaries(q, k, v, self.block, self.summary, other_blocks=False, **common)[0]
+
+    def reference_mask(self, q, k):
+        a1, a2 = fixed_mask(q.shape[2], self.block, self.summary, merged=False, heads=2, device=q.device)
+        return {"merged": a1 | a2, "a1": a1, "a2": a2}[self.part]
+
+    def new_cache(self, batch, max_len, device, dtype):
+        own = 0 if self.part == "a2" else min(self.block, max_len)
+        cells = 0 if self.part == "a1" else max(1, summary_count(max_len, self.block, self.summary))
+        joint = KeyStore.empty(batch, self.heads, own + cells, self.head_dim, ring=False, device=device, dtype=dtype)
+
+        def part(slots: slice, ring: bool) -> KeyStore:
+            return KeyStore(joint.keys[:, :, slots], joint.values[:, :, slots], joint.positions[slots], ring)
+
+        return FixedCache(joint.keys, joint.values, joint.positions, part(slice(0, own), True) if own else None,
+                          part(slice(own, None), False) if cells else None)
+
+    def keep(self, cache, k, v, positions, start):
+        if cache.block is not None:
+            cache.block.add(k, v, positions)
+        if cache.summary is not None:
+            first_cell = self.block - self.summary
+            if positions.numel() == 1:  # decided on the host: no device sync per token
+                if start % self.block >= first_cell:
+                    cache.summary.add(k, v, positions)
+            else:
+                cells = positions % self.block >= first_cell
+                cache.summary.add(k[:, :, cells], v[:, :, cells], positions[cells])
+
+    def step(self, q, cache, t, rel_pos):
+        if self.part == "a2":  # the summary cells so far, the own block's included
+            return self.attend(q, *cache.summary.filled(), t, rel_pos)
+        first = t - t % self.block  # the own block starts here
+        if self.part == "a1":
+            keys, values, positions = cache.block.filled()
+            return self.attend(q, keys, values, positions, t, rel_pos, allowed=positions >= first)
+        # merged: the block ring and the earlier blocks' summary cells (the own block's are in A1) are one slice
+        own = cache.block.capacity
+        m = own + summary_count(first, self.block, self.summary)
+        positions = cache.positions[:m]
+        allowed = positions >= first  # in the ring: the own block (empty slots hold -1)
+        allowed[own:] = True
+        return self.attend(q, cache.keys[:, :, :m], cache.values[:, :, :m], positions, t, rel_pos, allowed=allowed)
+
+
+def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
+    def options(config: Any, heads: int) -> FixedOptions:
+        return FixedOptions(within_seq_len(config, "block", name), config.summary, part)
+
+    return HeadKind(name, lambda o, heads, head_dim, seed: FixedHeads(heads, head_dim, o.block, o.summary, o.part),
+                    keys_per_query=keys, options=options, describe=lambda o: f"block={o.block}, summary={o.summary}",
+                    summary=summary)
+
+
+KINDS = (
+    _kind("fixed", "merged", lambda o, n: min(o.block, n) / 2 + n * o.summary / (2 * o.block),
+          "the own block and the summary cells of every block"),
+    _kind("fixed_a1", "a1", lambda o, n: min(o.block, n) / 2, "the own block"),
+    _kind("fixed_a2", "a2", lambda o, n: n * o.summary / (2 * o.block), "the summary cells of every block"),
+)

@@ -1,6 +1,16 @@
-"""Full (dense) attention: the O(N²) baseline every sparse pattern is measured against."""
+"""Full (dense) attention: the O(N²) baseline every sparse pattern is measured against.
+
+This module is the mechanism's one home: its functional form, its mask (what it means, for the tests), its head kind
+and options, registered in ``registry.py``.
+
+Heads. Full heads: every earlier key, the O(N²·D) baseline, under the model's kernel (``TransformerConfig.kernel``:
+softmax, or the poly2 / elu kernels of ``attention/kernels.py``).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +19,9 @@ from torch import Tensor
 from .executors import Backend, Executor, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
+from .kinds.base import HeadGroup, HeadKind
+from .kinds.common import exp_kernel
+from .masks import _grid, _per_head
 from .relative import RelativePositions
 from .tiling import Tiling
 
@@ -80,3 +93,52 @@ def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, k
         out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (their weights sum to 1)
         parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows stay at neg_inf
     return merge_partials(parts)[0]
+
+
+# --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
+
+
+def full_mask(n: int, causal: bool = True, heads: int | None = None, *, device=None) -> Tensor:
+    """Every key (j <= i when causal)."""
+    i, j = _grid(n, device)
+    return _per_head((j <= i) if causal else torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=device),
+                     heads)
+
+
+# --- the head kind: how a model uses it ---
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    kernel: str = "exp"  # config.kernel
+
+
+class FullHeads(HeadGroup):
+    """Decoding keeps every position; a step reads the filled part, O(t·D)."""
+
+    def __init__(self, heads: int, head_dim: int, kernel: str = "exp") -> None:
+        super().__init__(heads, head_dim)
+        self.kernel = kernel
+
+    def forward(self, q, k, v, rel_pos):
+        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.backend)
+
+    def reference_mask(self, q, k):
+        return full_mask(q.shape[2], device=q.device)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, kernel={self.kernel}"
+
+
+def kernel_options(config: Any, heads: int) -> KernelOptions:
+    return KernelOptions(config.kernel)
+
+
+def describe_kernel(options: KernelOptions) -> str:
+    return "-" if options.kernel == "exp" else f"kernel={options.kernel}"
+
+
+KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o.kernel),
+                keys_per_query=lambda options, n: (n + 1) / 2, options=kernel_options, reads_kernel=True,
+                relative_positions=exp_kernel, executor=exp_kernel, describe=describe_kernel,
+                summary="every earlier key")

@@ -1,6 +1,15 @@
-"""Local (sliding-window) attention, computed in blocks of ``window``."""
+"""Local (sliding-window) attention, computed in blocks of ``window``.
+
+This module is the mechanism's one home: its functional form, its mask (what it means, for the tests), its head kind
+and options, registered in ``registry.py``.
+
+Heads. Local heads: the last `window` positions, under the model's kernel (``TransformerConfig.kernel``).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -8,6 +17,9 @@ from .checks import positive_int
 from .executors import Backend, get_executor
 from .inputs import check_inputs
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
+from .kinds.base import HeadGroup, HeadKind
+from .kinds.common import exp_kernel, within_seq_len
+from .masks import _grid, _per_head
 from .relative import RelativePositions
 
 
@@ -44,3 +56,55 @@ def local_attention(
     out, _ = get_executor(backend, q.device).band(q, k, v, window=window, causal=causal, scale=scale,
                                                   key_valid=key_valid, rel_pos=rel_pos)
     return out
+
+
+# --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
+
+
+def local_mask(n: int, window: int, causal: bool = True, heads: int | None = None, *, device=None) -> Tensor:
+    """Causal: i - window < j <= i. Non-causal: |i - j| < window."""
+    window = positive_int("window", window)
+    i, j = _grid(n, device)
+    mask = ((j <= i) & (j > i - window)) if causal else ((i - j).abs() < window)
+    return _per_head(mask, heads)
+
+
+# --- the head kind: how a model uses it ---
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    window: int  # config.window: keys per query
+    kernel: str = "exp"  # config.kernel
+
+
+class LocalHeads(HeadGroup):
+    """Decoding keeps a ring buffer of exactly the window, O(window·D)."""
+
+    def __init__(self, heads: int, head_dim: int, window: int, kernel: str = "exp") -> None:
+        super().__init__(heads, head_dim)
+        self.window, self.kernel = window, kernel
+
+    def forward(self, q, k, v, rel_pos):
+        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,
+                               backend=self.backend)
+
+    def reference_mask(self, q, k):
+        return local_mask(q.shape[2], self.window, device=q.device)
+
+    def store_size(self, max_len):
+        return min(self.window, max_len), True  # the ring holds exactly the window
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, window={self.window}, kernel={self.kernel}"
+
+
+def _options(config: Any, heads: int) -> LocalOptions:
+    return LocalOptions(within_seq_len(config, "window", "local"), config.kernel)
+
+
+KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o.window, o.kernel),
+                keys_per_query=lambda o, n: min(o.window, n), options=_options, reads_kernel=True,
+                relative_positions=exp_kernel, executor=exp_kernel,
+                describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
+                summary="the last `window` positions")

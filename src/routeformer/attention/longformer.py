@@ -1,8 +1,20 @@
-"""Longformer attention: a dilated sliding window plus symmetric global tokens (Beltagy et al. 2020)."""
+"""Longformer attention: a dilated sliding window plus symmetric global tokens (Beltagy et al. 2020).
+
+This module is the mechanism's one home: its functional form, its mask (what it means, for the tests), its head kind
+and options, registered in ``registry.py``.
+
+Heads. Longformer heads: a dilated sliding window (one dilation per head) plus global positions.
+
+Decoding keeps a ring buffer of the (window - 1) · max(dilation) + 1 last keys, or every key when global tokens are
+configured; a step gathers each head's `window` dilated positions and the global positions, O((window + G)·D) (a
+global query attends to every earlier position, O(t·D)).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -11,6 +23,9 @@ from .checks import check_per_head, check_positions, positive_int
 from .executors import Backend, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
+from .kinds.base import HeadGroup, HeadKind
+from .kinds.common import within_seq_len
+from .masks import _grid
 from .relative import RelativePositions
 from .tiling import Distances, Tiling
 
@@ -96,3 +111,123 @@ def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos,
         key_valid=key_valid, rel_pos=rel_pos, distances=None if rel_pos is None else Distances(delta=rows_delta),
     )
     return out.index_copy(2, g, rows)
+
+
+# --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
+
+
+def longformer_mask(
+    n: int,
+    window: int,
+    dilation: int | Sequence[int] | Tensor = 1,
+    global_tokens: Sequence[int] | Tensor | None = None,
+    causal: bool = False,
+    heads: int | None = None,
+    *,
+    device=None,
+) -> Tensor:
+    """Longformer: dilated sliding window plus symmetric global tokens.
+
+    Query i sees j = i + m · dilation for |m| < window (m <= 0 when causal); a global position g sees every j
+    (j <= g when causal) and is seen by every i (i >= g when causal). With one dilation per head the mask is
+    (H, N, N).
+    """
+    window = positive_int("window", window)
+    per_head = isinstance(dilation, (list, tuple, Tensor)) or heads is not None
+    if per_head:
+        n_heads = heads if heads is not None else len(dilation)  # type: ignore[arg-type]
+        dilations = check_per_head("dilation", dilation, positive_int("heads", n_heads))
+    else:
+        dilations = [positive_int("dilation", dilation)]
+    globals_ = check_positions("global_tokens", global_tokens, positive_int("n", n))
+    i, j = _grid(n, device)
+    is_global = torch.zeros(n, dtype=torch.bool, device=device)
+    is_global[globals_] = True
+    diff = j - i
+    glob = is_global[:, None] | is_global[None, :]
+    if causal:
+        glob = glob & (j <= i)
+    masks = []
+    for d in dilations:
+        m = torch.div(diff, d, rounding_mode="floor")
+        band = (diff % d == 0) & ((m <= 0) & (m > -window) if causal else (m.abs() < window))
+        masks.append(band | glob)
+    return torch.stack(masks) if per_head else masks[0]
+
+
+# --- the head kind: how a model uses it ---
+
+
+@dataclass(frozen=True)
+class LongformerOptions:
+    window: int  # config.window
+    dilation: tuple[int, ...]  # config.dilation: one per head of the group
+    global_tokens: tuple[int, ...]  # config.global_tokens
+
+
+class LongformerHeads(HeadGroup):
+    def __init__(self, heads: int, head_dim: int, window: int, dilation: list[int], global_tokens: list[int]) -> None:
+        super().__init__(heads, head_dim)
+        self.window, self.dilation, self.global_tokens = window, list(dilation), sorted(global_tokens)
+        self._is_global = set(self.global_tokens)
+        d = torch.tensor(self.dilation, dtype=torch.long)[:, None]  # (h, 1): one dilation per head
+        # Decoding index tensors, built once (they follow the module's device; not saved).
+        self.register_buffer("_dilation", d, persistent=False)
+        self.register_buffer("_offsets", torch.arange(window) * d, persistent=False)  # (h, window): t - offset
+        self.register_buffer("_globals", torch.tensor(self.global_tokens, dtype=torch.long), persistent=False)
+
+    def _present(self, n: int) -> list[int]:
+        return [g for g in self.global_tokens if g < n]  # a shorter sequence holds fewer of them
+
+    def forward(self, q, k, v, rel_pos):
+        present = self._present(q.shape[2])
+        return longformer_attention(q, k, v, self.window, self.dilation, present or None, causal=True,
+                                    rel_pos=rel_pos, backend=self.backend)
+
+    def reference_mask(self, q, k):
+        return longformer_mask(q.shape[2], self.window, self.dilation, self._present(q.shape[2]), causal=True,
+                               device=q.device)
+
+    def store_size(self, max_len):
+        if self.global_tokens:  # a global position attends to everything before it
+            return max_len, False
+        return min((self.window - 1) * max(self.dilation) + 1, max_len), True
+
+    def step(self, q, cache, t, rel_pos):
+        if t in self._is_global:  # a global query sees every earlier position
+            return super().step(q, cache, t, rel_pos)
+        positions = t - self._offsets  # (h, window): t, t - d, …, t - (window - 1)·d of each head
+        allowed = positions >= 0
+        positions = positions.clamp_min(0)
+        if self.global_tokens:  # and every earlier global position not already in the head's band
+            gap = t - self._globals  # (G,)
+            in_band = (gap % self._dilation == 0) & (gap // self._dilation < self.window)  # (h, G)
+            positions = torch.cat([positions, self._globals.clamp_max(t).expand(len(self.dilation), -1)], 1)
+            allowed = torch.cat([allowed, (gap >= 0) & ~in_band], 1)
+        slots = positions % cache.capacity if cache.ring else positions  # a ring holds the whole band
+        B, _, _, D = cache.keys.shape
+        index = slots[None, :, :, None].expand(B, -1, -1, D)
+        return self.attend(q, cache.keys.gather(2, index), cache.values.gather(2, index),
+                           positions[None].expand(B, -1, -1), t, rel_pos, allowed=allowed)
+
+
+def _options(config: Any, heads: int) -> LongformerOptions:
+    window = within_seq_len(config, "window", "longformer")
+    if isinstance(config.dilation, (list, tuple)):
+        if len(config.dilation) != heads:
+            raise ValueError(f"dilation gives {len(config.dilation)} values but there are {heads} longformer heads")
+        dilation = tuple(config.dilation)
+    else:
+        dilation = (config.dilation,) * heads
+    return LongformerOptions(window, dilation, tuple(config.global_tokens))
+
+
+KIND = HeadKind(
+    "longformer",
+    lambda o, heads, head_dim, seed: LongformerHeads(heads, head_dim, o.window, list(o.dilation),
+                                                     list(o.global_tokens)),
+    keys_per_query=lambda o, n: min(o.window, n) + len(o.global_tokens),
+    options=_options,
+    describe=lambda o: f"window={o.window}, dilation={list(o.dilation)}, global={list(o.global_tokens)}",
+    summary="a dilated window plus global positions",
+)

@@ -1,8 +1,9 @@
 """The one registry of attention: head kinds for models (``KINDS``) and the functional fixed patterns (``PATTERNS``).
 
 ``KINDS`` maps each name ``TransformerConfig.attention`` accepts to its ``HeadKind`` (how to build the heads, their
-options, cost, decoding cache and hooks: see ``kinds/base.py``). The built-in kinds register themselves from
-``kinds/``; ``register_kind`` adds a user's own. Nothing outside ``attention/`` switches on a kind's name.
+options, cost, decoding cache and hooks: see ``kinds/base.py``). The built-in kinds come from their mechanisms'
+modules (``full.py``, ``local.py``, ``routing/kind.py``, …), one entry each below; ``register_kind`` adds a user's
+own. Nothing outside ``attention/`` switches on a kind's name.
 
 ``PATTERNS`` pairs each fixed pattern's fast function with its mask builder: the tests hold the first to
 ``reference_attention`` under the second, and the attention benchmark reports every name here.
@@ -13,22 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .fixed import fixed_attention
-from .full import full_attention
-from .kinds import fixed as fixed_kinds
-from .kinds import full as full_kind
-from .kinds import linear as linear_kind
-from .kinds import local as local_kind
-from .kinds import longformer as longformer_kind
-from .kinds import lsh as lsh_kind
-from .kinds import performer as performer_kind
-from .kinds import routing as routing_kind
-from .kinds import strided as strided_kinds
+from . import fixed, full, linear, local, longformer, lsh, performer, strided
 from .kinds.base import HeadKind
-from .local import local_attention
-from .longformer import longformer_attention
-from .masks import fixed_mask, full_mask, local_mask, longformer_mask, strided_mask
-from .strided import strided_attention
+from .routing import kind as routing
 
 KINDS: dict[str, HeadKind] = {}
 
@@ -61,10 +49,10 @@ def get_kind(name: str) -> HeadKind:
         raise ValueError(f"unknown mechanism {name!r}; allowed: {', '.join(KINDS)}") from None
 
 
-# The built-in kinds, in the order error messages list them. A new built-in kind is one file in kinds/ and one
-# entry here.
-for _kind in (full_kind.KIND, local_kind.KIND, routing_kind.KIND, *strided_kinds.KINDS, *fixed_kinds.KINDS,
-              longformer_kind.KIND, lsh_kind.KIND, linear_kind.KIND, performer_kind.KIND):
+# The built-in kinds, in the order error messages list them. A new built-in mechanism is one module (its function,
+# mask, head kind and options) and one entry here.
+for _kind in (full.KIND, local.KIND, routing.KIND, *strided.KINDS, *fixed.KINDS, longformer.KIND, lsh.KIND,
+              linear.KIND, performer.KIND):
     register_kind(_kind)
 
 
@@ -95,11 +83,11 @@ class Pattern:
 PATTERNS: dict[str, Pattern] = {
     p.name: p
     for p in [
-        Pattern("full", full_attention, full_mask),
-        Pattern("local", local_attention, local_mask),
-        Pattern("strided", strided_attention, strided_mask),
-        Pattern("fixed", fixed_attention, fixed_mask),
-        Pattern("longformer", longformer_attention, longformer_mask),
+        Pattern("full", full.full_attention, full.full_mask),
+        Pattern("local", local.local_attention, local.local_mask),
+        Pattern("strided", strided.strided_attention, strided.strided_mask),
+        Pattern("fixed", fixed.fixed_attention, fixed.fixed_mask),
+        Pattern("longformer", longformer.longformer_attention, longformer.longformer_mask),
     ]
 }
 

@@ -10,6 +10,8 @@
 - ``probes.py``: several clusters per query (and separate routing): the last `window` keys of each, one softmax.
 - ``balanced.py``: the paper's balanced clusters for encoders.
 - ``cache.py``: per-cluster ring buffers for incremental decoding.
+- ``kind.py``: the routing head kind (``RoutingHeads`` around a ``RoutingAttention``, its options, its registry
+  entry).
 """
 
 from .cache import RoutingCache

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ..executors import Backend, Executor, executor_for
+from ..kinds.base import HeadGroup, HeadKind, Warmup
+from ..kinds.common import within_seq_len
 from ..reference import reference_attention
-from ..routing import RoutingAttention
-from ..routing.probes import probe_masks
-from .base import HeadGroup, HeadKind, Warmup
-from .common import within_seq_len
+from .layer import RoutingAttention
+from .probes import probe_masks
 
 
 @dataclass(frozen=True)
