@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from routeformer.attention import KINDS
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
@@ -20,7 +22,12 @@ def test_the_readme_has_examples() -> None:
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_python_example_runs(index: int, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # examples may write files (save_pretrained)
-    exec(compile(EXAMPLES[index], f"{README}:example {index + 1}", "exec"), {})
+    saved = dict(KINDS)
+    try:
+        exec(compile(EXAMPLES[index], f"{README}:example {index + 1}", "exec"), {})
+    finally:  # a kind an example registers must not reach the other tests of this process
+        KINDS.clear()
+        KINDS.update(saved)
 
 
 def _code_blocks(text: str) -> list[list[str]]:

