@@ -172,3 +172,22 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
                    restrict=KeyRestrictions(groups=torch.zeros(1, 2, 16, dtype=torch.long), exclude_self=True))
     out, _ = plain.band(q, k, v, window=3, causal=True, scale=1.0)  # what it supports runs
     assert torch.equal(out, local_attention(q, k, v, 3, scale=1.0))
+
+
+def test_a_row_left_empty_by_the_range_of_the_last_block_is_zero_with_lse_neg_inf() -> None:
+    """Blocks without neighbours under a static mask: a row of the last, partial block whose only allowed column is
+    beyond the keys sees nothing (the host-read shortcut must see that too)."""
+    from routeformer.attention import reference_attention
+    from routeformer.attention.executors import neg_inf
+
+    q, k, v = rand_qkv(1, 2, 7, 4, grad=False)
+    allow = torch.ones(4, 4, dtype=torch.bool)
+    allow[2] = False
+    allow[2, 3] = True  # row 2 sees column 3 only: key 4·b + 3, beyond the keys in the last block (keys 4..6)
+    out, lse = get_executor("tiles").tiled(q, k, v, Tiling(block=4, allow=allow), scale=0.5, need_lse=True)
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    dense = (i // 4 == j // 4) & allow[i % 4, j % 4]
+    assert not dense[6].any() and dense[2].any()
+    ref = reference_attention(q, k, v, dense, scale=0.5)
+    assert torch.equal(out[:, :, 6], torch.zeros_like(out[:, :, 6])) and (lse[:, :, 6] == neg_inf(lse.dtype)).all()
+    assert (out - ref).abs().max() < 1e-12
