@@ -110,7 +110,7 @@ def _dense_reference(q, k, v, tiling: Tiling, bias, scale):
 
 @pytest.mark.parametrize("backend", ["tiles", "flex"])
 def test_an_additive_bias_matches_the_dense_definition(backend: str) -> None:
-    """The per-pair term (LSH's -log count) on a banded tiling, forward and gradients, in float64."""
+    """The additive per-pair term (e.g. -log count) on a banded tiling, forward and gradients, in float64."""
     q, k, v = rand_qkv(2, 3, 37, 8)
     allow = torch.rand(8, 16, generator=torch.Generator().manual_seed(3)) < 0.7
     own = torch.eye(8, 16, dtype=torch.bool).roll(8, 1)  # span column r + back·block: no row without a key

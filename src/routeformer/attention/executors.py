@@ -82,7 +82,7 @@ class Executor:
             rel_pos: optional relative position tables; then ``distances`` (``tiling.Distances``) says how far
                 apart each pair is: by index (unit), explicit per tile entry (delta) or between given positions.
             bias: optional additive score term, broadcastable to (B, H, n_blocks, T, S), without a gradient
-                (LSH's -log(count) for keys several rounds reach).
+                (e.g. -log(count) for keys that several hash rounds reach, so that each counts once).
             need_lse: also return the log-sum-exp of each row's scores, for ``merge_partials``.
 
         Returns:

@@ -150,25 +150,31 @@ class Tiling:
     def span(self) -> int:
         return (self.back + 1 + self.ahead) * self.block
 
+    def _base(self, nq: int) -> int:
+        """Span column of a row's own index, less the row: back · block (0 in a single tile)."""
+        return 0 if self.single(nq) else self.back * self.block
+
+    def index_offsets(self, nq: int, nk: int, device: torch.device | str | None = None) -> Tensor:
+        """(T, S): key index - query index of every tile entry (the same in every tile)."""
+        _, T, S = self.shape(nq, nk)
+        return index_offsets(T, S, self._base(nq), device)
+
     def static_mask(self, nq: int, nk: int, device: torch.device) -> Tensor | None:
         """The (T, S) mask every tile shares: ``allow``, or the ``offsets`` rule, or None (the whole span)."""
         if self.offsets is None:
             return self.allow
-        lo, hi = self.offsets
-        _, T, S = self.shape(nq, nk)
-        delta = torch.arange(S, device=device)[None, :] - (0 if self.single(nq) else self.back * self.block) \
-            - torch.arange(T, device=device)[:, None]
-        return (delta >= lo) & (delta <= hi)
+        delta = self.index_offsets(nq, nk, device)
+        return (delta >= self.offsets[0]) & (delta <= self.offsets[1])
 
-    def strip(self, nq: int) -> tuple[int, int] | None:
+    def strip(self, nq: int, nk: int) -> tuple[int, int] | None:
         """(offset, width) when every key a row r may see lies in span columns [r + offset, r + offset + width)
         inside the span (``offsets`` tilings that fit): relative terms can then be computed on that strip alone."""
         if self.offsets is None or self.rows is not None:
             return None
         lo, hi = self.offsets
-        T = min(self.block, nq) if self.single(nq) else self.block
-        base = 0 if self.single(nq) else self.back * self.block
-        if base + lo < 0 or T - 1 + base + hi > (self.span if not self.single(nq) else nq) - 1:
+        _, T, S = self.shape(nq, nk)
+        base = self._base(nq)
+        if base + lo < 0 or T - 1 + base + hi > S - 1:
             return None
         return base + lo, hi - lo + 1
 
@@ -224,11 +230,15 @@ class Tiling:
             raise ValueError("distances by positions need self-attention (as many keys as queries)")
 
 
+def index_offsets(rows: int, span: int, base: int, device: torch.device | str | None = None) -> Tensor:
+    """(rows, span) long: key index - query index of tile entry (r, s), s - base - r, for tiles whose row r sees its
+    own index at span column r + base."""
+    return torch.arange(span, device=device)[None, :] - base - torch.arange(rows, device=device)[:, None]
+
+
 def shift_invariant_mask(block: int, back: int, ahead: int, rule, *, device: torch.device | None = None) -> Tensor:
     """Tile mask (block, S) on ``device`` from ``rule(delta)`` with delta = key index - query index (a LongTensor)."""
-    span = (back + 1 + ahead) * block
-    delta = torch.arange(span, device=device)[None, :] - back * block - torch.arange(block, device=device)[:, None]
-    return rule(delta)
+    return rule(index_offsets(block, (back + 1 + ahead) * block, back * block, device))
 
 
-__all__ = ["INDEX", "Distances", "KeyRestrictions", "Tiling", "shift_invariant_mask"]
+__all__ = ["INDEX", "Distances", "KeyRestrictions", "Tiling", "index_offsets", "shift_invariant_mask"]

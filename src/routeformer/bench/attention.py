@@ -204,7 +204,7 @@ def _reformer_peer(n: int, causal: bool, lsh_window: int) -> list[Candidate]:
     window. It sorts by (bucket, position) and cuts the sorted sequence into chunks of ``bucket_size``, each seeing
     itself and the chunk before (up to 2 · bucket_size keys per round); it draws its rotations in every call
     (``torch.randn``, per (batch · head) here), which is timed with it. ``allow_duplicate_attention=False``: a key
-    found by both rounds is counted once, as in ours (their -log(count) correction)."""
+    found by both rounds is counted once (their -log(count) correction; ours leaves it to its first round)."""
     try:
         from reformer_pytorch.reformer_pytorch import LSHAttention
     except ImportError:

@@ -86,14 +86,14 @@ def _offsets(lo: int, hi: int, unit: int, rel_pos: RelativePositions | None, by_
     return ("offsets", max(lo, -m), min(hi, m), False)
 
 
-def _tile_offsets(allow: Tensor | None, T: int, S: int, back: int) -> tuple[int, int]:
-    """Smallest and largest key index - query index of the tile entries ``allow`` (T, S) permits (all without it);
-    (0, -1) when it permits none. One host read of two numbers when ``allow`` is given."""
-    d = torch.arange(S)[None, :] - back * T - torch.arange(T)[:, None]  # (T, S), on the host
+def _tile_offsets(allow: Tensor | None, d: Tensor) -> tuple[int, int]:
+    """Smallest and largest of the offsets ``d`` (T, S) (key index - query index, on the host) of the tile entries
+    ``allow`` (T, S) permits (all without it); (0, -1) when it permits none. One host read of two numbers when
+    ``allow`` is given."""
     if allow is None:
         return int(d.min()), int(d.max())
     d = d.to(allow.device)
-    big = T + S
+    big = d.shape[0] + d.shape[1]  # beyond every offset
     lo, hi = torch.stack([torch.where(allow, d, big).min(), torch.where(allow, d, -big).max()]).tolist()
     return (0, -1) if lo > hi else (lo, hi)
 
@@ -150,7 +150,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float, key_
         delta = index_delta(distances.unit)
     one_sided = False
     if rel_pos is not None and rel_delta is None and Nq == Nk:  # offsets of the keys a tile may hold
-        lo, hi = offsets if offsets is not None else _tile_offsets(allow, T, S, 0 if single else tiling.back)
+        lo, hi = offsets if offsets is not None else _tile_offsets(allow, tiling.index_offsets(Nq, Nk))
         frame = _offsets(lo, hi, distances.unit if by_index else 1, rel_pos, by_index)
         one_sided = hi <= 0
     extra = None

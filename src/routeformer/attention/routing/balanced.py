@@ -111,12 +111,11 @@ def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_p
     if exclude_self:
         first = first & ~torch.eye(w, dtype=torch.bool, device=q.device)
     kv = None if valid is None else valid.gather(-1, flat).view(B, H * kc, w)
-    delta = None
+    distances = None
     if rel_pos is not None:
-        delta = Distances(delta=(members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w))
+        distances = Distances(delta=(members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w))
     o, lse = executor.tiled(tiles(q), tiles(k), tiles(v), Tiling.dense(w, tile_mask=first.view(B, H * kc, 1, w, w)),
-                            scale=scale, key_valid=kv, rel_pos=rel_pos, distances=delta,
-                                  need_lse=True)
+                            scale=scale, key_valid=kv, rel_pos=rel_pos, distances=distances, need_lse=True)
     return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
 
 
@@ -179,10 +178,11 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     kt = k.gather(2, flat_keys).view(B, H * total, w, D)
     vt = v.gather(2, flat_keys).view(B, H * total, w, D)
     kv = None if valid is None else valid.gather(-1, keys.reshape(B, H, total * w)).view(B, H * total, w)
-    delta = None
+    distances = None
     if rel_pos is not None:
-        delta = Distances(delta=(keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w))
-    o, _ = executor.tiled(qt, kt, vt, Tiling.dense(w), scale=scale, key_valid=kv, rel_pos=rel_pos, distances=delta)
+        distances = Distances(delta=(keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w))
+    o, _ = executor.tiled(qt, kt, vt, Tiling.dense(w), scale=scale, key_valid=kv, rel_pos=rel_pos,
+                          distances=distances)
     dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
     dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))
     return dest[:, :, :N]

@@ -116,11 +116,11 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor
         own = eye & (union & ~eye).any(-1, keepdim=True)
         union = union & ~own
     idx = torch.arange(N, device=q.device)
-    delta = None if rel_pos is None else Distances(delta=idx[None, :] - idx[:, None])
+    distances = None if rel_pos is None else Distances(delta=idx[None, :] - idx[:, None])
 
     def attend(allow: Tensor) -> Tensor:
         out, _ = executor.tiled(q, k, v, Tiling.dense(N, tile_mask=allow[:, :, None]), scale=scale,
-                                key_valid=key_valid, rel_pos=rel_pos, distances=delta)
+                                key_valid=key_valid, rel_pos=rel_pos, distances=distances)
         return out
 
     if gates is None:

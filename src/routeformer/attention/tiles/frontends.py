@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..relative import RelativePositions
 from ..tiling import Distances, KeyRestrictions, Tiling, shift_invariant_mask
-from .layout import _key_source, _pad_seq, _span, _windows
+from .layout import _key_source, _pad_seq, _windows
 from .op import _tile_attention, lse_dtype, neg_inf
 from .relative import _RelTerms
 
@@ -68,8 +68,12 @@ def tiled_attention(
         k, v = (_key_source(x, n_blocks, block, back, ahead) for x in (k, v))
 
     def key_spans(x: Tensor) -> Tensor:
-        """Per-key values (B, H', nb·T) (already padded to whole blocks) -> (B, H', nb, 1, S): each block's span."""
-        return x[:, :, None, None, :] if single else _span(x, n_blocks, block, back, ahead)[:, :, :, None, :]
+        """Per-key values (B, H', Nk) -> (B, H', nb, 1, S): each block's span (False / 0 beyond the keys)."""
+        return x[:, :, None, None, :] if single else tiling.key_spans(x)
+
+    def query_rows(x: Tensor) -> Tensor:
+        """Per-query values (B, H', Nq) of a self-attention -> (B, H', nb, T, 1)."""
+        return x[:, :, None, :, None] if single else tiling.query_rows(x)
 
     # One boolean mask (broadcastable to (B, H, nb, T, S)) from the tile masks, out-of-range keys and padding.
     static = tiling.static_mask(Nq, Nk, q.device)
@@ -77,12 +81,11 @@ def tiled_attention(
     if tiling.tile_mask is not None:
         mask = _and(mask, tiling.tile_mask)
     if not single and rows is None and (back or ahead or padded):  # span columns that are keys: [0, Nk)
-        mask = _and(mask, key_spans(_pad_seq(q.new_ones(1, 1, Nk, dtype=torch.bool), padded)))
+        mask = _and(mask, key_spans(q.new_ones(1, 1, Nk, dtype=torch.bool)))
     if key_valid is not None:
-        mask = _and(mask, key_spans(_pad_seq(key_valid, padded)))
+        mask = _and(mask, key_spans(key_valid))
     if groups is not None:
-        groups = _pad_seq(groups, padded)
-        mask = _and(mask, groups.view(B, H, n_blocks, block, 1) == key_spans(groups))
+        mask = _and(mask, query_rows(groups) == key_spans(groups))
     if exclude_self:
         if mask is None:
             mask = torch.ones(1, 1, 1, block, span, dtype=torch.bool, device=q.device)
@@ -93,7 +96,7 @@ def tiled_attention(
         mask = mask & ~(own & others[..., None])
 
     rel, key_table, value_table, offset = None, None, None, 0
-    strip = None if distances is None or distances.unit is None else tiling.strip(Nq)
+    strip = None if distances is None or distances.unit is None else tiling.strip(Nq, Nk)
     if rel_pos is not None and strip is not None:  # strip column t: span column r + offset + t
         offset, width = strip
         delta = (torch.arange(width, device=q.device) + offset - back * block) * distances.unit
@@ -101,8 +104,7 @@ def tiled_attention(
     elif rel_pos is not None:
         rel_delta = distances.delta
         if distances.positions is not None:
-            positions = _pad_seq(distances.positions, padded)
-            rel_delta = key_spans(positions) - positions.view(B, H, n_blocks, block, 1)  # (B, H, nb, T, S)
+            rel_delta = key_spans(distances.positions) - query_rows(distances.positions)  # (B, H, nb, T, S)
         rel = _RelTerms(rel_pos, qt, T, span, back, distances.unit, rel_delta)
     if rel is None:
         out, lse, _ = _tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse,

@@ -3,14 +3,14 @@
 Query block b of ``block`` = T rows sees key blocks b - back … b + ahead, a span of S = (back + 1 + ahead) · T keys.
 ``_key_source`` lays every head's keys out as one run of rows (padded to whole blocks, with back·T rows before and
 ahead·T after), so that span s of global block g is row g·T + s: one stride for all tiles, and ``_windows`` gives
-the (X, S, D) spans as an overlapping view (no copy; ``_fold`` is its gradient). ``_span`` does the same for
-per-key values (validity, groups, positions) to build the (…, nb, T, S) masks. Copies are O(N · D) at most.
+the (X, S, D) spans as an overlapping view (no copy; ``_fold`` is its gradient); ``tiling.Tiling.key_spans`` does
+the same for per-key values (validity, groups, positions) to build the (…, nb, T, S) masks. Copies are O(N · D) at
+most.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -82,11 +82,3 @@ def _pad_seq(x: Tensor, extra: int) -> Tensor:
         return x
     pad = x.new_zeros(*x.shape[:2], extra, *x.shape[3:])
     return torch.cat([x, pad], dim=2)
-
-
-def _span(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
-    """(B, H, nb·T) -> (B, H, nb, S): for each block, blocks b-back … b+ahead (zeros beyond the ends), a view of
-    x padded with back·T zeros before and ahead·T after."""
-    if back == 0 and ahead == 0:
-        return x.view(*x.shape[:2], n_blocks, block)
-    return F.pad(x, (back * block, ahead * block)).unfold(2, (back + 1 + ahead) * block, block)
