@@ -16,7 +16,7 @@ trains.
   summary keys score highest (q · mean key), NSA's selection over k-means clusters; the compressed branch trains
   those scores, and the keys are still routed by k-means.
 - ``full_cur``, the baseline for a warm-up at a shorter length: full attention trained on the same curriculum
-  (the first ``routing_warmup`` steps on sequences of ``routing_warmup_len``, through the same ``Warmup`` hook), so
+  (the first ``options.routing.warmup`` steps on sequences of ``warmup_len``, through the same ``Warmup`` hook), so
   that routing's short warm-up is compared with full attention given the same short sequences first.
 - ``routing_ad``, attention-distilled routing: during the dense warm-up each query's routing scores are trained to
   predict where its dense attention goes, a cross-entropy between softmax(τ · (cos(r_q, μ) + b)) over the clusters
@@ -27,8 +27,7 @@ trains.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -157,41 +156,33 @@ def _leak_check() -> None:
 register_kind(HeadKind(
     "routing_cb", lambda o, heads, head_dim, seed: CompressedRouting(heads, head_dim, o, seed),
     keys_per_query=lambda o, n: ROUTING.keys_per_query(o, n) + o.num_clusters,  # + one summary per cluster
-    warmup=ROUTING.warmup, options=ROUTING.options, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    warmup=ROUTING.warmup, option_type=ROUTING.option_type, section="routing", complete=ROUTING.complete,
+    shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads that also attend to the causal mean key and value of every cluster"), replace=True)
 
 register_kind(HeadKind(
     "routing_sel", lambda o, heads, head_dim, seed: SelectedRouting(heads, head_dim, o, seed),
     keys_per_query=lambda o, n: ROUTING.keys_per_query(o, n) + o.num_clusters,  # + one summary per cluster
-    warmup=ROUTING.warmup, options=ROUTING.options, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    warmup=ROUTING.warmup, option_type=ROUTING.option_type, section="routing", complete=ROUTING.complete,
+    shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads that probe the clusters whose mean key scores highest, with the compressed branch"),
     replace=True)
 
 register_kind(HeadKind(
     "routing_ad", lambda o, heads, head_dim, seed: DistilledRouting(heads, head_dim, o, seed),
-    keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, options=ROUTING.options,
-    shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, option_type=ROUTING.option_type,
+    section="routing", complete=ROUTING.complete, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads whose query routing learns from the dense attention during the warm-up"), replace=True)
 
-@dataclass(frozen=True)
-class Curriculum:
-    full: Any  # the full kind's options
-    steps: int  # config.routing_warmup
-    length: int | None  # config.routing_warmup_len
-
-
-def _curriculum(config: Any, heads: int) -> Curriculum:
-    if config.routing_warmup_len is not None and config.seq_len % config.routing_warmup_len:
-        raise ValueError(f"routing_warmup_len ({config.routing_warmup_len}) must divide seq_len ({config.seq_len})")
-    return Curriculum(FULL.options(config, heads), config.routing_warmup, config.routing_warmup_len)
-
-
+# full_cur reads the routing section (options.routing.warmup and warmup_len), so that a row sets its curriculum with
+# the same words as a routing row's warm-up.
 register_kind(HeadKind(
-    "full_cur", lambda o, heads, head_dim, seed: FULL.build(o.full, heads, head_dim, seed),
-    keys_per_query=lambda o, n: FULL.keys_per_query(o.full, n),
-    warmup=lambda o: Warmup(o.steps, lambda n: (n + 1) / 2, o.length), options=_curriculum, reads_kernel=True,
-    describe=lambda o: f"curriculum: {o.steps} steps at length {o.length}",
-    summary="full attention trained first on shorter sequences (routing_warmup steps at routing_warmup_len)"),
+    "full_cur", lambda o, heads, head_dim, seed: FULL.build(FULL.option_type(), heads, head_dim, seed),
+    keys_per_query=lambda o, n: FULL.keys_per_query(FULL.option_type(), n),
+    warmup=lambda o: Warmup(o.warmup, lambda n: (n + 1) / 2, o.warmup_len), option_type=ROUTING.option_type,
+    section="routing", complete=ROUTING.complete,
+    describe=lambda o: f"curriculum: {o.warmup} steps at length {o.warmup_len}",
+    summary="full attention trained first on shorter sequences (options.routing.warmup steps at warmup_len)"),
     replace=True)
 
 if __name__ == "__main__":

@@ -260,16 +260,29 @@ def test_performer_heads_redraw_deterministically_on_schedule_and_reload() -> No
 
 @pytest.mark.parametrize("kw, message", [
     ({"attention": "full", "kernel": "cos"}, "kernel must be one of 'exp', 'poly2', 'elu', got 'cos'"),
-    ({"attention": "local:1,routing:1", "kernel": "elu"}, "kernel='elu' applies to full, local, linear heads; rout"),
     ({"attention": "full", "kernel": "elu", "positions": "relative"}, "full heads do not support relative"),
-    ({"attention": "linear"}, "kernel='exp': linear heads need kernel='elu' or 'poly2'"),
-    ({"attention": "performer", "features": 0}, "features must be a positive integer"),
-    ({"attention": "performer", "redraw_every": -1}, "redraw_every must be a non-negative integer"),
+    ({"attention": "linear", "options": {"linear": {"kernel": "exp"}}},
+     "options.linear: kernel='exp': linear heads need kernel='elu' or 'poly2'"),
+    ({"attention": "linear", "options": {"linear": {"features": 3}}},
+     "options.linear: features .3. follows from the kernel and head_dim"),
+    ({"attention": "performer", "features": 0}, "options.performer: features must be a positive integer"),
+    ({"attention": "performer", "redraw_every": -1}, "options.performer: redraw_every must be a non-negative integer"),
 ])
 def test_config_errors_name_the_field(kw, message) -> None:
     kw = {"positions": "absolute", **kw}
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         TransformerConfig(vocab_size=32, dim=16, heads=2, depth=1, seq_len=24, window=8, **kw)
+
+
+def test_the_kernel_is_each_kinds_own_option() -> None:
+    # a kernel for the local heads leaves the routing heads beside them as they are (it once had to be 'exp' for
+    # every kind in the model: one field for all); linear heads default to elu
+    c = TransformerConfig(vocab_size=32, dim=16, heads=2, depth=1, seq_len=24, attention="local:1,routing:1",
+                          positions="absolute", options={"local": {"kernel": "elu", "window": 8}})
+    assert c.options["local"].kernel == "elu" and c.describe_heads().startswith("local: window=8, kernel=elu")
+    model = TransformerLM(c)
+    assert [g.kernel for g in model.head_groups()[:1]] == ["elu"]
+    assert TransformerConfig(attention="linear", positions="none").options["linear"].kernel == "elu"
 
 
 def test_function_errors_are_one_line() -> None:

@@ -59,7 +59,7 @@ class BandOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.width, int) or self.width < 1:
-            raise ValueError(f"options['band'].width must be a positive integer, got {self.width!r}")
+            raise ValueError(f"width must be a positive integer, got {self.width!r}")
 
 
 class BandHeads(HeadGroup):
@@ -121,15 +121,16 @@ def test_the_generic_checks_catch_a_broken_kind(fault: str, check: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"options": {"band": {"widht": 3}}}, r"options\['band'\]: unknown field\(s\) \['widht'\]; band heads take width"),
-    ({"options": {"band": {"width": 0}}}, r"options\['band'\].width must be a positive integer"),
-    ({"options": {"local": {"window": 3}}}, r"options\['local'\]: local heads take their settings from the config"),
-    ({"options": {"nope": {}}}, r"options: unknown kind 'nope'"),
-    ({"options": {"band": 3}}, r"options\['band'\] must be a mapping"),
+    ({"options": {"band": {"widht": 3}}}, r"options.band: unknown field\(s\) \['widht'\]; band heads take width"),
+    ({"options": {"band": {"width": 0}}}, r"options.band: width must be a positive integer"),
+    ({"options": {"local": {"window": 64}}}, r"options.local: window \(64\) is larger than seq_len \(32\)"),
+    ({"options": {"nope": {}}}, r"options: unknown section\(s\) \['nope'\]; the registered kinds read full, .*band"),
+    ({"options": {"band": 3}}, r"options.band must be a table of field = value"),
 ])
 def test_kind_options_are_checked_by_name(band, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TransformerConfig(heads=2, dim=16, seq_len=32, window=8, attention="local:1,band:1", **kwargs)
+        options = {"local": {"window": 8}, **kwargs["options"]}
+        TransformerConfig(heads=2, dim=16, seq_len=32, attention="local:1,band:1", options=options)
 
 
 def test_registering_needs_a_fresh_valid_name(band) -> None:

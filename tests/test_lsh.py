@@ -174,14 +174,15 @@ def test_config_defaults_and_errors_name_the_field() -> None:
     o, config = options(seq_len=30)  # round(sqrt(30)) = 5 -> 6 buckets, window 30 // 6
     assert (o.buckets, o.rounds, o.window) == (6, 2, 5)
     assert config.keys_per_query()["lsh"] == 2 * 5 + 2 * 3
-    assert options(seq_len=64, lsh_buckets=4, lsh_rounds=3, lsh_window=7)[0] == lsh_kind.LSHOptions(4, 3, 7)
-    for kw, message in [({"lsh_buckets": 5}, "lsh_buckets must be even"),
-                        ({"lsh_buckets": 0}, "lsh_buckets must be a positive integer"),
-                        ({"lsh_rounds": 0}, "lsh_rounds must be a positive integer"),
-                        ({"lsh_window": 0}, "lsh_window must be a positive integer"),
-                        ({"lsh_window": 65}, r"lsh_window \(65\) is larger than seq_len \(64\)")]:
+    given = {"buckets": 4, "rounds": 3, "window": 7}
+    assert options(seq_len=64, options={"lsh": given})[0] == lsh_kind.LSHOptions(4, 3, 7)
+    for field, value, message in [("buckets", 5, "options.lsh: buckets must be even"),
+                                  ("buckets", 0, "options.lsh: buckets must be a positive integer"),
+                                  ("rounds", 0, "options.lsh: rounds must be a positive integer"),
+                                  ("window", 0, "options.lsh: window must be a positive integer"),
+                                  ("window", 65, r"options.lsh: window \(65\) is larger than seq_len \(64\)")]:
         with pytest.raises(ValueError, match=message):
-            options(seq_len=64, **kw)
+            options(seq_len=64, options={"lsh": {field: value}})
     with pytest.raises(ValueError, match="lsh heads do not support relative positions"):
         TransformerConfig(heads=2, dim=16, seq_len=32, attention="lsh")
     assert get_kind("lsh").heads_share_qk(o)

@@ -149,7 +149,7 @@ def test_a_warm_up_at_a_shorter_length_is_counted_at_that_length() -> None:
 @pytest.mark.parametrize("fields, fragment", [
     ({"routing_warmup_len": 24}, r"must divide seq_len \(64\)"),  # checked even with no warm-up to use it
     ({"routing_warmup": 5, "routing_warmup_len": 24}, r"must divide seq_len \(64\)"),
-    ({"routing_warmup": 5, "routing_warmup_len": 0}, "routing_warmup_len must be a positive integer"),
+    ({"routing_warmup": 5, "routing_warmup_len": 0}, "options.routing: warmup_len must be a positive integer"),
 ])
 def test_bad_warm_up_lengths(fields: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):

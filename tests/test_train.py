@@ -75,7 +75,8 @@ def test_a_run_directory_holds_everything(setup, capsys) -> None:
     body = out.split("-" * 72)[1]  # the sample: 64 bytes of the validation split, the mark, the continuation
     assert body.count("⟫") == 1 and len(body.split("⟫")[0].strip("\n").encode()) <= 64
     resolved = load_run_config(run / "config.toml")
-    assert resolved.model.num_clusters == 3 and resolved.train.data == "tiny" and resolved.train.max_steps == 12
+    assert resolved.model.options["routing"].num_clusters == 3
+    assert resolved.train.data == "tiny" and resolved.train.max_steps == 12
     assert [r["step"] for r in metrics(run, "valid")] == [4, 8, 12]
     state = torch.load(run / "checkpoint.pt", weights_only=True)
     assert state["step"] == 12 and {"model", "optimizer", "scaler", "rng", "best"} <= set(state)
@@ -263,16 +264,37 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
      "checkpointing", True)), ("attention=local:2,routing:2", ("model", "attention", "local:2,routing:2")),
     ('attention="full"', ("model", "attention", "full")), ("model.dilation=[1, 2]", ("model", "dilation", [1, 2])),
     ("train.data=enwik8", ("train", "data", "enwik8")),
+    ("options.routing.window=32", ("model", "options.routing.window", 32)),
+    ("model.options.strided.stride=8", ("model", "options.strided.stride", 8)),
 ])
 def test_set_overrides_are_read_as_toml(item: str, want) -> None:
     assert parse_override(item) == want
 
 
-@pytest.mark.parametrize("item, fragment", [("lr", "expected KEY=VALUE"), ("model.lr=1", "unknown key"),
-                                            ("nothing=1", "unknown key; valid keys: activation, attention")])
+@pytest.mark.parametrize("item, fragment", [
+    ("lr", "expected KEY=VALUE"), ("model.lr=1", "unknown key"),
+    ("nothing=1", "unknown key; valid keys: activation, attention"),
+    ("options.routing.windw=3", r"options.routing has no field 'windw'; fields: num_clusters, window"),
+    ("options.sparse.window=3", r"a kind's option is options.<section>.<field>, sections: full, local, routing"),
+    ("options.routing=3", r"a kind's option is options.<section>.<field>"),
+])
 def test_bad_overrides(item: str, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         parse_override(item)
+
+
+def test_a_later_setting_wins_over_the_other_spelling_and_the_resolved_file_reads_back(tmp_path) -> None:
+    # the shipped default pins [model.options.routing] window = 16: an old flat --set and a new one both override it
+    for override in ("routing_window=24", "options.routing.window=24"):
+        assert load_run_config(None, [override]).model.options["routing"].window == 24
+    config = load_run_config(None, ["routing_window=24", "options.routing.window=20"]).model
+    assert config.options["routing"].window == 20
+    config = load_run_config(None, ["window=64", "options.lsh.rounds=4"]).model  # lsh unused: kept for another mix
+    assert config.options["local"].window == 64 and config.rel_clip == 64 and config.options["lsh"].rounds == 4
+    path = tmp_path / "resolved.toml"
+    run = load_run_config(None, ["options.routing.warmup=5", "options.routing.warmup_len=64"])
+    path.write_text(run.to_toml())
+    assert load_run_config(path).model == run.model
 
 
 def test_config_files_reject_unknown_keys(tmp_path) -> None:

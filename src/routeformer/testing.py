@@ -38,7 +38,7 @@ def check_kind(name: str, *, seq_len: int = 48, heads: int = 2, head_dim: int = 
                seed: int = 0, tolerance: float = 1e-9, **config) -> KindReport:
     """Run the generic checks on the registered kind ``name``; raises AssertionError naming the failed check.
 
-    ``config``: further ``TransformerConfig`` fields (``window=8``, ``options={"mine": {...}}``, ...). The model
+    ``config``: further ``TransformerConfig`` fields (``rel_clip=8``, ``options={"mine": {...}}``, ...). The model
     has 2 layers whose heads are all of this kind, ``seq_len`` positions, and the given ``positions``.
     ``tolerance``: the largest absolute difference accepted in float64.
     """

@@ -24,7 +24,7 @@ from .checks import check_split_heads, positive_int
 from .executors import Backend, get_executor, lse_dtype, merge_partials, neg_inf
 from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind, KeyStore
-from .kinds.common import within_seq_len
+from .kinds.common import at_most_seq_len
 from .masks import _grid, _split
 from .relative import RelativePositions
 
@@ -137,9 +137,22 @@ def fixed_mask(
 
 @dataclass(frozen=True)
 class FixedOptions:
-    block: int  # config.block: l
-    summary: int  # config.summary: c <= l
-    part: str  # 'merged', 'a1' or 'a2'
+    """options.fixed (read by fixed, fixed_a1 and fixed_a2): the block l (at most seq_len) and the summary cells
+    c <= l at the end of each block."""
+
+    block: int = 128
+    summary: int = 8
+
+    def __post_init__(self) -> None:
+        positive_int("block", self.block)
+        positive_int("summary", self.summary)
+        if self.summary > self.block:
+            raise ValueError(f"summary ({self.summary}) must be at most block ({self.block})")
+
+
+def _complete(o: FixedOptions, config: Any) -> FixedOptions:
+    at_most_seq_len("block", o.block, config)
+    return o
 
 
 @dataclass
@@ -215,11 +228,9 @@ class FixedHeads(HeadGroup):
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
-    def options(config: Any, heads: int) -> FixedOptions:
-        return FixedOptions(within_seq_len(config, "block", name), config.summary, part)
-
-    return HeadKind(name, lambda o, heads, head_dim, seed: FixedHeads(heads, head_dim, o.block, o.summary, o.part),
-                    keys_per_query=keys, options=options, describe=lambda o: f"block={o.block}, summary={o.summary}",
+    return HeadKind(name, lambda o, heads, head_dim, seed: FixedHeads(heads, head_dim, o.block, o.summary, part),
+                    keys_per_query=keys, option_type=FixedOptions, section="fixed", complete=_complete,
+                    describe=lambda o: f"block={o.block}, summary={o.summary}",
                     summary=summary)
 
 

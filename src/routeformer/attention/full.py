@@ -10,7 +10,6 @@ softmax, or the poly2 / elu kernels of ``attention/kernels.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +109,12 @@ def full_mask(n: int, causal: bool = True, heads: int | None = None, *, device=N
 
 @dataclass(frozen=True)
 class KernelOptions:
-    kernel: str = "exp"  # config.kernel
+    """options.full (and options.local's kernel): the similarity normalised, 'exp' (softmax), 'poly2' or 'elu'."""
+
+    kernel: str = "exp"
+
+    def __post_init__(self) -> None:
+        check_kernel("kernel", self.kernel)
 
 
 class FullHeads(HeadGroup):
@@ -130,15 +134,11 @@ class FullHeads(HeadGroup):
         return f"heads={self.heads}, kernel={self.kernel}"
 
 
-def kernel_options(config: Any, heads: int) -> KernelOptions:
-    return KernelOptions(config.kernel)
-
-
 def describe_kernel(options: KernelOptions) -> str:
     return "-" if options.kernel == "exp" else f"kernel={options.kernel}"
 
 
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o.kernel),
-                keys_per_query=lambda options, n: (n + 1) / 2, options=kernel_options, reads_kernel=True,
+                keys_per_query=lambda options, n: (n + 1) / 2, option_type=KernelOptions,
                 relative_positions=exp_kernel, executor=exp_kernel, describe=describe_kernel,
                 summary="every earlier key")

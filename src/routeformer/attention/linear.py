@@ -169,8 +169,16 @@ class LinearState:
 
 @dataclass(frozen=True)
 class LinearOptions:
-    kernel: str  # config.kernel: 'elu' or 'poly2'
-    features: int  # F of the kernel at config.head_dim
+    """options.linear: the kernel, 'elu' or 'poly2' (the exponential kernel has no finite feature map; Performer
+    heads estimate it). ``features`` (F) follows from the kernel and head_dim; the config fills it in."""
+
+    kernel: str = "elu"
+    features: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in FEATURE_KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}: linear heads need kernel='elu' or 'poly2' (the exponential "
+                             "kernel has no finite feature map; performer heads estimate it)")
 
 
 class FeatureHeads(HeadGroup):
@@ -211,12 +219,12 @@ class LinearHeads(FeatureHeads):
         return f"heads={self.heads}, kernel={self.kernel}, features={self.num_features}"
 
 
-def _options(config: Any, heads: int) -> LinearOptions:
-    kernel = config.kernel
-    if kernel not in FEATURE_KERNELS:
-        raise ValueError(f"kernel={kernel!r}: linear heads need kernel='elu' or 'poly2' (the exponential kernel has no "
-                         "finite feature map; performer heads estimate it)")
-    return LinearOptions(kernel, feature_dim(kernel, config.head_dim))
+def _complete(o: LinearOptions, config: Any) -> LinearOptions:
+    features = feature_dim(o.kernel, config.head_dim)
+    if o.features not in (None, features):
+        raise ValueError(f"features ({o.features}) follows from the kernel and head_dim (F = {features} for "
+                         f"{o.kernel!r} at head_dim {config.head_dim}); leave it out")
+    return LinearOptions(o.kernel, features)
 
 
 def _keys_per_query(o: LinearOptions, n: int) -> float:
@@ -224,7 +232,7 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
 
 
 KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o.kernel),
-                keys_per_query=_keys_per_query, options=_options, relative_positions=False, reads_kernel=True,
+                keys_per_query=_keys_per_query, option_type=LinearOptions, complete=_complete, relative_positions=False,
                 executor=False,
                 describe=lambda o: f"kernel={o.kernel}, F={o.features}",
                 summary="every earlier key under the elu or poly2 kernel, in linear time")

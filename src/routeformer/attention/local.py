@@ -18,7 +18,7 @@ from .executors import Backend, get_executor
 from .inputs import check_inputs
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
-from .kinds.common import exp_kernel, within_seq_len
+from .kinds.common import at_most_seq_len, exp_kernel
 from .masks import _grid, _per_head
 from .relative import RelativePositions
 
@@ -74,8 +74,14 @@ def local_mask(n: int, window: int, causal: bool = True, heads: int | None = Non
 
 @dataclass(frozen=True)
 class LocalOptions:
-    window: int  # config.window: keys per query
-    kernel: str = "exp"  # config.kernel
+    """options.local: keys per query (at most seq_len) and the kernel ('exp', 'poly2' or 'elu')."""
+
+    window: int = 128
+    kernel: str = "exp"
+
+    def __post_init__(self) -> None:
+        positive_int("window", self.window)
+        check_kernel("kernel", self.kernel)
 
 
 class LocalHeads(HeadGroup):
@@ -99,12 +105,13 @@ class LocalHeads(HeadGroup):
         return f"heads={self.heads}, window={self.window}, kernel={self.kernel}"
 
 
-def _options(config: Any, heads: int) -> LocalOptions:
-    return LocalOptions(within_seq_len(config, "window", "local"), config.kernel)
+def _complete(o: LocalOptions, config: Any) -> LocalOptions:
+    at_most_seq_len("window", o.window, config)
+    return o
 
 
 KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o.window, o.kernel),
-                keys_per_query=lambda o, n: min(o.window, n), options=_options, reads_kernel=True,
+                keys_per_query=lambda o, n: min(o.window, n), option_type=LocalOptions, complete=_complete,
                 relative_positions=exp_kernel, executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
                 summary="the last `window` positions")

@@ -24,7 +24,7 @@ from .executors import Backend, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
-from .kinds.common import within_seq_len
+from .kinds.common import at_most_seq_len
 from .masks import _grid
 from .relative import RelativePositions
 from .tiling import Distances, Tiling
@@ -160,9 +160,30 @@ def longformer_mask(
 
 @dataclass(frozen=True)
 class LongformerOptions:
-    window: int  # config.window
-    dilation: tuple[int, ...]  # config.dilation: one per head of the group
-    global_tokens: tuple[int, ...]  # config.global_tokens
+    """options.longformer: the window (keys per query, at most seq_len), the dilation (one for every head, or a list
+    with one per Longformer head of a layer) and the global positions (in [0, seq_len))."""
+
+    window: int = 128
+    dilation: int | tuple[int, ...] = 1
+    global_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        positive_int("window", self.window)
+        if isinstance(self.dilation, (list, tuple)):
+            object.__setattr__(self, "dilation", tuple(positive_int(f"dilation[{i}]", d)
+                                                       for i, d in enumerate(self.dilation)))
+        else:
+            positive_int("dilation", self.dilation)
+        if not isinstance(self.global_tokens, (list, tuple)):
+            raise ValueError(f"global_tokens must be a list of positions, got {self.global_tokens!r}")
+        for i, g in enumerate(self.global_tokens):
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise ValueError(f"global_tokens[{i}] must be a non-negative integer, got {g!r}")
+        object.__setattr__(self, "global_tokens", tuple(self.global_tokens))
+
+    def dilations(self, heads: int) -> list[int]:
+        """One dilation per head of a group of ``heads``."""
+        return list(self.dilation) if isinstance(self.dilation, tuple) else [self.dilation] * heads
 
 
 class LongformerHeads(HeadGroup):
@@ -211,23 +232,31 @@ class LongformerHeads(HeadGroup):
                            positions[None].expand(B, -1, -1), t, rel_pos, allowed=allowed)
 
 
-def _options(config: Any, heads: int) -> LongformerOptions:
-    window = within_seq_len(config, "window", "longformer")
-    if isinstance(config.dilation, (list, tuple)):
-        if len(config.dilation) != heads:
-            raise ValueError(f"dilation gives {len(config.dilation)} values but there are {heads} longformer heads")
-        dilation = tuple(config.dilation)
-    else:
-        dilation = (config.dilation,) * heads
-    return LongformerOptions(window, dilation, tuple(config.global_tokens))
+def _listed(dilation: int | tuple[int, ...]) -> int | list[int]:
+    return list(dilation) if isinstance(dilation, tuple) else dilation
+
+
+def _complete(o: LongformerOptions, config: Any) -> LongformerOptions:
+    at_most_seq_len("window", o.window, config)
+    bad = [g for g in o.global_tokens if g >= config.seq_len]
+    if bad:
+        raise ValueError(f"global_tokens must lie in [0, seq_len={config.seq_len}), got {bad}")
+    if isinstance(o.dilation, tuple):
+        for layer, spec in enumerate(config.layer_specs()):
+            heads = dict(spec).get("longformer")
+            if heads is not None and heads != len(o.dilation):
+                raise ValueError(f"dilation gives {len(o.dilation)} values but layer {layer} has {heads} "
+                                 f"longformer heads")
+    return o
 
 
 KIND = HeadKind(
     "longformer",
-    lambda o, heads, head_dim, seed: LongformerHeads(heads, head_dim, o.window, list(o.dilation),
+    lambda o, heads, head_dim, seed: LongformerHeads(heads, head_dim, o.window, o.dilations(heads),
                                                      list(o.global_tokens)),
     keys_per_query=lambda o, n: min(o.window, n) + len(o.global_tokens),
-    options=_options,
-    describe=lambda o: f"window={o.window}, dilation={list(o.dilation)}, global={list(o.global_tokens)}",
+    option_type=LongformerOptions,
+    complete=_complete,
+    describe=lambda o: f"window={o.window}, dilation={_listed(o.dilation)}, global={list(o.global_tokens)}",
     summary="a dilated window plus global positions",
 )

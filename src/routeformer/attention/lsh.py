@@ -29,7 +29,7 @@ This module is the mechanism's one home: its functional form, its mask (what it 
 and options, registered in ``registry.py``.
 
 Heads. LSH heads (Reformer, Kitaev et al. 2020): shared QK, angular LSH with fixed random rotations, and per hash
-round the last `lsh_window` positions of the query's bucket; the union over `lsh_rounds` rounds, each key once
+round the last `window` positions of the query's bucket; the union over `lsh_rounds` rounds, each key once
 (``attention/lsh.py``).
 
 Decoding keeps, per head, round and bucket, a ring of the last `window` keys, values and positions (routing's
@@ -54,7 +54,7 @@ from .decoding import attend_cached
 from .executors import Backend, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
-from .kinds.common import within_seq_len
+from .kinds.common import at_most_seq_len
 from .routing.cache import RoutingCache
 from .routing.sorted_window import drop_own_key, permute_seq, sort_by_cluster, sorted_window_mask
 from .tiling import KeyRestrictions, Tiling, shift_invariant_mask
@@ -239,9 +239,21 @@ def _prepare(q: Tensor, v: Tensor, buckets: int, rounds: int, window: int, scale
 
 @dataclass(frozen=True)
 class LSHOptions:
-    buckets: int  # config.lsh_buckets: buckets per round (even)
-    rounds: int  # config.lsh_rounds: hash rounds
-    window: int  # config.lsh_window: keys per query per round
+    """options.lsh: buckets per round (even; default round(sqrt(seq_len)) rounded up to even), hash rounds, and keys
+    per query per round (at most seq_len; default seq_len // buckets)."""
+
+    buckets: int | None = None
+    rounds: int = 2
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.buckets is not None:
+            positive_int("buckets", self.buckets)
+            if self.buckets % 2:
+                raise ValueError(f"buckets must be even (a hash is the argmax over [xR; -xR]), got {self.buckets}")
+        positive_int("rounds", self.rounds)
+        if self.window is not None:
+            positive_int("window", self.window)
 
 
 @dataclass
@@ -339,18 +351,10 @@ class LSHHeads(HeadGroup):
         return torch.stack(outs, 2)
 
 
-def _options(config: Any, heads: int) -> LSHOptions:
-    default_buckets = default_lsh_settings(config.seq_len)[0]
-    buckets = positive_int("lsh_buckets", default_buckets if config.lsh_buckets is None else config.lsh_buckets)
-    if buckets % 2:
-        raise ValueError(f"lsh_buckets must be even (a hash is the argmax over [xR; -xR]), got {buckets}")
-    rounds = positive_int("lsh_rounds", config.lsh_rounds)
-    if config.lsh_window is None:
-        window = max(1, config.seq_len // buckets)
-    else:
-        positive_int("lsh_window", config.lsh_window)
-        window = within_seq_len(config, "lsh_window", "lsh")
-    return LSHOptions(buckets, rounds, window)
+def _complete(o: LSHOptions, config: Any) -> LSHOptions:
+    buckets = default_lsh_settings(config.seq_len)[0] if o.buckets is None else o.buckets
+    window = max(1, config.seq_len // buckets) if o.window is None else at_most_seq_len("window", o.window, config)
+    return LSHOptions(buckets, o.rounds, window)
 
 
 def _keys_per_query(o: LSHOptions, n: int) -> float:
@@ -361,11 +365,12 @@ KIND = HeadKind(
     "lsh",
     lambda o, heads, head_dim, seed: LSHHeads(heads, head_dim, o, seed),
     keys_per_query=_keys_per_query,
-    options=_options,
+    option_type=LSHOptions,
+    complete=_complete,
     shares_qk=lambda o: True,
     relative_positions=False,
     describe=lambda o: f"buckets={o.buckets}, rounds={o.rounds}, w={o.window}",
-    summary="shared-QK LSH: per hash round the last `lsh_window` positions of the query's bucket, keys once",
+    summary="shared-QK LSH: per hash round the last `window` positions of the query's bucket, keys once",
 )
 
 __all__ = ["default_lsh_settings", "lsh_attention", "lsh_hash", "lsh_mask", "lsh_rotations"]

@@ -37,6 +37,7 @@ from torch import Tensor
 from .checks import positive_int
 from .inputs import check_inputs
 from .kinds.base import HeadKind
+from .kinds.common import non_negative_int
 from .linear import FeatureHeads, compute_dtype, default_chunk, feature_attention
 
 
@@ -116,8 +117,16 @@ def performer_attention(
 
 @dataclass(frozen=True)
 class PerformerOptions:
-    features: int  # config.features: m
-    redraw_every: int  # config.redraw_every: optimiser steps between draws, 0 = never
+    """options.performer: random features m (default round(head_dim · ln head_dim)) and the optimiser steps between
+    draws of new ones (0: never)."""
+
+    features: int | None = None
+    redraw_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.features is not None:
+            positive_int("features", self.features)
+        non_negative_int("redraw_every", self.redraw_every)
 
 
 class PerformerHeads(FeatureHeads):
@@ -161,17 +170,12 @@ class PerformerHeads(FeatureHeads):
         return f"heads={self.heads}, features={self.num_features}, redraw_every={self.redraw_every}"
 
 
-def _options(config: Any, heads: int) -> PerformerOptions:
-    features = default_features(config.head_dim) if config.features is None else positive_int("features",
-                                                                                                 config.features)
-    every = config.redraw_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise ValueError(f"redraw_every must be a non-negative integer (0: never), got {every!r}")
-    return PerformerOptions(features, every)
+def _complete(o: PerformerOptions, config: Any) -> PerformerOptions:
+    return o if o.features is not None else PerformerOptions(default_features(config.head_dim), o.redraw_every)
 
 
 KIND = HeadKind("performer", lambda o, heads, head_dim, seed: PerformerHeads(heads, head_dim, o, seed),
                 keys_per_query=lambda o, n: 1.5 * o.features + min(n, default_chunk(o.features)) / 2,
-                options=_options, relative_positions=False, executor=False,
+                option_type=PerformerOptions, complete=_complete, relative_positions=False, executor=False,
                 describe=lambda o: f"m={o.features}" + (f", redraw every {o.redraw_every}" if o.redraw_every else ""),
                 summary="softmax estimated by positive orthogonal random features, in linear time")

@@ -15,6 +15,7 @@ column t, t - l, t - 2l, … and the last l + 1 positions, O((l + t/l)·D) (a1: 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from .executors import Backend, Executor, get_executor, merge_partials
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
-from .kinds.common import within_seq_len
+from .kinds.common import at_most_seq_len
 from .local import local_attention
 from .masks import _grid, _split
 from .relative import RelativePositions
@@ -139,8 +140,19 @@ def strided_mask(
 
 @dataclass(frozen=True)
 class StridedOptions:
-    stride: int  # config.stride: l
-    part: str  # 'merged', 'a1' or 'a2'
+    """options.strided (read by strided, strided_a1 and strided_a2): l, at most seq_len; default
+    round(sqrt(seq_len))."""
+
+    stride: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stride is not None:
+            positive_int("stride", self.stride)
+
+
+def _complete(o: StridedOptions, config: Any) -> StridedOptions:
+    stride = max(1, round(math.sqrt(config.seq_len))) if o.stride is None else o.stride
+    return StridedOptions(at_most_seq_len("stride", stride, config))
 
 
 class StridedHeads(HeadGroup):
@@ -181,11 +193,9 @@ class StridedHeads(HeadGroup):
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
-    def options(config: Any, heads: int) -> StridedOptions:
-        return StridedOptions(within_seq_len(config, "stride", name), part)
-
-    return HeadKind(name, lambda o, heads, head_dim, seed: StridedHeads(heads, head_dim, o.stride, o.part),
-                    keys_per_query=keys, options=options, describe=lambda o: f"stride={o.stride}", summary=summary)
+    return HeadKind(name, lambda o, heads, head_dim, seed: StridedHeads(heads, head_dim, o.stride, part),
+                    keys_per_query=keys, option_type=StridedOptions, section="strided", complete=_complete,
+                    describe=lambda o: f"stride={o.stride}", summary=summary)
 
 
 KINDS = (

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..attention.kinds import HeadGroup
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM
-from ..train.config import FIELDS, TrainConfig, parse_override
+from ..train.config import FIELDS, TrainConfig, parse_override, set_field
 from ..train.schedule import learning_rate
 from .measure import format_table
 
@@ -47,7 +47,8 @@ ROUTING = {
 def attention_config(name: str, heads: int) -> dict:
     """Config fields of a row: 'full', 'local', 'local+routing' (half and half) or any attention spec, optionally
     followed by '/shared', '/joint' or '/separate' (how routing heads route; default: the config's default) and by
-    '@field=value' settings of the model config (values read as TOML), e.g. 'local+routing@routing_probes=1'."""
+    '@field=value' settings of the model config (values read as TOML), e.g.
+    'local+routing@options.routing.probes=1'."""
     head, *settings = name.split("@")
     spec, _, routing = head.partition("/")
     half = heads // 2
@@ -58,10 +59,11 @@ def attention_config(name: str, heads: int) -> dict:
         fields.update(ROUTING[routing])
     for item in settings:
         key = item.partition("=")[0].strip()
-        if key not in FIELDS["model"]:
+        if key not in FIELDS["model"] and not key.startswith("options."):
             raise ValueError(f"{name!r}: '@{item}' sets no model config field; valid fields: "
-                             f"{', '.join(sorted(FIELDS['model']))}")
-        fields[key] = parse_override(item)[2]
+                             f"{', '.join(sorted(FIELDS['model']))}, options.<section>.<field>")
+        table, key, value = parse_override(item)
+        set_field(fields, key, value)
     return fields
 
 

@@ -18,8 +18,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from ..attention.routing.kind import RoutingOptions, default_routing_window
 from ..model import TransformerLM
-from ..model.config import default_routing_window
 from .measure import format_table
 from .recall import attention_config
 
@@ -44,16 +44,21 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         # The shipped configuration pins routing's k, window and warm-up length for its own seq_len (unused by
         # other kinds): keep seq_len / k keys per query over the row's probes, and the warm-up's share of seq_len.
         k = num_clusters or max(1, round(seq_len ** 0.5))
-        probes = fields.get("routing_probes", base.routing_probes)
-        sets += [f"num_clusters={k}", f"routing_window={routing_window or default_routing_window(seq_len, k, probes)}"]
-        if base.routing_warmup_len is not None and "routing_warmup_len" not in fields:
-            pieces = base.seq_len // base.routing_warmup_len
+        routing = base.options.get("routing") or RoutingOptions()
+        probes = _row_setting(fields, "probes", routing.probes)
+        window_ = routing_window or default_routing_window(seq_len, k, probes)
+        sets += [f"options.routing.num_clusters={k}", f"options.routing.window={window_}"]
+        if routing.warmup_len is not None and _row_setting(fields, "warmup_len", None) is None:
+            pieces = base.seq_len // routing.warmup_len
             if seq_len % pieces:
                 raise ValueError(f"--seq-len {seq_len}: the configuration's routing warm-up cuts each sequence into "
-                                 f"{pieces} pieces, which must divide it (or give the row @routing_warmup_len=...)")
-            sets.append(f"routing_warmup_len={seq_len // pieces}")
+                                 f"{pieces} pieces, which must divide it (or give the row "
+                                 f"@options.routing.warmup_len=...)")
+            sets.append(f"options.routing.warmup_len={seq_len // pieces}")
         # the row's own @field settings last: they override the bench's
-        sets += [f"{key}={str(value).lower() if isinstance(value, bool) else value!r}" for key, value in fields.items()]
+        sets += [f"{key}={_toml(value)}" for key, value in fields.items() if key != "options"]
+        sets += [f"options.{section}.{key}={_toml(value)}" for section, table in fields.get("options", {}).items()
+                 for key, value in table.items()]
         run_config = load_run_config(None, list(overrides or []) + sets, settings)
         # one folder per (length, row): the README's runs at 256, 1024 and 2048 share --out
         run_dir = Path(out) / f"{seq_len}-{name.replace('/', '-').replace(':', '').replace(',', '-').replace('+', '-')}"
@@ -78,3 +83,13 @@ def table(rows: list[dict]) -> str:
                           "n/a" if r["valid"] is None or math.isnan(r["valid"]) else f"{r['valid']:.3f} {r['unit']}",
                           r["heads"]]
                          for r in rows])
+
+
+def _row_setting(fields: dict, name: str, default):
+    """A routing setting a row gives (@options.routing.<name>=… or its old flat name), else ``default``."""
+    old = {"probes": "routing_probes", "warmup_len": "routing_warmup_len"}[name]
+    return fields.get("options", {}).get("routing", {}).get(name, fields.get(old, default))
+
+
+def _toml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -11,19 +14,105 @@ from typing import Any, NamedTuple
 
 from ..attention.checks import positive_int
 from ..attention.executors import check_backend
-from ..attention.kernels import check_kernel
 from ..attention.kinds.base import HeadKind, Warmup
 from ..attention.registry import KINDS, default_attention, get_kind
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
-# What a saved config without the routing rule's fields was trained with: one probe, no bias, no warm-up.
-def default_routing_window(seq_len: int, num_clusters: int, probes: int) -> int:
-    """Keys per probed cluster so that a routing query scores about seq_len / k keys over its probes."""
-    return max(1, seq_len // (num_clusters * probes))
-
-
-LEGACY_ROUTING = {"routing_probes": 1, "routing_balance": 0.0, "routing_warmup": 0, "routing_gate": False}
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
+
+
+class Moved(NamedTuple):
+    """Where a setting that used to be a field of TransformerConfig lives now."""
+
+    targets: tuple[tuple[str, str], ...]  # (section, field) of the kinds that read it
+    model_field: str | None = None  # a model field whose default it also was (rel_clip, grid_width)
+
+
+MOVED: dict[str, Moved] = {
+    "window": Moved((("local", "window"), ("longformer", "window")), "rel_clip"),
+    "num_clusters": Moved((("routing", "num_clusters"),)),
+    "routing_window": Moved((("routing", "window"),)),
+    "shared_qk": Moved((("routing", "shared_qk"),)),
+    "separate_routing": Moved((("routing", "separate"),)),
+    "routing_probes": Moved((("routing", "probes"),)),
+    "routing_balance": Moved((("routing", "balance"),)),
+    "routing_warmup": Moved((("routing", "warmup"),)),
+    "routing_warmup_len": Moved((("routing", "warmup_len"),)),
+    "routing_gate": Moved((("routing", "gate"),)),
+    "commitment": Moved((("routing", "commitment"),)),
+    "kmeans_decay": Moved((("routing", "decay"),)),
+    "stride": Moved((("strided", "stride"),), "grid_width"),
+    "block": Moved((("fixed", "block"),)),
+    "summary": Moved((("fixed", "summary"),)),
+    "dilation": Moved((("longformer", "dilation"),)),
+    "global_tokens": Moved((("longformer", "global_tokens"),)),
+    "kernel": Moved((("full", "kernel"), ("local", "kernel"), ("linear", "kernel"))),
+    "features": Moved((("performer", "features"),)),
+    "redraw_every": Moved((("performer", "redraw_every"),)),
+    "lsh_buckets": Moved((("lsh", "buckets"),)),
+    "lsh_rounds": Moved((("lsh", "rounds"),)),
+    "lsh_window": Moved((("lsh", "window"),)),
+}
+# A saved config.json written before routing had probes, a bias and a warm-up was trained with the paper's rule.
+LEGACY_ROUTING = {"routing_probes": 1, "routing_balance": 0.0, "routing_warmup": 0, "routing_gate": False}
+
+
+def new_spelling(name: str) -> str:
+    """'routing_window' -> 'options.routing.window' (or several, for a setting several kinds read)."""
+    return " / ".join(f"options.{section}.{key}" for section, key in MOVED[name].targets)
+
+
+def sections() -> dict[str, HeadKind]:
+    """The sections of ``TransformerConfig.options``: each registered kind's ``options_key``, with a kind that reads
+    it."""
+    out: dict[str, HeadKind] = {}
+    for kind in KINDS.values():
+        out.setdefault(kind.options_key, kind)
+    return out
+
+
+def _plain(options: Any) -> dict:
+    """A section as a mutable mapping (it may be given as the kind's dataclass)."""
+    if dataclasses.is_dataclass(options):
+        return {f.name: getattr(options, f.name) for f in fields(options) if f.init}
+    return dict(options) if isinstance(options, dict) else options
+
+
+def move_flat_fields(data: dict, *, saved: bool = False) -> dict:
+    """``data`` (TransformerConfig's keyword arguments) with the old flat settings (``MOVED``) moved into the
+    ``options`` sections of the kinds the model uses, and into rel_clip / grid_width when not given: each head
+    reads the value it read before. As before, a setting no kind of the model reads changes nothing. ``saved``: a
+    config.json written before the move (one without ``routing_probes`` predates routing's probes, bias and
+    warm-up: the paper's rule). A setting given both ways with different values is an error."""
+    flat = {name: data[name] for name in MOVED if name in data}
+    if not flat:
+        return data
+    data = {k: v for k, v in data.items() if k not in MOVED}
+    if saved and "routing_probes" not in flat and "num_clusters" in flat:
+        flat = {**LEGACY_ROUTING, **flat}
+    attention = data.get("attention")
+    if attention is None:
+        attention = default_attention(data.get("heads", 8))
+    specs = [attention] if isinstance(attention, str) else attention if isinstance(attention, (list, tuple)) else []
+    names = {part.partition(":")[0].strip() for spec in specs if isinstance(spec, str) for part in spec.split(",")}
+    used = {KINDS[name].options_key for name in names if name in KINDS}  # the config reports unknown names
+    options = {key: _plain(value) for key, value in copy.deepcopy(data.get("options") or {}).items()}
+    for name, value in flat.items():
+        moved = MOVED[name]
+        for section, key in moved.targets:
+            table = options.setdefault(section, {}) if section in used else None
+            if not isinstance(table, dict):
+                continue  # not used, or malformed (the config reports it)
+            if key in table and table[key] != value:
+                raise ValueError(f"{name} = {value!r} and options.{section}.{key} = {table[key]!r} both given; "
+                                 f"{name} is the old spelling of {new_spelling(name)}: give one")
+            table[key] = value
+        if moved.model_field is not None and moved.model_field not in data:
+            data[moved.model_field] = value
+    if options:
+        data["options"] = options
+    return data
+
 
 
 def parse_attention(spec: str, heads: int, where: str = "attention") -> list[tuple[str, int]]:
@@ -79,30 +168,11 @@ class TransformerConfig:
         attention: which kind of head each head is: 'local:4,routing:4' (counts sum to heads) or one name for
             every head ('full', 'local', 'strided', ...), or a list of such specs, one per layer. Names are the
             registered kinds (``routeformer.attention.KINDS``; ``register_kind`` adds one).
-        window: local window (keys per query), also Longformer's.
-        num_clusters, routing_window: routing heads' k and keys per probed cluster; defaults round(sqrt(seq_len))
-            and seq_len // (num_clusters · routing_probes), so that a query scores about seq_len / k keys.
-        shared_qk: routing heads use their queries as keys (the official text configurations).
-        separate_routing: routing heads route queries by q and keys by k (needs shared_qk=False); see
-            ``RoutingAttention``'s ``separate``.
-        routing_probes: the clusters each routing query probes (p; it scores up to p · routing_window keys).
-            Default 2 (the paper's rule: 1, with routing_balance 0).
-        routing_balance: the step of the bias that balances the routing clusters between optimiser steps (0: the
-            paper's plain argmax). Default 0.01.
-        routing_warmup: optimiser steps of dense causal attention before the routing heads route (0: none, the
-            default: a warm-up is part of a training recipe, as a learning-rate warm-up is; routing heads learn
-            long-range retrieval only after one, see the README's recall benchmark).
-        routing_warmup_len: the sequence length the warm-up trains at (None: seq_len; it must divide seq_len): the
-            trainers cut each batch into sequences that long while the warm-up lasts, the same tokens at a
-            fraction of the dense attention's cost.
-        routing_gate: weigh each probed cluster by the query's softmax over its centroid scores.
-        stride: strided heads' l; default round(sqrt(seq_len)). Also the row width of factorized positions.
-        block, summary: fixed heads' l and c.
-        dilation, global_tokens: Longformer heads' dilation (int or one per Longformer head) and global positions.
         positions: 'relative' (Shaw et al., clipped at rel_clip, shared across heads), 'absolute' (learned),
-            'factorized' (learned row and column embeddings of width `stride`, or row, column and channel of
+            'factorized' (learned row and column embeddings of width `grid_width`, or row, column and channel of
             `image_shape`), 'none'.
-        rel_clip: largest relative distance told apart; default `window`.
+        rel_clip: largest relative distance told apart.
+        grid_width: the row width of factorized positions for text; default round(sqrt(seq_len)).
         image_shape: (rows, columns, channels) of image data, for factorized positions.
         dropout: at the end of each residual branch only.
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
@@ -110,18 +180,18 @@ class TransformerConfig:
         backend: how heads that run on an attention executor are computed: 'auto' (FlexAttention on CUDA, the
             tiled PyTorch executor elsewhere), 'tiles' or 'flex' (``routeformer.attention.executors``).
             Linear, Performer and the poly2 / elu kernels have one implementation of their own.
-        commitment, kmeans_decay: routing's commitment-loss weight β and k-means EMA decay.
-        kernel: the similarity full, local and linear heads normalise, 'exp' (softmax), 'poly2' or 'elu'
-            (``routeformer.attention.kernels``); linear heads need 'poly2' or 'elu', other kinds take only 'exp',
-            which the config checks.
-        features: Performer heads' random features m; default round(head_dim · ln head_dim).
-        redraw_every: Performer heads draw new random features every this many optimiser steps (0: never).
-        lsh_buckets, lsh_rounds, lsh_window: LSH heads' buckets (even), hash rounds and keys per query per round;
-            defaults round(sqrt(seq_len)) rounded up to even, 2, seq_len // lsh_buckets.
-        options: settings of user-registered kinds, {kind name: {field: value}} (the built-in kinds read the
-            fields above).
+        options: each kind's settings, {section: {field: value}} (or the kind's options dataclass), one section per
+            mechanism: 'local' (window, kernel), 'routing' (num_clusters, window, probes, balance, warmup, ...),
+            'strided' (stride), 'fixed' (block, summary), 'longformer', 'lsh', 'linear', 'performer', 'full'
+            (kernel), and any registered kind's own (``HeadKind.option_type``, ``HeadKind.section``). A used kind's
+            section is filled with its defaults and checked against the model (errors name
+            ``options.<section>.<field>``); after construction ``options[section]`` is the typed dataclass. Sections
+            of kinds the model does not use are checked field by field and kept (a configuration file may serve
+            several ``attention`` mixes).
 
-    The fields each kind reads are checked only when a head uses it (``HeadKind.options``).
+    The settings that used to be fields of their own (``window``, ``num_clusters``, ``routing_window``, ``stride``,
+    ``kernel``, ``lsh_rounds``, ...: ``MOVED``) are still accepted by the constructor, configuration files, ``--set``
+    and saved config.json, and are moved into the sections of the kinds the model uses.
     """
 
     vocab_size: int = 256
@@ -131,41 +201,19 @@ class TransformerConfig:
     head_dim: int | None = None
     seq_len: int = 1024
     attention: str | list[str] | None = None
-    window: int = 128
-    num_clusters: int | None = None
-    routing_window: int | None = None
-    shared_qk: bool = True
-    separate_routing: bool = False
-    routing_probes: int = 2
-    routing_balance: float = 0.01
-    routing_warmup: int = 0
-    routing_warmup_len: int | None = None
-    routing_gate: bool = False
-    stride: int | None = None
-    block: int = 128
-    summary: int = 8
-    dilation: int | list[int] = 1
-    global_tokens: list[int] = field(default_factory=list)
     positions: str = "relative"
-    rel_clip: int | None = None
+    rel_clip: int = 128
+    grid_width: int | None = None
     image_shape: list[int] | None = None
     dropout: float = 0.0
     ff_mult: float = 4.0
     activation: str = "sigmoid_gelu"
     checkpointing: bool = False
     backend: str = "auto"
-    commitment: float = 1e-4
-    kmeans_decay: float = 0.999
-    kernel: str = "exp"
-    features: int | None = None
-    redraw_every: int = 0
-    lsh_buckets: int | None = None
-    lsh_rounds: int = 2
-    lsh_window: int | None = None
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "depth", "heads", "seq_len", "window", "block", "summary"):
+        for name in ("vocab_size", "dim", "depth", "heads", "seq_len", "rel_clip"):
             positive_int(name, getattr(self, name))
         if self.head_dim is None:
             if self.dim % self.heads:
@@ -175,29 +223,9 @@ class TransformerConfig:
         if self.attention is None:
             self.attention = default_attention(self.heads)
         self.layer_specs()  # validates the spec(s)
-        if self.num_clusters is None:
-            self.num_clusters = max(1, round(math.sqrt(self.seq_len)))
-        positive_int("num_clusters", self.num_clusters)
-        positive_int("routing_probes", self.routing_probes)
-        if self.routing_window is None:
-            self.routing_window = default_routing_window(self.seq_len, self.num_clusters, self.routing_probes)
-        positive_int("routing_window", self.routing_window)
-        if self.stride is None:
-            self.stride = max(1, round(math.sqrt(self.seq_len)))
-        positive_int("stride", self.stride)
-        if self.rel_clip is None:
-            self.rel_clip = self.window
-        positive_int("rel_clip", self.rel_clip)
-        if self.summary > self.block:
-            raise ValueError(f"summary ({self.summary}) must be at most block ({self.block})")
-        if isinstance(self.dilation, (list, tuple)):
-            self.dilation = [positive_int(f"dilation[{i}]", d) for i, d in enumerate(self.dilation)]
-        else:
-            positive_int("dilation", self.dilation)
-        self.global_tokens = [int(g) for g in self.global_tokens]
-        bad = [g for g in self.global_tokens if not 0 <= g < self.seq_len]
-        if bad:
-            raise ValueError(f"global_tokens must lie in [0, seq_len={self.seq_len}), got {bad}")
+        if self.grid_width is None:
+            self.grid_width = max(1, round(math.sqrt(self.seq_len)))
+        positive_int("grid_width", self.grid_width)
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         if self.activation not in ACTIVATIONS:
@@ -210,52 +238,43 @@ class TransformerConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not (isinstance(self.ff_mult, numbers.Real) and self.ff_mult > 0):
             raise ValueError(f"ff_mult must be positive, got {self.ff_mult!r}")
-        if not (isinstance(self.kmeans_decay, numbers.Real) and 0.0 <= self.kmeans_decay < 1.0):
-            raise ValueError(f"kmeans_decay must be in [0, 1), got {self.kmeans_decay!r}")
-        if not (isinstance(self.commitment, numbers.Real) and self.commitment >= 0):
-            raise ValueError(f"commitment must be non-negative, got {self.commitment!r}")
-        if isinstance(self.routing_balance, bool) or not (isinstance(self.routing_balance, numbers.Real)
-                                                          and 0.0 <= self.routing_balance < math.inf):
-            raise ValueError(f"routing_balance must be a non-negative number (0: no bias), got "
-                             f"{self.routing_balance!r}")
-        if isinstance(self.routing_warmup, bool) or not isinstance(self.routing_warmup, int) or self.routing_warmup < 0:
-            raise ValueError(f"routing_warmup must be a non-negative integer (optimiser steps), got "
-                             f"{self.routing_warmup!r}")
-        if self.routing_warmup_len is not None:
-            positive_int("routing_warmup_len", self.routing_warmup_len)
-        for name in ("shared_qk", "separate_routing", "routing_gate", "checkpointing"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.separate_routing and self.shared_qk:
-            raise ValueError("separate_routing=True routes queries and keys apart, which needs shared_qk=False")
-        if not isinstance(self.options, dict):
-            raise ValueError(f"options must be a mapping of kind name to its settings, got {self.options!r}")
-        for name, given in self.options.items():
-            if name not in KINDS:
-                raise ValueError(f"options: unknown kind {name!r}; registered: {', '.join(KINDS)}")
-            kind = KINDS[name]
-            if not kind.reads_config_options:
-                raise ValueError(f"options[{name!r}]: {name} heads take their settings from the config's own "
-                                 f"fields, not from options")
-            if not isinstance(given, dict):
-                raise ValueError(f"options[{name!r}] must be a mapping of field to value, got {given!r}")
-        check_kernel("kernel", self.kernel)
+        if not isinstance(self.checkpointing, bool):
+            raise ValueError(f"checkpointing must be true or false, got {self.checkpointing!r}")
+        self.options = self._read_options()
         check_backend(self.backend)
-        groups = self.head_groups()  # each kind validates the fields it reads
-        on_executor = [g for layer in groups for g in layer if g.kind.runs_on_executor(g.options)]
-        if self.backend != "auto" and not on_executor:
+        groups = [g for layer in self.head_groups() for g in layer]
+        if self.backend != "auto" and not any(g.kind.runs_on_executor(g.options) for g in groups):
             raise ValueError(f"backend={self.backend!r} would change nothing: no head of this model runs on an "
                              f"attention executor (linear, Performer and the poly2 / elu kernels compute "
                              f"their own way); leave backend='auto'")
-        for group in (g for layer in groups for g in layer):
-            if self.kernel != "exp" and not group.kind.reads_kernel:
-                users = ", ".join(k.name for k in KINDS.values() if k.reads_kernel)
-                raise ValueError(f"kernel={self.kernel!r} applies to {users} heads; {group.kind.name} heads use the "
-                                 f"exponential kernel only (kernel='exp')")
+        for group in groups:
             if self.positions == "relative" and not group.kind.supports_relative(group.options):
                 raise ValueError(f"positions='relative': {group.kind.name} heads do not support relative positions "
                                  f"({group.kind.describe_options(group.options)}); use positions='absolute' or "
                                  "'none'")
+
+    def _read_options(self) -> dict[str, Any]:
+        """``options`` as typed dataclasses per section: the sections of the kinds in use completed with the model's
+        defaults and checked against it, the others checked field by field."""
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a table of sections ({', '.join(sections())}), got {self.options!r}")
+        known = sections()
+        unknown = sorted(set(self.options) - set(known))
+        if unknown:
+            raise ValueError(f"options: unknown section(s) {unknown}; the registered kinds read "
+                             f"{', '.join(known)}")
+        used = {get_kind(name).options_key for spec in self.layer_specs() for name, _ in spec}
+        out = {}
+        for key, kind in known.items():
+            if key in used:
+                value = kind.resolve(self.options.get(key), self)
+            elif key in self.options:
+                value = kind.read_options(self.options[key])
+            else:
+                continue
+            if value is not None:
+                out[key] = value
+        return out
 
     def layer_specs(self) -> list[list[tuple[str, int]]]:
         """Per layer, the (mechanism, heads) groups."""
@@ -268,9 +287,9 @@ class TransformerConfig:
         raise ValueError(f"attention must be a spec string or a list of them (one per layer), got {self.attention!r}")
 
     def head_groups(self) -> list[list[HeadGroupSpec]]:
-        """Per layer, its groups of heads with their kinds and validated options."""
-        return [[HeadGroupSpec(kind, n, kind.resolve(self, n)) for kind, n in ((get_kind(name), n) for name, n in spec)]
-                for spec in self.layer_specs()]
+        """Per layer, its groups of heads with their kinds and options."""
+        return [[HeadGroupSpec(kind, n, self.options.get(kind.options_key))
+                 for kind, n in ((get_kind(name), n) for name, n in spec)] for spec in self.layer_specs()]
 
     def uses(self, mechanism: str) -> bool:
         """Whether some head of some layer uses ``mechanism``."""
@@ -309,13 +328,15 @@ class TransformerConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> TransformerConfig:
-        if "routing_probes" not in data:  # written before routing had probes, a bias and a warm-up: the rule then
-            data = {**LEGACY_ROUTING, **data}
+    def from_dict(cls, data: dict, *, saved: bool = False) -> TransformerConfig:
+        """A config from its fields (a configuration file's [model] table, a saved config.json). Old flat names
+        (``MOVED``) are moved into their sections; ``saved``: a config.json written before the move, which lists
+        every old field, so those that reach no kind of this model are dropped rather than refused."""
+        data = move_flat_fields(data, saved=saved)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(known | set(MOVED)))}")
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -330,7 +351,19 @@ class TransformerConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of config fields")
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(data, saved=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
 
+
+
+_dataclass_init = TransformerConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's constructor, accepting the old flat settings too (``move_flat_fields``)."""
+    _dataclass_init(self, *args, **move_flat_fields(kwargs))
+
+
+TransformerConfig.__init__ = _init  # type: ignore[method-assign]

@@ -14,7 +14,7 @@ class PositionEmbedding(nn.Module):
     """Embedding of positions 0 … seq_len - 1, added to the token embedding.
 
     'absolute': one learned vector per position. 'factorized': the sum of a row and a column embedding of the
-    position in a grid of width ``stride`` (text), or of a row, column and channel embedding for images of
+    position in a grid of width ``grid_width`` (text), or of a row, column and channel embedding for images of
     ``image_shape`` = (rows, columns, channels) in raster order. Initialised N(0, 0.125/sqrt(dim · n_emb)).
     """
 
@@ -28,9 +28,9 @@ class PositionEmbedding(nn.Module):
             sizes = [rows, cols, channels]
             self.limit = max(config.seq_len, rows * cols * channels)
         else:
-            sizes = [-(-config.seq_len // config.stride), config.stride]
+            sizes = [-(-config.seq_len // config.grid_width), config.grid_width]
         self.image_shape = config.image_shape if config.positions == "factorized" else None
-        self.stride = config.stride
+        self.stride = config.grid_width
         self.kind = config.positions
         self.tables = nn.ParameterList(
             nn.Parameter(torch.randn(size, config.dim) * 0.125 / math.sqrt(config.dim * len(sizes))) for size in sizes

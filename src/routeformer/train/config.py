@@ -1,8 +1,11 @@
 """Run configuration: a TOML file with a [model] table (TransformerConfig) and a [train] table (TrainConfig).
 
-``--set key=value`` overrides either table: ``key`` is a field name (unique across both tables) or
-``model.key`` / ``train.key``; ``value`` is read as TOML (``3e-4``, ``true``, ``"local:4,routing:4"``, ``[1, 2]``),
-and a bare word is read as a string. Unknown keys are an error that lists the valid ones.
+``--set key=value`` overrides either table: ``key`` is a field name (unique across both tables),
+``model.key`` / ``train.key``, or a kind's option ``options.<section>.<field>`` (``options.routing.window``; the
+[model.options.<section>] tables of the file); ``value`` is read as TOML (``3e-4``, ``true``, ``"local:4,routing:4"``,
+``[1, 2]``), and a bare word is read as a string. Unknown keys are an error that lists the valid ones. The old flat
+names of kinds' settings (``window``, ``routing_window``, ...: ``MOVED``) are still accepted and override the
+sections they moved to.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..model import TransformerConfig
+from ..model.config import MOVED, sections
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEDULES = ("cosine", "inverse_sqrt", "constant")
@@ -118,7 +122,8 @@ class RunConfig:
                 f"[train]\n{_table(asdict(self.train))}")
 
 
-FIELDS = {"model": {f.name for f in fields(TransformerConfig)}, "train": {f.name for f in fields(TrainConfig)}}
+FIELDS = {"model": {f.name for f in fields(TransformerConfig)} | set(MOVED),
+          "train": {f.name for f in fields(TrainConfig)}}
 assert not FIELDS["model"] & FIELDS["train"], "a bare --set key must name one field"
 
 
@@ -152,7 +157,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
             raise ValueError(f"{path}: unknown [{table}] keys {unknown}; valid keys: {valid}")
     for item in overrides or []:
         table, key, value = parse_override(item)
-        tables[table][key] = value
+        set_field(tables[table], key, value)
     for key, value in (extra or {}).items():
         if value is not None:
             tables["train"][key] = value
@@ -163,25 +168,63 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
 
 
 def parse_override(item: str) -> tuple[str, str, object]:
-    """'key=value' -> (table, key, value)."""
+    """'key=value' -> (table, key, value); a kind's option keeps its path: ('model', 'options.routing.window', 16)."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-    table, _, name = key.rpartition(".")
-    if table:
-        if table not in FIELDS or name not in FIELDS[table]:
-            raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
+    path = key.removeprefix("model.")
+    if path.startswith("options."):
+        check_option_path(path, f"--set {key}")
+        table, name = "model", path
     else:
-        tables = [t for t, names in FIELDS.items() if name in names]
-        if not tables:
-            raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
-        table = tables[0]
+        table, _, name = key.rpartition(".")
+        if table:
+            if table not in FIELDS or name not in FIELDS[table]:
+                raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
+        else:
+            tables = [t for t, names in FIELDS.items() if name in names]
+            if not tables:
+                raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
+            table = tables[0]
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word: a string
     return table, name, value
+
+
+def check_option_path(path: str, where: str) -> tuple[str, str]:
+    """'options.routing.window' -> ('routing', 'window'), checked against the registered kinds' options."""
+    parts = path.split(".")
+    known = sections()
+    if len(parts) != 3 or parts[1] not in known:
+        raise ValueError(f"{where}: a kind's option is options.<section>.<field>, sections: {', '.join(known)}")
+    kind = known[parts[1]]
+    names = [f.name for f in fields(kind.option_type) if f.init] if kind.option_type else []
+    if parts[2] not in names:
+        raise ValueError(f"{where}: options.{parts[1]} has no field {parts[2]!r}; fields: {', '.join(names) or 'none'}")
+    return parts[1], parts[2]
+
+
+def set_field(model_or_train: dict, key: str, value: object) -> None:
+    """Set ``key`` (a field, an old flat name or 'options.<section>.<field>') in a table, the later setting
+    winning over the other spelling of the same thing."""
+    table = model_or_train
+    if key.startswith("options."):
+        section, name = check_option_path(key, key)
+        for old, moved in MOVED.items():  # an old spelling of it given earlier yields
+            if (section, name) in moved.targets and old in table:
+                del table[old]
+        options = table.setdefault("options", {})
+        options.setdefault(section, {})[name] = value
+        return
+    if key in MOVED:  # the sections it moved to yield
+        for section, name in MOVED[key].targets:
+            section_table = (table.get("options") or {}).get(section)
+            if isinstance(section_table, dict):
+                section_table.pop(name, None)
+    table[key] = value
 
 
 def _valid_keys() -> str:
@@ -201,6 +244,7 @@ def _toml_value(value: object) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # an inline table, keys quoted
-        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, dict):  # an inline table, keys quoted; TOML has no null: a None is left out (its default)
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()
+                               if v is not None) + "}"
     raise ValueError(f"cannot write {value!r} to TOML")

@@ -1,6 +1,7 @@
 """What every head kind provides: a ``HeadGroup`` (the heads of a layer using the kind, with their forward, their
 decoding cache and their per-step hook) and a ``HeadKind`` (the registry entry: typed options read from the model
-config, the cost per query, whether keys are the queries, whether relative positions apply, how to build the group).
+config's ``options[section]``, the cost per query, whether keys are the queries, whether relative positions apply, how
+to build the group).
 
 A new kind is one file: a ``HeadGroup`` subclass and ``register_kind(HeadKind(...))`` (see ``registry.py``).
 """
@@ -217,15 +218,17 @@ class HeadKind:
             for its first ``steps`` optimiser steps the kind costs ``keys_per_query(n)`` instead, and asks to be
             trained on sequences of ``length`` (the trainers cut each batch into sequences that long; None: the
             model's).
-        options: (config, heads) -> the kind's typed options, validated (errors name the config field), or None.
-            ``heads``: this kind's heads in the layer. Default: ``option_type(**config.options[name])``.
-        option_type: the options dataclass read from ``TransformerConfig.options[name]`` when ``options`` is not
-            given (a user kind's own settings; its ``__post_init__`` validates them).
+        option_type: the kind's options dataclass, read from ``TransformerConfig.options[section]`` (a mapping of
+            field to value, or an instance); every field has a default, and its ``__post_init__`` checks what can
+            be checked without the model (errors name the field). None: the kind takes no options.
+        section: the key of ``TransformerConfig.options`` the kind reads (default: its name); kinds that are parts
+            of one mechanism share one (strided_a1 and strided_a2 read 'strided').
+        complete: (options, config) -> the options with the model's defaults filled in (None fields derived from
+            seq_len, head_dim, ...) and checked against the model (errors name ``options.<section>.<field>``);
+            the config stores what it returns. Default: the options as given.
         shares_qk: (options) -> whether the keys are the queries (the layer then projects no keys for it).
         relative_positions: whether the kind supports Shaw et al.'s relative positions (the config says so
             clearly when it does not); a bool, or (options) -> bool when it depends on them.
-        reads_kernel: whether the kind's heads use ``TransformerConfig.kernel`` (full, local); a config whose
-            kernel is not 'exp' is an error for every other kind, so that the setting is never ignored.
         executor: whether the heads run on an attention executor, so that ``TransformerConfig.backend`` chooses
             how they are computed; a bool, or (options) -> bool. Kinds with their own computation (linear,
             Performer, the poly2 / elu kernels) set False.
@@ -237,38 +240,54 @@ class HeadKind:
     build: Callable[[Any, int, int, int], HeadGroup]
     keys_per_query: Callable[[Any, int], float]
     warmup: Callable[[Any], Warmup] | None = None
-    options: Callable[[Any, int], Any] | None = None
     option_type: type | None = None
+    section: str = ""
+    complete: Callable[[Any, Any], Any] | None = None
     shares_qk: Callable[[Any], bool] | None = None
     relative_positions: bool | Callable[[Any], bool] = True
-    reads_kernel: bool = False
     executor: bool | Callable[[Any], bool] = True
     describe: Callable[[Any], str] | None = None
     summary: str = ""
 
     @property
-    def reads_config_options(self) -> bool:
-        """Whether the kind's settings come from ``TransformerConfig.options[name]`` (else from config fields)."""
-        return self.options is None
+    def options_key(self) -> str:
+        """Where its options live: ``TransformerConfig.options[options_key]``."""
+        return self.section or self.name
 
-    def resolve(self, config: Any, heads: int) -> Any:
-        """The typed, validated options of ``heads`` heads of this kind under ``config``."""
-        if self.options is not None:
-            return self.options(config, heads)
-        given = dict((getattr(config, "options", None) or {}).get(self.name, {}))
+    def read_options(self, given: Any) -> Any:
+        """``given`` (a mapping of field to value, an ``option_type`` instance or None) as the typed options,
+        checked by the dataclass; errors name ``options.<section>``'s fields."""
+        where = f"options.{self.options_key}"
         if self.option_type is None:
             if given:
-                raise ValueError(f"options[{self.name!r}]: {self.name} heads take no options, got {sorted(given)}")
+                raise ValueError(f"{where}: {self.name} heads take no options, got {given!r}")
             return None
-        names = {f.name for f in dataclasses.fields(self.option_type)}
+        if isinstance(given, self.option_type):
+            return given
+        if given is None:
+            given = {}
+        if not isinstance(given, dict):
+            raise ValueError(f"{where} must be a table of field = value, got {given!r}")
+        names = {f.name for f in dataclasses.fields(self.option_type) if f.init}
         unknown = sorted(set(given) - names)
         if unknown:
-            raise ValueError(f"options[{self.name!r}]: unknown field(s) {unknown}; {self.name} heads take "
+            raise ValueError(f"{where}: unknown field(s) {unknown}; {self.name} heads take "
                              f"{', '.join(sorted(names)) or 'none'}")
         try:
             return self.option_type(**given)
-        except TypeError as err:
-            raise ValueError(f"options[{self.name!r}]: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def resolve(self, given: Any, config: Any) -> Any:
+        """The typed options of this kind in a model described by ``config``, its defaults filled in and checked
+        against it (``complete``)."""
+        options = self.read_options(given)
+        if self.complete is None:
+            return options
+        try:
+            return self.complete(options, config)
+        except ValueError as err:
+            raise ValueError(f"options.{self.options_key}: {err}") from None
 
     def cost(self, options: Any, n: int, step: int | None = None) -> float:
         """Keys per query at context ``n``, at optimiser step ``step`` (None: after any warm-up)."""

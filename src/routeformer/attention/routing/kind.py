@@ -1,5 +1,5 @@
 """Routing heads (Roy et al. 2020): online spherical k-means routes each key to a cluster, and a query attends to
-the last `routing_window` keys of each cluster it probes (``routing/``).
+the last `window` keys of each cluster it probes (``routing/``).
 
 Decoding keeps a ring buffer of `window` keys per cluster, O(k·D + p·window·D) per token; during a dense warm-up it
 keeps every position, as full attention does. The k-means and bias step runs after each optimiser step
@@ -8,15 +8,19 @@ keeps every position, as full attention does. The k-means and bias step runs aft
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..checks import positive_int
 from ..executors import Backend, Executor, executor_for
 from ..kinds.base import HeadGroup, HeadKind, Warmup
-from ..kinds.common import within_seq_len
+from ..kinds.common import at_most_seq_len, boolean, non_negative_int
 from ..reference import reference_attention
 from .layer import RoutingAttention
 from .probes import probe_masks
@@ -24,17 +28,61 @@ from .probes import probe_masks
 
 @dataclass(frozen=True)
 class RoutingOptions:
-    num_clusters: int  # config.num_clusters: k
-    window: int  # config.routing_window: keys per query and probe
-    shared_qk: bool  # config.shared_qk
-    separate: bool  # config.separate_routing
-    decay: float  # config.kmeans_decay
-    commitment: float  # config.commitment
-    probes: int = 1  # config.routing_probes
-    balance: float = 0.0  # config.routing_balance
-    warmup: int = 0  # config.routing_warmup
-    warmup_len: int | None = None  # config.routing_warmup_len
-    gate: bool = False  # config.routing_gate
+    """options.routing.
+
+    Fields:
+        num_clusters: k; default round(sqrt(seq_len)).
+        window: keys per probed cluster; default seq_len // (num_clusters · probes), so that a query scores about
+            seq_len / k keys.
+        shared_qk: the heads use their queries as keys (the official text configurations).
+        separate: route queries by q and keys by k (needs shared_qk = false); see ``RoutingAttention``.
+        decay, commitment: the k-means EMA decay and the commitment loss's weight β.
+        probes: the clusters each query probes (p; it scores up to p · window keys). The paper's rule: 1, with
+            balance 0.
+        balance: the step of the bias that balances the clusters between optimiser steps (0: plain argmax).
+        warmup: optimiser steps of dense causal attention before the heads route (0: none; a warm-up is part of a
+            training recipe, as a learning-rate warm-up is; routing learns long-range retrieval only after one,
+            see the README's recall benchmark).
+        warmup_len: the sequence length the warm-up trains at (None: seq_len; it must divide seq_len): the
+            trainers cut each batch into sequences that long while the warm-up lasts.
+        gate: weigh each probed cluster by the query's softmax over its centroid scores.
+    """
+
+    num_clusters: int | None = None
+    window: int | None = None
+    shared_qk: bool = True
+    separate: bool = False
+    decay: float = 0.999
+    commitment: float = 1e-4
+    probes: int = 2
+    balance: float = 0.01
+    warmup: int = 0
+    warmup_len: int | None = None
+    gate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_clusters", "window", "warmup_len"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        positive_int("probes", self.probes)
+        for name in ("shared_qk", "separate", "gate"):
+            boolean(name, getattr(self, name))
+        if self.separate and self.shared_qk:
+            raise ValueError("separate = true routes queries and keys apart, which needs shared_qk = false")
+        if isinstance(self.decay, bool) or not (isinstance(self.decay, numbers.Real) and 0.0 <= self.decay < 1.0):
+            raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
+        if isinstance(self.commitment, bool) or not (isinstance(self.commitment, numbers.Real)
+                                                     and self.commitment >= 0):
+            raise ValueError(f"commitment must be non-negative, got {self.commitment!r}")
+        if isinstance(self.balance, bool) or not (isinstance(self.balance, numbers.Real)
+                                                  and 0.0 <= self.balance < math.inf):
+            raise ValueError(f"balance must be a non-negative number (0: no bias), got {self.balance!r}")
+        non_negative_int("warmup", self.warmup)
+
+
+def default_routing_window(seq_len: int, num_clusters: int, probes: int) -> int:
+    """Keys per probed cluster so that a routing query scores about seq_len / k keys over its probes."""
+    return max(1, seq_len // (num_clusters * probes))
 
 
 class RoutingHeads(HeadGroup):
@@ -122,25 +170,23 @@ class RoutingHeads(HeadGroup):
         return self.routing.decode(q, k, v, cache, rel_pos=rel_pos)
 
 
-def _options(config: Any, heads: int) -> RoutingOptions:
-    window = within_seq_len(config, "routing_window", "routing")
-    if config.num_clusters > config.seq_len:
-        raise ValueError(f"num_clusters ({config.num_clusters}) is larger than seq_len ({config.seq_len})")
-    if config.routing_probes > config.num_clusters:
-        raise ValueError(f"routing_probes ({config.routing_probes}) must be at most num_clusters "
-                         f"({config.num_clusters})")
-    length = config.routing_warmup_len
+def _complete(o: RoutingOptions, config: Any) -> RoutingOptions:
+    k = max(1, round(math.sqrt(config.seq_len))) if o.num_clusters is None else o.num_clusters
+    if k > config.seq_len:
+        raise ValueError(f"num_clusters ({k}) is larger than seq_len ({config.seq_len})")
+    if o.probes > k:
+        raise ValueError(f"probes ({o.probes}) must be at most num_clusters ({k})")
+    window = default_routing_window(config.seq_len, k, o.probes) if o.window is None else o.window
+    at_most_seq_len("window", window, config)
+    length = o.warmup_len
     if length is not None:
         if length > config.seq_len or config.seq_len % length:
-            raise ValueError(f"routing_warmup_len ({length}) must divide seq_len ({config.seq_len}): the warm-up "
-                             f"trains on each sequence cut into pieces that long")
+            raise ValueError(f"warmup_len ({length}) must divide seq_len ({config.seq_len}): the warm-up trains on "
+                             f"each sequence cut into pieces that long")
         # Without a warm-up it has nothing to set (as a learning-rate warm-up's settings with none): a configuration
-        # that ships a warm-up stays usable with `--set routing_warmup=0`, and the heads describe no warm-up.
-        length = length if config.routing_warmup else None
-    return RoutingOptions(config.num_clusters, window, config.shared_qk, config.separate_routing,
-                          config.kmeans_decay, config.commitment, probes=config.routing_probes,
-                          balance=config.routing_balance, warmup=config.routing_warmup, warmup_len=length,
-                          gate=config.routing_gate)
+        # that ships a warm-up stays usable with `--set options.routing.warmup=0`, and the heads describe none.
+        length = length if o.warmup else None
+    return dataclasses.replace(o, num_clusters=k, window=window, warmup_len=length)
 
 
 def _keys_per_query(o: RoutingOptions, n: int) -> float:
@@ -167,8 +213,9 @@ KIND = HeadKind(
     lambda o, heads, head_dim, seed: RoutingHeads(heads, head_dim, o, seed),
     keys_per_query=_keys_per_query,
     warmup=_warmup,
-    options=_options,
+    option_type=RoutingOptions,
+    complete=_complete,
     shares_qk=lambda o: o.shared_qk,
     describe=_describe,
-    summary="the last `routing_window` keys of each of the `routing_probes` k-means clusters the query probes",
+    summary="the last `window` keys of each of the `probes` k-means clusters the query probes",
 )
