@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from routeformer.data import prepare
 from routeformer.train import load_run_config
 from routeformer.train.config import TrainConfig, parse_override
 from routeformer.train.loop import budget_warning
-from routeformer.train.schedule import learning_rate
+from routeformer.train.schedule import TimeShare, learning_rate
 
 TINY = tiny_model_toml(depth=1) + """
 [train]
@@ -323,6 +324,37 @@ def test_learning_rate_schedules() -> None:
     assert learning_rate(60, planned) == pytest.approx(0.55)  # half-way through the planned decay, not at its end
     inv = TrainConfig(lr=1.0, min_lr=0.0, warmup_steps=100, schedule="inverse_sqrt")
     assert learning_rate(400, inv) == pytest.approx(0.5)
+    # the decay is at whichever share is further: the steps' or the time budget's
+    assert learning_rate(20, cos, time_share=0.5) == pytest.approx(0.55)
+    assert learning_rate(60, cos, time_share=0.1) == pytest.approx(0.55)
+    assert learning_rate(5, cos, time_share=0.9) == pytest.approx(0.5)  # the warm-up is in steps
+
+
+def test_the_time_share_of_the_decay() -> None:
+    from routeformer.train import TrainConfig
+
+    cos = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110, schedule="cosine", max_minutes=1.0)
+    share = TimeShare(cos, 100.0)
+    assert share.active and share.at(10, 30.0) == 0.0  # still warming up
+    assert share.at(11, 20.0) == 0.0  # the decay's time starts with the first step after the warm-up
+    assert share.at(12, 60.0) == pytest.approx(0.5) and share.at(13, 100.0) == 1.0 and share.at(14, 130.0) == 1.0
+    resumed = TimeShare(cos, 100.0, start=0.4)  # a resumed run decays the rest over its own budget
+    assert resumed.at(11, 0.0) == pytest.approx(0.4) and resumed.at(12, 50.0) == pytest.approx(0.7)
+    for other in (TimeShare(cos, float("inf")), TimeShare(replace(cos, decay_steps=200), 100.0),
+                  TimeShare(replace(cos, schedule="inverse_sqrt"), 100.0)):
+        assert not other.active and other.at(50, 90.0) == 0.0
+
+
+def test_a_run_its_time_budget_stops_still_anneals(setup, tmp_path) -> None:
+    run = tmp_path / "timed"
+    assert train(setup, run, "--max-steps", "100000", "--max-minutes", "0.05", "--set", "log_every=1",
+                 "--set", "eval_every=100000", "--set", "min_lr=1e-4") == 0
+    rows = metrics(run, "train")
+    lrs = [r["lr"] for r in rows if r["step"] > 2]  # after the 2-step warm-up
+    assert len(lrs) > 20, "too few steps to see the schedule"
+    assert lrs[0] > 0.9 * 3e-3 and all(b <= a for a, b in zip(lrs, lrs[1:], strict=False))
+    # 3 seconds of 100,000 planned steps: by steps alone the rate would barely have moved
+    assert lrs[-1] < 1e-4 + 0.02 * (3e-3 - 1e-4), lrs[-5:]
 
 
 def test_main_job_defaults_prepare_stdlib_on_first_use(tmp_path, capsys, monkeypatch) -> None:

@@ -30,7 +30,8 @@ def save_checkpoint(run_dir: Path, state: dict) -> None:
     atomic_write(run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
 
-STATE_KEYS = ("model", "optimizer", "scaler", "step", "best", "rng", "window")  # what ``Checkpointer.save`` writes
+# What ``Checkpointer.save`` writes, besides "time_share" (absent in older checkpoints: 0).
+STATE_KEYS = ("model", "optimizer", "scaler", "step", "best", "rng", "window")
 
 
 def first_line(err: BaseException) -> str:
@@ -58,18 +59,20 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict:
 @dataclass
 class Progress:
     """Where the run stands, beside its weights and optimizer: the last optimiser step taken, the best validation
-    loss so far, and the training loss summed since the last logged row (so a resumed run logs the same rows)."""
+    loss so far, the training loss summed since the last logged row (so a resumed run logs the same rows), and the
+    share of the cosine decay the time budgets have used (``schedule.TimeShare``; a resumed run goes on from it)."""
 
     step: int = 0
     best: float = math.inf
     window: dict = field(default_factory=lambda: {"loss": 0.0, "steps": 0})
+    time_share: float = 0.0
 
     @classmethod
     def of(cls, state: dict | None) -> Progress:
         """A checkpoint's progress, or a fresh start's (``state`` None)."""
         if state is None:
             return cls()
-        return cls(int(state["step"]), float(state["best"]), dict(state["window"]))
+        return cls(int(state["step"]), float(state["best"]), dict(state["window"]), float(state.get("time_share", 0.0)))
 
 
 class Checkpointer:
@@ -113,7 +116,7 @@ class Checkpointer:
             save_checkpoint(self.run_dir, {
                 "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optim_state,
                 "scaler": self.parallel.scaler.state_dict(), "step": progress.step, "best": progress.best,
-                "rng": rngs, "window": progress.window,
+                "rng": rngs, "window": progress.window, "time_share": progress.time_share,
             })
         self.save_weights(self.run_dir, model_state)
         if self.procs.distributed:

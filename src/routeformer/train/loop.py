@@ -24,7 +24,7 @@ from .config import TrainConfig
 from .evaluation import Validator, metric
 from .parallel import Parallelism
 from .rundir import RunDirectory
-from .schedule import learning_rate
+from .schedule import TimeShare, learning_rate
 from .signals import StopRequest
 
 SHORT_UNITS = {"bytes": "bpb", "words": "ppl", "images": "bpd"}
@@ -52,6 +52,7 @@ class Loop:
         self.model, self.core, self.optimizer, self.sampler = model, core, optimizer, sampler
         self.parallel, self.procs, self.progress = parallel, parallel.procs, progress
         self.directory, self.validator, self.checkpointer, self.stop = directory, validator, checkpointer, stop
+        self.lr = math.nan  # the learning rate of the last step
 
     def run(self, resume: bool) -> str:
         """Steps until max_steps, the time budget or a stop request; returns why it stopped: "max_steps", "time
@@ -71,23 +72,28 @@ class Loop:
         speed = math.nan
         checked = False  # whether the time budget was compared with max_steps yet
         stopped = "max_steps"
+        shares = TimeShare(cfg, budget, progress.time_share)
+        synced = 0.0  # seconds into the budget, the mean over ranks: every rank computes the same learning rate
         try:
             while progress.step < cfg.max_steps:
-                local_loss = self.step(progress.step + 1)
+                share = shares.at(progress.step + 1, synced)
+                local_loss = self.step(progress.step + 1, share)
                 progress.step += 1
+                progress.time_share = max(progress.time_share, share)
                 rate_steps += 1
                 elapsed = time.monotonic() - start_time
-                # One reduction a step: the mean loss, and whether some rank was asked to stop or ran out of time
-                # (so that every rank stops at the same step).
-                loss_sum, interrupted, out_of_time = distributed.sum_all(
-                    [local_loss, float(self.stop.requested), float(elapsed >= budget)], procs)
+                # One reduction a step: the mean loss, whether some rank was asked to stop or ran out of time (so
+                # that every rank stops at the same step), and the time used (so that every rank decays alike).
+                loss_sum, interrupted, out_of_time, elapsed_sum = distributed.sum_all(
+                    [local_loss, float(self.stop.requested), float(elapsed >= budget), elapsed], procs)
+                synced = elapsed_sum / procs.world
                 progress.window["loss"] += loss_sum / procs.world
                 progress.window["steps"] += 1
                 if progress.step % cfg.log_every == 0 or progress.step == cfg.max_steps:
                     mean = progress.window["loss"] / progress.window["steps"]
                     speed = rate_steps * tokens_per_step / max(time.monotonic() - rate_time, 1e-9)
                     self.directory.write({"step": progress.step, "split": "train", "loss": mean,
-                                          "value": metric(self.kind, mean), "lr": learning_rate(progress.step, cfg),
+                                          "value": metric(self.kind, mean), "lr": self.lr,
                                           "tokens_per_s": speed, "elapsed_s": elapsed})
                     shown = (f"loss {mean:.3f}, {SHORT_UNITS[self.kind]} {metric(self.kind, mean):.3f}, "
                              f"{speed:,.0f} tok/s, ")
@@ -130,10 +136,11 @@ class Loop:
             bar.close()
         return stopped
 
-    def step(self, step: int) -> float:
-        """Optimiser step ``step`` (1-based); returns this rank's mean loss (the caller averages ranks)."""
+    def step(self, step: int, time_share: float = 0.0) -> float:
+        """Optimiser step ``step`` (1-based) at the learning rate of the schedule with the time budget's share
+        ``time_share`` of the decay used; returns this rank's mean loss (the caller averages ranks)."""
         cfg = self.cfg
-        lr = learning_rate(step, cfg)
+        self.lr = lr = learning_rate(step, cfg, time_share)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -181,9 +188,10 @@ def budget_warning(cfg: TrainConfig, step: int, per_step: float, time_left: floa
     if not math.isfinite(time_left) or (cfg.max_steps - step) * per_step <= time_left:
         return None
     reach = step + int(time_left / per_step)
+    follows = (", so the cosine decay follows the time budget (it reaches min_lr when the time is up)"
+               if TimeShare(cfg, time_left).active else ", before the learning-rate schedule has decayed")
     return (f"at {per_step:.2f} s a step the time budget ({cfg.max_minutes:g} min) stops the run near step {reach:,} "
-            f"of max_steps {cfg.max_steps:,}, before the learning-rate schedule has decayed; lower max_steps or "
-            f"raise max_minutes")
+            f"of max_steps {cfg.max_steps:,}{follows}")
 
 
 def schedule_warnings(cfg: TrainConfig) -> list[str]:
