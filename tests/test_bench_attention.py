@@ -108,3 +108,44 @@ def test_the_flex_backend_runs_the_executor_rows_and_they_do_not_leak() -> None:
     for row in leaks(64, heads=2, head_dim=8, window=16, only=executor_rows, backend="flex"):
         if "(peer)" not in row["mechanism"]:
             assert row["leak"] is not None and row["leak"] < 1e-6, row
+
+
+# --- the roofline's useful work: each pattern's count of (query, key) pairs equals its mask's -------------------
+
+@pytest.mark.parametrize("n", [1, 37, 130, 300])
+def test_useful_pairs_are_the_masks_pairs(n: int) -> None:
+    from routeformer.attention.fixed import fixed_mask
+    from routeformer.attention.full import full_mask
+    from routeformer.attention.local import local_mask
+    from routeformer.attention.longformer import longformer_mask
+    from routeformer.attention.strided import strided_mask
+    from routeformer.bench import roofline as rf
+
+    def per_head(mask: torch.Tensor) -> float:
+        return mask.sum().item() / (mask.shape[0] if mask.dim() == 3 else 1)
+
+    assert rf.pairs_full(n) == per_head(full_mask(n))
+    for w in (1, 5, 64):
+        assert rf.pairs_local(n, w) == per_head(local_mask(n, w))
+    for stride in (1, 7, 32):
+        for merged in (True, False):
+            assert rf.pairs_strided(n, stride, merged) == per_head(strided_mask(n, stride, merged=merged, heads=2))
+    for block, summary in ((16, 4), (128, 8), (5, 5)):
+        assert rf.pairs_fixed(n, block, summary) == per_head(fixed_mask(n, block, summary))
+    for dilations, globals_ in (([1, 2], [0]), ([3], []), ([1, 1, 2, 2], [0])):
+        mask = longformer_mask(n, 9, dilations, globals_, causal=True, heads=len(dilations))
+        assert rf.pairs_longformer(n, 9, dilations, globals_) == per_head(mask)
+
+
+@pytest.mark.parametrize("probes", [1, 2])
+def test_useful_pairs_of_routing_are_its_masks_pairs(probes: int) -> None:
+    from routeformer.attention import RoutingAttention
+    from routeformer.bench import roofline as rf
+
+    torch.manual_seed(0)
+    layer = RoutingAttention(2, 8, 4, 5, causal=True, probes=probes, balance=0.0).eval()
+    q = torch.randn(2, 2, 50, 8)
+    routes = layer.routes(q, q)
+    mask = layer.routing_mask(q, q)  # (B, H, N, N): the dense definition
+    seen = rf.pairs_in_groups(routes.keys, routes.probes, 5, exclude_self=True)
+    assert seen == pytest.approx(mask.sum().item() / 4)

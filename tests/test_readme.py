@@ -111,7 +111,7 @@ def _tables(text: str) -> list[list[str]]:
 
 def _printed_headers() -> dict[tuple[str, str], list[str]]:
     """What each benchmark command prints as its table's header, keyed by its first two cells."""
-    from routeformer.bench import attention, model, recall, text
+    from routeformer.bench import attention, model, recall, roofline, text
 
     def header(table: str) -> list[str]:
         return [c.strip() for c in table.splitlines()[0].strip().strip("|").split("|")]
@@ -123,6 +123,8 @@ def _printed_headers() -> dict[tuple[str, str], list[str]]:
                                                                "inference_bytes": 1, "training_bytes": 1}])),
         ("N", "model"): header(model.training_table([{**base, "model": "full", "params": 1, "step_s": 1.0,
                                                       "tokens_per_s": 1.0, "bytes": 1, "flops_per_token": 1}])),
+        ("N", "roofline: mechanism"): header(roofline.roofline_table([{**base, "mechanism": "full", "fwd_bwd_s": 1.0,
+                                                                       "useful_flops": 1.0}], 1.0)),
         ("task", "attention"): list(recall.HEADERS),
         ("attention", "seq_len"): header(text.table([])),
     }

@@ -39,8 +39,9 @@ from ..attention import (
 from ..attention.executors import resolve_backend
 from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
-from ..attention.lsh import default_lsh_settings, lsh_rotations
+from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
+from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import PeakMemory, format_table, median_time, memory_trackable
 
@@ -55,6 +56,7 @@ class Candidate:
     peer_of: str | None = None  # the row of ours a peer is compared with: ``--only`` that name keeps the peer
     skip: str | None = None  # why it is not run at this length (printed in the note column)
     training_bytes: Callable[[Tensor], int] | None = None  # estimate for q: training is not run if over half free
+    useful: rf.Useful | None = None  # q -> the forward's useful FLOPs (``roofline.py``); None: not counted
 
 
 # Not run beyond this length: full-elu / full-poly2 (unfused O(N²) kernel attention) and linear-poly2 (F = 2145
@@ -89,36 +91,68 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                  f"not run at N > {KERNEL_ATTENTION_MAX_N}: exact O(N²) kernel attention, unfused")
     too_many_features = (None if n <= KERNEL_ATTENTION_MAX_N else
                          f"not run at N > {KERNEL_ATTENTION_MAX_N}: F={poly2} features, (B, H, N, F) feature maps")
+    def pairs(count: Callable[[int], float]) -> rf.Useful | None:  # causal rows only: the counts are causal
+        return (lambda q: rf.softmax_flops(count(q.shape[2]), q)) if causal else None
+
+    def routed_work(module: RoutingAttention) -> rf.Useful | None:
+        def useful(q: Tensor) -> float:
+            with torch.no_grad():
+                routes = module.routes(q, q)
+            B, H, N, D = q.shape
+            seen = rf.pairs_in_groups(routes.keys, routes.probes, module.window, exclude_self=True)
+            return rf.softmax_flops(seen, q) + 2.0 * D * module.num_clusters * B * H * N  # + the centroid scores
+        return useful if causal else None
+
+    def hashed_work(q: Tensor) -> float:
+        hashes = lsh_hash(q.detach(), rotations)  # (B, H, rounds, N)
+        B, H, R, N = hashes.shape
+        seen = sum(rf.pairs_in_groups(hashes[:, :, r], hashes[:, :, r, :, None], lsh_window, exclude_self=True)
+                   for r in range(R))  # a key two rounds share counts twice: an upper bound
+        return rf.softmax_flops(seen, q) + 2.0 * q.shape[-1] * (buckets // 2) * R * B * H * N
+
+    full_pairs, local_pairs = pairs(rf.pairs_full), pairs(lambda m: rf.pairs_local(m, window))
     found = [
-        Candidate("full", "SDPA", lambda q, k, v: full_attention(q, k, v, causal=causal)),
-        Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal, **ex)),
+        Candidate("full", "SDPA", lambda q, k, v: full_attention(q, k, v, causal=causal), useful=full_pairs),
+        Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal, **ex),
+                  useful=local_pairs),
         Candidate("local+rel", f"window={window}, clip={window}",
-                  lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel, **ex)),
+                  lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel, **ex),
+                  useful=local_pairs),
         Candidate("strided", f"stride={stride}, merged",
-                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, **ex)),
+                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, **ex),
+                  useful=pairs(lambda m: rf.pairs_strided(m, stride, merged=True))),
         Candidate("strided-split", f"stride={stride}, split",
-                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False, **ex)),
+                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False, **ex),
+                  useful=pairs(lambda m: rf.pairs_strided(m, stride, merged=False))),
         Candidate("fixed", "block=128, summary=8, merged",
-                  lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal, **ex)),
+                  lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal, **ex),
+                  useful=pairs(lambda m: rf.pairs_fixed(m, 128, 8))),
         Candidate("longformer", f"window={window}, dilation 1|2, global [0]",
-                  lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal, **ex)),
+                  lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal, **ex),
+                  useful=pairs(lambda m: rf.pairs_longformer(m, window, dilation, [0]))),
         Candidate("routing", f"k={clusters}, window={routed}, shared QK",
-                  lambda q, k, v: routing(q, q, v)),
+                  lambda q, k, v: routing(q, q, v), useful=routed_work(routing)),
         Candidate("routing-p2", f"k={clusters}, 2 probes × window={probed}, bias, shared QK",
-                  lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only"),
+                  lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only",
+                  useful=routed_work(probing) if probing is not None else None),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
                   lambda q, k, v: lsh_attention(q, v, buckets=buckets, rounds=2, window=lsh_window, causal=causal,
-                                                rotations=rotations, **ex)),
+                                                rotations=rotations, **ex), useful=hashed_work if causal else None),
         Candidate("linear", f"elu, F={head_dim}, chunk={default_chunk(head_dim)}",
-                  lambda q, k, v: linear_attention(q, k, v, causal=causal)),
+                  lambda q, k, v: linear_attention(q, k, v, causal=causal),
+                  useful=lambda q: rf.feature_flops(head_dim, q)),
         Candidate("linear-poly2", f"(1+s·q·k)², F={poly2}, chunk={default_chunk(poly2)}",
-                  lambda q, k, v: linear_attention(q, k, v, causal=causal, kernel="poly2"), skip=too_many_features),
+                  lambda q, k, v: linear_attention(q, k, v, causal=causal, kernel="poly2"), skip=too_many_features,
+                  useful=lambda q: rf.feature_flops(poly2, q)),
         Candidate("performer", f"m={features}, orthogonal per head, drawn once, chunk={default_chunk(features)}",
-                  lambda q, k, v: performer_attention(q, k, v, causal=causal, projection=projection)),
+                  lambda q, k, v: performer_attention(q, k, v, causal=causal, projection=projection),
+                  useful=lambda q: rf.feature_flops(features, q, projection=True)),
         Candidate("full-elu", "exact elu kernel, O(N²) blocks",
-                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="elu"), skip=quadratic),
+                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="elu"), skip=quadratic,
+                  useful=full_pairs),
         Candidate("full-poly2", "exact (1+s·q·k)², O(N²) blocks",
-                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="poly2"), skip=quadratic),
+                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="poly2"), skip=quadratic,
+                  useful=full_pairs),
     ]
     found += _flex_sliding(window, causal, device)
     found += _peers(n, window, causal, heads, head_dim, clusters, routed, buckets, lsh_window, features, device)
@@ -277,9 +311,10 @@ def run(
     ``leaks`` at N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows."""
     dev = torch.device(device)
     results: list[dict] = []
+    matmul = rf.matmul_gflops(dev, dtype)
     echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
          f"{'causal' if causal else 'non-causal'}, backend {resolve_backend(backend, dev)}, "
-         f"threads={torch.get_num_threads()}, median of {repeats}")
+         f"threads={torch.get_num_threads()}, median of {repeats}; dense matmul (2048³) {matmul:.0f} GFLOP/s")
     for n in ns:
         cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
         gen = torch.Generator(device="cpu").manual_seed(n)
@@ -288,6 +323,8 @@ def run(
         results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev, track)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))
+        echo("")
+        echo(rf.roofline_table([r for r in results if r["n"] == n], matmul))
     if len(ns) > 1:
         echo("")
         echo(memory_growth(results))
@@ -387,7 +424,8 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
     rows = []
     for i, c in enumerate(cands):
         row = {"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
-               "inference_bytes": None, "training_bytes": None, "note": c.skip or ""}
+               "inference_bytes": None, "training_bytes": None, "note": c.skip or "",
+               "useful_flops": c.useful(q.detach()) if c.useful is not None and not c.skip else None}
         rows.append(row)
         if c.skip:
             continue
