@@ -62,16 +62,24 @@ def orthogonal_features(heads: int, features: int, head_dim: int, *, generator: 
 
 
 def performer_features(x: Tensor, projection: Tensor, scale: float, *, query: bool) -> Tensor:
-    """φ(x): (B, H, N, D) -> (B, H, N, m) with the leak-free shifts of the module docstring. projection: (H, m, D)."""
+    """φ(x): (B, H, N, D) -> (B, H, N, m) with the leak-free shifts of the module docstring. projection: (H, m, D).
+
+    The exponent of every feature comes out of one matmul over x widened by constant columns (a key's
+    -|x|²/2 and each row's ±|w_r|²/2 - ln(m)/2 ride along), and the exponential is taken in place: two passes over
+    the (B, H, N, m) features instead of six."""
     w = projection.to(x.dtype)
-    x = x * math.sqrt(scale)
-    proj = torch.einsum("bhnd,hmd->bhnm", x, w)  # w_r·x
-    half_w = 0.5 * w.square().sum(-1)[None, :, None, :]  # (1, H, 1, m): |w_r|²/2
     m = w.shape[-2]
-    if query:
-        logits = proj + half_w
-        return torch.exp(logits - logits.amax(-1, keepdim=True).detach()) / math.sqrt(m)
-    return torch.exp(proj - half_w - 0.5 * x.square().sum(-1, keepdim=True)) / math.sqrt(m)
+    x = x * math.sqrt(scale)
+    half_w = 0.5 * w.square().sum(-1, keepdim=True)  # (H, m, 1): |w_r|²/2
+    ones = torch.ones_like(x[..., :1])
+    if query:  # w_r·x + |w_r|²/2, less its largest over r (per query: cancels in the ratio) and ln(m)/2
+        logits = torch.cat([x, ones], -1) @ torch.cat([w, half_w], -1).transpose(-1, -2)  # (B, H, N, m)
+        shift = logits.detach().amax(-1, keepdim=True) + 0.5 * math.log(m)
+        return logits.sub_(shift).exp_()
+    # w_r·x - |w_r|²/2 - |x|²/2 - ln(m)/2 <= -ln(m)/2: nothing to stabilise, nothing that depends on another position
+    widened = torch.cat([x, ones, -0.5 * x.square().sum(-1, keepdim=True)], -1)  # (B, H, N, D + 2)
+    rows = torch.cat([w, -half_w - 0.5 * math.log(m), torch.ones_like(half_w)], -1)  # (H, m, D + 2)
+    return (widened @ rows.transpose(-1, -2)).exp_()
 
 
 def performer_attention(
