@@ -123,6 +123,8 @@ def _printed_headers() -> dict[tuple[str, str], list[str]]:
                                                                "inference_bytes": 1, "training_bytes": 1}])),
         ("N", "model"): header(model.training_table([{**base, "model": "full", "params": 1, "step_s": 1.0,
                                                       "tokens_per_s": 1.0, "bytes": 1, "flops_per_token": 1}])),
+        ("N", "breakdown: model"): header(model.breakdown_table([{**base, "model": "full", "step_s": 1.0,
+                                                                  "parts": dict.fromkeys(model.PARTS, 0.1)}])),
         ("N", "roofline: mechanism"): header(roofline.roofline_table([{**base, "mechanism": "full", "fwd_bwd_s": 1.0,
                                                                        "useful_flops": 1.0}], 1.0)),
         ("task", "attention"): list(recall.HEADERS),

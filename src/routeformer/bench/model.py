@@ -4,7 +4,9 @@
 
 Models that differ only in their attention: by default all heads full, all heads local, half local and half routing
 (``attentions``: any specs of registered kinds; the first is the baseline).
-Training: tokens per second of a whole step (forward, backward, AdamW step, k-means update) and its peak memory.
+Training: tokens per second of a whole step (forward, backward, AdamW step, k-means update) and its peak memory,
+and where a step's time goes (``breakdown``: each component's forward and backward timed alone on the inputs it
+gets in the step).
 Generation: milliseconds per new token after a prompt of 1k, 4k and 16k tokens (relative positions, so positions
 past the training length are fine): local and routing heads keep bounded caches and should stay flat.
 """
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..attention.executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
@@ -88,9 +91,12 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
             train_rows.append({"n": n, "model": name, "baseline": i == 0,
                                "params": model.num_parameters(), "step_s": seconds,
                                "tokens_per_s": batch * n / seconds, "bytes": peak_bytes,
-                               "flops_per_token": model.flops_per_token()})
+                               "flops_per_token": model.flops_per_token(),
+                               "parts": breakdown(model, opt, tokens, repeats, dev)})
     echo("")
     echo(training_table(train_rows))
+    echo("")
+    echo(breakdown_table(train_rows))
 
     gen_rows: list[dict] = []
     for name, config in model_configs(max(ns), dim, depth, heads, window, attentions, backend).items():
@@ -103,6 +109,68 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
     echo("")
     echo(generation_table(gen_rows, positions))
     return {"training": train_rows, "generation": gen_rows}
+
+
+PARTS = ("attention", "feed-forward", "embedding, logits, loss", "optimiser", "per-step hooks")
+
+
+def breakdown(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.Tensor, repeats: int,
+              dev: torch.device) -> dict[str, float]:
+    """Seconds of each part of a training step (``PARTS``), each timed alone (median of ``repeats``): the attention
+    layers (projections, heads, positions) and the feed-forward layers forward + backward on the inputs they get in
+    the step, summed over the blocks; the token embedding, final norm, logits and cross-entropy forward + backward;
+    the AdamW step; the heads' per-step hooks (routing's k-means update). What a whole step takes beyond their sum
+    (residual adds, the blocks' norms, autograd's bookkeeping) is the table's 'other'."""
+    inputs: dict[nn.Module, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: tuple) -> None:
+        inputs[module] = args[0].detach()
+
+    parts = [m for block in model.blocks for m in (block.attention, block.ff)]
+    hooks = [m.register_forward_pre_hook(keep) for m in parts + [model.norm]]
+    train_step(model, opt, tokens)()
+    for hook in hooks:
+        hook.remove()
+
+    def fwd_bwd(module: nn.Module) -> Callable[[], None]:
+        x = inputs[module].clone().requires_grad_(True)
+
+        def call() -> None:
+            out = module(x)
+            if isinstance(out, tuple):  # attention: (output, auxiliary loss or None)
+                out, aux = out
+                loss = out.square().mean() + (aux if aux is not None else 0)
+            else:
+                loss = out.square().mean()
+            loss.backward()
+        return call
+
+    def ends() -> None:
+        x = model.embed(tokens[:, :-1])
+        h = inputs[model.norm].clone().requires_grad_(True)
+        logits = model.head(model.norm(h))
+        (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + x.square().mean()).backward()
+
+    def seconds(fn: Callable[[], None]) -> float:
+        return median_time(fn, repeats, dev)
+
+    out = {"attention": sum(seconds(fwd_bwd(block.attention)) for block in model.blocks),
+           "feed-forward": sum(seconds(fwd_bwd(block.ff)) for block in model.blocks),
+           "embedding, logits, loss": seconds(ends),
+           "optimiser": seconds(opt.step), "per-step hooks": seconds(model.after_optimizer_step)}
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """Milliseconds per step of each part (``breakdown``), the rest of the step ('other') and the whole step."""
+    def ms(t: float) -> str:
+        return f"{t * 1e3:.1f}"
+
+    return format_table(
+        ["N", "breakdown: model", *(f"{p} ms" for p in PARTS), "other ms", "step ms"],
+        [[r["n"], r["model"], *(f"{ms(r['parts'][p])} ({r['parts'][p] / r['step_s']:.0%})" for p in PARTS),
+          ms(r["step_s"] - sum(r["parts"].values())), ms(r["step_s"])] for r in rows])
 
 
 @torch.no_grad()
