@@ -146,3 +146,17 @@ def test_corrupt_config_file_names_the_file(tmp_path) -> None:
     path.write_text("{not json")
     with pytest.raises(ValueError, match=str(path)):
         TransformerConfig.load(path)
+
+
+@pytest.mark.parametrize("attention, positions", [
+    ("full", "relative"), ("local", "relative"), ("routing", "relative"), ("strided_a1:4,strided_a2:4", "relative"),
+    ("fixed", "relative"), ("longformer", "relative"), ("lsh", "none"), ("linear", "none"),
+    ("performer", "absolute"), ("local:4,routing:4", "factorized"),
+])
+def test_every_kinds_completed_options_survive_config_json(tmp_path, attention: str, positions: str) -> None:
+    options = {"longformer": {"dilation": [1, 2] * 4, "global_tokens": [0, 3]}} if attention == "longformer" else {}
+    c = TransformerConfig(dim=64, heads=8, seq_len=256, attention=attention, positions=positions, options=options)
+    c.save(tmp_path / "config.json")
+    loaded = TransformerConfig.load(tmp_path / "config.json")
+    assert loaded == c and loaded.describe_heads() == c.describe_heads()
+    assert json.loads((tmp_path / "config.json").read_text())["options"]  # the filled-in defaults are written
