@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(tr)
     _add_out(tr, "run directory (default runs/<data>-<date>-<time>)")
     tr.add_argument("--max-steps", type=_positive, metavar="S",
-                    help="train to optimiser step S (counted from the run's start; the cosine decay ends there "
-                    "unless decay_steps is set)")
+                    help="train to optimiser step S (counted from the run's start; the cosine decay ends there, or "
+                    "when the time budget runs out first, unless decay_steps is set)")
     tr.add_argument("--max-minutes", type=_positive_float, metavar="M",
                     help="stop after M minutes of this invocation (then evaluate and save)")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint (only "

@@ -1,11 +1,12 @@
 """How far each attention row is from the machine's limit: useful FLOPs per second beside measured matmul speed.
 
 Useful FLOPs are the work the definition needs, not what an implementation spends: for softmax patterns 4·D per
-(query, key) pair the query sees (its score and its share of the weighted sum, 2·D each), counted exactly for the
-fixed patterns and from the actual clusters or buckets for routing and LSH (plus the routing scores against the k
-centroids, or the hash projections); for linear attention and Performer the feature maps, the state each token adds
-and the read-out (4·F·D + 4·F per token, plus Performer's 4·m·D projections). Padded tiles, masked entries and
-recomputation are not useful work. The backward pass counts twice the forward (``FWD_BWD``), as for a matmul.
+(query, key) pair the query sees (its score and its share of the weighted sum, 2·D each; the counts are causal,
+non-causal softmax rows show n/a), counted exactly for the fixed patterns and from the actual clusters or buckets
+for routing and LSH (plus the routing scores against the k centroids, or the hash projections); for linear attention
+and Performer the feature maps, the state each token adds and the read-out (4·F·D + 4·F per token, plus Performer's
+4·m·D projections). Padded tiles, masked entries and recomputation are not useful work. The backward pass counts
+twice the forward (``FWD_BWD``), as for a matmul.
 
 The roofline is this machine's dense matmul (2048³, the benchmark's dtype) measured in the same run; a row's
 distance from it is matmul GFLOP/s / its useful GFLOP/s.
@@ -95,8 +96,8 @@ def pairs_longformer(n: int, window: int, dilations: Sequence[int], global_token
 def pairs_in_groups(groups: Tensor, probes: Tensor, window: int, exclude_self: bool) -> float:
     """Per head, averaged: each query sees the last ``window`` keys j <= i of each group it probes; groups (B, H, N)
     each key's group, probes (B, H, N, p) each query's groups (its own first when ``exclude_self``, where its own
-    key is left out unless it sees nothing else). Counts overlapping probes twice (distinct groups do not
-    overlap)."""
+    key is left out unless it sees nothing else). A query's probes are distinct groups, so no key counts twice;
+    summing over LSH's rounds does count a key two rounds share twice (an upper bound)."""
     B, H, N = groups.shape
     count = F.one_hot(groups, int(max(groups.max(), probes.max())) + 1).cumsum(2)  # (B, H, N, G): keys j <= i
     seen = count.gather(-1, probes).clamp(max=window).sum(-1).double()  # (B, H, N)

@@ -114,7 +114,6 @@ def move_flat_fields(data: dict, *, saved: bool = False) -> dict:
     return data
 
 
-
 def parse_attention(spec: str, heads: int, where: str = "attention") -> list[tuple[str, int]]:
     """'local:4,routing:4' -> [('local', 4), ('routing', 4)]; a single name means every head. Names are the
     registered head kinds (``attention.registry.KINDS``)."""
@@ -330,8 +329,8 @@ class TransformerConfig:
     @classmethod
     def from_dict(cls, data: dict, *, saved: bool = False) -> TransformerConfig:
         """A config from its fields (a configuration file's [model] table, a saved config.json). Old flat names
-        (``MOVED``) are moved into their sections; ``saved``: a config.json written before the move, which lists
-        every old field, so those that reach no kind of this model are dropped rather than refused."""
+        (``MOVED``) are moved into their sections (``move_flat_fields``); ``saved``: the fields of a saved
+        config.json, where a file without ``routing_probes`` predates routing's probes, bias and warm-up."""
         data = move_flat_fields(data, saved=saved)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

@@ -36,7 +36,8 @@ class TrainConfig:
     batch_size is the number of sequences per optimiser step over all processes; each process runs
     batch_size / (processes · grad_accum) sequences per forward. The learning rate warms up linearly over
     warmup_steps, then decays (cosine to min_lr at decay_steps, or as 1/sqrt(step)). decay_steps = 0 means
-    max_steps; set it to plan a longer schedule than this invocation runs (stop early, resume later). max_minutes
+    max_steps, or the time budget when that stops the run first (``schedule.TimeShare``); set it to plan the decay
+    in steps alone (a longer schedule than this invocation runs, to stop early and resume later). max_minutes
     bounds the wall time of each invocation (a resumed run gets its own budget).
     """
 
@@ -200,8 +201,7 @@ def check_option_path(path: str, where: str) -> tuple[str, str]:
     known = sections()
     if len(parts) != 3 or parts[1] not in known:
         raise ValueError(f"{where}: a kind's option is options.<section>.<field>, sections: {', '.join(known)}")
-    kind = known[parts[1]]
-    names = [f.name for f in fields(kind.option_type) if f.init] if kind.option_type else []
+    names = known[parts[1]].option_fields
     if parts[2] not in names:
         raise ValueError(f"{where}: options.{parts[1]} has no field {parts[2]!r}; fields: {', '.join(names) or 'none'}")
     return parts[1], parts[2]

@@ -189,7 +189,7 @@ def budget_warning(cfg: TrainConfig, step: int, per_step: float, time_left: floa
         return None
     reach = step + int(time_left / per_step)
     follows = (", so the cosine decay follows the time budget (it reaches min_lr when the time is up)"
-               if TimeShare(cfg, time_left).active else ", before the learning-rate schedule has decayed")
+               if TimeShare.applies(cfg, time_left) else ", before the learning-rate schedule has decayed")
     return (f"at {per_step:.2f} s a step the time budget ({cfg.max_minutes:g} min) stops the run near step {reach:,} "
             f"of max_steps {cfg.max_steps:,}{follows}")
 

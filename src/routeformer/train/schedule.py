@@ -36,9 +36,14 @@ class TimeShare:
     cosine, and when ``decay_steps`` plans the decay in steps explicitly."""
 
     def __init__(self, train: TrainConfig, budget_s: float, start: float = 0.0) -> None:
-        self.active = train.schedule == "cosine" and not train.decay_steps and math.isfinite(budget_s)
+        self.active = self.applies(train, budget_s)
         self.warm, self.budget, self.start = train.warmup_steps, budget_s, min(1.0, max(0.0, start))
         self.began: float | None = None  # elapsed seconds when this invocation's first step after the warm-up began
+
+    @staticmethod
+    def applies(train: TrainConfig, budget_s: float) -> bool:
+        """Whether the decay follows a time budget of ``budget_s`` seconds under ``train``."""
+        return train.schedule == "cosine" and not train.decay_steps and math.isfinite(budget_s)
 
     def at(self, step: int, elapsed: float) -> float:
         """The share at optimiser step ``step`` (1-based), which begins ``elapsed`` seconds into the budget."""

@@ -254,6 +254,11 @@ class HeadKind:
         """Where its options live: ``TransformerConfig.options[options_key]``."""
         return self.section or self.name
 
+    @property
+    def option_fields(self) -> list[str]:
+        """The fields a section of this kind may set (its options dataclass's constructor fields)."""
+        return [f.name for f in dataclasses.fields(self.option_type) if f.init] if self.option_type else []
+
     def read_options(self, given: Any) -> Any:
         """``given`` (a mapping of field to value, an ``option_type`` instance or None) as the typed options,
         checked by the dataclass; errors name ``options.<section>``'s fields."""
@@ -268,8 +273,8 @@ class HeadKind:
             given = {}
         if not isinstance(given, dict):
             raise ValueError(f"{where} must be a table of field = value, got {given!r}")
-        names = {f.name for f in dataclasses.fields(self.option_type) if f.init}
-        unknown = sorted(set(given) - names)
+        names = self.option_fields
+        unknown = sorted(set(given) - set(names))
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; {self.name} heads take "
                              f"{', '.join(sorted(names)) or 'none'}")
