@@ -20,13 +20,14 @@ from routeformer.attention.executors import (
 from routeformer.attention.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 
-def test_auto_is_flex_on_cuda_and_tiles_elsewhere_and_unknown_names_are_listed() -> None:
+def test_auto_is_flex_on_cuda_and_fused_on_the_cpu_and_unknown_names_are_listed() -> None:
     assert resolve_backend("auto", "cuda") == "flex" and resolve_backend("auto", torch.device("cuda", 0)) == "flex"
-    assert resolve_backend("auto", "cpu") == "tiles" and resolve_backend("auto", None) == "tiles"
+    assert resolve_backend("auto", "cpu") == "fused" and resolve_backend("auto", None) == "fused"
+    assert resolve_backend("auto", "meta") == "tiles"
     assert resolve_backend("flex", "cpu") == "flex" and resolve_backend("tiles", "cuda") == "tiles"
-    assert get_executor() is EXECUTORS["tiles"] and get_executor("flex", "cpu") is EXECUTORS["flex"]
-    with pytest.raises(ValueError, match=r"^unknown attention backend 'fused'; known: auto, tiles, flex$"):
-        get_executor("fused")
+    assert get_executor() is EXECUTORS["fused"] and get_executor("flex", "cpu") is EXECUTORS["flex"]
+    with pytest.raises(ValueError, match=r"^unknown attention backend 'triton'; known: auto, fused, tiles, flex$"):
+        get_executor("triton")
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
         local_attention(q, k, v, 3, backend="cuda")
@@ -57,8 +58,9 @@ def test_patterns_call_the_executor_their_backend_names() -> None:
     spy = Executor("spy", counted)
     q, k, v = rand_qkv(1, 2, 40, 8, grad=False)
     routing = RoutingAttention(2, 8, 3, 6).double()
-    want = [local_attention(q, k, v, 5), fixed_attention(q, k, v, 8, 2), longformer_attention(q, k, v, 4, 1, [0]),
-            routing(q, q, v)]
+    routing.backend = "tiles"
+    want = [local_attention(q, k, v, 5, backend="tiles"), fixed_attention(q, k, v, 8, 2, backend="tiles"),
+            longformer_attention(q, k, v, 4, 1, [0], backend="tiles"), routing(q, q, v)]
     register_executor("spy", spy)
     try:
         routing.backend = "spy"
@@ -159,19 +161,19 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
     q, k, v = rand_qkv(1, 2, 16, 4, grad=False)
     bias = torch.zeros(1, 1, 1, 16, 16, dtype=q.dtype)
     with pytest.raises(ValueError, match=r"the 'flex' executor does not support bias with relative positions; "
-                                         r"'tiles' does"):
+                                         r"'fused' and 'tiles' do"):
         get_executor("flex").tiled(q, k, v, Tiling.dense(16), scale=1.0, bias=bias, rel_pos=rand_rel(4, 3),
                                    distances=INDEX)
-    with pytest.raises(ValueError, match=r"does not support bias, bias with exclude_self; 'tiles' does"):
+    with pytest.raises(ValueError, match=r"does not support bias, bias with exclude_self; 'fused' and 'tiles' do"):
         Executor("partial", get_executor("flex").run, frozenset({"exclude_self"})).tiled(
             q, k, v, Tiling.dense(16), scale=1.0, bias=bias, restrict=KeyRestrictions(exclude_self=True))
     plain = Executor("plain", get_executor("tiles").run, frozenset({"tile_mask"}))
-    with pytest.raises(ValueError, match="the 'plain' executor does not support groups, exclude_self; 'tiles', "
-                                         "'flex' does"):
+    with pytest.raises(ValueError, match="the 'plain' executor does not support groups, exclude_self; 'fused', "
+                                         "'tiles' and 'flex' do"):
         plain.band(q, k, v, window=3, causal=True, scale=1.0,
                    restrict=KeyRestrictions(groups=torch.zeros(1, 2, 16, dtype=torch.long), exclude_self=True))
     out, _ = plain.band(q, k, v, window=3, causal=True, scale=1.0)  # what it supports runs
-    assert torch.equal(out, local_attention(q, k, v, 3, scale=1.0))
+    assert torch.equal(out, local_attention(q, k, v, 3, scale=1.0, backend="tiles"))
 
 
 def test_a_row_left_empty_by_the_range_of_the_last_block_is_zero_with_lse_neg_inf() -> None:

@@ -5,17 +5,24 @@ sees and builds that from a few pieces; an executor computes the pieces without 
 function takes ``backend`` (as do the head modules and ``TransformerConfig``) and calls
 ``get_executor(backend, q.device)``:
 
-- ``"tiles"`` (``tiles/``): blocked PyTorch with a fused custom operator; runs everywhere, the default off CUDA.
+- ``"fused"`` (``fused/``): C++ CPU kernels compiled at first use, masks computed from the values inside the
+  kernel, an online softmax, and a backward that recomputes the probabilities (it keeps O(N · D) per head); the
+  default on the CPU. It hands what it does not run (other devices, dtypes other than float32/float64, or every call
+  when it cannot be built: a warning says so once) to the tiles executor.
+- ``"tiles"`` (``tiles/``): blocked PyTorch with a fused custom operator; runs everywhere.
 - ``"flex"`` (``flex/``): FlexAttention, compiled, one fused kernel per piece with a block-sparse ``BlockMask``;
   the default on CUDA. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
-- ``"auto"``: ``"flex"`` on CUDA, ``"tiles"`` elsewhere.
+- ``"auto"``: ``"flex"`` on CUDA, ``"fused"`` on the CPU (``"tiles"`` where it cannot be built), ``"tiles"``
+  elsewhere.
 
 ``register_executor`` adds another by name. An executor has one operation, ``tiled``, which takes (B, H, N, D)
 queries, keys and values and values that describe the rest (``tiling.py``): a ``Tiling`` (blocks, neighbouring
 blocks, static and per-tile masks), ``KeyRestrictions`` (groups, the query's own key), ``Distances`` for relative
 positions (unit offsets, explicit deltas or positions) and an optional additive ``bias``; it checks them, refuses
 what the executor does not support (``supports``, out of ``FEATURES``) with an error that says which executor
-does, and returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no key, and lse (B, H, N) or None
+does. A tiling's sequence order (``Tiling.order``) and labelled pairs (``KeyRestrictions.labels``) work on
+every executor: one that does not read them natively gets the permuted sequence and a tile mask (``LOWERED``). It
+returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no key, and lse (B, H, N) or None
 (``need_lse=False``), in float32 or wider, exactly ``neg_inf(lse.dtype)`` for a row that sees no key;
 ``merge_partials`` combines parts over disjoint key sets exactly on that convention. The band, block diagonal,
 key subsets and ranges are built on ``tiled``, the same for every executor.
@@ -23,6 +30,7 @@ key subsets and ranges are built on ``tiled``, the same for every executor.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,13 +38,16 @@ import torch
 from torch import Tensor
 
 from . import flex
+from .fused import executor as fused
+from .lowering import in_order, labels_as_mask
 from .ranges import range_attention
 from .relative import RelativePositions
 from .tiles import lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 FEATURES = ("rows", "tile_mask", "groups", "exclude_self", "distances.delta", "distances.positions", "bias",
-            "bias with relative positions", "bias with exclude_self")
+            "bias with relative positions", "bias with exclude_self", "order", "labels")
+LOWERED = frozenset({"order", "labels"})  # features Executor.tiled turns into others for executors without them
 
 
 def _features(tiling: Tiling, restrict: KeyRestrictions | None, rel_pos: RelativePositions | None,
@@ -50,6 +61,7 @@ def _features(tiling: Tiling, restrict: KeyRestrictions | None, rel_pos: Relativ
         ("distances.positions", rel_pos is not None and distances.positions is not None),
         ("bias", bias is not None), ("bias with relative positions", bias is not None and rel_pos is not None),
         ("bias with exclude_self", bias is not None and restrict is not None and restrict.exclude_self),
+        ("order", tiling.order is not None), ("labels", restrict is not None and restrict.labels is not None),
     ) if used]
     return asked
 
@@ -65,7 +77,8 @@ class Executor:
 
     name: str
     run: Callable
-    supports: frozenset[str] = frozenset(FEATURES)
+    supports: frozenset[str] = frozenset(FEATURES) - LOWERED  # order and labels: lowered unless declared
+    ranges_run: Callable | None = None  # its own ``ranges``, returning None for a call it hands back
 
     def tiled(self, q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float,
               key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
@@ -102,23 +115,32 @@ class Executor:
             if bias.requires_grad:
                 raise ValueError("bias takes no gradient: pass it detached")
         tiling.check(Nq, Nk, restrict, distances)
+        if tiling.order is not None and "order" not in self.supports:  # the permuted sequence, and back
+            return in_order(self.tiled, q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict,
+                            rel_pos=rel_pos, distances=distances, bias=bias, need_lse=need_lse)
+        if restrict is not None and restrict.labels is not None and "labels" not in self.supports:
+            tiling, restrict = labels_as_mask(tiling, restrict)
         missing = [f for f in _features(tiling, restrict, rel_pos, distances, bias) if f not in self.supports]
         if missing:
-            others = [name for name, ex in EXECUTORS.items() if all(f in ex.supports for f in missing)]
+            others = [repr(name) for name, ex in EXECUTORS.items() if all(f in ex.supports for f in missing)]
+            who = " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
             raise ValueError(f"the {self.name!r} executor does not support {', '.join(missing)}"
-                             + (f"; {', '.join(repr(o) for o in others)} does" if others else ""))
+                             + (f"; {who} {'does' if len(others) == 1 else 'do'}" if others else ""))
         return self.run(q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict, rel_pos=rel_pos,
                         distances=distances, bias=bias, need_lse=need_lse)
 
     def band(self, q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, scale: float,
              key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
              rel_pos: RelativePositions | None = None, distances: Distances = INDEX,
-             need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Sliding window over the sequence order of q, k, v: causal i - window < j <= i, else |i - j| < window
-        (``Tiling.band``). q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time
-        O(N · window · D), memory O(N · window)."""
-        return self.tiled(q, k, v, Tiling.band(window, q.shape[2], causal), scale=scale, key_valid=key_valid,
-                          restrict=restrict, rel_pos=rel_pos, distances=distances, need_lse=need_lse)
+             need_lse: bool = False, order: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Sliding window over the sequence order of q, k, v (or over q[order], k[order], v[order]: see
+        ``Tiling.order``): causal i - window < j <= i, else |i - j| < window (``Tiling.band``). q, k, v:
+        (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time O(N · window · D), memory O(N · window)."""
+        tiling = Tiling.band(window, q.shape[2], causal)
+        if order is not None:
+            tiling = dataclasses.replace(tiling, order=order)
+        return self.tiled(q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict, rel_pos=rel_pos,
+                          distances=distances, need_lse=need_lse)
 
     def block_diagonal(self, q: Tensor, k: Tensor, v: Tensor, block: int, *, causal: bool, scale: float,
                        key_valid: Tensor | None, rel_pos: RelativePositions | None,
@@ -154,17 +176,30 @@ class Executor:
     def ranges(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
                merge: int = 1, **options) -> tuple[Tensor, Tensor | None]:
         """Each query entry against its own contiguous range of keys [lo, hi) (at most ``width`` keys), the
-        ``merge`` entries of a query row as one softmax: tiles of entries per stretch of keys, each a tile of
-        ``tiled`` (``ranges.range_attention``, which documents the options: key order, validity, positions for
-        relative distances)."""
+        ``merge`` entries of a query row as one softmax (``ranges.range_attention`` documents the options: key
+        order, validity, positions for relative distances). An executor with its own ``ranges_run`` computes it
+        there (the fused one: ranges tested and keys gathered inside the kernel); else tiles of entries per stretch
+        of keys, each a tile of ``tiled``."""
+        if self.ranges_run is not None:
+            done = self.ranges_run(q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
+            if done is not None:
+                return done
+            return range_attention(EXECUTORS["tiles"], q, k, v, lo, hi, width=width, scale=scale, merge=merge,
+                                   **options)
         return range_attention(self, q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
+
+    @property
+    def native_ranges(self) -> bool:
+        """Whether ``ranges`` is computed by the executor itself (no tile masks built in PyTorch)."""
+        return self.ranges_run is not None
 
 
 EXECUTORS: dict[str, Executor] = {
+    "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES), ranges_run=fused.fused_ranges),
     "tiles": Executor("tiles", tiled_attention),
     # the relative value pass and the own-key fallback recompute scores without the bias
     "flex": Executor("flex", flex.tiled,
-                     frozenset(FEATURES) - {"bias with relative positions", "bias with exclude_self"}),
+                     frozenset(FEATURES) - LOWERED - {"bias with relative positions", "bias with exclude_self"}),
 }
 
 
@@ -180,12 +215,16 @@ def check_backend(name: Backend) -> Backend:
 
 
 def resolve_backend(name: Backend, device: torch.device | str | None) -> str:
-    """The executor ``name`` stands for on ``device``: ``"auto"`` is ``"flex"`` on CUDA, ``"tiles"`` elsewhere."""
+    """The executor ``name`` stands for on ``device``: ``"auto"`` is ``"flex"`` on CUDA, ``"fused"`` on the CPU
+    (``"tiles"`` when its kernels cannot be built: a warning says why, once), ``"tiles"`` elsewhere."""
     if isinstance(name, Executor):
         return resolve_backend(name.name, device) if name.name == "auto" else name.name
     if check_backend(name) != "auto":
         return name
-    return "flex" if torch.device(device or "cpu").type == "cuda" else "tiles"
+    kind = torch.device(device or "cpu").type
+    if kind == "cuda":
+        return "flex"
+    return "fused" if kind == "cpu" and fused.available() else "tiles"
 
 
 def get_executor(backend: Backend = "auto", device: torch.device | str | None = None) -> Executor:

@@ -47,7 +47,8 @@ def full_attention(
     distance k all share the table rows of distance ±k, so attention splits exactly into a band of |i - j| <= k
     (the relative terms computed on the band) and the far keys, whose relative terms are one constant per query
     on the scores and one vector on the outputs; the two merge through their log-sum-exp. O(N²·D) time.
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
+    ``"tiles"``, ``"flex"``).
     """
     if check_kernel("kernel", kernel) != "exp":
         check_kernel_backend(kernel, backend)
@@ -79,12 +80,10 @@ def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, k
     clip = rel_pos.max_distance
     parts = [executor.band(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
                            rel_pos=rel_pos, need_lse=True)]
-    idx = torch.arange(N, device=q.device)
-    sides = [(-1, idx[None, :] < idx[:, None] - clip)]
-    if not causal:
-        sides.append((1, idx[None, :] > idx[:, None] + clip))
-    for sign, allow in sides:
-        out, lse = executor.tiled(q, k, v, Tiling.dense(N, allow=allow), scale=scale, key_valid=key_valid,
+    # the far keys of one dense tile, as key - query offsets: no (N, N) mask for an executor that reads them
+    sides = [(-1, (-(N - 1), -clip - 1))] + ([] if causal else [(1, (clip + 1, N - 1))])
+    for sign, offsets in sides:
+        out, lse = executor.tiled(q, k, v, Tiling(block=N, offsets=offsets), scale=scale, key_valid=key_valid,
                                   need_lse=True)
         a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
         shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query

@@ -56,7 +56,7 @@ from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .routing.cache import RoutingCache
-from .routing.sorted_window import drop_own_key, permute_seq, sort_by_cluster, sorted_window_mask
+from .routing.sorted_window import drop_own_key, sort_by_cluster, sorted_window_mask
 from .tiling import KeyRestrictions, Tiling, shift_invariant_mask
 
 
@@ -168,45 +168,25 @@ def lsh_attention(
     order, inverse, grouped = (x.view(B, H, R, N) for x in (order, inverse, grouped))
     key_valid = None if valid is None else valid.expand(B, H, N)
     keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
-    outs, lses = [], []
+    # Round r2 holds a pair when it shares a bucket there and lies within `window` sorted places: labels
+    # bucket · (N + window) + sorted index differ by less than `window` (a different bucket lies at least N + window
+    # away; when causal the allowed key is earlier, so in a shared bucket it sorts earlier).
+    labels = hashes * (N + window) + inverse  # (B, H, R, N) by position
+    parts = []
     for r in range(R):
-        qs, ks, vs = (permute_seq(x, order[:, :, r], inverse[:, :, r]) for x in (q, keys, v))
-        # a pair an earlier round holds is left to it: the rounds' key sets are disjoint, the merge exact
-        earlier = _held_earlier(hashes, buckets, order, inverse, r, band, window)
-        round_tiling = tiling if earlier is None else dataclasses.replace(tiling, tile_mask=~earlier)
-        out, lse = executor.tiled(
-            qs, ks, vs, round_tiling, scale=1.0, need_lse=True,
-            key_valid=None if key_valid is None else key_valid.gather(-1, order[:, :, r]),
-            restrict=KeyRestrictions(groups=grouped[:, :, r]),
-        )
-        outs.append(permute_seq(out, inverse[:, :, r], order[:, :, r]))
-        lses.append(lse.gather(-1, inverse[:, :, r]))
-    out, lse = merge_partials(list(zip(outs, lses, strict=True)))
+        # the round's band over its sorted order (Tiling.order); a pair an earlier round holds is left to it (its
+        # labels, in this round's order): the rounds' key sets are disjoint, the merge exact
+        at = order[:, :, r]
+        earlier = None if r == 0 else labels[:, :, :r].gather(-1, at[:, :, None].expand(B, H, r, N))
+        parts.append(executor.tiled(
+            q, keys, v, dataclasses.replace(tiling, order=at), scale=1.0, need_lse=True,
+            key_valid=None if key_valid is None else key_valid.gather(-1, at),
+            restrict=KeyRestrictions(groups=grouped[:, :, r], labels=earlier, label_window=window if r else 0),
+        ))
+    out, lse = merge_partials(parts)
     # The own key: only when no other key is visible in any round (and it is not padding).
     alone = ~saw_key(lse) if key_valid is None else ~saw_key(lse) & key_valid
     return out + v * alone[..., None]  # out is exactly 0 where a query saw nothing: one pass back, not two
-
-
-def _held_earlier(hashes: Tensor, buckets: int, order: Tensor, inverse: Tensor, r: int, band: Tiling,
-                  window: int) -> Tensor | None:
-    """On round r's tiles (B, H, nb, T, S), the pairs an earlier round's window holds (meaningful where round r's
-    tiles allow the pair; None for the first round).
-
-    Round r2 holds a pair when it shares a bucket there and lies within ``window`` sorted places: with labels
-    bucket · (N + window) + sorted index (gathered into round r's order), when the query's and the key's differ by
-    less than ``window`` (a different bucket lies at least N + window away; when causal the allowed key is earlier,
-    so in a shared bucket it sorts earlier and the difference is positive). Entries past the ends get labels no
-    window reaches. O(r · N · S) per head.
-    """
-    N = hashes.shape[-1]
-    top = buckets * (N + window)  # labels lie in [0, top)
-    kind = torch.int32 if 2 * top < 2 ** 31 else torch.int64
-    held = None
-    for r2 in range(r):
-        label = (hashes[:, :, r2] * (N + window) + inverse[:, :, r2]).gather(-1, order[:, :, r]).to(kind)
-        hit = (band.query_rows(label, -top) - band.key_spans(label, top)).abs_() < window  # (B, H, nb, T, S)
-        held = hit if held is None else held.logical_or_(hit)
-    return held
 
 
 def _check_buckets(buckets: object) -> int:

@@ -26,15 +26,20 @@ from torch import Tensor
 class KeyRestrictions(NamedTuple):
     """Per-entry labels of a self-attention sequence (as many keys as queries) that narrow what the tiling allows.
     Routing's band over its cluster-sorted sequence uses them; so may any self-attention over a reordered or
-    segmented sequence.
+    segmented sequence. Given in the tiling's sequence order (``Tiling.order``).
 
     groups: optional integer (B, H, N): a query sees only keys of its own group.
     exclude_self: a query does not see the key at its own index unless no other key is allowed (shared-QK
         attention, where q_i·k_i would dominate).
+    labels: optional integer (B, H, L, N): a pair whose labels differ by less than ``label_window`` in any of the L
+        rows is left out (held by another call: LSH's earlier hash rounds, whose sorted windows already hold it).
+    label_window: see ``labels``.
     """
 
     groups: Tensor | None = None
     exclude_self: bool = False
+    labels: Tensor | None = None
+    label_window: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +88,10 @@ class Tiling:
         sliding window; executors may use it to compute relative terms on the strip of the tile it covers).
     tile_mask: optional bool broadcastable to (B, H, n_blocks, T, S), ANDed with the static mask: a mask that
         differs between tiles.
+    order: optional integer (B, H, N) permutation (self-attention, no ``rows``): the tiling runs over the sequence
+        q[order], k[order], v[order] (e.g. sorted by cluster), and the results come back in the original order of q.
+        Per-position values of the call (key validity, ``KeyRestrictions``, ``Distances.positions``) are given in
+        the tiling's order. An executor may read rows by index instead of copying the permuted sequence.
     rows: query rows per block when the queries are not the keys' own positions: q then holds exactly
         n_blocks · rows queries (n_blocks = ceil(Nk / block)), block b's against key blocks b - back … b + ahead
         (a layout the caller chose, e.g. the queries whose keys end in each key block). Then ``tile_mask`` is
@@ -99,6 +108,7 @@ class Tiling:
     offsets: tuple[int, int] | None = None
     tile_mask: Tensor | None = None
     rows: int | None = None
+    order: Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("block", "back", "ahead", "rows"):
@@ -114,6 +124,13 @@ class Tiling:
             x = getattr(self, name)
             if x is not None and (not isinstance(x, Tensor) or x.dtype != torch.bool):
                 raise ValueError(f"Tiling.{name} must be a bool tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if self.order is not None and (not isinstance(self.order, Tensor) or self.order.is_floating_point()
+                                       or self.order.dtype == torch.bool or self.order.dim() != 3):
+            raise ValueError(f"Tiling.order must be an integer (B, H, N) tensor, got "
+                             f"{getattr(self.order, 'dtype', type(self.order).__name__)}")
+        if self.order is not None and self.rows is not None:
+            raise ValueError("Tiling.order and rows do not go together: with rows the queries are not the keys' own "
+                             "positions")
 
     # --- constructors -------------------------------------------------------------------------------------------
     @staticmethod
@@ -205,6 +222,18 @@ class Tiling:
         T = self.rows or self.block
         return (first // T - self.back) * self.block, (last // T + self.ahead + 1) * self.block - 1
 
+    def label_mask(self, labels: Tensor, window: int) -> Tensor:
+        """(B, H, nb, T, S) bool: the pairs whose ``labels`` (B, H, L, N) differ by less than ``window`` in some row
+        (the pairs ``KeyRestrictions.labels`` leaves out), for executors that take it as a tile mask. Labels lie in
+        [0, 2^59); entries past the ends get labels no window reaches. O(L · N · S) per head."""
+        far = 2**60
+        held = None
+        for x in range(labels.shape[2]):
+            label = labels[:, :, x]
+            hit = (self.query_rows(label, -far) - self.key_spans(label, far)).abs_() < window
+            held = hit if held is None else held.logical_or_(hit)
+        return held
+
     def check(self, nq: int, nk: int, restrict: KeyRestrictions | None, distances: Distances | None) -> None:
         """A ValueError naming the problem when these inputs do not fit this tiling."""
         single = self.single(nq)
@@ -228,6 +257,19 @@ class Tiling:
             raise ValueError("key restrictions need self-attention (as many keys as queries)")
         if distances is not None and distances.positions is not None and nk != nq:
             raise ValueError("distances by positions need self-attention (as many keys as queries)")
+        if self.order is not None and (nk != nq or self.order.shape[-1] != nq):
+            raise ValueError(f"Tiling.order needs self-attention and one index per position: {nq} queries, {nk} keys, "
+                             f"order of length {self.order.shape[-1]}")
+        if restrict is not None and restrict.labels is not None:
+            lab = restrict.labels
+            if not isinstance(lab, Tensor) or lab.is_floating_point() or lab.dim() != 4 or lab.shape[-1] != nq:
+                raise ValueError(f"KeyRestrictions.labels must be an integer (B, H, L, N) tensor with N = {nq}")
+            if nk != nq or self.rows is not None:
+                raise ValueError("KeyRestrictions.labels need self-attention")
+            if isinstance(restrict.label_window, bool) or not isinstance(restrict.label_window, int) \
+                    or restrict.label_window < 1:
+                raise ValueError(f"KeyRestrictions.label_window must be a positive integer, got "
+                                 f"{restrict.label_window!r}")
 
 
 def index_offsets(rows: int, span: int, base: int, device: torch.device | str | None = None) -> Tensor:

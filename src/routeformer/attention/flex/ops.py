@@ -108,7 +108,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float, key_
     value pass recomputes the probabilities without it)."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    groups, exclude = (None, False) if restrict is None else restrict
+    groups, exclude = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
     single = tiling.single(Nq)
     n_tiles, T, S = tiling.shape(Nq, Nk)
     data = data_rule(Nq, Nk, key_valid, groups)

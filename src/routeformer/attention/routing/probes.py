@@ -26,7 +26,9 @@ from ..relative import RelativePositions
 from ..tiling import Distances, Tiling
 from .sorted_window import ClusterOrder, sort_by_cluster
 
-DENSE_UP_TO = 256  # sequences up to this length run as one dense masked tile per head (faster there; see README)
+# sequences up to this length run as one dense masked tile per head on executors without their own ranges (faster
+# there; see README)
+DENSE_UP_TO = 256
 
 
 def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: ClusterOrder | None = None,
@@ -62,7 +64,7 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
     """
     B, H, N, D = q.shape
     p = probes.shape[-1]
-    if N <= DENSE_UP_TO:
+    if N <= DENSE_UP_TO and not executor.native_ranges:
         return _dense(q, k, v, key_clusters, probes, window=window, exclude_self=exclude_self, scale=scale,
                       executor=executor, key_valid=key_valid, rel_pos=rel_pos, gates=gates)
     lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)

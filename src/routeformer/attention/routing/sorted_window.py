@@ -95,20 +95,15 @@ def sorted_window_attention(
     attention over the union of the masks (``sorted_window_mask``) when no two rounds share a (query, key) pair.
     """
     B, H, N, D = q.shape
-    order, inverse, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
-    qs = permute_seq(q, order, inverse)
-    ks = qs if k is q else permute_seq(k, order, inverse)
-    vs = permute_seq(v, order, inverse)
+    order, _, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self)
     distances = INDEX if rel_pos is None else Distances(positions=order)  # between the entries' own positions
-    out, lse = get_executor(backend, q.device).band(qs, ks, vs, window=window, causal=causal, scale=scale,
+    # the band runs over the sorted sequence (Tiling.order): the executor reads rows by index or permutes them
+    out, lse = get_executor(backend, q.device).band(q, k, v, window=window, causal=causal, scale=scale,
                                                     key_valid=valid, restrict=restrict, rel_pos=rel_pos,
-                                                    distances=distances, need_lse=need_lse)
-    out = permute_seq(out, inverse, order)
-    if not need_lse:
-        return out
-    return out, lse.gather(-1, inverse)
+                                                    distances=distances, need_lse=need_lse, order=order)
+    return (out, lse) if need_lse else out
 
 
 def sorted_window_mask(clusters: Tensor, window: int, causal: bool, exclude_self: bool,

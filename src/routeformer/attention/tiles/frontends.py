@@ -49,9 +49,12 @@ def tiled_attention(
         out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
         see no key get exactly ``neg_inf(lse.dtype)``, see ``saw_key``) or ``None``.
     """
+    if tiling.order is not None or (restrict is not None and restrict.labels is not None):
+        raise ValueError("the tiles executor takes Tiling.order and KeyRestrictions.labels through Executor.tiled, "
+                         "which lowers them")
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    groups, exclude_self = (None, False) if restrict is None else restrict
+    groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
     single, rows = tiling.single(Nq), tiling.rows
     n_blocks, T, span = tiling.shape(Nq, Nk)
     block, back, ahead = (Nq, 0, 0) if single else (tiling.block, tiling.back, tiling.ahead)

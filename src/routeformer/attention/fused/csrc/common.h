@@ -1,0 +1,540 @@
+// The pieces every fused attention kernel shares: matrix products on raw rows, vectorised row operations, the
+// per-thread scratch, and the block of query rows against a range of keys (forward and recomputing backward).
+//
+// A *block* is up to TQ query rows, each with its own interval [a, e) of key sequence indices, against the union of
+// those intervals, taken in chunks of at most KC keys with an online softmax (so one block may see any number of
+// keys). Rules say which (row, key) pairs inside an interval are masked, how far apart a pair is for relative
+// positions, and its additive bias. Products are BLAS calls on rows in place (or gathered by index into scratch when
+// the sequence is permuted); the probabilities live in one (TQ, KC) buffer and are never kept: the backward
+// recomputes them from q, k and the row's log-sum-exp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// BLAS of the PyTorch build (MKL or OpenBLAS export these Fortran symbols); weak, so that a build without them still
+// loads and takes the ATen matmul instead (``has_blas`` tells Python which).
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
+            const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+}
+
+namespace routeformer {
+
+inline bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+
+template <typename T>
+at::ScalarType scalar_type_of();
+template <>
+inline at::ScalarType scalar_type_of<float>() { return at::kFloat; }
+template <>
+inline at::ScalarType scalar_type_of<double>() { return at::kDouble; }
+
+// Row-major C (m, n) = alpha · op(A) · op(B) + beta · C; op(X) = X or Xᵀ (ta, tb), leading dimensions in elements.
+template <typename T>
+inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+                 int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // C = beta · C
+    for (int64_t i = 0; i < m; i++)
+      for (int64_t j = 0; j < n; j++) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+    return;
+  }
+  if (has_blas()) {  // column-major BLAS computes Cᵀ = op(B)ᵀ · op(A)ᵀ
+    const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+    const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+    if constexpr (std::is_same_v<T, float>) {
+      sgemm_(&tB, &tA, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+    } else {
+      dgemm_(&tB, &tA, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+    }
+    return;
+  }
+  // No BLAS symbols in this build of PyTorch: ATen's matmul on views of the rows.
+  auto opts = at::TensorOptions().dtype(scalar_type_of<T>());
+  auto A = ta ? at::from_blob(const_cast<T*>(a), {k, m}, {lda, 1}, opts).t()
+              : at::from_blob(const_cast<T*>(a), {m, k}, {lda, 1}, opts);
+  auto B = tb ? at::from_blob(const_cast<T*>(b), {n, k}, {ldb, 1}, opts).t()
+              : at::from_blob(const_cast<T*>(b), {k, n}, {ldb, 1}, opts);
+  auto C = at::from_blob(c, {m, n}, {ldc, 1}, opts);
+  auto prod = at::mm(A, B);
+  if (alpha != T(1)) prod.mul_(alpha);
+  if (beta == T(0)) C.copy_(prod);
+  else { C.mul_(beta); C.add_(prod); }
+}
+
+// exp(x - shift) over n values in place, returning their sum (x = -inf gives 0). float: ATen's vectorised exp_u20.
+template <typename T>
+inline T exp_shift_sum(T* x, int64_t n, T shift) {
+  T sum = 0;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = at::vec::Vectorized<float>;
+    const Vec vs(shift);
+    Vec acc(0.f);
+    for (; j + Vec::size() <= n; j += Vec::size()) {
+      Vec e = (Vec::loadu(x + j) - vs).exp_u20();
+      e.store(x + j);
+      acc = acc + e;
+    }
+    sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  }
+  for (; j < n; j++) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
+template <typename T>
+inline T max_of(const T* x, int64_t n) {
+  T m = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = at::vec::Vectorized<float>;
+    if (n >= Vec::size()) {
+      Vec acc = Vec::loadu(x);
+      for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + j));
+      m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+    }
+  }
+  for (; j < n; j++) m = std::max(m, x[j]);
+  return m;
+}
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  T s = 0;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = at::vec::Vectorized<float>;
+    Vec acc(0.f);
+    for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
+    s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  }
+  for (; j < n; j++) s += a[j] * b[j];
+  return s;
+}
+
+template <typename T>
+inline void scale_row(T* x, int64_t n, T f) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = at::vec::Vectorized<float>;
+    const Vec vf(f);
+    for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) * vf).store(x + j);
+  }
+  for (; j < n; j++) x[j] *= f;
+}
+
+// y += f · x
+template <typename T>
+inline void axpy(T* y, const T* x, int64_t n, T f) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = at::vec::Vectorized<float>;
+    const Vec vf(f);
+    for (; j + Vec::size() <= n; j += Vec::size())
+      at::vec::fmadd(Vec::loadu(x + j), vf, Vec::loadu(y + j)).store(y + j);
+  }
+  for (; j < n; j++) y[j] += f * x[j];
+}
+
+// ds = p · (dp - delta), in place in dp
+template <typename T>
+inline void softmax_grad_row(T* dp, const T* p, int64_t n, T delta) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = at::vec::Vectorized<float>;
+    const Vec vd(delta);
+    for (; j + Vec::size() <= n; j += Vec::size()) ((Vec::loadu(dp + j) - vd) * Vec::loadu(p + j)).store(dp + j);
+  }
+  for (; j < n; j++) dp[j] = p[j] * (dp[j] - delta);
+}
+
+// Aligned scratch that grows and is reused: one per thread's share of the work.
+template <typename T>
+struct Buffer {
+  T* ptr = nullptr;
+  size_t size = 0;
+  T* get(size_t n) {
+    if (n > size) {
+      std::free(ptr);
+      size_t bytes = ((n * sizeof(T) + 63) / 64) * 64;
+      ptr = static_cast<T*>(std::aligned_alloc(64, bytes));
+      TORCH_CHECK(ptr != nullptr, "routeformer fused attention: out of memory for ", n, " scratch values");
+      size = n;
+    }
+    return ptr;
+  }
+  ~Buffer() { std::free(ptr); }
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+// One (batch, head) of the inputs: rows of q, k, v (last dimension contiguous) and, for a permuted sequence, the
+// physical row of every key sequence index.
+template <typename T>
+struct Head {
+  const T* q;
+  int64_t q_stride;
+  const T* k;
+  int64_t k_stride;
+  const T* v;
+  int64_t v_stride;
+  const int64_t* key_order;  // key sequence index -> row of k, v; null: the identity
+  int64_t D;
+  T scale;
+};
+
+// Relative position tables a^K, a^V (L = 2·max_distance + 1 rows of D), or none.
+template <typename T>
+struct Rel {
+  const T* key = nullptr;
+  const T* value = nullptr;
+  int64_t max_distance = 0;
+  bool on() const { return key != nullptr; }
+  int64_t index(int64_t distance) const {
+    return std::min(std::max(distance, -max_distance), max_distance) + max_distance;
+  }
+};
+
+// The rows of one block: each row's query (physical row in q), its sequence index (for its own key and distances)
+// and its key interval [a, e) in key sequence indices (a >= e: the row sees nothing).
+struct Rows {
+  int64_t n = 0;
+  const int64_t* qrow = nullptr;
+  const int64_t* qseq = nullptr;
+  const int64_t* a = nullptr;
+  const int64_t* e = nullptr;
+  bool contiguous = false;  // qrow[r] = qrow[0] + r
+};
+
+// The scratch of one thread.
+template <typename T>
+struct Work {
+  Buffer<T> q, dout, k, v, s, dp, o, dq, qa, pu, kv_grad;
+  Buffer<T> m, l, self_score, delta, lse;
+  Buffer<int32_t> idx;
+  Buffer<uint8_t> self_ok;
+};
+
+constexpr int64_t KC = 512;  // keys per chunk: a (TQ, KC) score buffer stays in L2
+
+// Per-row results of a forward block (rows of ``Work``): o (n, D) normalised, lse, and whether the row saw only its
+// own key (exclude_self).
+template <typename T>
+struct BlockOut {
+  T* o;
+  T* lse;
+  uint8_t* alone;
+};
+
+template <typename T>
+inline T neg_inf() { return std::numeric_limits<T>::lowest(); }
+
+// Load the block's query rows (and optionally another tensor's same rows) as a (n, D) matrix: in place when
+// contiguous, else gathered into ``buf``. Returns (pointer, leading dimension).
+template <typename T>
+inline std::pair<const T*, int64_t> load_rows(const T* base, int64_t stride, const Rows& rows, int64_t D,
+                                              Buffer<T>& buf) {
+  if (rows.contiguous) return {base + rows.qrow[0] * stride, stride};
+  T* out = buf.get(rows.n * D);
+  for (int64_t r = 0; r < rows.n; r++) std::memcpy(out + r * D, base + rows.qrow[r] * stride, D * sizeof(T));
+  return {out, D};
+}
+
+template <typename T>
+inline std::pair<const T*, int64_t> load_keys(const T* base, int64_t stride, const int64_t* order, int64_t c0,
+                                              int64_t nc, int64_t D, Buffer<T>& buf) {
+  if (order == nullptr) return {base + c0 * stride, stride};
+  T* out = buf.get(nc * D);
+  for (int64_t j = 0; j < nc; j++) std::memcpy(out + j * D, base + order[c0 + j] * stride, D * sizeof(T));
+  return {out, D};
+}
+
+// The relative-position table rows a chunk uses: per pair the table row (into ``idx``, (n, KC) int32), and the
+// smallest and largest row, so that only that slice of the tables is multiplied.
+template <typename T, typename R>
+inline std::pair<int64_t, int64_t> rel_indices(const R& rules, const Rel<T>& rel, const Rows& rows, int64_t c0,
+                                               int64_t c1, int32_t* idx) {
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+  for (int64_t r = 0; r < rows.n; r++) {
+    const int64_t a = std::max(rows.a[r], c0), e = std::min(rows.e[r], c1);
+    int32_t* row = idx + r * KC;
+    for (int64_t j = a; j < e; j++) {
+      const int64_t u = rel.index(rules.distance(r, j));
+      row[j - c0] = static_cast<int32_t>(u);
+      lo = std::min(lo, u);
+      hi = std::max(hi, u);
+    }
+  }
+  return {lo, hi};
+}
+
+// Forward of one block: softmax(q·kᵀ·scale + rel + bias, masked) · v (+ the relative value term) per row, with the
+// rows' results in ``out``. ``R`` (the rules) provides: elementwise(r) (whether row r needs a per-pair mask pass),
+// allowed(r, j), distance(r, j) (relative positions), has_bias / bias(r, j), and self(r) (the key index of a row's own
+// key when the own key is excluded unless alone, else -1).
+template <typename T, typename R>
+void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Rows& rows, Work<T>& w,
+                   BlockOut<T> out) {
+  const int64_t n = rows.n, D = h.D;
+  if (n == 0) return;
+  int64_t kmin = std::numeric_limits<int64_t>::max(), kmax = std::numeric_limits<int64_t>::min();
+  for (int64_t r = 0; r < n; r++)
+    if (rows.a[r] < rows.e[r]) {
+      kmin = std::min(kmin, rows.a[r]);
+      kmax = std::max(kmax, rows.e[r]);
+    }
+  T* m = w.m.get(n);
+  T* l = w.l.get(n);
+  T* o = out.o;
+  T* self_score = w.self_score.get(n);
+  uint8_t* self_ok = w.self_ok.get(n);
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < n; r++) {
+    m[r] = minus_inf;
+    l[r] = 0;
+    self_ok[r] = 0;
+  }
+  std::fill(o, o + n * D, T(0));
+  if (kmin < kmax) {
+    auto [qp, ldq] = load_rows(h.q, h.q_stride, rows, D, w.q);
+    T* s = w.s.get(n * KC);
+    int32_t* idx = rel.on() ? w.idx.get(n * KC) : nullptr;
+    for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
+      const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
+      auto [kp, ldk] = load_keys(h.k, h.k_stride, h.key_order, c0, nc, D, w.k);
+      auto [vp, ldv] = load_keys(h.v, h.v_stride, h.key_order, c0, nc, D, w.v);
+      gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, KC);  // (n, nc) scores
+      int64_t u0 = 0, U = 0;
+      T* qa = nullptr;
+      if (rel.on()) {  // q_i·a^K_ij from the (n, U) products with the table rows the chunk uses
+        auto [lo, hi] = rel_indices(rules, rel, rows, c0, c1, idx);
+        if (hi >= lo) {
+          u0 = lo;
+          U = hi - lo + 1;
+          qa = w.qa.get(n * U);
+          gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
+        }
+      }
+      for (int64_t r = 0; r < n; r++) {
+        T* row = s + r * KC;
+        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+        if (a >= e) {
+          std::fill(row, row + nc, T(0));
+          continue;
+        }
+        if (qa != nullptr) {
+          const int32_t* ir = idx + r * KC;
+          const T* qar = qa + r * U;
+          for (int64_t j = a; j < e; j++) row[j] += qar[ir[j] - u0];
+        }
+        if (rules.has_bias)
+          for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
+        if (rules.elementwise(r))
+          for (int64_t j = a; j < e; j++)
+            if (!rules.allowed(r, j + c0)) row[j] = minus_inf;
+        const int64_t own = rules.self(r) - c0;
+        if (own >= a && own < e) {  // the own key, kept aside: the row takes it only if it sees nothing else
+          if (row[own] != minus_inf) {
+            self_ok[r] = 1;
+            self_score[r] = row[own];
+          }
+          row[own] = minus_inf;
+        }
+        const T mx = max_of(row + a, e - a);
+        if (mx == minus_inf) {
+          std::fill(row, row + nc, T(0));
+          continue;
+        }
+        const T m_new = std::max(m[r], mx);
+        const T alpha = m[r] == minus_inf ? T(0) : std::exp(m[r] - m_new);
+        std::fill(row, row + a, T(0));
+        std::fill(row + e, row + nc, T(0));
+        const T sum = exp_shift_sum(row + a, e - a, m_new);
+        if (alpha != T(1)) scale_row(o + r * D, D, alpha);
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+      }
+      gemm<T>(false, false, n, D, nc, T(1), s, KC, vp, ldv, T(1), o, D);  // o += p · v
+      if (qa != nullptr) {  // o_i += Σ_j p_ij a^V_ij: the probabilities summed per table row, times the rows
+        T* pu = w.pu.get(n * U);
+        std::fill(pu, pu + n * U, T(0));
+        for (int64_t r = 0; r < n; r++) {
+          const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+          const int32_t* ir = idx + r * KC;
+          const T* row = s + r * KC;
+          T* pr = pu + r * U;
+          for (int64_t j = a; j < e; j++) pr[ir[j] - u0] += row[j];
+        }
+        gemm<T>(false, false, n, D, U, T(1), pu, U, rel.value + u0 * D, D, T(1), o, D);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; r++) {
+    T* orow = o + r * D;
+    if (out.alone != nullptr) out.alone[r] = 0;
+    if (l[r] > T(0)) {
+      scale_row(orow, D, T(1) / l[r]);
+      out.lse[r] = m[r] + std::log(l[r]);
+    } else if (self_ok[r]) {  // nothing else in view: the own key alone
+      const int64_t own = rules.self(r);
+      const int64_t krow = h.key_order == nullptr ? own : h.key_order[own];
+      std::memcpy(orow, h.v + krow * h.v_stride, D * sizeof(T));
+      if (rel.on()) axpy(orow, rel.value + rel.index(rules.distance(r, own)) * D, D, T(1));
+      out.lse[r] = self_score[r];
+      if (out.alone != nullptr) out.alone[r] = 1;
+    } else {
+      out.lse[r] = neg_inf<T>();  // zeros, and the lse every executor gives a row without a key
+    }
+  }
+}
+
+// Where a backward block's key gradients go: rows of dk, dv in place (no key order) or through scratch and an
+// addition by index; and the relative tables' gradients (L, D) each.
+template <typename T>
+struct Grads {
+  T* dk;
+  T* dv;
+  T* dkey;    // null without relative positions
+  T* dvalue;
+};
+
+// Backward of one block, recomputing the probabilities from q, k and the rows' lse. Rows take, per row: lse
+// (``lse[r]``), delta = dout·out - dlse, whether the row saw only its own key (``alone``), and dout rows (gathered
+// like q). Adds the key gradients into ``g`` and returns the rows' query gradient in w.dq (n, D), scaled.
+template <typename T, typename R>
+void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Rows& rows, const T* dout_base,
+                    int64_t dout_stride, const T* lse, const T* delta, const uint8_t* alone, Work<T>& w,
+                    const Grads<T>& g) {
+  const int64_t n = rows.n, D = h.D;
+  T* dq = w.dq.get(n * D);
+  std::fill(dq, dq + n * D, T(0));
+  if (n == 0) return;
+  int64_t kmin = std::numeric_limits<int64_t>::max(), kmax = std::numeric_limits<int64_t>::min();
+  for (int64_t r = 0; r < n; r++)
+    if (rows.a[r] < rows.e[r] && lse[r] != neg_inf<T>()) {
+      kmin = std::min(kmin, rows.a[r]);
+      kmax = std::max(kmax, rows.e[r]);
+    }
+  if (kmin >= kmax) return;
+  auto [qp, ldq] = load_rows(h.q, h.q_stride, rows, D, w.q);
+  auto [dop, ldo] = load_rows(dout_base, dout_stride, rows, D, w.dout);
+  T* s = w.s.get(n * KC);
+  T* dp = w.dp.get(n * KC);
+  int32_t* idx = rel.on() ? w.idx.get(n * KC) : nullptr;
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+  for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
+    const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
+    auto [kp, ldk] = load_keys(h.k, h.k_stride, h.key_order, c0, nc, D, w.k);
+    auto [vp, ldv] = load_keys(h.v, h.v_stride, h.key_order, c0, nc, D, w.v);
+    gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, KC);
+    int64_t u0 = 0, U = 0;
+    T* qa = nullptr;
+    if (rel.on()) {
+      auto [lo, hi] = rel_indices(rules, rel, rows, c0, c1, idx);
+      if (hi >= lo) {
+        u0 = lo;
+        U = hi - lo + 1;
+        qa = w.qa.get(n * U);
+        gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
+      }
+    }
+    for (int64_t r = 0; r < n; r++) {  // the probabilities again: exp(s - lse) where allowed
+      T* row = s + r * KC;
+      const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+      if (a >= e || lse[r] == neg_inf<T>()) {
+        std::fill(row, row + nc, T(0));
+        continue;
+      }
+      if (qa != nullptr) {
+        const int32_t* ir = idx + r * KC;
+        const T* qar = qa + r * U;
+        for (int64_t j = a; j < e; j++) row[j] += qar[ir[j] - u0];
+      }
+      if (rules.has_bias)
+        for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
+      if (rules.elementwise(r))
+        for (int64_t j = a; j < e; j++)
+          if (!rules.allowed(r, j + c0)) row[j] = minus_inf;
+      const int64_t own = rules.self(r) - c0;
+      if (own >= a && own < e && !alone[r]) row[own] = minus_inf;
+      std::fill(row, row + a, T(0));
+      std::fill(row + e, row + nc, T(0));
+      exp_shift_sum(row + a, e - a, lse[r]);
+    }
+    // dv += pᵀ · dout
+    T* dkv = nullptr;
+    if (h.key_order == nullptr) {
+      gemm<T>(true, false, nc, D, n, T(1), s, KC, dop, ldo, T(1), g.dv + c0 * D, D);
+    } else {
+      dkv = w.kv_grad.get(nc * D);
+      gemm<T>(true, false, nc, D, n, T(1), s, KC, dop, ldo, T(0), dkv, D);
+      for (int64_t j = 0; j < nc; j++) axpy(g.dv + h.key_order[c0 + j] * D, dkv + j * D, D, T(1));
+    }
+    gemm<T>(false, true, n, nc, D, T(1), dop, ldo, vp, ldv, T(0), dp, KC);  // dp = dout · vᵀ
+    T* pu = nullptr;
+    if (qa != nullptr) {
+      // value term: dp_ij += dout_i · a^V_ij, and d a^V_u += Σ (p summed per table row) dout
+      pu = w.pu.get(n * U);
+      std::fill(pu, pu + n * U, T(0));
+      for (int64_t r = 0; r < n; r++) {
+        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+        const int32_t* ir = idx + r * KC;
+        const T* row = s + r * KC;
+        T* pr = pu + r * U;
+        for (int64_t j = a; j < e; j++) pr[ir[j] - u0] += row[j];
+      }
+      gemm<T>(true, false, U, D, n, T(1), pu, U, dop, ldo, T(1), g.dvalue + u0 * D, D);
+      gemm<T>(false, true, n, U, D, T(1), dop, ldo, rel.value + u0 * D, D, T(0), qa, U);  // reuse qa: dout·a^V
+      for (int64_t r = 0; r < n; r++) {
+        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+        const int32_t* ir = idx + r * KC;
+        const T* dar = qa + r * U;
+        T* dpr = dp + r * KC;
+        for (int64_t j = a; j < e; j++) dpr[j] += dar[ir[j] - u0];
+      }
+    }
+    for (int64_t r = 0; r < n; r++) softmax_grad_row(dp + r * KC, s + r * KC, nc, delta[r]);  // ds, in dp
+    gemm<T>(false, false, n, D, nc, T(1), dp, KC, kp, ldk, T(1), dq, D);  // dq += ds · k (scaled below)
+    if (h.key_order == nullptr) {
+      gemm<T>(true, false, nc, D, n, h.scale, dp, KC, qp, ldq, T(1), g.dk + c0 * D, D);
+    } else {
+      gemm<T>(true, false, nc, D, n, h.scale, dp, KC, qp, ldq, T(0), dkv, D);
+      for (int64_t j = 0; j < nc; j++) axpy(g.dk + h.key_order[c0 + j] * D, dkv + j * D, D, T(1));
+    }
+    if (qa != nullptr) {  // key term: ds summed per table row
+      std::fill(pu, pu + n * U, T(0));
+      for (int64_t r = 0; r < n; r++) {
+        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+        const int32_t* ir = idx + r * KC;
+        const T* dsr = dp + r * KC;
+        T* pr = pu + r * U;
+        for (int64_t j = a; j < e; j++) pr[ir[j] - u0] += dsr[j];
+      }
+      gemm<T>(false, false, n, D, U, T(1), pu, U, rel.key + u0 * D, D, T(1), dq, D);
+      gemm<T>(true, false, U, D, n, h.scale, pu, U, qp, ldq, T(1), g.dkey + u0 * D, D);
+    }
+  }
+  scale_row(dq, n * D, h.scale);
+}
+
+}  // namespace routeformer

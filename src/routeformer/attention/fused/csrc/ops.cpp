@@ -1,0 +1,74 @@
+// The fused CPU attention operators, registered with PyTorch's dispatcher as ``torch.ops.routeformer_fused.*``
+// (their fake implementations and autograd formulas are registered from Python, ``fused/op.py``).
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace routeformer {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
+    const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
+    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
+    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& labels,
+    const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+    const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
+    const std::optional<at::Tensor>& bias);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_band_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone,
+    at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
+    const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
+    const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
+    const std::optional<at::Tensor>& labels, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias);
+
+std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi,
+    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
+    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
+    const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ranges_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lo, const at::Tensor& hi,
+    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
+    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
+    const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table);
+
+bool fused_has_blas() { return has_blas(); }
+
+}  // namespace routeformer
+
+TORCH_LIBRARY(routeformer_fused, m) {
+  m.def(
+      "band_forward(Tensor q, Tensor k, Tensor v, int[] geometry, float scale, Tensor? allow, Tensor? tile_mask, "
+      "Tensor? key_valid, Tensor? groups, Tensor? order, Tensor? labels, Tensor? key_table, Tensor? value_table, "
+      "Tensor? delta, Tensor? positions, Tensor? bias) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "band_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor alone, int[] geometry, float scale, Tensor? allow, Tensor? tile_mask, Tensor? key_valid, "
+      "Tensor? groups, Tensor? order, Tensor? labels, Tensor? key_table, Tensor? value_table, Tensor? delta, "
+      "Tensor? positions, Tensor? bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "ranges_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int[] setup, float scale, "
+      "Tensor? key_order, Tensor? key_valid, Tensor? query_pos, Tensor? key_pos, Tensor? key_table, "
+      "Tensor? value_table) -> (Tensor, Tensor)");
+  m.def(
+      "ranges_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor lo, Tensor hi, int[] setup, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
+      "Tensor? key_pos, Tensor? key_table, Tensor? value_table) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("has_blas() -> bool", &routeformer::fused_has_blas);
+}
+
+TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
+  m.impl("band_forward", &routeformer::fused_band_forward);
+  m.impl("band_backward", &routeformer::fused_band_backward);
+  m.impl("ranges_forward", &routeformer::fused_ranges_forward);
+  m.impl("ranges_backward", &routeformer::fused_ranges_backward);
+}

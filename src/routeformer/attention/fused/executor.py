@@ -1,0 +1,115 @@
+"""The fused CPU executor: ``Executor.tiled`` and ``Executor.ranges`` as single C++ operators (``csrc/``).
+
+It takes the executor's values as they are (a ``Tiling`` and its sequence order, ``KeyRestrictions``,
+``Distances``, key validity, relative tables, a bias) and computes the masks from them inside the kernel. What it
+does not run, it hands to the tiles executor here, in one place (``_handoff``): tensors off the CPU, dtypes other
+than float32 and float64, and any call while its library is unavailable (then a warning said why, once).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..lowering import in_order, labels_as_mask
+from ..relative import RelativePositions
+from ..tiles import tiled_attention
+from ..tiling import Distances, KeyRestrictions, Tiling
+from .build import KERNELS
+from .op import ops, register
+
+DTYPES = (torch.float32, torch.float64)
+
+
+@torch.compiler.assume_constant_result  # decided once per process: a constant to torch.compile, not traced
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on first call; a warning says why not, once)."""
+    if KERNELS.load() is not None:
+        return False
+    register()
+    return True
+
+
+def _handoff(q: Tensor) -> bool:
+    """Whether this call goes to the tiles executor instead: off the CPU, a dtype the kernel does not take, or no
+    kernel."""
+    return q.device.type != "cpu" or q.dtype not in DTYPES or not available()
+
+
+def rows_per_block(width: int) -> int:
+    """Query rows per kernel block for rows that see about ``width`` keys: half the width in multiples of 8,
+    16 … 64 (a block's keys are the union of its rows' intervals, width + rows for a sliding window: larger blocks
+    make larger products but pad more)."""
+    return max(16, min(64, 8 * -(-width // 16)))
+
+
+def fused_tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float, key_valid: Tensor | None = None,
+                restrict: KeyRestrictions | None = None, rel_pos: RelativePositions | None = None,
+                distances: Distances | None = None, bias: Tensor | None = None,
+                need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The fused executor's ``run`` (``executors.Executor.tiled`` documents the arguments and checks them)."""
+    if _handoff(q):  # the tiles executor, which reads neither the order nor the labels: lowered here
+        if tiling.order is not None:
+            return in_order(fused_tiled, q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict,
+                            rel_pos=rel_pos, distances=distances, bias=bias, need_lse=need_lse)
+        if restrict is not None and restrict.labels is not None:
+            tiling, restrict = labels_as_mask(tiling, restrict)
+        return tiled_attention(q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict, rel_pos=rel_pos,
+                               distances=distances, bias=bias, need_lse=need_lse)
+    Nq, Nk = q.shape[2], k.shape[2]
+    single = tiling.single(Nq)
+    groups, exclude_self, labels, label_window = (None, False, None, 0) if restrict is None else (
+        restrict.groups, restrict.exclude_self, restrict.labels, restrict.label_window)
+    lo, hi = tiling.offsets or (0, 0)
+    unit, delta, positions, key_table, value_table = 0, None, None, None, None
+    if rel_pos is not None:
+        key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
+        if distances.unit is not None:
+            unit = distances.unit
+        elif distances.delta is not None:
+            delta = distances.delta.to(device=q.device, dtype=torch.long)
+        else:
+            positions = distances.positions.to(torch.long).contiguous()
+    width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
+    geometry = [tiling.block, tiling.back, tiling.ahead, tiling.rows or 0, int(single),
+                int(tiling.offsets is not None), lo, hi, int(exclude_self), unit,
+                0 if rel_pos is None else rel_pos.max_distance, label_window, rows_per_block(width)]
+    out, lse, _ = ops().band_forward(
+        _rows(q), _rows(k), _rows(v), geometry, float(scale),
+        None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask,
+        None if key_valid is None else key_valid.contiguous(),
+        None if groups is None else groups.to(torch.long).contiguous(),
+        None if tiling.order is None else tiling.order.to(torch.long).contiguous(),
+        None if labels is None else labels.to(torch.long).contiguous(),
+        key_table, value_table, delta, positions, None if bias is None else bias.to(q.dtype))
+    return out, (lse if need_lse else None)
+
+
+def fused_ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
+                 merge: int = 1, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
+                 key_valid: Tensor | None = None, query_pos: Tensor | None = None, key_pos: Tensor | None = None,
+                 rel_pos: RelativePositions | None = None, need_lse: bool = False, stretch: int | None = None,
+                 rows: int | None = None) -> tuple[Tensor, Tensor | None] | None:
+    """The fused executor's ``ranges`` (``ranges.range_attention`` documents the arguments): every entry's range
+    tested and its keys gathered by index inside the kernel, blocks of ``rows`` entries (default from the width)
+    spanning at most width + ``stretch`` keys (default: ``rows``). None: not for this kernel (the caller hands the
+    call to the tiles executor's ranges)."""
+    if _handoff(q):
+        return None
+    R = rows or rows_per_block(width)
+    key_table = value_table = None
+    if rel_pos is not None:
+        key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
+    setup = [merge, R, width + (stretch or R), 0 if rel_pos is None else rel_pos.max_distance]
+    out, lse = ops().ranges_forward(
+        _rows(q), _rows(k), _rows(v), lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous(), setup,
+        float(scale), None if key_order is None else key_order.to(torch.long).contiguous(),
+        None if key_valid is None else key_valid.contiguous(),
+        None if query_pos is None else query_pos.to(torch.long).contiguous(),
+        None if key_pos is None else key_pos.to(torch.long).contiguous(), key_table, value_table)
+    return out, (lse if need_lse else None)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x with its last dimension contiguous (the kernel reads rows; any other strides are fine)."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,112 @@
+"""The fused operators' Python side: fake implementations (so ``torch.compile`` traces models through them) and
+autograd formulas, registered once the library is loaded.
+
+``routeformer_fused::band_forward`` returns (out, lse, alone): out (B, H, Nq, D) in the queries' own order, lse
+(B, H, Nq) in the queries' dtype, and alone (B, H, Nq) bool (the rows that saw only their own key under
+exclude_self; empty otherwise). What the backward keeps is q, k, v, out, lse and alone, O(N · D) per head, plus the
+call's small index tensors: the probabilities are recomputed (``band_backward``), never stored.
+``ranges_forward`` returns the merged (out, lse) of query rows; its backward recomputes likewise.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+_OPTIONAL_BAND = ("allow", "tile_mask", "key_valid", "groups", "order", "labels", "key_table", "value_table", "delta",
+                  "positions", "bias")
+_OPTIONAL_RANGES = ("key_order", "key_valid", "query_pos", "key_pos", "key_table", "value_table")
+_registered = threading.Lock()
+_done: list[bool] = []
+
+
+def ops():
+    return torch.ops.routeformer_fused
+
+
+def register() -> None:
+    """Fake implementations and autograd of the loaded operators (once per process)."""
+    with _registered:
+        if _done:
+            return
+        _register()
+        _done.append(True)
+
+
+def _zeros_like_or_none(grad: Tensor | None, like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _register() -> None:
+    lib = "routeformer_fused::"
+
+    @torch.library.register_fake(lib + "band_forward")
+    def _(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, labels, key_table, value_table,
+          delta, positions, bias):
+        B, H, Nq, D = q.shape
+        alone = q.new_empty((B, H, Nq) if geometry[8] else (0,), dtype=torch.bool)
+        return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq), alone
+
+    @torch.library.register_fake(lib + "band_backward")
+    def _(grad_out, grad_lse, q, k, v, out, lse, alone, geometry, scale, allow, tile_mask, key_valid, groups, order,
+          labels, key_table, value_table, delta, positions, bias):
+        return _grad_shapes(q, k, key_table)
+
+    @torch.library.register_fake(lib + "ranges_forward")
+    def _(q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table, value_table):
+        B, H, Nq, D = q.shape
+        return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq)
+
+    @torch.library.register_fake(lib + "ranges_backward")
+    def _(grad_out, grad_lse, q, k, v, out, lse, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos,
+          key_table, value_table):
+        return _grad_shapes(q, k, key_table)
+
+    def band_setup(ctx, inputs, output) -> None:
+        q, k, v, geometry, scale, *optional = inputs
+        out, lse, alone = output
+        ctx.geometry, ctx.scale = geometry, scale
+        ctx.save_for_backward(q, k, v, out, lse, alone, *optional)
+        ctx.set_materialize_grads(False)
+
+    def band_backward(ctx, grad_out, grad_lse, grad_alone):
+        q, k, v, out, lse, alone, *optional = ctx.saved_tensors
+        dq, dk, dv, dkey, dvalue = ops().band_backward(_zeros_like_or_none(grad_out, out), grad_lse, q, k, v, out,
+                                                       lse, alone, ctx.geometry, ctx.scale, *optional)
+        named = dict(zip(_OPTIONAL_BAND, optional, strict=True))
+        return (dq, dk, dv, None, None, *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_BAND))
+
+    torch.library.register_autograd(lib + "band_forward", band_backward, setup_context=band_setup)
+
+    def ranges_setup(ctx, inputs, output) -> None:
+        q, k, v, lo, hi, setup, scale, *optional = inputs
+        out, lse = output
+        ctx.setup, ctx.scale = setup, scale
+        ctx.save_for_backward(q, k, v, out, lse, lo, hi, *optional)
+        ctx.set_materialize_grads(False)
+
+    def ranges_backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, lo, hi, *optional = ctx.saved_tensors
+        dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), grad_lse, q, k, v, out,
+                                                         lse, lo, hi, ctx.setup, ctx.scale, *optional)
+        named = dict(zip(_OPTIONAL_RANGES, optional, strict=True))
+        return (dq, dk, dv, None, None, None, None,
+                *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_RANGES))
+
+    torch.library.register_autograd(lib + "ranges_forward", ranges_backward, setup_context=ranges_setup)
+
+
+def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None):
+    table = (0,) if key_table is None else tuple(key_table.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape), q.new_empty(table),
+            q.new_empty(table))
+
+
+def _table_grad(name: str, named: dict, dkey: Tensor, dvalue: Tensor) -> Tensor | None:
+    if name == "key_table" and named[name] is not None:
+        return dkey
+    if name == "value_table" and named[name] is not None:
+        return dvalue
+    return None

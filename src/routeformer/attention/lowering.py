@@ -1,0 +1,36 @@
+"""Two values of the executor interface turned into others, for executors that do not read them natively (the
+tiles and flex executors; the fused one reads both inside its kernel): a tiling's sequence order becomes one
+permuted copy of q, k and v (and the results put back), and labelled pairs (``KeyRestrictions.labels``) a tile
+mask."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .rows import move_rows
+from .tiling import KeyRestrictions, Tiling
+
+
+def in_order(tiled: Callable, q: Tensor, k: Tensor, v: Tensor, tiling: Tiling,
+             **values) -> tuple[Tensor, Tensor | None]:
+    """``tiled(q, k, v, tiling, **values)`` for a tiling with ``order``: q, k, v permuted (one copy each; k is q's
+    copy when k is q), the tiling run on them without its order, out and lse put back in the original order."""
+    order = tiling.order.to(torch.long)
+    inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                               .expand_as(order))
+    qs, vs = move_rows(q, order, inverse, unreached=False), move_rows(v, order, inverse, unreached=False)
+    ks = qs if k is q else move_rows(k, order, inverse, unreached=False)
+    out, lse = tiled(qs, ks, vs, dataclasses.replace(tiling, order=None), **values)
+    out = move_rows(out, inverse, order, unreached=False)
+    return out, None if lse is None else lse.gather(-1, inverse)
+
+
+def labels_as_mask(tiling: Tiling, restrict: KeyRestrictions) -> tuple[Tiling, KeyRestrictions]:
+    """The pairs ``restrict.labels`` leave out as (the complement of) a tile mask, ANDed with the tiling's own."""
+    held = tiling.label_mask(restrict.labels, restrict.label_window)
+    mask = ~held if tiling.tile_mask is None else tiling.tile_mask & ~held
+    return dataclasses.replace(tiling, tile_mask=mask), restrict._replace(labels=None, label_window=0)
