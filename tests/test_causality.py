@@ -27,7 +27,8 @@ CAUSAL_CASES = [
 
 @pytest.mark.parametrize("name, params", CAUSAL_CASES)
 @pytest.mark.parametrize("extras, backend", [("plain", "tiles"), ("relative", "tiles"), ("padding", "tiles"),
-                                             ("relative", "flex"), ("padding", "flex")])
+                                             ("relative", "flex"), ("padding", "flex"), ("plain", "fused"),
+                                             ("relative", "fused"), ("padding", "fused")])
 def test_no_leak_from_the_future(name: str, params: dict, extras: str, backend: str) -> None:
     q, k, v = rand_qkv(2, 4, 45, 8, grad=False)
     kw: dict = {"causal": True, "backend": backend, **params}

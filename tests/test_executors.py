@@ -110,7 +110,7 @@ def _dense_reference(q, k, v, tiling: Tiling, bias, scale):
     return torch.softmax(scores, -1) @ v
 
 
-@pytest.mark.parametrize("backend", ["tiles", "flex"])
+@pytest.mark.parametrize("backend", ["tiles", "flex", "fused"])
 def test_an_additive_bias_matches_the_dense_definition(backend: str) -> None:
     """The additive per-pair term (e.g. -log count) on a banded tiling, forward and gradients, in float64."""
     q, k, v = rand_qkv(2, 3, 37, 8)

@@ -31,6 +31,7 @@ def _rounds_holding(q, *, buckets, rounds, window, causal, rotations=None, seed=
                for r in range(rounds))
 
 
+@pytest.mark.parametrize("backend", ["fused", "tiles"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("N, buckets, rounds, window, padded", [
     (37, 4, 3, 5, False),
@@ -39,12 +40,12 @@ def _rounds_holding(q, *, buckets, rounds, window, causal, rotations=None, seed=
     (29, 6, 4, 3, False),
 ])
 def test_matches_the_reference_over_the_union_of_rounds_counting_shared_keys_once(
-        causal: bool, N: int, buckets: int, rounds: int, window: int, padded: bool) -> None:
+        causal: bool, N: int, buckets: int, rounds: int, window: int, padded: bool, backend: str) -> None:
     q, _, v = rand_qkv(B, H, N, D, seed=N + rounds)
     padding = rand_padding(B, N) if padded else None
     kw = {"buckets": buckets, "rounds": rounds, "window": window, "causal": causal, "key_padding_mask": padding}
     mask = lsh_mask(q, **kw)
-    out = lsh_attention(q, v, **kw)
+    out = lsh_attention(q, v, **kw, backend=backend)
     ref = _reference(q, v, mask)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(out)
@@ -61,22 +62,25 @@ def test_matches_the_reference_over_the_union_of_rounds_counting_shared_keys_onc
     assert (out.detach() - twice).abs().max() > 1e-3
 
 
-def test_gradcheck_on_a_tiny_problem() -> None:
+@pytest.mark.parametrize("backend", ["fused", "tiles"])
+def test_gradcheck_on_a_tiny_problem(backend: str) -> None:
     q, _, v = rand_qkv(1, 1, 9, 4, seed=3)
     rot = lsh_rotations(1, 4, 2, 2, seed=1)
     assert torch.autograd.gradcheck(lambda q_, v_: lsh_attention(q_, v_, buckets=2, rounds=2, window=3,
-                                                                 rotations=rot), (q, v))
+                                                                 rotations=rot, backend=backend), (q, v))
 
 
+@pytest.mark.parametrize("backend", ["fused", "tiles"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_no_causal_leak(padded: bool) -> None:
+def test_no_causal_leak(padded: bool, backend: str) -> None:
     N = 40
     q, _, v = rand_qkv(B, H, N, D, seed=5, grad=False)
     padding = rand_padding(B, N, seed=2) if padded else None
     rot = lsh_rotations(H, D, 4, 3, seed=2)
 
     def attend(q_, k_, v_):  # k is ignored: the keys are the normalised queries
-        return lsh_attention(q_, v_, buckets=4, rounds=3, window=4, rotations=rot, key_padding_mask=padding)
+        return lsh_attention(q_, v_, buckets=4, rounds=3, window=4, rotations=rot, key_padding_mask=padding,
+                             backend=backend)
 
     for t in (0, 7, 19, 33):
         assert not leaks(attend, q, q, v, t, atol=1e-12)

@@ -41,7 +41,7 @@ def tokens(B: int, N: int, vocab: int = 23, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec, kw", CONFIGS)
-@pytest.mark.parametrize("backend", ["tiles", "flex"])
+@pytest.mark.parametrize("backend", ["tiles", "flex", "fused"])
 def test_no_leak_through_the_whole_model(spec: str, kw: dict, backend: str) -> None:
     model = randomised(tiny(spec, backend=backend, **kw))
     x = tokens(2, 48)
@@ -56,7 +56,7 @@ def test_no_leak_through_the_whole_model(spec: str, kw: dict, backend: str) -> N
             assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])  # the change did reach the model
 
 
-DECODE_CASES = ([(spec, kw, positions, "tiles") for spec, kw in CONFIGS
+DECODE_CASES = ([(spec, kw, positions, backend) for spec, kw in CONFIGS for backend in ("tiles", "fused")
                  for positions in ("relative", "absolute", "factorized", "none")]
                 + [(spec, kw, "relative", "flex") for spec, kw in CONFIGS])
 

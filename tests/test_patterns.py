@@ -67,6 +67,13 @@ def test_flex_matches_reference(name: str, data) -> None:
     _run(name, data.draw(problems(name)), backend="flex")
 
 
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@given(data=st.data())
+def test_fused_matches_reference(name: str, data) -> None:
+    """The fused CPU kernels on the same random problems."""
+    _run(name, data.draw(problems(name)), backend="fused")
+
+
 @pytest.mark.parametrize(
     "name, params",
     [
@@ -81,7 +88,8 @@ def test_flex_matches_reference(name: str, data) -> None:
     ],
 )
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("rel, backend", [(None, "tiles"), (24, "tiles"), (24, "flex")])
+@pytest.mark.parametrize("rel, backend", [(None, "tiles"), (24, "tiles"), (24, "flex"), (None, "fused"),
+                                          (24, "fused")])
 def test_multi_block_cases(name: str, params: dict, causal: bool, rel, backend: str) -> None:
     """Longer sequences than the property test draws: many blocks, a ragged last block, clipped distances."""
     _run(name, {"B": 2, "H": 4, "N": 131, "D": 8, "causal": causal, "params": params, "rel": rel,

@@ -51,6 +51,11 @@ def test_flex_forward_matches_reference_over_routing_mask(p: dict) -> None:
     _check_against_reference(p, "flex")
 
 
+@given(p=routing_problems())
+def test_fused_forward_matches_reference_over_routing_mask(p: dict) -> None:
+    _check_against_reference(p, "fused")
+
+
 def _check_against_reference(p: dict, backend: str) -> None:
     with mock.patch.object(probes_module, "DENSE_UP_TO", 10**9 if p["dense"] else 0):
         _check_path_against_reference(p, backend)
@@ -134,7 +139,7 @@ def test_probed_mask_is_the_last_window_keys_of_each_probed_cluster(shared: bool
 @pytest.mark.parametrize("shared, separate, probes", [(True, False, 1), (False, False, 1), (False, True, 1),
                                                       (True, False, 3), (False, True, 2)])
 @pytest.mark.parametrize("extras", ["plain", "relative", "padding", "gate"])
-@pytest.mark.parametrize("backend", ["tiles", "flex"])
+@pytest.mark.parametrize("backend", ["tiles", "flex", "fused"])
 def test_no_leak_from_the_future(shared: bool, separate: bool, probes: int, extras: str, backend: str,
                                  monkeypatch) -> None:
     """On the ranges of longer sequences (the dense tile of short ones is its mask, whose causality

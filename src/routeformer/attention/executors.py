@@ -40,7 +40,7 @@ from torch import Tensor
 from . import flex
 from .fused import executor as fused
 from .lowering import in_order, labels_as_mask
-from .ranges import range_attention
+from .ranges import check_ranges, range_attention
 from .relative import RelativePositions
 from .tiles import lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
@@ -181,6 +181,7 @@ class Executor:
         there (the fused one: ranges tested and keys gathered inside the kernel); else tiles of entries per stretch
         of keys, each a tile of ``tiled``."""
         if self.ranges_run is not None:
+            check_ranges(q, lo, merge, options.get("rel_pos"), options.get("query_pos"), options.get("key_pos"))
             done = self.ranges_run(q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
             if done is not None:
                 return done
@@ -247,7 +248,7 @@ def _on_device(q: Tensor, *args, **kwargs):
     return EXECUTORS[resolve_backend("auto", q.device)].tiled(q, *args, **kwargs)
 
 
-AUTO = Executor("auto", _on_device)
+AUTO = Executor("auto", _on_device, frozenset(FEATURES))  # the resolved executor checks and lowers
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:

@@ -61,10 +61,7 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
     """
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
-    if Nq * merge != M:
-        raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={merge} need {Nq * merge}")
-    if rel_pos is not None and (key_pos is None or query_pos is None):
-        raise ValueError("relative positions need query_pos and key_pos")
+    check_ranges(q, lo, merge, rel_pos, query_pos, key_pos)
     G = stretch or range_stretch(width)
     if key_order is not None:  # the keys in the order the ranges index: one copy, then every span is a view
         # q·k scaled once on that copy of the keys (free), unless relative terms q·a need the query scaled
@@ -83,6 +80,16 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
     else:
         parts = _tiles(executor, sides, keys, width=width, stretch=G, rows=rows)
     return _merge(parts, merge, Nq, need_lse)
+
+
+def check_ranges(q: Tensor, lo: Tensor, merge: int, rel_pos: RelativePositions | None, query_pos: Tensor | None,
+                 key_pos: Tensor | None) -> None:
+    """A ValueError when the entries do not fit the queries and ``merge``, or relative positions lack positions."""
+    Nq, M = q.shape[2], lo.shape[-1]
+    if Nq * merge != M:
+        raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={merge} need {Nq * merge}")
+    if rel_pos is not None and (key_pos is None or query_pos is None):
+        raise ValueError("relative positions need query_pos and key_pos")
 
 
 class _Keys(NamedTuple):

@@ -85,7 +85,8 @@ class KernelBuild:
     sources: tuple[Path, ...]
     headers: tuple[Path, ...] = ()
     root: Path | None = None
-    extra_cflags: tuple[str, ...] = ("-O3", "-fopenmp", "-std=c++17")
+    extra_cflags: tuple[str, ...] = ("-O3", "-fopenmp")
+    what: str = "the fused CPU attention kernel"
     _state: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -110,9 +111,8 @@ class KernelBuild:
             if "result" not in self._state:
                 self._state["result"] = self._load()
                 if self._state["result"] is not None:
-                    warnings.warn(f"routeformer: the fused CPU attention kernel is not available "
-                                  f"({self._state['result']}); using the tiles executor", FusedKernelUnavailable,
-                                  stacklevel=3)
+                    warnings.warn(f"routeformer: {self.what} is not available ({self._state['result']}); using "
+                                  f"the tiles executor", FusedKernelUnavailable, stacklevel=3)
             return self._state["result"]
 
     def _load(self) -> str | None:
@@ -149,12 +149,12 @@ class KernelBuild:
                 for stale in folder.glob("build-*"):  # left by a build that was killed: nobody else holds the lock
                     shutil.rmtree(stale, ignore_errors=True)
                 work = Path(tempfile.mkdtemp(prefix="build-", dir=folder))
-                print(f"routeformer: compiling the fused CPU attention kernel into {folder} (once, about a minute)",
-                      file=sys.stderr, flush=True)
+                print(f"routeformer: compiling {self.what} into {folder} (once, about a minute)", file=sys.stderr,
+                      flush=True)
                 try:
                     built = _compile_and_load(name, [str(s) for s in self.sources], self.flags(), work)
-                except Exception as error:
-                    return f"compile error: {_first_lines(str(error))}"
+                except Exception as error:  # the build folder stays, for its log and build.ninja
+                    return f"compile error: {_compiler_errors(str(error))} (build folder: {work})"
                 os.replace(built, library)  # the loaded mapping stays valid
                 shutil.rmtree(work, ignore_errors=True)
                 return None
@@ -171,6 +171,13 @@ def _compile_and_load(name: str, sources: list[str], cflags: list[str], work: Pa
                        extra_include_paths=[str(Path(sources[0]).parent)], build_directory=str(work), verbose=False,
                        with_cuda=False, is_python_module=False)
     return work / f"{name}.so"
+
+
+def _compiler_errors(text: str, n: int = 3) -> str:
+    """The compiler's own error lines of a failed build's output (else its first lines)."""
+    errors = [line.strip() for line in text.splitlines() if "error" in line and not line.lstrip().startswith(
+        ("c++ ", "g++ ", "FAILED", "[", "ninja"))]
+    return " | ".join(errors[:n]) if errors else _first_lines(text)
 
 
 def _first_lines(text: str, n: int = 6) -> str:

@@ -39,6 +39,11 @@ def _zeros_like_or_none(grad: Tensor | None, like: Tensor) -> Tensor:
     return torch.zeros_like(like) if grad is None else grad
 
 
+def _contiguous(grad: Tensor | None) -> Tensor | None:
+    """The kernels read gradients as contiguous rows (autograd may hand them over as strided views)."""
+    return None if grad is None else grad.contiguous()
+
+
 def _register() -> None:
     lib = "routeformer_fused::"
 
@@ -73,8 +78,8 @@ def _register() -> None:
 
     def band_backward(ctx, grad_out, grad_lse, grad_alone):
         q, k, v, out, lse, alone, *optional = ctx.saved_tensors
-        dq, dk, dv, dkey, dvalue = ops().band_backward(_zeros_like_or_none(grad_out, out), grad_lse, q, k, v, out,
-                                                       lse, alone, ctx.geometry, ctx.scale, *optional)
+        dq, dk, dv, dkey, dvalue = ops().band_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse), q,
+                                                       k, v, out, lse, alone, ctx.geometry, ctx.scale, *optional)
         named = dict(zip(_OPTIONAL_BAND, optional, strict=True))
         return (dq, dk, dv, None, None, *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_BAND))
 
@@ -89,8 +94,8 @@ def _register() -> None:
 
     def ranges_backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, lo, hi, *optional = ctx.saved_tensors
-        dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), grad_lse, q, k, v, out,
-                                                         lse, lo, hi, ctx.setup, ctx.scale, *optional)
+        dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse),
+                                                         q, k, v, out, lse, lo, hi, ctx.setup, ctx.scale, *optional)
         named = dict(zip(_OPTIONAL_RANGES, optional, strict=True))
         return (dq, dk, dv, None, None, None, None,
                 *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_RANGES))

@@ -128,6 +128,7 @@ struct BandRules {
     return c.bias.at(b, h, tile(i), i - tile(i) * c.T_, col(i, j));
   }
   int64_t self(int64_t r) const { return c.g.exclude_self ? qseq[r] : -1; }
+  int64_t unit() const { return c.g.unit; }
 };
 
 // The interval of key indices row i may see (a >= e: none).

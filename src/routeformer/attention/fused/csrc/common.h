@@ -235,7 +235,8 @@ struct Work {
   Buffer<uint8_t> self_ok;
 };
 
-constexpr int64_t KC = 512;  // keys per chunk: a (TQ, KC) score buffer stays in L2
+constexpr int64_t KC = 512;       // keys per chunk: a (TQ, KC) score buffer stays in L2
+constexpr int64_t LD = KC + 16;  // its row stride: not a power of two, so rows do not share cache sets
 
 // Per-row results of a forward block (rows of ``Work``): o (n, D) normalised, lse, and whether the row saw only its
 // own key (exclude_self).
@@ -269,24 +270,85 @@ inline std::pair<const T*, int64_t> load_keys(const T* base, int64_t stride, con
   return {out, D};
 }
 
-// The relative-position table rows a chunk uses: per pair the table row (into ``idx``, (n, KC) int32), and the
-// smallest and largest row, so that only that slice of the tables is multiplied.
+// The relative-position table rows of one chunk's pairs. Unit distances (key - query index, a sliding window's) are
+// affine in the key index between the clipping points, so a row's pairs read and write a contiguous stretch of table
+// rows (two constant ends where clipped): vector passes, no per-pair index. Other distances (per tile entry, between
+// positions) store each pair's table row in ``idx`` ((n, LD) int32). Either way only the table rows [u0, u0 + U) the
+// chunk uses are multiplied.
 template <typename T, typename R>
-inline std::pair<int64_t, int64_t> rel_indices(const R& rules, const Rel<T>& rel, const Rows& rows, int64_t c0,
-                                               int64_t c1, int32_t* idx) {
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
-  for (int64_t r = 0; r < rows.n; r++) {
-    const int64_t a = std::max(rows.a[r], c0), e = std::min(rows.e[r], c1);
-    int32_t* row = idx + r * KC;
-    for (int64_t j = a; j < e; j++) {
-      const int64_t u = rel.index(rules.distance(r, j));
-      row[j - c0] = static_cast<int32_t>(u);
-      lo = std::min(lo, u);
-      hi = std::max(hi, u);
+struct RelChunk {
+  const R& rules;
+  const Rel<T>& rel;
+  const Rows& rows;
+  int64_t c0, c1;
+  bool affine;
+  int32_t* idx;
+  int64_t u0 = 0, U = 0;
+
+  RelChunk(const R& rules_, const Rel<T>& rel_, const Rows& rows_, int64_t c0_, int64_t c1_, int32_t* idx_)
+      : rules(rules_), rel(rel_), rows(rows_), c0(c0_), c1(c1_), affine(rules_.unit() == 1), idx(idx_) {
+    if (!rel.on()) return;
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+    for (int64_t r = 0; r < rows.n; r++) {
+      const int64_t a = std::max(rows.a[r], c0), e = std::min(rows.e[r], c1);
+      if (a >= e) continue;
+      if (affine) {  // u grows with the key index
+        lo = std::min(lo, rel.index(a - rows.qseq[r]));
+        hi = std::max(hi, rel.index(e - 1 - rows.qseq[r]));
+        continue;
+      }
+      int32_t* row = idx + r * LD;
+      for (int64_t j = a; j < e; j++) {
+        const int64_t u = rel.index(rules.distance(r, j));
+        row[j - c0] = static_cast<int32_t>(u);
+        lo = std::min(lo, u);
+        hi = std::max(hi, u);
+      }
+    }
+    if (hi >= lo) {
+      u0 = lo;
+      U = hi - lo + 1;
     }
   }
-  return {lo, hi};
-}
+  // Local key columns [a, e) of row r split at the clipping points: [a, m0) clipped below, [m0, m1) unclipped
+  // (table row j + c0 - i + K), [m1, e) clipped above.
+  void split(int64_t r, int64_t a, int64_t e, int64_t& m0, int64_t& m1) const {
+    const int64_t i = rows.qseq[r], K = rel.max_distance;
+    m0 = std::min(std::max(i - K - c0, a), e);
+    m1 = std::min(std::max(i + K + 1 - c0, m0), e);
+  }
+  // row[j] += vals[u(r, j) - u0] for local columns [a, e)
+  void gather_add(int64_t r, T* row, int64_t a, int64_t e, const T* vals) const {
+    if (!affine) {
+      const int32_t* ir = idx + r * LD;
+      for (int64_t j = a; j < e; j++) row[j] += vals[ir[j] - u0];
+      return;
+    }
+    int64_t m0, m1;
+    split(r, a, e, m0, m1);
+    const int64_t K = rel.max_distance, shift = c0 - rows.qseq[r] + K - u0;
+    for (int64_t j = a; j < m0; j++) row[j] += vals[-u0];
+    axpy(row + m0, vals + m0 + shift, m1 - m0, T(1));
+    for (int64_t j = m1; j < e; j++) row[j] += vals[2 * K - u0];
+  }
+  // out[u(r, j) - u0] += src[j] for local columns [a, e)
+  void scatter_add(int64_t r, const T* src, int64_t a, int64_t e, T* out) const {
+    if (!affine) {
+      const int32_t* ir = idx + r * LD;
+      for (int64_t j = a; j < e; j++) out[ir[j] - u0] += src[j];
+      return;
+    }
+    int64_t m0, m1;
+    split(r, a, e, m0, m1);
+    const int64_t K = rel.max_distance, shift = c0 - rows.qseq[r] + K - u0;
+    T below = 0, above = 0;
+    for (int64_t j = a; j < m0; j++) below += src[j];
+    for (int64_t j = m1; j < e; j++) above += src[j];
+    if (m0 > a) out[-u0] += below;
+    axpy(out + m0 + shift, src + m0, m1 - m0, T(1));
+    if (e > m1) out[2 * K - u0] += above;
+  }
+};
 
 // Forward of one block: softmax(q·kᵀ·scale + rel + bias, masked) · v (+ the relative value term) per row, with the
 // rows' results in ``out``. ``R`` (the rules) provides: elementwise(r) (whether row r needs a per-pair mask pass),
@@ -317,36 +379,28 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
   std::fill(o, o + n * D, T(0));
   if (kmin < kmax) {
     auto [qp, ldq] = load_rows(h.q, h.q_stride, rows, D, w.q);
-    T* s = w.s.get(n * KC);
-    int32_t* idx = rel.on() ? w.idx.get(n * KC) : nullptr;
+    T* s = w.s.get(n * LD);
+    int32_t* idx = rel.on() && rules.unit() != 1 ? w.idx.get(n * LD) : nullptr;
     for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
       const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
       auto [kp, ldk] = load_keys(h.k, h.k_stride, h.key_order, c0, nc, D, w.k);
       auto [vp, ldv] = load_keys(h.v, h.v_stride, h.key_order, c0, nc, D, w.v);
-      gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, KC);  // (n, nc) scores
-      int64_t u0 = 0, U = 0;
+      gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, LD);  // (n, nc) scores
       T* qa = nullptr;
-      if (rel.on()) {  // q_i·a^K_ij from the (n, U) products with the table rows the chunk uses
-        auto [lo, hi] = rel_indices(rules, rel, rows, c0, c1, idx);
-        if (hi >= lo) {
-          u0 = lo;
-          U = hi - lo + 1;
-          qa = w.qa.get(n * U);
-          gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
-        }
+      const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
+      const int64_t u0 = rc.u0, U = rc.U;
+      if (rel.on() && U > 0) {  // q_i·a^K_ij from the (n, U) products with the table rows the chunk uses
+        qa = w.qa.get(n * U);
+        gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
       }
       for (int64_t r = 0; r < n; r++) {
-        T* row = s + r * KC;
+        T* row = s + r * LD;
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
         if (a >= e) {
           std::fill(row, row + nc, T(0));
           continue;
         }
-        if (qa != nullptr) {
-          const int32_t* ir = idx + r * KC;
-          const T* qar = qa + r * U;
-          for (int64_t j = a; j < e; j++) row[j] += qar[ir[j] - u0];
-        }
+        if (qa != nullptr) rc.gather_add(r, row, a, e, qa + r * U);
         if (rules.has_bias)
           for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
         if (rules.elementwise(r))
@@ -374,16 +428,13 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;
       }
-      gemm<T>(false, false, n, D, nc, T(1), s, KC, vp, ldv, T(1), o, D);  // o += p · v
+      gemm<T>(false, false, n, D, nc, T(1), s, LD, vp, ldv, T(1), o, D);  // o += p · v
       if (qa != nullptr) {  // o_i += Σ_j p_ij a^V_ij: the probabilities summed per table row, times the rows
         T* pu = w.pu.get(n * U);
         std::fill(pu, pu + n * U, T(0));
         for (int64_t r = 0; r < n; r++) {
           const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-          const int32_t* ir = idx + r * KC;
-          const T* row = s + r * KC;
-          T* pr = pu + r * U;
-          for (int64_t j = a; j < e; j++) pr[ir[j] - u0] += row[j];
+          if (a < e) rc.scatter_add(r, s + r * LD, a, e, pu + r * U);
         }
         gemm<T>(false, false, n, D, U, T(1), pu, U, rel.value + u0 * D, D, T(1), o, D);
       }
@@ -438,38 +489,30 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
   if (kmin >= kmax) return;
   auto [qp, ldq] = load_rows(h.q, h.q_stride, rows, D, w.q);
   auto [dop, ldo] = load_rows(dout_base, dout_stride, rows, D, w.dout);
-  T* s = w.s.get(n * KC);
-  T* dp = w.dp.get(n * KC);
-  int32_t* idx = rel.on() ? w.idx.get(n * KC) : nullptr;
+  T* s = w.s.get(n * LD);
+  T* dp = w.dp.get(n * LD);
+  int32_t* idx = rel.on() && rules.unit() != 1 ? w.idx.get(n * LD) : nullptr;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
     const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
     auto [kp, ldk] = load_keys(h.k, h.k_stride, h.key_order, c0, nc, D, w.k);
     auto [vp, ldv] = load_keys(h.v, h.v_stride, h.key_order, c0, nc, D, w.v);
-    gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, KC);
-    int64_t u0 = 0, U = 0;
+    gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, LD);
     T* qa = nullptr;
-    if (rel.on()) {
-      auto [lo, hi] = rel_indices(rules, rel, rows, c0, c1, idx);
-      if (hi >= lo) {
-        u0 = lo;
-        U = hi - lo + 1;
-        qa = w.qa.get(n * U);
-        gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
-      }
+    const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
+    const int64_t u0 = rc.u0, U = rc.U;
+    if (rel.on() && U > 0) {
+      qa = w.qa.get(n * U);
+      gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
     }
     for (int64_t r = 0; r < n; r++) {  // the probabilities again: exp(s - lse) where allowed
-      T* row = s + r * KC;
+      T* row = s + r * LD;
       const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
       if (a >= e || lse[r] == neg_inf<T>()) {
         std::fill(row, row + nc, T(0));
         continue;
       }
-      if (qa != nullptr) {
-        const int32_t* ir = idx + r * KC;
-        const T* qar = qa + r * U;
-        for (int64_t j = a; j < e; j++) row[j] += qar[ir[j] - u0];
-      }
+      if (qa != nullptr) rc.gather_add(r, row, a, e, qa + r * U);
       if (rules.has_bias)
         for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
       if (rules.elementwise(r))
@@ -484,13 +527,13 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
     // dv += pᵀ · dout
     T* dkv = nullptr;
     if (h.key_order == nullptr) {
-      gemm<T>(true, false, nc, D, n, T(1), s, KC, dop, ldo, T(1), g.dv + c0 * D, D);
+      gemm<T>(true, false, nc, D, n, T(1), s, LD, dop, ldo, T(1), g.dv + c0 * D, D);
     } else {
       dkv = w.kv_grad.get(nc * D);
-      gemm<T>(true, false, nc, D, n, T(1), s, KC, dop, ldo, T(0), dkv, D);
+      gemm<T>(true, false, nc, D, n, T(1), s, LD, dop, ldo, T(0), dkv, D);
       for (int64_t j = 0; j < nc; j++) axpy(g.dv + h.key_order[c0 + j] * D, dkv + j * D, D, T(1));
     }
-    gemm<T>(false, true, n, nc, D, T(1), dop, ldo, vp, ldv, T(0), dp, KC);  // dp = dout · vᵀ
+    gemm<T>(false, true, n, nc, D, T(1), dop, ldo, vp, ldv, T(0), dp, LD);  // dp = dout · vᵀ
     T* pu = nullptr;
     if (qa != nullptr) {
       // value term: dp_ij += dout_i · a^V_ij, and d a^V_u += Σ (p summed per table row) dout
@@ -498,37 +541,28 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
       std::fill(pu, pu + n * U, T(0));
       for (int64_t r = 0; r < n; r++) {
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        const int32_t* ir = idx + r * KC;
-        const T* row = s + r * KC;
-        T* pr = pu + r * U;
-        for (int64_t j = a; j < e; j++) pr[ir[j] - u0] += row[j];
+        if (a < e && lse[r] != neg_inf<T>()) rc.scatter_add(r, s + r * LD, a, e, pu + r * U);
       }
       gemm<T>(true, false, U, D, n, T(1), pu, U, dop, ldo, T(1), g.dvalue + u0 * D, D);
       gemm<T>(false, true, n, U, D, T(1), dop, ldo, rel.value + u0 * D, D, T(0), qa, U);  // reuse qa: dout·a^V
       for (int64_t r = 0; r < n; r++) {
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        const int32_t* ir = idx + r * KC;
-        const T* dar = qa + r * U;
-        T* dpr = dp + r * KC;
-        for (int64_t j = a; j < e; j++) dpr[j] += dar[ir[j] - u0];
+        if (a < e) rc.gather_add(r, dp + r * LD, a, e, qa + r * U);
       }
     }
-    for (int64_t r = 0; r < n; r++) softmax_grad_row(dp + r * KC, s + r * KC, nc, delta[r]);  // ds, in dp
-    gemm<T>(false, false, n, D, nc, T(1), dp, KC, kp, ldk, T(1), dq, D);  // dq += ds · k (scaled below)
+    for (int64_t r = 0; r < n; r++) softmax_grad_row(dp + r * LD, s + r * LD, nc, delta[r]);  // ds, in dp
+    gemm<T>(false, false, n, D, nc, T(1), dp, LD, kp, ldk, T(1), dq, D);  // dq += ds · k (scaled below)
     if (h.key_order == nullptr) {
-      gemm<T>(true, false, nc, D, n, h.scale, dp, KC, qp, ldq, T(1), g.dk + c0 * D, D);
+      gemm<T>(true, false, nc, D, n, h.scale, dp, LD, qp, ldq, T(1), g.dk + c0 * D, D);
     } else {
-      gemm<T>(true, false, nc, D, n, h.scale, dp, KC, qp, ldq, T(0), dkv, D);
+      gemm<T>(true, false, nc, D, n, h.scale, dp, LD, qp, ldq, T(0), dkv, D);
       for (int64_t j = 0; j < nc; j++) axpy(g.dk + h.key_order[c0 + j] * D, dkv + j * D, D, T(1));
     }
     if (qa != nullptr) {  // key term: ds summed per table row
       std::fill(pu, pu + n * U, T(0));
       for (int64_t r = 0; r < n; r++) {
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        const int32_t* ir = idx + r * KC;
-        const T* dsr = dp + r * KC;
-        T* pr = pu + r * U;
-        for (int64_t j = a; j < e; j++) pr[ir[j] - u0] += dsr[j];
+        if (a < e && lse[r] != neg_inf<T>()) rc.scatter_add(r, dp + r * LD, a, e, pu + r * U);
       }
       gemm<T>(false, false, n, D, U, T(1), pu, U, rel.key + u0 * D, D, T(1), dq, D);
       gemm<T>(true, false, U, D, n, h.scale, pu, U, qp, ldq, T(1), g.dkey + u0 * D, D);

@@ -65,6 +65,7 @@ struct RangeRules {
   int64_t distance(int64_t r, int64_t j) const { return key_pos[key_row(j)] - query_pos[qrow[r]]; }
   T bias(int64_t, int64_t) const { return T(0); }
   int64_t self(int64_t) const { return -1; }
+  int64_t unit() const { return 0; }
 };
 
 struct Sizes {

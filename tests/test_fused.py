@@ -1,0 +1,301 @@
+"""The fused CPU executor beyond what every executor's tests check (patterns, routing, LSH, ranges and the model run
+on it through their parametrised backends): gradcheck, results independent of the thread count, what it keeps for the
+backward, torch.compile, the calls it hands to the tiles executor, and how its kernels are built and what happens
+when they cannot be."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import rand_padding, rand_qkv, rand_rel
+from routeformer.attention import RoutingAttention, local_attention
+from routeformer.attention.executors import get_executor
+from routeformer.attention.fused import FusedKernelUnavailable, KernelBuild, available
+from routeformer.attention.lsh import lsh_attention, lsh_rotations
+from routeformer.attention.tiling import Distances, KeyRestrictions, Tiling
+
+FUSED = get_executor("fused")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_kernels_are_built_here() -> None:
+    """This machine has a compiler: the suite must exercise the kernels, not the fallback."""
+    assert os.environ.get("ROUTEFORMER_FUSED") != "0" and available()
+    assert torch.ops.routeformer_fused.has_blas() in (True, False)
+
+
+# --- gradcheck: float64, every value the kernel reads ---------------------------------------------------------
+
+
+def _gradcheck_cases():
+    g = torch.Generator().manual_seed(0)
+    N = 11
+    order = torch.randperm(N, generator=g).expand(1, 2, N).contiguous()
+    groups = torch.randint(0, 3, (1, 2, N), generator=g)
+    labels = torch.randint(0, 30, (1, 2, 2, N), generator=g)
+    valid = rand_padding(1, N, seed=3)[:, None, :]
+    valid[..., -1] = True
+    rel = rand_rel(3, 2)
+    bias = torch.randn(1, 2, 1, N, N, dtype=torch.float64, generator=g)
+    band = Tiling.band(4, N, True)
+    return {
+        "band": dict(tiling=band),
+        "band, relative, unit": dict(tiling=band, rel_pos=rel, distances=Distances(unit=1)),
+        "dense, bias, delta": dict(tiling=Tiling.dense(N), bias=bias, rel_pos=rel,
+                                   distances=Distances(delta=torch.randint(-3, 4, (1, 1, 1, N, N), generator=g))),
+        "order, groups, own key, positions": dict(
+            tiling=Tiling(block=3, back=1, offsets=(-3, 0), order=order), rel_pos=rel,
+            restrict=KeyRestrictions(groups=groups.sort(-1).values, exclude_self=True),
+            distances=Distances(positions=order)),
+        "labels, validity, unsorted groups": dict(
+            tiling=Tiling(block=4, back=1, ahead=1, tile_mask=torch.rand(1, 2, 3, 4, 12, generator=g) > 0.3),
+            key_valid=valid, restrict=KeyRestrictions(groups=groups, labels=labels, label_window=4)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_gradcheck_cases()))
+def test_gradcheck_of_the_tiled_operation(case: str) -> None:
+    kw = _gradcheck_cases()[case]
+    q, k, v = rand_qkv(1, 2, 11, 3, seed=4)
+    tables = [kw["rel_pos"].key, kw["rel_pos"].value] if "rel_pos" in kw else []
+
+    def f(q, k, v, *tables):
+        out, lse = FUSED.tiled(q, k, v, scale=0.7, need_lse=True, **kw)
+        return out, lse.where(lse > -1e300, 0.0)  # the lse of a row without keys is a constant
+
+    assert torch.autograd.gradcheck(f, (q, k, v, *tables))
+
+
+def test_gradcheck_of_ranges() -> None:
+    g = torch.Generator().manual_seed(1)
+    N, Nq, merge, width = 13, 7, 2, 4
+    q, _, _ = rand_qkv(1, 2, Nq, 3, seed=2)
+    _, k, v = rand_qkv(1, 2, N, 3, seed=3)
+    hi = torch.randint(0, N + 1, (1, 2, Nq * merge), generator=g)
+    lo = (hi - torch.randint(0, width + 1, hi.shape, generator=g)).clamp_min(0)
+    lo[..., 1::2], hi[..., 1::2] = lo[..., 1::2].clamp_max(0), hi[..., 1::2].clamp_max(0)  # disjoint: 2nd empty
+    order = torch.randperm(N, generator=g).expand(1, 2, N).contiguous()
+    rel = rand_rel(3, 3)
+    pos = torch.arange(N).expand(1, 2, N)
+
+    def f(q, k, v, a, b):
+        out, lse = FUSED.ranges(q, k, v, lo, hi, width=width, scale=0.6, merge=merge, key_order=order,
+                                query_pos=pos[..., :Nq], key_pos=pos, rel_pos=rel, need_lse=True)
+        return out, lse.where(lse > -1e300, 0.0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, rel.key, rel.value))
+
+
+# --- the same bits at one and two threads ---------------------------------------------------------------------
+
+
+def _thread_cases():
+    B, H, N, D = 2, 3, 300, 16
+    q, k, v = rand_qkv(B, H, N, D, dtype=torch.float32, seed=5)
+    rel = rand_rel(D, 40, dtype=torch.float32)
+    layer = RoutingAttention(H, D, 6, 20, probes=2, balance=0.01)
+    return (q, k, v), {
+        "local+rel": lambda q, k, v: local_attention(q, k, v, 50, rel_pos=rel, backend="fused"),
+        "routing, two probes": lambda q, k, v: layer(q, q, v),
+        "lsh": lambda q, k, v: lsh_attention(q, v, buckets=8, rounds=2, window=30,
+                                             rotations=lsh_rotations(H, D, 8, 2), backend="fused"),
+    }, rel
+
+
+@pytest.mark.parametrize("name", ["local+rel", "routing, two probes", "lsh"])
+def test_results_are_the_same_bits_at_one_and_two_threads(name: str) -> None:
+    """Forward and gradients: every head's key gradients are summed by one thread in a fixed order (no atomics)."""
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            (q, k, v), cases, rel = _thread_cases()
+            out = cases[name](q, k, v)
+            leaves = [q, k, v] + ([rel.key, rel.value] if name == "local+rel" else [])
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out).cumsum(-1).sin(), allow_unused=True)
+            results.append([out.detach(), *[g for g in grads if g is not None]])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+# --- memory, compile, hand-offs -------------------------------------------------------------------------------
+
+
+def _kept_for_backward(fn) -> int:
+    """Bytes of the distinct tensors autograd saves during ``fn()`` (saved_tensors_hooks)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_a_local_call_keeps_o_of_n_d_for_its_backward() -> None:
+    """q, k, v, out and the lse: about 4× the bytes of q, whatever the window (the tiles executor keeps each tile's
+    probabilities: O(N · window))."""
+    q, k, v = rand_qkv(1, 4, 2048, 32, dtype=torch.float32)
+    bytes_q = q.numel() * 4
+    fused = _kept_for_backward(lambda: local_attention(q, k, v, 256, backend="fused"))
+    tiles = _kept_for_backward(lambda: local_attention(q, k, v, 256, backend="tiles"))
+    assert fused <= 5 * bytes_q < tiles
+
+
+def test_compiles_into_one_graph_forward_and_backward() -> None:
+    q, k, v = rand_qkv(1, 2, 40, 8, dtype=torch.float32, seed=2)
+    rel = rand_rel(8, 6, dtype=torch.float32)
+
+    def f(q, k, v):
+        return local_attention(q, k, v, 7, rel_pos=rel, backend="fused")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out, ref = compiled(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_other_dtypes_go_to_the_tiles_executor(dtype: torch.dtype) -> None:
+    q, k, v = (x.to(dtype) for x in rand_qkv(1, 2, 30, 8, grad=False))
+    order = torch.randperm(30).expand(1, 2, 30)
+    tiling = Tiling(block=5, back=1, offsets=(-5, 0), order=order)
+    out, _ = FUSED.tiled(q, k, v, tiling, scale=0.3)
+    ref, _ = get_executor("tiles").tiled(q, k, v, tiling, scale=0.3)
+    assert out.dtype == dtype and torch.equal(out, ref)
+
+
+# --- building -------------------------------------------------------------------------------------------------
+
+TINY = """
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+at::Tensor twice(const at::Tensor& x) { return x.mul(2); }
+TORCH_LIBRARY(NAMESPACE, m) { m.def("twice(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("twice", &twice); }
+"""
+
+
+def _tiny(tmp_path: Path, namespace: str, body: str = TINY) -> KernelBuild:
+    source = tmp_path / f"{namespace}.cpp"
+    source.write_text(body.replace("NAMESPACE", namespace))
+    return KernelBuild(namespace, (source,), root=tmp_path / "cache", what=f"the test library {namespace}")
+
+
+def _python(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO)
+
+
+RESOLVE = """
+import warnings
+warnings.simplefilter("always")
+import torch
+from routeformer.attention import local_attention
+from routeformer.attention.executors import resolve_backend
+q = torch.randn(1, 2, 40, 8)
+for _ in range(3):
+    local_attention(q, q, q, 5)  # the default: fused, or tiles with one warning
+print("RESOLVED", resolve_backend("auto", "cpu"))
+"""
+
+
+def test_the_switch_forces_the_tiles_executor_with_one_warning() -> None:
+    run = _python(RESOLVE, {"ROUTEFORMER_FUSED": "0"})
+    assert run.returncode == 0, run.stderr
+    assert "RESOLVED tiles" in run.stdout
+    assert run.stderr.count("FusedKernelUnavailable") == 1 and "ROUTEFORMER_FUSED=0" in run.stderr
+
+
+def test_no_compiler_means_the_tiles_executor_with_one_warning(tmp_path: Path) -> None:
+    run = _python(RESOLVE, {"CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    assert "RESOLVED tiles" in run.stdout
+    assert run.stderr.count("FusedKernelUnavailable") == 1 and "no C++ compiler" in run.stderr
+
+
+def test_no_ninja_is_named(tmp_path: Path, monkeypatch) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    build = _tiny(tmp_path, "routeformer_test_noninja")
+    with pytest.warns(FusedKernelUnavailable, match="ninja is not installed"):
+        assert build.load() is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second call says nothing
+        assert build.load() is not None
+
+
+def test_a_compile_error_is_a_warning_that_quotes_the_compiler(tmp_path: Path) -> None:
+    build = _tiny(tmp_path, "routeformer_test_broken", TINY.replace("x.mul(2)", "x * undefined_name"))
+    with pytest.warns(FusedKernelUnavailable, match="undefined_name"):
+        assert "compile error" in build.load()
+
+
+def test_a_library_that_does_not_load_is_a_warning(tmp_path: Path) -> None:
+    build = _tiny(tmp_path, "routeformer_test_garbage")
+    name = build.name()
+    (tmp_path / "cache" / name).mkdir(parents=True)
+    (tmp_path / "cache" / name / f"{name}.so").write_bytes(b"not a library")
+    with pytest.warns(FusedKernelUnavailable, match="OSError"):
+        assert build.load() is not None
+
+
+BUILD = """
+import sys
+from pathlib import Path
+import torch
+from routeformer.attention.fused.build import KernelBuild
+build = KernelBuild({namespace!r}, (Path({source!r}),), root=Path({root!r}), what="the test library")
+print("LOADED" if build.load() is None else "FAILED", flush=True)
+print(torch.ops.{namespace}.twice(torch.ones(2)).tolist(), flush=True)
+"""
+
+
+def _builder(build: KernelBuild) -> str:
+    return BUILD.format(namespace=build.prefix, source=str(build.sources[0]), root=str(build.root))
+
+
+def test_parallel_builders_compile_once_and_a_killed_build_does_not_block_the_next(tmp_path: Path) -> None:
+    """Two processes at once: one compiles, the other waits on the lock and loads its library. Then a build killed
+    half-way (its lock dies with it, its private folder stays): the next process builds and loads, in bounded
+    time."""
+    build = _tiny(tmp_path, "routeformer_test_parallel")
+    both = [subprocess.Popen([sys.executable, "-c", _builder(build)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=REPO) for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in both]
+    assert all(p.returncode == 0 for p in both), outputs
+    assert all("LOADED" in out and "[2.0, 2.0]" in out for out, _ in outputs)
+    assert sum(err.count("compiling the test library") for _, err in outputs) == 1
+
+    killed = _tiny(tmp_path, "routeformer_test_killed")
+    victim = subprocess.Popen([sys.executable, "-c", _builder(killed)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO)
+    folder = killed.root / killed.name()
+    deadline = time.monotonic() + 120
+    while not any(folder.glob("build-*")) and time.monotonic() < deadline:  # it is compiling
+        time.sleep(0.2)
+    assert any(folder.glob("build-*")), "the build never started"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert not (folder / f"{killed.name()}.so").exists()
+    start = time.monotonic()
+    after = _python(_builder(killed), timeout=300)
+    assert after.returncode == 0 and "LOADED" in after.stdout, after.stderr
+    assert time.monotonic() - start < 240
