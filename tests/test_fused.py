@@ -57,6 +57,9 @@ def _gradcheck_cases():
             tiling=Tiling(block=3, back=1, offsets=(-3, 0), order=order), rel_pos=rel,
             restrict=KeyRestrictions(groups=groups.sort(-1).values, exclude_self=True),
             distances=Distances(positions=order)),
+        "order, positions far apart (per-pair relative terms)": dict(
+            tiling=Tiling(block=3, back=1, offsets=(-3, 0), order=order), rel_pos=rand_rel(3, 40),
+            distances=Distances(positions=order * 7)),
         "labels, validity, unsorted groups": dict(
             tiling=Tiling(block=4, back=1, ahead=1, tile_mask=torch.rand(1, 2, 3, 4, 12, generator=g) > 0.3),
             key_valid=valid, restrict=KeyRestrictions(groups=groups, labels=labels, label_window=4)),

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..attention import RelativePositions
 from ..attention.executors import executor_for
+from ..attention.fused.activation import sigmoid_gelu
 from .config import HeadGroupSpec, TransformerConfig
 
 
@@ -84,7 +85,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.w1(x)
-        h = h * torch.sigmoid(1.702 * h) if self.sigmoid_gelu else F.gelu(h)
+        h = sigmoid_gelu(h) if self.sigmoid_gelu else F.gelu(h)
         return self.w2(h)
 
 

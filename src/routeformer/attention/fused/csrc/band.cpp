@@ -32,10 +32,11 @@ struct Geometry {
   int64_t max_distance;
   int64_t label_within;  // labels: a pair whose labels differ by less than this in any row is held elsewhere
   int64_t rows_per_block;
+  bool positions_from_order;  // relative distances between the entries' original positions (order[j] - order[i])
 
   static Geometry from(at::IntArrayRef g) {
-    TORCH_CHECK(g.size() == 13, "routeformer fused band: geometry must hold 13 integers, got ", g.size());
-    return {g[0], g[1], g[2], g[3], g[4] != 0, g[5] != 0, g[6], g[7], g[8] != 0, g[9], g[10], g[11], g[12]};
+    TORCH_CHECK(g.size() == 14, "routeformer fused band: geometry must hold 14 integers, got ", g.size());
+    return {g[0], g[1], g[2], g[3], g[4] != 0, g[5] != 0, g[6], g[7], g[8] != 0, g[9], g[10], g[11], g[12], g[13] != 0};
   }
 };
 
@@ -157,7 +158,7 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, c
                   const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
                   const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& labels,
                   const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& order) {
   Call<T> c;
   c.g = g;
   c.B = q.size(0);
@@ -193,6 +194,10 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, c
   }
   c.delta = Strided5<int64_t>::of(delta, shape5);
   if (positions.has_value()) c.positions = positions->data_ptr<int64_t>();
+  if (g.positions_from_order) {
+    TORCH_CHECK(order.has_value(), "routeformer fused band: positions from the order need an order");
+    c.positions = order->data_ptr<int64_t>();
+  }
   c.bias = Strided5<T>::of(bias, shape5);
   if (c.groups != nullptr) {  // sorted groups: each group one run, its bounds per position
     const int64_t N = c.Nk, BH = c.B * c.H;
@@ -296,7 +301,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_forward(
                               : at::empty({0}, q.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_band_forward", [&] {
     using T = scalar_t;
-    const Call<T> c = make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, labels, delta, positions, bias);
+    const Call<T> c =
+        make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, labels, delta, positions, bias, order);
     Rel<T> rel;
     if (key_table.has_value()) {
       rel.key = key_table->data_ptr<T>();
@@ -354,7 +360,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_back
   auto dtab = at::zeros({2, B * H, std::max<int64_t>(L, 1), D}, q.options());  // per head, summed in head order
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_band_backward", [&] {
     using T = scalar_t;
-    const Call<T> c = make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, labels, delta, positions, bias);
+    const Call<T> c =
+        make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, labels, delta, positions, bias, order);
     Rel<T> rel;
     if (has_rel) {
       rel.key = key_table->data_ptr<T>();

@@ -284,6 +284,7 @@ struct RelChunk {
   bool affine;
   int32_t* idx;
   int64_t u0 = 0, U = 0;
+  bool direct = false;  // irregular distances spread over many table rows: per-pair products, not (n, U) ones
 
   RelChunk(const R& rules_, const Rel<T>& rel_, const Rows& rows_, int64_t c0_, int64_t c1_, int32_t* idx_)
       : rules(rules_), rel(rel_), rows(rows_), c0(c0_), c1(c1_), affine(rules_.unit() == 1), idx(idx_) {
@@ -309,7 +310,10 @@ struct RelChunk {
       u0 = lo;
       U = hi - lo + 1;
     }
+    direct = !affine && U > 2 * (c1 - c0);
   }
+  // the table row of pair (r, local column j), for direct mode
+  const int32_t* row_index(int64_t r) const { return idx + r * LD; }
   // Local key columns [a, e) of row r split at the clipping points: [a, m0) clipped below, [m0, m1) unclipped
   // (table row j + c0 - i + K), [m1, e) clipped above.
   void split(int64_t r, int64_t a, int64_t e, int64_t& m0, int64_t& m1) const {
@@ -389,7 +393,7 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
       T* qa = nullptr;
       const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
       const int64_t u0 = rc.u0, U = rc.U;
-      if (rel.on() && U > 0) {  // q_i·a^K_ij from the (n, U) products with the table rows the chunk uses
+      if (rel.on() && U > 0 && !rc.direct) {  // q_i·a^K_ij from (n, U) products with the table rows in use
         qa = w.qa.get(n * U);
         gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
       }
@@ -401,6 +405,10 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
           continue;
         }
         if (qa != nullptr) rc.gather_add(r, row, a, e, qa + r * U);
+        if (rc.direct) {
+          const int32_t* ir = rc.row_index(r);
+          for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qp + r * ldq, rel.key + ir[j] * D, D);
+        }
         if (rules.has_bias)
           for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
         if (rules.elementwise(r))
@@ -437,6 +445,14 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
           if (a < e) rc.scatter_add(r, s + r * LD, a, e, pu + r * U);
         }
         gemm<T>(false, false, n, D, U, T(1), pu, U, rel.value + u0 * D, D, T(1), o, D);
+      } else if (rc.direct) {
+        for (int64_t r = 0; r < n; r++) {
+          const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+          const int32_t* ir = rc.row_index(r);
+          const T* row = s + r * LD;
+          for (int64_t j = a; j < e; j++)
+            if (row[j] != T(0)) axpy(o + r * D, rel.value + ir[j] * D, D, row[j]);
+        }
       }
     }
   }
@@ -501,7 +517,7 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
     T* qa = nullptr;
     const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
     const int64_t u0 = rc.u0, U = rc.U;
-    if (rel.on() && U > 0) {
+    if (rel.on() && U > 0 && !rc.direct) {
       qa = w.qa.get(n * U);
       gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
     }
@@ -513,6 +529,10 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
         continue;
       }
       if (qa != nullptr) rc.gather_add(r, row, a, e, qa + r * U);
+      if (rc.direct) {
+        const int32_t* ir = rc.row_index(r);
+        for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qp + r * ldq, rel.key + ir[j] * D, D);
+      }
       if (rules.has_bias)
         for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
       if (rules.elementwise(r))
@@ -549,6 +569,19 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
         if (a < e) rc.gather_add(r, dp + r * LD, a, e, qa + r * U);
       }
+    } else if (rc.direct) {  // dp_ij += dout_i · a^V_ij, d a^V += p_ij dout_i, per pair
+      for (int64_t r = 0; r < n; r++) {
+        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+        if (a >= e || lse[r] == neg_inf<T>()) continue;
+        const int32_t* ir = rc.row_index(r);
+        const T* row = s + r * LD;
+        const T* dor = dop + r * ldo;
+        T* dpr = dp + r * LD;
+        for (int64_t j = a; j < e; j++) {
+          dpr[j] += dot(dor, rel.value + ir[j] * D, D);
+          if (row[j] != T(0)) axpy(g.dvalue + ir[j] * D, dor, D, row[j]);
+        }
+      }
     }
     for (int64_t r = 0; r < n; r++) softmax_grad_row(dp + r * LD, s + r * LD, nc, delta[r]);  // ds, in dp
     gemm<T>(false, false, n, D, nc, T(1), dp, LD, kp, ldk, T(1), dq, D);  // dq += ds · k (scaled below)
@@ -566,6 +599,18 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
       }
       gemm<T>(false, false, n, D, U, T(1), pu, U, rel.key + u0 * D, D, T(1), dq, D);
       gemm<T>(true, false, U, D, n, h.scale, pu, U, qp, ldq, T(1), g.dkey + u0 * D, D);
+    } else if (rc.direct) {  // dq_i += ds_ij a^K_ij, d a^K += scale · ds_ij q_i, per pair
+      for (int64_t r = 0; r < n; r++) {
+        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+        if (a >= e || lse[r] == neg_inf<T>()) continue;
+        const int32_t* ir = rc.row_index(r);
+        const T* dsr = dp + r * LD;
+        for (int64_t j = a; j < e; j++) {
+          if (dsr[j] == T(0)) continue;
+          axpy(dq + r * D, rel.key + ir[j] * D, D, dsr[j]);
+          axpy(g.dkey + ir[j] * D, qp + r * ldq, D, h.scale * dsr[j]);
+        }
+      }
     }
   }
   scale_row(dq, n * D, h.scale);

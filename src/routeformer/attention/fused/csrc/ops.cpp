@@ -41,6 +41,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table);
 
+at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
+at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
+
 bool fused_has_blas() { return has_blas(); }
 
 }  // namespace routeformer
@@ -63,6 +66,8 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "ranges_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor lo, Tensor hi, int[] setup, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
       "Tensor? key_pos, Tensor? key_table, Tensor? value_table) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("sigmoid_gelu(Tensor x) -> Tensor");
+  m.def("sigmoid_gelu_backward(Tensor grad, Tensor x) -> Tensor");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
 }
 
@@ -71,4 +76,6 @@ TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
   m.impl("band_backward", &routeformer::fused_band_backward);
   m.impl("ranges_forward", &routeformer::fused_ranges_forward);
   m.impl("ranges_backward", &routeformer::fused_ranges_backward);
+  m.impl("sigmoid_gelu", &routeformer::fused_sigmoid_gelu);
+  m.impl("sigmoid_gelu_backward", &routeformer::fused_sigmoid_gelu_backward);
 }

@@ -1,0 +1,17 @@
+"""The Sparse Transformer's GELU, x · sigmoid(1.702 x), as one fused CPU kernel each way where the kernels are built
+(float32 and float64 on the CPU), else PyTorch's expression (the same function, five elementwise passes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .executor import DTYPES, available
+from .op import sigmoid_gelu as fused
+
+
+def sigmoid_gelu(x: Tensor) -> Tensor:
+    """x · sigmoid(1.702 x), elementwise, with its gradient."""
+    if x.device.type == "cpu" and x.dtype in DTYPES and available():
+        return fused(x)
+    return x * torch.sigmoid(1.702 * x)
