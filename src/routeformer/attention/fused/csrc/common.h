@@ -229,7 +229,7 @@ struct Rows {
 // The scratch of one thread.
 template <typename T>
 struct Work {
-  Buffer<T> q, dout, k, v, s, dp, o, dq, qa, pu, kv_grad;
+  Buffer<T> q, dout, k, v, s, dp, o, dq, kv_grad;
   Buffer<T> m, l, self_score, delta, lse;
   Buffer<int32_t> idx;
   Buffer<uint8_t> self_ok;
@@ -354,10 +354,42 @@ struct RelChunk {
   }
 };
 
+// The keys (or values) of one chunk as the right-hand side of a product: rows [c0, c0 + nc) of a head in place (no
+// key order, no relative tables), else copied into ``buf``: the chunk's rows (gathered by the key order) and, when
+// ``table`` is given, the U table rows [u0, u0 + U) after them, so that one product yields both q·kᵀ and q·a^Kᵀ
+// (or p·v and the value term). Returns (pointer, leading dimension).
+template <typename T>
+inline std::pair<const T*, int64_t> chunk_operand(const T* base, int64_t stride, const int64_t* order, int64_t c0,
+                                                  int64_t nc, int64_t D, const T* table, int64_t u0, int64_t U,
+                                                  Buffer<T>& buf) {
+  if (order == nullptr && table == nullptr) return {base + c0 * stride, stride};
+  T* out = buf.get((nc + U) * D);
+  for (int64_t j = 0; j < nc; j++)
+    std::memcpy(out + j * D, base + (order == nullptr ? c0 + j : order[c0 + j]) * stride, D * sizeof(T));
+  if (table != nullptr) std::memcpy(out + nc * D, table + u0 * D, U * D * sizeof(T));
+  return {out, D};
+}
+
+// Add (nc + U, D) key-side gradient rows: the first nc to rows [c0, c0 + nc) of ``dk`` (through the key order), the
+// rest to the table rows [u0, u0 + U).
+template <typename T>
+inline void add_key_rows(const T* src, int64_t nc, int64_t D, const int64_t* order, int64_t c0, T* dk, T* dtable,
+                         int64_t u0, int64_t U) {
+  for (int64_t j = 0; j < nc; j++) axpy(dk + (order == nullptr ? c0 + j : order[c0 + j]) * D, src + j * D, D, T(1));
+  if (dtable != nullptr) axpy(dtable + u0 * D, src + nc * D, U * D, T(1));
+}
+
+inline int64_t row_stride(int64_t columns) { return ((columns + 15) / 16) * 16 + 16; }  // off powers of two
+
 // Forward of one block: softmax(q·kᵀ·scale + rel + bias, masked) · v (+ the relative value term) per row, with the
 // rows' results in ``out``. ``R`` (the rules) provides: elementwise(r) (whether row r needs a per-pair mask pass),
-// allowed(r, j), distance(r, j) (relative positions), has_bias / bias(r, j), and self(r) (the key index of a row's own
-// key when the own key is excluded unless alone, else -1).
+// allowed(r, j), distance(r, j) and unit() (relative positions), has_bias / bias(r, j), and self(r) (the key index of
+// a row's own key when the own key is excluded unless alone, else -1).
+//
+// With relative positions on a stretch of U table rows, the rows ride along in the products: scores and q·a^K come
+// out of one (n, nc + U) product, the value term and p·v out of one (n, D) product over nc + U columns (the
+// probabilities summed per table row after the chunk's own). Irregular distances over many table rows instead take
+// per-pair products (``RelChunk::direct``).
 template <typename T, typename R>
 void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Rows& rows, Work<T>& w,
                    BlockOut<T> out) {
@@ -383,28 +415,26 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
   std::fill(o, o + n * D, T(0));
   if (kmin < kmax) {
     auto [qp, ldq] = load_rows(h.q, h.q_stride, rows, D, w.q);
-    T* s = w.s.get(n * LD);
     int32_t* idx = rel.on() && rules.unit() != 1 ? w.idx.get(n * LD) : nullptr;
     for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
       const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
-      auto [kp, ldk] = load_keys(h.k, h.k_stride, h.key_order, c0, nc, D, w.k);
-      auto [vp, ldv] = load_keys(h.v, h.v_stride, h.key_order, c0, nc, D, w.v);
-      gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, LD);  // (n, nc) scores
-      T* qa = nullptr;
       const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
-      const int64_t u0 = rc.u0, U = rc.U;
-      if (rel.on() && U > 0 && !rc.direct) {  // q_i·a^K_ij from (n, U) products with the table rows in use
-        qa = w.qa.get(n * U);
-        gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
-      }
+      const bool ext = rel.on() && rc.U > 0 && !rc.direct;  // the table rows ride along in the products
+      const int64_t U = ext ? rc.U : 0, u0 = rc.u0, W = nc + U;
+      const int64_t ld = ext ? row_stride(W) : LD;
+      T* s = w.s.get(n * ld);
+      auto [kp, ldk] = chunk_operand(h.k, h.k_stride, h.key_order, c0, nc, D, ext ? rel.key : nullptr, u0, U, w.k);
+      auto [vp, ldv] = chunk_operand(h.v, h.v_stride, h.key_order, c0, nc, D, ext ? rel.value : nullptr, u0, U,
+                                     w.v);
+      gemm<T>(false, true, n, W, D, h.scale, qp, ldq, kp, ldk, T(0), s, ld);  // (n, nc) scores | (n, U) q·a^K
       for (int64_t r = 0; r < n; r++) {
-        T* row = s + r * LD;
+        T* row = s + r * ld;
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
         if (a >= e) {
-          std::fill(row, row + nc, T(0));
+          std::fill(row, row + W, T(0));
           continue;
         }
-        if (qa != nullptr) rc.gather_add(r, row, a, e, qa + r * U);
+        if (ext) rc.gather_add(r, row, a, e, row + nc);
         if (rc.direct) {
           const int32_t* ir = rc.row_index(r);
           for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qp + r * ldq, rel.key + ir[j] * D, D);
@@ -424,32 +454,25 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
         }
         const T mx = max_of(row + a, e - a);
         if (mx == minus_inf) {
-          std::fill(row, row + nc, T(0));
+          std::fill(row, row + W, T(0));
           continue;
         }
         const T m_new = std::max(m[r], mx);
         const T alpha = m[r] == minus_inf ? T(0) : std::exp(m[r] - m_new);
         std::fill(row, row + a, T(0));
-        std::fill(row + e, row + nc, T(0));
+        std::fill(row + e, row + W, T(0));  // and the table columns, for the probabilities summed per table row
         const T sum = exp_shift_sum(row + a, e - a, m_new);
+        if (ext) rc.scatter_add(r, row, a, e, row + nc);
         if (alpha != T(1)) scale_row(o + r * D, D, alpha);
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;
       }
-      gemm<T>(false, false, n, D, nc, T(1), s, LD, vp, ldv, T(1), o, D);  // o += p · v
-      if (qa != nullptr) {  // o_i += Σ_j p_ij a^V_ij: the probabilities summed per table row, times the rows
-        T* pu = w.pu.get(n * U);
-        std::fill(pu, pu + n * U, T(0));
-        for (int64_t r = 0; r < n; r++) {
-          const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-          if (a < e) rc.scatter_add(r, s + r * LD, a, e, pu + r * U);
-        }
-        gemm<T>(false, false, n, D, U, T(1), pu, U, rel.value + u0 * D, D, T(1), o, D);
-      } else if (rc.direct) {
+      gemm<T>(false, false, n, D, W, T(1), s, ld, vp, ldv, T(1), o, D);  // o += p · v (+ Σ_j p_ij a^V_ij)
+      if (rc.direct) {
         for (int64_t r = 0; r < n; r++) {
           const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
           const int32_t* ir = rc.row_index(r);
-          const T* row = s + r * LD;
+          const T* row = s + r * ld;
           for (int64_t j = a; j < e; j++)
             if (row[j] != T(0)) axpy(o + r * D, rel.value + ir[j] * D, D, row[j]);
         }
@@ -487,7 +510,8 @@ struct Grads {
 
 // Backward of one block, recomputing the probabilities from q, k and the rows' lse. Rows take, per row: lse
 // (``lse[r]``), delta = dout·out - dlse, whether the row saw only its own key (``alone``), and dout rows (gathered
-// like q). Adds the key gradients into ``g`` and returns the rows' query gradient in w.dq (n, D), scaled.
+// like q). Adds the key gradients into ``g`` and returns the rows' query gradient in w.dq (n, D), scaled. With the
+// table rows riding along (see ``forward_block``), five products per chunk whatever the relative terms.
 template <typename T, typename R>
 void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Rows& rows, const T* dout_base,
                     int64_t dout_stride, const T* lse, const T* delta, const uint8_t* alone, Work<T>& w,
@@ -505,30 +529,27 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
   if (kmin >= kmax) return;
   auto [qp, ldq] = load_rows(h.q, h.q_stride, rows, D, w.q);
   auto [dop, ldo] = load_rows(dout_base, dout_stride, rows, D, w.dout);
-  T* s = w.s.get(n * LD);
-  T* dp = w.dp.get(n * LD);
   int32_t* idx = rel.on() && rules.unit() != 1 ? w.idx.get(n * LD) : nullptr;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
     const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
-    auto [kp, ldk] = load_keys(h.k, h.k_stride, h.key_order, c0, nc, D, w.k);
-    auto [vp, ldv] = load_keys(h.v, h.v_stride, h.key_order, c0, nc, D, w.v);
-    gemm<T>(false, true, n, nc, D, h.scale, qp, ldq, kp, ldk, T(0), s, LD);
-    T* qa = nullptr;
     const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
-    const int64_t u0 = rc.u0, U = rc.U;
-    if (rel.on() && U > 0 && !rc.direct) {
-      qa = w.qa.get(n * U);
-      gemm<T>(false, true, n, U, D, h.scale, qp, ldq, rel.key + u0 * D, D, T(0), qa, U);
-    }
+    const bool ext = rel.on() && rc.U > 0 && !rc.direct;
+    const int64_t U = ext ? rc.U : 0, u0 = rc.u0, W = nc + U;
+    const int64_t ld = ext ? row_stride(W) : LD;
+    T* s = w.s.get(n * ld);
+    T* dp = w.dp.get(n * ld);
+    auto [kp, ldk] = chunk_operand(h.k, h.k_stride, h.key_order, c0, nc, D, ext ? rel.key : nullptr, u0, U, w.k);
+    auto [vp, ldv] = chunk_operand(h.v, h.v_stride, h.key_order, c0, nc, D, ext ? rel.value : nullptr, u0, U, w.v);
+    gemm<T>(false, true, n, W, D, h.scale, qp, ldq, kp, ldk, T(0), s, ld);
     for (int64_t r = 0; r < n; r++) {  // the probabilities again: exp(s - lse) where allowed
-      T* row = s + r * LD;
+      T* row = s + r * ld;
       const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
       if (a >= e || lse[r] == neg_inf<T>()) {
-        std::fill(row, row + nc, T(0));
+        std::fill(row, row + W, T(0));
         continue;
       }
-      if (qa != nullptr) rc.gather_add(r, row, a, e, qa + r * U);
+      if (ext) rc.gather_add(r, row, a, e, row + nc);
       if (rc.direct) {
         const int32_t* ir = rc.row_index(r);
         for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qp + r * ldq, rel.key + ir[j] * D, D);
@@ -541,70 +562,53 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
       const int64_t own = rules.self(r) - c0;
       if (own >= a && own < e && !alone[r]) row[own] = minus_inf;
       std::fill(row, row + a, T(0));
-      std::fill(row + e, row + nc, T(0));
+      std::fill(row + e, row + W, T(0));
       exp_shift_sum(row + a, e - a, lse[r]);
+      if (ext) rc.scatter_add(r, row, a, e, row + nc);  // the probabilities summed per table row
     }
-    // dv += pᵀ · dout
+    // dv (and d a^V) += [p | p per table row]ᵀ · dout
     T* dkv = nullptr;
-    if (h.key_order == nullptr) {
-      gemm<T>(true, false, nc, D, n, T(1), s, LD, dop, ldo, T(1), g.dv + c0 * D, D);
+    if (h.key_order == nullptr && !ext) {
+      gemm<T>(true, false, nc, D, n, T(1), s, ld, dop, ldo, T(1), g.dv + c0 * D, D);
     } else {
-      dkv = w.kv_grad.get(nc * D);
-      gemm<T>(true, false, nc, D, n, T(1), s, LD, dop, ldo, T(0), dkv, D);
-      for (int64_t j = 0; j < nc; j++) axpy(g.dv + h.key_order[c0 + j] * D, dkv + j * D, D, T(1));
+      dkv = w.kv_grad.get(W * D);
+      gemm<T>(true, false, W, D, n, T(1), s, ld, dop, ldo, T(0), dkv, D);
+      add_key_rows(dkv, nc, D, h.key_order, c0, g.dv, ext ? g.dvalue : nullptr, u0, U);
     }
-    gemm<T>(false, true, n, nc, D, T(1), dop, ldo, vp, ldv, T(0), dp, LD);  // dp = dout · vᵀ
-    T* pu = nullptr;
-    if (qa != nullptr) {
-      // value term: dp_ij += dout_i · a^V_ij, and d a^V_u += Σ (p summed per table row) dout
-      pu = w.pu.get(n * U);
-      std::fill(pu, pu + n * U, T(0));
-      for (int64_t r = 0; r < n; r++) {
-        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        if (a < e && lse[r] != neg_inf<T>()) rc.scatter_add(r, s + r * LD, a, e, pu + r * U);
-      }
-      gemm<T>(true, false, U, D, n, T(1), pu, U, dop, ldo, T(1), g.dvalue + u0 * D, D);
-      gemm<T>(false, true, n, U, D, T(1), dop, ldo, rel.value + u0 * D, D, T(0), qa, U);  // reuse qa: dout·a^V
-      for (int64_t r = 0; r < n; r++) {
-        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        if (a < e) rc.gather_add(r, dp + r * LD, a, e, qa + r * U);
-      }
-    } else if (rc.direct) {  // dp_ij += dout_i · a^V_ij, d a^V += p_ij dout_i, per pair
-      for (int64_t r = 0; r < n; r++) {
-        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        if (a >= e || lse[r] == neg_inf<T>()) continue;
+    gemm<T>(false, true, n, W, D, T(1), dop, ldo, vp, ldv, T(0), dp, ld);  // dp = dout · [v | a^V]ᵀ
+    for (int64_t r = 0; r < n; r++) {
+      T* dpr = dp + r * ld;
+      const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
+      if (ext && a < e) rc.gather_add(r, dpr, a, e, dpr + nc);  // dp_ij += dout_i · a^V_ij
+      if (rc.direct && a < e && lse[r] != neg_inf<T>()) {  // the same per pair, and d a^V += p_ij dout_i
         const int32_t* ir = rc.row_index(r);
-        const T* row = s + r * LD;
+        const T* row = s + r * ld;
         const T* dor = dop + r * ldo;
-        T* dpr = dp + r * LD;
         for (int64_t j = a; j < e; j++) {
           dpr[j] += dot(dor, rel.value + ir[j] * D, D);
           if (row[j] != T(0)) axpy(g.dvalue + ir[j] * D, dor, D, row[j]);
         }
       }
-    }
-    for (int64_t r = 0; r < n; r++) softmax_grad_row(dp + r * LD, s + r * LD, nc, delta[r]);  // ds, in dp
-    gemm<T>(false, false, n, D, nc, T(1), dp, LD, kp, ldk, T(1), dq, D);  // dq += ds · k (scaled below)
-    if (h.key_order == nullptr) {
-      gemm<T>(true, false, nc, D, n, h.scale, dp, LD, qp, ldq, T(1), g.dk + c0 * D, D);
-    } else {
-      gemm<T>(true, false, nc, D, n, h.scale, dp, LD, qp, ldq, T(0), dkv, D);
-      for (int64_t j = 0; j < nc; j++) axpy(g.dk + h.key_order[c0 + j] * D, dkv + j * D, D, T(1));
-    }
-    if (qa != nullptr) {  // key term: ds summed per table row
-      std::fill(pu, pu + n * U, T(0));
-      for (int64_t r = 0; r < n; r++) {
-        const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-        if (a < e && lse[r] != neg_inf<T>()) rc.scatter_add(r, dp + r * LD, a, e, pu + r * U);
+      softmax_grad_row(dpr, s + r * ld, nc, delta[r]);  // ds, in dp
+      if (ext) {  // ds summed per table row, after the chunk's own columns
+        std::fill(dpr + nc, dpr + W, T(0));
+        if (a < e && lse[r] != neg_inf<T>()) rc.scatter_add(r, dpr, a, e, dpr + nc);
       }
-      gemm<T>(false, false, n, D, U, T(1), pu, U, rel.key + u0 * D, D, T(1), dq, D);
-      gemm<T>(true, false, U, D, n, h.scale, pu, U, qp, ldq, T(1), g.dkey + u0 * D, D);
-    } else if (rc.direct) {  // dq_i += ds_ij a^K_ij, d a^K += scale · ds_ij q_i, per pair
+    }
+    gemm<T>(false, false, n, D, W, T(1), dp, ld, kp, ldk, T(1), dq, D);  // dq += [ds | ..] · [k | a^K] (scaled below)
+    if (h.key_order == nullptr && !ext) {
+      gemm<T>(true, false, nc, D, n, h.scale, dp, ld, qp, ldq, T(1), g.dk + c0 * D, D);
+    } else {
+      dkv = w.kv_grad.get(W * D);
+      gemm<T>(true, false, W, D, n, h.scale, dp, ld, qp, ldq, T(0), dkv, D);
+      add_key_rows(dkv, nc, D, h.key_order, c0, g.dk, ext ? g.dkey : nullptr, u0, U);
+    }
+    if (rc.direct) {  // dq_i += ds_ij a^K_ij, d a^K += scale · ds_ij q_i, per pair
       for (int64_t r = 0; r < n; r++) {
         const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
         if (a >= e || lse[r] == neg_inf<T>()) continue;
         const int32_t* ir = rc.row_index(r);
-        const T* dsr = dp + r * LD;
+        const T* dsr = dp + r * ld;
         for (int64_t j = a; j < e; j++) {
           if (dsr[j] == T(0)) continue;
           axpy(dq + r * D, rel.key + ir[j] * D, D, dsr[j]);
