@@ -77,8 +77,11 @@ def _add_device(parser: argparse.ArgumentParser, *, bench: bool = False) -> None
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=["auto", "tiles", "flex"], default="auto",
-                        help="executor of the patterns: auto (FlexAttention on CUDA, tiles elsewhere), tiles or flex")
+    from .attention.executors import EXECUTORS
+
+    parser.add_argument("--backend", choices=["auto", *EXECUTORS], default="auto",
+                        help="executor of the patterns: auto (FlexAttention on CUDA, the fused kernels on the CPU), "
+                             f"{', '.join(EXECUTORS)}")
 
 
 def _add_lengths(parser: argparse.ArgumentParser, default: list[int], help: str) -> None:

@@ -248,7 +248,18 @@ def _on_device(q: Tensor, *args, **kwargs):
     return EXECUTORS[resolve_backend("auto", q.device)].tiled(q, *args, **kwargs)
 
 
-AUTO = Executor("auto", _on_device, frozenset(FEATURES))  # the resolved executor checks and lowers
+def _ranges_on_device(q: Tensor, *args, **kwargs):
+    """AUTO's ranges: the registered executor of q's device computes them its own way."""
+    return EXECUTORS[resolve_backend("auto", q.device)].ranges(q, *args, **kwargs)
+
+
+# the resolved executor checks and lowers what it is given, and computes ranges its own way
+AUTO = Executor("auto", _on_device, frozenset(FEATURES), ranges_run=_ranges_on_device)
+
+
+def on_device(executor: Executor, device: torch.device | str) -> Executor:
+    """The executor that runs ``executor``'s calls on ``device``: AUTO's choice there, else itself."""
+    return EXECUTORS[resolve_backend("auto", device)] if executor is AUTO else executor
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:
@@ -278,6 +289,7 @@ __all__ = [
     "lse_dtype",
     "merge_partials",
     "neg_inf",
+    "on_device",
     "register_executor",
     "resolve_backend",
     "saw_key",

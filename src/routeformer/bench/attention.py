@@ -43,7 +43,7 @@ from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
-from .measure import PeakMemory, format_table, median_time, memory_trackable
+from .measure import PeakMemory, format_table, kept_for_backward, median_time, memory_trackable
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -424,7 +424,7 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
     rows = []
     for i, c in enumerate(cands):
         row = {"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
-               "inference_bytes": None, "training_bytes": None, "note": c.skip or "",
+               "inference_bytes": None, "training_bytes": None, "kept_bytes": None, "note": c.skip or "",
                "useful_flops": c.useful(q.detach()) if c.useful is not None and not c.skip else None}
         rows.append(row)
         if c.skip:
@@ -450,6 +450,7 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
                 with PeakMemory(dev) as training:
                     train_step(c)()
                 row["training_bytes"] = training.bytes
+                row["kept_bytes"] = kept_for_backward(lambda c=c: c.attend(q, k, v))
         except Exception as e:  # out of memory, or a peer refusing the shape: report it, measure the rest
             q.grad = k.grad = v.grad = None
             if dev.type == "cuda":
@@ -475,8 +476,8 @@ def attention_table(rows: list[dict]) -> str:
     notes = any(r.get("note") for r in rows)
     return format_table(
         ["N", "mechanism", "settings", "fwd ms", "fwd+bwd ms", "inference peak MiB", "training peak MiB",
-         f"fwd+bwd speed-up vs {first}", *(["note"] if notes else [])],
+         "kept for backward MiB", f"fwd+bwd speed-up vs {first}", *(["note"] if notes else [])],
         [[r["n"], r["mechanism"], r["settings"], ms(r["fwd_s"]), ms(r["fwd_bwd_s"]), mib(r["inference_bytes"]),
-          mib(r["training_bytes"]), speedup(r), *([r.get("note") or ""] if notes else [])]
+          mib(r["training_bytes"]), mib(r.get("kept_bytes")), speedup(r), *([r.get("note") or ""] if notes else [])]
          for r in rows],
     )

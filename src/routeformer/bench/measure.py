@@ -21,13 +21,29 @@ def memory_trackable(device: torch.device, backend: str) -> bool:
     return not (device.type == "cpu" and resolve_backend(backend, device) == "flex")
 
 
+def kept_for_backward(fn: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``fn()`` runs (through
+    ``torch.autograd.graph.saved_tensors_hooks``): inputs, outputs and intermediates the backward will read."""
+    seen: dict[tuple[int, str], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[(storage.data_ptr(), str(t.device))] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
 class PeakMemory:
     """Peak tensor memory allocated inside a ``with`` block, in bytes above what was live when it began.
 
     CUDA: the caching allocator's statistics. CPU: PyTorch keeps no CPU allocator statistics, and the process's
     resident-set size hides reuse of freed heap memory, so every tensor storage created inside the block
     (forward, backward, saved activations) is counted from its creation to its release, through a dispatch mode.
-    Scratch memory that a kernel allocates and frees internally is not seen on CPU.
+    Scratch memory that a kernel allocates and frees internally is not seen on CPU (the fused kernels: per-thread
+    (T, KC) score buffers, and the ranges' per-entry partial results, O(N · probes · D)).
     """
 
     def __init__(self, device: torch.device | str) -> None:
