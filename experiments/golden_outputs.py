@@ -1,12 +1,17 @@
-"""Golden outputs: every built-in kind's forward, gradients and decoding, and every functional pattern's, on the
-tiles executor, saved to one file, so that a refactor can be checked to change no bit (issue 23, item 5).
+"""Golden outputs: every built-in kind's forward, gradients and decoding, and every functional pattern's, on one
+executor (default tiles), saved to one file, so that a refactor can be checked to change no bit (issue 23, item 5),
+or another executor to agree within rounding (issue 32).
 
     python experiments/golden_outputs.py save before.pt      # on the commit before the change
     python experiments/golden_outputs.py save after.pt       # on the commit after it
     python experiments/golden_outputs.py compare before.pt after.pt
+    python experiments/golden_outputs.py save fused.pt fused # the same entries on the fused executor
+    python experiments/golden_outputs.py rounding before.pt fused.pt
 
-``compare`` lists every entry that differs (with its largest difference) and exits 1 if any does. Each entry is
-computed in a fresh generator state, so the set of entries may grow without changing the others.
+``compare`` lists every entry that differs (with its largest difference) and exits 1 if any does. ``rounding``
+lists every entry's largest difference relative to the largest magnitude of its tensor (at least a thousandth of
+the entry's largest) and exits 1 if any exceeds rounding (1e-4 in float32, 1e-10 in float64). Each entry is computed in a fresh generator state, so the set of
+entries may grow without changing the others.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def _grads(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros(0) if g is None else g for g in grads]
 
 
-def patterns(results: dict) -> None:
+def patterns(results: dict, backend: str) -> None:
     for dtype in (torch.float32, torch.float64):
         for name, params in PATTERN_PARAMS.items():
             for causal in (True, False):
@@ -54,36 +59,39 @@ def patterns(results: dict) -> None:
                         torch.manual_seed(3)
                         rp = RelativePositions(8, rel).to(dtype)
                     out = PATTERNS[name].attend(q, k, v, causal=causal, key_padding_mask=pad, rel_pos=rp,
-                                                backend="tiles", **params)
+                                                backend=backend, **params)
                     leaves = [q, k, v] + ([rp.key, rp.value] if rp is not None else [])
                     key = f"pattern/{name}/causal={causal}/rel={rel}/{dtype}"
                     results[key] = [out.detach(), *_grads(out, leaves)]
         for causal in (True, False):
             q, _, v = _inputs(1, (2, 4, 300, 16), dtype)
-            out = lsh_attention(q, v, buckets=8, rounds=2, window=24, causal=causal)
+            out = lsh_attention(q, v, buckets=8, rounds=2, window=24, causal=causal, backend=backend)
             results[f"lsh/causal={causal}/{dtype}"] = [out.detach(), *_grads(out, [q, v])]
 
 
-def routing_layer(results: dict) -> None:
+def routing_layer(results: dict, backend: str) -> None:
     for probes, balance in ((1, 0.0), (2, 0.01)):
         for n in (200, 300):
             torch.manual_seed(0)
             layer = RoutingAttention(4, 16, num_clusters=4, window=24, causal=True, probes=probes,
-                                     balance=balance, backend="tiles")
+                                     balance=balance, backend=backend)
             layer.train()
             q, k, v = _inputs(2, (2, 4, n, 16), torch.float32)
             out = layer(q, k, v)
             results[f"routing_layer/p={probes}/n={n}"] = [out.detach(), *_grads(out, [q, k, v])]
 
 
-def kinds(results: dict) -> None:
+def kinds(results: dict, backend: str) -> None:
     for name in KINDS:
         for positions in ("relative", "absolute"):
-            try:  # auto: tiles on the CPU
-                cfg = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=2, seq_len=300, attention=name,
-                                        positions=positions)
-            except ValueError:  # a kind without relative positions
-                continue
+            base = dict(vocab_size=32, dim=32, depth=2, heads=2, seq_len=300, attention=name, positions=positions)
+            try:
+                cfg = TransformerConfig(**base, backend=backend)
+            except ValueError:  # a kind without relative positions, or one that runs on no executor
+                try:
+                    cfg = TransformerConfig(**base)
+                except ValueError:
+                    continue
             torch.manual_seed(0)
             model = TransformerLM(cfg)
             with torch.no_grad():
@@ -105,11 +113,11 @@ def kinds(results: dict) -> None:
             results[f"kind/{name}/{positions}"] = [logits.detach(), *grads, full, torch.cat(parts, 1)]
 
 
-def save(path: str) -> None:
+def save(path: str, backend: str = "tiles") -> None:
     results: dict = {}
-    patterns(results)
-    routing_layer(results)
-    kinds(results)
+    patterns(results, backend)
+    routing_layer(results, backend)
+    kinds(results, backend)
     torch.save(results, path)
     print(f"{len(results)} entries -> {path}")
 
@@ -138,10 +146,32 @@ def compare(before: str, after: str) -> int:
     return 1 if bad else 0
 
 
+def rounding(before: str, after: str) -> int:
+    a, b = torch.load(before), torch.load(after)
+    bad = 0
+    for key in sorted(set(a) & set(b)):
+        worst = 0.0
+        tensors = [(x, y) for x, y in zip(a[key], b[key], strict=True) if x.numel() and x.is_floating_point()]
+        top = max(x.double().abs().max().item() for x, _ in tensors)
+        for x, y in tensors:
+            # relative to the tensor's own magnitude, or to the entry's for a gradient that is zero up to rounding
+            # (the key projection's bias: a constant added to every score of a row changes no softmax)
+            scale = max(x.double().abs().max().item(), 1e-3 * top, 1e-300)
+            worst = max(worst, (x.double() - y.double()).abs().max().item() / scale)
+        limit = 1e-10 if a[key][0].dtype == torch.float64 else 1e-4
+        flag = "" if worst <= limit else "  <- over rounding"
+        bad += bool(flag)
+        print(f"{key}: {worst:.2e}{flag}")
+    print(f"{len(set(a) & set(b))} entries, {bad} over rounding")
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "save":
-        save(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "save":
+        save(*sys.argv[2:])
     elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         sys.exit(compare(sys.argv[2], sys.argv[3]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "rounding":
+        sys.exit(rounding(sys.argv[2], sys.argv[3]))
     else:
         sys.exit(__doc__)

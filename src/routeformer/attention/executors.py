@@ -79,6 +79,7 @@ class Executor:
     run: Callable
     supports: frozenset[str] = frozenset(FEATURES) - LOWERED  # order and labels: lowered unless declared
     ranges_run: Callable | None = None  # its own ``ranges``, returning None for a call it hands back
+    rounds_run: Callable | None = None  # its own ``rounds`` (LSH), returning None for a call it hands back
 
     def tiled(self, q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float,
               key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
@@ -196,7 +197,8 @@ class Executor:
 
 
 EXECUTORS: dict[str, Executor] = {
-    "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES), ranges_run=fused.fused_ranges),
+    "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES), ranges_run=fused.fused_ranges,
+                      rounds_run=fused.fused_rounds),
     "tiles": Executor("tiles", tiled_attention),
     # the relative value pass and the own-key fallback recompute scores without the bias
     "flex": Executor("flex", flex.tiled,

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .checks import positive_int
 from .decoding import attend_cached
-from .executors import Backend, get_executor, merge_partials, saw_key
+from .executors import Backend, get_executor, merge_partials, on_device, saw_key
 from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
@@ -172,6 +172,11 @@ def lsh_attention(
     # bucket · (N + window) + sorted index differ by less than `window` (a different bucket lies at least N + window
     # away; when causal the allowed key is earlier, so in a shared bucket it sorts earlier).
     labels = hashes * (N + window) + inverse  # (B, H, R, N) by position
+    runner = on_device(executor, q.device).rounds_run
+    done = None if runner is None else runner(q, keys, v, order, grouped, labels, window=window, causal=causal,
+                                              scale=1.0, key_valid=key_valid)
+    if done is not None:  # the executor ran the rounds, their merge and the own key itself
+        return done
     parts = []
     for r in range(R):
         # the round's band over its sorted order (Tiling.order); a pair an earlier round holds is left to it (its

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "band.cpp", "ranges.cpp", "activation.cpp")
+SOURCES = ("ops.cpp", "band.cpp", "ranges.cpp", "rounds.cpp", "activation.cpp")
 HEADERS = ("common.h",)
 ENV_SWITCH = "ROUTEFORMER_FUSED"  # "0": use the tiles executor on the CPU
 

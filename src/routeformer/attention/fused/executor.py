@@ -16,7 +16,7 @@ from ..relative import RelativePositions
 from ..tiles import tiled_attention
 from ..tiling import Distances, KeyRestrictions, Tiling
 from .build import KERNELS
-from .op import band, ranges, register
+from .op import band, ranges, register, rounds
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -110,6 +110,20 @@ def fused_ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, wid
         None if query_pos is None else query_pos.to(torch.long).contiguous(),
         None if key_pos is None else key_pos.to(torch.long).contiguous(), key_table, value_table)
     return out, (lse if need_lse else None)
+
+
+def fused_rounds(q: Tensor, k: Tensor, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor, *, window: int,
+                 causal: bool, scale: float, key_valid: Tensor | None = None) -> Tensor | None:
+    """The fused executor's ``rounds`` (``Executor.rounds`` documents the arguments): every round's sorted window
+    read by index, the pairs earlier rounds hold left out, the rounds merged and the own key added inside the
+    kernels. None: not for this kernel (the caller runs the rounds on the tiles executor)."""
+    if _handoff(q):
+        return None
+    setup = [window, rows_per_block(window), int(causal)]
+    out, _, _ = rounds(_rows(q), _rows(k), _rows(v), order.to(torch.long).contiguous(),
+                       groups.to(torch.long).contiguous(), labels.to(torch.long).contiguous(),
+                       None if key_valid is None else key_valid.contiguous(), setup, float(scale))
+    return out
 
 
 def _rows(x: Tensor) -> Tensor:

@@ -71,6 +71,15 @@ def _register() -> None:
           key_table, value_table):
         return _grad_shapes(q, k, key_table)
 
+    @torch.library.register_fake(lib + "rounds_forward")
+    def _(q, k, v, order, groups, labels, key_valid, setup, scale):
+        B, H, N, D = q.shape
+        return q.new_empty(B, H, N, D), q.new_empty(B, H, N), q.new_empty(B, H, N, dtype=torch.bool)
+
+    @torch.library.register_fake(lib + "rounds_backward")
+    def _(grad_out, q, k, v, out, lse, alone, order, groups, labels, key_valid, setup, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
     @torch.library.register_fake(lib + "sigmoid_gelu")
     def _(x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -133,6 +142,24 @@ class _Ranges(torch.autograd.Function):
                 *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_RANGES))
 
 
+class _Rounds(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, order, groups, labels, key_valid, setup, scale):  # type: ignore[override]
+        out, lse, alone = ops().rounds_forward(q, k, v, order, groups, labels, key_valid, setup, scale)
+        ctx.setup, ctx.scale = setup, scale
+        ctx.save_for_backward(q, k, v, out, lse, alone, order, groups, labels, key_valid)
+        ctx.mark_non_differentiable(lse, alone)
+        ctx.set_materialize_grads(False)
+        return out, lse, alone
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_alone):  # type: ignore[override]
+        q, k, v, out, lse, alone, order, groups, labels, key_valid = ctx.saved_tensors
+        dq, dk, dv = ops().rounds_backward(_zeros_like_or_none(grad_out, out), q, k, v, out, lse, alone, order,
+                                           groups, labels, key_valid, ctx.setup, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 class _SigmoidGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[override]
@@ -170,6 +197,12 @@ def ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, setup: list[
            *optional: Tensor | None) -> tuple[Tensor, Tensor]:
     """``ranges_forward`` with its gradient: (out, lse); the optional tensors in ``_OPTIONAL_RANGES`` order."""
     return _Ranges.apply(*_distinct(q, k, v, lo, hi, setup, scale, *optional))
+
+
+def rounds(q: Tensor, k: Tensor, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor,
+           key_valid: Tensor | None, setup: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``rounds_forward`` with its gradient: (out, lse, alone); lse and alone take none."""
+    return _Rounds.apply(*_distinct(q, k, v, order, groups, labels, key_valid, setup, scale))
 
 
 def sigmoid_gelu(x: Tensor) -> Tensor:

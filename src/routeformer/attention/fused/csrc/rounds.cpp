@@ -1,0 +1,282 @@
+// The fused executor's ``rounds`` (LSH): R rounds, each a sliding window over its own sorted order within groups
+// (hash buckets), a pair that an earlier round's window holds left to that round, the rounds' disjoint key sets
+// merged into one softmax, and the query's own key only when no round shows it anything else.
+//
+// Round r of head h sorts the positions by (bucket, position): ``order`` (B, H, R, N) gives the position at each
+// sorted index, ``groups`` (B, H, R, N) the bucket there (non-decreasing). A query at sorted index i sees the
+// sorted indices [i - (window - 1), i) of its bucket when causal ([i - (window - 1), i + window) but not i when
+// not), except pairs whose ``labels`` (B, H, R, N, by position) of an earlier round differ by less than
+// ``window``. Each round's (out, lse) per position, then the merge; the backward recomputes each round with the
+// merged lse. q, k, v are read by index through the order: no permuted copies. Forward parallel over (head, round,
+// block), backward over heads.
+#include "common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+
+namespace routeformer {
+namespace {
+
+struct Setup {
+  int64_t window, rows_per_block;
+  bool causal;
+  static Setup from(at::IntArrayRef s) {
+    TORCH_CHECK(s.size() == 3, "routeformer fused rounds: setup must hold 3 integers");
+    return {s[0], s[1], s[2] != 0};
+  }
+};
+
+template <typename T>
+struct RoundRules {
+  const int64_t* order;   // this round's: sorted index -> position
+  const int64_t* labels;  // (R, N) by position
+  const bool* valid;      // by position, or null
+  const int64_t* qseq;    // the block's rows (sorted indices)
+  int64_t round, N, window;
+  bool causal;
+  static constexpr bool has_bias = false;
+  bool elementwise(int64_t) const { return valid != nullptr || round > 0 || !causal; }
+  bool allowed(int64_t r, int64_t j) const {
+    const int64_t pi = order[qseq[r]], pj = order[j];
+    if (!causal && pj == pi) return false;  // the own key: only when alone in every round (the merge decides)
+    if (valid != nullptr && !valid[pj]) return false;
+    for (int64_t x = 0; x < round; x++) {
+      const int64_t d = labels[x * N + pi] - labels[x * N + pj];
+      if (d < window && -d < window) return false;
+    }
+    return true;
+  }
+  int64_t distance(int64_t, int64_t) const { return 0; }
+  T bias(int64_t, int64_t) const { return T(0); }
+  int64_t self(int64_t) const { return -1; }
+  int64_t unit() const { return 0; }
+};
+
+struct Sizes {
+  int64_t B, H, R, N, D;
+};
+
+template <typename T>
+struct RoundCall {
+  Sizes z;
+  Setup st;
+  const T *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];
+  const int64_t *order, *groups, *labels;
+  const bool* valid;
+  int64_t valid_heads;
+  T scale;
+
+  const int64_t* order_of(int64_t bh, int64_t r) const { return order + (bh * z.R + r) * z.N; }
+  Head<T> head(int64_t bh, int64_t r) const {
+    const int64_t b = bh / z.H, h = bh % z.H;
+    return Head<T>{q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2],
+                   v + b * vs[0] + h * vs[1], vs[2], order_of(bh, r), z.D, scale};
+  }
+  RoundRules<T> rules(int64_t bh, int64_t r, const int64_t* qseq) const {
+    const int64_t b = bh / z.H, h = bh % z.H;
+    return RoundRules<T>{order_of(bh, r), labels + bh * z.R * z.N,
+                         valid == nullptr ? nullptr
+                                          : valid + (b * valid_heads + (valid_heads == 1 ? 0 : h)) * z.N,
+                         qseq, r, z.N, st.window, st.causal};
+  }
+  int64_t blocks() const { return (z.N + st.rows_per_block - 1) / st.rows_per_block; }
+  // block x of round r of head bh: sorted indices, query rows (positions), intervals
+  void rows_of(int64_t bh, int64_t r, int64_t x, std::vector<int64_t>& seq, std::vector<int64_t>& qrow,
+               std::vector<int64_t>& a, std::vector<int64_t>& e, Rows& rows) const {
+    const int64_t* ord = order_of(bh, r);
+    const int64_t* gr = groups + (bh * z.R + r) * z.N;
+    const int64_t r0 = x * st.rows_per_block, n = std::min(st.rows_per_block, z.N - r0);
+    seq.resize(n);
+    qrow.resize(n);
+    a.resize(n);
+    e.resize(n);
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t s = r0 + i;
+      seq[i] = s;
+      qrow[i] = ord[s];
+      int64_t lo = std::max<int64_t>(0, s - (st.window - 1));
+      while (lo < s && gr[lo] != gr[s]) lo++;  // the bucket's run (groups sorted): at most window steps
+      int64_t hi = s;
+      if (!st.causal) {
+        hi = std::min(z.N, s + st.window);
+        while (hi > s + 1 && gr[hi - 1] != gr[s]) hi--;
+      }
+      a[i] = lo;
+      e[i] = hi;
+    }
+    rows.n = n;
+    rows.qrow = qrow.data();
+    rows.qseq = seq.data();
+    rows.a = a.data();
+    rows.e = e.data();
+    rows.contiguous = false;
+  }
+};
+
+template <typename T>
+RoundCall<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order,
+                       const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+                       const Setup& st, double scale) {
+  RoundCall<T> c;
+  c.z = {q.size(0), q.size(1), order.size(2), q.size(2), q.size(3)};
+  c.st = st;
+  c.q = q.data_ptr<T>();
+  c.k = k.data_ptr<T>();
+  c.v = v.data_ptr<T>();
+  for (int d = 0; d < 3; d++) {
+    c.qs[d] = q.stride(d);
+    c.ks[d] = k.stride(d);
+    c.vs[d] = v.stride(d);
+  }
+  c.order = order.data_ptr<int64_t>();
+  c.groups = groups.data_ptr<int64_t>();
+  c.labels = labels.data_ptr<int64_t>();
+  c.valid = key_valid.has_value() ? key_valid->data_ptr<bool>() : nullptr;
+  c.valid_heads = key_valid.has_value() ? key_valid->size(1) : 1;
+  c.scale = static_cast<T>(scale);
+  return c;
+}
+
+void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order,
+           const at::Tensor& groups, const at::Tensor& labels) {
+  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
+              "routeformer fused rounds take float32 or float64 CPU tensors");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && q.sizes() == k.sizes(),
+              "routeformer fused rounds: q, k, v (B, H, N, D) with contiguous rows");
+  TORCH_CHECK(order.is_contiguous() && groups.is_contiguous() && labels.is_contiguous() && order.dim() == 4 &&
+                  order.sizes() == groups.sizes() && order.sizes() == labels.sizes() && order.size(3) == q.size(2),
+              "routeformer fused rounds: order, groups and labels must be contiguous (B, H, R, N) tensors");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order, const at::Tensor& groups,
+    const at::Tensor& labels, const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale) {
+  check(q, k, v, order, groups, labels);
+  const Setup st = Setup::from(setup);
+  const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
+  auto out = at::empty({B, H, N, D}, q.options());
+  auto lse = at::empty({B, H, N}, q.options());
+  auto alone = at::zeros({B, H, N}, q.options().dtype(at::kBool));
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_rounds_forward", [&] {
+    using T = scalar_t;
+    const RoundCall<T> c = make_call<T>(q, k, v, order, groups, labels, key_valid, st, scale);
+    const int64_t nbk = c.blocks(), BH = B * H;
+    auto eo = at::empty({BH * R * N, D}, q.options());  // each round's result, by position
+    auto el = at::empty({BH * R * N}, q.options());
+    T* eo_p = eo.data_ptr<T>();
+    T* el_p = el.data_ptr<T>();
+    at::parallel_for(0, BH * R * nbk, 1, [&](int64_t x0, int64_t x1) {
+      Work<T> w;
+      std::vector<int64_t> seq, qrow, a, e;
+      Buffer<T> ob, lb;
+      Rows rows;
+      for (int64_t x = x0; x < x1; x++) {
+        const int64_t bh = x / (R * nbk), r = (x / nbk) % R;
+        c.rows_of(bh, r, x % nbk, seq, qrow, a, e, rows);
+        BlockOut<T> bo{ob.get(rows.n * D), lb.get(rows.n), nullptr};
+        forward_block(c.head(bh, r), Rel<T>(), c.rules(bh, r, rows.qseq), rows, w, bo);
+        for (int64_t i = 0; i < rows.n; i++) {
+          const int64_t at_row = (bh * R + r) * N + qrow[i];
+          std::memcpy(eo_p + at_row * D, bo.o + i * D, D * sizeof(T));
+          el_p[at_row] = bo.lse[i];
+        }
+      }
+    });
+    T* out_p = out.data_ptr<T>();
+    T* lse_p = lse.data_ptr<T>();
+    bool* alone_p = alone.data_ptr<bool>();
+    at::parallel_for(0, BH * N, 256, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) {  // position i of head bh = i / N: its rounds merged
+        const int64_t bh = i / N, pos = i % N;
+        T top = neg_inf<T>();
+        for (int64_t r = 0; r < R; r++) top = std::max(top, el_p[(bh * R + r) * N + pos]);
+        T* orow = out_p + i * D;
+        std::fill(orow, orow + D, T(0));
+        lse_p[i] = neg_inf<T>();
+        if (top == neg_inf<T>()) {  // nothing in any round: the own key, if it is a real key
+          const RoundRules<T> rr = c.rules(bh, 0, nullptr);
+          if (rr.valid == nullptr || rr.valid[pos]) {
+            const int64_t b = bh / H, h = bh % H;
+            std::memcpy(orow, c.v + b * c.vs[0] + h * c.vs[1] + pos * c.vs[2], D * sizeof(T));
+            alone_p[i] = true;
+          }
+          continue;
+        }
+        T total = 0;
+        for (int64_t r = 0; r < R; r++) {
+          const T lt = el_p[(bh * R + r) * N + pos];
+          if (lt == neg_inf<T>()) continue;
+          const T wt = std::exp(lt - top);
+          total += wt;
+          axpy(orow, eo_p + ((bh * R + r) * N + pos) * D, D, wt);
+        }
+        scale_row(orow, D, T(1) / total);
+        lse_p[i] = top + std::log(total);
+      }
+    });
+  });
+  return {out, lse, alone};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order, const at::Tensor& groups,
+    const at::Tensor& labels, const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale) {
+  check(q, k, v, order, groups, labels);
+  const Setup st = Setup::from(setup);
+  const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
+  auto go = grad_out.contiguous();
+  auto o = out.contiguous();
+  auto dq = at::zeros({B, H, N, D}, q.options());
+  auto dk = at::zeros({B, H, N, D}, q.options());
+  auto dv = at::zeros({B, H, N, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_rounds_backward", [&] {
+    using T = scalar_t;
+    const RoundCall<T> c = make_call<T>(q, k, v, order, groups, labels, key_valid, st, scale);
+    const int64_t nbk = c.blocks();
+    const T* go_p = go.data_ptr<T>();
+    const T* o_p = o.data_ptr<T>();
+    const T* lse_p = lse.data_ptr<T>();
+    const bool* alone_p = alone.data_ptr<bool>();
+    T* dq_p = dq.data_ptr<T>();
+    at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
+      Work<T> w;
+      std::vector<int64_t> seq, qrow, a, e;
+      Buffer<T> lb, db, dlt;
+      Buffer<uint8_t> ab;
+      Rows rows;
+      for (int64_t bh = h0; bh < h1; bh++) {
+        T* delta = dlt.get(N);
+        for (int64_t i = 0; i < N; i++)
+          delta[i] = dot(go_p + (bh * N + i) * D, o_p + (bh * N + i) * D, D);
+        Grads<T> gr{dk.data_ptr<T>() + bh * N * D, dv.data_ptr<T>() + bh * N * D, nullptr, nullptr};
+        for (int64_t r = 0; r < R; r++) {
+          for (int64_t x = 0; x < nbk; x++) {
+            c.rows_of(bh, r, x, seq, qrow, a, e, rows);
+            T* lr = lb.get(rows.n);
+            T* dr = db.get(rows.n);
+            uint8_t* al = ab.get(rows.n);
+            for (int64_t i = 0; i < rows.n; i++) {
+              lr[i] = lse_p[bh * N + qrow[i]];
+              dr[i] = delta[qrow[i]];
+              al[i] = 0;
+            }
+            backward_block(c.head(bh, r), Rel<T>(), c.rules(bh, r, rows.qseq), rows, go_p + bh * N * D, D, lr, dr,
+                           al, w, gr);
+            for (int64_t i = 0; i < rows.n; i++) axpy(dq_p + (bh * N + qrow[i]) * D, w.dq.ptr + i * D, D, T(1));
+          }
+        }
+        for (int64_t i = 0; i < N; i++)  // a position alone in every round outputs its own value
+          if (alone_p[bh * N + i]) axpy(gr.dv + i * D, go_p + (bh * N + i) * D, D, T(1));
+      }
+    });
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace routeformer
