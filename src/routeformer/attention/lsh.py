@@ -167,16 +167,16 @@ def lsh_attention(
     order, inverse, grouped = sort_by_cluster(hashes.reshape(B, H * R, N))[:3]  # (B, H·R, N)
     order, inverse, grouped = (x.view(B, H, R, N) for x in (order, inverse, grouped))
     key_valid = None if valid is None else valid.expand(B, H, N)
-    keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
     # Round r2 holds a pair when it shares a bucket there and lies within `window` sorted places: labels
     # bucket · (N + window) + sorted index differ by less than `window` (a different bucket lies at least N + window
     # away; when causal the allowed key is earlier, so in a shared bucket it sorts earlier).
     labels = hashes * (N + window) + inverse  # (B, H, R, N) by position
     runner = on_device(executor, q.device).rounds_run
-    done = None if runner is None else runner(q, keys, v, order, grouped, labels, window=window, causal=causal,
-                                              scale=1.0, key_valid=key_valid)
-    if done is not None:  # the executor ran the rounds, their merge and the own key itself
+    done = None if runner is None else runner(q, None, v, order, grouped, labels, window=window, causal=causal,
+                                              scale=scale, key_valid=key_valid)
+    if done is not None:  # the executor ran the rounds, their merge, the unit keys and the own key itself
         return done
+    keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
     parts = []
     for r in range(R):
         # the round's band over its sorted order (Tiling.order); a pair an earlier round holds is left to it (its

@@ -112,15 +112,17 @@ def fused_ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, wid
     return out, (lse if need_lse else None)
 
 
-def fused_rounds(q: Tensor, k: Tensor, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor, *, window: int,
-                 causal: bool, scale: float, key_valid: Tensor | None = None) -> Tensor | None:
-    """The fused executor's ``rounds`` (``Executor.rounds`` documents the arguments): every round's sorted window
-    read by index, the pairs earlier rounds hold left out, the rounds merged and the own key added inside the
-    kernels. None: not for this kernel (the caller runs the rounds on the tiles executor)."""
+def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor, *,
+                 window: int, causal: bool, scale: float, key_valid: Tensor | None = None) -> Tensor | None:
+    """The fused executor's LSH rounds (``lsh.lsh_attention`` documents them): every round's sorted window read by
+    index, the pairs earlier rounds hold left out, the rounds merged and the own key added inside the kernels. k
+    None: the keys are scale · q / |q|, made inside the kernel (no keys tensor); else k's rows times ``scale``.
+    order, groups, labels: (B, H, R, N), the rounds' sorted positions, buckets and labels (by position). None: not
+    for this kernel (the caller runs the rounds on the tiles executor)."""
     if _handoff(q):
         return None
     setup = [window, rows_per_block(window), int(causal)]
-    out, _, _ = rounds(_rows(q), _rows(k), _rows(v), order.to(torch.long).contiguous(),
+    out, _, _ = rounds(_rows(q), None if k is None else _rows(k), _rows(v), order.to(torch.long).contiguous(),
                        groups.to(torch.long).contiguous(), labels.to(torch.long).contiguous(),
                        None if key_valid is None else key_valid.contiguous(), setup, float(scale))
     return out

@@ -78,7 +78,7 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "rounds_backward")
     def _(grad_out, q, k, v, out, lse, alone, order, groups, labels, key_valid, setup, scale):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        return q.new_empty(q.shape), q.new_empty(0) if k is None else k.new_empty(k.shape), v.new_empty(v.shape)
 
     @torch.library.register_fake(lib + "sigmoid_gelu")
     def _(x):
@@ -157,7 +157,7 @@ class _Rounds(torch.autograd.Function):
         q, k, v, out, lse, alone, order, groups, labels, key_valid = ctx.saved_tensors
         dq, dk, dv = ops().rounds_backward(_zeros_like_or_none(grad_out, out), q, k, v, out, lse, alone, order,
                                            groups, labels, key_valid, ctx.setup, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, None if k is None else dk, dv, None, None, None, None, None, None
 
 
 class _SigmoidGelu(torch.autograd.Function):
@@ -199,9 +199,10 @@ def ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, setup: list[
     return _Ranges.apply(*_distinct(q, k, v, lo, hi, setup, scale, *optional))
 
 
-def rounds(q: Tensor, k: Tensor, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor,
+def rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor,
            key_valid: Tensor | None, setup: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``rounds_forward`` with its gradient: (out, lse, alone); lse and alone take none."""
+    """``rounds_forward`` with its gradient: (out, lse, alone); lse and alone take none. k None: the keys are
+    scale · q / |q| (shared-QK unit keys), made inside the kernel."""
     return _Rounds.apply(*_distinct(q, k, v, order, groups, labels, key_valid, setup, scale))
 
 

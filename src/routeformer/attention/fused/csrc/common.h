@@ -201,6 +201,7 @@ struct Head {
   const int64_t* key_order;  // key sequence index -> row of k, v; null: the identity
   int64_t D;
   T scale;
+  const T* key_scale = nullptr;  // per row of k: the key is that row times this (LSH's unit keys); null: 1
 };
 
 // Relative position tables a^K, a^V (L = 2·max_distance + 1 rows of D), or none.
@@ -361,11 +362,14 @@ struct RelChunk {
 template <typename T>
 inline std::pair<const T*, int64_t> chunk_operand(const T* base, int64_t stride, const int64_t* order, int64_t c0,
                                                   int64_t nc, int64_t D, const T* table, int64_t u0, int64_t U,
-                                                  Buffer<T>& buf) {
-  if (order == nullptr && table == nullptr) return {base + c0 * stride, stride};
+                                                  Buffer<T>& buf, const T* row_scale = nullptr) {
+  if (order == nullptr && table == nullptr && row_scale == nullptr) return {base + c0 * stride, stride};
   T* out = buf.get((nc + U) * D);
-  for (int64_t j = 0; j < nc; j++)
-    std::memcpy(out + j * D, base + (order == nullptr ? c0 + j : order[c0 + j]) * stride, D * sizeof(T));
+  for (int64_t j = 0; j < nc; j++) {
+    const int64_t row = order == nullptr ? c0 + j : order[c0 + j];
+    std::memcpy(out + j * D, base + row * stride, D * sizeof(T));
+    if (row_scale != nullptr) scale_row(out + j * D, D, row_scale[row]);
+  }
   if (table != nullptr) std::memcpy(out + nc * D, table + u0 * D, U * D * sizeof(T));
   return {out, D};
 }
@@ -423,7 +427,8 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
       const int64_t U = ext ? rc.U : 0, u0 = rc.u0, W = nc + U;
       const int64_t ld = ext ? row_stride(W) : LD;
       T* s = w.s.get(n * ld);
-      auto [kp, ldk] = chunk_operand(h.k, h.k_stride, h.key_order, c0, nc, D, ext ? rel.key : nullptr, u0, U, w.k);
+      auto [kp, ldk] = chunk_operand(h.k, h.k_stride, h.key_order, c0, nc, D, ext ? rel.key : nullptr, u0, U, w.k,
+                                     h.key_scale);
       auto [vp, ldv] = chunk_operand(h.v, h.v_stride, h.key_order, c0, nc, D, ext ? rel.value : nullptr, u0, U,
                                      w.v);
       gemm<T>(false, true, n, W, D, h.scale, qp, ldq, kp, ldk, T(0), s, ld);  // (n, nc) scores | (n, U) q·a^K
@@ -539,7 +544,8 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
     const int64_t ld = ext ? row_stride(W) : LD;
     T* s = w.s.get(n * ld);
     T* dp = w.dp.get(n * ld);
-    auto [kp, ldk] = chunk_operand(h.k, h.k_stride, h.key_order, c0, nc, D, ext ? rel.key : nullptr, u0, U, w.k);
+    auto [kp, ldk] = chunk_operand(h.k, h.k_stride, h.key_order, c0, nc, D, ext ? rel.key : nullptr, u0, U, w.k,
+                                   h.key_scale);
     auto [vp, ldv] = chunk_operand(h.v, h.v_stride, h.key_order, c0, nc, D, ext ? rel.value : nullptr, u0, U, w.v);
     gemm<T>(false, true, n, W, D, h.scale, qp, ldq, kp, ldk, T(0), s, ld);
     for (int64_t r = 0; r < n; r++) {  // the probabilities again: exp(s - lse) where allowed

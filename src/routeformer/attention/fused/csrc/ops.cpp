@@ -42,13 +42,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     const std::optional<at::Tensor>& value_table);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order, const at::Tensor& groups,
-    const at::Tensor& labels, const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale);
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
+    const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+    at::IntArrayRef setup, double scale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order, const at::Tensor& groups,
-    const at::Tensor& labels, const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale);
+    const at::Tensor& grad_out, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
+    const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+    at::IntArrayRef setup, double scale);
 
 at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
@@ -76,10 +78,10 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "Tensor lo, Tensor hi, int[] setup, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
       "Tensor? key_pos, Tensor? key_table, Tensor? value_table) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "rounds_forward(Tensor q, Tensor k, Tensor v, Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, "
+      "rounds_forward(Tensor q, Tensor? k, Tensor v, Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, "
       "int[] setup, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "rounds_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor alone, "
+      "rounds_backward(Tensor grad_out, Tensor q, Tensor? k, Tensor v, Tensor out, Tensor lse, Tensor alone, "
       "Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, int[] setup, float scale) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("sigmoid_gelu(Tensor x) -> Tensor");

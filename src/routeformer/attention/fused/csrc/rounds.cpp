@@ -7,8 +7,10 @@
 // sorted indices [i - (window - 1), i) of its bucket when causal ([i - (window - 1), i + window) but not i when
 // not), except pairs whose ``labels`` (B, H, R, N, by position) of an earlier round differ by less than
 // ``window``. Each round's (out, lse) per position, then the merge; the backward recomputes each round with the
-// merged lse. q, k, v are read by index through the order: no permuted copies. Forward parallel over (head, round,
-// block), backward over heads.
+// merged lse. q, k, v are read by index through the order: no permuted copies. Without k, the keys are Reformer's
+// shared-QK keys, the queries at unit length times the score scale (k_j = scale · q_j / |q_j|), made as each chunk
+// is read, their gradient taken back to q at the end: no keys tensor. Forward parallel over (head, round, block),
+// backward over heads.
 #include "common.h"
 
 #include <ATen/Dispatch.h>
@@ -68,12 +70,14 @@ struct RoundCall {
   const bool* valid;
   int64_t valid_heads;
   T scale;
+  const T* key_scale;  // (B·H·N): scale / |q_j| for unit keys, or null (k given; the score scale is `scale`)
 
   const int64_t* order_of(int64_t bh, int64_t r) const { return order + (bh * z.R + r) * z.N; }
   Head<T> head(int64_t bh, int64_t r) const {
     const int64_t b = bh / z.H, h = bh % z.H;
     return Head<T>{q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2],
-                   v + b * vs[0] + h * vs[1], vs[2], order_of(bh, r), z.D, scale};
+                   v + b * vs[0] + h * vs[1], vs[2], order_of(bh, r), z.D, key_scale == nullptr ? scale : T(1),
+                   key_scale == nullptr ? nullptr : key_scale + bh * z.N};
   }
   RoundRules<T> rules(int64_t bh, int64_t r, const int64_t* qseq) const {
     const int64_t b = bh / z.H, h = bh % z.H;
@@ -116,21 +120,42 @@ struct RoundCall {
   }
 };
 
+constexpr double kNormEps = 1e-12;  // F.normalize's: a row shorter than this is divided by it instead
+
+// scale / max(|q_j|, eps) of every row (B·H·N), the unit keys' multipliers
 template <typename T>
-RoundCall<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order,
-                       const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
-                       const Setup& st, double scale) {
+std::vector<T> unit_key_scales(const at::Tensor& q, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  std::vector<T> out(B * H * N);
+  const T* p = q.data_ptr<T>();
+  at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t bh = h0; bh < h1; bh++)
+      for (int64_t i = 0; i < N; i++) {
+        const T* row = p + (bh / H) * q.stride(0) + (bh % H) * q.stride(1) + i * q.stride(2);
+        out[bh * N + i] = T(scale) / std::max(std::sqrt(dot(row, row, D)), T(kNormEps));
+      }
+  });
+  return out;
+}
+
+template <typename T>
+RoundCall<T> make_call(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
+                       const at::Tensor& order, const at::Tensor& groups, const at::Tensor& labels,
+                       const std::optional<at::Tensor>& key_valid, const Setup& st, double scale,
+                       const std::vector<T>& key_scale) {
   RoundCall<T> c;
   c.z = {q.size(0), q.size(1), order.size(2), q.size(2), q.size(3)};
   c.st = st;
+  const at::Tensor& kk = k.has_value() ? *k : q;
   c.q = q.data_ptr<T>();
-  c.k = k.data_ptr<T>();
+  c.k = kk.data_ptr<T>();
   c.v = v.data_ptr<T>();
   for (int d = 0; d < 3; d++) {
     c.qs[d] = q.stride(d);
-    c.ks[d] = k.stride(d);
+    c.ks[d] = kk.stride(d);
     c.vs[d] = v.stride(d);
   }
+  c.key_scale = k.has_value() ? nullptr : key_scale.data();
   c.order = order.data_ptr<int64_t>();
   c.groups = groups.data_ptr<int64_t>();
   c.labels = labels.data_ptr<int64_t>();
@@ -140,12 +165,12 @@ RoundCall<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return c;
 }
 
-void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order,
+void check(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
            const at::Tensor& groups, const at::Tensor& labels) {
   TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
               "routeformer fused rounds take float32 or float64 CPU tensors");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && q.sizes() == k.sizes(),
-              "routeformer fused rounds: q, k, v (B, H, N, D) with contiguous rows");
+  TORCH_CHECK(q.stride(3) == 1 && v.stride(3) == 1 && (!k.has_value() || (k->stride(3) == 1 && q.sizes() ==
+              k->sizes())), "routeformer fused rounds: q, k, v (B, H, N, D) with contiguous rows");
   TORCH_CHECK(order.is_contiguous() && groups.is_contiguous() && labels.is_contiguous() && order.dim() == 4 &&
                   order.sizes() == groups.sizes() && order.sizes() == labels.sizes() && order.size(3) == q.size(2),
               "routeformer fused rounds: order, groups and labels must be contiguous (B, H, R, N) tensors");
@@ -154,8 +179,9 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& order, const at::Tensor& groups,
-    const at::Tensor& labels, const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale) {
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
+    const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+    at::IntArrayRef setup, double scale) {
   check(q, k, v, order, groups, labels);
   const Setup st = Setup::from(setup);
   const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
@@ -164,7 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
   auto alone = at::zeros({B, H, N}, q.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_rounds_forward", [&] {
     using T = scalar_t;
-    const RoundCall<T> c = make_call<T>(q, k, v, order, groups, labels, key_valid, st, scale);
+    const std::vector<T> unit = k.has_value() ? std::vector<T>() : unit_key_scales<T>(q, scale);
+    const RoundCall<T> c = make_call<T>(q, k, v, order, groups, labels, key_valid, st, scale, unit);
     const int64_t nbk = c.blocks(), BH = B * H;
     auto eo = at::empty({BH * R * N, D}, q.options());  // each round's result, by position
     auto el = at::empty({BH * R * N}, q.options());
@@ -224,9 +251,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order, const at::Tensor& groups,
-    const at::Tensor& labels, const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale) {
+    const at::Tensor& grad_out, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
+    const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+    at::IntArrayRef setup, double scale) {
   check(q, k, v, order, groups, labels);
   const Setup st = Setup::from(setup);
   const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
@@ -237,7 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
   auto dv = at::zeros({B, H, N, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_rounds_backward", [&] {
     using T = scalar_t;
-    const RoundCall<T> c = make_call<T>(q, k, v, order, groups, labels, key_valid, st, scale);
+    const std::vector<T> unit = k.has_value() ? std::vector<T>() : unit_key_scales<T>(q, scale);
+    const RoundCall<T> c = make_call<T>(q, k, v, order, groups, labels, key_valid, st, scale, unit);
     const int64_t nbk = c.blocks();
     const T* go_p = go.data_ptr<T>();
     const T* o_p = o.data_ptr<T>();
@@ -273,9 +302,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
         }
         for (int64_t i = 0; i < N; i++)  // a position alone in every round outputs its own value
           if (alone_p[bh * N + i]) axpy(gr.dv + i * D, go_p + (bh * N + i) * D, D, T(1));
+        if (!k.has_value()) {  // unit keys k_j = c_j q_j, c_j = scale / |q_j|: dq_j += c_j (g - (g·u_j) u_j)
+          const int64_t b = bh / H, h = bh % H;
+          for (int64_t i = 0; i < N; i++) {
+            const T* qr = c.q + b * c.qs[0] + h * c.qs[1] + i * c.qs[2];
+            T* g = gr.dk + i * D;
+            const T cj = unit[bh * N + i];
+            const T norm2 = dot(qr, qr, D);
+            T* dqr = dq_p + (bh * N + i) * D;
+            if (std::sqrt(norm2) > T(kNormEps)) axpy(g, qr, D, -dot(g, qr, D) / norm2);  // g - (g·u) u, in g
+            axpy(dqr, g, D, cj);
+          }
+        }
       }
     });
   });
+  if (!k.has_value()) dk = at::empty({0}, q.options());  // taken back to q
   return {dq, dk, dv};
 }
 
