@@ -10,8 +10,8 @@ or another executor to agree within rounding (issue 32).
 
 ``compare`` lists every entry that differs (with its largest difference) and exits 1 if any does. ``rounding``
 lists every entry's largest difference relative to the largest magnitude of its tensor (at least a thousandth of
-the entry's largest) and exits 1 if any exceeds rounding (1e-4 in float32, 1e-10 in float64). Each entry is computed in a fresh generator state, so the set of
-entries may grow without changing the others.
+the entry's largest) and exits 1 if any exceeds rounding (1e-4 in float32, 1e-10 in float64). Each entry is
+computed in a fresh generator state, so the set of entries may grow without changing the others.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def fixed_attention(
     q, k, v: (B, H, N, D) -> (B, H, N, D). A1 is a block-diagonal tiling; A2 gathers the N·c/l summary keys once
     and attends to them (merged heads: those of other blocks only, so no key counts twice), the two combined
     through their log-sum-exp. O(N · (l + N·c/l) · D) time, O(N · (l + N·c/l)) memory.
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
+    ``"tiles"``, ``"flex"``).
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     block, summary = positive_int("block", block), positive_int("summary", summary)

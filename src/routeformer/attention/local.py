@@ -40,7 +40,7 @@ def local_attention(
 
     ``kernel``: 'exp' (softmax), or 'poly2' / 'elu' (``kernels.kernel_attention``, blocks of 256 queries; no
     relative positions; one implementation: ``backend`` "flex" is refused). ``backend``: the executor
-    (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
+    (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``, ``"tiles"``, ``"flex"``).
 
     q, k, v: (B, H, N, D) -> (B, H, N, D). The sequence is cut into blocks of ``window`` queries (half a window
     from 128 up); each block attends to its own keys and those of the blocks before it that the window reaches

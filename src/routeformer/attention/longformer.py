@@ -51,7 +51,8 @@ def longformer_attention(
     along the columns of the sequence viewed as a grid of ``dilation`` columns; global keys outside a query's band
     are merged in through their log-sum-exp; global query rows are recomputed densely and replace the band rows.
     O(N · (window + G) · D) time for G global tokens.
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
+    ``"tiles"``, ``"flex"``).
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     window = positive_int("window", window)

@@ -57,7 +57,8 @@ def strided_attention(
     sequence viewed as an (N / l, l) grid (the transpose trick); merged heads combine the two exactly through their
     log-sum-exp, with A2 restricted to rows two or more apart so no key counts twice.
     O(N · (l + N / l) · D) time, O(N · (l + N / l)) memory: O(N^1.5 · D) for l ≈ sqrt(N).
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, tiles elsewhere; ``"tiles"``; ``"flex"``).
+    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
+    ``"tiles"``, ``"flex"``).
     """
     B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     stride = positive_int("stride", stride)

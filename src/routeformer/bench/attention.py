@@ -8,8 +8,8 @@ causal runs, the measured causal leak of every row (``leak.py``) at N = min(1024
 run beside ours when installed (``pip install -e ".[bench]"``); ``--only NAME`` keeps the peers of NAME (the
 ``peer_of`` of their row) as well as NAME. A row that cannot run (too much memory, an error) is printed with the
 reason in a note column. ``--backend`` chooses the executor of our patterns (``auto``: FlexAttention on CUDA,
-tiles elsewhere); on CUDA a sliding window written directly with FlexAttention (``flex-sliding (direct)``) runs
-beside ``local`` as the hand-written baseline.
+the fused kernels on the CPU); on CUDA a sliding window written directly with FlexAttention (``flex-sliding
+(direct)``) runs beside ``local`` as the hand-written baseline.
 """
 
 from __future__ import annotations

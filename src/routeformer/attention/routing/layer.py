@@ -64,7 +64,8 @@ class RoutingAttention(Router):
             of one softmax over the union: a differentiable path into the routing.
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
-        backend: the executor of the attention ("auto": FlexAttention on CUDA, tiles elsewhere; "tiles"; "flex").
+        backend: the executor of the attention ("auto": FlexAttention on CUDA, the fused kernels on the CPU;
+            "fused", "tiles", "flex").
 
     After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss
     (None after a forward in evaluation mode, which needs no loss).
