@@ -2,6 +2,7 @@
 // expression takes five elementwise passes and keeps two tensors). Not attention, but on the main job's step it is
 // a tenth of the time once attention is fused, so it lives with the other CPU kernels.
 #include "common.h"
+#include "ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty_like.h>

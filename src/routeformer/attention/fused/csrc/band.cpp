@@ -13,6 +13,7 @@
 // Parallel over (batch·head, block) forward; backward over batch·head, each head's blocks in order (its key
 // gradients are its own: no atomics, the same sums in the same order whatever the thread count).
 #include "common.h"
+#include "ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -284,7 +285,9 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               "routeformer fused attention: the last dimension of q, k, v must be contiguous");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> band_forward(
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
     const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
@@ -338,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_forward(
   return {out, lse, alone};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_band_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone,
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
@@ -405,43 +408,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_back
       }
     });
   });
-  at::Tensor dkey, dvalue;
-  if (has_rel) {
-    dkey = dtab[0].sum(0);  // a fixed order of additions: the same whatever the thread count
-    dvalue = dtab[1].sum(0);
-  } else {
-    dkey = at::empty({0}, q.options());
-    dvalue = at::empty({0}, q.options());
-  }
+  auto [dkey, dvalue] = table_grads(dtab, has_rel);
   return {dq, dk, dv, dkey, dvalue};
-}
-
-}  // namespace
-
-// Registered in ops.cpp
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
-    const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
-    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
-    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& labels,
-    const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
-    const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
-    const std::optional<at::Tensor>& bias) {
-  return band_forward(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, labels, key_table,
-                      value_table, delta, positions, bias);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_band_backward(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone,
-    at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
-    const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
-    const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
-    const std::optional<at::Tensor>& labels, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
-    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias) {
-  return band_backward(grad_out, grad_lse, q, k, v, out, lse, alone, geometry, scale, allow, tile_mask, key_valid,
-                       groups, order, labels, key_table, value_table, delta, positions, bias);
 }
 
 }  // namespace routeformer

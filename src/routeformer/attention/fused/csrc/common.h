@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
@@ -383,6 +384,31 @@ inline void add_key_rows(const T* src, int64_t nc, int64_t D, const int64_t* ord
   if (dtable != nullptr) axpy(dtable + u0 * D, src + nc * D, U * D, T(1));
 }
 
+// The per-pair terms of row r's scores on local columns [a, e) of a chunk starting at key c0: the relative key
+// term (from the table columns after the chunk's own nc when ``ext``, else per pair when direct), the bias, and
+// the per-pair masks (a masked pair's score becomes -inf). ``qrow``: the row's query.
+template <typename T, typename R>
+inline void add_pair_terms(const R& rules, const RelChunk<T, R>& rc, const Rel<T>& rel, const Head<T>& h,
+                           const T* qrow, int64_t r, T* row, int64_t a, int64_t e, int64_t c0, int64_t nc, bool ext) {
+  if (ext) rc.gather_add(r, row, a, e, row + nc);
+  if (rc.direct) {
+    const int32_t* ir = rc.row_index(r);
+    for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qrow, rel.key + ir[j] * h.D, h.D);
+  }
+  if (rules.has_bias)
+    for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
+  if (rules.elementwise(r))
+    for (int64_t j = a; j < e; j++)
+      if (!rules.allowed(r, j + c0)) row[j] = -std::numeric_limits<T>::infinity();
+}
+
+// The relative tables' gradients from per-head partials (2, heads, L, D), summed over heads in a fixed order: the
+// same bits whatever the thread count; empty tensors without relative positions.
+inline std::pair<at::Tensor, at::Tensor> table_grads(const at::Tensor& partials, bool has_rel) {
+  if (!has_rel) return {at::empty({0}, partials.options()), at::empty({0}, partials.options())};
+  return {partials[0].sum(0), partials[1].sum(0)};
+}
+
 inline int64_t row_stride(int64_t columns) { return ((columns + 15) / 16) * 16 + 16; }  // off powers of two
 
 // Forward of one block: softmax(q·kᵀ·scale + rel + bias, masked) · v (+ the relative value term) per row, with the
@@ -439,16 +465,7 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
           std::fill(row, row + W, T(0));
           continue;
         }
-        if (ext) rc.gather_add(r, row, a, e, row + nc);
-        if (rc.direct) {
-          const int32_t* ir = rc.row_index(r);
-          for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qp + r * ldq, rel.key + ir[j] * D, D);
-        }
-        if (rules.has_bias)
-          for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
-        if (rules.elementwise(r))
-          for (int64_t j = a; j < e; j++)
-            if (!rules.allowed(r, j + c0)) row[j] = minus_inf;
+        add_pair_terms(rules, rc, rel, h, qp + r * ldq, r, row, a, e, c0, nc, ext);
         const int64_t own = rules.self(r) - c0;
         if (own >= a && own < e) {  // the own key, kept aside: the row takes it only if it sees nothing else
           if (row[own] != minus_inf) {
@@ -555,16 +572,7 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
         std::fill(row, row + W, T(0));
         continue;
       }
-      if (ext) rc.gather_add(r, row, a, e, row + nc);
-      if (rc.direct) {
-        const int32_t* ir = rc.row_index(r);
-        for (int64_t j = a; j < e; j++) row[j] += h.scale * dot(qp + r * ldq, rel.key + ir[j] * D, D);
-      }
-      if (rules.has_bias)
-        for (int64_t j = a; j < e; j++) row[j] += rules.bias(r, j + c0);
-      if (rules.elementwise(r))
-        for (int64_t j = a; j < e; j++)
-          if (!rules.allowed(r, j + c0)) row[j] = minus_inf;
+      add_pair_terms(rules, rc, rel, h, qp + r * ldq, r, row, a, e, c0, nc, ext);
       const int64_t own = rules.self(r) - c0;
       if (own >= a && own < e && !alone[r]) row[own] = minus_inf;
       std::fill(row, row + a, T(0));

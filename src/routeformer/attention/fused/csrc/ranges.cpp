@@ -9,6 +9,7 @@
 //
 // Forward parallel over (head, block); backward over heads, each head's blocks in order.
 #include "common.h"
+#include "ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -170,7 +171,9 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
               "routeformer fused ranges: lo and hi must be contiguous (B, H, M) tensors");
 }
 
-std::tuple<at::Tensor, at::Tensor> ranges_forward(
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi,
     at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
@@ -244,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor> ranges_forward(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ranges_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ranges_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lo, const at::Tensor& hi,
     at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
@@ -305,38 +308,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ranges_ba
       }
     });
   });
-  at::Tensor dkey, dvalue;
-  if (has_rel) {
-    dkey = dtab[0].sum(0);
-    dvalue = dtab[1].sum(0);
-  } else {
-    dkey = at::empty({0}, q.options());
-    dvalue = at::empty({0}, q.options());
-  }
+  auto [dkey, dvalue] = table_grads(dtab, has_rel);
   return {dq, dk, dv, dkey, dvalue};
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi,
-    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
-    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
-    const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table) {
-  return ranges_forward(q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table,
-                        value_table);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ranges_backward(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lo, const at::Tensor& hi,
-    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
-    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
-    const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table) {
-  return ranges_backward(grad_out, grad_lse, q, k, v, out, lse, lo, hi, setup, scale, key_order, key_valid,
-                         query_pos, key_pos, key_table, value_table);
 }
 
 }  // namespace routeformer

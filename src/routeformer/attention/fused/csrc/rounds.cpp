@@ -12,6 +12,7 @@
 // is read, their gradient taken back to q at the end: no keys tensor. Forward parallel over (head, round, block),
 // backward over heads.
 #include "common.h"
+#include "ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>

@@ -1,0 +1,62 @@
+// The fused CPU operators, as ops.cpp registers them (``torch.ops.routeformer_fused.*``); each is defined in the
+// file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace routeformer {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
+    const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
+    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
+    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& labels,
+    const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+    const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
+    const std::optional<at::Tensor>& bias);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_band_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone,
+    at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
+    const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
+    const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
+    const std::optional<at::Tensor>& labels, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias);
+
+std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi,
+    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
+    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
+    const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ranges_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lo, const at::Tensor& hi,
+    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
+    const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
+    const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
+    const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+    at::IntArrayRef setup, double scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
+    const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
+    at::IntArrayRef setup, double scale);
+
+at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
+at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
+
+bool fused_has_blas();
+
+}  // namespace routeformer
