@@ -5,6 +5,7 @@ when they cannot be."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,15 +24,18 @@ from routeformer.attention.executors import get_executor
 from routeformer.attention.fused import FusedKernelUnavailable, KernelBuild, available
 from routeformer.attention.lsh import lsh_attention, lsh_rotations
 from routeformer.attention.tiling import Distances, KeyRestrictions, Tiling
+from routeformer.bench.measure import kept_for_backward
 
 FUSED = get_executor("fused")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_kernels_are_built_here() -> None:
-    """This machine has a compiler: the suite must exercise the kernels, not the fallback."""
+def test_the_kernels_are_built_here_on_this_torch_s_blas() -> None:
+    """This machine has a compiler: the suite must exercise the kernels, not the fallback; and the kernels find the
+    BLAS symbols exactly when this PyTorch build exports them (else they use ATen's matmul)."""
     assert os.environ.get("ROUTEFORMER_FUSED") != "0" and available()
-    assert torch.ops.routeformer_fused.has_blas() in (True, False)
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    assert torch.ops.routeformer_fused.has_blas() == (hasattr(lib, "sgemm_") and hasattr(lib, "dgemm_"))
 
 
 # --- gradcheck: float64, every value the kernel reads ---------------------------------------------------------
@@ -60,7 +64,7 @@ def _gradcheck_cases():
         "order, positions far apart (per-pair relative terms)": dict(
             tiling=Tiling(block=3, back=1, offsets=(-3, 0), order=order), rel_pos=rand_rel(3, 40),
             distances=Distances(positions=order * 7)),
-        "labels, validity, unsorted groups": dict(
+        "labels (lowered to a tile mask), validity, unsorted groups": dict(
             tiling=Tiling(block=4, back=1, ahead=1, tile_mask=torch.rand(1, 2, 3, 4, 12, generator=g) > 0.3),
             key_valid=valid, restrict=KeyRestrictions(groups=groups, labels=labels, label_window=4)),
     }
@@ -137,26 +141,13 @@ def test_results_are_the_same_bits_at_one_and_two_threads(name: str) -> None:
 # --- memory, compile, hand-offs -------------------------------------------------------------------------------
 
 
-def _kept_for_backward(fn) -> int:
-    """Bytes of the distinct tensors autograd saves during ``fn()`` (saved_tensors_hooks)."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def test_a_local_call_keeps_o_of_n_d_for_its_backward() -> None:
     """q, k, v, out and the lse: about 4× the bytes of q, whatever the window (the tiles executor keeps each tile's
     probabilities: O(N · window))."""
     q, k, v = rand_qkv(1, 4, 2048, 32, dtype=torch.float32)
     bytes_q = q.numel() * 4
-    fused = _kept_for_backward(lambda: local_attention(q, k, v, 256, backend="fused"))
-    tiles = _kept_for_backward(lambda: local_attention(q, k, v, 256, backend="tiles"))
+    fused = kept_for_backward(lambda: local_attention(q, k, v, 256, backend="fused"))
+    tiles = kept_for_backward(lambda: local_attention(q, k, v, 256, backend="tiles"))
     assert fused <= 5 * bytes_q < tiles
 
 

@@ -72,14 +72,23 @@ class Executor:
     supports, and the pieces built from it (the same for every executor).
 
     ``run(q, k, v, tiling, *, scale, key_valid, restrict, rel_pos, distances, bias, need_lse)`` is called by
-    ``tiled`` once the arguments are checked; see ``tiled`` for their meaning.
+    ``tiled`` once the arguments are checked; see ``tiled`` for their meaning. ``ranges_run`` (the arguments of
+    ``ranges``) and ``rounds_run`` (LSH's rounds, ``lsh.lsh_attention``) are its own ways of computing those, where
+    it has them. ``delegate(q)`` names the executor that takes a call on queries q instead of this one (None: this
+    one): AUTO's is its device's executor, the fused one's the tiles executor for what its kernels do not take.
     """
 
     name: str
     run: Callable
     supports: frozenset[str] = frozenset(FEATURES) - LOWERED  # order and labels: lowered unless declared
-    ranges_run: Callable | None = None  # its own ``ranges``, returning None for a call it hands back
-    rounds_run: Callable | None = None  # its own ``rounds`` (LSH), returning None for a call it hands back
+    ranges_run: Callable | None = None
+    rounds_run: Callable | None = None
+    delegate: Callable[[Tensor], Executor | None] | None = None
+
+    def runner(self, q: Tensor) -> Executor:
+        """The executor that computes a call on queries ``q``: this one, or the one it delegates to."""
+        other = None if self.delegate is None else self.delegate(q)
+        return self if other is None or other is self else other.runner(q)
 
     def tiled(self, q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float,
               key_valid: Tensor | None = None, restrict: KeyRestrictions | None = None,
@@ -107,6 +116,10 @@ class Executor:
         Raises:
             ValueError: the inputs do not fit the tiling, or this executor does not support what the call asks for.
         """
+        runner = self.runner(q)
+        if runner is not self:
+            return runner.tiled(q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict,
+                                rel_pos=rel_pos, distances=distances, bias=bias, need_lse=need_lse)
         Nq, Nk = q.shape[2], k.shape[2]
         if rel_pos is not None and distances is None:
             raise ValueError("relative positions need distances (tiling.Distances: unit, delta or positions)")
@@ -181,14 +194,11 @@ class Executor:
         order, validity, positions for relative distances). An executor with its own ``ranges_run`` computes it
         there (the fused one: ranges tested and keys gathered inside the kernel); else tiles of entries per stretch
         of keys, each a tile of ``tiled``."""
-        if self.ranges_run is not None:
-            check_ranges(q, lo, merge, options.get("rel_pos"), options.get("query_pos"), options.get("key_pos"))
-            done = self.ranges_run(q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
-            if done is not None:
-                return done
-            return range_attention(EXECUTORS["tiles"], q, k, v, lo, hi, width=width, scale=scale, merge=merge,
-                                   **options)
-        return range_attention(self, q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
+        check_ranges(q, lo, merge, options.get("rel_pos"), options.get("query_pos"), options.get("key_pos"))
+        runner = self.runner(q)
+        if runner.ranges_run is not None:
+            return runner.ranges_run(q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
+        return range_attention(runner, q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
 
     @property
     def native_ranges(self) -> bool:
@@ -196,9 +206,16 @@ class Executor:
         return self.ranges_run is not None
 
 
+def _unless_fused_takes(q: Tensor) -> Executor | None:
+    """The fused executor's delegate: the tiles executor for queries its kernels do not take (off the CPU, half
+    dtypes, or no kernels: a warning said why, once)."""
+    return None if fused.takes(q) else EXECUTORS["tiles"]
+
+
 EXECUTORS: dict[str, Executor] = {
-    "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES), ranges_run=fused.fused_ranges,
-                      rounds_run=fused.fused_rounds),
+    # LSH's labelled pairs run in its own rounds operator there; a tiling's labels are lowered to a tile mask
+    "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES) - {"labels"}, ranges_run=fused.fused_ranges,
+                      rounds_run=fused.fused_rounds, delegate=_unless_fused_takes),
     "tiles": Executor("tiles", tiled_attention),
     # the relative value pass and the own-key fallback recompute scores without the bias
     "flex": Executor("flex", flex.tiled,
@@ -245,23 +262,16 @@ def executor_for(backend: Backend) -> Executor:
     return AUTO if check_backend(backend) == "auto" else EXECUTORS[backend]
 
 
-def _on_device(q: Tensor, *args, **kwargs):
-    """AUTO's run: the registered executor of q's device, which checks what it supports."""
-    return EXECUTORS[resolve_backend("auto", q.device)].tiled(q, *args, **kwargs)
+def _on_device(q: Tensor) -> Executor:
+    """AUTO's delegate: the registered executor of q's device."""
+    return EXECUTORS[resolve_backend("auto", q.device)]
 
 
-def _ranges_on_device(q: Tensor, *args, **kwargs):
-    """AUTO's ranges: the registered executor of q's device computes them its own way."""
-    return EXECUTORS[resolve_backend("auto", q.device)].ranges(q, *args, **kwargs)
+def _delegated(*args, **kwargs):
+    raise RuntimeError("AUTO delegates every call to its device's executor (Executor.runner)")
 
 
-# the resolved executor checks and lowers what it is given, and computes ranges its own way
-AUTO = Executor("auto", _on_device, frozenset(FEATURES), ranges_run=_ranges_on_device)
-
-
-def on_device(executor: Executor, device: torch.device | str) -> Executor:
-    """The executor that runs ``executor``'s calls on ``device``: AUTO's choice there, else itself."""
-    return EXECUTORS[resolve_backend("auto", device)] if executor is AUTO else executor
+AUTO = Executor("auto", _delegated, frozenset(FEATURES), delegate=_on_device)
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:
@@ -291,7 +301,6 @@ __all__ = [
     "lse_dtype",
     "merge_partials",
     "neg_inf",
-    "on_device",
     "register_executor",
     "resolve_backend",
     "saw_key",

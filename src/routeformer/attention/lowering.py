@@ -1,7 +1,8 @@
-"""Two values of the executor interface turned into others, for executors that do not read them natively (the
-tiles and flex executors; the fused one reads both inside its kernel): a tiling's sequence order becomes one
-permuted copy of q, k and v (and the results put back), and labelled pairs (``KeyRestrictions.labels``) a tile
-mask."""
+"""Two values of the executor interface turned into others, for executors that do not read them natively
+(``Executor.tiled`` applies them by what an executor ``supports``): a tiling's sequence order becomes one permuted
+copy of q, k and v (and the results put back; the fused executor reads rows by index instead), and labelled pairs
+(``KeyRestrictions.labels``) a tile mask (every executor; LSH on the fused one runs its rounds in one operator that
+reads the labels itself)."""
 
 from __future__ import annotations
 

@@ -19,11 +19,13 @@ so the rounds' key sets are disjoint; their softmaxes are then merged by their l
 which over disjoint sets is exactly the softmax over the union. (Weighting every round's copy by -log(c_ij), c_ij
 the rounds that hold the pair, is exact too, with the executor's ``bias``; leaving pairs to their first round
 needs a boolean tile mask instead of a float term and none at all in the first round: about 10 % faster at 16k.)
-Reformer's -log(number of rounds with the same bucket) is an approximation of this.
+Reformer's -log(number of rounds with the same bucket) is an approximation of this. An executor with its own
+rounds (the fused one, ``Executor.rounds_run``) runs every round, the merge, the unit keys and the own key in one
+operator and keeps no round's probabilities; the others run one band per round and ``merge_partials``.
 
 Cost per head: O(rounds · N · window · D) for the attention, O(rounds² · N · window) for the earlier rounds' pairs,
 O(rounds · N · D · buckets/2) for hashing, O(rounds · N log N) for sorting; memory O(rounds · N · window) for the
-scores (no N×N tensor).
+scores kept for the backward on the tiles executor (no N×N tensor), O(N · (D + rounds)) on the fused one.
 
 This module is the mechanism's one home: its functional form, its mask (what it means, for the tests), its head kind
 and options, registered in ``registry.py``.
@@ -51,7 +53,7 @@ from torch import Tensor
 
 from .checks import positive_int
 from .decoding import attend_cached
-from .executors import Backend, get_executor, merge_partials, on_device, saw_key
+from .executors import Backend, get_executor, merge_partials, saw_key
 from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
@@ -146,9 +148,9 @@ def lsh_attention(
     Returns:
         (B, H, N, D) in the dtype of q; zeros for a query that sees no key (only possible with padding). Exact
         (float64 in, float64 throughout) against ``reference_attention(q, q/|q|, v, lsh_mask(...))``.
-        Time O(rounds · N · window · D + rounds² · N · window + rounds · N · D · buckets/2), memory
-        O(rounds · N · window) per head (each round's probabilities, kept for the backward; the masks
-        of one round at a time).
+        Time O(rounds · N · window · D + rounds² · N · window + rounds · N · D · buckets/2), memory per head
+        O(N · (D + rounds)) kept for the backward on the fused executor (the probabilities recomputed), O(rounds · N
+        · window) on the tiles executor (each round's probabilities; the masks of one round at a time).
     """
     hashes, valid, scale = _prepare(q, v, buckets, rounds, window, scale, key_padding_mask, rotations, seed)
     executor = get_executor(backend, q.device)
@@ -171,11 +173,10 @@ def lsh_attention(
     # bucket · (N + window) + sorted index differ by less than `window` (a different bucket lies at least N + window
     # away; when causal the allowed key is earlier, so in a shared bucket it sorts earlier).
     labels = hashes * (N + window) + inverse  # (B, H, R, N) by position
-    runner = on_device(executor, q.device).rounds_run
-    done = None if runner is None else runner(q, None, v, order, grouped, labels, window=window, causal=causal,
-                                              scale=scale, key_valid=key_valid)
-    if done is not None:  # the executor ran the rounds, their merge, the unit keys and the own key itself
-        return done
+    rounds = executor.runner(q).rounds_run
+    if rounds is not None:  # the executor runs the rounds, their merge, the unit keys and the own key itself
+        return rounds(q, None, v, order, grouped, labels, window=window, causal=causal, scale=scale,
+                      key_valid=key_valid)
     keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
     parts = []
     for r in range(R):

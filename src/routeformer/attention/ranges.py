@@ -55,13 +55,14 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
         stretch, rows: G and R (defaults: ``range_stretch(width)``, and from the entries' spread; ``rows`` also
             fixes the gathered pass's block rows).
 
+    The arguments are checked by the caller, ``Executor.ranges`` (``check_ranges``).
+
     Returns:
         out (B, H, Nq, D), zeros for a row that sees no key, and lse (B, H, Nq) in float32 or wider (``neg_inf``
         exactly for a row that sees no key) or None, as the executor's ``tiled`` returns them.
     """
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
-    check_ranges(q, lo, merge, rel_pos, query_pos, key_pos)
     G = stretch or range_stretch(width)
     if key_order is not None:  # the keys in the order the ranges index: one copy, then every span is a view
         # q·k scaled once on that copy of the keys (free), unless relative terms q·a need the query scaled

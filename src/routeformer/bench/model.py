@@ -23,6 +23,8 @@ from torch import nn
 
 from ..attention.executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
+from ..train.config import TrainConfig
+from ..train.loop import adamw
 from .measure import PeakMemory, format_table, median_time, memory_trackable, synchronize
 
 MODELS = ("full", "local", "local+routing")  # the default rows
@@ -79,7 +81,7 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
         for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window, attentions, backend).items()):
             torch.manual_seed(0)
             model = TransformerLM(config).to(dev).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+            opt = adamw(model, TrainConfig(lr=1e-4))  # the training loop's own optimizer (fused where it can be)
             tokens = torch.randint(0, 256, (batch, n + 1), device=dev)
             step = train_step(model, opt, tokens)
             seconds = median_time(step, repeats, dev)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .executor import DTYPES, available
+from .executor import takes
 from .op import sigmoid_gelu as fused
 
 
 def sigmoid_gelu(x: Tensor) -> Tensor:
     """x · sigmoid(1.702 x), elementwise, with its gradient."""
-    if x.device.type == "cpu" and x.dtype in DTYPES and available():
+    if takes(x):
         return fused(x)
     return x * torch.sigmoid(1.702 * x)

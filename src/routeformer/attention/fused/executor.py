@@ -1,9 +1,10 @@
-"""The fused CPU executor: ``Executor.tiled`` and ``Executor.ranges`` as single C++ operators (``csrc/``).
+"""The fused CPU executor: ``Executor.tiled``, ``Executor.ranges`` and LSH's rounds as single C++ operators
+(``csrc/``).
 
 It takes the executor's values as they are (a ``Tiling`` and its sequence order, ``KeyRestrictions``,
-``Distances``, key validity, relative tables, a bias) and computes the masks from them inside the kernel. What it
-does not run, it hands to the tiles executor here, in one place (``_handoff``): tensors off the CPU, dtypes other
-than float32 and float64, and any call while its library is unavailable (then a warning said why, once).
+``Distances``, key validity, relative tables, a bias) and computes the masks from them inside the kernel. The calls
+it does not take (``takes``: tensors off the CPU, dtypes other than float32 and float64, and every call while its
+library is unavailable, a warning having said why, once) its ``Executor`` delegates to the tiles executor.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..lowering import in_order, labels_as_mask
 from ..relative import RelativePositions
-from ..tiles import tiled_attention
 from ..tiling import Distances, KeyRestrictions, Tiling
 from .build import KERNELS
 from .op import band, ranges, register, rounds
@@ -30,10 +29,9 @@ def available() -> bool:
     return True
 
 
-def _handoff(q: Tensor) -> bool:
-    """Whether this call goes to the tiles executor instead: off the CPU, a dtype the kernel does not take, or no
-    kernel."""
-    return q.device.type != "cpu" or q.dtype not in DTYPES or not available()
+def takes(q: Tensor) -> bool:
+    """Whether the kernels take a call on queries q: on the CPU, float32 or float64, and built."""
+    return q.device.type == "cpu" and q.dtype in DTYPES and available()
 
 
 def rows_per_block(width: int) -> int:
@@ -47,19 +45,11 @@ def fused_tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float
                 restrict: KeyRestrictions | None = None, rel_pos: RelativePositions | None = None,
                 distances: Distances | None = None, bias: Tensor | None = None,
                 need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """The fused executor's ``run`` (``executors.Executor.tiled`` documents the arguments and checks them)."""
-    if _handoff(q):  # the tiles executor, which reads neither the order nor the labels: lowered here
-        if tiling.order is not None:
-            return in_order(fused_tiled, q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict,
-                            rel_pos=rel_pos, distances=distances, bias=bias, need_lse=need_lse)
-        if restrict is not None and restrict.labels is not None:
-            tiling, restrict = labels_as_mask(tiling, restrict)
-        return tiled_attention(q, k, v, tiling, scale=scale, key_valid=key_valid, restrict=restrict, rel_pos=rel_pos,
-                               distances=distances, bias=bias, need_lse=need_lse)
+    """The fused executor's ``run`` (``executors.Executor.tiled`` documents the arguments and checks them, and
+    lowers labelled pairs to a tile mask)."""
     Nq, Nk = q.shape[2], k.shape[2]
     single = tiling.single(Nq)
-    groups, exclude_self, labels, label_window = (None, False, None, 0) if restrict is None else (
-        restrict.groups, restrict.exclude_self, restrict.labels, restrict.label_window)
+    groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
     lo, hi = tiling.offsets or (0, 0)
     unit, delta, positions, key_table, value_table, from_order = 0, None, None, None, None, False
     if rel_pos is not None:
@@ -75,14 +65,13 @@ def fused_tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float
     width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
     geometry = [tiling.block, tiling.back, tiling.ahead, tiling.rows or 0, int(single),
                 int(tiling.offsets is not None), lo, hi, int(exclude_self), unit,
-                0 if rel_pos is None else rel_pos.max_distance, label_window, rows_per_block(width), int(from_order)]
+                0 if rel_pos is None else rel_pos.max_distance, rows_per_block(width), int(from_order)]
     out, lse, _ = band(
         _rows(q), _rows(k), _rows(v), geometry, float(scale),
         None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask,
         None if key_valid is None else key_valid.contiguous(),
         None if groups is None else groups.to(torch.long).contiguous(),
         None if tiling.order is None else tiling.order.to(torch.long).contiguous(),
-        None if labels is None else labels.to(torch.long).contiguous(),
         key_table, value_table, delta, positions, None if bias is None else bias.to(q.dtype))
     return out, (lse if need_lse else None)
 
@@ -91,13 +80,11 @@ def fused_ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, wid
                  merge: int = 1, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
                  key_valid: Tensor | None = None, query_pos: Tensor | None = None, key_pos: Tensor | None = None,
                  rel_pos: RelativePositions | None = None, need_lse: bool = False, stretch: int | None = None,
-                 rows: int | None = None) -> tuple[Tensor, Tensor | None] | None:
+                 rows: int | None = None) -> tuple[Tensor, Tensor | None]:
     """The fused executor's ``ranges`` (``ranges.range_attention`` documents the arguments): every entry's range
     tested and its keys gathered by index inside the kernel, blocks of ``rows`` entries (default from the width)
-    spanning at most width + ``stretch`` keys (default: ``rows``). None: not for this kernel (the caller hands the
-    call to the tiles executor's ranges)."""
-    if _handoff(q):
-        return None
+    spanning at most width + ``stretch`` keys (default: ``rows``). ``key_inverse`` is not needed: no permuted copy
+    is made."""
     R = rows or rows_per_block(width)
     key_table = value_table = None
     if rel_pos is not None:
@@ -113,14 +100,11 @@ def fused_ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, wid
 
 
 def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor, *,
-                 window: int, causal: bool, scale: float, key_valid: Tensor | None = None) -> Tensor | None:
+                 window: int, causal: bool, scale: float, key_valid: Tensor | None = None) -> Tensor:
     """The fused executor's LSH rounds (``lsh.lsh_attention`` documents them): every round's sorted window read by
     index, the pairs earlier rounds hold left out, the rounds merged and the own key added inside the kernels. k
     None: the keys are scale · q / |q|, made inside the kernel (no keys tensor); else k's rows times ``scale``.
-    order, groups, labels: (B, H, R, N), the rounds' sorted positions, buckets and labels (by position). None: not
-    for this kernel (the caller runs the rounds on the tiles executor)."""
-    if _handoff(q):
-        return None
+    order, groups, labels: (B, H, R, N), the rounds' sorted positions, buckets and labels (by position)."""
     setup = [window, rows_per_block(window), int(causal)]
     out, _, _ = rounds(_rows(q), None if k is None else _rows(k), _rows(v), order.to(torch.long).contiguous(),
                        groups.to(torch.long).contiguous(), labels.to(torch.long).contiguous(),

@@ -1,13 +1,14 @@
 """The fused operators' Python side: fake implementations (so ``torch.compile`` traces models through them),
 registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``band``, ``ranges``,
-``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument handling per call, a tenth of
-a small attention call.
+``rounds``, ``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument handling per
+call, a tenth of a small attention call.
 
 ``routeformer_fused::band_forward`` returns (out, lse, alone): out (B, H, Nq, D) in the queries' own order, lse
 (B, H, Nq) in the queries' dtype, and alone (B, H, Nq) bool (the rows that saw only their own key under
 exclude_self; empty otherwise). What the backward keeps is q, k, v, out, lse and alone, O(N · D) per head, plus the
 call's small index tensors: the probabilities are recomputed (``band_backward``), never stored.
-``ranges_forward`` returns the merged (out, lse) of query rows; its backward recomputes likewise.
+``ranges_forward`` returns the merged (out, lse) of query rows, ``rounds_forward`` LSH's merged (out, lse, alone);
+their backwards recompute likewise.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import torch
 from torch import Tensor
 
-_OPTIONAL_BAND = ("allow", "tile_mask", "key_valid", "groups", "order", "labels", "key_table", "value_table", "delta",
+_OPTIONAL_BAND = ("allow", "tile_mask", "key_valid", "groups", "order", "key_table", "value_table", "delta",
                   "positions", "bias")
 _OPTIONAL_RANGES = ("key_order", "key_valid", "query_pos", "key_pos", "key_table", "value_table")
 _registered = threading.Lock()
@@ -50,15 +51,15 @@ def _register() -> None:
     lib = "routeformer_fused::"
 
     @torch.library.register_fake(lib + "band_forward")
-    def _(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, labels, key_table, value_table,
-          delta, positions, bias):
+    def _(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, key_table, value_table, delta,
+          positions, bias):
         B, H, Nq, D = q.shape
         alone = q.new_empty((B, H, Nq) if geometry[8] else (0,), dtype=torch.bool)
         return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq), alone
 
     @torch.library.register_fake(lib + "band_backward")
     def _(grad_out, grad_lse, q, k, v, out, lse, alone, geometry, scale, allow, tile_mask, key_valid, groups, order,
-          labels, key_table, value_table, delta, positions, bias):
+          key_table, value_table, delta, positions, bias):
         return _grad_shapes(q, k, key_table)
 
     @torch.library.register_fake(lib + "ranges_forward")
@@ -96,12 +97,11 @@ def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None):
             q.new_empty(table))
 
 
-def _table_grad(name: str, named: dict, dkey: Tensor, dvalue: Tensor) -> Tensor | None:
-    if name == "key_table" and named[name] is not None:
-        return dkey
-    if name == "value_table" and named[name] is not None:
-        return dvalue
-    return None
+def _optional_grads(names: tuple[str, ...], optional: list, dkey: Tensor, dvalue: Tensor) -> list[Tensor | None]:
+    """The gradients of the optional inputs: the relative tables' where given, none for the rest."""
+    tables = {"key_table": dkey, "value_table": dvalue}
+    return [tables[name] if name in tables and x is not None else None for name, x in zip(names, optional,
+                                                                                         strict=True)]
 
 
 class _Band(torch.autograd.Function):
@@ -119,8 +119,7 @@ class _Band(torch.autograd.Function):
         q, k, v, out, lse, alone, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().band_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse), q,
                                                        k, v, out, lse, alone, ctx.geometry, ctx.scale, *optional)
-        named = dict(zip(_OPTIONAL_BAND, optional, strict=True))
-        return (dq, dk, dv, None, None, *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_BAND))
+        return (dq, dk, dv, None, None, *_optional_grads(_OPTIONAL_BAND, optional, dkey, dvalue))
 
 
 class _Ranges(torch.autograd.Function):
@@ -137,9 +136,7 @@ class _Ranges(torch.autograd.Function):
         q, k, v, out, lse, lo, hi, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse),
                                                          q, k, v, out, lse, lo, hi, ctx.setup, ctx.scale, *optional)
-        named = dict(zip(_OPTIONAL_RANGES, optional, strict=True))
-        return (dq, dk, dv, None, None, None, None,
-                *(_table_grad(name, named, dkey, dvalue) for name in _OPTIONAL_RANGES))
+        return (dq, dk, dv, None, None, None, None, *_optional_grads(_OPTIONAL_RANGES, optional, dkey, dvalue))
 
 
 class _Rounds(torch.autograd.Function):

@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ..executors import Executor, on_device, saw_key
+from ..executors import Executor, saw_key
 from ..relative import RelativePositions
 from ..tiling import Distances, Tiling
 from .sorted_window import ClusterOrder, sort_by_cluster
@@ -64,7 +64,7 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
     """
     B, H, N, D = q.shape
     p = probes.shape[-1]
-    if N <= DENSE_UP_TO and not on_device(executor, q.device).native_ranges:
+    if N <= DENSE_UP_TO and not executor.runner(q).native_ranges:
         return _dense(q, k, v, key_clusters, probes, window=window, exclude_self=exclude_self, scale=scale,
                       executor=executor, key_valid=key_valid, rel_pos=rel_pos, gates=gates)
     lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)

@@ -6,8 +6,8 @@
 // sorted by cluster), to its group's run: an interval per row, so the common cases need no per-pair mask at all. The
 // kernel cuts the rows into blocks of ``rows_per_block`` consecutive rows (independent of the tiling's blocks) against
 // the union of their intervals. Per pair, where given: the static (T, S) mask, a per-tile mask, key validity, groups
-// that are not sorted, labels of pairs another call holds (LSH's earlier rounds), the own key, relative distances
-// (unit, per tile entry, or between positions), an additive bias. With ``order``, the sequence the tiling runs over is
+// that are not sorted, the own key, relative distances (unit, per tile entry, or between positions), an additive
+// bias. With ``order``, the sequence the tiling runs over is
 // q[order], k[order], v[order]: rows are read and written by index, never copied in permuted order.
 //
 // Parallel over (batch·head, block) forward; backward over batch·head, each head's blocks in order (its key
@@ -31,13 +31,12 @@ struct Geometry {
   bool exclude_self;
   int64_t unit;  // relative distances (key - query) · unit; 0: given by delta or positions
   int64_t max_distance;
-  int64_t label_within;  // labels: a pair whose labels differ by less than this in any row is held elsewhere
   int64_t rows_per_block;
   bool positions_from_order;  // relative distances between the entries' original positions (order[j] - order[i])
 
   static Geometry from(at::IntArrayRef g) {
-    TORCH_CHECK(g.size() == 14, "routeformer fused band: geometry must hold 14 integers, got ", g.size());
-    return {g[0], g[1], g[2], g[3], g[4] != 0, g[5] != 0, g[6], g[7], g[8] != 0, g[9], g[10], g[11], g[12], g[13] != 0};
+    TORCH_CHECK(g.size() == 13, "routeformer fused band: geometry must hold 13 integers, got ", g.size());
+    return {g[0], g[1], g[2], g[3], g[4] != 0, g[5] != 0, g[6], g[7], g[8] != 0, g[9], g[10], g[11], g[12] != 0};
   }
 };
 
@@ -69,8 +68,6 @@ struct Call {
   const bool* key_valid = nullptr;    // (B, Hv, Nk)
   int64_t valid_heads = 1;
   const int64_t* groups = nullptr;    // (B, H, N)
-  const int64_t* labels = nullptr;    // (B, H, L, N)
-  int64_t n_labels = 0;
   Strided5<int64_t> delta;
   const int64_t* positions = nullptr; // (B, H, N)
   Strided5<T> bias;
@@ -86,7 +83,6 @@ struct BandRules {
   bool per_pair;        // some per-pair mask applies
   bool has_bias;
   const int64_t* groups;
-  const int64_t* labels;
   const int64_t* positions;
   const bool* valid;
 
@@ -94,11 +90,10 @@ struct BandRules {
       : c(call), b(bh / call.H), h(bh % call.H), qseq(rows_seq) {
     groups = c.groups == nullptr ? nullptr : c.groups + bh * c.Nk;
     const bool grouped = groups != nullptr && !c.groups_sorted[bh];
-    labels = c.labels == nullptr ? nullptr : c.labels + bh * c.n_labels * c.Nk;
     positions = c.positions == nullptr ? nullptr : c.positions + bh * c.Nk;
     valid = c.key_valid == nullptr ? nullptr
                                    : c.key_valid + (b * c.valid_heads + (c.valid_heads == 1 ? 0 : h)) * c.Nk;
-    per_pair = c.allow != nullptr || c.tile_mask.p != nullptr || valid != nullptr || grouped || labels != nullptr;
+    per_pair = c.allow != nullptr || c.tile_mask.p != nullptr || valid != nullptr || grouped;
     if (!grouped) groups = nullptr;
     has_bias = c.bias.p != nullptr;
   }
@@ -113,10 +108,6 @@ struct BandRules {
     if (groups != nullptr && groups[i] != groups[j]) return false;
     if (c.allow != nullptr && !c.allow[(i - tile(i) * c.T_) * c.S + col(i, j)]) return false;
     if (c.tile_mask.p != nullptr && !c.tile_mask.at(b, h, tile(i), i - tile(i) * c.T_, col(i, j))) return false;
-    for (int64_t x = 0; labels != nullptr && x < c.n_labels; x++) {
-      const int64_t d = labels[x * c.Nk + i] - labels[x * c.Nk + j];
-      if (d < c.g.label_within && -d < c.g.label_within) return false;
-    }
     return true;
   }
   int64_t distance(int64_t r, int64_t j) const {
@@ -157,8 +148,7 @@ inline std::pair<int64_t, int64_t> interval(const Call<T>& c, int64_t bh, int64_
 template <typename T>
 Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, const std::optional<at::Tensor>& allow,
                   const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
-                  const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& labels,
-                  const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
+                  const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& order) {
   Call<T> c;
   c.g = g;
@@ -189,10 +179,6 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, c
     c.valid_heads = key_valid->size(1);
   }
   if (groups.has_value()) c.groups = groups->data_ptr<int64_t>();
-  if (labels.has_value()) {
-    c.labels = labels->data_ptr<int64_t>();
-    c.n_labels = labels->size(2);
-  }
   c.delta = Strided5<int64_t>::of(delta, shape5);
   if (positions.has_value()) c.positions = positions->data_ptr<int64_t>();
   if (g.positions_from_order) {
@@ -291,8 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
     const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
-    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& labels,
-    const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
     const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
     const std::optional<at::Tensor>& bias) {
   check_inputs(q, k, v);
@@ -305,13 +290,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_band_forward", [&] {
     using T = scalar_t;
     const Call<T> c =
-        make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, labels, delta, positions, bias, order);
-    Rel<T> rel;
-    if (key_table.has_value()) {
-      rel.key = key_table->data_ptr<T>();
-      rel.value = value_table->data_ptr<T>();
-      rel.max_distance = g.max_distance;
-    }
+        make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, delta, positions, bias, order);
+    const auto rel = Rel<T>::of(key_table, value_table, g.max_distance);
     const int64_t* ord = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
     const int64_t nbk = n_blocks(Nq, g.rows_per_block);
     T* out_p = out.data_ptr<T>();
@@ -347,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
     const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
     const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
-    const std::optional<at::Tensor>& labels, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias) {
   check_inputs(q, k, v);
@@ -364,13 +344,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_band_backward", [&] {
     using T = scalar_t;
     const Call<T> c =
-        make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, labels, delta, positions, bias, order);
-    Rel<T> rel;
-    if (has_rel) {
-      rel.key = key_table->data_ptr<T>();
-      rel.value = value_table->data_ptr<T>();
-      rel.max_distance = g.max_distance;
-    }
+        make_call<T>(q, k, g, allow, tile_mask, key_valid, groups, delta, positions, bias, order);
+    const auto rel = Rel<T>::of(key_table, value_table, g.max_distance);
     const int64_t* ord = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
     const int64_t nbk = n_blocks(Nq, g.rows_per_block);
     const T* go_p = go.data_ptr<T>();

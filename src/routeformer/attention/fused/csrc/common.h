@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 // BLAS of the PyTorch build (MKL or OpenBLAS export these Fortran symbols); weak, so that a build without them still
@@ -212,6 +213,16 @@ struct Rel {
   const T* value = nullptr;
   int64_t max_distance = 0;
   bool on() const { return key != nullptr; }
+  static Rel of(const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+                int64_t max_distance) {
+    Rel r;
+    if (key_table.has_value()) {
+      r.key = key_table->data_ptr<T>();
+      r.value = value_table->data_ptr<T>();
+      r.max_distance = max_distance;
+    }
+    return r;
+  }
   int64_t index(int64_t distance) const {
     return std::min(std::max(distance, -max_distance), max_distance) + max_distance;
   }
@@ -231,8 +242,8 @@ struct Rows {
 // The scratch of one thread.
 template <typename T>
 struct Work {
-  Buffer<T> q, dout, k, v, s, dp, o, dq, kv_grad;
-  Buffer<T> m, l, self_score, delta, lse;
+  Buffer<T> q, dout, k, v, s, dp, dq, kv_grad;
+  Buffer<T> m, l, self_score;
   Buffer<int32_t> idx;
   Buffer<uint8_t> self_ok;
 };
@@ -252,23 +263,14 @@ struct BlockOut {
 template <typename T>
 inline T neg_inf() { return std::numeric_limits<T>::lowest(); }
 
-// Load the block's query rows (and optionally another tensor's same rows) as a (n, D) matrix: in place when
-// contiguous, else gathered into ``buf``. Returns (pointer, leading dimension).
+// Load the block's query rows (or another tensor's same rows: dout) as a (n, D) matrix: in place when contiguous,
+// else gathered into ``buf``. Returns (pointer, leading dimension).
 template <typename T>
 inline std::pair<const T*, int64_t> load_rows(const T* base, int64_t stride, const Rows& rows, int64_t D,
                                               Buffer<T>& buf) {
   if (rows.contiguous) return {base + rows.qrow[0] * stride, stride};
   T* out = buf.get(rows.n * D);
   for (int64_t r = 0; r < rows.n; r++) std::memcpy(out + r * D, base + rows.qrow[r] * stride, D * sizeof(T));
-  return {out, D};
-}
-
-template <typename T>
-inline std::pair<const T*, int64_t> load_keys(const T* base, int64_t stride, const int64_t* order, int64_t c0,
-                                              int64_t nc, int64_t D, Buffer<T>& buf) {
-  if (order == nullptr) return {base + c0 * stride, stride};
-  T* out = buf.get(nc * D);
-  for (int64_t j = 0; j < nc; j++) std::memcpy(out + j * D, base + order[c0 + j] * stride, D * sizeof(T));
   return {out, D};
 }
 

@@ -15,12 +15,12 @@ bool fused_has_blas() { return has_blas(); }
 TORCH_LIBRARY(routeformer_fused, m) {
   m.def(
       "band_forward(Tensor q, Tensor k, Tensor v, int[] geometry, float scale, Tensor? allow, Tensor? tile_mask, "
-      "Tensor? key_valid, Tensor? groups, Tensor? order, Tensor? labels, Tensor? key_table, Tensor? value_table, "
+      "Tensor? key_valid, Tensor? groups, Tensor? order, Tensor? key_table, Tensor? value_table, "
       "Tensor? delta, Tensor? positions, Tensor? bias) -> (Tensor, Tensor, Tensor)");
   m.def(
       "band_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor alone, int[] geometry, float scale, Tensor? allow, Tensor? tile_mask, Tensor? key_valid, "
-      "Tensor? groups, Tensor? order, Tensor? labels, Tensor? key_table, Tensor? value_table, Tensor? delta, "
+      "Tensor? groups, Tensor? order, Tensor? key_table, Tensor? value_table, Tensor? delta, "
       "Tensor? positions, Tensor? bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "ranges_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int[] setup, float scale, "

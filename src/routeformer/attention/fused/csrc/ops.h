@@ -13,8 +13,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
     const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
-    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& labels,
-    const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
     const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
     const std::optional<at::Tensor>& bias);
 
@@ -24,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
     const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
     const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
-    const std::optional<at::Tensor>& labels, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias);
 

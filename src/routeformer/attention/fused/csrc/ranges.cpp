@@ -152,11 +152,7 @@ RangeCall<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   c.valid_heads = key_valid.has_value() ? key_valid->size(1) : 1;
   c.query_pos = query_pos.has_value() ? query_pos->data_ptr<int64_t>() : nullptr;
   c.key_pos = key_pos.has_value() ? key_pos->data_ptr<int64_t>() : nullptr;
-  if (key_table.has_value()) {
-    c.rel.key = key_table->data_ptr<T>();
-    c.rel.value = value_table->data_ptr<T>();
-    c.rel.max_distance = z.max_distance;
-  }
+  c.rel = Rel<T>::of(key_table, value_table, z.max_distance);
   c.scale = static_cast<T>(scale);
   return c;
 }
