@@ -4,10 +4,10 @@ names its answer, answers are uniform over as many choices as ``chance`` says, a
 import pytest
 import torch
 
-from routeformer.data.recall import IGNORE, TASKS, mqar, passkey, two_hop
+from routeformer.data.recall import IGNORE, TASKS, latest, mqar, passkey, two_hop
 
 SMALL = {"mqar": dict(seq_len=96, min_gap=24), "passkey": dict(seq_len=80, min_gap=30),
-         "two_hop": dict(seq_len=128, min_gap=20)}
+         "two_hop": dict(seq_len=128, min_gap=20), "latest": dict(seq_len=96, min_gap=24)}
 
 
 def scored(batch):
@@ -47,6 +47,21 @@ def test_every_answer_lies_beyond_the_gap_and_nothing_near_names_it(name):
     assert (batch.sources[batch.targets == IGNORE] == -1).all()
 
 
+def test_latest_asks_for_the_last_value_written_to_the_key():
+    """Written from the tokens alone: the answer is the last fact of the query's key before the queries, and
+    other writes of that key (distractors with their own values) come before it."""
+    task = latest(seq_len=96, min_gap=24, keys=3, writes=8)
+    batch = task.make(200, 0)
+    overwritten = 0
+    for b, t in scored(batch):
+        key = int(batch.tokens[b, t])
+        facts = [(j, tok) for j, tok in enumerate(batch.tokens[b, :t - task.min_gap].tolist())
+                 if 3 <= tok < 3 + 3 * 16 and (tok - 3) // 16 == key]
+        assert facts and int(batch.targets[b, t]) == facts[-1][1] and int(batch.sources[b, t]) == facts[-1][0]
+        overwritten += len(facts) > 1 and len({tok for _, tok in facts}) > 1
+    assert overwritten > 100  # most queried keys were written more than once, with different values
+
+
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_given_the_query_answers_are_uniform_over_one_over_chance_choices(name):
     """What a window model sees at a scored position, its own token, leaves 1 / chance equally likely answers."""
@@ -77,6 +92,8 @@ def test_scored_positions_are_where_the_task_says():
     (lambda: two_hop(seq_len=40, min_gap=16), "two_hop: seq_len 40 is too short"),
     (lambda: mqar(queries=5, keys=4), "queries"),
     (lambda: two_hop(links=0), "links must be a positive integer"),
+    (lambda: latest(seq_len=40, min_gap=30), "latest: seq_len 40 is too short"),
+    (lambda: latest(queries=3, writes=2), "latest needs queries"),
     (lambda: passkey(min_gap=-1), "min_gap"),
     (lambda: passkey().make(0, 0), "batch_size"),
 ])

@@ -16,6 +16,8 @@ hinge on it.
 - ``mqar``: multi-query associative recall. ``facts`` facts with distinct keys early, filler, then ``queries`` queries:
   a key token, whose next token is its fact.
 - ``passkey``: one needle token (one of ``values``) hidden in filler; at the end a marker asks for it.
+- ``latest``: recall with overwrites. Facts scattered in filler, a key written several times; a query asks for
+  the value written last to its key (written for the routing hand-over study, not tuned on).
 - ``two_hop``: chained recall. Facts b → c early, filler, facts a → b, filler, queries a: the answer is the fact
   (b → c) of the b that a points to, so one retrieval finds b and a second one finds c; the two facts are too far
   apart for one retrieval to see both.
@@ -200,4 +202,44 @@ def two_hop(seq_len: int = 256, min_gap: int = 64, links: int = 4, values: int =
                       generate)
 
 
-TASKS: dict[str, Callable[..., RecallTask]] = {"mqar": mqar, "passkey": passkey, "two_hop": two_hop}
+def latest(seq_len: int = 256, min_gap: int = 64, keys: int = 4, values: int = 16, writes: int = 8,
+           queries: int = 2, filler: int = 64) -> RecallTask:
+    """Associative recall with overwrites: the latest value written to a key.
+
+    Layout: ``writes`` fact tokens scattered at random positions among filler (keys drawn with repeats, so a key
+    is often written several times with different values); more than ``min_gap`` of filler; then ``queries``
+    (key, fact) pairs over distinct written keys, the last ending the sequence. Scored: each query key, whose next
+    token is the *last* fact written to it (the earlier ones are distractors of the same key). Vocabulary as
+    ``mqar``'s: keys [0, keys), facts [keys, keys + keys · values), filler after. Chance: 1 / values.
+    """
+    keys, values, writes, queries, filler = (positive_int(n, x) for n, x in [
+        ("keys", keys), ("values", values), ("writes", writes), ("queries", queries), ("filler", filler)])
+    if not queries <= min(keys, writes):
+        raise ValueError(f"latest needs queries ({queries}) <= keys ({keys}) and <= writes ({writes})")
+    free = _check_length("latest", seq_len, min_gap, writes + 2 * queries + min_gap,
+                         f"{writes} writes, {queries} queries and a gap of {min_gap}")
+    region = writes + free  # the writes lie in [0, region): the first query is more than min_gap after
+    first_fact, first_filler = keys, keys + keys * values
+
+    def generate(gen: torch.Generator) -> Row:
+        tokens = _fill(seq_len, first_filler, filler, gen)
+        where = torch.randperm(region, generator=gen)[:writes].sort().values
+        written = torch.randint(keys, (writes,), generator=gen)
+        while len(written.unique()) < queries:  # rare: too few distinct keys to ask about
+            written = torch.randint(keys, (writes,), generator=gen)
+        fact = first_fact + written * values + torch.randint(values, (writes,), generator=gen)
+        tokens[where] = fact
+        choices = written.unique()
+        asked = choices[torch.randperm(len(choices), generator=gen)[:queries]]
+        last = torch.stack([(written == a).nonzero().max() for a in asked.tolist()])  # the latest write of each
+        q0 = seq_len - 2 * queries
+        tokens[q0::2], tokens[q0 + 1::2] = asked, fact[last]
+        targets, sources = torch.full((seq_len,), IGNORE), torch.full((seq_len,), -1)
+        targets[q0::2], sources[q0::2] = fact[last], where[last]
+        return tokens, targets, sources
+
+    return RecallTask("latest", seq_len, min_gap, first_filler + filler, 1.0 / values, queries, 1, generate)
+
+
+TASKS: dict[str, Callable[..., RecallTask]] = {"mqar": mqar, "passkey": passkey, "two_hop": two_hop,
+                                               "latest": latest}
