@@ -258,3 +258,102 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
     expected = torch.autograd.grad(want, (q, v), grad)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# --- the hand-over: dense with a growing penalty on the keys routing would not score, then routed -------------
+
+def _handover_bias(layer: RoutingAttention, q, k, step: int) -> torch.Tensor:
+    """Written from the definition: -16 · (s + 1) / handover on the pairs outside the routed mask (the union of
+    the probes' windows before the own-key rule), 0 on those inside."""
+    routed = probe_masks(layer.route_keys(q, k), layer.probe(q, k), layer.window).any(2)
+    return (~routed).double() * -16.0 * (step - layer.warmup + 1) / layer.handover
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_hand_over_penalises_the_unrouted_keys_more_each_step_then_routes(shared: bool) -> None:
+    layer = _layer(shared_qk=shared, probes=2, warmup=1, handover=3)
+    q, k, v = rand_qkv(2, 2, 30, 8)
+    k = q if shared else k
+    rel = rand_rel(8, 5)
+    q.requires_grad_(True)
+    layer.update_routing()  # the warm-up's one step
+    outs = []
+    for step in range(1, 4):
+        assert layer.handing_over and not layer.warming_up and int(layer.steps) == step
+        n = q.shape[2]
+        allow = torch.ones(n, n, dtype=torch.bool).tril()
+        if shared:
+            allow = allow & ~(torch.eye(n, dtype=torch.bool) & (torch.arange(n) > 0)[:, None])
+        want = reference_attention(q, k, v, allow, rel_pos=rel, bias=_handover_bias(layer, q, k, step))
+        out = layer(q, k, v, rel_pos=rel)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(torch.autograd.grad(out.square().sum(), q)[0],
+                                   torch.autograd.grad(want.square().sum(), q)[0], rtol=1e-9, atol=1e-10)
+        outs.append(layer.handover_penalty())
+        layer.update_routing()
+    assert not layer.handing_over and not layer.dense
+    routed = layer(q, k, v, rel_pos=rel).detach()
+    torch.testing.assert_close(routed, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
+    assert outs == pytest.approx([16 / 3, 32 / 3, 16])  # growing linearly to 16 nats at the last step
+
+
+def test_routed_pairs_is_the_union_of_the_probes_windows() -> None:
+    from routeformer.attention.routing.probes import routed_pairs
+
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        n, k, w = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 40), (1, 6), (1, 6)))
+        p = int(torch.randint(1, k + 1, (1,), generator=g))
+        clusters = torch.randint(k, (2, 3, n), generator=g)
+        probes = torch.stack([torch.randperm(k, generator=g)[:p] for _ in range(2 * 3 * n)]).view(2, 3, n, p)
+        assert torch.equal(routed_pairs(clusters, probes, w, k), probe_masks(clusters, probes, w).any(2))
+
+
+def test_a_model_decodes_exactly_during_and_after_the_hand_over() -> None:
+    """Through the warm-up (1 step), the hand-over (2 steps) and after it, decoding reproduces the forward."""
+    config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=40, attention="local:2,routing:2",
+                               options={"local": {"window": 6}, "routing": {
+                                   "num_clusters": 4, "window": 5, "probes": 2, "balance": 0.05, "warmup": 1,
+                                   "handover": 2}})
+    torch.manual_seed(0)
+    model = TransformerLM(config).double()
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.5)
+    tokens = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
+    kinds, outs = [], []
+    for _ in range(4):
+        model.eval()
+        full = model(tokens)
+        outs.append(full)
+        cache = model.new_cache(2, 40)
+        kinds.append(type(cache.layers[0][1]))
+        parts = [model(tokens[:, :9], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(9, 40)]
+        torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-9)
+        model.train()
+        (model(tokens).sum() + model.aux_loss).backward()
+        model.after_optimizer_step()
+    assert kinds == [KeyStore, KeyStore, KeyStore, RoutingCache]
+    assert not torch.allclose(outs[1], outs[2])  # the penalty grew
+
+
+def test_a_hand_over_is_counted_dense_at_the_model_length() -> None:
+    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2")
+    routing = dict(num_clusters=8, window=8, probes=2, warmup=10, warmup_len=16)
+    plain, handed = (TransformerLM(TransformerConfig(**base, options={"local": {"window": 8}, "routing": {
+        **routing, "handover": h}})) for h in (0, 5))
+    assert [handed.config.train_len(s) for s in (0, 9, 10, 14, 15)] == [16, 16, 64, 64, 64]
+    assert handed.config.cost_changes() == [10, 15]
+    extra = 5 * 100 * (handed.flops_per_token(64, step=10) - handed.flops_per_token())
+    assert extra > 0
+    assert handed.training_flops(30, 100) == pytest.approx(plain.training_flops(30, 100) + extra)
+    assert "hand-over=5" in handed.config.describe_heads()
+
+
+def test_a_layer_in_its_hand_over_has_no_routed_cache_and_bad_hand_overs_are_refused() -> None:
+    with pytest.raises(ValueError, match="attends densely for 3 more optimiser steps"):
+        RoutingAttention(2, 8, 4, 5, warmup=1, handover=2).new_cache(1, 10)
+    with pytest.raises(ValueError, match="handover must be a non-negative integer"):
+        RoutingAttention(2, 8, 4, 5, handover=-1)
+    with pytest.raises(ValueError, match="options.routing: handover must be a non-negative integer"):
+        TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1",
+                          options={"local": {"window": 8}, "routing": {"handover": 1.5}})

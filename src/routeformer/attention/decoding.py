@@ -18,17 +18,20 @@ def attend_cached(
     scale: float,
     allowed: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """Attention of the query at position ``t`` to cached keys.
 
     q: (B, H, D); keys, values: (B, H, M, D); key_pos: positions of the keys, (M,) or (B, H, M); allowed: optional
-    bool mask broadcastable to (B, H, M). Returns (B, H, D); zeros when no key is allowed. O(M · D) per head.
+    bool mask broadcastable to (B, H, M); bias: optional additive score term broadcastable to (B, H, M). Returns (B, H, D); zeros when no key is allowed. O(M · D) per head.
     """
     qs = q.to(keys.dtype) * scale
     scores = torch.einsum("bhd,bhmd->bhm", qs, keys)
     if rel_pos is not None:
         table_k, table_v = rel_pos.tables(key_pos - t, keys.dtype)  # (M, D) or (B, H, M, D)
         scores = scores + (qs[..., None, :] @ table_k.transpose(-1, -2)).squeeze(-2)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     has_key = torch.isfinite(scores).any(-1, keepdim=True)

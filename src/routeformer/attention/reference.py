@@ -23,6 +23,7 @@ def reference_weights(
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
     kernel: str = "exp",
+    bias: Tensor | None = None,
 ) -> Tensor:
     """The attention weights α_ij of ``reference_attention`` (same arguments, no values): (B, H, N, N), each row
     summing to 1 over the allowed keys, or all zeros when no key is allowed (or, for 'poly2' / 'elu', when every
@@ -34,8 +35,8 @@ def reference_weights(
         allowed = allowed & key_padding_mask[:, None, None, :]
     allowed = allowed.expand(B, H, N, N)
     if kernel_s is not None:
-        if rel_pos is not None:
-            raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
+        if rel_pos is not None or bias is not None:
+            raise ValueError(f"rel_pos, bias: defined for the exponential kernel only, not {kernel!r}")
         weights = pairwise(kernel, q, k, kernel_s).masked_fill(~allowed, 0.0)  # (B, H, N, N)
         total = weights.sum(-1, keepdim=True)
         return weights / torch.where(total > 0, total, 1.0)
@@ -44,6 +45,8 @@ def reference_weights(
     if rel_pos is not None:
         a_key, _ = _literal_tables(rel_pos, N, q)  # (N, N, D)
         scores = scores + (q[:, :, :, None, :] * a_key).sum(-1) * scale
+    if bias is not None:
+        scores = scores + bias
 
     has_key = allowed.any(-1, keepdim=True)  # (B, H, N, 1)
     # A row with no allowed key would be softmax(-inf, ..., -inf) = NaN; give it finite scores and zero it after.
@@ -61,6 +64,7 @@ def reference_attention(
     key_padding_mask: Tensor | None = None,
     rel_pos: RelativePositions | None = None,
     kernel: str = "exp",
+    bias: Tensor | None = None,
 ) -> Tensor:
     """Dense masked attention: softmax, or with ``kernel`` 'poly2' / 'elu' the generalised form
     o_i = Σ_j K(q_i, k_j) v_j / Σ_j K(q_i, k_j) over the allowed j (``kernels.py``; no ``rel_pos``, no scale for elu).
@@ -72,6 +76,7 @@ def reference_attention(
         key_padding_mask: optional bool (B, N), True = a real key; False removes key j from every query.
         rel_pos: optional relative position tables; adds q_i·a^K_ij to the scores and Σ_j α_ij a^V_ij to
             the outputs, with a^K_ij, a^V_ij materialised as (N, N, D) tensors.
+        bias: optional additive score term broadcastable to (B, H, N, N) (exponential kernel only).
 
     Returns:
         (B, H, N, D). A query row with no allowed key outputs zeros. Computes in the dtype of q (float64 in,
@@ -79,7 +84,8 @@ def reference_attention(
         ``reference_weights``.
     """
     check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-    probs = reference_weights(q, k, mask, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos, kernel=kernel)
+    probs = reference_weights(q, k, mask, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos, kernel=kernel,
+                              bias=bias)
     out = probs @ v  # (B, H, N, D)
     if rel_pos is not None:
         _, a_value = _literal_tables(rel_pos, q.shape[2], q)

@@ -304,7 +304,7 @@ class TransformerConfig:
 
     def warmups(self) -> list[Warmup]:
         """The warm-ups of the kinds the model uses (``HeadKind.warmup``), those that last a step or more."""
-        found = [g.kind.warmup(g.options) for layer in self.head_groups() for g in layer if g.kind.warmup is not None]
+        found = [w for layer in self.head_groups() for g in layer for w in g.kind.phases(g.options)]
         return [w for w in found if w.steps > 0]
 
     def cost_changes(self) -> list[int]:

@@ -172,11 +172,13 @@ class HeadGroup(nn.Module):
         return self.attend(q, *cache.filled(), t, rel_pos)
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, t: int,
-               rel_pos: RelativePositions | None, allowed: Tensor | None = None) -> Tensor:
-        if self.kernel != "exp":  # the config allows no relative positions with another kernel
+               rel_pos: RelativePositions | None, allowed: Tensor | None = None,
+               bias: Tensor | None = None) -> Tensor:
+        if self.kernel != "exp":  # the config allows no relative positions (nor a bias) with another kernel
             return attend_cached_kernel(q, keys, values, self.kernel, kernel_scale(self.kernel, self.kernel_scale,
                                                                                    self.head_dim), allowed)
-        return attend_cached(q, keys, values, positions, t, scale=self.scale, allowed=allowed, rel_pos=rel_pos)
+        return attend_cached(q, keys, values, positions, t, scale=self.scale, allowed=allowed, rel_pos=rel_pos,
+                             bias=bias)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache, start: int,
                rel_pos: RelativePositions | None) -> Tensor:
@@ -196,8 +198,9 @@ class HeadGroup(nn.Module):
 
 
 class Warmup(NamedTuple):
-    """How a kind starts training (``HeadKind.warmup``): for ``steps`` optimiser steps it costs
-    ``keys_per_query(n)`` keys per query at context n, trained on sequences of ``length`` (None: the model's)."""
+    """A phase of how a kind starts training (``HeadKind.warmup``): until optimiser step ``steps`` (and after the
+    phases before it) it costs ``keys_per_query(n)`` keys per query at context n, trained on sequences of ``length``
+    (None: the model's)."""
 
     steps: int
     keys_per_query: Callable[[int], float]
@@ -214,10 +217,10 @@ class HeadKind:
             random projections).
         keys_per_query: (options, n) -> the mean number of keys one query scores at context n (plus any other
             per-query work in key-equivalents); ``TransformerLM.flops_per_token`` counts it.
-        warmup: (options, n) -> ``Warmup`` for kinds that start training another way (routing's dense warm-up):
-            for its first ``steps`` optimiser steps the kind costs ``keys_per_query(n)`` instead, and asks to be
-            trained on sequences of ``length`` (the trainers cut each batch into sequences that long; None: the
-            model's).
+        warmup: (options) -> a ``Warmup`` or a tuple of them in order (phases), for kinds that start training
+            another way (routing's dense warm-up and hand-over): until a phase's ``steps`` optimiser steps the kind
+            costs its ``keys_per_query(n)`` instead, and asks to be trained on sequences of ``length`` (the
+            trainers cut each batch into sequences that long; None: the model's).
         option_type: the kind's options dataclass, read from ``TransformerConfig.options[section]`` (a mapping of
             field to value, or an instance); every field has a default, and its ``__post_init__`` checks what can
             be checked without the model (errors name the field). None: the kind takes no options.
@@ -239,7 +242,7 @@ class HeadKind:
     name: str
     build: Callable[[Any, int, int, int], HeadGroup]
     keys_per_query: Callable[[Any, int], float]
-    warmup: Callable[[Any], Warmup] | None = None
+    warmup: Callable[[Any], Warmup | tuple[Warmup, ...]] | None = None
     option_type: type | None = None
     section: str = ""
     complete: Callable[[Any, Any], Any] | None = None
@@ -294,12 +297,19 @@ class HeadKind:
         except ValueError as err:
             raise ValueError(f"options.{self.options_key}: {err}") from None
 
+    def phases(self, options: Any) -> tuple[Warmup, ...]:
+        """The warm-up's phases (``warmup``), in order; () for kinds without one."""
+        if self.warmup is None:
+            return ()
+        found = self.warmup(options)
+        return (found,) if isinstance(found, Warmup) else tuple(found)
+
     def cost(self, options: Any, n: int, step: int | None = None) -> float:
         """Keys per query at context ``n``, at optimiser step ``step`` (None: after any warm-up)."""
-        if step is not None and self.warmup is not None:
-            warm = self.warmup(options)
-            if step < warm.steps:
-                return warm.keys_per_query(n)
+        if step is not None:
+            for warm in self.phases(options):
+                if step < warm.steps:
+                    return warm.keys_per_query(n)
         return self.keys_per_query(options, n)
 
     def supports_relative(self, options: Any) -> bool:

@@ -45,6 +45,9 @@ class RoutingOptions:
             see the README's recall benchmark).
         warmup_len: the sequence length the warm-up trains at (None: seq_len; it must divide seq_len): the
             trainers cut each batch into sequences that long while the warm-up lasts.
+        handover: optimiser steps after the warm-up in which the heads still attend to every earlier key, the keys
+            routing would not score pushed down by a penalty growing to 16 nats (``RoutingAttention``), at the
+            model's length; then they route. Dense cost, like the warm-up.
         gate: weigh each probed cluster by the query's softmax over its centroid scores.
     """
 
@@ -58,6 +61,7 @@ class RoutingOptions:
     balance: float = 0.01
     warmup: int = 0
     warmup_len: int | None = None
+    handover: int = 0
     gate: bool = False
 
     def __post_init__(self) -> None:
@@ -78,6 +82,7 @@ class RoutingOptions:
                                                   and 0.0 <= self.balance < math.inf):
             raise ValueError(f"balance must be a non-negative number (0: no bias), got {self.balance!r}")
         non_negative_int("warmup", self.warmup)
+        non_negative_int("handover", self.handover)
 
 
 def default_routing_window(seq_len: int, num_clusters: int, probes: int) -> int:
@@ -94,7 +99,8 @@ class RoutingHeads(HeadGroup):
         self.num_clusters = o.num_clusters
         self.routing = RoutingAttention(heads, head_dim, o.num_clusters, o.window, causal=True,
                                         shared_qk=o.shared_qk, separate=o.separate, probes=o.probes,
-                                        balance=o.balance, warmup=o.warmup, gate=o.gate, decay=o.decay,
+                                        balance=o.balance, warmup=o.warmup, handover=o.handover, gate=o.gate,
+                                        decay=o.decay,
                                         commitment=o.commitment, seed=seed)
 
     @property
@@ -120,7 +126,11 @@ class RoutingHeads(HeadGroup):
 
     def reference(self, q, k, v, rel_pos=None):
         routing = self.routing
-        if routing.gate and not routing.warming_up:  # the probes' softmaxes weighed by the gates
+        if routing.handing_over:  # every earlier key, the unrouted ones lowered by the penalty
+            bias = routing.handover_bias(routing.routes(q, k), q.dtype)
+            return reference_attention(q, k, v, self.reference_mask(q, k), scale=self.scale, rel_pos=rel_pos,
+                                       bias=bias)
+        if routing.gate and not routing.dense:  # the probes' softmaxes weighed by the gates
             routes = routing.routes(q, k)
             masks = probe_masks(routes.keys, routes.probes, routing.window)  # (B, h, p, N, N)
             if routing.shared_qk:  # the own key only where the union holds nothing else
@@ -153,19 +163,34 @@ class RoutingHeads(HeadGroup):
             out[f"in_window_{t + 1}"] = windows[..., t].float().mean()
         return out
 
-    # Decoding: the routed ring buffers, or during the warm-up every position (``HeadGroup``'s store).
+    # Decoding: the routed ring buffers, or during the warm-up and hand-over every position (``HeadGroup``'s store).
     def new_cache(self, batch, max_len, device, dtype):
-        if self.routing.warming_up:
+        if self.routing.handing_over and not self.routing.shared_qk:
+            raise ValueError("decoding during the routing hand-over needs shared_qk = true (a key's cluster then "
+                             "comes from the cached key alone); decode before or after the hand-over")
+        if self.routing.dense:
             return super().new_cache(batch, max_len, device, dtype)
         return self.routing.new_cache(batch, None, device=device, dtype=dtype)  # the model checks max_len
 
-    def step(self, q, cache, t, rel_pos):  # the warm-up: every earlier key; shared QK: its own only at t = 0
+    def step(self, q, cache, t, rel_pos):  # every earlier key; shared QK: its own only at t = 0
         keys, values, positions = cache.filled()
         allowed = (positions < t) | (positions == 0) if self.routing.shared_qk else None
-        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed)
+        bias = self._handover_row(q, keys) if self.routing.handing_over else None
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed, bias=bias)
+
+    def _handover_row(self, q, keys):
+        """(B, h, M): the hand-over's penalty of the query at t on the cached keys (positions 0 … t, in order): row
+        t of ``RoutingAttention.handover_bias``."""
+        routing = self.routing
+        clusters = routing.routes(keys, keys).keys  # (B, h, M): shared QK, a key routes as the query it was
+        probes = routing.routes(q[:, :, None], q[:, :, None]).probes[:, :, 0]  # (B, h, p)
+        member = F.one_hot(clusters, routing.num_clusters)
+        newer = member.flip(2).cumsum(2).flip(2).gather(-1, clusters[..., None])[..., 0] - 1  # same cluster, in (j, t]
+        routed = (clusters[..., None] == probes[:, :, None, :]).any(-1) & (newer < routing.window)
+        return (~routed).to(q.dtype) * -routing.handover_penalty()
 
     def decode(self, q, k, v, cache, start, rel_pos):
-        if self.routing.warming_up:
+        if self.routing.dense:
             return super().decode(q, k, v, cache, start, rel_pos)
         return self.routing.decode(q, k, v, cache, rel_pos=rel_pos)
 
@@ -193,9 +218,11 @@ def _keys_per_query(o: RoutingOptions, n: int) -> float:
     return o.probes * min(o.window, n) + o.num_clusters  # + routing each token to k centroids
 
 
-def _warmup(o: RoutingOptions) -> Warmup:
-    # every earlier key, and still the routing (the k-means and the bias learn all along)
-    return Warmup(o.warmup, lambda n: (n + 1) / 2 + o.num_clusters, o.warmup_len)
+def _warmup(o: RoutingOptions) -> tuple[Warmup, ...]:
+    # every earlier key, and still the routing (the k-means and the bias learn all along); the hand-over at the
+    # model's length
+    dense = lambda n: (n + 1) / 2 + o.num_clusters  # noqa: E731
+    return Warmup(o.warmup, dense, o.warmup_len), Warmup(o.warmup + o.handover, dense)
 
 
 def _describe(o: RoutingOptions) -> str:
@@ -205,6 +232,8 @@ def _describe(o: RoutingOptions) -> str:
             text += f", {name}={value:g}"
     if o.warmup_len is not None:
         text += f" at length {o.warmup_len}"
+    if o.handover:
+        text += f", hand-over={o.handover}"
     return text + (", separate" if o.separate else "") + (", gate" if o.gate else "")
 
 

@@ -6,6 +6,9 @@
     causal, several probes (or separate routing): the last `window` keys of each probed cluster, one softmax over
                            their union (probes.py)
     dense warm-up:         every earlier key, for the first `warmup` optimiser steps, while the routing learns
+    hand-over:             then for `handover` steps every earlier key still, the keys routing would not score
+                           pushed down by a penalty that grows to HANDOVER_PENALTY nats, so the heads move onto
+                           the routed keys gradually instead of losing the rest at once
     balanced (non-causal): each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
 
 Centroids and the balancing bias move only in ``update_routing()`` (see ``kmeans.py`` and ``router.py``).
@@ -24,13 +27,14 @@ from ..relative import RelativePositions
 from ..tiling import INDEX, KeyRestrictions, Tiling
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
-from .probes import probed_window_attention, probed_window_mask
+from .probes import probed_window_attention, probed_window_mask, routed_pairs
 from .router import Router, Routes, update_routing
 from .sorted_window import drop_own_key, sort_by_cluster, sorted_window_attention, sorted_window_mask
 
 __all__ = ["RoutingAttention", "update_routing"]
 
 GATE_SHARPNESS = 8.0  # the gates are softmax(8 · cos(r_q, μ)) over the centroids: cosines lie in [-1, 1]
+HANDOVER_PENALTY = 16.0  # nats at the hand-over's last step: an unrouted key then weighs e^-16 of a routed one
 
 
 class RoutingAttention(Router):
@@ -60,6 +64,9 @@ class RoutingAttention(Router):
             steps (``router.py``); 0 keeps the paper's plain argmax.
         warmup: causal: optimiser steps (``update`` calls) of dense causal attention first, while the k-means, the
             bias and the projections learn; then the layer routes. The counter is saved with the model.
+        handover: causal: optimiser steps after the warm-up in which the heads still attend densely but with the
+            scores of the keys routing would not score lowered by λ, growing linearly to ``HANDOVER_PENALTY`` at
+            its last step (``handover_penalty``); then the layer routes. O(N²·D) like the warm-up.
         gate: causal: scale each probed cluster's softmax by the query's softmax over its centroid scores instead
             of one softmax over the union: a differentiable path into the routing.
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
@@ -79,7 +86,7 @@ class RoutingAttention(Router):
     def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
                  shared_qk: bool = True, balanced: bool | None = None, separate: bool = False, probes: int = 1,
                  balance: float = 0.0, warmup: int = 0, gate: bool = False, decay: float = 0.999,
-                 commitment: float = 1e-4, seed: int = 0, backend: Backend = "auto") -> None:
+                 commitment: float = 1e-4, seed: int = 0, backend: Backend = "auto", handover: int = 0) -> None:
         for name, value in (("heads", heads), ("head_dim", head_dim), ("num_clusters", num_clusters)):
             positive_int(name, value)  # checked here first, in the order of the arguments
         window = positive_int("window", window)
@@ -89,21 +96,23 @@ class RoutingAttention(Router):
         if balanced and causal:
             raise ValueError("balanced=True needs causal=False: balanced clusters pick their members using later "
                              "tokens, which leaks the future into the past")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a non-negative integer (optimiser steps), got {warmup!r}")
+        for name, value in (("warmup", warmup), ("handover", handover)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer (optimiser steps), got {value!r}")
         if not causal:
             given = [name for name, value, default in (("separate", separate, False), ("probes", probes, 1),
                                                       ("balance", balance, 0.0), ("warmup", warmup, 0),
-                                                      ("gate", gate, False)) if value != default]
+                                                      ("handover", handover, 0), ("gate", gate, False))
+                     if value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to causal routing only (causal=True)")
         super().__init__(heads, head_dim, num_clusters, shared_qk=shared_qk, separate=separate, probes=probes,
                          balance=balance, decay=decay, commitment=commitment, seed=seed)
         self.window, self.causal, self.balanced = window, causal, bool(balanced)
-        self.gate, self.warmup = bool(gate), warmup
+        self.gate, self.warmup, self.handover = bool(gate), warmup, handover
         self.backend = executor_for(backend)  # resolved once; every path hands this executor on
         self._steps = 0  # a python mirror of `steps`: the forward decides without reading a tensor
-        if warmup:
+        if warmup or handover:
             self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     # --- modes ----------------------------------------------------------------------------------------------
@@ -113,6 +122,20 @@ class RoutingAttention(Router):
         return self._steps < self.warmup
 
     @property
+    def handing_over(self) -> bool:
+        """Whether the layer is in its hand-over (the ``handover`` steps after the warm-up)."""
+        return self.warmup <= self._steps < self.warmup + self.handover
+
+    @property
+    def dense(self) -> bool:
+        """Whether the forward attends to every earlier key (warm-up or hand-over): O(N²)."""
+        return self._steps < self.warmup + self.handover
+
+    def handover_penalty(self) -> float:
+        """λ of the current hand-over step s (0 … handover - 1): HANDOVER_PENALTY · (s + 1) / handover."""
+        return HANDOVER_PENALTY * (self._steps - self.warmup + 1) / self.handover
+
+    @property
     def probing(self) -> bool:
         """Whether queries see more than their own cluster's window (``probes.py``), else the sorted window."""
         return self.probes > 1 or self.separate or self.gate
@@ -120,13 +143,13 @@ class RoutingAttention(Router):
     def update(self, group: dist.ProcessGroup | None = None) -> None:
         """The k-means and bias step (``Router.update``), and one step of the warm-up's count."""
         super().update(group)
-        if self.warmup:
+        if self.warmup or self.handover:
             self.steps += 1
             self._steps = int(self.steps)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.warmup:
+        if self.warmup or self.handover:
             self._steps = int(self.steps)
 
     def update_routing(self, group: dist.ProcessGroup | None = None) -> None:
@@ -140,8 +163,9 @@ class RoutingAttention(Router):
         _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
         routes = self.routes(q, k, key_padding_mask, observe=True)
         executor = get_executor(self.backend, q.device)
-        if self.warming_up:
-            return self._dense(q, k, v, scale, key_valid, rel_pos)
+        if self.dense:
+            bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
+            return self._dense(q, k, v, scale, key_valid, rel_pos, bias)
         if self.probing:
             return probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
                                            exclude_self=self.shared_qk, scale=scale, executor=executor,
@@ -154,16 +178,22 @@ class RoutingAttention(Router):
                                        exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
                                        rel_pos=rel_pos, backend=self.backend)
 
+    def handover_bias(self, routes: Routes, dtype: torch.dtype) -> Tensor:
+        """(B, H, N, N): 0 on the pairs routing scores (``routed_pairs``), -λ (``handover_penalty``) elsewhere."""
+        routed = routed_pairs(routes.keys, routes.probes, self.window, self.num_clusters)
+        return (~routed).to(dtype) * -self.handover_penalty()
+
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
-               rel_pos: RelativePositions | None) -> Tensor:
-        """The warm-up: causal attention to every earlier key (shared QK: not the own key, unless alone), as one
-        dense tile, O(N²) memory."""
+               rel_pos: RelativePositions | None, bias: Tensor | None = None) -> Tensor:
+        """The warm-up and the hand-over: causal attention to every earlier key (shared QK: not the own key, unless
+        alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory."""
         n = q.shape[2]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
         out, _ = get_executor(self.backend, q.device).tiled(q, k, v, Tiling.dense(n, allow=causal), scale=scale,
                                                             key_valid=key_valid, restrict=restrict,
-                                                            rel_pos=rel_pos, distances=INDEX)
+                                                            rel_pos=rel_pos, distances=INDEX,
+                                                            bias=None if bias is None else bias[:, :, None])
         return out
 
     def _gates(self, routes: Routes) -> Tensor | None:
@@ -181,7 +211,7 @@ class RoutingAttention(Router):
         check_inputs(q, k, v=q, scale=None, key_padding_mask=key_padding_mask)
         routes = self.routes(q, k)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
-        if self.warming_up:
+        if self.dense:  # the hand-over's penalty weighs keys, it hides none
             n = q.shape[2]
             allow = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             allow = allow.expand(*q.shape[:2], n, n) if valid is None else allow & valid[:, :, None, :]
@@ -200,10 +230,11 @@ class RoutingAttention(Router):
         length itself (as ``TransformerLM``'s cache does, once for every layer)."""
         if not self.causal:
             raise ValueError("incremental decoding needs causal=True")
-        if self.warming_up:
-            raise ValueError(f"this layer attends densely for {self.warmup - self._steps} more optimiser steps "
-                             f"(warmup={self.warmup}); its cache is not the routed one: decode with a model's "
-                             f"cache (TransformerLM.generate), which keeps every position during the warm-up")
+        if self.dense:
+            raise ValueError(f"this layer attends densely for {self.warmup + self.handover - self._steps} more "
+                             f"optimiser steps (warmup={self.warmup}, handover={self.handover}); its cache is not "
+                             f"the routed one: decode with a model's cache (TransformerLM.generate), which keeps "
+                             f"every position during the warm-up")
         return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
                                   max_len=max_len, device=device or self.projection.device, dtype=dtype)
 
@@ -219,8 +250,8 @@ class RoutingAttention(Router):
         """
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
         cache.check(n)
-        if self.warming_up:
-            raise ValueError("decode: this layer is in its dense warm-up (see new_cache)")
+        if self.dense:
+            raise ValueError("decode: this layer is in its dense warm-up or hand-over (see new_cache)")
         routes = self.routes(q, k)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
             sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both
@@ -245,6 +276,7 @@ class RoutingAttention(Router):
         mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
         extra = "".join(f", {name}={value}" for name, value, default in
                         (("separate", self.separate, False), ("probes", self.probes, 1), ("balance", self.balance, 0.0),
-                         ("warmup", self.warmup, 0), ("gate", self.gate, False)) if value != default)
+                         ("warmup", self.warmup, 0), ("handover", self.handover, 0), ("gate", self.gate, False))
+                        if value != default)
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
                 f"window={self.window}, {mode}, shared_qk={self.shared_qk}{extra}, backend={self.backend.name}")

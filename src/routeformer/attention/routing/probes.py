@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..executors import Executor, saw_key
@@ -164,6 +165,19 @@ def probed_window_mask(key_clusters: Tensor, probes: Tensor, window: int, exclud
     return union
 
 
+def routed_pairs(key_clusters: Tensor, probes: Tensor, window: int, num_clusters: int) -> Tensor:
+    """The boolean (B, H, N, N) union of ``probe_masks`` (before the own-key rule): j <= i, key j's cluster among
+    the query's probes, and fewer than ``window`` keys of that cluster in (j, i]. From prefix counts per cluster:
+    O(N²·p) time and O(N²) memory (``probe_masks`` keeps (p, N, N) counts), for the hand-over's dense penalty."""
+    n = key_clusters.shape[-1]
+    count = F.one_hot(key_clusters, num_clusters).cumsum(2, dtype=torch.int32)  # (B, H, N, k): keys of c at <= i
+    own = count.gather(-1, key_clusters[..., None])[..., 0]  # (B, H, N): key j's rank in its cluster, from 1
+    later = count.gather(-1, key_clusters[:, :, None, :].expand(*key_clusters.shape[:2], n, n))  # [i, j]: c_j at <= i
+    probed = (key_clusters[:, :, None, :, None] == probes[:, :, :, None, :]).any(-1)  # (B, H, N, N)
+    idx = torch.arange(n, device=key_clusters.device)
+    return probed & (idx[None, :] <= idx[:, None]) & (later - own[:, :, None, :] < window)
+
+
 def probe_masks(key_clusters: Tensor, probes: Tensor, window: int, key_valid: Tensor | None = None) -> Tensor:
     """(B, H, p, N, N): for each probe t, the last ``window`` keys j <= i of cluster probes[i, t] (padded keys hold
     their place in the window and are then removed), from the definition."""
@@ -179,4 +193,4 @@ def probe_masks(key_clusters: Tensor, probes: Tensor, window: int, key_valid: Te
     return allow
 
 
-__all__ = ["probe_masks", "probe_ranges", "probed_window_attention", "probed_window_mask"]
+__all__ = ["probe_masks", "probe_ranges", "probed_window_attention", "probed_window_mask", "routed_pairs"]
