@@ -352,3 +352,93 @@ def test_analyze_bad_inputs_are_one_line_errors(run_dir, capsys, tmp_path) -> No
                                                                 "ovo,best"])
     assert "no such file" in _one_line_error(capsys, ["analyze", run, "patterns", "--text-file",
                                                       str(tmp_path / "missing.txt")])
+
+
+# --- analyze routing ----------------------------------------------------------------------------------------------
+
+def test_routing_use_against_a_direct_computation() -> None:
+    """Mass beyond the local window, by distance, and the heaviest far pairs, recomputed from the routing heads'
+    weights with plain loops."""
+    from routeformer.analysis.routing import routing_use
+
+    model = tiny()
+    batches = [tokens(batch=2, seed=s) for s in range(2)]
+    use = routing_use(model, batches, local_window=4, top=5, context=2)
+    assert use.edges == [0, 4, 8, 16, 24]
+    mass, pairs = {}, []
+    for x in batches:
+        for call in capture(model, x):
+            if call.kind != "routing":
+                continue
+            w = call.group.reference_weights(call.q, call.k, call.rel_pos).detach()
+            for r in range(w.shape[0]):
+                for i, h in enumerate(call.heads):
+                    for q in range(24):
+                        for k in range(q + 1):
+                            d = q - k
+                            bin_ = next(t for t in range(4) if use.edges[t] <= d < use.edges[t + 1])
+                            mass.setdefault((call.layer, h), [0.0] * 4)[bin_] += float(w[r, i, q, k]) / (4 * 24)
+                            if d >= 4:
+                                pairs.append((float(w[r, i, q, k]), call.layer, h,
+                                              bool(q >= 1 and k >= 1 and x[r, q - 1:q + 1].tolist()
+                                                   == x[r, k - 1:k + 1].tolist())))
+    assert sorted(use.mass) == sorted(mass) == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    for key, want in mass.items():
+        assert use.mass[key] == pytest.approx(want, abs=1e-12)
+        assert use.beyond[key] == pytest.approx(sum(want[1:]), abs=1e-12)
+        assert sum(use.mass[key]) == pytest.approx(1.0, abs=1e-9)  # every query's weights sum to 1
+    pairs.sort(key=lambda p: -p[0])
+    assert [p.weight for p in use.top] == pytest.approx([p[0] for p in pairs[:5]], abs=1e-12)
+    assert [(p.layer, p.head, p.same_context) for p in use.top] == [p[1:] for p in pairs[:5]]
+    assert all(p.query - p.key >= 4 for p in use.top)
+
+
+def test_recurrence_distances_and_loss_by_recurrence_against_loops() -> None:
+    from routeformer.analysis.routing import loss_by_recurrence, recurrence_distances
+
+    row = torch.tensor([1, 2, 3, 1, 2, 3, 1, 2, 9, 1, 2])
+    want = []
+    for t in range(len(row)):
+        prev = [s for s in range(1, t) if row[s - 1:s + 1].tolist() == row[t - 1:t + 1].tolist()] if t >= 1 else []
+        want.append(t - prev[-1] if prev else 0)
+    assert recurrence_distances(row, 2).tolist() == want == [0, 0, 0, 0, 3, 3, 3, 3, 0, 0, 3]
+    model, baseline = tiny(), tiny(name="local+routing", seed=1)
+    windows = [tokens(batch=2, n=25, seed=s) % 6 for s in range(2)]  # a small alphabet: contexts recur
+    rows = loss_by_recurrence(model, baseline, windows, [0, 4, 8, 24], context=2)
+    assert [r.label for r in rows] == ["not in the window", "1-3", "4-7", "8-23"]
+    ours, theirs, dists = [], [], []
+    for w in windows:
+        for m, out in ((model, ours), (baseline, theirs)):
+            logits = m(w[:, :-1]).detach()
+            out.append(-logits.log_softmax(-1).gather(-1, w[:, 1:, None])[..., 0].flatten() / math.log(2))
+        dists += [recurrence_distances(r[:-1], 2) for r in w]
+    a, b, d = torch.cat(ours), torch.cat(theirs), torch.cat(dists)
+    assert sum(r.positions for r in rows) == 4 * 24
+    for r in rows:
+        sel = (d == 0) if r.high == 0 else (d >= r.low) & (d < r.high)
+        assert r.positions == int(sel.sum()) > 0
+        assert r.loss == pytest.approx(float(a[sel].mean()), abs=1e-6)
+        assert r.baseline == pytest.approx(float(b[sel].mean()), abs=1e-6)
+        assert r.better == pytest.approx(float((a[sel] < b[sel]).double().mean()))
+
+
+def test_analyze_routing_writes_its_tables_against_a_local_baseline(run_dir, capsys, tmp_path) -> None:
+    root = run_dir.parent
+    local = root / "local-run"
+    if not local.exists():
+        assert main(["train", "--config", str(root / "tiny.toml"), "--data-dir", str(root / "data"), "--out",
+                     str(local), "--set", 'model.attention="local:2"']) == 0
+    capsys.readouterr()
+    out_dir = tmp_path / "out"
+    assert main(["analyze", str(run_dir), "routing", "--baseline", str(local), "--windows", "4", "--top", "10",
+                 "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "beyond the local window %" in out and "The 10 most-attended routed pairs at distance >= 8" in out
+    assert "not in the window" in out and "balance" in out
+    for name in ("routing.txt", "routing-recurrence.csv", "routing-recurrence.png"):
+        assert (out_dir / name).is_file() and str(out_dir / name) in out
+    lines = (out_dir / "routing-recurrence.csv").read_text().splitlines()
+    assert lines[0].startswith("low,high,positions") and sum(int(x.split(",")[2]) for x in lines[1:]) == 4 * 32
+    assert "has no routing heads" in _one_line_error(capsys, ["analyze", str(local), "routing"])
+    assert "--baseline" in _one_line_error(capsys, ["analyze", str(run_dir), "routing", "--baseline",
+                                                    str(tmp_path / "nowhere")])

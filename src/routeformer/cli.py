@@ -334,7 +334,8 @@ def _add_analyze(commands) -> None:
         description="Analyse a trained run on a split of its data: 'approximations' replaces every head's output "
         "by sparse or approximate attention (the value-aware study); 'heads' measures the Jensen-Shannon "
         "divergence between heads (the routing paper's Table 4); 'patterns' draws which inputs each output "
-        "attends to (its Figure 1) and the routing heads' cluster statistics. Writes text, CSV and PNG files to "
+        "attends to (its Figure 1) and the routing heads' cluster statistics; 'routing' shows what the routing "
+        "heads use and where they beat a local model. Writes text, CSV and PNG files to "
         "RUN_DIR/analysis (or --out) and prints their paths.")
     _add_run_dir(an)
     kinds = an.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
@@ -365,7 +366,21 @@ def _add_analyze(commands) -> None:
     text.add_argument("--text", metavar="TEXT", help="the text to draw (default: the split's first window)")
     text.add_argument("--text-file", metavar="FILE", help="read the text to draw from FILE")
     pat.add_argument("--length", type=_positive, metavar="N", help="draw the first N tokens (default seq_len)")
-    for sub in (approx, hd, pat):
+    rt = kinds.add_parser("routing", help="what the routing heads use: mass beyond the local window, distances, "
+                          "the most-attended far pairs, and where routing's loss beats a baseline's",
+                          description="The routing heads' attention on --windows windows of the split: the share of "
+                          "their mass beyond the model's local window, the mass by distance, the --top most-attended "
+                          "pairs beyond the local window printed as text with whether the --context tokens ending "
+                          "at query and key match; with --baseline RUN (a local model on the same data and length), "
+                          "the per-token loss of both by the distance to the previous occurrence of the last "
+                          "--context tokens (a table, a CSV and a figure).")
+    rt.add_argument("--baseline", metavar="RUN_DIR", help="a run to compare per-token losses with (a local model)")
+    rt.add_argument("--windows", type=_positive, default=16, help="windows of seq_len tokens to analyse (default 16)")
+    rt.add_argument("--top", type=_positive, default=100, help="the most-attended far pairs to print (default 100)")
+    rt.add_argument("--context", type=_positive, default=8, help="tokens that make a context (default 8)")
+    rt.add_argument("--local-window", type=_positive, metavar="W",
+                    help="the distance from which a key counts as far (default the model's local window)")
+    for sub in (approx, hd, pat, rt):
         sub.add_argument("--split", choices=("valid", "test"), default="valid", help="the split (default valid)")
         sub.add_argument("--batch-size", type=_positive, default=4 if sub is not approx else 8, metavar="B",
                          help="windows per forward")
@@ -556,6 +571,10 @@ def cmd_analyze(args) -> int:
         files = run.approximations(target, methods=methods, rs=rs, layers=run.parse_layers(args.layers, target.model),
                                    windows=None if args.all_windows else args.windows, batch=args.batch_size,
                                    lsh_rounds=args.lsh_rounds, seed=args.seed)
+    elif args.analysis == "routing":
+        files = run.routing(target, baseline=args.baseline, windows=args.windows, batch=args.batch_size, top=args.top,
+                            context=args.context, local_window=args.local_window, checkpoint=args.checkpoint,
+                            data_dir=args.data_dir)
     elif args.analysis == "heads":
         files = run.heads(target, layers=run.parse_layers(args.layers, target.model), batches=args.batches,
                           batch=args.batch_size)

@@ -126,3 +126,25 @@ def plot_cluster_sizes(stats: list[ClusterStats], path: Path) -> bool:
         ax.set_ylabel("positions per sequence", fontsize=8)
     _save(plt, fig, path)
     return True
+
+
+def plot_recurrence(rows, path: Path, title: str) -> bool:
+    """Bars of the loss difference (model - baseline) by the distance to the previous occurrence of the context,
+    with the share of positions in each bin; False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    labels = [r.label for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    top.bar(labels, [r.loss - r.baseline for r in rows], color=["tab:green" if r.loss < r.baseline else "tab:red"
+                                                                 for r in rows])
+    top.axhline(0, color="black", linewidth=0.5)
+    top.set_ylabel("routing - baseline (bits)")
+    top.set_title(title, fontsize=8)
+    total = sum(r.positions for r in rows) or 1
+    bottom.bar(labels, [100 * r.positions / total for r in rows], color="tab:gray")
+    bottom.set_ylabel("positions %")
+    bottom.set_xlabel("distance to the previous occurrence of the last tokens")
+    bottom.tick_params(axis="x", labelrotation=30)
+    _save(plt, fig, path)
+    return True

@@ -174,3 +174,72 @@ def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: b
     if stats and plot_cluster_sizes(stats, target.out / "clusters.png"):
         written.append(target.out / "clusters.png")
     return written
+
+
+def local_window_of(model) -> int | None:
+    """The window of the model's local heads (None when it has none)."""
+    return next((g.options.window for layer in model.config.head_groups() for g in layer if g.kind.name == "local"),
+                None)
+
+
+def routing(target: Target, *, baseline: str | Path | None = None, windows: int = 16, batch: int = 4,
+            top: int = 100, context: int = 8, local_window: int | None = None, checkpoint: str = "best",
+            data_dir: str | None = None) -> list[Path]:
+    """What the routing heads of ``target`` use (``routing.routing_use``) and, given a ``baseline`` run on the same
+    data and length, where the model's per-token loss beats it (``routing.loss_by_recurrence``)."""
+    from ..train.sampling import decode
+    from . import routing as study
+
+    model = target.model
+    n = model.config.seq_len
+    window = local_window or local_window_of(model)
+    if window is None:
+        raise ValueError("the model has no local heads: give --local-window W, the distance that counts as far")
+    if not 1 <= window < n:
+        raise ValueError(f"--local-window must be in [1, seq_len = {n}), got {window}")
+    if not any(g.kind.name == "routing" for layer in model.config.head_groups() for g in layer):
+        raise ValueError(f"{target.label}: the model has no routing heads ({model.config.describe_heads()})")
+    other = None
+    if baseline is not None:
+        base_dir = Path(baseline).expanduser()
+        if not base_dir.is_dir():
+            raise FileNotFoundError(f"--baseline {base_dir} does not exist: give a run directory")
+        other, _, data, _ = load_run(base_dir, checkpoint, data_dir, next(model.parameters()).device)
+        other.eval()
+        if data.meta.name != target.data.meta.name or other.config.seq_len != n:
+            raise ValueError(f"--baseline {base_dir}: trained on {data.meta.name!r} at seq_len "
+                             f"{other.config.seq_len}; the analysed run: {target.data.meta.name!r} at {n}")
+    chosen = sample_windows(target.tokens, n + 1, windows, batch)  # (b, N + 1): inputs and the next tokens
+    use = study.routing_use(model, [w[:, :-1] for w in chosen], window, top=top, context=context)
+    vocab = target.data.vocab()
+
+    def show(pair, position: int) -> str:
+        row = chosen[pair.batch][pair.row]
+        text = decode(row[max(0, position - 40):position + 1].tolist(), target.kind, vocab)
+        return text.replace("\n", "⏎").replace("\t", "⇥").replace("`", "'").replace("|", "¦")
+
+    header = (f"{target.label}: routing heads over {sum(len(w) for w in chosen)} windows of {n} tokens; local "
+              f"window {window}; mass = mean attention weight per query (rows sum to 100%)")
+    clusters = format_cluster_stats(cluster_stats(model, [w[:, :-1] for w in chosen]))
+    table = (header + "\n\n" + study.format_use(use, show) + "\n\nClusters (sizes: positions per cluster per "
+             "window; balance: largest / mean; captured: share of full attention's mass on the routed keys)\n"
+             + clusters)
+    written = []
+    if other is not None:
+        rows = study.loss_by_recurrence(model, other, chosen, use.edges, context=context)
+        table += (f"\n\nPer-token loss against the baseline {Path(baseline).name} on the same windows, by the "
+                  f"distance to the previous occurrence of the last {context} tokens in the window\n"
+                  + study.format_recurrence(rows, context, "bits"))
+        csv = target.out / "routing-recurrence.csv"
+        _write_text(csv, "low,high,positions,loss_bits,baseline_bits,better_share\n" + "\n".join(
+            f"{r.low},{r.high},{r.positions},{r.loss:.6f},{r.baseline:.6f},{r.better:.6f}" for r in rows))
+        written.append(csv)
+        png = target.out / "routing-recurrence.png"
+        from .figures import plot_recurrence
+
+        if plot_recurrence(rows, png, f"{target.label} against {Path(baseline).name}"):
+            written.append(png)
+    print(table)
+    text = target.out / "routing.txt"
+    _write_text(text, table)
+    return [text, *written]

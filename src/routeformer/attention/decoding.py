@@ -23,7 +23,8 @@ def attend_cached(
     """Attention of the query at position ``t`` to cached keys.
 
     q: (B, H, D); keys, values: (B, H, M, D); key_pos: positions of the keys, (M,) or (B, H, M); allowed: optional
-    bool mask broadcastable to (B, H, M); bias: optional additive score term broadcastable to (B, H, M). Returns (B, H, D); zeros when no key is allowed. O(M · D) per head.
+    bool mask broadcastable to (B, H, M); bias: optional additive score term broadcastable to (B, H, M). Returns
+    (B, H, D); zeros when no key is allowed. O(M · D) per head.
     """
     qs = q.to(keys.dtype) * scale
     scores = torch.einsum("bhd,bhmd->bhm", qs, keys)
