@@ -289,3 +289,32 @@ def test_evaluation_windows_score_every_prediction_once(n: int, seq: int, stride
     if stride < seq:
         for _start, first in windows[1:]:
             assert first >= seq - stride  # every scored prediction has at least seq - stride of context
+
+
+FIXTURE_SYMPY = Path(__file__).parent / "fixtures" / "sympy"
+
+
+def test_sympy_long_documents_from_the_committed_fixture(tmp_path) -> None:
+    """The second text corpus: .py files of at least 16 KiB only, in sorted path order, split 90/5/5 %."""
+    files = sorted(FIXTURE_SYMPY.rglob("*.py"), key=lambda p: p.relative_to(FIXTURE_SYMPY).as_posix())
+    long = [f for f in files if f.stat().st_size >= 16 * 1024]
+    assert 0 < len(long) < len(files)  # the fixture holds a short file the corpus leaves out
+    meta = prepare("sympy", tmp_path / "data", str(FIXTURE_SYMPY))
+    data = Dataset.open("sympy", tmp_path / "data")
+    whole = b"".join(np.asarray(data.split(s)).tobytes() for s in ("train", "valid", "test"))
+    assert whole == b"".join(f.read_bytes() for f in long)
+    sizes = sorted(f.stat().st_size for f in long)
+    assert f"median {int(np.median(sizes))} bytes" in meta.source and meta.kind == "bytes"
+    assert meta.splits["train"] == len(whole) * 90 // 100
+
+
+def test_the_real_sympy_matches_the_documented_checksum(tmp_path) -> None:
+    """The installed SymPy as the corpus; for the version the docs name, the sha256 and median they give."""
+    sympy = pytest.importorskip("sympy")
+    meta = prepare("sympy", tmp_path)
+    assert sum(meta.splits.values()) > 1_000_000
+    median = int(meta.source.split("median ")[1].split()[0])
+    assert median >= 4 * 4096  # long documents: four times the study's longest context
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "text-study.md").read_text()
+    if f"SymPy {sympy.__version__}" in docs:
+        assert meta.source_checksum in docs and f"{median:,} bytes" in docs

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep = commands.add_parser(
         "prepare", help="turn a data set into train/valid/test token arrays",
         description="Prepare a data set once into memory-mapped train.bin / valid.bin / test.bin and meta.json "
-        "under DATA_DIR/NAME. stdlib: this Python's standard library (no download); enwik8, text8: downloaded "
+        "under DATA_DIR/NAME. stdlib: this Python's standard library (no download); sympy: the installed SymPy's "
+        "sources of at least 16 KiB, long documents (no download); enwik8, text8: downloaded "
         "from mattmahoney.net or taken from --from (md5 checked); wikitext103: downloaded or --from (the "
         "wikitext-103-v1 zip or its folder); imagenet64: --from a folder of the 64x64 npz batches; text: --from a "
         "text file or folder.")

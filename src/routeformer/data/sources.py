@@ -2,6 +2,8 @@
 
     stdlib       the running Python's standard library, *.py files (tests included), sorted by path, as bytes;
                  split 90 / 5 / 5 %. On every machine with Python: the built-in default.
+    sympy        long documents: SymPy's *.py files of at least 16 KiB (tests included; SymPy is a dependency of
+                 torch, so it is wherever torch is), sorted by path, as bytes; split 90 / 5 / 5 %.
     enwik8       the first 10^8 bytes of a 2006 English Wikipedia dump; split 90M / 5M / 5M bytes; md5 checked.
     text8        10^8 characters of lower-cased Wikipedia text (a–z and space); split 90M / 5M / 5M; md5 checked.
     wikitext103  word level: whitespace tokens of each line plus <eos>, vocabulary from the training split by
@@ -300,6 +302,34 @@ def _raster(images: np.ndarray) -> np.ndarray:
     return images.reshape(-1, 3, 64, 64).transpose(0, 2, 3, 1).reshape(-1).astype(np.uint8)
 
 
+SYMPY_MIN_BYTES = 16 * 1024  # long documents: 4x the longest context of the text study (4096)
+
+
+def _sympy(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
+           force: bool) -> DatasetMeta:
+    version = "from --from"
+    if src is None:
+        try:
+            import sympy
+        except ImportError:
+            raise DataError("the sympy data set reads the installed SymPy package (a dependency of torch): "
+                            "pip install sympy, or give --from PATH") from None
+        src, version = Path(sympy.__file__).parent, f"SymPy {sympy.__version__}"
+    files = sorted((p for p in src.rglob("*.py") if "__pycache__" not in p.parts
+                    and p.stat().st_size >= SYMPY_MIN_BYTES), key=lambda p: p.relative_to(src).as_posix())
+    if not files:
+        raise DataError(f"no .py files of at least {SYMPY_MIN_BYTES} bytes under {src}")
+    docs = [f.read_bytes() for f in files]
+    blob = b"".join(docs)
+    median = int(np.median([len(d) for d in docs]))
+    meta = DatasetMeta(target.name, "bytes", 256, "uint8", {}, {},
+                       source=f"{src} ({version}, {len(files)} .py files of >= {SYMPY_MIN_BYTES} bytes, median "
+                              f"{median} bytes)",
+                       source_checksum=hashlib.sha256(blob).hexdigest(),
+                       notes="long documents: SymPy's sources of at least 16 KiB in sorted path order; split 90/5/5 %")
+    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)), force=force)
+
+
 def _hidden(relative: Path) -> bool:
     """A dot-file or anything inside a dot-folder (.git, .venv, …): not part of a text corpus."""
     return any(part.startswith(".") for part in relative.parts)
@@ -323,6 +353,7 @@ def _text(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
 
 PREPARERS = {
     "stdlib": _stdlib,
+    "sympy": _sympy,
     "enwik8": _mahoney("ENWIK8", "enwik8"),
     "text8": _mahoney("TEXT8", "text8"),
     "wikitext103": _wikitext103,
