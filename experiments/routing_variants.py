@@ -2,7 +2,7 @@
 
     python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@routing_probes=2" ...
 
-Registers four head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
+Registers five head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
 remaining arguments. Three are routing heads (the library's rule and options: probes, bias, warm-up) with one
 change each, computed densely (explicit (N, N) masks per head, O(N²): experiments at N = 128, not
 implementations); the fourth is a baseline. All are leak-free by construction, which the script checks before it
@@ -18,6 +18,9 @@ trains.
 - ``full_cur``, the baseline for a warm-up at a shorter length: full attention trained on the same curriculum
   (the first ``options.routing.warmup`` steps on sequences of ``warmup_len``, through the same ``Warmup`` hook), so
   that routing's short warm-up is compared with full attention given the same short sequences first.
+- ``routing_blend``, the hand-over as a blend: during ``options.routing.handover`` steps after the warm-up the
+  output is (1 - a) · dense + a · routed, a growing linearly to 1, instead of the library's penalty on the unrouted
+  keys.
 - ``routing_ad``, attention-distilled routing: during the dense warm-up each query's routing scores are trained to
   predict where its dense attention goes, a cross-entropy between softmax(τ · (cos(r_q, μ) + b)) over the clusters
   and the attention mass each cluster's keys receive (SeerAttention distils attention into a block gate the same
@@ -135,6 +138,25 @@ class DistilledRouting(RoutingHeads):
         return loss
 
 
+class BlendedRouting(RoutingHeads):
+    """The hand-over as a blend of outputs instead of a penalty: during ``options.routing.handover`` steps after the
+    warm-up, (1 - a) · dense + a · routed, a = (s + 1) / handover at hand-over step s; routed before and after."""
+
+    def forward(self, q, k, v, rel_pos):
+        routing = self.routing
+        if not routing.handing_over:
+            return super().forward(q, k, v, rel_pos)
+        steps = routing._steps
+        a = (steps - routing.warmup + 1) / routing.handover
+        try:
+            routing._steps = routing.warmup + routing.handover  # the routed forward (it observes the routing once)
+            routed = super().forward(q, k, v, rel_pos)
+        finally:
+            routing._steps = steps
+        dense = routing._dense(q, k, v, self.scale, None, rel_pos)
+        return (1 - a) * dense + a * routed
+
+
 def _leak_check() -> None:
     """Changing the tokens after t changes no output at or before t."""
     from routeformer import TransformerConfig, TransformerLM
@@ -143,8 +165,12 @@ def _leak_check() -> None:
     config = TransformerConfig(vocab_size=40, dim=32, depth=2, heads=4, seq_len=64, window=4, num_clusters=4,
                                routing_window=6, attention="local:2,routing_cb:2", routing_probes=2,
                                routing_balance=0.01)
-    for kind in ("routing_cb", "routing_ad", "routing_sel", "full_cur"):
+    for kind in ("routing_cb", "routing_ad", "routing_sel", "full_cur", "routing_blend"):
         model = TransformerLM(replace(config, attention=f"local:2,{kind}:2")).double().eval()
+        if kind == "routing_blend":  # in its hand-over
+            model = TransformerLM(replace(config, attention=f"local:2,{kind}:2", options={
+                **config.options, "routing": replace(config.options["routing"], handover=3)})).double().eval()
+            model.after_optimizer_step()
         tokens = torch.randint(0, 40, (2, 64))
         for t in (0, 20, 62):
             other = tokens.clone()
@@ -173,6 +199,12 @@ register_kind(HeadKind(
     keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, option_type=ROUTING.option_type,
     section="routing", complete=ROUTING.complete, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads whose query routing learns from the dense attention during the warm-up"), replace=True)
+
+register_kind(HeadKind(
+    "routing_blend", lambda o, heads, head_dim, seed: BlendedRouting(heads, head_dim, o, seed),
+    keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, option_type=ROUTING.option_type,
+    section="routing", complete=ROUTING.complete, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
+    summary="routing heads whose hand-over blends the dense and the routed outputs"), replace=True)
 
 # full_cur reads the routing section (options.routing.warmup and warmup_len), so that a row sets its curriculum with
 # the same words as a routing row's warm-up.

@@ -572,18 +572,18 @@ def cmd_analyze(args) -> int:
         files = run.approximations(target, methods=methods, rs=rs, layers=run.parse_layers(args.layers, target.model),
                                    windows=None if args.all_windows else args.windows, batch=args.batch_size,
                                    lsh_rounds=args.lsh_rounds, seed=args.seed)
-    elif args.analysis == "routing":
-        files = run.routing(target, baseline=args.baseline, windows=args.windows, batch=args.batch_size, top=args.top,
-                            context=args.context, local_window=args.local_window, checkpoint=args.checkpoint,
-                            data_dir=args.data_dir)
     elif args.analysis == "heads":
         files = run.heads(target, layers=run.parse_layers(args.layers, target.model), batches=args.batches,
                           batch=args.batch_size)
-    else:
+    elif args.analysis == "patterns":
         text = (Path(args.text_file).expanduser().read_bytes() if args.text_file
                 else args.text.encode("utf-8") if args.text is not None else None)
         files = run.patterns(target, layer=args.layer, head=args.head, text=text, length=args.length,
                              batches=args.batches, batch=args.batch_size)
+    else:  # routing
+        files = run.routing(target, baseline=args.baseline, windows=args.windows, batch=args.batch_size, top=args.top,
+                            context=args.context, local_window=args.local_window, checkpoint=args.checkpoint,
+                            data_dir=args.data_dir)
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
 

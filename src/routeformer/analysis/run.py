@@ -177,9 +177,10 @@ def patterns(target: Target, *, layer: int = 0, head: int | None = None, text: b
 
 
 def local_window_of(model) -> int | None:
-    """The window of the model's local heads (None when it has none)."""
-    return next((g.options.window for layer in model.config.head_groups() for g in layer if g.kind.name == "local"),
-                None)
+    """The widest band of the model's content-independent heads (``HeadGroup.band``: local attention's window);
+    None when it has none."""
+    bands = [g.band for block in model.blocks for g in block.attention.groups if g.band is not None]
+    return max(bands, default=None)
 
 
 def routing(target: Target, *, baseline: str | Path | None = None, windows: int = 16, batch: int = 4,
@@ -197,7 +198,7 @@ def routing(target: Target, *, baseline: str | Path | None = None, windows: int 
         raise ValueError("the model has no local heads: give --local-window W, the distance that counts as far")
     if not 1 <= window < n:
         raise ValueError(f"--local-window must be in [1, seq_len = {n}), got {window}")
-    if not any(g.kind.name == "routing" for layer in model.config.head_groups() for g in layer):
+    if not any(g.num_clusters is not None for block in model.blocks for g in block.attention.groups):
         raise ValueError(f"{target.label}: the model has no routing heads ({model.config.describe_heads()})")
     other = None
     if baseline is not None:

@@ -90,6 +90,7 @@ class LocalHeads(HeadGroup):
     def __init__(self, heads: int, head_dim: int, window: int, kernel: str = "exp") -> None:
         super().__init__(heads, head_dim)
         self.window, self.kernel = window, kernel
+        self.band = window
 
     def forward(self, q, k, v, rel_pos):
         return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,

@@ -21,7 +21,8 @@ import numpy as np
 from ..durable import durable_replace
 
 SPLITS = ("train", "valid", "test")
-BUILT_IN = ("stdlib", "sympy", "enwik8", "text8", "wikitext103", "imagenet64")  # names `routeformer prepare` takes as is
+# the names `routeformer prepare` takes as is
+BUILT_IN = ("stdlib", "sympy", "enwik8", "text8", "wikitext103", "imagenet64")
 METRICS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
 VERIFY_LIMIT = 1 << 30  # splits up to this size are checksummed on open
 

@@ -143,6 +143,8 @@ class HeadGroup(nn.Module):
                                  kernel=self.kernel)
 
     num_clusters: int | None = None  # kinds that route (``clusters`` not None) set it: the clusters it draws from
+    band: int | None = None  # kinds whose heads see exactly the last ``band`` keys whatever the content (local: its
+    # window) set it: what such a head reaches in one layer (analysis counts keys beyond it as far)
 
     def clusters(self, q: Tensor, k: Tensor) -> Tensor | None:
         """The cluster of every query, (B, h, N) long in [0, num_clusters), for kinds that route (analysis colours
