@@ -87,3 +87,8 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
     assert "| local " in out and "| local+routing " in out
     assert "k=6, w=2, p=2, warm-up=1000 at length 8" in out
     assert out.count("bits per byte") >= 2 and (tmp_path / "runs" / "32-local").is_dir()  # per length and row
+    from routeformer.train.runs import read_run_config
+
+    for row in ("32-local", "32-local-routing"):  # the cosine over --steps, not over the main job's decay_steps
+        train = read_run_config(tmp_path / "runs" / row).train
+        assert train.max_steps == train.decay_steps == 3

@@ -33,7 +33,8 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
 
     prepare_builtin(data, data_dir, echo)
     base = load_run_config(None, list(overrides or [])).model
-    settings = {"data": data, "data_dir": data_dir, "max_steps": steps, "max_minutes": minutes}
+    # the cosine runs over --steps whatever the configuration plans (the main job's decay_steps is its own)
+    settings = {"data": data, "data_dir": data_dir, "max_steps": steps, "max_minutes": minutes, "decay_steps": steps}
     rows: list[dict] = []
     for name in attentions:
         fields = attention_config(name, base.heads)
