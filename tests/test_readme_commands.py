@@ -1,4 +1,4 @@
-"""Every shell command in the README's fenced blocks runs, at toy sizes: its options are the real ones, its
+"""Every shell command in the fenced blocks of the README and of the docs/ pages runs, at toy sizes: its options are the real ones, its
 configuration names exist, its settings are accepted. Commands that train get a tiny data set and a tiny model
 (appended options override the README's: argparse keeps the last value), in the README's order inside one folder
 (so a command may use the run directory an earlier one made). Commands for GPUs are parsed, and run only where
@@ -56,7 +56,9 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
-COMMANDS = readme_commands(README.read_text())
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+# the README's commands, then the docs pages' (which may use the run directories the README's commands made)
+COMMANDS = readme_commands(README.read_text()) + [c for page in DOCS for c in readme_commands(page.read_text())]
 
 
 def _expand(command: str) -> list[list[str]]:

@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         "query's cluster, in its window).",
     )
     rec.add_argument("--tasks", nargs="+", default=["mqar", "passkey", "two_hop"], metavar="TASK",
-                     help="mqar, passkey, two_hop (default: all three)")
+                     help="mqar, passkey, two_hop, latest (default: the first three)")
     _add_attention_specs(rec, ["full", "local", "local+routing"],
                          "full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
                          "a suffix /shared, /joint or /separate says how routing heads route, and '@field=value' "
