@@ -1,8 +1,8 @@
-"""Every shell command in the fenced blocks of the README and of the docs/ pages runs, at toy sizes: its options are the real ones, its
-configuration names exist, its settings are accepted. Commands that train get a tiny data set and a tiny model
-(appended options override the README's: argparse keeps the last value), in the README's order inside one folder
-(so a command may use the run directory an earlier one made). Commands for GPUs are parsed, and run only where
-CUDA is; the setup lines run their `routeformer` part (the test command is what is running)."""
+"""Every shell command in the fenced blocks of the README and of the docs/ pages runs, at toy sizes: its options
+are the real ones, its configuration names exist, its settings are accepted. Commands that train get a tiny data
+set and a tiny model (appended options override the README's: argparse keeps the last value), in the README's
+order inside one folder (so a command may use the run directory an earlier one made). Commands for GPUs are parsed,
+and run only where CUDA is; the setup lines run their `routeformer` part (the test command is what is running)."""
 
 from __future__ import annotations
 
