@@ -101,15 +101,23 @@ def test_a_model_decodes_exactly_during_and_after_the_warm_up() -> None:
     config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=40, attention="local:2,routing:2",
                                window=6, num_clusters=4, routing_window=5, routing_probes=2, routing_balance=0.05,
                                routing_warmup=2)
+    kinds, _ = _decode_through_training_steps(config, 3)
+    assert kinds == [KeyStore, KeyStore, RoutingCache]
+
+
+def _decode_through_training_steps(config: TransformerConfig, steps: int) -> tuple[list[type], list[torch.Tensor]]:
+    """Before each of ``steps`` training steps: decoding (a prompt of 9, then one token at a time) reproduces the
+    forward. Returns the routing layer's cache type and the forward's logits at each."""
     torch.manual_seed(0)
     model = TransformerLM(config).double()
     with torch.no_grad():
         model.head.weight.normal_(std=0.5)
     tokens = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
-    kinds = []
-    for _ in range(3):
+    kinds, outs = [], []
+    for _ in range(steps):
         model.eval()
         full = model(tokens)
+        outs.append(full)
         cache = model.new_cache(2, 40)
         kinds.append(type(cache.layers[0][1]))
         parts = [model(tokens[:, :9], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(9, 40)]
@@ -117,7 +125,7 @@ def test_a_model_decodes_exactly_during_and_after_the_warm_up() -> None:
         model.train()
         (model(tokens).sum() + model.aux_loss).backward()
         model.after_optimizer_step()
-    assert kinds == [KeyStore, KeyStore, RoutingCache]
+    return kinds, outs
 
 
 def test_training_flops_count_the_dense_warm_up() -> None:
@@ -315,23 +323,7 @@ def test_a_model_decodes_exactly_during_and_after_the_hand_over() -> None:
                                options={"local": {"window": 6}, "routing": {
                                    "num_clusters": 4, "window": 5, "probes": 2, "balance": 0.05, "warmup": 1,
                                    "handover": 2}})
-    torch.manual_seed(0)
-    model = TransformerLM(config).double()
-    with torch.no_grad():
-        model.head.weight.normal_(std=0.5)
-    tokens = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
-    kinds, outs = [], []
-    for _ in range(4):
-        model.eval()
-        full = model(tokens)
-        outs.append(full)
-        cache = model.new_cache(2, 40)
-        kinds.append(type(cache.layers[0][1]))
-        parts = [model(tokens[:, :9], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(9, 40)]
-        torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-9)
-        model.train()
-        (model(tokens).sum() + model.aux_loss).backward()
-        model.after_optimizer_step()
+    kinds, outs = _decode_through_training_steps(config, 4)
     assert kinds == [KeyStore, KeyStore, KeyStore, RoutingCache]
     assert not torch.allclose(outs[1], outs[2])  # the penalty grew
 

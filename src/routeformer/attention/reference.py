@@ -35,8 +35,10 @@ def reference_weights(
         allowed = allowed & key_padding_mask[:, None, None, :]
     allowed = allowed.expand(B, H, N, N)
     if kernel_s is not None:
-        if rel_pos is not None or bias is not None:
-            raise ValueError(f"rel_pos, bias: defined for the exponential kernel only, not {kernel!r}")
+        if rel_pos is not None:
+            raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
+        if bias is not None:
+            raise ValueError(f"bias: an additive score term is defined for the exponential kernel only, not {kernel!r}")
         weights = pairwise(kernel, q, k, kernel_s).masked_fill(~allowed, 0.0)  # (B, H, N, N)
         total = weights.sum(-1, keepdim=True)
         return weights / torch.where(total > 0, total, 1.0)
