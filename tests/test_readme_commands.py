@@ -119,7 +119,8 @@ def test_readme_command_runs_at_toy_size(index: int, folder: Path, monkeypatch, 
         elif argv[:2] == ["bench", "recall"]:
             toy = [*argv, *TOY_RECALL]
         elif argv[:2] == ["bench", "text"]:
-            toy = [*argv, *data, *TOY_TEXT, "--out", str(folder / "bench-text")]
+            toy = [*argv, *data, *TOY_TEXT, "--out", str(folder / f"bench-text-{index}")]  # rows of one length
+            # and attention repeat across the pages' commands: each command its own folder
         elif argv[0] == "analyze":
             toy = [*argv, "--windows", "2"] if "approximations" in argv else argv
         else:
