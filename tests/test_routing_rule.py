@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import rand_qkv, rand_rel
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import KeyStore, RoutingAttention, RoutingCache, reference_attention
+from routeformer.attention.reference import reference_weights
 from routeformer.attention.routing import probes as probes_module
 from routeformer.attention.routing.probes import probe_masks
 
@@ -349,3 +350,24 @@ def test_a_layer_in_its_hand_over_has_no_routed_cache_and_bad_hand_overs_are_ref
     with pytest.raises(ValueError, match="options.routing: handover must be a non-negative integer"):
         TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1",
                           options={"local": {"window": 8}, "routing": {"handover": 1.5}})
+
+
+def test_the_heads_reference_and_weights_carry_the_hand_over_penalty() -> None:
+    """The head group's dense definition (``reference``, ``reference_weights``, what analysis reads) during the
+    hand-over is the forward, penalty included; without the penalty it would not be."""
+    from routeformer.attention.routing.kind import KIND, RoutingOptions
+
+    options = RoutingOptions(num_clusters=4, window=5, probes=2, balance=0.01, warmup=1, handover=2)
+    group = KIND.build(options, 2, 8, 0).double()
+    q, _, v = rand_qkv(2, 2, 30, 8)
+    rel = rand_rel(8, 5)
+    group.after_optimizer_step(0, None)  # the warm-up's one step: now in the hand-over
+    assert group.routing.handing_over
+    out = group(q, q, v, rel)
+    torch.testing.assert_close(group.reference(q, q, v, rel), out, rtol=1e-10, atol=1e-10)
+    weights = group.reference_weights(q, q, rel).detach()
+    plain = reference_attention(q, q, v, group.reference_mask(q, q), rel_pos=rel)
+    assert not torch.allclose(plain, out)
+    routed = probe_masks(group.routing.route_keys(q, q), group.routing.probe(q, q), 5).any(2)
+    dense = reference_weights(q, q, group.reference_mask(q, q), rel_pos=rel).detach()  # no penalty
+    assert float((weights * ~routed).sum()) < float((dense * ~routed).sum())

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..model import TransformerLM
+from .divergence import LN2
 from .heads import capture
-
-LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ def routing_use(model: TransformerLM, batches: list[Tensor], local_window: int, 
     for b, tokens in enumerate(batches):
         queries += tokens.shape[0] * n
         for call in capture(model, tokens):
-            if call.group.clusters(call.q, call.k) is None:
+            if call.group.num_clusters is None:  # not a group that routes
                 continue
             w = call.weights.double().cpu()  # (B, h, N, N)
             per_bin = torch.zeros(*w.shape[:2], len(use.edges) - 1, dtype=torch.float64)

@@ -307,7 +307,7 @@ SYMPY_MIN_BYTES = 16 * 1024  # long documents: 4x the longest context of the tex
 
 def _sympy(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
            force: bool) -> DatasetMeta:
-    version = "from --from"
+    version = "given with --from"
     if src is None:
         try:
             import sympy

@@ -117,14 +117,19 @@ class HeadGroup(nn.Module):
         is not a mask over softmax attention (then ``reference`` is its definition)."""
         return None
 
+    def reference_bias(self, q: Tensor, k: Tensor) -> Tensor | None:
+        """An additive score term (B, h, N, N) the heads add under ``reference_mask`` (routing's hand-over penalty),
+        or None."""
+        return None
+
     def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
-        """The dense O(N²) definition of ``forward``: by default attention under ``reference_mask`` with the group's
-        ``kernel`` (softmax unless a subclass sets another)."""
+        """The dense O(N²) definition of ``forward``: by default attention under ``reference_mask`` (plus
+        ``reference_bias``) with the group's ``kernel`` (softmax unless a subclass sets another)."""
         mask = self.reference_mask(q, k)
         if mask is None:
             raise NotImplementedError(f"{type(self).__name__} defines neither reference_mask nor reference")
         return reference_attention(q, self.reference_keys(q, k), v, mask, scale=self.kernel_scale, rel_pos=rel_pos,
-                                   kernel=self.kernel)
+                                   kernel=self.kernel, bias=self.reference_bias(q, k))
 
     def reference_keys(self, q: Tensor, k: Tensor) -> Tensor:
         """The keys the heads score against (B, h, N, D): ``k``, unless the kind derives them (LSH: unit queries)."""
@@ -140,7 +145,7 @@ class HeadGroup(nn.Module):
         if mask is None:
             raise NotImplementedError(f"{type(self).__name__} heads are not a mask over attention: no weights")
         return reference_weights(q, self.reference_keys(q, k), mask, scale=self.kernel_scale, rel_pos=rel_pos,
-                                 kernel=self.kernel)
+                                 kernel=self.kernel, bias=self.reference_bias(q, k))
 
     num_clusters: int | None = None  # kinds that route (``clusters`` not None) set it: the clusters it draws from
     band: int | None = None  # kinds whose heads see exactly the last ``band`` keys whatever the content (local: its

@@ -124,12 +124,12 @@ class RoutingHeads(HeadGroup):
     def reference_mask(self, q, k):
         return self.routing.routing_mask(q, k)
 
+    def reference_bias(self, q, k):  # the hand-over: every earlier key, the unrouted ones lowered by the penalty
+        routing = self.routing
+        return routing.handover_bias(routing.routes(q, k), q.dtype) if routing.handing_over else None
+
     def reference(self, q, k, v, rel_pos=None):
         routing = self.routing
-        if routing.handing_over:  # every earlier key, the unrouted ones lowered by the penalty
-            bias = routing.handover_bias(routing.routes(q, k), q.dtype)
-            return reference_attention(q, k, v, self.reference_mask(q, k), scale=self.scale, rel_pos=rel_pos,
-                                       bias=bias)
         if routing.gate and not routing.dense:  # the probes' softmaxes weighed by the gates
             routes = routing.routes(q, k)
             masks = probe_masks(routes.keys, routes.probes, routing.window)  # (B, h, p, N, N)
@@ -222,7 +222,8 @@ def _warmup(o: RoutingOptions) -> tuple[Warmup, ...]:
     # every earlier key, and still the routing (the k-means and the bias learn all along); the hand-over at the
     # model's length
     dense = lambda n: (n + 1) / 2 + o.num_clusters  # noqa: E731
-    return Warmup(o.warmup, dense, o.warmup_len), Warmup(o.warmup + o.handover, dense)
+    warmup = Warmup(o.warmup, dense, o.warmup_len)
+    return (warmup, Warmup(o.warmup + o.handover, dense)) if o.handover else (warmup,)
 
 
 def _describe(o: RoutingOptions) -> str:
