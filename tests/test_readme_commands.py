@@ -100,8 +100,29 @@ def folder(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("index", range(len(COMMANDS)))
 def test_readme_command_runs_at_toy_size(index: int, folder: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(folder)  # run directories (runs/...) land here, and later commands find them
+    _run_command(index, folder, monkeypatch)
+    capsys.readouterr()
+
+
+def _made_by(run_dir: str, before: int) -> int | None:
+    """The index of the last command before ``before`` that trains into ``run_dir`` (its ``--out``)."""
+    for i in reversed(range(before)):
+        for argv in _expand(COMMANDS[i]):
+            if "--out" in argv and argv[argv.index("--out") + 1] == run_dir and argv[0] == "train":
+                return i
+    return None
+
+
+def _run_command(index: int, folder: Path, monkeypatch) -> None:
+    """Runs command ``index`` at toy size; a run directory it reads that an earlier command makes is made first
+    when this worker has not (pytest-xdist spreads the commands over workers, each with its own folder)."""
     data = ["--data", "tiny", "--data-dir", str(folder / "data")]
     for argv in _expand(COMMANDS[index]):
+        if argv[0] == "analyze":
+            for run_dir in [argv[1]] + ([argv[argv.index("--baseline") + 1]] if "--baseline" in argv else []):
+                maker = _made_by(run_dir, index)
+                if not (folder / run_dir).exists() and maker is not None:
+                    _run_command(maker, folder, monkeypatch)
         if argv[0] == "experiments/routing_variants.py":
             _run_experiment(argv, monkeypatch)
             continue
@@ -126,7 +147,6 @@ def test_readme_command_runs_at_toy_size(index: int, folder: Path, monkeypatch, 
         else:
             toy = argv
         assert main(toy) == 0, f"README command failed at toy size: routeformer {' '.join(toy)}"
-    capsys.readouterr()
 
 
 def _run_experiment(argv: list[str], monkeypatch) -> None:
