@@ -27,7 +27,7 @@ def reference_weights(
 ) -> Tensor:
     """The attention weights α_ij of ``reference_attention`` (same arguments, no values): (B, H, N, N), each row
     summing to 1 over the allowed keys, or all zeros when no key is allowed (or, for 'poly2' / 'elu', when every
-    allowed key has zero weight). O(N²·D) time, O(N²) memory (O(N²·D) with ``rel_pos``)."""
+    allowed key has zero weight). O(N²·D) time, O(N²) memory (O(N²·D) with ``rel_pos``: the literal tables)."""
     kernel_s = kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]) if kernel != "exp" else None
     B, H, N, D, scale, _ = check_inputs(q, k, k, scale, key_padding_mask, rel_pos)  # validation only
     allowed = _check_mask(mask, B, H, N, q)
@@ -46,7 +46,7 @@ def reference_weights(
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
     if rel_pos is not None:
         a_key, _ = _literal_tables(rel_pos, N, q)  # (N, N, D)
-        scores = scores + (q[:, :, :, None, :] * a_key).sum(-1) * scale
+        scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) * scale  # Σ_d q_id a^K_ijd, no (B, H, N, N, D) product
     if bias is not None:
         scores = scores + bias
 
@@ -91,7 +91,7 @@ def reference_attention(
     out = probs @ v  # (B, H, N, D)
     if rel_pos is not None:
         _, a_value = _literal_tables(rel_pos, q.shape[2], q)
-        out = out + (probs[..., None] * a_value).sum(-2)
+        out = out + torch.einsum("bhij,ijd->bhid", probs, a_value)  # Σ_j α_ij a^V_ijd
     return out
 
 
