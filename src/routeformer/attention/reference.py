@@ -46,7 +46,8 @@ def reference_weights(
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
     if rel_pos is not None:
         a_key, _ = _literal_tables(rel_pos, N, q)  # (N, N, D)
-        scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) * scale  # Σ_d q_id a^K_ijd, no (B, H, N, N, D) product
+        # Σ_d q_id a^K_ijd as one contraction: a (B, H, N, N, D) product made analysis slow (allocation)
+        scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) * scale
     if bias is not None:
         scores = scores + bias
 
