@@ -206,6 +206,27 @@ def test_schedule_and_budget_warnings(setup, capsys, tmp_path) -> None:
     assert budget_warning(TrainConfig(max_steps=100), 10, 0.5, float("inf")) is None
 
 
+def test_a_slow_first_step_does_not_predict_the_budget(setup, capsys, tmp_path, monkeypatch) -> None:
+    """The first step's one-time costs (compiling the fused kernels from an empty cache) are left out of the
+    estimate that warns about the time budget: averaged in, this 4-second first step would predict 40 steps of
+    ~0.4 s, past the 12-second budget."""
+    from routeformer.train.loop import Loop
+
+    step, calls = Loop.step, []
+
+    def slow_first(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(4.0)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Loop, "step", slow_first)
+    assert train(setup, tmp_path / "r", "--max-steps", "40", "--max-minutes", "0.2") == 0
+    out = capsys.readouterr().out
+    assert "the time budget (0.2 min) stops the run" not in out
+    assert metrics(tmp_path / "r", "train")[-1]["step"] == 40  # and the budget did not stop it
+
+
 def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     cfg, data = str(setup["config"]), str(setup["data"])
     base = ["train", "--config", cfg, "--data-dir", data, "--out", str(tmp_path / "r")]

@@ -76,6 +76,8 @@ class Loop:
         shown, train = "", math.nan  # the last training row, as the bar shows it, and its mean loss
         speed = math.nan
         checked = False  # whether the time budget was compared with max_steps yet
+        first_done = math.nan  # seconds this invocation's first step took: it holds one-time costs (the fused
+        # kernels compile at first use, ~30 s from an empty cache), so the per-step estimate leaves it out
         stopped = "max_steps"
         shares = TimeShare(cfg, budget, progress.time_share)
         synced = 0.0  # seconds into the budget, the mean over ranks: every rank computes the same learning rate
@@ -105,9 +107,12 @@ class Loop:
                     train = mean
                     progress.window = {"loss": 0.0, "steps": 0}
                     rate_time, rate_steps = time.monotonic(), 0
-                per_step = elapsed / (progress.step - first_step)  # this invocation's average, evaluations included
+                timed = progress.step - first_step - 1  # steps after the first, evaluations included
+                if not timed:
+                    first_done = elapsed
+                per_step = (elapsed - first_done) / timed if timed else elapsed
                 left = _time_left(cfg.max_steps - progress.step, per_step, budget - elapsed)
-                if not checked and (progress.step - first_step >= BUDGET_CHECK_STEPS or elapsed >= budget / 10):
+                if not checked and timed and (timed >= BUDGET_CHECK_STEPS or elapsed >= budget / 10):
                     checked = True  # once, on an estimate of a few steps
                     short = budget_warning(cfg, progress.step, per_step, budget - elapsed)
                     if short and procs.main:
@@ -185,7 +190,8 @@ def cut_sequences(tokens: torch.Tensor, length: int) -> torch.Tensor:
     return tokens.unfold(1, length + 1, length).reshape(B * (L // length), length + 1)
 
 
-BUDGET_CHECK_STEPS = 10  # the time budget is compared with max_steps once: after this many steps (or a tenth of it)
+BUDGET_CHECK_STEPS = 10  # the time budget is compared with max_steps once: this many steps after the first (or a tenth
+# of the budget)
 
 
 def budget_warning(cfg: TrainConfig, step: int, per_step: float, time_left: float) -> str | None:
