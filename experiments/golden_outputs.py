@@ -1,6 +1,7 @@
 """Golden outputs: every built-in kind's forward, gradients and decoding, and every functional pattern's, on one
 executor (default tiles), saved to one file, so that a refactor can be checked to change no bit (issue 23, item 5),
-or another executor to agree within rounding (issue 32).
+or another executor to agree within rounding (issue 32); every kind in float32 and float64, and 20 training steps
+of each (issue 34).
 
     python experiments/golden_outputs.py save before.pt      # on the commit before the change
     python experiments/golden_outputs.py save after.pt       # on the commit after it
@@ -81,36 +82,71 @@ def routing_layer(results: dict, backend: str) -> None:
             results[f"routing_layer/p={probes}/n={n}"] = [out.detach(), *_grads(out, [q, k, v])]
 
 
+def _model(name: str, positions: str, backend: str, dtype: torch.dtype) -> TransformerLM | None:
+    """A small model of one kind (seed 0), on ``backend`` where the kind runs on an executor; None for a kind that
+    takes no relative positions."""
+    base = dict(vocab_size=32, dim=32, depth=2, heads=2, seq_len=300, attention=name, positions=positions)
+    try:
+        cfg = TransformerConfig(**base, backend=backend)
+    except ValueError:  # a kind without relative positions, or one that runs on no executor
+        try:
+            cfg = TransformerConfig(**base)
+        except ValueError:
+            return None
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to(dtype)
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.5)
+    return model
+
+
 def kinds(results: dict, backend: str) -> None:
-    for name in KINDS:
-        for positions in ("relative", "absolute"):
-            base = dict(vocab_size=32, dim=32, depth=2, heads=2, seq_len=300, attention=name, positions=positions)
-            try:
-                cfg = TransformerConfig(**base, backend=backend)
-            except ValueError:  # a kind without relative positions, or one that runs on no executor
-                try:
-                    cfg = TransformerConfig(**base)
-                except ValueError:
+    for dtype in (torch.float32, torch.float64):
+        for name in KINDS:
+            for positions in ("relative", "absolute"):
+                model = _model(name, positions, backend, dtype)
+                if model is None:
                     continue
-            torch.manual_seed(0)
-            model = TransformerLM(cfg)
-            with torch.no_grad():
-                model.head.weight.normal_(std=0.5)
-            tokens = torch.randint(0, 32, (2, 300), generator=torch.Generator().manual_seed(5))
+                tokens = torch.randint(0, 32, (2, 300), generator=torch.Generator().manual_seed(5))
+                model.train()
+                logits = model(tokens)
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+                loss = loss + model.aux_loss
+                loss.backward()
+                grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                model.eval()
+                with torch.no_grad():
+                    full = model(tokens)
+                    cache = model.new_cache(2, 300)
+                    parts = [model(tokens[:, :40], cache)]
+                    parts += [model(tokens[:, i:i + 1], cache) for i in range(40, 60)]
+                    parts.append(model(tokens[:, 60:], cache))
+                suffix = "" if dtype == torch.float32 else f"/{dtype}"
+                results[f"kind/{name}/{positions}{suffix}"] = [logits.detach(), *grads, full, torch.cat(parts, 1)]
+
+
+def training(results: dict, backend: str, steps: int = 20) -> None:
+    """20 optimiser steps of every kind (AdamW, the k-means step after each): the losses and the final state."""
+    for dtype in (torch.float32, torch.float64):
+        for name in KINDS:
+            model = _model(name, "relative", backend, dtype) or _model(name, "absolute", backend, dtype)
+            if model is None:
+                continue
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            gen = torch.Generator().manual_seed(7)
+            losses = []
             model.train()
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-            loss = loss + model.aux_loss
-            loss.backward()
-            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-            model.eval()
-            with torch.no_grad():
-                full = model(tokens)
-                cache = model.new_cache(2, 300)
-                parts = [model(tokens[:, :40], cache)]
-                parts += [model(tokens[:, i:i + 1], cache) for i in range(40, 60)]
-                parts.append(model(tokens[:, 60:], cache))
-            results[f"kind/{name}/{positions}"] = [logits.detach(), *grads, full, torch.cat(parts, 1)]
+            for step in range(steps):
+                tokens = torch.randint(0, 32, (2, 300), generator=gen)
+                logits = model(tokens)
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+                (loss + model.aux_loss).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                model.after_optimizer_step(step)
+                losses.append(loss.detach())
+            state = [t.detach().clone() for t in model.state_dict().values()]
+            results[f"train/{name}/{dtype}"] = [torch.stack(losses), *state]
 
 
 def save(path: str, backend: str = "tiles") -> None:
@@ -118,6 +154,7 @@ def save(path: str, backend: str = "tiles") -> None:
     patterns(results, backend)
     routing_layer(results, backend)
     kinds(results, backend)
+    training(results, backend)
     torch.save(results, path)
     print(f"{len(results)} entries -> {path}")
 

@@ -1,0 +1,46 @@
+"""Runs saved by earlier versions still load and resume: the committed run directories of
+``fixtures/saved_run`` (one with today's options sections, one in the old flat spelling) load as models, and
+resuming one step gives the next step the code of their day gave, bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from routeformer.cli import main
+from routeformer.model import TransformerLM
+
+FIXTURE = Path(__file__).parent / "fixtures" / "saved_run"
+MADE_ON = "AVX2"  # the instruction set the expected step was computed with (README.md there)
+
+
+@pytest.mark.parametrize("name", ["run", "run_flat"])
+def test_a_saved_run_loads_with_its_options(name: str) -> None:
+    for weights in (FIXTURE / name, FIXTURE / name / "best"):
+        model = TransformerLM.from_pretrained(weights)
+        routing = model.config.options["routing"]
+        assert (routing.num_clusters, routing.window, routing.probes, routing.balance) == (3, 8, 2, 0.01)
+        assert model.config.options["local"].window == 8 and model.config.rel_clip == 8
+
+
+@pytest.mark.parametrize("name", ["run", "run_flat"])
+def test_resuming_a_saved_run_gives_the_next_step_of_its_day(name: str, tmp_path, monkeypatch) -> None:
+    shutil.copytree(FIXTURE / "data", tmp_path / "data")  # the run's config names data_dir = "data"
+    shutil.copytree(FIXTURE / name, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", "run", "--max-steps", "7"]) == 0
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 7
+    expected = load_file(FIXTURE / "expected_step7.safetensors")
+    assert set(state["model"]) == set(expected)
+    exact = torch.backends.cpu.get_cpu_capability() == MADE_ON
+    for key, want in expected.items():
+        got = state["model"][key]
+        if exact:
+            assert torch.equal(got, want), key
+        else:  # another instruction set rounds the kernels' sums in another order
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
