@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from routeformer import TransformerConfig, TransformerLM
-from routeformer.attention import executors
-from routeformer.attention.executors import Executor
 from routeformer.attention.registry import KINDS
-from routeformer.attention.tiles import tiled_attention
+from routeformer.executors import Executor
+from routeformer.executors import interface as executors
+from routeformer.executors.tiles import tiled_attention
 
 SPECS = {  # a model spec per built-in kind that runs on an executor, with the settings it needs
     "full": "full", "local": "local", "routing": "local:2,routing:2", "strided_a1": "strided_a1:2,strided_a2:2",

@@ -10,14 +10,14 @@ import torch
 from helpers import rand_qkv, rand_rel
 from routeformer import TransformerConfig
 from routeformer.attention import RoutingAttention, fixed_attention, local_attention, longformer_attention
-from routeformer.attention.executors import (
+from routeformer.executors import (
     EXECUTORS,
     Executor,
     get_executor,
     register_executor,
     resolve_backend,
 )
-from routeformer.attention.tiling import INDEX, Distances, KeyRestrictions, Tiling
+from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 
 def test_auto_is_flex_on_cuda_and_fused_on_the_cpu_and_unknown_names_are_listed() -> None:
@@ -180,7 +180,7 @@ def test_a_row_left_empty_by_the_range_of_the_last_block_is_zero_with_lse_neg_in
     """Blocks without neighbours under a static mask: a row of the last, partial block whose only allowed column is
     beyond the keys sees nothing (the host-read shortcut must see that too)."""
     from routeformer.attention import reference_attention
-    from routeformer.attention.executors import neg_inf
+    from routeformer.executors import neg_inf
 
     q, k, v = rand_qkv(1, 2, 7, 4, grad=False)
     allow = torch.ones(4, 4, dtype=torch.bool)

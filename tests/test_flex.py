@@ -10,8 +10,8 @@ from torch.nn.attention.flex_attention import _ordered_to_dense
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
 from routeformer.attention import PATTERNS, RoutingAttention, flex
-from routeformer.attention.executors import get_executor
-from routeformer.attention.flex import blocks
+from routeformer.executors import get_executor
+from routeformer.executors.flex import blocks
 
 BLOCK = (16, 8)
 

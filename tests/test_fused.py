@@ -20,11 +20,11 @@ import torch
 
 from helpers import rand_padding, rand_qkv, rand_rel
 from routeformer.attention import RoutingAttention, local_attention
-from routeformer.attention.executors import get_executor
-from routeformer.attention.fused import FusedKernelUnavailable, KernelBuild, available
 from routeformer.attention.lsh import lsh_attention, lsh_rotations
-from routeformer.attention.tiling import Distances, KeyRestrictions, Tiling
 from routeformer.bench.measure import kept_for_backward
+from routeformer.executors import get_executor
+from routeformer.executors.fused import FusedKernelUnavailable, KernelBuild, available
+from routeformer.executors.tiling import Distances, KeyRestrictions, Tiling
 
 FUSED = get_executor("fused")
 REPO = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ import warnings
 warnings.simplefilter("always")
 import torch
 from routeformer.attention import local_attention
-from routeformer.attention.executors import resolve_backend
+from routeformer.executors import resolve_backend
 q = torch.randn(1, 2, 40, 8)
 for _ in range(3):
     local_attention(q, q, q, 5)  # the default: fused, or tiles with one warning
@@ -255,7 +255,7 @@ BUILD = """
 import sys
 from pathlib import Path
 import torch
-from routeformer.attention.fused.build import KernelBuild
+from routeformer.executors.fused.build import KernelBuild
 build = KernelBuild({namespace!r}, (Path({source!r}),), root=Path({root!r}), what="the test library")
 print("LOADED" if build.load() is None else "FAILED", flush=True)
 print(torch.ops.{namespace}.twice(torch.ones(2)).tolist(), flush=True)

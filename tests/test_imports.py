@@ -1,5 +1,6 @@
-"""The package's modules import each other without circles: every import that runs (at the top of a module or
-inside a function, but not one only a type checker reads) points one way."""
+"""The package's modules import each other without circles: every import (at the top of a module, inside a
+function, or one only a type checker reads) points one way; and the layers point down: the executors import
+nothing from the mechanisms, the mechanisms nothing from the model."""
 
 from __future__ import annotations
 
@@ -24,14 +25,11 @@ def _modules(root: Path) -> dict[str, tuple[Path, list[str]]]:
 
 
 class _Imports(ast.NodeVisitor):
-    """The package modules one module imports at run time (an ``if TYPE_CHECKING:`` block is skipped)."""
+    """The package modules one module imports (type-only imports under ``if TYPE_CHECKING:`` included: a circle
+    a type checker must untangle is one a reader must too)."""
 
     def __init__(self, package: list[str], modules: dict) -> None:
         self.package, self.modules, self.deps = package, modules, set()
-
-    def visit_If(self, node: ast.If) -> None:
-        if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
-            self.generic_visit(node)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         start = self.package[:len(self.package) - node.level + 1] if node.level else []
@@ -45,7 +43,7 @@ class _Imports(ast.NodeVisitor):
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Each module's set of package modules it imports at run time."""
+    """Each module's set of package modules it imports."""
     modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, (path, package) in modules.items():
@@ -103,4 +101,20 @@ def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path: Path)
     (pkg / "c.py").write_text("from pkg.a import f\n")
     assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b", "pkg.c"]]
     (pkg / "c.py").write_text("")
-    assert cycles(import_graph(pkg)) == []  # the type-only import alone is no circle
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]  # the type-only import closes one too
+    (pkg / "b.py").write_text("def g():\n    pass\n")
+    assert cycles(import_graph(pkg)) == []
+
+
+LAYERS = ["routeformer.checks", "routeformer.executors", "routeformer.attention", "routeformer.model"]
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")), None)
+
+
+def test_the_layers_import_downwards_only() -> None:
+    """checks < executors < attention < model: a module imports from its own layer or those below it."""
+    upward = [(a, b) for a, deps in import_graph(ROOT).items() for b in deps
+              if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
+    assert upward == []

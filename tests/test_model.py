@@ -414,7 +414,7 @@ def test_torch_compile_traces_training_without_graph_breaks(spec: str, kw: dict)
 
 def test_the_fused_tile_operator_is_consistent_for_torch_compile() -> None:
     """torch.library.opcheck: the fake (shape) kernel, autograd registration and schema agree with the real op."""
-    from routeformer.attention import tiles
+    from routeformer.executors.tiles import op as tiles
 
     g = torch.Generator().manual_seed(0)
     qt = torch.randn(1, 2, 3, 4, 8, generator=g, requires_grad=True)  # (B, H, nb, T, D)

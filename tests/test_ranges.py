@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from helpers import rand_padding, rand_qkv, rand_rel
-from routeformer.attention import ranges
-from routeformer.attention.executors import get_executor, neg_inf
+from routeformer.executors import get_executor, neg_inf, ranges
 
 gathered = ranges._gathered
 

@@ -7,9 +7,9 @@ import torch
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
 from routeformer.attention import RoutingAttention
-from routeformer.attention.executors import merge_partials, neg_inf
 from routeformer.attention.routing import Router, update_routing
 from routeformer.attention.routing.sorted_window import sorted_window_attention, sorted_window_mask
+from routeformer.executors import merge_partials, neg_inf
 
 
 @pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])

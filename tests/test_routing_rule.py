@@ -207,9 +207,8 @@ def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
     """Most queries probe a cluster whose keys all came early (so their ranges end in one stretch of keys) and a
     cluster with no key at all: the tiles' R rows per stretch stay within two rows per entry (uncapped, one step
     of a model at N = 2048 took 24 GB), the rest goes through the gathered pass, and the output is the reference's."""
-    from routeformer.attention import ranges
-    from routeformer.attention.executors import get_executor
     from routeformer.attention.routing.probes import probed_window_attention, probed_window_mask
+    from routeformer.executors import get_executor, ranges
 
     chosen = []
     tile_rows = ranges._tile_rows
@@ -237,8 +236,8 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
     own cluster (not own_first: a quarter probe two other clusters, as separate routing may, and see nothing): from
     the ranges before attending, or (padding: ranges of padded keys only) after. Forward and gradients against the
     dense mask in float64."""
-    from routeformer.attention.executors import get_executor
     from routeformer.attention.routing.probes import probed_window_attention, probed_window_mask
+    from routeformer.executors import get_executor
 
     g = torch.Generator().manual_seed(5)
     B, H, N, D, k = 1, 2, 512, 8, 24

@@ -77,7 +77,7 @@ def _add_device(parser: argparse.ArgumentParser, *, bench: bool = False) -> None
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
-    from .attention.executors import EXECUTORS
+    from .executors import EXECUTORS
 
     parser.add_argument("--backend", choices=["auto", *EXECUTORS], default="auto",
                         help="executor of the patterns: auto (FlexAttention on CUDA, the fused kernels on the CPU), "

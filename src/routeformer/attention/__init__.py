@@ -6,7 +6,8 @@ built from (``registry.KINDS``; ``register_kind`` adds one; ``kinds/`` holds the
 Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
-from .executors import EXECUTORS, Executor, check_backend, get_executor, register_executor, resolve_backend
+from ..executors import EXECUTORS, Executor, check_backend, get_executor, register_executor, resolve_backend
+from ..executors.relative import RelativePositions
 from .fixed import fixed_attention, fixed_mask
 from .full import full_attention, full_mask
 from .kernels import KERNELS, kernel_attention
@@ -18,7 +19,6 @@ from .lsh import lsh_attention
 from .performer import orthogonal_features, performer_attention
 from .reference import reference_attention, reference_weights
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
-from .relative import RelativePositions
 from .routing import Router, RoutingAttention, RoutingCache, SphericalKMeans, update_routing
 from .strided import strided_attention, strided_mask
 

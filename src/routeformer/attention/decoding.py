@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .relative import RelativePositions
+from ..executors.relative import RelativePositions
 
 
 def attend_cached(

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import check_split_heads, positive_int
-from .executors import Backend, get_executor, lse_dtype, merge_partials, neg_inf
-from .inputs import check_inputs
+from ..checks import check_split_heads, positive_int
+from ..executors import Backend, get_executor, lse_dtype, merge_partials, neg_inf
+from ..executors.inputs import check_inputs
+from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind, KeyStore
 from .kinds.common import at_most_seq_len
 from .masks import _grid, _split
-from .relative import RelativePositions
 
 
 def fixed_attention(

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .executors import Backend, Executor, get_executor, merge_partials, saw_key
-from .inputs import check_inputs
+from ..executors import Backend, Executor, get_executor, merge_partials, saw_key
+from ..executors.inputs import check_inputs
+from ..executors.relative import RelativePositions
+from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import exp_kernel
 from .masks import _grid, _per_head
-from .relative import RelativePositions
-from .tiling import Tiling
 
 
 def full_attention(

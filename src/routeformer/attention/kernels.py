@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_scale, positive_int
-from .executors import check_backend
-from .inputs import check_inputs
+from ..checks import check_scale, positive_int
+from ..executors import check_backend
+from ..executors.inputs import check_inputs
 
 KERNELS = ("exp", "poly2", "elu")
 FEATURE_KERNELS = ("poly2", "elu")  # the kernels with a finite feature map

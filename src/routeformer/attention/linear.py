@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import positive_int
+from ..checks import positive_int
+from ..executors.inputs import check_inputs
 from .full import full_mask
-from .inputs import check_inputs
 from .kernels import FEATURE_KERNELS, check_kernel, feature_dim, feature_map, kernel_scale, pairwise
 from .kinds.base import HeadGroup, HeadKind
 

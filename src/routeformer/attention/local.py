@@ -13,14 +13,14 @@ from typing import Any
 
 from torch import Tensor
 
-from .checks import positive_int
-from .executors import Backend, get_executor
-from .inputs import check_inputs
+from ..checks import positive_int
+from ..executors import Backend, get_executor
+from ..executors.inputs import check_inputs
+from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len, exp_kernel
 from .masks import _grid, _per_head
-from .relative import RelativePositions
 
 
 def local_attention(

@@ -51,15 +51,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import positive_int
+from ..checks import positive_int
+from ..executors import Backend, get_executor, merge_partials, saw_key
+from ..executors.inputs import check_inputs
+from ..executors.tiling import KeyRestrictions, Tiling, shift_invariant_mask
 from .decoding import attend_cached
-from .executors import Backend, get_executor, merge_partials, saw_key
-from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .routing.cache import RoutingCache
 from .routing.sorted_window import drop_own_key, sort_by_cluster, sorted_window_mask
-from .tiling import KeyRestrictions, Tiling, shift_invariant_mask
 
 
 def default_lsh_settings(n: int) -> tuple[int, int]:

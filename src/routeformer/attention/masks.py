@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_split_heads, positive_int
+from ..checks import check_split_heads, positive_int
 
 
 def _grid(n: int, device: torch.device | str | None) -> tuple[Tensor, Tensor]:

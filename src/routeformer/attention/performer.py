@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import positive_int
-from .inputs import check_inputs
+from ..checks import positive_int
+from ..executors.inputs import check_inputs
 from .kinds.base import HeadKind
 from .kinds.common import non_negative_int
 from .linear import FeatureHeads, compute_dtype, default_chunk, feature_attention

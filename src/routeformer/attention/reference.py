@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .inputs import check_inputs
+from ..executors.inputs import check_inputs
+from ..executors.relative import RelativePositions
 from .kernels import check_kernel, kernel_scale, pairwise
-from .relative import RelativePositions
 
 
 def reference_weights(

@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import check_split_heads, positive_int
-from .executors import Backend, Executor, get_executor, merge_partials
+from ..checks import check_split_heads, positive_int
+from ..executors import Backend, Executor, get_executor, merge_partials
+from ..executors.inputs import check_inputs
+from ..executors.relative import RelativePositions
+from ..executors.tiling import Distances, Tiling
 from .grid import columns_key_valid, from_columns, to_columns
-from .inputs import check_inputs
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .local import local_attention
 from .masks import _grid, _split
-from .relative import RelativePositions
-from .tiling import Distances, Tiling
 
 
 def strided_attention(

@@ -36,11 +36,11 @@ from ..attention import (
     performer_attention,
     strided_attention,
 )
-from ..attention.executors import resolve_backend
 from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
+from ..executors import resolve_backend
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import PeakMemory, format_table, kept_for_backward, median_time, memory_trackable

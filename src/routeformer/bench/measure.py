@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention.executors import resolve_backend
+from ..executors import resolve_backend
 
 
 def memory_trackable(device: torch.device, backend: str) -> bool:

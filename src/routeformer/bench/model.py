@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.executors import resolve_backend
+from ..executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
 from ..train.config import TrainConfig
 from ..train.loop import adamw

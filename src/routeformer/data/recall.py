@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..attention.checks import positive_int
+from ..checks import positive_int
 
 IGNORE = -1
 

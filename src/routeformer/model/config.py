@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..attention.checks import positive_int
-from ..attention.executors import check_backend
 from ..attention.kinds.base import HeadKind, Warmup
 from ..attention.registry import KINDS, default_attention, get_kind
+from ..checks import positive_int
+from ..executors import check_backend
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
@@ -177,7 +177,7 @@ class TransformerConfig:
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
         backend: how heads that run on an attention executor are computed: 'auto' (FlexAttention on CUDA, the
-            fused C++ kernels on the CPU), 'fused', 'tiles' or 'flex' (``routeformer.attention.executors``).
+            fused C++ kernels on the CPU), 'fused', 'tiles' or 'flex' (``routeformer.executors``).
             Linear, Performer and the poly2 / elu kernels have one implementation of their own.
         options: each kind's settings, {section: {field: value}} (or the kind's options dataclass), one section per
             mechanism: 'local' (window, kernel), 'routing' (num_clusters, window, probes, balance, warmup, ...),

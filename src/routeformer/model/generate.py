@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
-
-if TYPE_CHECKING:
-    from .transformer import TransformerLM
+from torch import Tensor, nn
 
 
 def sample_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
@@ -41,7 +37,7 @@ def sample_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p:
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
 
 
-def check_sampling(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float,
+def check_sampling(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float,
                    top_k: int | None, top_p: float | None) -> Tensor:
     if not isinstance(prompt, Tensor):
         prompt = torch.as_tensor(prompt, dtype=torch.long)
@@ -64,14 +60,14 @@ def check_sampling(model: TransformerLM, prompt: Tensor, max_new_tokens: int, te
     return prompt.to(next(model.parameters()).device)
 
 
-def stream(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
+def stream(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
     """Yield the new tokens (B,) one position at a time."""
     prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
     yield from _stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed)
 
 
-def generate(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Tensor:
     """prompt (B, N) or (N,) -> (B, N + max_new_tokens) tokens."""
     prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
@@ -80,7 +76,7 @@ def generate(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperat
 
 
 @torch.no_grad()
-def _stream(model: TransformerLM, prompt: Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+def _stream(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
             top_p: float | None, seed: int | None) -> Iterator[Tensor]:
     """``stream`` on a checked prompt. Runs the model once per new token but the last (whose logits no one needs)."""
     if max_new_tokens == 0:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
-from ..attention.executors import executor_for
-from ..attention.fused.activation import sigmoid_gelu
+from ..executors import executor_for
+from ..executors.fused.activation import sigmoid_gelu
 from .config import HeadGroupSpec, TransformerConfig
 
 

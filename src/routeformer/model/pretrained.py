@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from ..durable import atomic_write
 from .config import TransformerConfig
 
-if TYPE_CHECKING:
-    from .transformer import TransformerLM
-
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 
-def save_pretrained(model: TransformerLM, directory: str | Path) -> None:
+def save_pretrained(model: nn.Module, directory: str | Path) -> None:
     """Weights and buffers (routing centroids and projections included) to model.safetensors, the config to
     config.json."""
     directory = Path(directory)
@@ -34,8 +31,8 @@ def load_config(directory: str | Path) -> TransformerConfig:
     return TransformerConfig.load(path)
 
 
-def from_pretrained(cls: type[TransformerLM], directory: str | Path,
-                    map_location: str | torch.device = "cpu") -> TransformerLM:
+def from_pretrained(cls: type[nn.Module], directory: str | Path,
+                    map_location: str | torch.device = "cpu") -> nn.Module:
     directory = Path(directory)
     config = load_config(directory)
     path = directory / WEIGHTS

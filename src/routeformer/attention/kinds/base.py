@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ...executors import Backend
+from ...executors.relative import RelativePositions
 from ..decoding import attend_cached
-from ..executors import Backend
 from ..kernels import attend_cached_kernel, kernel_scale
 from ..reference import reference_attention, reference_weights
-from ..relative import RelativePositions
 
 
 @dataclass

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..executors import Backend, get_executor, neg_inf
-from ..relative import RelativePositions
-from ..tiling import Distances, Tiling
+from ...executors import Backend, get_executor, neg_inf
+from ...executors.relative import RelativePositions
+from ...executors.tiling import Distances, Tiling
 from .sorted_window import drop_own_key, sort_by_cluster
 
 _BITS = 63  # cluster memberships packed 63 to an int64 word (bit 63 is the sign)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import positive_int
+from ...checks import positive_int
+from ...executors.relative import RelativePositions
 from ..decoding import attend_cached
-from ..relative import RelativePositions
 from .sorted_window import ClusterOrder, drop_own_key
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..checks import positive_int
-from ..executors import Backend, Executor, executor_for
+from ...checks import positive_int
+from ...executors import Backend, Executor, executor_for
 from ..kinds.base import HeadGroup, HeadKind, Warmup
 from ..kinds.common import at_most_seq_len, boolean, non_negative_int
 from ..reference import reference_attention

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checks import positive_int
+from ...checks import positive_int
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 # Forwards whose samples are kept for initialisation (a bound, should update() never be called).

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checks import positive_int
-from ..executors import Backend, executor_for, get_executor
-from ..inputs import check_inputs
-from ..relative import RelativePositions
-from ..tiling import INDEX, KeyRestrictions, Tiling
+from ...checks import positive_int
+from ...executors import Backend, executor_for, get_executor
+from ...executors.inputs import check_inputs
+from ...executors.relative import RelativePositions
+from ...executors.tiling import INDEX, KeyRestrictions, Tiling
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
 from .probes import probed_window_attention, probed_window_mask, routed_pairs

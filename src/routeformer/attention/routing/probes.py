@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..executors import Executor, saw_key
-from ..relative import RelativePositions
-from ..tiling import Distances, Tiling
+from ...executors import Executor, saw_key
+from ...executors.relative import RelativePositions
+from ...executors.tiling import Distances, Tiling
 from .sorted_window import ClusterOrder, sort_by_cluster
 
 # sequences up to this length run as one dense masked tile per head on executors without their own ranges (faster

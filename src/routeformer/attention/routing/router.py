@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checks import positive_int
-from ..inputs import check_inputs
+from ...checks import positive_int
+from ...executors.inputs import check_inputs
 from .kmeans import SphericalKMeans
 
 

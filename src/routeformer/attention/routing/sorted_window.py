@@ -14,10 +14,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..executors import Backend, get_executor
-from ..relative import RelativePositions
-from ..rows import move_rows
-from ..tiling import INDEX, Distances, KeyRestrictions
+from ...executors import Backend, get_executor
+from ...executors.relative import RelativePositions
+from ...executors.rows import move_rows
+from ...executors.tiling import INDEX, Distances, KeyRestrictions
 
 
 class ClusterOrder(NamedTuple):

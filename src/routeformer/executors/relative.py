@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .checks import positive_int
+from ..checks import positive_int
 
 
 class RelativePositions(nn.Module):

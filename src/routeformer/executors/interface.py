@@ -42,7 +42,7 @@ from .fused import executor as fused
 from .lowering import in_order, labels_as_mask
 from .ranges import check_ranges, range_attention
 from .relative import RelativePositions
-from .tiles import lse_dtype, merge_partials, neg_inf, saw_key, tiled_attention
+from .tiles import tiled_attention
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 FEATURES = ("rows", "tile_mask", "groups", "exclude_self", "distances.delta", "distances.positions", "bias",
@@ -198,7 +198,7 @@ class Executor:
         runner = self.runner(q)
         if runner.ranges_run is not None:
             return runner.ranges_run(q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
-        return range_attention(runner, q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
+        return range_attention(runner.tiled, q, k, v, lo, hi, width=width, scale=scale, merge=merge, **options)
 
     @property
     def native_ranges(self) -> bool:
@@ -284,24 +284,3 @@ def register_executor(name: str, executor: Executor, *, replace: bool = False) -
     if unknown:
         raise ValueError(f"attention executor {name!r} names unknown features {unknown}; known: {', '.join(FEATURES)}")
     EXECUTORS[name] = executor
-
-
-__all__ = [
-    "AUTO",
-    "EXECUTORS",
-    "FEATURES",
-    "Distances",
-    "Tiling",
-    "Executor",
-    "Backend",
-    "check_backend",
-    "executor_for",
-    "KeyRestrictions",
-    "get_executor",
-    "lse_dtype",
-    "merge_partials",
-    "neg_inf",
-    "register_executor",
-    "resolve_backend",
-    "saw_key",
-]

@@ -1,12 +1,11 @@
-"""The fused tile operator ``routeformer::tile_attention`` (forward and backward), and the lse conventions.
+"""The fused tile operator ``routeformer::tile_attention`` (forward and backward).
 
 One call computes softmax(q·kᵀ + rel) · v for X = B·H·nb query tiles (T, D) against spans (S, D) of key rows that
 ``layout._windows`` views without a copy: O(X · T · S · D) time, two (X, T, S) buffers. It is a ``torch.library``
 custom operator, opaque to torch.compile, whose functionalisation cannot follow the in-place writes through strided
 views that make it memory-lean; forward and backward are ops of their own.
 
-Conventions every executor's lse follows (``merge_partials`` relies on them): lse is in float32 or wider
-(``lse_dtype``), and a row that sees no key has lse = ``neg_inf(lse.dtype)`` exactly (``saw_key``).
+Its lse follows the executors' conventions (``lse.py``).
 """
 
 from __future__ import annotations
@@ -14,27 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..lse import lse_dtype, neg_inf
 from .layout import _fold, _windows
-
-
-def neg_inf(dtype: torch.dtype) -> float:
-    """The score given to masked entries: finite, so an all-masked row stays NaN-free, yet exp(it - max) == 0.
-
-    Also the lse ``tiled_attention`` returns, exactly, for a row that sees no key: ``neg_inf(lse.dtype)``, with lse
-    in float32 or wider, so it lies below ``neg_inf(d) / 2`` for the dtype d of any input, and ``merge_partials``
-    gives such a part weight 0 (or, merging only empty parts, keeps the merged lse there).
-    """
-    return torch.finfo(dtype).min
-
-
-def saw_key(lse: Tensor) -> Tensor:
-    """Rows of an lse from ``tiled_attention`` (or merged from them) that saw at least one key."""
-    return lse > neg_inf(lse.dtype) / 2
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """lse is kept in float32 or wider: merging half-precision lse values would cost more than the softmax."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def rowdot(a: Tensor, b: Tensor) -> Tensor:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..lse import saw_key
 from ..relative import RelativePositions
-from ..tiles import saw_key
 from ..tiling import Distances, KeyRestrictions, Tiling
 from .blocks import block_mask
 from .call import flex_call

@@ -12,15 +12,14 @@ Cost of one call: O(N · S · D) time, O(N · S) memory for the scores; no (N, N
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
+from ..lse import lse_dtype, neg_inf
 from ..relative import RelativePositions
 from ..tiling import Distances, KeyRestrictions, Tiling, shift_invariant_mask
 from .layout import _key_source, _pad_seq, _windows
-from .op import _tile_attention, lse_dtype, neg_inf
+from .op import _tile_attention
 from .relative import _RelTerms
 
 
@@ -160,18 +159,6 @@ def _may_empty_rows(tiling: Tiling, key_valid: Tensor | None, nq: int, single: b
         return True
     last = nq - (-(-nq // tiling.block) - 1) * tiling.block  # rows (and keys) of the last block
     return not (bool(allow.any(-1).all()) and (single or bool(allow[:last, :last].any(-1).all())))
-
-
-def merge_partials(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """Merge attention over disjoint key sets: [(out_i, lse_i)] each (B, H, N, D), (B, H, N) -> (out, lse).
-
-    softmax over the union = Σ_i exp(lse_i - lse) · softmax_i, with lse = logsumexp_i(lse_i). Exact; computed in
-    the lse dtype (float32 or wider) and returned in the dtype of the outputs. O(P · N · D) for P parts. A key
-    in several parts counts once per part (softmax over the multiset union: its score is raised by log(count)).
-    """
-    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), 0)  # (B, H, N)
-    out = sum(o.to(lse.dtype) * (part_lse - lse).exp()[..., None] for o, part_lse in parts)
-    return out.to(parts[0][0].dtype), lse
 
 
 def _and(a: Tensor | None, b: Tensor) -> Tensor:

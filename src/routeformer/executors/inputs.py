@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from .checks import check_key_padding_mask, check_qkv, check_scale
+from ..checks import check_key_padding_mask, check_qkv, check_scale
 from .relative import RelativePositions
 
 

@@ -17,25 +17,25 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .lse import neg_inf, saw_key
 from .relative import RelativePositions
 from .rows import gather_rows, move_rows
-from .tiles import neg_inf, saw_key
 from .tiles.op import rowdot
 from .tiling import Distances, Tiling
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .executors import Executor
+Tiled = Callable[..., tuple[Tensor, Tensor | None]]  # an executor's checked ``tiled`` operation (``interface.py``)
 
 LEFTOVER = 0.03  # R is the smallest multiple of 8 that leaves at most this share of the entries to the gathered pass
 TILE_ROWS_PER_ENTRY = 2  # ... unless the tiles would then hold more rows than this many per entry
 
 
-def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int,
+def range_attention(tiled: Tiled, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int,
                     scale: float, merge: int = 1, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
                     key_valid: Tensor | None = None, query_pos: Tensor | None = None, key_pos: Tensor | None = None,
                     rel_pos: RelativePositions | None = None, need_lse: bool = False, stretch: int | None = None,
@@ -76,10 +76,10 @@ def range_attention(executor: Executor, q: Tensor, k: Tensor, v: Tensor, lo: Ten
     sides = _Sides(q, query_pos, lo, hi, merge)
     keys = _Keys(k, v, key_valid, key_pos, rel_pos)
     if torch.compiler.is_compiling():  # no host read: every entry through the gathered pass, at its size bound
-        parts = [_gathered(executor, sides, keys, torch.arange(M, device=k.device).expand(B, H, M), width=width,
+        parts = [_gathered(tiled, sides, keys, torch.arange(M, device=k.device).expand(B, H, M), width=width,
                            stretch=G, rows=rows, bound=True)]
     else:
-        parts = _tiles(executor, sides, keys, width=width, stretch=G, rows=rows)
+        parts = _tiles(tiled, sides, keys, width=width, stretch=G, rows=rows)
     return _merge(parts, merge, Nq, need_lse)
 
 
@@ -153,7 +153,7 @@ class _GatherRows(torch.autograd.Function):
         return out.view(B, H, N, D), None
 
 
-def _tiles(executor: Executor, sides: _Sides, keys: _Keys, *, width: int, stretch: int,
+def _tiles(tiled: Tiled, sides: _Sides, keys: _Keys, *, width: int, stretch: int,
            rows: int | None) -> list[_Part]:
     """The tiles of R rows per stretch, and the gathered pass for the entries left over."""
     k = keys.k
@@ -182,7 +182,7 @@ def _tiles(executor: Executor, sides: _Sides, keys: _Keys, *, width: int, stretc
     if keys.rel_pos is not None:
         positions = keys.pos.gather(-1, key_index.clamp(0, N - 1).view(1, 1, -1).expand(B, H, -1))
         delta = positions.view(B, H, n_groups, 1, -1) - query_at
-    out, lse = executor.tiled(sides.queries(entry), k, keys.v, Tiling(block=G, back=reach, rows=R, tile_mask=mask),
+    out, lse = tiled(sides.queries(entry), k, keys.v, Tiling(block=G, back=reach, rows=R, tile_mask=mask),
                               scale=1.0, key_valid=keys.valid, rel_pos=keys.rel_pos,
                               distances=None if delta is None else Distances(delta=delta),
                               need_lse=True)
@@ -190,11 +190,11 @@ def _tiles(executor: Executor, sides: _Sides, keys: _Keys, *, width: int, stretc
     left = int((~in_tile).sum(-1).max())
     if left:  # the leftover entries, each block of them with its own gathered span
         pick = torch.where(in_tile, M, order).sort(-1).values[..., :left]  # leftover entries first, then M
-        parts.append(_gathered(executor, sides, keys, pick, width=width, stretch=G, rows=rows))
+        parts.append(_gathered(tiled, sides, keys, pick, width=width, stretch=G, rows=rows))
     return parts
 
 
-def _gathered(executor: Executor, sides: _Sides, keys: _Keys, pick: Tensor, *, width: int, stretch: int,
+def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: int, stretch: int,
               rows: int | None, bound: bool = False) -> _Part:
     """The entries ``pick`` (B, H, L) (M: none) in blocks of at most T rows whose hi lie in one stretch of G keys,
     each block one tile against its own gathered span of width + G - 1 keys (keys in the ranges' order).
@@ -226,7 +226,7 @@ def _gathered(executor: Executor, sides: _Sides, keys: _Keys, pick: Tensor, *, w
     delta = None if keys.rel_pos is None else (keys.pos.gather(-1, key_index).view(B, H, n_blocks, 1, S) - query_at)
     kb, vb = gather_rows(k, key_index), gather_rows(v, key_index)
     heads = H * n_blocks
-    out, lse = executor.tiled(
+    out, lse = tiled(
         sides.queries(entry).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D),
         Tiling.dense(T, tile_mask=mask.view(B, heads, 1, T, S)), scale=1.0, rel_pos=keys.rel_pos,
         distances=None if delta is None else Distances(delta=delta.reshape(B, heads, 1, T, S)), need_lse=True,

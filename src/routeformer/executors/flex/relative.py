@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..lse import saw_key
 from ..relative import RelativePositions
-from ..tiles import saw_key
 from .pattern import FlexPattern
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..tiles import lse_dtype, neg_inf
+from ..lse import lse_dtype, neg_inf
 
 
 def _structure(fn: object) -> tuple:

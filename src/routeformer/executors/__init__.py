@@ -1,0 +1,56 @@
+"""Executors: how attention over a pattern of key blocks is computed, apart from what the pattern means.
+
+The mechanisms (``routeformer.attention``) say which keys each query sees; an executor computes it without an N×N
+matrix. This package is the lower layer: it imports nothing from the mechanisms.
+
+- ``interface.py``: ``Executor`` (one operation, ``tiled``, and the pieces built on it: band, block diagonal, key
+  subsets, ranges), the ``FEATURES`` an executor declares, the registry (``EXECUTORS``, ``get_executor``).
+- ``inputs.py``: the checked inputs value; ``relative.py``: the relative-position tables.
+- ``tiling.py``: the values that describe a call (``Tiling``, ``KeyRestrictions``, ``Distances``).
+- ``lse.py``: the log-sum-exp conventions and ``merge_partials``.
+- ``ranges.py``: per-query key ranges as tiles of ``tiled``; ``lowering.py``: sequence orders and labels as tile
+  masks for executors that do not read them natively; ``rows.py``: row gathers.
+- the backends: ``fused/`` (C++ CPU kernels, compiled at first use), ``tiles/`` (blocked PyTorch, everywhere),
+  ``flex/`` (FlexAttention, for CUDA).
+"""
+
+from .inputs import Inputs, check_inputs
+from .interface import (
+    AUTO,
+    EXECUTORS,
+    FEATURES,
+    Backend,
+    Executor,
+    check_backend,
+    executor_for,
+    get_executor,
+    register_executor,
+    resolve_backend,
+)
+from .lse import lse_dtype, merge_partials, neg_inf, saw_key
+from .relative import RelativePositions
+from .tiling import INDEX, Distances, KeyRestrictions, Tiling
+
+__all__ = [
+    "AUTO",
+    "EXECUTORS",
+    "FEATURES",
+    "INDEX",
+    "Backend",
+    "Distances",
+    "Executor",
+    "Inputs",
+    "KeyRestrictions",
+    "RelativePositions",
+    "Tiling",
+    "check_backend",
+    "check_inputs",
+    "executor_for",
+    "get_executor",
+    "lse_dtype",
+    "merge_partials",
+    "neg_inf",
+    "register_executor",
+    "resolve_backend",
+    "saw_key",
+]
