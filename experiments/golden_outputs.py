@@ -24,7 +24,8 @@ import torch
 from routeformer.attention import RelativePositions
 from routeformer.attention.lsh import lsh_attention
 from routeformer.attention.registry import KINDS, PATTERNS
-from routeformer.attention.routing import RoutingAttention
+from routeformer.attention.routing import RoutingAttention, RoutingOptions
+from routeformer.executors import get_executor
 from routeformer.model import TransformerConfig, TransformerLM
 
 PATTERN_PARAMS = {
@@ -74,8 +75,8 @@ def routing_layer(results: dict, backend: str) -> None:
     for probes, balance in ((1, 0.0), (2, 0.01)):
         for n in (200, 300):
             torch.manual_seed(0)
-            layer = RoutingAttention(4, 16, num_clusters=4, window=24, causal=True, probes=probes,
-                                     balance=balance, backend=backend)
+            layer = RoutingAttention(4, 16, RoutingOptions(num_clusters=4, window=24, probes=probes, balance=balance))
+            layer.executor = get_executor(backend)
             layer.train()
             q, k, v = _inputs(2, (2, 4, n, 16), torch.float32)
             out = layer(q, k, v)

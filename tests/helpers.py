@@ -98,3 +98,19 @@ def tiny_text_data(root: Path, text: str) -> Path:
     (corpus / "a.py").write_text(text)
     prepare("text", root / "data", str(corpus), dataset_name="tiny")
     return root / "data"
+
+
+def routing_layer(heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True, *,
+                  balanced: bool | None = None, seed: int = 0, backend=None, probes: int = 1, balance: float = 0.0,
+                  **options):
+    """A ``RoutingAttention`` from the layer's arguments, with the paper's rule unless told (probes 1, balance 0:
+    ``RoutingOptions``' defaults are the model's, two probes and a bias) and the executor ``backend`` names."""
+    from routeformer.attention.routing import RoutingAttention, RoutingOptions
+    from routeformer.executors import get_executor
+
+    layer = RoutingAttention(heads, head_dim, RoutingOptions(num_clusters=num_clusters, window=window, probes=probes,
+                                                             balance=balance, **options),
+                             causal=causal, balanced=balanced, seed=seed)
+    if backend is not None:
+        layer.executor = get_executor(backend)
+    return layer

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import routing_layer
 from routeformer import TransformerConfig, TransformerLM
+from routeformer.attention import HeadGroup
 from routeformer.attention.registry import KINDS
 from routeformer.executors import Executor
 from routeformer.executors import interface as executors
@@ -60,9 +62,9 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
     # resolved once, when the model is built: the heads hold the executor itself, not a name to look up per call
-    held = [m.backend for m in model.modules() if isinstance(getattr(m, "backend", None), Executor)]
+    held = [m._executor for m in model.modules() if isinstance(m, HeadGroup) and m._executor is not None]
     assert held and all(e.name == "recording" for e in held)
-    assert not any(isinstance(getattr(m, "backend", None), str) for m in model.modules())
+    assert not any(hasattr(m, "backend") for m in model.modules())  # no names below the config
     tokens = torch.randint(0, 23, (1, 290))  # longer than the dense-tile size of probed routing (256)
     with torch.no_grad():
         model(tokens)
@@ -74,10 +76,9 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
 @pytest.mark.parametrize("probes", [1, 2])
 def test_the_routing_layer_reaches_its_executor_on_every_path(probes: int, recording: list[str]) -> None:
     """``RoutingAttention`` on its own (the functional layer, with its own cache): forward, a prompt, steps."""
-    from routeformer.attention import RoutingAttention
 
     torch.manual_seed(0)
-    layer = RoutingAttention(2, 8, num_clusters=4, window=8, probes=probes, backend="recording").eval()
+    layer = routing_layer(2, 8, num_clusters=4, window=8, probes=probes, backend="recording").eval()
     q, v = torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8)
     with torch.no_grad():
         layer(q, q, v)

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import routing_layer
 from routeformer.attention import full_attention
 from routeformer.attention.lsh import default_lsh_settings
 from routeformer.bench.attention import leaks, reformer_bucket_size, run
@@ -139,13 +140,12 @@ def test_useful_pairs_are_the_masks_pairs(n: int) -> None:
 
 @pytest.mark.parametrize("probes", [1, 2])
 def test_useful_pairs_of_routing_are_its_masks_pairs(probes: int) -> None:
-    from routeformer.attention import RoutingAttention
     from routeformer.bench import roofline as rf
 
     torch.manual_seed(0)
-    layer = RoutingAttention(2, 8, 4, 5, causal=True, probes=probes, balance=0.0).eval()
+    layer = routing_layer(2, 8, 4, 5, causal=True, probes=probes, balance=0.0).eval()
     q = torch.randn(2, 2, 50, 8)
-    routes = layer.routes(q, q)
+    routes = layer.routing.routes(q, q)
     mask = layer.routing_mask(q, q)  # (B, H, N, N): the dense definition
     seen = rf.pairs_in_groups(routes.keys, routes.probes, 5, exclude_self=True)
     assert seen == pytest.approx(mask.sum().item() / 4)

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import rand_qkv, rand_rel
+from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig
-from routeformer.attention import RoutingAttention, fixed_attention, local_attention, longformer_attention
+from routeformer.attention import fixed_attention, local_attention, longformer_attention
 from routeformer.executors import (
     EXECUTORS,
     Executor,
@@ -32,7 +32,7 @@ def test_auto_is_flex_on_cuda_and_fused_on_the_cpu_and_unknown_names_are_listed(
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
         local_attention(q, k, v, 3, backend="cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
-        RoutingAttention(1, 4, 2, 3, backend="triton")
+        routing_layer(1, 4, 2, 3, backend="triton")
 
 
 def test_register_refuses_duplicates_and_incomplete_executors() -> None:
@@ -57,13 +57,13 @@ def test_patterns_call_the_executor_their_backend_names() -> None:
 
     spy = Executor("spy", counted)
     q, k, v = rand_qkv(1, 2, 40, 8, grad=False)
-    routing = RoutingAttention(2, 8, 3, 6).double()
-    routing.backend = "tiles"
+    routing = routing_layer(2, 8, 3, 6).double()
+    routing.executor = get_executor("tiles")
     want = [local_attention(q, k, v, 5, backend="tiles"), fixed_attention(q, k, v, 8, 2, backend="tiles"),
             longformer_attention(q, k, v, 4, 1, [0], backend="tiles"), routing(q, q, v)]
     register_executor("spy", spy)
     try:
-        routing.backend = "spy"
+        routing.executor = spy
         got = [local_attention(q, k, v, 5, backend="spy"), fixed_attention(q, k, v, 8, 2, backend="spy"),
                longformer_attention(q, k, v, 4, 1, [0], backend="spy"), routing(q, q, v)]
     finally:
@@ -80,7 +80,7 @@ def test_the_config_backend_reaches_every_executor_head_and_is_checked() -> None
                                attention="local:1,routing:1,lsh:2", backend="flex", positions="none")
     groups = TransformerLM(config).blocks[0].attention.groups
     # resolved once into the executor itself; LSH's rounds run on it too
-    assert [g.backend for g in groups] == [EXECUTORS["flex"]] * 3 and groups[1].routing.backend is EXECUTORS["flex"]
+    assert [g.executor for g in groups] == [EXECUTORS["flex"]] * 3
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         TransformerConfig(dim=32, heads=4, seq_len=32, window=4, backend="fast")
     with pytest.raises(ValueError, match="backend='flex' would change nothing"):

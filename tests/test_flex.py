@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import _ordered_to_dense
 
-from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
-from routeformer.attention import PATTERNS, RoutingAttention, flex
-from routeformer.executors import get_executor
+from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
+from routeformer.attention import PATTERNS, flex
 from routeformer.executors.flex import blocks
 
 BLOCK = (16, 8)
@@ -70,7 +69,7 @@ def test_block_masks_hold_exactly_the_blocks_with_allowed_pairs(monkeypatch, nam
 @pytest.mark.parametrize("causal", [True, False])
 def test_routing_block_masks_are_per_head_and_exact(monkeypatch, causal: bool) -> None:
     seen = _recorded(monkeypatch)
-    layer = RoutingAttention(3, 8, 4, 7, causal=causal, balanced=False, backend="flex").double()
+    layer = routing_layer(3, 8, 4, 7, causal=causal, balanced=False, backend="flex").double()
     q, _, v = rand_qkv(2, 3, 97, 8, grad=False)
     layer(q, q, v, rel_pos=rand_rel(8, 5))
     assert all(p.per_head for p, *_ in seen)
@@ -141,9 +140,9 @@ def test_cuda_flex_kernels_agree_with_tiles(name: str, params: dict, dtype, rel:
 
 @cuda
 def test_cuda_routing_runs_on_flex_by_default() -> None:
-    layer = RoutingAttention(4, 64, 16, 128).cuda()
-    assert get_executor(layer.backend, "cuda").name == "flex"
+    layer = routing_layer(4, 64, 16, 128).cuda()
+    assert layer.executor.name == "flex"
     q, _, v = (x.detach().cuda().float() for x in rand_qkv(1, 4, 4096, 64, torch.float32))
-    want = RoutingAttention(4, 64, 16, 128, backend="tiles").cuda()
+    want = routing_layer(4, 64, 16, 128, backend="tiles").cuda()
     want.load_state_dict(layer.state_dict())
     torch.testing.assert_close(layer.eval()(q, q, v), want.eval()(q, q, v), atol=1e-4, rtol=1e-4)

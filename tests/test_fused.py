@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import rand_padding, rand_qkv, rand_rel
-from routeformer.attention import RoutingAttention, local_attention
+from helpers import rand_padding, rand_qkv, rand_rel, routing_layer
+from routeformer.attention import local_attention
 from routeformer.attention.lsh import lsh_attention, lsh_rotations
 from routeformer.bench.measure import kept_for_backward
 from routeformer.executors import get_executor
@@ -110,7 +110,7 @@ def _thread_cases():
     B, H, N, D = 2, 3, 300, 16
     q, k, v = rand_qkv(B, H, N, D, dtype=torch.float32, seed=5)
     rel = rand_rel(D, 40, dtype=torch.float32)
-    layer = RoutingAttention(H, D, 6, 20, probes=2, balance=0.01)
+    layer = routing_layer(H, D, 6, 20, probes=2, balance=0.01)
     return (q, k, v), {
         "local+rel": lambda q, k, v: local_attention(q, k, v, 50, rel_pos=rel, backend="fused"),
         "routing, two probes": lambda q, k, v: layer(q, q, v),

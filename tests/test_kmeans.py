@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from helpers import rand_qkv
+from helpers import rand_qkv, routing_layer
 from routeformer.attention import RoutingAttention, SphericalKMeans, update_routing
 
 
@@ -31,13 +31,13 @@ def test_recovers_well_separated_planted_centres() -> None:
 
 
 def test_evaluation_observes_nothing_and_an_empty_update_changes_nothing() -> None:
-    layer = RoutingAttention(2, 8, 3, 4).eval()
+    layer = routing_layer(2, 8, 3, 4).eval()
     q, _, v = rand_qkv(1, 2, 20, 8, dtype=torch.float32, grad=False)
-    before = layer.kmeans.centroids.clone()
+    before = layer.routing.kmeans.centroids.clone()
     layer(q, q, v)
-    assert layer.kmeans.pending_counts.sum() == 0
-    layer.update_routing()
-    assert torch.equal(layer.kmeans.centroids, before)
+    assert layer.routing.kmeans.pending_counts.sum() == 0
+    layer.update()
+    assert torch.equal(layer.routing.kmeans.centroids, before)
 
 
 def test_initialisation_sees_every_micro_batch_of_the_first_step() -> None:
@@ -82,19 +82,20 @@ def _step(layer: RoutingAttention, q: torch.Tensor, v: torch.Tensor, use_checkpo
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_update_applied_once_per_step_under_activation_checkpointing(reentrant: bool) -> None:
     torch.manual_seed(0)
-    plain, ckpt = RoutingAttention(2, 8, 4, 4, balance=0.1), RoutingAttention(2, 8, 4, 4, balance=0.1)
+    plain, ckpt = routing_layer(2, 8, 4, 4, balance=0.1), routing_layer(2, 8, 4, 4, balance=0.1)
     padding = torch.rand(2, 30) > 0.2
     for step in range(3):
         q, _, v = rand_qkv(2, 2, 30, 8, dtype=torch.float32, seed=step)
         _step(plain, q, v, None, padding)
         _step(ckpt, q.detach().clone().requires_grad_(), v.detach().clone().requires_grad_(), reentrant, padding)
-        assert ckpt.kmeans.pending_counts.sum() == 2 * int(padding.sum())  # heads × real tokens, once
-        torch.testing.assert_close(ckpt.kmeans.pending_counts, plain.kmeans.pending_counts, rtol=0, atol=0)
-        assert torch.equal(ckpt.pending_load, plain.pending_load)  # the cluster loads too
+        assert ckpt.routing.kmeans.pending_counts.sum() == 2 * int(padding.sum())  # heads × real tokens, once
+        torch.testing.assert_close(ckpt.routing.kmeans.pending_counts, plain.routing.kmeans.pending_counts, rtol=0,
+                                   atol=0)
+        assert torch.equal(ckpt.routing.pending_load, plain.routing.pending_load)  # the cluster loads too
         update_routing(plain)
         update_routing(ckpt)
-        assert torch.equal(plain.kmeans.centroids, ckpt.kmeans.centroids)
-        assert torch.equal(plain.bias, ckpt.bias)
+        assert torch.equal(plain.routing.kmeans.centroids, ckpt.routing.kmeans.centroids)
+        assert torch.equal(plain.routing.bias, ckpt.routing.bias)
 
 
 # Routing with every piece of state that must agree between ranks: centroids, the balancing bias, the warm-up count.
@@ -106,7 +107,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    layer = RoutingAttention(2, 8, 4, 6, **SYNCED)  # the same initial state on every rank
+    layer = routing_layer(2, 8, 4, 6, **SYNCED)  # the same initial state on every rank
     data = []
     for step in range(4):
         q, _, v = rand_qkv(2, 2, 40, 8, dtype=torch.float32, seed=100 * rank + step)  # each rank its own batch
@@ -114,7 +115,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         if step == 3 and rank == 0:
             torch.save(layer.state_dict(), out + ".before")
         _step(layer, q, v, None)
-        layer.update_routing()
+        layer.update()
     state = {k: v for k, v in layer.state_dict().items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, {"state": state, "last": data[-1]})
@@ -130,15 +131,16 @@ def test_two_gloo_processes_keep_centroids_and_bias_bit_identical(tmp_path) -> N
     results = torch.load(out)
     a, b = (r["state"] for r in results)
     for name in ("kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts", "kmeans.initialized", "bias", "steps"):
+        name = f"routing.{name}"
         assert torch.equal(a[name], b[name]), f"{name} differs between ranks"
-    assert a["bias"].abs().sum() > 0 and int(a["steps"]) == 4
+    assert a["routing.bias"].abs().sum() > 0 and int(a["routing.steps"]) == 4
     # The last update used the statistics of both ranks: a single process on both batches gets the same centroids
     # and, from the loads of both, the same bias.
-    single = RoutingAttention(2, 8, 4, 6, **SYNCED)
+    single = routing_layer(2, 8, 4, 6, **SYNCED)
     single.load_state_dict(torch.load(out + ".before"))
     q = torch.cat([r["last"][0] for r in results])
     v = torch.cat([r["last"][1] for r in results])
     single(q, q, v)
-    single.update_routing()
-    torch.testing.assert_close(single.kmeans.centroids, a["kmeans.centroids"], rtol=1e-6, atol=1e-6)
-    assert torch.equal(single.bias, a["bias"])
+    single.update()
+    torch.testing.assert_close(single.routing.kmeans.centroids, a["kmeans.centroids"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(single.routing.bias, a["bias"])

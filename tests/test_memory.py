@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import rand_qkv, rand_rel
+from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer.attention import (
-    RoutingAttention,
     fixed_attention,
     full_attention,
     local_attention,
@@ -37,8 +36,8 @@ def _peak_forward(attend) -> int:
                                                         v.expand(1, 2, N, 64), 128, merged=False)),
     ("fixed", lambda q, k, v: fixed_attention(q, k, v, 128, 8)),
     ("longformer", lambda q, k, v: longformer_attention(q, k, v, 256, 2, [0, 5000], causal=True)),
-    ("routing causal", lambda q, k, v: RoutingAttention(heads=1, head_dim=64, num_clusters=128, window=128)(q, q, v)),
-    ("routing balanced", lambda q, k, v: RoutingAttention(heads=1, head_dim=64, num_clusters=128, window=128,
+    ("routing causal", lambda q, k, v: routing_layer(heads=1, head_dim=64, num_clusters=128, window=128)(q, q, v)),
+    ("routing balanced", lambda q, k, v: routing_layer(heads=1, head_dim=64, num_clusters=128, window=128,
                                                           causal=False, balanced=True)(q, q, v)),
 ])
 def test_sparse_forward_peaks_well_below_a_score_matrix(name: str, attend) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
-from routeformer.attention import RoutingAttention
+from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
 from routeformer.attention.routing import Router, update_routing
 from routeformer.attention.routing.sorted_window import sorted_window_attention, sorted_window_mask
 from routeformer.executors import merge_partials, neg_inf
@@ -19,12 +18,12 @@ def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bo
     B, H, N, D, k = 2, 3, 30, 8, 4
     options = dict(shared_qk=shared, separate=separate, probes=probes, balance=balance, seed=3)
     router = Router(H, D, k, **options).double()
-    layer = RoutingAttention(H, D, k, 5, **options).double()
-    assert isinstance(layer, Router)
+    layer = routing_layer(H, D, k, 5, **options).double()
+    assert isinstance(layer.routing, Router)
     q, kk, v = rand_qkv(B, H, N, D, grad=False)
     kk = q if shared else kk
-    assert torch.equal(router.route(q, kk), layer.route(q, kk))
-    assert torch.equal(router.route_keys(q, kk), layer.route_keys(q, kk))
+    assert torch.equal(router.route(q, kk), layer.routing.route(q, kk))
+    assert torch.equal(router.route_keys(q, kk), layer.routing.route_keys(q, kk))
     routes = router.routes(q, kk, observe=True)
     assert routes.scores.shape == (B, H, N, k) and routes.probes.shape == (B, H, N, probes)
     assert torch.equal(routes.keys, router.route_keys(q, kk)) and torch.equal(routes.probes, router.probe(q, kk))
@@ -38,10 +37,10 @@ def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bo
     if balance:
         assert router.pending_load.sum() == H * B * N  # the loads count keys
     assert update_routing(torch.nn.ModuleList([router, layer])) == 2
-    assert torch.equal(router.kmeans.centroids, layer.kmeans.centroids)
+    assert torch.equal(router.kmeans.centroids, layer.routing.kmeans.centroids)
     assert bool(router.kmeans.initialized)
     if balance:
-        assert torch.equal(router.bias, layer.bias) and router.bias.abs().sum() > 0
+        assert torch.equal(router.bias, layer.routing.bias) and router.bias.abs().sum() > 0
 
 
 def test_probes_are_the_best_clusters_by_biased_score_own_cluster_first() -> None:

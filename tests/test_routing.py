@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel
+from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel, routing_layer
 from routeformer.attention import RoutingAttention, full_attention, reference_attention
 from routeformer.attention.routing import probes as probes_module
 
 
 def make_layer(H: int, D: int, k: int, w: int, dtype=torch.float64, **kw) -> RoutingAttention:
-    return RoutingAttention(H, D, k, w, **kw).to(dtype)
+    return routing_layer(H, D, k, w, **kw).to(dtype)
 
 
 @st.composite
@@ -37,7 +37,8 @@ def routing_problems(draw) -> dict:
 def random_bias(layer: RoutingAttention, seed: int) -> None:
     """A bias as training leaves it: large enough to move assignments."""
     with torch.no_grad():
-        layer.bias.copy_(0.5 * torch.randn(layer.bias.shape, generator=torch.Generator().manual_seed(seed)))
+        gen = torch.Generator().manual_seed(seed)
+        layer.routing.bias.copy_(0.5 * torch.randn(layer.routing.bias.shape, generator=gen))
 
 
 @given(p=routing_problems())
@@ -89,7 +90,7 @@ def test_causal_mask_is_the_most_recent_window_of_the_own_cluster(shared: bool) 
     layer = make_layer(H, D, k, w, causal=True, shared_qk=shared)
     q, kk, _ = rand_qkv(2, H, N, D, grad=False)
     kk = q if shared else kk
-    mask, clusters = layer.routing_mask(q, kk), layer.route(q, kk)
+    mask, clusters = layer.routing_mask(q, kk), layer.routing.route(q, kk)
     assert torch.equal(mask, mask.tril()), "a causal mask must be lower-triangular"
     same = clusters[..., :, None] == clusters[..., None, :]
     assert not (mask & ~same).any(), "a query sees only its own cluster"
@@ -125,7 +126,7 @@ def test_probed_mask_is_the_last_window_keys_of_each_probed_cluster(shared: bool
     random_bias(layer, 0)
     q, kk, _ = rand_qkv(2, H, N, D, grad=False)
     kk = q if shared else kk
-    mask, probed, keys = layer.routing_mask(q, kk), layer.probe(q, kk), layer.route_keys(q, kk)
+    mask, probed, keys = layer.routing_mask(q, kk), layer.routing.probe(q, kk), layer.routing.route_keys(q, kk)
     if separate:
         assert not torch.equal(probed[..., 0], keys), "queries and keys are routed apart"
     assert int(mask.sum(-1).max()) <= probes * w and int((mask.sum(-1) >= w).sum()) > 0  # the windows bind
@@ -195,7 +196,7 @@ def test_balanced_tokens_in_several_clusters_and_in_none_are_both_exercised() ->
 
     layer = make_layer(2, 8, 4, 6, causal=False)
     q, _, _ = rand_qkv(2, 2, 37, 8, grad=False)
-    members = balanced_members(layer.kmeans.scores(layer.routing_vectors(q, q)), 6, None)
+    members = balanced_members(layer.routing.kmeans.scores(layer.routing.routing_vectors(q, q)), 6, None)
     per_token = _membership(members, 37).sum(2)
     assert (per_token == 0).any() and (per_token > 1).any()
 
@@ -214,9 +215,9 @@ def test_balanced_members_are_the_window_nearest_tokens_of_each_centroid(shared:
     padding = torch.ones(B, N, dtype=torch.bool)
     padding[0, ::3] = False
     padding[1, 5:] = False  # 5 real tokens < w: two padded members per cluster
-    r = layer.routing_vectors(q, k)
-    mu = layer.kmeans.centroids
-    got = balanced_members(layer.kmeans.scores(r), w, padding)
+    r = layer.routing.routing_vectors(q, k)
+    mu = layer.routing.kmeans.centroids
+    got = balanced_members(layer.routing.kmeans.scores(r), w, padding)
     assert got.shape == (B, H, kc, w)
     clusters = torch.zeros(B, H, N, dtype=torch.long)
     for b in range(B):
@@ -231,7 +232,7 @@ def test_balanced_members_are_the_window_nearest_tokens_of_each_centroid(shared:
                 assert members == sorted(set(members)), "members are distinct, in position order"
                 # the real members are the nearest real tokens: all w of them, or every real token and padding
                 assert [j for j in members if padding[b, j]] == sorted(nearest), (b, h, c)
-    assert torch.equal(layer.route(q, k), clusters)
+    assert torch.equal(layer.routing.route(q, k), clusters)
     mask = layer.routing_mask(q, k, key_padding_mask=padding)
     assert torch.equal(mask, balanced_mask(got, clusters, shared, padding[:, None, :]))
 
@@ -240,8 +241,8 @@ def test_commitment_loss_and_its_gradient() -> None:
     layer = make_layer(2, 8, 3, 4, dtype=torch.float32, commitment=0.5)
     q, _, v = rand_qkv(1, 2, 20, 8, dtype=torch.float32)
     layer(q, q, v)
-    r = layer.routing_vectors(q, q)
-    mu = layer.kmeans.centroids[torch.arange(2)[None, :, None], layer.route(q, q)]
+    r = layer.routing.routing_vectors(q, q)
+    mu = layer.routing.kmeans.centroids[torch.arange(2)[None, :, None], layer.routing.route(q, q)]
     want = 0.5 * (r - mu).square().sum(-1).mean()
     torch.testing.assert_close(layer.commitment_loss, want)
     layer.commitment_loss.backward()
@@ -254,8 +255,8 @@ def test_commitment_loss_and_its_gradient() -> None:
 def test_half_precision_routes_in_float32_without_nan(dtype) -> None:
     layer = make_layer(2, 16, 4, 8, dtype=torch.float32)
     q, k, v = (x.to(dtype) for x in rand_qkv(2, 2, 70, 16, dtype=torch.float32, grad=False))
-    assert layer.routing_vectors(q, q).dtype == torch.float32
-    assert torch.equal(layer.route(q, q), layer.route(q.float(), q.float()))
+    assert layer.routing.routing_vectors(q, q).dtype == torch.float32
+    assert torch.equal(layer.routing.route(q, q), layer.routing.route(q.float(), q.float()))
     out = layer(q, q, v)
     assert out.dtype == dtype and torch.isfinite(out).all()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -265,10 +266,11 @@ def test_half_precision_routes_in_float32_without_nan(dtype) -> None:
 
 def test_state_dict_holds_centroids_and_projection() -> None:
     a = make_layer(2, 8, 3, 4)
-    a.kmeans.centroids.copy_(torch.nn.functional.normalize(torch.randn(2, 3, 8, dtype=torch.float64), dim=-1))
-    state = a.state_dict()
-    assert {"kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts", "kmeans.initialized",
-            "projection"} <= set(state)
+    a.routing.kmeans.centroids.copy_(torch.nn.functional.normalize(torch.randn(2, 3, 8, dtype=torch.float64),
+                                                                   dim=-1))
+    state = a.state_dict()  # the router's: a model's routing heads save the same keys under their group
+    assert {"routing.kmeans.centroids", "routing.kmeans.ema_sums", "routing.kmeans.ema_counts",
+            "routing.kmeans.initialized", "routing.projection"} <= set(state)
     b = make_layer(2, 8, 3, 4, seed=5)
     b.load_state_dict(state)
     q, _, v = rand_qkv(1, 2, 30, 8, grad=False)
@@ -282,7 +284,7 @@ def test_state_dict_holds_centroids_and_projection() -> None:
     ({"window": True}, "window"),
     ({"causal": True, "balanced": True}, "balanced=True needs causal=False"),
     ({"decay": 1.0}, "decay"),
-    ({"separate": True}, "separate=True .* needs shared_qk=False"),
+    ({"separate": True}, "separate = true .* needs shared_qk = false"),
     ({"separate": True, "shared_qk": False, "causal": False}, "separate apply to causal routing only"),
     ({"probes": 2, "balance": 0.1, "causal": False}, "probes, balance apply to causal routing only"),
     ({"probes": 4}, r"probes \(4\) must be at most num_clusters \(3\)"),
@@ -294,7 +296,7 @@ def test_state_dict_holds_centroids_and_projection() -> None:
 def test_bad_configuration(kwargs: dict, fragment: str) -> None:
     args = {"heads": 2, "head_dim": 8, "num_clusters": 3, "window": 4, **kwargs}
     with pytest.raises(ValueError, match=fragment):
-        RoutingAttention(**args)
+        routing_layer(**args)
 
 
 def test_bad_inputs() -> None:

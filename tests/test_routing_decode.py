@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import rand_qkv, rand_rel
-from routeformer.attention import RoutingAttention
+from helpers import rand_qkv, rand_rel, routing_layer
 
 
 @pytest.mark.parametrize("shared, separate, probes, gate", [
@@ -19,10 +18,10 @@ def test_decoding_equals_the_forward(shared: bool, separate: bool, probes: int, 
                                      window: int) -> None:
     B, H, N, D = 2, 3, 150, 16
     probes = min(probes, clusters)
-    layer = RoutingAttention(H, D, clusters, window, causal=True, shared_qk=shared, separate=separate,
+    layer = routing_layer(H, D, clusters, window, causal=True, shared_qk=shared, separate=separate,
                              probes=probes, balance=0.01, gate=gate).eval()
     with torch.no_grad():  # a bias as training leaves it
-        layer.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+        layer.routing.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     q, k, v = rand_qkv(B, H, N, D, dtype=torch.float32, grad=False)
     k = q if shared else k
     rp = rand_rel(D, 12, dtype=torch.float32) if rel else None
@@ -37,7 +36,7 @@ def test_decoding_equals_the_forward(shared: bool, separate: bool, probes: int, 
 
 
 def test_token_by_token_from_the_start() -> None:
-    layer = RoutingAttention(2, 8, 5, 3, causal=True).eval()
+    layer = routing_layer(2, 8, 5, 3, causal=True).eval()
     q, _, v = rand_qkv(1, 2, 30, 8, dtype=torch.float32, grad=False)
     cache = layer.new_cache(1, 30)
     steps = torch.cat([layer.decode(q[:, :, t:t + 1], q[:, :, t:t + 1], v[:, :, t:t + 1], cache)
@@ -50,14 +49,14 @@ def test_the_cache_holds_the_last_window_positions_of_each_cluster(prompt: int) 
     """After a prompt (filled at once) and single tokens: cluster c's buffer holds exactly the last min(window, n_c)
     positions routed to c, with their keys and values."""
     B, H, N, D, kc, window = 2, 2, 50, 8, 4, 3
-    layer = RoutingAttention(H, D, kc, window, causal=True).eval()
+    layer = routing_layer(H, D, kc, window, causal=True).eval()
     q, _, v = rand_qkv(B, H, N, D, dtype=torch.float32, grad=False)
     cache = layer.new_cache(B, N)
     layer.decode(q[:, :, :prompt], q[:, :, :prompt], v[:, :, :prompt], cache)
     for t in range(prompt, N):
         layer.decode(q[:, :, t:t + 1], q[:, :, t:t + 1], v[:, :, t:t + 1], cache)
     assert cache.keys.shape == (B, H, kc, window, D)
-    clusters = layer.route(q, q)
+    clusters = layer.routing.route(q, q)
     for b in range(B):
         for h in range(H):
             for c in range(kc):
@@ -72,7 +71,7 @@ def test_the_cache_holds_the_last_window_positions_of_each_cluster(prompt: int) 
 
 
 def test_decoding_past_the_declared_maximum_is_an_error() -> None:
-    layer = RoutingAttention(2, 8, 4, 3, causal=True).eval()
+    layer = routing_layer(2, 8, 4, 3, causal=True).eval()
     q, _, v = rand_qkv(1, 2, 6, 8, dtype=torch.float32, grad=False)
     cache = layer.new_cache(1, 5)
     with pytest.raises(ValueError, match="max_len"):
@@ -84,4 +83,4 @@ def test_decoding_past_the_declared_maximum_is_an_error() -> None:
 
 def test_decoding_needs_a_causal_layer() -> None:
     with pytest.raises(ValueError, match="causal"):
-        RoutingAttention(2, 8, 4, 3, causal=False).new_cache(1, 10)
+        routing_layer(2, 8, 4, 3, causal=False).new_cache(1, 10)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import rand_qkv, rand_rel
+from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import KeyStore, RoutingAttention, RoutingCache, reference_attention
 from routeformer.attention.reference import reference_weights
@@ -16,9 +16,9 @@ from routeformer.attention.routing.probes import probe_masks
 
 
 def _layer(**kw) -> RoutingAttention:
-    layer = RoutingAttention(2, 8, 4, 5, causal=True, balance=0.01, **kw).double()
+    layer = routing_layer(2, 8, 4, 5, causal=True, balance=0.01, **kw).double()
     with torch.no_grad():
-        layer.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+        layer.routing.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     return layer
 
 
@@ -35,10 +35,10 @@ def test_gates_weigh_each_probed_cluster_by_the_query_softmax_over_its_centroids
     k = q if shared else k
     rel = rand_rel(D, 6)
     out = layer(q, k, v, rel_pos=rel)
-    r = F.normalize(q if shared else F.normalize(q, dim=-1) + F.normalize(k, dim=-1), dim=-1) @ layer.projection
-    gates = (8 * r @ layer.kmeans.centroids.transpose(-1, -2)).softmax(-1)  # (B, H, N, k)
-    probes = layer.probe(q, k)
-    masks = probe_masks(layer.route_keys(q, k), probes, 5)  # (B, H, p, N, N)
+    r = F.normalize(q if shared else F.normalize(q, dim=-1) + F.normalize(k, dim=-1), dim=-1) @ layer.routing.projection
+    gates = (8 * r @ layer.routing.kmeans.centroids.transpose(-1, -2)).softmax(-1)  # (B, H, N, k)
+    probes = layer.routing.probe(q, k)
+    masks = probe_masks(layer.routing.route_keys(q, k), probes, 5)  # (B, H, p, N, N)
     if shared:
         eye = torch.eye(N, dtype=torch.bool)
         masks = masks & ~(eye & (masks.any(2) & ~eye).any(-1, keepdim=True))[:, :, None]
@@ -68,23 +68,24 @@ def test_the_warm_up_attends_densely_for_its_steps_and_the_routing_learns_all_al
     k = q if shared else k
     rel = rand_rel(8, 5)
     for step in range(3):
-        assert layer.warming_up and int(layer.steps) == step
+        assert layer.warming_up and int(layer.routing.steps) == step
         for mode in (layer.train, layer.eval):  # the model is a function of its state, not of its mode
             mode()
             torch.testing.assert_close(layer(q, k, v, rel_pos=rel), _dense(q, k, v, shared, rel), rtol=1e-10,
                                        atol=1e-10)
         layer.train()
         layer(q, k, v)
-        assert layer.kmeans.pending_counts.sum() > 0 and layer.pending_load.sum() > 0  # observed all the same
-        bias = layer.bias.clone()
-        layer.update_routing()
-        assert not torch.equal(bias, layer.bias)
+        # observed all the same
+        assert layer.routing.kmeans.pending_counts.sum() > 0 and layer.routing.pending_load.sum() > 0
+        bias = layer.routing.bias.clone()
+        layer.update()
+        assert not torch.equal(bias, layer.routing.bias)
     assert not layer.warming_up
     routed = layer(q, k, v, rel_pos=rel)
     torch.testing.assert_close(routed, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
     assert not torch.allclose(routed, _dense(q, k, v, shared, rel))
     # The count is model state: a layer loaded from it routes at once.
-    fresh = RoutingAttention(2, 8, 4, 5, causal=True, shared_qk=shared, balance=0.01, probes=2, warmup=3).double()
+    fresh = routing_layer(2, 8, 4, 5, causal=True, shared_qk=shared, balance=0.01, probes=2, warmup=3).double()
     assert fresh.warming_up
     fresh.load_state_dict(layer.state_dict())
     assert not fresh.warming_up
@@ -92,8 +93,11 @@ def test_the_warm_up_attends_densely_for_its_steps_and_the_routing_learns_all_al
 
 
 def test_a_layer_in_its_warm_up_has_no_routed_cache() -> None:
+    """During the warm-up a layer's cache keeps every position (as a model's does), so it needs max_len."""
+    layer = routing_layer(2, 8, 4, 5, warmup=2)
+    assert isinstance(layer.new_cache(1, 10), KeyStore)
     with pytest.raises(ValueError, match="attends densely for 2 more optimiser steps"):
-        RoutingAttention(2, 8, 4, 5, warmup=2).new_cache(1, 10)
+        layer.new_cache(1, None)
 
 
 def test_a_model_decodes_exactly_during_and_after_the_warm_up() -> None:
@@ -193,7 +197,7 @@ def test_probes_in_half_precision_match_float64_over_the_same_routing(dtype: tor
     """N = 1024 takes the ranges; the first key of each cluster leaves its queries with no other key (shared QK:
     they see their own), so the empty slots of a half-precision tile must count as empty."""
     torch.manual_seed(0)
-    layer = RoutingAttention(4, 8, num_clusters=32, window=32, probes=2)
+    layer = routing_layer(4, 8, num_clusters=32, window=32, probes=2)
     q, v = (torch.randn(1, 4, 1024, 8).to(dtype) for _ in range(2))
     with torch.no_grad():  # routing runs in float32 from the same values: the same clusters and probes
         exact = layer(q.double(), q.double(), v.double())
@@ -273,7 +277,7 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
 def _handover_bias(layer: RoutingAttention, q, k, step: int) -> torch.Tensor:
     """Written from the definition: -16 · (s + 1) / handover on the pairs outside the routed mask (the union of
     the probes' windows before the own-key rule), 0 on those inside."""
-    routed = probe_masks(layer.route_keys(q, k), layer.probe(q, k), layer.window).any(2)
+    routed = probe_masks(layer.routing.route_keys(q, k), layer.routing.probe(q, k), layer.window).any(2)
     return (~routed).double() * -16.0 * (step - layer.warmup + 1) / layer.handover
 
 
@@ -284,10 +288,10 @@ def test_the_hand_over_penalises_the_unrouted_keys_more_each_step_then_routes(sh
     k = q if shared else k
     rel = rand_rel(8, 5)
     q.requires_grad_(True)
-    layer.update_routing()  # the warm-up's one step
+    layer.update()  # the warm-up's one step
     outs = []
     for step in range(1, 4):
-        assert layer.handing_over and not layer.warming_up and int(layer.steps) == step
+        assert layer.handing_over and not layer.warming_up and int(layer.routing.steps) == step
         n = q.shape[2]
         allow = torch.ones(n, n, dtype=torch.bool).tril()
         if shared:
@@ -298,7 +302,7 @@ def test_the_hand_over_penalises_the_unrouted_keys_more_each_step_then_routes(sh
         torch.testing.assert_close(torch.autograd.grad(out.square().sum(), q)[0],
                                    torch.autograd.grad(want.square().sum(), q)[0], rtol=1e-9, atol=1e-10)
         outs.append(layer.handover_penalty())
-        layer.update_routing()
+        layer.update()
     assert not layer.handing_over and not layer.dense
     routed = layer(q, k, v, rel_pos=rel).detach()
     torch.testing.assert_close(routed, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
@@ -343,9 +347,9 @@ def test_a_hand_over_is_counted_dense_at_the_model_length() -> None:
 
 def test_a_layer_in_its_hand_over_has_no_routed_cache_and_bad_hand_overs_are_refused() -> None:
     with pytest.raises(ValueError, match="attends densely for 3 more optimiser steps"):
-        RoutingAttention(2, 8, 4, 5, warmup=1, handover=2).new_cache(1, 10)
+        routing_layer(2, 8, 4, 5, warmup=1, handover=2).new_cache(1, None)
     with pytest.raises(ValueError, match="handover must be a non-negative integer"):
-        RoutingAttention(2, 8, 4, 5, handover=-1)
+        routing_layer(2, 8, 4, 5, handover=-1)
     with pytest.raises(ValueError, match="options.routing: handover must be a non-negative integer"):
         TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1",
                           options={"local": {"window": 8}, "routing": {"handover": 1.5}})
@@ -361,7 +365,7 @@ def test_the_heads_reference_and_weights_carry_the_hand_over_penalty() -> None:
     q, _, v = rand_qkv(2, 2, 30, 8)
     rel = rand_rel(8, 5)
     group.after_optimizer_step(0, None)  # the warm-up's one step: now in the hand-over
-    assert group.routing.handing_over
+    assert group.handing_over
     out = group(q, q, v, rel)
     torch.testing.assert_close(group.reference(q, q, v, rel), out, rtol=1e-10, atol=1e-10)
     weights = group.reference_weights(q, q, rel).detach()

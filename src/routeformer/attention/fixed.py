@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_split_heads, positive_int
-from ..executors import Backend, get_executor, lse_dtype, merge_partials, neg_inf
+from ..executors import Backend, get_executor, merge_partials
 from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind, KeyStore
@@ -59,24 +59,20 @@ def fixed_attention(
     block, summary = positive_int("block", block), positive_int("summary", summary)
     if summary > block:
         raise ValueError(f"summary must be at most block, got summary={summary} > block={block}")
-    common = {"causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos,
-              "executor": get_executor(backend, q.device)}
+    executor = get_executor(backend, q.device)
+    common = {"scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
+    # A2 without a summary cell before N (the sequence ends first) is attention to no key
+    cells, allow = summary_keys(N, block, summary, other_blocks=merged, causal=causal, device=q.device)
     if merged:
-        parts = [
-            _within_block(q, k, v, block, need_lse=True, **common),
-            _summaries(q, k, v, block, summary, other_blocks=True, need_lse=True, **common),
-        ]
+        parts = [executor.block_diagonal(q, k, v, block, causal=causal, need_lse=True, **common)]
+        if cells.numel():
+            parts.append(executor.subset(q, k, v, cells, allow, need_lse=True, **common))
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = _within_block(q[:, :half], k[:, :half], v[:, :half], block, **common)
-    a2, _ = _summaries(q[:, half:], k[:, half:], v[:, half:], block, summary, other_blocks=False, **common)
+    a1, _ = executor.block_diagonal(q[:, :half], k[:, :half], v[:, :half], block, causal=causal, **common)
+    a2 = (executor.subset(q[:, half:], k[:, half:], v[:, half:], cells, allow, **common)[0] if cells.numel()
+          else q.new_zeros(B, H - half, N, D))
     return torch.cat([a1, a2], dim=1)
-
-
-def _within_block(q, k, v, block, *, causal, scale, key_valid, rel_pos, executor, need_lse=False):
-    """A1: attention within blocks of ``block`` positions (the executor's block diagonal)."""
-    return executor.block_diagonal(q, k, v, block, causal=causal, scale=scale, key_valid=key_valid,
-                                         rel_pos=rel_pos, need_lse=need_lse)
 
 
 def summary_count(n: int, block: int, summary: int) -> int:
@@ -84,24 +80,20 @@ def summary_count(n: int, block: int, summary: int) -> int:
     return n // block * summary + max(0, n % block - (block - summary))
 
 
-def _summaries(q, k, v, block, summary, *, other_blocks, causal, scale, key_valid, rel_pos, executor,
-               need_lse=False):
-    """Attention to the summary positions (j mod l >= l - c), of other blocks only when ``other_blocks``."""
-    B, H, N, D = q.shape
-    pos = torch.arange(N, device=q.device)
-    count = summary_count(N, block, summary)
-    m = torch.arange(count, device=q.device)
+def summary_keys(n: int, block: int, summary: int, *, other_blocks: bool, causal: bool,
+                 device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """A2's keys for the executor's ``subset``: the summary positions (j mod l >= l - c), (M,) ascending, and which
+    of them each of the n queries sees, (n, M) bool or None for all (of other blocks only when ``other_blocks``)."""
+    pos = torch.arange(n, device=device)
+    count = summary_count(n, block, summary)
+    m = torch.arange(count, device=device)
     cells = m // summary * block + (block - summary) + m % summary  # (M,), ascending
-    if count == 0:  # the sequence ends before the first summary cell
-        acc = lse_dtype(q.dtype)
-        return q.new_zeros(B, H, N, D), torch.full((B, H, N), neg_inf(acc), dtype=acc, device=q.device)
     i, j = pos[:, None], cells[None, :]
     if other_blocks:
         allow = (j // block < i // block) if causal else (j // block != i // block)
     else:
         allow = (j <= i) if causal else None
-    return executor.subset(q, k, v, cells, allow, scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                                 need_lse=need_lse)
+    return cells, allow
 
 
 # --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
@@ -178,12 +170,15 @@ class FixedHeads(HeadGroup):
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
             return fixed_attention(q, k, v, self.block, self.summary, causal=True, rel_pos=rel_pos,
-                                   backend=self.backend)
-        common = {"causal": True, "scale": self.scale, "key_valid": None, "rel_pos": rel_pos,
-                  "executor": get_executor(self.backend, q.device)}
+                                   backend=self.executor)
         if self.part == "a1":
-            return _within_block(q, k, v, self.block, **common)[0]
-        return _summaries(q, k, v, self.block, self.summary, other_blocks=False, **common)[0]
+            return self.executor.block_diagonal(q, k, v, self.block, causal=True, scale=self.scale, key_valid=None,
+                                                rel_pos=rel_pos)[0]
+        cells, allow = summary_keys(q.shape[2], self.block, self.summary, other_blocks=False, causal=True,
+                                    device=q.device)
+        if not cells.numel():
+            return torch.zeros_like(q)
+        return self.executor.subset(q, k, v, cells, allow, scale=self.scale, key_valid=None, rel_pos=rel_pos)[0]
 
     def reference_mask(self, q, k):
         a1, a2 = fixed_mask(q.shape[2], self.block, self.summary, merged=False, heads=2, device=q.device)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..executors import Backend, Executor, get_executor, merge_partials, saw_key
+from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
@@ -57,7 +57,22 @@ def full_attention(
     executor = get_executor(backend, q.device)
     if rel_pos is not None:
         if rel_pos.max_distance + 1 < N:
-            return _near_and_far(q, k, v, causal, scale, key_valid, rel_pos, executor)
+            # clipped at k < N - 1: the band |i - j| <= k with the relative terms, and the far keys (j < i - k, and
+            # j > i + k when non-causal) with the constant terms of distance ∓k
+            clip = rel_pos.max_distance
+            parts = [executor.band(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
+                                   rel_pos=rel_pos, need_lse=True)]
+            # the far keys of one dense tile, as key - query offsets: no (N, N) mask for an executor that reads them
+            sides = [(-1, (-(N - 1), -clip - 1))] + ([] if causal else [(1, (clip + 1, N - 1))])
+            for sign, offsets in sides:
+                out, lse = executor.tiled(q, k, v, Tiling(block=N, offsets=offsets), scale=scale,
+                                          key_valid=key_valid, need_lse=True)
+                a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
+                shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
+                has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever q's dtype
+                out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (weights sum to 1)
+                parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows: neg_inf
+            return merge_partials(parts)[0]
         return executor.block_diagonal(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
                                              rel_pos=rel_pos)[0]
     if key_valid is None:
@@ -70,27 +85,6 @@ def full_attention(
     first = torch.arange(N, device=q.device) == 0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow | (~has_key & first), scale=scale)
     return out.masked_fill(~has_key, 0.0)
-
-
-def _near_and_far(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, key_valid: Tensor | None,
-                  rel_pos: RelativePositions, executor: Executor) -> Tensor:
-    """Full attention with relative positions clipped at k < N - 1: the band |i - j| <= k with the relative terms,
-    and the far keys (j < i - k, and j > i + k when non-causal) with the constant terms of distance ∓k."""
-    N = q.shape[2]
-    clip = rel_pos.max_distance
-    parts = [executor.band(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
-                           rel_pos=rel_pos, need_lse=True)]
-    # the far keys of one dense tile, as key - query offsets: no (N, N) mask for an executor that reads them
-    sides = [(-1, (-(N - 1), -clip - 1))] + ([] if causal else [(1, (clip + 1, N - 1))])
-    for sign, offsets in sides:
-        out, lse = executor.tiled(q, k, v, Tiling(block=N, offsets=offsets), scale=scale, key_valid=key_valid,
-                                  need_lse=True)
-        a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
-        shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
-        has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever the dtype of q
-        out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (their weights sum to 1)
-        parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows stay at neg_inf
-    return merge_partials(parts)[0]
 
 
 # --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
@@ -124,7 +118,7 @@ class FullHeads(HeadGroup):
         self.kernel = kernel
 
     def forward(self, q, k, v, rel_pos):
-        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.backend)
+        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.executor)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)

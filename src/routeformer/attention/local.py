@@ -94,7 +94,7 @@ class LocalHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,
-                               backend=self.backend)
+                               backend=self.executor)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from ..checks import check_per_head, check_positions, positive_int
 from ..executors import Backend, get_executor, merge_partials
+from ..executors.grid import columns_key_valid, from_columns, to_columns
 from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
-from .grid import columns_key_valid, from_columns, to_columns
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .masks import _grid
@@ -63,12 +63,37 @@ def longformer_attention(
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
         heads = [h for h in range(H) if dilations[h] == d]
-        qkv = (q, k, v)
+        qd, kd, vd = q, k, v
         if len(heads) < H:
             idx = _index(heads, q.device)
-            qkv = tuple(x[:, idx] for x in qkv)
-        outs.append(_dilated(*qkv, window, d, g, causal=causal, scale=scale, key_valid=key_valid,
-                             rel_pos=rel_pos, executor=executor))
+            qd, kd, vd = (x[:, idx] for x in (q, k, v))
+        # the dilated band: a band along the columns of the sequence seen as a grid of d columns
+        qc, kc, vc = to_columns(qd, d), to_columns(kd, d), to_columns(vd, d)  # (B·d, h, N/d, D)
+        band, band_lse = executor.band(
+            qc, kc, vc, window=window, causal=causal, scale=scale,
+            key_valid=columns_key_valid(key_valid, B, N, d, q.device),
+            rel_pos=rel_pos, distances=Distances(unit=d), need_lse=g is not None,
+        )
+        out = from_columns(band, d, N)
+        if g is not None:
+            pos = torch.arange(N, device=q.device)
+            # Every query also sees the global keys its band does not already hold.
+            diff = g[None, :] - pos[:, None]  # (N, G): key - query
+            steps = torch.div(diff, d, rounding_mode="floor")
+            in_band = (diff % d == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
+            allow = ~in_band & (diff <= 0) if causal else ~in_band
+            glob, glob_lse = executor.subset(qd, kd, vd, g, allow, scale=scale, key_valid=key_valid,
+                                             rel_pos=rel_pos, need_lse=True)
+            out, _ = merge_partials([(out, from_columns(band_lse, d, N)), (glob, glob_lse)])
+            # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
+            rows_delta = pos[None, :] - g[:, None]  # (G, N)
+            rows, _ = executor.tiled(
+                qd[:, :, g], kd, vd, Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None),
+                scale=scale, key_valid=key_valid, rel_pos=rel_pos,
+                distances=None if rel_pos is None else Distances(delta=rows_delta),
+            )
+            out = out.index_copy(2, g, rows)
+        outs.append(out)
         order += heads
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     if order != sorted(order):
@@ -80,38 +105,6 @@ def _index(values: list[int], device: torch.device) -> Tensor:
     """A long tensor of ``values`` on ``device``, without waiting for the copy: from pageable host memory a
     non-blocking copy is staged at once, so the host buffer may go (no stream synchronisation on CUDA)."""
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-
-def _dilated(q, k, v, window, dilation, g, *, causal, scale, key_valid, rel_pos, executor):
-    """Dilated band of (B, H, N, D) inputs, plus the global positions ``g`` (G,) (long, on q's device) or None."""
-    B, H, N, D = q.shape
-    qc, kc, vc = (to_columns(x, dilation) for x in (q, k, v))  # (B·d, H, N/d, D)
-    band, band_lse = executor.band(
-        qc, kc, vc, window=window, causal=causal, scale=scale,
-        key_valid=columns_key_valid(key_valid, B, N, dilation, q.device),
-        rel_pos=rel_pos, distances=Distances(unit=dilation), need_lse=g is not None,
-    )
-    out = from_columns(band, dilation, N)
-    if g is None:
-        return out
-
-    pos = torch.arange(N, device=q.device)
-    # Every query also sees the global keys its band does not already hold.
-    diff = g[None, :] - pos[:, None]  # (N, G): key - query
-    steps = torch.div(diff, dilation, rounding_mode="floor")
-    in_band = (diff % dilation == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
-    allow = ~in_band & (diff <= 0) if causal else ~in_band
-    glob, glob_lse = executor.subset(q, k, v, g, allow, scale=scale, key_valid=key_valid,
-                                           rel_pos=rel_pos, need_lse=True)
-    out, _ = merge_partials([(out, from_columns(band_lse, dilation, N)), (glob, glob_lse)])
-
-    # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
-    rows_delta = pos[None, :] - g[:, None]  # (G, N)
-    rows, _ = executor.tiled(
-        q[:, :, g], k, v, Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None), scale=scale,
-        key_valid=key_valid, rel_pos=rel_pos, distances=None if rel_pos is None else Distances(delta=rows_delta),
-    )
-    return out.index_copy(2, g, rows)
 
 
 # --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
@@ -204,7 +197,7 @@ class LongformerHeads(HeadGroup):
     def forward(self, q, k, v, rel_pos):
         present = self._present(q.shape[2])
         return longformer_attention(q, k, v, self.window, self.dilation, present or None, causal=True,
-                                    rel_pos=rel_pos, backend=self.backend)
+                                    rel_pos=rel_pos, backend=self.executor)
 
     def reference_mask(self, q, k):
         return longformer_mask(q.shape[2], self.window, self.dilation, self._present(q.shape[2]), causal=True,

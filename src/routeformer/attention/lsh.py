@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import check_inputs
+from ..executors.inputs import Inputs, check_inputs
 from ..executors.tiling import KeyRestrictions, Tiling, shift_invariant_mask
 from .decoding import attend_cached
 from .kinds.base import HeadGroup, HeadKind
@@ -105,7 +105,9 @@ def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool 
     """The boolean (B, H, N, N) mask of ``lsh_attention`` with the same arguments, from its definition (O(N²)):
     the union over rounds of ``sorted_window_mask`` of each round's buckets, less padded keys, less the query's
     own key unless it is the only key left."""
-    hashes, valid = _prepare(q, q, buckets, rounds, window, None, key_padding_mask, rotations, seed)[:2]
+    buckets, rounds = _check(q, q, buckets, rounds, window)
+    inputs = check_inputs(q, q, q, None, key_padding_mask)
+    hashes, valid = _hashes(q, inputs, buckets, rounds, rotations, seed), inputs.key_valid
     allow = torch.zeros(*hashes.shape[:2], hashes.shape[-1], hashes.shape[-1], dtype=torch.bool, device=q.device)
     for r in range(hashes.shape[2]):
         allow = allow | sorted_window_mask(hashes[:, :, r], window, causal, exclude_self=False)
@@ -152,7 +154,9 @@ def lsh_attention(
         O(N · (D + rounds)) kept for the backward on the fused executor (the probabilities recomputed), O(rounds · N
         · window) on the tiles executor (each round's probabilities; the masks of one round at a time).
     """
-    hashes, valid, scale = _prepare(q, v, buckets, rounds, window, scale, key_padding_mask, rotations, seed)
+    buckets, rounds = _check(q, v, buckets, rounds, window)
+    inputs = check_inputs(q, q, v, scale, key_padding_mask)
+    hashes, valid, scale = _hashes(q, inputs, buckets, rounds, rotations, seed), inputs.key_valid, inputs.scale
     executor = get_executor(backend, q.device)
     B, H, N, D = q.shape
     R = hashes.shape[2]
@@ -202,22 +206,26 @@ def _check_buckets(buckets: object) -> int:
     return buckets
 
 
-def _prepare(q: Tensor, v: Tensor, buckets: int, rounds: int, window: int, scale: float | None,
-             key_padding_mask: Tensor | None, rotations: Tensor | None, seed: int):
-    """Validate the arguments; -> (hashes (B, H, rounds, N), key_valid (B, 1, N) or None, scale)."""
+def _check(q: Tensor, v: Tensor, buckets: int, rounds: int, window: int) -> tuple[int, int]:
+    """Validate the LSH arguments before the inputs (``check_inputs``, by the caller); -> (buckets, rounds)."""
     buckets = _check_buckets(buckets)
     rounds = positive_int("rounds", rounds)
     positive_int("window", window)
     if isinstance(q, Tensor) and isinstance(v, Tensor) and q.shape != v.shape:
         raise ValueError(f"q and v must have the same shape (B, H, N, D), got q {tuple(q.shape)}, "
                          f"v {tuple(v.shape)}")
-    _, H, _, D, scale, valid = check_inputs(q, q, v, scale, key_padding_mask)
+    return buckets, rounds
+
+
+def _hashes(q: Tensor, inputs: Inputs, buckets: int, rounds: int, rotations: Tensor | None, seed: int) -> Tensor:
+    """(B, H, rounds, N) buckets of the checked queries, under ``rotations`` (default: drawn from ``seed``)."""
+    H, D = inputs.heads, inputs.head_dim
     if rotations is None:
         rotations = lsh_rotations(H, D, buckets, rounds, seed=seed).to(q.device)
     elif not isinstance(rotations, Tensor) or tuple(rotations.shape) != (H, rounds, D, buckets // 2):
         raise ValueError(f"rotations must have shape (H, rounds, D, buckets/2) = {(H, rounds, D, buckets // 2)}, "
                          f"got {tuple(getattr(rotations, 'shape', ()))}")
-    return lsh_hash(q, rotations), valid, scale
+    return lsh_hash(q, rotations)
 
 
 # --- the head kind: how a model uses it ---
@@ -310,7 +318,7 @@ class LSHHeads(HeadGroup):
     def forward(self, q, k, v, rel_pos):
         if rel_pos is not None:
             raise ValueError("lsh heads do not support relative positions")
-        return lsh_attention(q, v, causal=True, scale=self.scale, backend=self.backend, **self._kwargs())
+        return lsh_attention(q, v, causal=True, scale=self.scale, backend=self.executor, **self._kwargs())
 
     def reference_mask(self, q, k):
         return lsh_mask(q, causal=True, **self._kwargs())

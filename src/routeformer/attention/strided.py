@@ -23,11 +23,9 @@ import torch
 from torch import Tensor
 
 from ..checks import check_split_heads, positive_int
-from ..executors import Backend, Executor, get_executor, merge_partials
+from ..executors import Backend, get_executor, merge_partials
 from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
-from ..executors.tiling import Distances, Tiling
-from .grid import columns_key_valid, from_columns, to_columns
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .local import local_attention
@@ -67,50 +65,15 @@ def strided_attention(
     if merged:
         parts = [
             executor.band(q, k, v, need_lse=True, **near),
-            column_attention(q, k, v, stride, causal=causal, gap=2, scale=scale, key_valid=key_valid,
-                             rel_pos=rel_pos, need_lse=True, executor=executor),
+            executor.columns(q, k, v, stride, causal=causal, gap=2, scale=scale, key_valid=key_valid,
+                             rel_pos=rel_pos, need_lse=True),
         ]
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
     a1, _ = executor.band(q[:, :half], k[:, :half], v[:, :half], **near)
-    a2, _ = column_attention(q[:, half:], k[:, half:], v[:, half:], stride, causal=causal, gap=0, scale=scale,
-                             key_valid=key_valid, rel_pos=rel_pos, executor=executor)
+    a2, _ = executor.columns(q[:, half:], k[:, half:], v[:, half:], stride, causal=causal, gap=0, scale=scale,
+                             key_valid=key_valid, rel_pos=rel_pos)
     return torch.cat([a1, a2], dim=1)
-
-
-def column_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    width: int,
-    *,
-    causal: bool,
-    gap: int,
-    scale: float,
-    key_valid: Tensor | None,
-    rel_pos: RelativePositions | None,
-    need_lse: bool = False,
-    executor: Executor,
-) -> tuple[Tensor, Tensor | None]:
-    """Keys in the query's column of the (N / width, width) grid at least ``gap`` rows away (earlier when causal).
-
-    Each column is one dense (R, R) tile, R = ceil(N / width); relative distances are width · (row difference).
-    """
-    B, _, N, _ = q.shape
-    rows = -(-N // width)
-    qc, kc, vc = (to_columns(x, width) for x in (q, k, v))  # (B·width, H, R, D)
-    r = torch.arange(rows, device=q.device)
-    offset = r[None, :] - r[:, None]  # key row - query row
-    if causal:
-        allow: Tensor | None = offset <= -gap
-    else:
-        allow = offset.abs() >= gap if gap else None
-    out, lse = executor.tiled(
-        qc, kc, vc, Tiling.dense(rows, allow=allow), scale=scale,
-        key_valid=columns_key_valid(key_valid, B, N, width, q.device),
-        rel_pos=rel_pos, distances=Distances(unit=width), need_lse=need_lse,
-    )
-    return from_columns(out, width, N), None if lse is None else from_columns(lse, width, N)
 
 
 # --- what it means: the mask from its definition (O(N²), sharing no code with the fast path) ---
@@ -165,11 +128,11 @@ class StridedHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
-            return strided_attention(q, k, v, self.stride, causal=True, rel_pos=rel_pos, backend=self.backend)
+            return strided_attention(q, k, v, self.stride, causal=True, rel_pos=rel_pos, backend=self.executor)
         if self.part == "a1":
-            return local_attention(q, k, v, self.stride + 1, causal=True, rel_pos=rel_pos, backend=self.backend)
-        return column_attention(q, k, v, self.stride, causal=True, gap=0, scale=self.scale, key_valid=None,
-                                rel_pos=rel_pos, executor=get_executor(self.backend, q.device))[0]
+            return local_attention(q, k, v, self.stride + 1, causal=True, rel_pos=rel_pos, backend=self.executor)
+        return self.executor.columns(q, k, v, self.stride, causal=True, gap=0, scale=self.scale, key_valid=None,
+                                     rel_pos=rel_pos)[0]
 
     def reference_mask(self, q, k):
         a1, a2 = strided_mask(q.shape[2], self.stride, merged=False, heads=2, device=q.device)

@@ -16,13 +16,11 @@ matrix. This package is the lower layer: it imports nothing from the mechanisms.
 
 from .inputs import Inputs, check_inputs
 from .interface import (
-    AUTO,
     EXECUTORS,
     FEATURES,
     Backend,
     Executor,
     check_backend,
-    executor_for,
     get_executor,
     register_executor,
     resolve_backend,
@@ -32,7 +30,6 @@ from .relative import RelativePositions
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 __all__ = [
-    "AUTO",
     "EXECUTORS",
     "FEATURES",
     "INDEX",
@@ -45,7 +42,6 @@ __all__ = [
     "Tiling",
     "check_backend",
     "check_inputs",
-    "executor_for",
     "get_executor",
     "lse_dtype",
     "merge_partials",

@@ -2,8 +2,9 @@
 
 A pattern (``local``, ``strided``, ``fixed``, ``longformer``, ``full``, ``routing``) says which keys each query
 sees and builds that from a few pieces; an executor computes the pieces without an N×N matrix. Every pattern
-function takes ``backend`` (as do the head modules and ``TransformerConfig``) and calls
-``get_executor(backend, q.device)``:
+function takes ``backend`` (a name or an ``Executor``) and calls ``get_executor(backend, q.device)`` once; below it
+only ``Executor`` values travel. A model resolves ``TransformerConfig.backend`` for its device and hands the executor
+to its head groups (``TransformerLM``), again when it moves to another device:
 
 - ``"fused"`` (``fused/``): C++ CPU kernels compiled at first use, masks computed from the values inside the
   kernel, an online softmax, and a backward that recomputes the probabilities (it keeps O(N · D) per head); the
@@ -12,8 +13,8 @@ function takes ``backend`` (as do the head modules and ``TransformerConfig``) an
 - ``"tiles"`` (``tiles/``): blocked PyTorch with a fused custom operator; runs everywhere.
 - ``"flex"`` (``flex/``): FlexAttention, compiled, one fused kernel per piece with a block-sparse ``BlockMask``;
   the default on CUDA. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
-- ``"auto"``: ``"flex"`` on CUDA, ``"fused"`` on the CPU (``"tiles"`` where it cannot be built), ``"tiles"``
-  elsewhere.
+- ``"auto"`` (a name only, resolved by ``get_executor``): ``"flex"`` on CUDA, ``"fused"`` on the CPU
+  (``"tiles"`` where it cannot be built), ``"tiles"`` elsewhere.
 
 ``register_executor`` adds another by name. An executor has one operation, ``tiled``, which takes (B, H, N, D)
 queries, keys and values and values that describe the rest (``tiling.py``): a ``Tiling`` (blocks, neighbouring
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from . import flex
 from .fused import executor as fused
+from .grid import columns_key_valid, from_columns, to_columns
 from .lowering import in_order, labels_as_mask
 from .ranges import check_ranges, range_attention
 from .relative import RelativePositions
@@ -75,7 +77,7 @@ class Executor:
     ``tiled`` once the arguments are checked; see ``tiled`` for their meaning. ``ranges_run`` (the arguments of
     ``ranges``) and ``rounds_run`` (LSH's rounds, ``lsh.lsh_attention``) are its own ways of computing those, where
     it has them. ``delegate(q)`` names the executor that takes a call on queries q instead of this one (None: this
-    one): AUTO's is its device's executor, the fused one's the tiles executor for what its kernels do not take.
+    one): the fused one's is the tiles executor for what its kernels do not take.
     """
 
     name: str
@@ -187,6 +189,31 @@ class Executor:
             distances=None if delta is None else Distances(delta=delta), need_lse=need_lse,
         )
 
+    def columns(self, q: Tensor, k: Tensor, v: Tensor, width: int, *, causal: bool, gap: int, scale: float,
+                key_valid: Tensor | None, rel_pos: RelativePositions | None,
+                need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Keys in the query's column of the (N / width, width) grid at least ``gap`` rows away (earlier when
+        causal): the Sparse Transformer's strided heads, by the transpose trick (``grid.py``).
+
+        q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Each column is one dense (R, R) tile,
+        R = ceil(N / width); relative distances are width · (row difference). Time O(N · R · D), memory O(N · R).
+        """
+        B, _, N, _ = q.shape
+        rows = -(-N // width)
+        qc, kc, vc = (to_columns(x, width) for x in (q, k, v))  # (B·width, H, R, D)
+        r = torch.arange(rows, device=q.device)
+        offset = r[None, :] - r[:, None]  # key row - query row
+        if causal:
+            allow: Tensor | None = offset <= -gap
+        else:
+            allow = offset.abs() >= gap if gap else None
+        out, lse = self.tiled(
+            qc, kc, vc, Tiling.dense(rows, allow=allow), scale=scale,
+            key_valid=columns_key_valid(key_valid, B, N, width, q.device),
+            rel_pos=rel_pos, distances=Distances(unit=width), need_lse=need_lse,
+        )
+        return from_columns(out, width, N), None if lse is None else from_columns(lse, width, N)
+
     def ranges(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
                merge: int = 1, **options) -> tuple[Tensor, Tensor | None]:
         """Each query entry against its own contiguous range of keys [lo, hi) (at most ``width`` keys), the
@@ -238,7 +265,7 @@ def resolve_backend(name: Backend, device: torch.device | str | None) -> str:
     """The executor ``name`` stands for on ``device``: ``"auto"`` is ``"flex"`` on CUDA, ``"fused"`` on the CPU
     (``"tiles"`` when its kernels cannot be built: a warning says why, once), ``"tiles"`` elsewhere."""
     if isinstance(name, Executor):
-        return resolve_backend(name.name, device) if name.name == "auto" else name.name
+        return name.name
     if check_backend(name) != "auto":
         return name
     kind = torch.device(device or "cpu").type
@@ -252,26 +279,6 @@ def get_executor(backend: Backend = "auto", device: torch.device | str | None = 
     if isinstance(backend, Executor):
         return backend
     return EXECUTORS[resolve_backend(backend, device)]
-
-
-def executor_for(backend: Backend) -> Executor:
-    """``backend`` resolved once, for a module to keep and hand on: a named executor, or for ``"auto"`` the one
-    executor whose operations take the registered executor of their queries' device (``resolve_backend``)."""
-    if isinstance(backend, Executor):
-        return backend
-    return AUTO if check_backend(backend) == "auto" else EXECUTORS[backend]
-
-
-def _on_device(q: Tensor) -> Executor:
-    """AUTO's delegate: the registered executor of q's device."""
-    return EXECUTORS[resolve_backend("auto", q.device)]
-
-
-def _delegated(*args, **kwargs):
-    raise RuntimeError("AUTO delegates every call to its device's executor (Executor.runner)")
-
-
-AUTO = Executor("auto", _delegated, frozenset(FEATURES), delegate=_on_device)
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:

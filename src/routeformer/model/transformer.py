@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.kinds import HeadGroup
+from ..executors import get_executor
 from .config import TransformerConfig
 from .generate import generate, stream
 from .layers import Block, init_weights
@@ -58,6 +59,15 @@ class TransformerLM(nn.Module):
             init_weights(block, config.depth)
         nn.init.zeros_(self.head.weight)
         self.aux_loss: Tensor = torch.zeros(())
+        self._executor_device = torch.device("cpu")  # the blocks hold this device's executor (config.backend)
+
+    def _bind_executors(self, device: torch.device) -> None:
+        """Resolve ``config.backend`` for ``device`` once ("auto": the fused kernels on the CPU, FlexAttention on
+        CUDA) and hand the executor to every head group that runs on one."""
+        executor = get_executor(self.config.backend, device)
+        for block in self.blocks:
+            block.attention.bind(executor)
+        self._executor_device = device
 
     @property
     def commitment_loss(self) -> Tensor:
@@ -72,6 +82,8 @@ class TransformerLM(nn.Module):
         if cache is not None:
             cache.check(N)
             start = cache.length
+        if tokens.device != self._executor_device:  # the model moved: its device's executor
+            self._bind_executors(tokens.device)
         x = self.embed(tokens)
         if self.positions is not None:
             x = x + self.positions(start, N, tokens.device).to(x.dtype)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...executors import Backend
+from ...executors import Executor, get_executor
 from ...executors.relative import RelativePositions
 from ..decoding import attend_cached
 from ..kernels import attend_cached_kernel, kernel_scale
@@ -86,13 +86,29 @@ class HeadGroup(nn.Module):
     """
 
     kernel = "exp"  # the similarity the heads normalise (``attention/kernels.py``); reference and attend follow it
-    backend: Backend = "auto"  # the executor (``executors.py``) of kinds that run on one; the model resolves its
-    # config's once and sets it here
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.scale = head_dim ** -0.5
+        self._executor: Executor | None = None
+
+    @property
+    def executor(self) -> Executor:
+        """The executor (``routeformer.executors``) of kinds that run on one: the model sets its device's
+        (``TransformerLM``); a group on its own, until one is set, takes that of the device its buffers are on (the
+        CPU's without any)."""
+        if self._executor is not None:
+            return self._executor
+        held = next(self.buffers(), None)
+        return get_executor("auto", "cpu" if held is None else held.device)
+
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        if not isinstance(executor, Executor):
+            raise ValueError(f"executor must be an Executor (routeformer.executors.get_executor(name)), got "
+                             f"{executor!r}")
+        self._executor = executor
 
     @property
     def kernel_scale(self) -> float | None:

@@ -11,23 +11,24 @@
                            the routed keys gradually instead of losing the rest at once
     balanced (non-causal): each centroid takes its `window` nearest tokens ─► attention per cluster ─► lse merge
 
-Centroids and the balancing bias move only in ``update_routing()`` (see ``kmeans.py`` and ``router.py``).
+Centroids and the balancing bias move only in ``update()`` / ``update_routing()`` (see ``kmeans.py`` and
+``router.py``). ``RoutingAttention`` is the routing head group of a model and a module of its own.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
-from ...checks import positive_int
-from ...executors import Backend, executor_for, get_executor
-from ...executors.inputs import check_inputs
-from ...executors.relative import RelativePositions
-from ...executors.tiling import INDEX, KeyRestrictions, Tiling
+from ...executors import INDEX, KeyRestrictions, RelativePositions, Tiling, check_inputs
+from ..kinds.base import HeadGroup, KeyStore
+from ..reference import reference_attention
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache
-from .probes import probed_window_attention, probed_window_mask, routed_pairs
+from .options import RoutingOptions
+from .probes import probe_masks, probed_window_attention, probed_window_mask, routed_pairs
 from .router import Router, Routes, update_routing
 from .sorted_window import drop_own_key, sort_by_cluster, sorted_window_attention, sorted_window_mask
 
@@ -37,85 +38,76 @@ GATE_SHARPNESS = 8.0  # the gates are softmax(8 · cos(r_q, μ)) over the centro
 HANDOVER_PENALTY = 16.0  # nats at the hand-over's last step: an unrouted key then weighs e^-16 of a routed one
 
 
-class RoutingAttention(Router):
-    """Routing attention over (B, H, N, D) queries, keys and values: a ``Router`` that attends within its clusters.
+class RoutingAttention(HeadGroup):
+    """Routing attention over (B, H, N, D) queries, keys and values: heads that attend within the clusters their
+    ``Router`` (``routing``) assigns; a model's routing head group, and a module of its own.
 
     Args:
         heads, head_dim: H and D.
-        num_clusters: k centroids per head (≈ sqrt(N) gives O(N^1.5 · D)).
-        window: keys per query and probe: the most recent ``window`` keys of each probed cluster (causal), or the
-            ``window`` nearest in the cluster's order (non-causal sorted), or the size of each balanced cluster.
+        options: ``RoutingOptions`` (``options.py``) with ``num_clusters`` and ``window`` given (a model completes
+            them from seq_len): k centroids per head (≈ sqrt(N) gives O(N^1.5 · D)); keys per query and probe (the
+            most recent ``window`` keys of each probed cluster when causal, the ``window`` nearest in the cluster's
+            order when non-causal sorted, the size of each balanced cluster); shared QK, separate routing, probes,
+            the balancing bias, the dense warm-up and hand-over, gates, the k-means decay and the commitment weight
+            (see ``RoutingOptions``; all but num_clusters, window, shared_qk, decay and commitment are causal
+            only).
         causal: a query sees only positions <= its own. Causal routing never lets a later token decide which
             earlier tokens share a cluster (the paper's balanced clusters would: they leak the future into the
             past); balance comes from the bias instead (``balance``).
-        shared_qk: queries and keys are the same vectors (pass k = q): the routing vector of a position comes from
-            q, and a query does not attend to its own key unless no other key is visible (q_i·k_i would dominate).
-            With ``shared_qk=False`` each position routes on normalise(n(q_i) + n(k_i)), one cluster per position
-            (the paper assumes W_Q ≈ W_K, so q_i and k_i point alike), and its own key is an ordinary key.
         balanced: non-causal only. True: the paper's balanced clusters (each centroid takes its ``window`` nearest
             tokens; a token in several clusters attends to the union of their keys, merged exactly; a token in
             none attends to the keys of its nearest centroid's cluster). False: the sorted window without the
             causal constraint. Default: True when non-causal.
-        separate: causal, shared_qk=False: route queries by q and keys by k; a query probes the clusters nearest its
-            query vector, a key joins the cluster of its key vector, so W_Q and W_K can learn to meet in a cluster as
-            they meet in q·k.
-        probes: causal: the clusters each query probes, p (``probes.py``); a query scores up to p · window keys.
-        balance: causal: the step of the per-cluster bias that balances the clusters' loads between optimiser
-            steps (``router.py``); 0 keeps the paper's plain argmax.
-        warmup: causal: optimiser steps (``update`` calls) of dense causal attention first, while the k-means, the
-            bias and the projections learn; then the layer routes. The counter is saved with the model.
-        handover: causal: optimiser steps after the warm-up in which the heads still attend densely but with the
-            scores of the keys routing would not score lowered by λ, growing linearly to ``HANDOVER_PENALTY`` at
-            its last step (``handover_penalty``); then the layer routes. O(N²·D) like the warm-up.
-        gate: causal: scale each probed cluster's softmax by the query's softmax over its centroid scores instead
-            of one softmax over the union: a differentiable path into the routing.
-        decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
-        backend: the executor of the attention ("auto": FlexAttention on CUDA, the fused kernels on the CPU;
-            "fused", "tiles", "flex").
+
+    With shared QK pass k = q: a query then does not attend to its own key unless no other key is visible. The
+    executor is ``self.executor`` (a model sets its device's; standalone, the CPU's).
 
     After ``forward`` in training mode, ``commitment_loss`` holds β · mean ||r - sg(μ_c)||² for the training loss
-    (None after a forward in evaluation mode, which needs no loss).
+    (None after a forward in evaluation mode, which needs no loss). ``update()`` after each optimiser step moves
+    the centroids and the bias and counts the warm-up.
     Time O(N·k·D + N·p·window·D), memory O(N·k + N·p·window) per head; O(N²·D) during the warm-up.
 
-    The routing (``projection`` W_R, ``kmeans``, the bias, ``route``, ``route_keys``, ``probe``, the statistics and
-    the commitment loss) is the ``Router`` this class extends, so the state_dict keys are the router's own
-    (``projection``, ``kmeans.*``, ``bias``) and, with a warm-up, ``steps``.
+    State: the router's (``routing.projection``, ``routing.kmeans.*``, ``routing.bias`` and, with a warm-up,
+    ``routing.steps``).
     """
 
-    def __init__(self, heads: int, head_dim: int, num_clusters: int, window: int, causal: bool = True,
-                 shared_qk: bool = True, balanced: bool | None = None, separate: bool = False, probes: int = 1,
-                 balance: float = 0.0, warmup: int = 0, gate: bool = False, decay: float = 0.999,
-                 commitment: float = 1e-4, seed: int = 0, backend: Backend = "auto", handover: int = 0) -> None:
-        for name, value in (("heads", heads), ("head_dim", head_dim), ("num_clusters", num_clusters)):
-            positive_int(name, value)  # checked here first, in the order of the arguments
-        window = positive_int("window", window)
+    def __init__(self, heads: int, head_dim: int, options: RoutingOptions, *, causal: bool = True,
+                 balanced: bool | None = None, seed: int = 0) -> None:
+        if not isinstance(options, RoutingOptions):
+            raise ValueError(f"options must be RoutingOptions, got {type(options).__name__}")
+        o = options
+        for name in ("num_clusters", "window"):
+            if getattr(o, name) is None:
+                raise ValueError(f"options.{name} must be given for a layer outside a model (a model derives it "
+                                 f"from seq_len)")
         causal = bool(causal)
         if balanced is None:
             balanced = not causal
         if balanced and causal:
             raise ValueError("balanced=True needs causal=False: balanced clusters pick their members using later "
                              "tokens, which leaks the future into the past")
-        for name, value in (("warmup", warmup), ("handover", handover)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer (optimiser steps), got {value!r}")
         if not causal:
-            given = [name for name, value, default in (("separate", separate, False), ("probes", probes, 1),
-                                                      ("balance", balance, 0.0), ("warmup", warmup, 0),
-                                                      ("handover", handover, 0), ("gate", gate, False))
+            given = [name for name, value, default in (("separate", o.separate, False), ("probes", o.probes, 1),
+                                                      ("balance", o.balance, 0.0), ("warmup", o.warmup, 0),
+                                                      ("handover", o.handover, 0), ("gate", o.gate, False))
                      if value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to causal routing only (causal=True)")
-        super().__init__(heads, head_dim, num_clusters, shared_qk=shared_qk, separate=separate, probes=probes,
-                         balance=balance, decay=decay, commitment=commitment, seed=seed)
-        self.window, self.causal, self.balanced = window, causal, bool(balanced)
-        self.gate, self.warmup, self.handover = bool(gate), warmup, handover
-        self.backend = executor_for(backend)  # resolved once; every path hands this executor on
-        self._steps = 0  # a python mirror of `steps`: the forward decides without reading a tensor
-        if warmup or handover:
-            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        super().__init__(heads, head_dim)
+        self.routing = Router(heads, head_dim, o.num_clusters, shared_qk=o.shared_qk, separate=o.separate,
+                              probes=o.probes, balance=o.balance, decay=o.decay, commitment=o.commitment, seed=seed,
+                              counted=bool(o.warmup or o.handover))
+        self.options = o
+        self.num_clusters, self.window, self.causal, self.balanced = o.num_clusters, o.window, causal, bool(balanced)
+        self.shared_qk, self.separate, self.probes = o.shared_qk, o.separate, o.probes
+        self.gate, self.warmup, self.handover = o.gate, o.warmup, o.handover
 
     # --- modes ----------------------------------------------------------------------------------------------
+    @property
+    def _steps(self) -> int:
+        return self.routing.updates
+
     @property
     def warming_up(self) -> bool:
         """Whether the layer still attends densely (its first ``warmup`` optimiser steps)."""
@@ -140,43 +132,44 @@ class RoutingAttention(Router):
         """Whether queries see more than their own cluster's window (``probes.py``), else the sorted window."""
         return self.probes > 1 or self.separate or self.gate
 
+    # --- learning outside the gradient ------------------------------------------------------------------------
+    @property
+    def commitment_loss(self) -> Tensor | None:
+        """β · mean ||r - sg(μ_c)||² of the last training forward (None after an evaluation forward)."""
+        return self.routing.commitment_loss
+
+    def aux_loss(self) -> Tensor | None:
+        return self.routing.commitment_loss
+
     def update(self, group: dist.ProcessGroup | None = None) -> None:
-        """The k-means and bias step (``Router.update``), and one step of the warm-up's count."""
-        super().update(group)
-        if self.warmup or self.handover:
-            self.steps += 1
-            self._steps = int(self.steps)
+        """The k-means and bias step (``Router.update``), and one step of the warm-up's count; once per optimiser
+        step, on every rank."""
+        self.routing.update(group)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.warmup or self.handover:
-            self._steps = int(self.steps)
-
-    def update_routing(self, group: dist.ProcessGroup | None = None) -> None:
-        """The routing step of one optimiser step (``update``)."""
+    def after_optimizer_step(self, step: int | None, group: dist.ProcessGroup | None) -> bool:
         self.update(group)
+        return True
 
     # --- forward --------------------------------------------------------------------------------------------
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
-                key_padding_mask: Tensor | None = None, rel_pos: RelativePositions | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None, *,
+                scale: float | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D)."""
         _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-        routes = self.routes(q, k, key_padding_mask, observe=True)
-        executor = get_executor(self.backend, q.device)
+        routes = self.routing.routes(q, k, key_padding_mask, observe=True)
         if self.dense:
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
             return self._dense(q, k, v, scale, key_valid, rel_pos, bias)
         if self.probing:
             return probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
-                                           exclude_self=self.shared_qk, scale=scale, executor=executor,
+                                           exclude_self=self.shared_qk, scale=scale, executor=self.executor,
                                            key_valid=key_valid, rel_pos=rel_pos, gates=self._gates(routes))
         if self.balanced:
             members = balanced_members(routes.scores, self.window, key_padding_mask)
             return balanced_attention(q, k, v, members, routes.keys, exclude_self=self.shared_qk, scale=scale,
-                                      key_valid=key_valid, rel_pos=rel_pos, backend=self.backend)
+                                      key_valid=key_valid, rel_pos=rel_pos, backend=self.executor)
         return sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=self.causal,
                                        exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
-                                       rel_pos=rel_pos, backend=self.backend)
+                                       rel_pos=rel_pos, backend=self.executor)
 
     def handover_bias(self, routes: Routes, dtype: torch.dtype) -> Tensor:
         """(B, H, N, N): 0 on the pairs routing scores (``routed_pairs``), -λ (``handover_penalty``) elsewhere."""
@@ -190,10 +183,9 @@ class RoutingAttention(Router):
         n = q.shape[2]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
-        out, _ = get_executor(self.backend, q.device).tiled(q, k, v, Tiling.dense(n, allow=causal), scale=scale,
-                                                            key_valid=key_valid, restrict=restrict,
-                                                            rel_pos=rel_pos, distances=INDEX,
-                                                            bias=None if bias is None else bias[:, :, None])
+        out, _ = self.executor.tiled(q, k, v, Tiling.dense(n, allow=causal), scale=scale, key_valid=key_valid,
+                                     restrict=restrict, rel_pos=rel_pos, distances=INDEX,
+                                     bias=None if bias is None else bias[:, :, None])
         return out
 
     def _gates(self, routes: Routes) -> Tensor | None:
@@ -201,15 +193,17 @@ class RoutingAttention(Router):
         gradient into the query's routing vector (the centroids stay out of it: k-means moves them)."""
         if not self.gate:
             return None
-        scores = torch.einsum("bhnd,hkd->bhnk", routes.vectors, self.kmeans.centroids.to(routes.vectors.dtype))
+        centroids = self.routing.kmeans.centroids.to(routes.vectors.dtype)
+        scores = torch.einsum("bhnd,hkd->bhnk", routes.vectors, centroids)
         return (GATE_SHARPNESS * scores).softmax(-1).gather(-1, routes.probes)
 
+    # --- meaning, for tests and analysis ----------------------------------------------------------------------
     @torch.no_grad()
     def routing_mask(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """The exact boolean (B, H, N, N) mask ``forward`` computes, for tests, figures and analysis at small N.
         With gates the forward weighs the probes apart; the mask is still the union of what they see."""
         check_inputs(q, k, v=q, scale=None, key_padding_mask=key_padding_mask)
-        routes = self.routes(q, k)
+        routes = self.routing.routes(q, k)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
         if self.dense:  # the hand-over's penalty weighs keys, it hides none
             n = q.shape[2]
@@ -223,47 +217,113 @@ class RoutingAttention(Router):
             return balanced_mask(members, routes.keys, self.shared_qk, valid)
         return sorted_window_mask(routes.keys, self.window, self.causal, self.shared_qk, valid)
 
-    # --- decoding -------------------------------------------------------------------------------------------
-    def new_cache(self, batch: int, max_len: int | None, *, device: torch.device | str | None = None,
-                  dtype: torch.dtype = torch.float32) -> RoutingCache:
-        """An empty decoding cache for up to ``max_len`` positions (causal only); None: the caller checks the
-        length itself (as ``TransformerLM``'s cache does, once for every layer)."""
-        if not self.causal:
-            raise ValueError("incremental decoding needs causal=True")
-        if self.dense:
-            raise ValueError(f"this layer attends densely for {self.warmup + self.handover - self._steps} more "
-                             f"optimiser steps (warmup={self.warmup}, handover={self.handover}); its cache is not "
-                             f"the routed one: decode with a model's cache (TransformerLM.generate), which keeps "
-                             f"every position during the warm-up")
-        return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
-                                  max_len=max_len, device=device or self.projection.device, dtype=dtype)
+    def reference_mask(self, q: Tensor, k: Tensor) -> Tensor:
+        return self.routing_mask(q, k)
+
+    def reference_bias(self, q: Tensor, k: Tensor) -> Tensor | None:
+        """The hand-over: every earlier key, the unrouted ones lowered by the penalty."""
+        return self.handover_bias(self.routing.routes(q, k), q.dtype) if self.handing_over else None
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
+        if self.gate and not self.dense:  # the probes' softmaxes weighed by the gates
+            routes = self.routing.routes(q, k)
+            masks = probe_masks(routes.keys, routes.probes, self.window)  # (B, h, p, N, N)
+            if self.shared_qk:  # the own key only where the union holds nothing else
+                eye = torch.eye(q.shape[2], dtype=torch.bool, device=q.device)
+                masks = masks & ~(eye & (masks.any(2) & ~eye).any(-1, keepdim=True))[:, :, None]
+            gates = self._gates(routes)
+            return sum(gates[:, :, :, t, None] * reference_attention(q, k, v, masks[:, :, t], scale=self.scale,
+                                                                     rel_pos=rel_pos)
+                       for t in range(self.probes))
+        return super().reference(q, k, v, rel_pos)
+
+    def clusters(self, q: Tensor, k: Tensor) -> Tensor:
+        return self.routing.route(q, k)
 
     @torch.no_grad()
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache, *, scale: float | None = None,
-               rel_pos: RelativePositions | None = None) -> Tensor:
+    def reach(self, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, sources: Tensor) -> dict[str, Tensor]:
+        """Cluster balance (keys in the largest cluster / mean), and for each probe t how often the key at
+        ``sources`` is in cluster t of the query at (``rows``, ``cols``) and within its window there (scalars over
+        the heads; ``in_cluster`` and ``in_window`` over all probes)."""
+        routes = self.routing.routes(q, k)
+        sizes = F.one_hot(routes.keys, self.num_clusters).sum(2).float()  # (B, H, k) keys per cluster
+        home = routes.keys[rows, :, sources]  # (S, H): the cluster of each needed key
+        hit = routes.probes[rows, :, cols] == home[..., None]  # (S, H, p)
+        windows = probe_masks(routes.keys, routes.probes, self.window)[rows, :, :, cols, sources]  # (S, H, p)
+        out = {"balance": (sizes.max(-1).values / sizes.mean(-1)).mean(),
+               "in_cluster": hit.any(-1).float().mean(), "in_window": windows.any(-1).float().mean()}
+        for t in range(self.probes):
+            out[f"in_cluster_{t + 1}"] = hit[..., t].float().mean()
+            out[f"in_window_{t + 1}"] = windows[..., t].float().mean()
+        return out
+
+    # --- decoding -------------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int | None, device: torch.device | str | None = None,
+                  dtype: torch.dtype = torch.float32) -> RoutingCache | KeyStore:
+        """An empty decoding cache for up to ``max_len`` positions (causal only): the per-cluster ring buffers, or
+        during the warm-up and hand-over every position (``HeadGroup``'s store; ``max_len`` needed then)."""
+        if not self.causal:
+            raise ValueError("incremental decoding needs causal=True")
+        if self.handing_over and not self.shared_qk:
+            raise ValueError("decoding during the routing hand-over needs shared_qk = true (a key's cluster then "
+                             "comes from the cached key alone); decode before or after the hand-over")
+        device = device or self.routing.projection.device
+        if self.dense:
+            if max_len is None:
+                raise ValueError(f"this layer attends densely for {self.warmup + self.handover - self._steps} more "
+                                 f"optimiser steps (warmup={self.warmup}, handover={self.handover}): its cache keeps "
+                                 f"every position, so it needs max_len")
+            return super().new_cache(batch, max_len, device, dtype)
+        return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
+                                  max_len=max_len, device=device, dtype=dtype)
+
+    def step(self, q: Tensor, cache: KeyStore, t: int, rel_pos: RelativePositions | None) -> Tensor:
+        """The warm-up and hand-over's decoding step: every earlier key; shared QK: its own only at t = 0."""
+        keys, values, positions = cache.filled()
+        allowed = (positions < t) | (positions == 0) if self.shared_qk else None
+        bias = self._handover_row(q, keys) if self.handing_over else None
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed, bias=bias)
+
+    def _handover_row(self, q: Tensor, keys: Tensor) -> Tensor:
+        """(B, h, M): the hand-over's penalty of the query at t on the cached keys (positions 0 … t, in order): row
+        t of ``handover_bias``."""
+        clusters = self.routing.routes(keys, keys).keys  # (B, h, M): shared QK, a key routes as the query it was
+        probes = self.routing.routes(q[:, :, None], q[:, :, None]).probes[:, :, 0]  # (B, h, p)
+        member = F.one_hot(clusters, self.num_clusters)
+        newer = member.flip(2).cumsum(2).flip(2).gather(-1, clusters[..., None])[..., 0] - 1  # same cluster, in (j, t]
+        routed = (clusters[..., None] == probes[:, :, None, :]).any(-1) & (newer < self.window)
+        return (~routed).to(q.dtype) * -self.handover_penalty()
+
+    @torch.no_grad()
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache | KeyStore, start: int | None = None,
+               rel_pos: RelativePositions | None = None, *, scale: float | None = None) -> Tensor:
         """Outputs (B, H, n, D) of n new positions (B, H, n, D), continuing ``cache`` and updating it in place.
 
         Equal to the causal forward over the whole sequence at those positions. A new token costs
         O(k·D + p·window·D) per head whatever its position: it is routed, its key written to its cluster's ring
         buffer of the last ``window`` keys and values, and it attends over the buffers of the clusters it probes.
-        A prompt given to an empty cache runs the forward once and fills the buffers in one pass.
+        A prompt given to an empty cache runs the forward once and fills the buffers in one pass. During the
+        warm-up and hand-over every earlier key (``start``: the position of the first new one, default the count
+        the cache holds).
         """
+        if isinstance(cache, KeyStore):
+            return super().decode(q, k, v, cache, cache.count if start is None else start, rel_pos)
         _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
         cache.check(n)
         if self.dense:
-            raise ValueError("decode: this layer is in its dense warm-up or hand-over (see new_cache)")
-        routes = self.routes(q, k)
+            raise ValueError("decode: this layer is in its dense warm-up or hand-over; its cache is not the routed "
+                             "one (make a new one with new_cache)")
+        routes = self.routing.routes(q, k)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
             sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both
-            executor = get_executor(self.backend, q.device)
             if self.probing:
                 out = probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
-                                              exclude_self=self.shared_qk, scale=scale, executor=executor,
+                                              exclude_self=self.shared_qk, scale=scale, executor=self.executor,
                                               rel_pos=rel_pos, gates=self._gates(routes), sort=sort)
             else:
                 out = sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=True,
                                               exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort,
-                                              backend=self.backend)
+                                              backend=self.executor)
             cache.fill(k, v, sort)
             return out
         gates = self._gates(routes)
@@ -275,8 +335,9 @@ class RoutingAttention(Router):
     def extra_repr(self) -> str:
         mode = "causal" if self.causal else ("balanced" if self.balanced else "sorted window")
         extra = "".join(f", {name}={value}" for name, value, default in
-                        (("separate", self.separate, False), ("probes", self.probes, 1), ("balance", self.balance, 0.0),
-                         ("warmup", self.warmup, 0), ("handover", self.handover, 0), ("gate", self.gate, False))
+                        (("separate", self.separate, False), ("probes", self.probes, 1),
+                         ("balance", self.options.balance, 0.0), ("warmup", self.warmup, 0),
+                         ("handover", self.handover, 0), ("gate", self.gate, False))
                         if value != default)
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
-                f"window={self.window}, {mode}, shared_qk={self.shared_qk}{extra}, backend={self.backend.name}")
+                f"window={self.window}, {mode}, shared_qk={self.shared_qk}{extra}, executor={self.executor.name}")

@@ -66,6 +66,7 @@ class Router(nn.Module):
         balance: the bias step per optimiser step (0: no bias, the paper's plain argmax).
         decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
+        counted: keep ``steps``, the number of ``update`` calls (a buffer saved with the model), for a warm-up.
 
     State: ``projection`` W_R (H, D, D), a buffer; ``kmeans`` the centroids (``SphericalKMeans``); with ``balance``
     the bias ``bias`` (H, k), a buffer saved with the model. Centroids and bias move only in ``update``
@@ -77,7 +78,7 @@ class Router(nn.Module):
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, *, shared_qk: bool = True,
                  separate: bool = False, probes: int = 1, balance: float = 0.0, decay: float = 0.999,
-                 commitment: float = 1e-4, seed: int = 0) -> None:
+                 commitment: float = 1e-4, seed: int = 0, counted: bool = False) -> None:
         super().__init__()
         self.heads = positive_int("heads", heads)
         self.head_dim = positive_int("head_dim", head_dim)
@@ -101,6 +102,19 @@ class Router(nn.Module):
         self.register_buffer("pending_load", torch.zeros(self.heads, self.num_clusters) if self.balance else None,
                              persistent=False)
         self.commitment_loss: Tensor | None = None
+        self._steps = 0  # a python mirror of `steps`: a forward decides its mode without reading a tensor
+        if counted:  # a warm-up reads how many updates there were; the count is saved with the model
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    @property
+    def updates(self) -> int:
+        """How many ``update`` steps this router has taken (counted only when built with ``counted=True``)."""
+        return self._steps
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if getattr(self, "steps", None) is not None:
+            self._steps = int(self.steps)
 
     # --- routing -------------------------------------------------------------------------------------------
     def routing_vectors(self, q: Tensor, k: Tensor) -> Tensor:
@@ -208,6 +222,9 @@ class Router(nn.Module):
         """The k-means step and the bias step: apply the statistics observed since the last call (all-reduced
         across ranks)."""
         self.kmeans.update(group)
+        if getattr(self, "steps", None) is not None:
+            self.steps += 1
+            self._steps = int(self.steps)
         if self.bias is None:
             return
         if dist.is_available() and dist.is_initialized():

@@ -1,0 +1,76 @@
+"""Four hops from the model to the executor, for every kind of head: the package frames between
+``TransformerLM.forward`` and any call into ``routeformer.executors`` (nn.Module's call machinery is torch's, not
+counted). Block.forward, MixedAttention.forward, the heads' forward and the mechanism's function make four."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from routeformer.attention.registry import KINDS
+from routeformer.model import TransformerConfig, TransformerLM
+
+MOST = 4
+
+
+def _model(name: str) -> TransformerLM:
+    base = dict(vocab_size=32, dim=32, depth=1, heads=2, seq_len=256, attention=name)
+    try:
+        config = TransformerConfig(**base)
+    except ValueError:  # a kind without relative positions
+        config = TransformerConfig(**base, positions="none")
+    torch.manual_seed(0)
+    return TransformerLM(config)
+
+
+def executor_calls(model: TransformerLM, tokens: torch.Tensor) -> list[list[str]]:
+    """For every call from outside ``routeformer.executors`` into it during ``model(tokens)``: the package frames
+    between ``TransformerLM.forward`` and the call, outermost first."""
+    found: list[list[str]] = []
+
+    def package(frame) -> str:
+        return frame.f_globals.get("__name__", "")
+
+    def profile(frame, event, arg):
+        if event != "call" or not package(frame).startswith("routeformer.executors"):
+            return
+        chain, f = [], frame.f_back
+        while f is not None and not (f.f_code.co_name == "forward" and package(f) == "routeformer.model.transformer"):
+            if package(f).startswith("routeformer.executors"):
+                return  # inside the executor already (a custom operator's body is called back through torch)
+            if package(f).startswith("routeformer."):
+                chain.append(f"{package(f)}.{f.f_code.co_qualname}")
+            f = f.f_back
+        if f is not None:  # under TransformerLM.forward
+            found.append(chain[::-1])
+
+    sys.setprofile(profile)
+    try:
+        model(tokens)
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+def test_the_count_sees_every_frame() -> None:
+    """The counter follows the calls: a local model reaches the executor through its block, layer, heads and the
+    local function, and a deeper path would count more."""
+    calls = executor_calls(_model("local"), torch.randint(0, 32, (1, 256)))
+    deepest = max(calls, key=len)
+    assert [name.rsplit(".", 1)[-1] for name in deepest][:3] == ["forward"] * 3
+    assert any(name.endswith("local_attention") for name in deepest)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_four_hops_from_the_model_to_the_executor(name: str) -> None:
+    model = _model(name)
+    model.train()
+    calls = executor_calls(model, torch.randint(0, 32, (1, 256)))
+    if not any(g.kind.runs_on_executor(g.options) for layer in model.config.head_groups() for g in layer):
+        return  # linear and Performer heads compute their own way (only the feed-forward's activation is fused)
+    attention = [c for c in calls if any(".attention." in frame for frame in c)]
+    assert attention, f"{name}: no call into the executors seen"
+    deepest = max(attention, key=len)
+    assert len(deepest) <= MOST, f"{name}: {len(deepest)} hops: {' > '.join(deepest)}"
