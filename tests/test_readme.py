@@ -1,5 +1,6 @@
-"""The README cannot drift from the code: every Python example runs as written, and every command's usage
-summary lists exactly the options its parser takes."""
+"""The README and the docs/ pages cannot drift from the code: every Python example of theirs runs as written,
+every command's usage summary (the README's "Command line") lists exactly the options its parser takes, and every
+benchmark table has the header its command prints."""
 
 from __future__ import annotations
 
@@ -12,19 +13,23 @@ import pytest
 from routeformer.attention import KINDS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]  # the README, then the docs pages
+# (page, its index among the page's examples, the example's code)
+EXAMPLES = [(page, i, code) for page in PAGES
+            for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))]
 
 
 def test_the_readme_has_examples() -> None:
-    assert len(EXAMPLES) >= 2
+    assert any(page == README for page, _, _ in EXAMPLES) and len(EXAMPLES) >= 3
 
 
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_python_example_runs(index: int, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # examples may write files (save_pretrained)
+    page, number, code = EXAMPLES[index]
     saved = dict(KINDS)
     try:
-        exec(compile(EXAMPLES[index], f"{README}:example {index + 1}", "exec"), {})
+        exec(compile(code, f"{page}:example {number + 1}", "exec"), {})
     finally:  # a kind an example registers must not reach the other tests of this process
         KINDS.clear()
         KINDS.update(saved)
@@ -102,7 +107,7 @@ def test_a_usage_summary_lists_exactly_the_options_of_its_command(command: tuple
 
 
 def _tables(text: str) -> list[list[str]]:
-    """The header cells of every Markdown table in the README."""
+    """The header cells of every Markdown table in ``text``."""
     lines = text.splitlines()
     return [[c.strip() for c in line.strip().strip("|").split("|")]
             for i, line in enumerate(lines)
@@ -135,11 +140,11 @@ def _printed_headers() -> dict[tuple[str, str], list[str]]:
 def test_benchmark_tables_in_the_readme_have_the_headers_the_commands_print() -> None:
     printed = _printed_headers()
     found = 0
-    for cells in _tables(README.read_text()):
+    for cells in (cells for page in PAGES for cells in _tables(page.read_text())):
         key = tuple(cells[:2])
         if key in printed:
             found += 1
-            assert cells == printed[key], f"README table {cells} differs from what the command prints: {printed[key]}"
+            assert cells == printed[key], f"table {cells} differs from what the command prints: {printed[key]}"
         elif cells[0] == "model" and cells[1].startswith("ms/token at "):  # bench model's generation table
             found += 1
             assert all(c.startswith("ms/token at ") for c in cells[1:]), cells

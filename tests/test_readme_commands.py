@@ -22,8 +22,8 @@ ROOT = README.parent
 
 TOY_MODEL = ["--set", "dim=32", "--set", "depth=1", "--set", "batch_size=2", "--set", "grad_accum=1",
              "--set", "eval_tokens=64", "--set", "eval_every=2", "--set", "sample_tokens=4"]
-TOY_TRAIN = ["--max-steps", "2", "--max-minutes", "2", "--set", "seq_len=64", "--set", "window=16",
-             "--set", "num_clusters=4", "--set", "routing_window=8", *TOY_MODEL]
+TOY_TRAIN = ["--max-steps", "2", "--max-minutes", "2", "--set", "seq_len=64", "--set", "options.local.window=16",
+             "--set", "options.routing.num_clusters=4", "--set", "options.routing.window=8", *TOY_MODEL]
 TOY_RECALL = ["--steps", "2", "--seeds", "0", "--eval", "8", "--batch", "4", "--dim", "32"]
 TOY_TEXT = ["--steps", "2", "--minutes", "1", *TOY_MODEL]
 

@@ -1,0 +1,56 @@
+"""`routeformer evaluate`: bits per byte / perplexity / bits per dimension of a run on a split."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .options import add_checkpoint, add_data_dir, add_device, add_run_dir, positive
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Adds the ``evaluate`` command to ``commands`` (the top-level sub-parsers)."""
+    ev = commands.add_parser(
+        "evaluate", help="bits per byte / perplexity / bits per dimension of a run on a split",
+        description="Evaluate a run's weights over a whole split in windows of seq_len: bits per byte (byte "
+        "data), perplexity (words) or bits per dimension (images). Runs data-parallel under torchrun.")
+    add_run_dir(ev)
+    ev.add_argument("--split", choices=("valid", "test"), default="valid", help="the split to score (default "
+                    "valid)")
+    add_checkpoint(ev)
+    ev.add_argument("--stride", type=positive, metavar="S", help="advance windows by S < seq_len and score only "
+                    "their last S tokens, so every token has at least seq_len - S of context (default: "
+                    "non-overlapping windows)")
+    ev.add_argument("--batch-size", type=positive, default=8, metavar="B", help="windows per forward (default 8)")
+    add_data_dir(ev, "where the run's data set lives, if not where it was trained")
+    add_device(ev)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from ..train import distributed
+    from ..train.evaluation import UNITS, context_policy, evaluate, metric
+    from ..train.runs import load_run, pick_device
+
+    run_dir = Path(args.run_dir).expanduser()
+    procs = distributed.start(pick_device(args.device))
+    try:
+        model, run, data, which = load_run(run_dir, args.checkpoint, args.data_dir, str(procs.device))
+        seq = run.model.seq_len
+        if args.stride is not None and args.stride > seq:
+            raise ValueError(f"--stride {args.stride} is larger than seq_len ({seq})")
+        if args.stride not in (None, seq) and run.model.positions == "factorized" and run.model.image_shape:
+            raise ValueError(f"--stride {args.stride}: this model's positions are an image's rows, columns and "
+                             f"channels, so every window must be one whole image (no --stride)")
+        tokens = data.split(args.split)
+        if len(tokens) < 2:
+            raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
+        total, count = evaluate(model, tokens, seq, batch=args.batch_size, procs=procs, stride=args.stride,
+                                progress=f"{args.split} split")
+        if procs.main:
+            mean = total / count
+            print(f"{run_dir} ({which} weights) on the {args.split} split of {data.meta.name}: "
+                  f"{metric(data.meta.kind, mean):.4f} {UNITS[data.meta.kind]} (mean NLL {mean:.4f} nats over "
+                  f"{count:,} predictions; context: {context_policy(seq, args.stride)})")
+    finally:
+        distributed.stop(procs)
+    return 0
