@@ -1,6 +1,6 @@
 """Attention: one module per mechanism (its function, its mask, its head kind and options: ``full``, ``local``,
 ``strided``, ``fixed``, ``longformer``, ``lsh``, ``linear``, ``performer``, and the ``routing`` folder), the dense
-definition (``reference``), the executors that compute the patterns, and the registry of head kinds a model is
+definition (``reference``), and the registry of head kinds a model is
 built from (``registry.KINDS``; ``register_kind`` adds one; ``kinds/`` holds their base classes).
 
 Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
@@ -19,7 +19,7 @@ from .lsh import lsh_attention
 from .performer import orthogonal_features, performer_attention
 from .reference import reference_attention, reference_weights
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
-from .routing import Router, RoutingAttention, RoutingCache, SphericalKMeans, update_routing
+from .routing import Router, RoutingAttention, RoutingCache, RoutingOptions, SphericalKMeans, update_routing
 from .strided import strided_attention, strided_mask
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Router",
     "RoutingAttention",
     "RoutingCache",
+    "RoutingOptions",
     "SphericalKMeans",
     "fixed_attention",
     "fixed_mask",
