@@ -285,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_specs(rec, ["full", "local", "local+routing"],
                          "full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
                          "a suffix /shared, /joint or /separate says how routing heads route, and '@field=value' "
-                         "suffixes set model config fields for the row (local+routing@routing_probes=1); the first "
-                         "row is the baseline of the 'vs first' column (default: full local local+routing)")
+                         "suffixes set model config fields for the row (local+routing@options.routing.probes=1); the "
+                         "first row is the baseline of the 'vs first' column (default: full local local+routing)")
     _add_seq_len(rec, 128, "sequence length N")
     rec.add_argument("--gap", type=_positive, default=32, help="positions between an answer and what it needs "
                      "are more than this (default 32; at least depth × (window - 1))")
