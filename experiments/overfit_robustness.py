@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.05, help="the test's threshold (default 0.05)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    kw = {"shared_qk": False, "separate_routing": True} if args.separate else (
+    kw = {"shared_qk": False, "separate": True} if args.separate else (  # options.routing settings
         {"shared_qk": False} if args.spec == "routing" else {})
     start = time.time()
     losses = sorted(overfit(args.spec, kw, p, steps=args.steps, num_clusters=args.num_clusters,

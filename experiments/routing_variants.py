@@ -1,6 +1,6 @@
 """Experiments: variants of the routing rule, measured by ``routeformer bench recall``.
 
-    python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@routing_probes=2" ...
+    python experiments/routing_variants.py --tasks mqar --attention "local:2,routing_cb:2@options.routing.probes=2" ...
 
 Registers five head kinds (``register_kind``, as a user would) and runs ``routeformer bench recall`` with the
 remaining arguments. Three are routing heads (the library's rule and options: probes, bias, warm-up) with one
@@ -162,9 +162,9 @@ def _leak_check() -> None:
     from routeformer import TransformerConfig, TransformerLM
 
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=40, dim=32, depth=2, heads=4, seq_len=64, window=4, num_clusters=4,
-                               routing_window=6, attention="local:2,routing_cb:2", routing_probes=2,
-                               routing_balance=0.01)
+    config = TransformerConfig(vocab_size=40, dim=32, depth=2, heads=4, seq_len=64, rel_clip=4,
+                               attention="local:2,routing_cb:2", options={"local": {"window": 4}, "routing": {
+                                   "num_clusters": 4, "window": 6, "probes": 2, "balance": 0.01}})
     for kind in ("routing_cb", "routing_ad", "routing_sel", "full_cur", "routing_blend"):
         model = TransformerLM(replace(config, attention=f"local:2,{kind}:2")).double().eval()
         if kind == "routing_blend":  # in its hand-over

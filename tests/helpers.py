@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from routeformer.attention import RelativePositions, reference_attention
+from routeformer.attention import KINDS, RelativePositions, reference_attention
 
 
 def rand_qkv(B: int, H: int, N: int, D: int, dtype=torch.float64, seed: int = 0, grad: bool = True):
@@ -72,8 +72,19 @@ def leaks(attend, q, k, v, t: int, atol: float = 0.0) -> bool:
     return not torch.allclose(before[:, :, : t + 1], after[:, :, : t + 1], rtol=0.0, atol=atol)
 
 
+def sections_in_use(attention: str | list[str], sections: dict[str, dict]) -> dict[str, dict]:
+    """The tables of ``sections`` ({section: {field: value}}) that the kinds named in ``attention`` read: a test's
+    settings for every kind, given to a model of some of them. (A section of a kind not in use is checked and kept
+    in ``TransformerConfig.options``: left out, the config is the one the test built when these settings were flat
+    fields, which reached only the kinds in use.)"""
+    specs = [attention] if isinstance(attention, str) else attention
+    used = {KINDS[part.partition(":")[0].strip()].options_key for spec in specs for part in spec.split(",")}
+    return {key: table for key, table in sections.items() if key in used}
+
+
 def tiny_model_toml(depth: int) -> str:
-    """The [model] table of the command-line tests: a byte model of dim 32, one local and one routing head."""
+    """The [model] table of the command-line tests: a byte model of dim 32, one local and one routing head. It ends
+    with the [model.options.*] tables: what follows starts a table of its own."""
     return f"""
 [model]
 vocab_size = 256
@@ -82,9 +93,14 @@ depth = {depth}
 heads = 2
 seq_len = 32
 attention = "local:1,routing:1"
+rel_clip = 8
+
+[model.options.local]
 window = 8
+
+[model.options.routing]
 num_clusters = 3
-routing_window = 8
+window = 8
 """
 
 

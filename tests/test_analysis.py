@@ -30,10 +30,12 @@ from routeformer.train.evaluation import evaluate
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIGS = {
-    "local+routing": dict(attention="local:2,routing:2", window=8, num_clusters=3, routing_window=6),
-    "full-poly2": dict(attention="full", kernel="poly2", positions="none"),
-    "full-elu": dict(attention="full", kernel="elu", positions="none"),
-    "local+lsh": dict(attention="local:2,lsh:2", window=8, lsh_buckets=4, lsh_window=6, positions="none"),
+    "local+routing": dict(attention="local:2,routing:2", rel_clip=8,
+                          options={"local": {"window": 8}, "routing": {"num_clusters": 3, "window": 6}}),
+    "full-poly2": dict(attention="full", options={"full": {"kernel": "poly2"}}, positions="none"),
+    "full-elu": dict(attention="full", options={"full": {"kernel": "elu"}}, positions="none"),
+    "local+lsh": dict(attention="local:2,lsh:2", rel_clip=8,
+                      options={"local": {"window": 8}, "lsh": {"buckets": 4, "window": 6}}, positions="none"),
 }
 
 

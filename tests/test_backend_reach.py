@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import routing_layer
+from helpers import routing_layer, sections_in_use
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import HeadGroup
 from routeformer.attention.registry import KINDS
@@ -21,7 +21,7 @@ SPECS = {  # a model spec per built-in kind that runs on an executor, with the s
     "strided_a2": "strided_a1:2,strided_a2:2", "strided": "strided", "fixed_a1": "fixed_a1:2,fixed_a2:2",
     "fixed_a2": "fixed_a1:2,fixed_a2:2", "fixed": "fixed", "longformer": "longformer", "lsh": "lsh",
 }
-PROBED = {"routing_probes": 2, "routing_balance": 0.01}  # the default rule; the paper's rule runs too
+PROBED = {"probes": 2, "balance": 0.01}  # options.routing: the default rule; the paper's rule runs too
 
 
 def _refuse(name: str) -> Executor:
@@ -55,10 +55,12 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
     spec = SPECS[name]
     if rule and "routing" not in spec:
         pytest.skip("the routing rule matters to routing heads only")
-    config = TransformerConfig(vocab_size=23, dim=32, depth=1, heads=4, seq_len=300, attention=spec, window=6,
-                               stride=5, block=8, summary=2, num_clusters=3, routing_window=6, dilation=2,
-                               global_tokens=[2] if spec == "longformer" else [], backend="recording",
-                               positions="absolute" if spec == "lsh" else "relative", **rule)
+    sections = {"local": {"window": 6}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
+                "routing": {"num_clusters": 3, "window": 6, **rule},
+                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2]}}
+    config = TransformerConfig(vocab_size=23, dim=32, depth=1, heads=4, seq_len=300, attention=spec, rel_clip=6,
+                               grid_width=5, options=sections_in_use(spec, sections), backend="recording",
+                               positions="absolute" if spec == "lsh" else "relative")
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
     # resolved once, when the model is built: the heads hold the executor itself, not a name to look up per call

@@ -12,7 +12,7 @@ from routeformer.data import prepare
 
 
 def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
-    probed = "local+routing/separate@routing_probes=2@routing_warmup=1"
+    probed = "local+routing/separate@options.routing.probes=2@options.routing.warmup=1"
     assert main(["bench", "recall", "--tasks", "passkey", "mqar", "--attention", "full", "local", probed,
                  "--seq-len", "48", "--gap", "12", "--window", "4", "--dim", "16", "--steps", "2", "--batch", "2",
                  "--eval", "4", "--seeds", "0", "1"]) == 0
@@ -41,8 +41,9 @@ def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops(monkeypatch
     make = recall.RecallTask.make
     monkeypatch.setattr(recall.RecallTask, "make", lambda self, b, seed: made.append((self.seq_len, b))
                         or make(self, b, seed))
-    rows = recall.run(["passkey"], ["local+routing", "local+routing@routing_warmup=1",
-                                    "local+routing@routing_warmup=1@routing_warmup_len=16", "full"], seq_len=48,
+    rows = recall.run(["passkey"], ["local+routing", "local+routing@options.routing.warmup=1",
+                                    "local+routing@options.routing.warmup=1@options.routing.warmup_len=16", "full"],
+                      seq_len=48,
                       gap=12, window=4, dim=16, steps=2, batch=2, eval_sequences=4, echo=lambda *_: None)
     routed, warm, short, full = (r["train_flops"] for r in rows)
     assert routed < short < warm < full  # one of two steps dense: between routing all along and full attention
@@ -55,6 +56,9 @@ def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops(monkeypatch
     (["--tasks", "copy"], "unknown task 'copy'"),
     (["--attention", "local+routing/mixed"], "unknown routing variant 'mixed'"),
     (["--attention", "local+routing@routing_probs=2"], "'@routing_probs=2' sets no model config field"),
+    (["--attention", "local+routing@routing_probes=2"], "'local+routing@routing_probes=2': '@routing_probes=2': "
+                                                        "routing_probes is the old spelling of options.routing.probes; "
+                                                        "write @options.routing.probes=2"),
 ])
 def test_bench_recall_refuses_what_would_not_test_reach(args, message, capsys) -> None:
     assert main(["bench", "recall", "--steps", "1", *args]) != 0
@@ -63,12 +67,12 @@ def test_bench_recall_refuses_what_would_not_test_reach(args, message, capsys) -
 
 def test_attention_rows_name_their_routing() -> None:
     assert attention_config("local+routing", 4) == {"attention": "local:2,routing:2"}
-    assert attention_config("local+routing/separate", 8) == {"attention": "local:4,routing:4", "shared_qk": False,
-                                                             "separate_routing": True}
+    assert attention_config("local+routing/separate", 8) == {"attention": "local:4,routing:4", "options": {
+        "routing": {"shared_qk": False, "separate": True}}}
     assert attention_config("full", 4) == {"attention": "full"}
-    assert attention_config("local+routing/joint@routing_probes=3@routing_gate=true", 4) == {
-        "attention": "local:2,routing:2", "shared_qk": False, "separate_routing": False, "routing_probes": 3,
-        "routing_gate": True}
+    assert attention_config("local+routing/joint@options.routing.probes=3@options.routing.gate=true", 4) == {
+        "attention": "local:2,routing:2", "options": {"routing": {"shared_qk": False, "separate": False, "probes": 3,
+                                                                  "gate": True}}}
 
 
 def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -> None:
@@ -79,8 +83,8 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
     assert main(["bench", "text", "--attention", "local", "local+routing", "--seq-len", "32", "--window", "8",
                  "--steps", "3", "--minutes", "1", "--data", "tiny", "--data-dir", str(tmp_path / "data"),
                  "--out", str(tmp_path / "runs"), "--set", "dim=16", "--set", "depth=1", "--set", "eval_every=100",
-                 "--set", "warmup_steps=1", "--set", "batch_size=2", "--set", "routing_probes=2",
-                 "--set", "routing_warmup=1000", "--set", "routing_warmup_len=64"]) == 0
+                 "--set", "warmup_steps=1", "--set", "batch_size=2", "--set", "options.routing.probes=2",
+                 "--set", "options.routing.warmup=1000", "--set", "options.routing.warmup_len=64"]) == 0
     out = capsys.readouterr().out
     # k = round(sqrt(32)) = 6 and 32 // (6 · 2 probes) = 2 keys per probe; the configuration's warm-up length (64 of
     # its 256) keeps its share of the bench's length: 8 of 32

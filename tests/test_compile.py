@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import sections_in_use
 from routeformer import TransformerConfig, TransformerLM
 
 pytestmark = pytest.mark.slow
@@ -16,8 +17,10 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("spec", ["local:2,routing:2", "full", "strided", "fixed", "longformer"])
 def test_compiled_training_matches_eager(spec: str) -> None:
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=50, dim=32, depth=2, heads=4, seq_len=64, window=8, block=16, summary=4,
-                               attention=spec, global_tokens=[0, 10] if spec == "longformer" else [])
+    sections = {"local": {"window": 8}, "fixed": {"block": 16, "summary": 4},
+                "longformer": {"window": 8, "global_tokens": [0, 10]}}
+    config = TransformerConfig(vocab_size=50, dim=32, depth=2, heads=4, seq_len=64, rel_clip=8,
+                               attention=spec, options=sections_in_use(spec, sections))
     eager = TransformerLM(config).train()
     for p in eager.parameters():
         torch.nn.init.normal_(p, std=0.2)

@@ -10,6 +10,7 @@ from routeformer import TransformerConfig
 from routeformer.attention.local import LocalOptions
 from routeformer.attention.routing.kind import RoutingOptions
 from routeformer.model import parse_attention
+from routeformer.model.config import MOVED, new_spelling
 
 
 def test_defaults_are_half_local_half_routing_and_derived_fields_resolved() -> None:
@@ -56,17 +57,40 @@ def test_options_of_kinds_not_in_use_are_checked_and_kept_but_not_completed() ->
     ({"attention": "lsh", "lsh_buckets": 8, "lsh_rounds": 3, "lsh_window": 7, "positions": "none"},
      {"attention": "lsh", "options": {"lsh": {"buckets": 8, "rounds": 3, "window": 7}}, "positions": "none"}),
 ])
-def test_old_flat_names_are_moved_into_the_sections_of_the_kinds_in_use(old: dict, new: dict) -> None:
-    assert TransformerConfig(**old) == TransformerConfig(**new)
-    assert TransformerConfig.from_dict(old) == TransformerConfig(**new)
+def test_old_flat_names_of_a_saved_config_are_moved_into_the_sections_of_the_kinds_in_use(
+        old: dict, new: dict, tmp_path) -> None:
+    assert TransformerConfig.from_dict(old, saved=True) == TransformerConfig(**new)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(old))
+    assert TransformerConfig.load(path) == TransformerConfig(**new)
+    name = next(key for key in old if key in MOVED)
+    with pytest.raises(ValueError, match=rf"TransformerConfig: {name} is the old spelling of options\.[a-z]+\.\w+"):
+        TransformerConfig(**old)  # only saved files are read in the old spelling
+    with pytest.raises(ValueError, match=rf"^{name} is the old spelling of "):
+        TransformerConfig.from_dict(old)
 
 
-def test_old_flat_names_reach_only_the_kinds_in_use_as_before() -> None:
+def test_old_flat_names_of_a_saved_config_reach_only_the_kinds_in_use_as_before() -> None:
     # before the move a kind's field was read by its heads only: the same here (a saved config.json lists them all)
-    assert TransformerConfig(attention="full", block=64, lsh_rounds=3) == TransformerConfig(attention="full")
+    saved = TransformerConfig.from_dict({"attention": "full", "block": 64, "lsh_rounds": 3}, saved=True)
+    assert saved == TransformerConfig(attention="full")
     with pytest.raises(ValueError, match=r"window = 64 and options.local.window = 32 both given; window is the old "
                                          r"spelling of options.local.window / options.longformer.window"):
-        TransformerConfig(window=64, options={"local": {"window": 32}})
+        TransformerConfig.from_dict({"window": 64, "options": {"local": {"window": 32}}}, saved=True)
+
+
+def test_the_constructor_refuses_an_old_flat_name_and_names_its_new_spelling() -> None:
+    with pytest.raises(ValueError, match=r"TransformerConfig: window is the old spelling of options.local.window / "
+                                         r"options.longformer.window; write that \(it also set rel_clip when rel_clip "
+                                         r"was not given"):
+        TransformerConfig(window=64)
+    with pytest.raises(ValueError, match=r"TransformerConfig: routing_window is the old spelling of "
+                                         r"options.routing.window; write that\. The flat names are read only from "
+                                         r"saved run files"):
+        TransformerConfig(attention="routing", routing_window=8)
+    for name in MOVED:  # every old name, whatever its value
+        with pytest.raises(ValueError, match=rf"TransformerConfig: {name} is the old spelling of {new_spelling(name)}"):
+            TransformerConfig(**{name: None})
 
 
 def test_a_config_json_saved_before_the_move_loads_as_the_same_model(tmp_path) -> None:
@@ -85,8 +109,8 @@ def test_a_config_json_saved_before_the_move_loads_as_the_same_model(tmp_path) -
 
 
 def test_json_round_trip(tmp_path) -> None:
-    c = TransformerConfig(vocab_size=100, dim=64, heads=4, seq_len=256, window=32,
-                          attention=["local", "local:2,routing:2"], depth=2, positions="absolute")
+    c = TransformerConfig(vocab_size=100, dim=64, heads=4, seq_len=256, options={"local": {"window": 32}},
+                          rel_clip=32, attention=["local", "local:2,routing:2"], depth=2, positions="absolute")
     c.save(tmp_path / "config.json")
     assert TransformerConfig.load(tmp_path / "config.json") == c
 
@@ -109,18 +133,23 @@ def test_parse_attention(spec: str, heads: int, want) -> None:
     ({"attention": ["local"] * 3}, "3 layer specs but depth = 4"),
     ({"attention": 7}, "attention must be a spec string"),
     ({"dim": 100, "heads": 8}, r"dim \(100\) must be divisible by heads \(8\)"),
-    ({"window": 2048}, r"window \(2048\) is larger than seq_len \(1024\)"),
-    ({"attention": "fixed", "block": 2048}, r"block \(2048\) is larger than seq_len"),
-    ({"attention": "strided", "stride": 4096}, r"stride \(4096\) is larger than seq_len"),
-    ({"attention": "routing", "routing_window": 5000}, r"options.routing: window \(5000\) is larger than seq_len"),
-    ({"attention": "fixed", "summary": 200, "block": 128}, r"options.fixed: summary \(200\) must be at most block"),
+    ({"options": {"local": {"window": 2048}}, "rel_clip": 2048}, r"window \(2048\) is larger than seq_len \(1024\)"),
+    ({"attention": "fixed", "options": {"fixed": {"block": 2048}}}, r"block \(2048\) is larger than seq_len"),
+    ({"attention": "strided", "options": {"strided": {"stride": 4096}}, "grid_width": 4096},
+     r"stride \(4096\) is larger than seq_len"),
+    ({"attention": "routing", "options": {"routing": {"window": 5000}}},
+     r"options.routing: window \(5000\) is larger than seq_len"),
+    ({"attention": "fixed", "options": {"fixed": {"summary": 200, "block": 128}}},
+     r"options.fixed: summary \(200\) must be at most block"),
     ({"positions": "rotary"}, "positions must be one of relative, absolute, factorized, none"),
     ({"activation": "relu"}, "activation must be one of sigmoid_gelu, gelu"),
     ({"dropout": 1.5}, r"dropout must be in \[0, 1\)"),
     ({"depth": 0}, "depth must be a positive integer, got 0"),
     ({"vocab_size": 2.5}, "vocab_size must be a positive integer"),
-    ({"attention": "longformer", "global_tokens": [5000]}, r"global_tokens must lie in \[0, seq_len=1024\)"),
-    ({"attention": "longformer", "dilation": [1, 2]}, "dilation gives 2 values but layer 0 has 8 longformer heads"),
+    ({"attention": "longformer", "options": {"longformer": {"global_tokens": [5000]}}},
+     r"global_tokens must lie in \[0, seq_len=1024\)"),
+    ({"attention": "longformer", "options": {"longformer": {"dilation": [1, 2]}}},
+     "dilation gives 2 values but layer 0 has 8 longformer heads"),
     ({"image_shape": [64, 64]}, r"image_shape must be \(rows, columns, channels\)"),
     ({"checkpointing": "yes"}, "checkpointing must be true or false"),
     ({"options": {"routing": {"separate": 1}}}, "options.routing: separate must be true or false"),

@@ -98,8 +98,9 @@ def _sync_worker(rank: int, store: str, out: str) -> None:
     procs = Processes(rank, 2, rank, torch.device("cpu"))
     torch.manual_seed(0)
     model = TransformerLM(TransformerConfig(vocab_size=16, dim=16, depth=1, heads=2, seq_len=16,
-                                            attention="local:1,routing:1", window=4, num_clusters=2,
-                                            routing_window=4, routing_balance=0.01, routing_warmup=3))
+                                            attention="local:1,routing:1", rel_clip=4, options={
+                                                "local": {"window": 4}, "routing": {
+                                                    "num_clusters": 2, "window": 4, "balance": 0.01, "warmup": 3}}))
     same = routing_in_sync(model, procs)
     drifted = {}
     for name in ("kmeans.centroids", "routing.bias", "routing.steps"):  # one ulp (one step) on one rank

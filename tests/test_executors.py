@@ -76,16 +76,17 @@ def test_patterns_call_the_executor_their_backend_names() -> None:
 def test_the_config_backend_reaches_every_executor_head_and_is_checked() -> None:
     from routeformer import TransformerLM
 
-    config = TransformerConfig(dim=32, heads=4, depth=1, seq_len=32, window=4, num_clusters=2,
+    config = TransformerConfig(dim=32, heads=4, depth=1, seq_len=32, rel_clip=4,
+                               options={"local": {"window": 4}, "routing": {"num_clusters": 2}},
                                attention="local:1,routing:1,lsh:2", backend="flex", positions="none")
     groups = TransformerLM(config).blocks[0].attention.groups
     # resolved once into the executor itself; LSH's rounds run on it too
     assert [g.executor for g in groups] == [EXECUTORS["flex"]] * 3
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
-        TransformerConfig(dim=32, heads=4, seq_len=32, window=4, backend="fast")
+        TransformerConfig(dim=32, heads=4, seq_len=32, options={"local": {"window": 4}}, rel_clip=4, backend="fast")
     with pytest.raises(ValueError, match="backend='flex' would change nothing"):
-        TransformerConfig(dim=32, heads=4, seq_len=32, attention="linear", kernel="elu", positions="none",
-                          backend="flex")
+        TransformerConfig(dim=32, heads=4, seq_len=32, attention="linear", options={"linear": {"kernel": "elu"}},
+                          positions="none", backend="flex")
 
 
 def test_kernels_without_a_fused_path_refuse_the_flex_backend() -> None:

@@ -239,7 +239,7 @@ def tiny_model(**kw) -> TransformerLM:
 
 
 def test_performer_heads_redraw_deterministically_on_schedule_and_reload() -> None:
-    model = tiny_model(attention="performer", features=8, redraw_every=2)
+    model = tiny_model(attention="performer", options={"performer": {"features": 8, "redraw_every": 2}})
     heads = [g for g in model.head_groups()]
     first = [h.projection.clone() for h in heads]
     assert not torch.equal(first[0], first[1])  # each layer its own features
@@ -247,10 +247,10 @@ def test_performer_heads_redraw_deterministically_on_schedule_and_reload() -> No
     assert all(torch.equal(h.projection, p) for h, p in zip(heads, first, strict=True))
     model.after_optimizer_step(2)
     assert all(not torch.equal(h.projection, p) for h, p in zip(heads, first, strict=True))
-    twin = tiny_model(attention="performer", features=8, redraw_every=2)
+    twin = tiny_model(attention="performer", options={"performer": {"features": 8, "redraw_every": 2}})
     twin.after_optimizer_step(2)  # the same seed and count: the same draw (every rank agrees without a broadcast)
     assert all(torch.equal(a.projection, b.projection) for a, b in zip(heads, twin.head_groups(), strict=True))
-    fresh = tiny_model(attention="performer", features=8, redraw_every=2)
+    fresh = tiny_model(attention="performer", options={"performer": {"features": 8, "redraw_every": 2}})
     fresh.load_state_dict(model.state_dict())
     assert all(torch.equal(a.projection, b.projection) and int(a.draws) == 1
                for a, b in zip(fresh.head_groups(), heads, strict=True))
@@ -259,19 +259,23 @@ def test_performer_heads_redraw_deterministically_on_schedule_and_reload() -> No
 # --- configs and errors -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, message", [
-    ({"attention": "full", "kernel": "cos"}, "kernel must be one of 'exp', 'poly2', 'elu', got 'cos'"),
-    ({"attention": "full", "kernel": "elu", "positions": "relative"}, "full heads do not support relative"),
+    ({"attention": "full", "options": {"full": {"kernel": "cos"}}},
+     "kernel must be one of 'exp', 'poly2', 'elu', got 'cos'"),
+    ({"attention": "full", "options": {"full": {"kernel": "elu"}}, "positions": "relative"},
+     "full heads do not support relative"),
     ({"attention": "linear", "options": {"linear": {"kernel": "exp"}}},
      "options.linear: kernel='exp': linear heads need kernel='elu' or 'poly2'"),
     ({"attention": "linear", "options": {"linear": {"features": 3}}},
      "options.linear: features .3. follows from the kernel and head_dim"),
-    ({"attention": "performer", "features": 0}, "options.performer: features must be a positive integer"),
-    ({"attention": "performer", "redraw_every": -1}, "options.performer: redraw_every must be a non-negative integer"),
+    ({"attention": "performer", "options": {"performer": {"features": 0}}},
+     "options.performer: features must be a positive integer"),
+    ({"attention": "performer", "options": {"performer": {"redraw_every": -1}}},
+     "options.performer: redraw_every must be a non-negative integer"),
 ])
 def test_config_errors_name_the_field(kw, message) -> None:
     kw = {"positions": "absolute", **kw}
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        TransformerConfig(vocab_size=32, dim=16, heads=2, depth=1, seq_len=24, window=8, **kw)
+        TransformerConfig(vocab_size=32, dim=16, heads=2, depth=1, seq_len=24, rel_clip=8, **kw)
 
 
 def test_the_kernel_is_each_kinds_own_option() -> None:
@@ -316,7 +320,8 @@ def test_no_graph_breaks_under_compile(attend) -> None:
 
 
 def test_models_with_the_new_kinds_train_and_count_their_cost() -> None:
-    model = tiny_model(attention="local:1,linear:1", kernel="poly2", window=8)
+    model = tiny_model(attention="local:1,linear:1", rel_clip=8,
+                       options={"local": {"kernel": "poly2", "window": 8}, "linear": {"kernel": "poly2"}})
     x = torch.randint(0, 32, (2, 24))
     loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
     loss.backward()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import sections_in_use
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import (
     KINDS,
@@ -24,7 +25,10 @@ from routeformer.attention import (
 )
 from routeformer.testing import check_kind
 
-SMALL = {"window": 8, "stride": 6, "block": 12, "summary": 3, "num_clusters": 4, "routing_window": 8}
+# small settings of every kind (options sections), and the model fields that go with them
+SMALL = {"local": {"window": 8}, "longformer": {"window": 8}, "strided": {"stride": 6},
+         "fixed": {"block": 12, "summary": 3}, "routing": {"num_clusters": 4, "window": 8}}
+SMALL_FIELDS = {"rel_clip": 8, "grid_width": 6}
 BUILT_IN = ["full", "local", "routing", "strided", "strided_a1", "strided_a2", "fixed", "fixed_a1", "fixed_a2",
             "longformer", "lsh", "linear", "performer"]
 ABSOLUTE = {"positions": "absolute"}  # the kernel heads have no relative positions
@@ -34,22 +38,24 @@ def test_the_built_in_kinds_are_registered_in_order() -> None:
     assert list(KINDS)[:len(BUILT_IN)] == BUILT_IN
 
 
-@pytest.mark.parametrize("name, extra", [
-    *[(name, {} if KINDS[name].relative_positions is not False else ABSOLUTE)  # every kind registered now
+@pytest.mark.parametrize("name, own, extra", [  # own: settings of the kind's own options section
+    *[(name, {}, {} if KINDS[name].relative_positions is not False else ABSOLUTE)  # every kind registered now
       for name in KINDS if name not in ("longformer", "linear")],
-    ("linear", {"kernel": "elu", **ABSOLUTE}),
-    ("full", {"kernel": "elu", **ABSOLUTE}),
-    ("full", {"kernel": "poly2", **ABSOLUTE}),
-    ("local", {"kernel": "elu", **ABSOLUTE}),
-    ("local", {"kernel": "poly2", **ABSOLUTE}),
-    ("linear", {"kernel": "poly2", **ABSOLUTE}),
-    ("performer", {"features": 12, "redraw_every": 1, **ABSOLUTE}),
-    ("longformer", {"dilation": [1, 3], "global_tokens": [0, 7]}),
-    ("routing", {"shared_qk": False}),
-    ("routing", {"shared_qk": False, "separate_routing": True}),
+    ("linear", {"kernel": "elu"}, ABSOLUTE),
+    ("full", {"kernel": "elu"}, ABSOLUTE),
+    ("full", {"kernel": "poly2"}, ABSOLUTE),
+    ("local", {"kernel": "elu"}, ABSOLUTE),
+    ("local", {"kernel": "poly2"}, ABSOLUTE),
+    ("linear", {"kernel": "poly2"}, ABSOLUTE),
+    ("performer", {"features": 12, "redraw_every": 1}, ABSOLUTE),
+    ("longformer", {"dilation": [1, 3], "global_tokens": [0, 7]}, {}),
+    ("routing", {"shared_qk": False}, {}),
+    ("routing", {"shared_qk": False, "separate": True}, {}),
 ])
-def test_every_built_in_kind_passes_the_generic_checks(name: str, extra: dict) -> None:
-    report = check_kind(name, seq_len=40, **{**SMALL, **extra})
+def test_every_built_in_kind_passes_the_generic_checks(name: str, own: dict, extra: dict) -> None:
+    section = KINDS[name].options_key
+    options = sections_in_use(name, {**SMALL, section: {**SMALL.get(section, {}), **own}})
+    report = check_kind(name, seq_len=40, options=options, **SMALL_FIELDS, **extra)
     assert max(report.reference, report.reference_grad, report.leak, report.decode) <= 1e-9
 
 
@@ -97,8 +103,8 @@ def band():
 
 
 def test_a_user_kind_trains_decodes_and_passes_the_checks(band) -> None:
-    config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=32, window=8,
-                               attention="local:2,band:2", options={"band": {"width": 3}})
+    config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=32, rel_clip=8,
+                               attention="local:2,band:2", options={"local": {"window": 8}, "band": {"width": 3}})
     assert config.keys_per_query() == {"local": 8, "band": 3}
     model = TransformerLM(config)
     assert [type(g).__name__ for g in model.head_groups()] == ["LocalHeads", "BandHeads"] * 2
@@ -147,8 +153,8 @@ def test_a_kind_without_relative_positions_says_so(band) -> None:
                            option_type=BandOptions, relative_positions=False))
     try:
         with pytest.raises(ValueError, match="absolute_only heads do not support relative positions"):
-            TransformerConfig(heads=2, dim=16, seq_len=32, window=8, attention="absolute_only")
-        TransformerConfig(heads=2, dim=16, seq_len=32, window=8, attention="absolute_only", positions="none")
+            TransformerConfig(heads=2, dim=16, seq_len=32, rel_clip=8, attention="absolute_only")
+        TransformerConfig(heads=2, dim=16, seq_len=32, rel_clip=8, attention="absolute_only", positions="none")
     finally:
         unregister_kind("absolute_only")
 

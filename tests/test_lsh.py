@@ -166,13 +166,15 @@ def test_argument_errors_name_the_argument(kwargs: dict, message: str) -> None:
 
 
 def test_the_kind_passes_the_generic_checks() -> None:
-    report = check_kind("lsh", seq_len=40, positions="absolute", lsh_buckets=4, lsh_rounds=3, lsh_window=6)
+    report = check_kind("lsh", seq_len=40, positions="absolute",
+                        options={"lsh": {"buckets": 4, "rounds": 3, "window": 6}})
     assert max(report.reference, report.reference_grad, report.leak, report.decode) <= 1e-9
 
 
 def test_config_defaults_and_errors_name_the_field() -> None:
-    def options(**kw):
-        config = TransformerConfig(heads=2, dim=16, attention="local:1,lsh:1", positions="absolute", window=8, **kw)
+    def options(seq_len: int, options: dict | None = None):
+        config = TransformerConfig(heads=2, dim=16, attention="local:1,lsh:1", positions="absolute", rel_clip=8,
+                                   seq_len=seq_len, options={"local": {"window": 8}, **(options or {})})
         return config.head_groups()[0][1].options, config
 
     o, config = options(seq_len=30)  # round(sqrt(30)) = 5 -> 6 buckets, window 30 // 6
@@ -195,7 +197,7 @@ def test_config_defaults_and_errors_name_the_field() -> None:
 def _lsh_model(seed: int = 0) -> TransformerLM:
     torch.manual_seed(seed)
     config = TransformerConfig(vocab_size=32, dim=16, depth=1, heads=2, seq_len=64, attention="lsh",
-                               positions="absolute", lsh_buckets=4, lsh_rounds=2, lsh_window=5)
+                               positions="absolute", options={"lsh": {"buckets": 4, "rounds": 2, "window": 5}})
     return TransformerLM(config).double().eval()
 
 

@@ -8,22 +8,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import sections_in_use
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention.routing import probes as probes_module
 
 SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
          "longformer", "local:2,routing:2"]
-SEPARATE = {"shared_qk": False, "separate_routing": True}  # routing heads that route queries and keys apart
-PROBED = {"routing_probes": 2, "routing_balance": 0.01}  # each query probes two clusters, balanced by a bias
-PAPER = {"routing_probes": 1, "routing_balance": 0.0}  # the paper's rule: one cluster, plain argmax
+# options.routing settings (each case's ``kw``)
+SEPARATE = {"shared_qk": False, "separate": True}  # routing heads that route queries and keys apart
+PROBED = {"probes": 2, "balance": 0.01}  # each query probes two clusters, balanced by a bias
+PAPER = {"probes": 1, "balance": 0.0}  # the paper's rule: one cluster, plain argmax
 CONFIGS = [(spec, {}) for spec in SPECS] + [("local:2,routing:2", SEPARATE), ("local:2,routing:2", PAPER),
-                                            ("routing", {**SEPARATE, **PROBED, "routing_gate": True})]
+                                            ("routing", {**SEPARATE, **PROBED, "gate": True})]
 
 
-def tiny(spec: str = "local:2,routing:2", **kw) -> TransformerConfig:
-    base = dict(vocab_size=23, dim=32, depth=2, heads=4, seq_len=48, attention=spec, window=6, stride=5, block=8,
-                summary=2, num_clusters=3, routing_window=6, dilation=2,
-                global_tokens=[2, 30] if spec == "longformer" else [])
+def tiny(spec: str = "local:2,routing:2", routing: dict | None = None, **kw) -> TransformerConfig:
+    """A small model of kinds ``spec``; ``routing``: options.routing settings over the test's."""
+    sections = {"local": {"window": 6}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
+                "routing": {"num_clusters": 3, "window": 6, **(routing or {})},
+                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2, 30]}}
+    base = dict(vocab_size=23, dim=32, depth=2, heads=4, seq_len=48, attention=spec, rel_clip=6, grid_width=5,
+                options=sections_in_use(spec, sections))
     return TransformerConfig(**{**base, **kw})
 
 
@@ -43,7 +48,7 @@ def tokens(B: int, N: int, vocab: int = 23, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("spec, kw", CONFIGS)
 @pytest.mark.parametrize("backend", ["tiles", "flex", "fused"])
 def test_no_leak_through_the_whole_model(spec: str, kw: dict, backend: str) -> None:
-    model = randomised(tiny(spec, backend=backend, **kw))
+    model = randomised(tiny(spec, kw, backend=backend))
     x = tokens(2, 48)
     with torch.no_grad():
         before = model(x)
@@ -65,7 +70,7 @@ DECODE_CASES = ([(spec, kw, positions, backend) for spec, kw in CONFIGS for back
 def test_cached_decoding_equals_the_forward(spec: str, kw: dict, positions: str, backend: str) -> None:
     """Float32, atol 1e-4, well past window (6), stride (5) and block (8); decoding is the same whatever the
     backend of the forward."""
-    model = randomised(tiny(spec, positions=positions, backend=backend, **kw), dtype=torch.float32)
+    model = randomised(tiny(spec, kw, positions=positions, backend=backend), dtype=torch.float32)
     x = tokens(2, 48)
     with torch.no_grad():
         full = model(x)
@@ -200,7 +205,7 @@ OVERFIT = [
 def overfit(spec: str, kw: dict, perturbation: int | None = None, *, steps: int = 300, num_clusters: int = 2,
             routing_window: int = 16) -> float:
     """The loss on a fixed batch after training on it, from the seeded initial weights, or from those weights each
-    multiplied by (1 + 1e-6 · noise) drawn with seed ``perturbation``.
+    multiplied by (1 + 1e-6 · noise) drawn with seed ``perturbation``. ``kw``: options.routing settings.
 
     Read robustly: the learning rate decays to zero (cosine), so the verdict comes from a settled model, and the
     routing heads have 2 clusters of 16 keys (k = 3, window 6 left routing-only models at 0.14 in 1 of 20
@@ -210,10 +215,11 @@ def overfit(spec: str, kw: dict, perturbation: int | None = None, *, steps: int 
     0.138 (k = 3, window 6), threshold 0.05; at these 300 steps, over 10 perturbations of each separately routed
     model and 3-4 of every other: the worst 0.001, longformer 0.011 (a plateau it reaches from every start)."""
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=16, dim=64, depth=2, heads=4, seq_len=32, attention=spec, window=6,
-                               stride=5, block=8, summary=2, num_clusters=num_clusters,
-                               routing_window=routing_window, dilation=2,
-                               global_tokens=[2] if spec == "longformer" else [], **kw)
+    sections = {"local": {"window": 6}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
+                "routing": {"num_clusters": num_clusters, "window": routing_window, **kw},
+                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2]}}
+    config = TransformerConfig(vocab_size=16, dim=64, depth=2, heads=4, seq_len=32, attention=spec, rel_clip=6,
+                               grid_width=5, options=sections_in_use(spec, sections))
     model = TransformerLM(config)
     if perturbation is not None:
         noise = torch.Generator().manual_seed(perturbation)
@@ -256,7 +262,7 @@ def test_the_overfitting_verdict_survives_perturbed_initial_weights(spec: str, k
 
 
 def test_sparse_transformer_initialisation() -> None:
-    config = TransformerConfig(dim=256, depth=6, heads=8, seq_len=256, window=64)
+    config = TransformerConfig(dim=256, depth=6, heads=8, seq_len=256, options={"local": {"window": 64}}, rel_clip=64)
     model = TransformerLM(config)
     d = config.dim
     assert model.embed.weight.std().item() == pytest.approx(0.125 / math.sqrt(d), rel=0.05)
@@ -272,7 +278,8 @@ def test_sparse_transformer_initialisation() -> None:
 
 
 def test_parameters_and_flops() -> None:
-    config = TransformerConfig(vocab_size=100, dim=64, depth=2, heads=4, seq_len=128, window=16)
+    config = TransformerConfig(vocab_size=100, dim=64, depth=2, heads=4, seq_len=128, options={"local": {"window": 16}},
+                               rel_clip=16)
     model = TransformerLM(config)
     assert model.num_parameters() == sum(p.numel() for p in model.parameters())
     assert model.num_parameters(exclude_embeddings=True) == model.num_parameters() - 100 * 64
@@ -312,8 +319,10 @@ def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str, mon
     record = probes_module.probe_ranges
     monkeypatch.setattr(probes_module, "probe_ranges", lambda clusters, probes, *a, **kw: decisions.append(
         (clusters, probes)) or record(clusters, probes, *a, **kw))
-    config = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=4, seq_len=4096, attention=spec, window=128,
-                               block=128, summary=8, global_tokens=[0, 2048] if spec == "longformer" else [])
+    sections = {"local": {"window": 128}, "fixed": {"block": 128, "summary": 8},
+                "longformer": {"window": 128, "global_tokens": [0, 2048]}}
+    config = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=4, seq_len=4096, attention=spec, rel_clip=128,
+                               options=sections_in_use(spec, sections))
     model = randomised(config, dtype=torch.float32).train()
     x = tokens(1, 4096, vocab=256)
 
@@ -400,9 +409,9 @@ def test_decoding_past_the_cache_is_an_error() -> None:
         model(tokens(1, 1), cache)
 
 
-@pytest.mark.parametrize("spec, kw", CONFIGS + [("local:2,routing:2", {"routing_warmup": 5})])
+@pytest.mark.parametrize("spec, kw", CONFIGS + [("local:2,routing:2", {"warmup": 5})])
 def test_torch_compile_traces_training_without_graph_breaks(spec: str, kw: dict) -> None:
-    model = TransformerLM(tiny(spec, **kw)).train()
+    model = TransformerLM(tiny(spec, kw)).train()
     x = tokens(2, 48)
 
     def step(x):

@@ -11,11 +11,17 @@ import shlex
 import sys
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 import pytest
 import torch
 
 from helpers import tiny_text_data
 from routeformer.cli import build_parser, main
+from routeformer.train.config import resolve_config_path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 ROOT = README.parent
@@ -23,7 +29,8 @@ ROOT = README.parent
 TOY_MODEL = ["--set", "dim=32", "--set", "depth=1", "--set", "batch_size=2", "--set", "grad_accum=1",
              "--set", "eval_tokens=64", "--set", "eval_every=2", "--set", "sample_tokens=4"]
 TOY_TRAIN = ["--max-steps", "2", "--max-minutes", "2", "--set", "seq_len=64", "--set", "options.local.window=16",
-             "--set", "options.routing.num_clusters=4", "--set", "options.routing.window=8", *TOY_MODEL]
+             "--set", "options.longformer.window=16", "--set", "options.routing.num_clusters=4",
+             "--set", "options.routing.window=8", *TOY_MODEL]
 TOY_RECALL = ["--steps", "2", "--seeds", "0", "--eval", "8", "--batch", "4", "--dim", "32"]
 TOY_TEXT = ["--steps", "2", "--minutes", "1", *TOY_MODEL]
 
@@ -134,7 +141,7 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
         if "cuda" in argv and not torch.cuda.is_available():
             continue  # a GPU command: parsed above
         if argv[0] == "train":
-            toy = [*argv, *data, *TOY_TRAIN]
+            toy = [*argv, *data, *TOY_TRAIN] + ([] if _sets_rel_clip(argv) else ["--set", "rel_clip=16"])
             if "--out" not in argv:
                 toy += ["--out", str(folder / "runs" / f"main-{index}")]
         elif argv[:2] == ["bench", "recall"]:
@@ -147,6 +154,15 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
         else:
             toy = argv
         assert main(toy) == 0, f"README command failed at toy size: routeformer {' '.join(toy)}"
+
+
+def _sets_rel_clip(argv: list[str]) -> bool:
+    """Whether a train command gives rel_clip, by its configuration or a --set (else the toy window of 16 sets it,
+    as the one flat setting of both once did)."""
+    config = argv[argv.index("--config") + 1] if "--config" in argv else None
+    sets = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--set"]
+    return any(item.partition("=")[0].strip().removeprefix("model.") == "rel_clip" for item in sets) or \
+        "rel_clip" in tomllib.loads(resolve_config_path(config or "default").read_text()).get("model", {})
 
 
 def _run_experiment(argv: list[str], monkeypatch) -> None:

@@ -104,8 +104,8 @@ def test_a_model_decodes_exactly_during_and_after_the_warm_up() -> None:
     """During the warm-up the routing heads keep every position (as full attention does); after it, the routed
     ring buffers. Either way decoding reproduces the forward."""
     config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=40, attention="local:2,routing:2",
-                               window=6, num_clusters=4, routing_window=5, routing_probes=2, routing_balance=0.05,
-                               routing_warmup=2)
+                               rel_clip=6, options={"local": {"window": 6}, "routing": {
+                                   "num_clusters": 4, "window": 5, "probes": 2, "balance": 0.05, "warmup": 2}})
     kinds, _ = _decode_through_training_steps(config, 3)
     assert kinds == [KeyStore, KeyStore, RoutingCache]
 
@@ -134,9 +134,10 @@ def _decode_through_training_steps(config: TransformerConfig, steps: int) -> tup
 
 
 def test_training_flops_count_the_dense_warm_up() -> None:
-    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", window=8,
-                num_clusters=8, routing_window=8, routing_probes=2)
-    plain, warm = (TransformerLM(TransformerConfig(**base, routing_warmup=w)) for w in (0, 10))
+    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", rel_clip=8)
+    routing = dict(num_clusters=8, window=8, probes=2)
+    plain, warm = (TransformerLM(TransformerConfig(**base, options={"local": {"window": 8}, "routing": {
+        **routing, "warmup": w}})) for w in (0, 10))
     assert warm.flops_per_token(step=10) == plain.flops_per_token() == plain.flops_per_token(step=0)
     dense_keys = (64 + 1) / 2 + 8  # every earlier key, and the routing
     routed_keys = 2 * 8 + 8
@@ -147,9 +148,10 @@ def test_training_flops_count_the_dense_warm_up() -> None:
 
 
 def test_a_warm_up_at_a_shorter_length_is_counted_at_that_length() -> None:
-    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", window=8,
-                num_clusters=8, routing_window=8, routing_probes=2, routing_warmup=10)
-    full, short = (TransformerLM(TransformerConfig(**base, routing_warmup_len=n)) for n in (None, 16))
+    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", rel_clip=8)
+    routing = dict(num_clusters=8, window=8, probes=2, warmup=10)
+    full, short = (TransformerLM(TransformerConfig(**base, options={"local": {"window": 8}, "routing": {
+        **routing, "warmup_len": n}})) for n in (None, 16))
     assert [short.config.train_len(s) for s in (0, 9, 10, 100)] == [16, 16, 64, 64]
     assert [full.config.train_len(s) for s in (0, 9, 10)] == [64, 64, 64]
     # the same tokens per step, each scoring the keys of a 16-token context while the warm-up lasts
@@ -159,22 +161,22 @@ def test_a_warm_up_at_a_shorter_length_is_counted_at_that_length() -> None:
     assert short.flops_per_token(16, step=0) < full.flops_per_token(64, step=0)
 
 
-@pytest.mark.parametrize("fields, fragment", [
-    ({"routing_warmup_len": 24}, r"must divide seq_len \(64\)"),  # checked even with no warm-up to use it
-    ({"routing_warmup": 5, "routing_warmup_len": 24}, r"must divide seq_len \(64\)"),
-    ({"routing_warmup": 5, "routing_warmup_len": 0}, "options.routing: warmup_len must be a positive integer"),
+@pytest.mark.parametrize("fields, fragment", [  # options.routing settings
+    ({"warmup_len": 24}, r"must divide seq_len \(64\)"),  # checked even with no warm-up to use it
+    ({"warmup": 5, "warmup_len": 24}, r"must divide seq_len \(64\)"),
+    ({"warmup": 5, "warmup_len": 0}, "options.routing: warmup_len must be a positive integer"),
 ])
 def test_bad_warm_up_lengths(fields: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1",
-                          window=8, num_clusters=4, **fields)
+                          rel_clip=8, options={"local": {"window": 8}, "routing": {"num_clusters": 4, **fields}})
 
 
 def test_a_warm_up_length_without_a_warm_up_changes_nothing() -> None:
-    """A configuration that ships a warm-up stays usable with routing_warmup = 0 (``--set routing_warmup=0``)."""
-    fields = dict(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1", window=8,
-                  num_clusters=4)
-    plain, unused = TransformerConfig(**fields), TransformerConfig(**fields, routing_warmup_len=16)
+    """A configuration that ships a warm-up stays usable with warmup = 0 (``--set options.routing.warmup=0``)."""
+    fields = dict(vocab_size=32, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,routing:1", rel_clip=8)
+    plain, unused = (TransformerConfig(**fields, options={"local": {"window": 8}, "routing": {
+        "num_clusters": 4, **routing}}) for routing in ({}, {"warmup_len": 16}))
     assert unused.train_len(0) == 64 and unused.warmups() == plain.warmups()
     assert unused.describe_heads() == plain.describe_heads()
     assert TransformerLM(unused).training_flops(10, 640) == TransformerLM(plain).training_flops(10, 640)

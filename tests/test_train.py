@@ -235,8 +235,11 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
         capsys, ["bench", "attention", "--n", "64", "--only", "typo"])
     assert "dropout must be in [0, 1)" in _error(capsys, base + ["--set", "dropout=2"])
     assert "unknown key; valid keys: activation" in _error(capsys, base + ["--set", "dimension=3"])
-    assert "seq_len (4096) + 1 is longer than the valid split" in _error(capsys, base + ["--set", "seq_len=4096",
-                                                                                          "--set", "window=32"])
+    assert "seq_len (4096) + 1 is longer than the valid split" in _error(capsys, base + [
+        "--set", "seq_len=4096", "--set", "options.local.window=32", "--set", "rel_clip=32"])
+    assert "--set window: window is the old spelling of options.local.window / options.longformer.window; write " \
+           "--set options.local.window=32 / --set options.longformer.window=32" in _error(
+               capsys, base + ["--set", "window=32"])
     assert "routeformer prepare enwik8" in _error(capsys, base + ["--data", "enwik8"])
     assert not (tmp_path / "r").exists()  # a start that fails on its data leaves no run directory
     assert "device must be auto, cpu, cuda or cuda:N, got 'foo'" in _error(capsys, base + ["--set", "device=foo"])
@@ -284,7 +287,8 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
 @pytest.mark.parametrize("item, want", [
     ("lr=3e-4", ("train", "lr", 3e-4)), ("dim=64", ("model", "dim", 64)), ("checkpointing=true", ("model",
      "checkpointing", True)), ("attention=local:2,routing:2", ("model", "attention", "local:2,routing:2")),
-    ('attention="full"', ("model", "attention", "full")), ("model.dilation=[1, 2]", ("model", "dilation", [1, 2])),
+    ('attention="full"', ("model", "attention", "full")),
+    ("model.options.longformer.dilation=[1, 2]", ("model", "options.longformer.dilation", [1, 2])),
     ("train.data=enwik8", ("train", "data", "enwik8")),
     ("options.routing.window=32", ("model", "options.routing.window", 32)),
     ("model.options.strided.stride=8", ("model", "options.strided.stride", 8)),
@@ -299,24 +303,51 @@ def test_set_overrides_are_read_as_toml(item: str, want) -> None:
     ("options.routing.windw=3", r"options.routing has no field 'windw'; fields: num_clusters, window"),
     ("options.sparse.window=3", r"a kind's option is options.<section>.<field>, sections: full, local, routing"),
     ("options.routing=3", r"a kind's option is options.<section>.<field>"),
+    ("routing_window=24", r"--set routing_window: routing_window is the old spelling of options.routing.window; "
+                          r"write --set options.routing.window=24\. The flat names are read only from saved run"),
+    ("model.window=64", r"--set model.window: window is the old spelling of options.local.window / "
+                        r"options.longformer.window; write --set options.local.window=64 / --set "
+                        r"options.longformer.window=64 \(it also set rel_clip when rel_clip was not given"),
+    ("model.stride=8", r"stride is the old spelling of options.strided.stride; write --set "
+                       r"options.strided.stride=8 \(it also set grid_width"),
 ])
 def test_bad_overrides(item: str, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         parse_override(item)
 
 
-def test_a_later_setting_wins_over_the_other_spelling_and_the_resolved_file_reads_back(tmp_path) -> None:
-    # the shipped default pins [model.options.routing] window = 16: an old flat --set and a new one both override it
-    for override in ("routing_window=24", "options.routing.window=24"):
-        assert load_run_config(None, [override]).model.options["routing"].window == 24
-    config = load_run_config(None, ["routing_window=24", "options.routing.window=20"]).model
+def test_a_later_setting_wins_and_the_resolved_file_reads_back(tmp_path) -> None:
+    # the shipped default pins [model.options.routing] window = 16: a --set overrides it, the later of two wins
+    assert load_run_config(None, ["options.routing.window=24"]).model.options["routing"].window == 24
+    config = load_run_config(None, ["options.routing.window=24", "options.routing.window=20"]).model
     assert config.options["routing"].window == 20
-    config = load_run_config(None, ["window=64", "options.lsh.rounds=4"]).model  # lsh unused: kept for another mix
+    config = load_run_config(None, ["options.local.window=64", "rel_clip=64", "options.lsh.rounds=4"]).model
     assert config.options["local"].window == 64 and config.rel_clip == 64 and config.options["lsh"].rounds == 4
+    with pytest.raises(ValueError, match="--set routing_window: routing_window is the old spelling of "
+                                         "options.routing.window"):  # the flat spelling is refused, not merged
+        load_run_config(None, ["routing_window=24", "options.routing.window=20"])
     path = tmp_path / "resolved.toml"
     run = load_run_config(None, ["options.routing.warmup=5", "options.routing.warmup_len=64"])
     path.write_text(run.to_toml())
     assert load_run_config(path).model == run.model
+
+
+def test_a_config_file_in_the_old_flat_spelling_is_refused_with_the_new_one(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nattention = \"local:2,routing:2\"\nwindow = 64\nnum_clusters = 8\n")
+    with pytest.raises(ValueError, match=rf"{path}: \[model\] window is the old spelling of options.local.window / "
+                                         r"options.longformer.window; write \[model.options.local\] window / "
+                                         r"\[model.options.longformer\] window \(it also set rel_clip"):
+        load_run_config(path)
+    path.write_text("[model]\nnum_clusters = 8\n\n[model.options.local]\nwindow = 64\n")
+    with pytest.raises(ValueError, match=r"\[model\] num_clusters is the old spelling of options.routing.num_clusters; "
+                                         r"write \[model.options.routing\] num_clusters\. The flat names are read "
+                                         r"only from saved run files"):
+        load_run_config(path)
+    path.write_text("[model]\nrel_clip = 64\n\n[model.options.local]\nwindow = 64\n\n"
+                    "[model.options.routing]\nnum_clusters = 8\n")  # the same settings, spelled today
+    config = load_run_config(path).model
+    assert (config.options["local"].window, config.rel_clip, config.options["routing"].num_clusters) == (64, 64, 8)
 
 
 def test_config_files_reject_unknown_keys(tmp_path) -> None:
@@ -386,7 +417,8 @@ def test_main_job_defaults_prepare_stdlib_on_first_use(tmp_path, capsys, monkeyp
     # here even for this model) is replaced by the periodic estimate
     monkeypatch.setattr(Validator, "whole_split", Validator.estimate)
     assert main(["train", "--max-steps", "1", "--set", "dim=32", "--set", "depth=1", "--set", "heads=2", "--set",
-                 "attention=local:1,routing:1", "--set", "seq_len=64", "--set", "window=16", "--set", "batch_size=2",
+                 "attention=local:1,routing:1", "--set", "seq_len=64", "--set", "options.local.window=16",
+                 "--set", "rel_clip=16", "--set", "batch_size=2",
                  "--set", "sample_tokens=4", "--set", "eval_tokens=64", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "preparing the stdlib data set" in out and (tmp_path / "data" / "stdlib" / "meta.json").is_file()
@@ -439,5 +471,6 @@ def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatc
 
     monkeypatch.setattr(TransformerLM, "forward", recording)
     run = setup["root"] / "short-warm-up"
-    assert train(setup, run, "--set", "routing_warmup=3", "--set", "routing_warmup_len=8", "--max-steps", "5") == 0
+    assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
+                 "--max-steps", "5") == 0
     assert seen == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up

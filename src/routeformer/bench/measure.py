@@ -15,6 +15,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..executors import resolve_backend
 
 
+def merge_fields(*tables: dict) -> dict:
+    """TransformerConfig fields, the later tables' winning; their ``options`` merged section by section and field by
+    field."""
+    out: dict = {}
+    options: dict = {}
+    for table in tables:
+        for key, value in table.items():
+            if key == "options":
+                for section, settings in value.items():
+                    options[section] = {**options.get(section, {}), **settings}
+            else:
+                out[key] = value
+    return {**out, "options": options} if options else out
+
+
 def memory_trackable(device: torch.device, backend: str) -> bool:
     """Whether ``PeakMemory`` can watch attention run by ``backend`` on ``device``: on CPU its dispatch mode is
     refused by FlexAttention's operator (and a refused trace breaks later flex calls in the process)."""

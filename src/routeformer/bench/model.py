@@ -25,7 +25,7 @@ from ..executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
 from ..train.config import TrainConfig
 from ..train.loop import adamw
-from .measure import PeakMemory, format_table, median_time, memory_trackable, synchronize
+from .measure import PeakMemory, format_table, median_time, memory_trackable, merge_fields, synchronize
 
 MODELS = ("full", "local", "local+routing")  # the default rows
 
@@ -40,7 +40,7 @@ def _half_local(heads: int, other: str) -> str:
 PRESETS: dict[str, Callable[[int], dict]] = {
     "local+routing": lambda heads: {"attention": _half_local(heads, "routing")},
     "local+lsh": lambda heads: {"attention": _half_local(heads, "lsh"), "positions": "none"},
-    "linear-elu": lambda heads: {"attention": "linear", "kernel": "elu", "positions": "none"},
+    "linear-elu": lambda heads: {"attention": "linear", "options": {"linear": {"kernel": "elu"}}, "positions": "none"},
     "performer-favor": lambda heads: {"attention": "performer", "positions": "none"},
 }
 
@@ -50,9 +50,11 @@ def model_configs(n: int, dim: int, depth: int, heads: int, window: int,
                   backend: str = "auto") -> dict[str, TransformerConfig]:
     """The models compared at length n, one per row name: a preset (``PRESETS``) or an attention spec of registered
     kinds; the first is the baseline. ``backend``: ``TransformerConfig.backend`` of every model."""
-    common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "window": min(window, n),
-              "backend": backend}
-    return {name: TransformerConfig(**{**common, **(PRESETS[name](heads) if name in PRESETS else {"attention": name})})
+    window = min(window, n)  # the local and longformer heads', and rel_clip
+    common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "rel_clip": window,
+              "options": {"local": {"window": window}, "longformer": {"window": window}}, "backend": backend}
+    return {name: TransformerConfig(**merge_fields(common, PRESETS[name](heads) if name in PRESETS
+                                                   else {"attention": name}))
             for name in attentions}
 
 

@@ -14,7 +14,8 @@ and how often it is within the query's window there (the first hop's key for ``t
 layers and seeds; with several probes, the share of each probe in parentheses).
 
 A row is an attention spec, optionally followed by how routing heads route (``/shared``, ``/joint``,
-``/separate``) and by config fields for that row: ``local+routing/separate@routing_probes=2@routing_warmup=400``.
+``/separate``) and by config fields for that row:
+``local+routing/separate@options.routing.probes=2@options.routing.warmup=400``.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ import torch.nn.functional as F
 from ..attention.kinds import HeadGroup
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM
+from ..model.config import MOVED, old_spelling_error
 from ..train.config import FIELDS, TrainConfig, parse_override, set_field
 from ..train.schedule import learning_rate
-from .measure import format_table
+from .measure import format_table, merge_fields
 
 EVAL_SEED = 10**6  # held-out batches use seeds from here; training batches use seeds 0, 1, ...
 
 
-# How routing heads route (config fields), chosen by a row's suffix: 'local+routing/separate'.
+# How routing heads route (options.routing settings), chosen by a row's suffix: 'local+routing/separate'.
 ROUTING = {
-    "shared": {"shared_qk": True, "separate_routing": False},  # the paper's text models: keys are the queries
-    "joint": {"shared_qk": False, "separate_routing": False},  # one cluster per position, from n(q) + n(k)
-    "separate": {"shared_qk": False, "separate_routing": True},  # a query's probes from q, a key's cluster from k
+    "shared": {"shared_qk": True, "separate": False},  # the paper's text models: keys are the queries
+    "joint": {"shared_qk": False, "separate": False},  # one cluster per position, from n(q) + n(k)
+    "separate": {"shared_qk": False, "separate": True},  # a query's probes from q, a key's cluster from k
 }
 
 
@@ -56,9 +58,12 @@ def attention_config(name: str, heads: int) -> dict:
     if routing:
         if routing not in ROUTING:
             raise ValueError(f"unknown routing variant {routing!r} in {name!r}; choose from {', '.join(ROUTING)}")
-        fields.update(ROUTING[routing])
+        fields["options"] = {"routing": dict(ROUTING[routing])}
     for item in settings:
-        key = item.partition("=")[0].strip()
+        key, _, text = item.partition("=")
+        key = key.strip()
+        if key in MOVED:
+            raise old_spelling_error(key, f"{name!r}: '@{item}': ", f"@options.{{section}}.{{key}}={text.strip()}")
         if key not in FIELDS["model"] and not key.startswith("options."):
             raise ValueError(f"{name!r}: '@{item}' sets no model config field; valid fields: "
                              f"{', '.join(sorted(FIELDS['model']))}, options.<section>.<field>")
@@ -135,8 +140,10 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
         lr: float = 1e-3, eval_sequences: int = 512, seeds: list[int] | tuple[int, ...] = (0,),
         extra: dict | None = None, echo: Callable[[str], None] = print) -> list[dict]:
     """Train and score one model per (task, attention, seed); print the table row by row, then whole; return the
-    rows. ``facts``: mqar's facts (each with its own key). ``extra``: further TransformerConfig fields for every
-    model (``kmeans_decay``, ``positions``, ...)."""
+    rows. ``facts``: mqar's facts (each with its own key). ``window``: the local heads' (and rel_clip);
+    ``num_clusters``, ``routing_window``: the routing heads' (None: their defaults). ``extra``: further
+    TransformerConfig fields for every model (``positions``, ``options``, ...); a row's own settings come after
+    the bench's, ``extra`` last (``options`` merged section by section)."""
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
@@ -151,9 +158,11 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
     for task_name in tasks:  # every task and every row's config, checked before anything trains
         options = {"keys": facts} if task_name == "mqar" else {}
         task = TASKS[task_name](seq_len=seq_len, min_gap=gap, **options)
-        base = dict(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads, seq_len=seq_len, window=window,
-                    num_clusters=num_clusters, routing_window=routing_window)
-        configs = [TransformerConfig(**{**base, **attention_config(name, heads), **(extra or {})})
+        routing = {key: value for key, value in (("num_clusters", num_clusters), ("window", routing_window))
+                   if value is not None}
+        base = dict(vocab_size=task.vocab_size, dim=dim, depth=depth, heads=heads, seq_len=seq_len, rel_clip=window,
+                    options={"local": {"window": window}, "longformer": {"window": window}, "routing": routing})
+        configs = [TransformerConfig(**merge_fields(base, attention_config(name, heads), extra or {}))
                    for name in attentions]
         # Warm-ups at a shorter length train on the task at that length, its gap just beyond local reach.
         lengths = {c.train_len(0) for c in configs} - {seq_len}

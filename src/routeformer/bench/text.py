@@ -40,8 +40,11 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         fields = attention_config(name, base.heads)
         spec = fields.pop("attention")
         sets = [f"seq_len={seq_len}", f"attention={spec!r}"]
-        if window is not None:
-            sets.append(f"window={window}")
+        if window is not None:  # the local (and longformer) heads' window, and rel_clip unless the overrides set it
+            sets += [f"options.local.window={window}", f"options.longformer.window={window}"]
+            if not any(item.partition("=")[0].strip().removeprefix("model.") == "rel_clip"
+                       for item in overrides or []):
+                sets.append(f"rel_clip={window}")
         # The shipped configuration pins routing's k, window and warm-up length for its own seq_len (unused by
         # other kinds): keep seq_len / k keys per query over the row's probes, and the warm-up's share of seq_len.
         k = num_clusters or max(1, round(seq_len ** 0.5))
@@ -87,9 +90,8 @@ def table(rows: list[dict]) -> str:
 
 
 def _row_setting(fields: dict, name: str, default):
-    """A routing setting a row gives (@options.routing.<name>=… or its old flat name), else ``default``."""
-    old = {"probes": "routing_probes", "warmup_len": "routing_warmup_len"}[name]
-    return fields.get("options", {}).get("routing", {}).get(name, fields.get(old, default))
+    """A routing setting a row gives (@options.routing.<name>=…), else ``default``."""
+    return fields.get("options", {}).get("routing", {}).get(name, default)
 
 
 def _toml(value) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import math
 import numbers
@@ -62,6 +61,26 @@ def new_spelling(name: str) -> str:
     return " / ".join(f"options.{section}.{key}" for section, key in MOVED[name].targets)
 
 
+def old_spelling_error(name: str, where: str = "", form: str = "options.{section}.{key}") -> ValueError:
+    """The error for an old flat name (``MOVED``) given where only the sectioned spelling is read (the constructor,
+    a configuration file, ``--set``): it names the new spelling (each target written as ``form``, e.g.
+    ``"--set options.{section}.{key}=64"``), and the model field the old one also set."""
+    spelling = " / ".join(form.format(section=section, key=key) for section, key in MOVED[name].targets)
+    spelling = "that" if spelling == new_spelling(name) else spelling
+    also = MOVED[name].model_field
+    extra = (f" (it also set {also} when {also} was not given: set {also} too to keep that model)"
+             if also is not None else "")
+    return ValueError(f"{where}{name} is the old spelling of {new_spelling(name)}; write {spelling}{extra}. The "
+                      f"flat names are read only from saved run files (config.json, a run's config.toml)")
+
+
+def refuse_old_spelling(data: dict, where: str = "", form: str = "options.{section}.{key}") -> None:
+    """Raise ``old_spelling_error`` for the first old flat name (``MOVED``) among the keys of ``data``."""
+    for name in data:
+        if name in MOVED:
+            raise old_spelling_error(name, where, form)
+
+
 def sections() -> dict[str, HeadKind]:
     """The sections of ``TransformerConfig.options``: each registered kind's ``options_key``, with a kind that reads
     it."""
@@ -78,17 +97,17 @@ def _plain(options: Any) -> dict:
     return dict(options) if isinstance(options, dict) else options
 
 
-def move_flat_fields(data: dict, *, saved: bool = False) -> dict:
-    """``data`` (TransformerConfig's keyword arguments) with the old flat settings (``MOVED``) moved into the
-    ``options`` sections of the kinds the model uses, and into rel_clip / grid_width when not given: each head
-    reads the value it read before. As before, a setting no kind of the model reads changes nothing. ``saved``: a
-    config.json written before the move (one without ``routing_probes`` predates routing's probes, bias and
-    warm-up: the paper's rule). A setting given both ways with different values is an error."""
+def migrate_saved(data: dict) -> dict:
+    """The fields of a saved config.json (or a run's config.toml) with the old flat settings (``MOVED``) moved into
+    the ``options`` sections of the kinds the model uses, and into rel_clip / grid_width when not given: each head
+    reads the value it read when the file was written. As then, a setting no kind of the model reads changes
+    nothing. A file without ``routing_probes`` predates routing's probes, bias and warm-up: the paper's rule
+    (``LEGACY_ROUTING``). A setting given both ways with different values is an error."""
     flat = {name: data[name] for name in MOVED if name in data}
     if not flat:
         return data
     data = {k: v for k, v in data.items() if k not in MOVED}
-    if saved and "routing_probes" not in flat and "num_clusters" in flat:
+    if "routing_probes" not in flat and "num_clusters" in flat:
         flat = {**LEGACY_ROUTING, **flat}
     attention = data.get("attention")
     if attention is None:
@@ -189,8 +208,8 @@ class TransformerConfig:
             several ``attention`` mixes).
 
     The settings that used to be fields of their own (``window``, ``num_clusters``, ``routing_window``, ``stride``,
-    ``kernel``, ``lsh_rounds``, ...: ``MOVED``) are still accepted by the constructor, configuration files, ``--set``
-    and saved config.json, and are moved into the sections of the kinds the model uses.
+    ``kernel``, ``lsh_rounds``, ...: ``MOVED``) are an error here that names their section; only saved files written
+    in that spelling are read with them (``from_dict(..., saved=True)``, ``load``: ``migrate_saved``).
     """
 
     vocab_size: int = 256
@@ -210,6 +229,12 @@ class TransformerConfig:
     checkpointing: bool = False
     backend: str = "auto"
     options: dict = field(default_factory=dict)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TransformerConfig:
+        """Refuse the old flat settings (``MOVED``) by name, with their new spelling, before the dataclass's
+        constructor would call them unexpected keywords."""
+        refuse_old_spelling(kwargs, "TransformerConfig: ")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "depth", "heads", "seq_len", "rel_clip"):
@@ -328,14 +353,18 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, data: dict, *, saved: bool = False) -> TransformerConfig:
-        """A config from its fields (a configuration file's [model] table, a saved config.json). Old flat names
-        (``MOVED``) are moved into their sections (``move_flat_fields``); ``saved``: the fields of a saved
-        config.json, where a file without ``routing_probes`` predates routing's probes, bias and warm-up."""
-        data = move_flat_fields(data, saved=saved)
+        """A config from its fields (a configuration file's [model] table, a saved config.json). ``saved``: the
+        fields of a saved file (config.json, a run's config.toml), which may be in the old flat spelling
+        (``MOVED``): it is migrated (``migrate_saved``). Otherwise an old flat name is an error naming its new
+        spelling."""
+        if saved:
+            data = migrate_saved(data)
+        else:
+            refuse_old_spelling(data)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(known | set(MOVED)))}")
+            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(known))}")
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -353,16 +382,3 @@ class TransformerConfig:
             return cls.from_dict(data, saved=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
-
-
-
-_dataclass_init = TransformerConfig.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init(self: TransformerConfig, *args: Any, **kwargs: Any) -> None:
-    """The dataclass's constructor, accepting the old flat settings too (``move_flat_fields``)."""
-    _dataclass_init(self, *args, **move_flat_fields(kwargs))
-
-
-TransformerConfig.__init__ = _init  # type: ignore[method-assign]

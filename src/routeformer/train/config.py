@@ -4,8 +4,9 @@
 ``model.key`` / ``train.key``, or a kind's option ``options.<section>.<field>`` (``options.routing.window``; the
 [model.options.<section>] tables of the file); ``value`` is read as TOML (``3e-4``, ``true``, ``"local:4,routing:4"``,
 ``[1, 2]``), and a bare word is read as a string. Unknown keys are an error that lists the valid ones. The old flat
-names of kinds' settings (``window``, ``routing_window``, ...: ``MOVED``) are still accepted and override the
-sections they moved to.
+names of kinds' settings (``window``, ``routing_window``, ...: ``MOVED``) are an error that names their
+``options.<section>.<field>``, in a configuration file and in ``--set``; only a run directory's saved config.toml is
+read with them (``read_run_config`` migrates it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..model import TransformerConfig
-from ..model.config import MOVED, sections
+from ..model.config import MOVED, old_spelling_error, refuse_old_spelling, sections
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEDULES = ("cosine", "inverse_sqrt", "constant")
@@ -123,7 +124,7 @@ class RunConfig:
                 f"[train]\n{_table(asdict(self.train))}")
 
 
-FIELDS = {"model": {f.name for f in fields(TransformerConfig)} | set(MOVED),
+FIELDS = {"model": {f.name for f in fields(TransformerConfig)},
           "train": {f.name for f in fields(TrainConfig)}}
 assert not FIELDS["model"] & FIELDS["train"], "a bare --set key must name one field"
 
@@ -151,6 +152,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
     tables = {"model": dict(raw.pop("model", {})), "train": dict(raw.pop("train", {}))}
     if raw:
         raise ValueError(f"{path}: unknown top-level keys {sorted(raw)}; use the [model] and [train] tables")
+    refuse_old_spelling(tables["model"], f"{path}: [model] ", "[model.options.{section}] {key}")
     for table, values in tables.items():
         unknown = sorted(set(values) - FIELDS[table])
         if unknown:
@@ -180,6 +182,8 @@ def parse_override(item: str) -> tuple[str, str, object]:
         table, name = "model", path
     else:
         table, _, name = key.rpartition(".")
+        if table in ("", "model") and name in MOVED:
+            raise old_spelling_error(name, f"--set {key}: ", f"--set options.{{section}}.{{key}}={text.strip()}")
         if table:
             if table not in FIELDS or name not in FIELDS[table]:
                 raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
@@ -208,23 +212,13 @@ def check_option_path(path: str, where: str) -> tuple[str, str]:
 
 
 def set_field(model_or_train: dict, key: str, value: object) -> None:
-    """Set ``key`` (a field, an old flat name or 'options.<section>.<field>') in a table, the later setting
-    winning over the other spelling of the same thing."""
-    table = model_or_train
+    """Set ``key`` (a field or 'options.<section>.<field>') in a table."""
     if key.startswith("options."):
         section, name = check_option_path(key, key)
-        for old, moved in MOVED.items():  # an old spelling of it given earlier yields
-            if (section, name) in moved.targets and old in table:
-                del table[old]
-        options = table.setdefault("options", {})
+        options = model_or_train.setdefault("options", {})
         options.setdefault(section, {})[name] = value
         return
-    if key in MOVED:  # the sections it moved to yield
-        for section, name in MOVED[key].targets:
-            section_table = (table.get("options") or {}).get(section)
-            if isinstance(section_table, dict):
-                section_table.pop(name, None)
-    table[key] = value
+    model_or_train[key] = value
 
 
 def _valid_keys() -> str:

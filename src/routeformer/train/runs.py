@@ -19,12 +19,15 @@ from .rundir import data_changes, read_data_record
 
 
 def read_run_config(run_dir: Path) -> RunConfig:
+    """The run configuration saved in ``run_dir``/config.toml. A saved file may be in the old flat spelling of the
+    kinds' settings (``window``, ``num_clusters``, ...): it is migrated as a saved config.json is
+    (``TransformerConfig.from_dict(..., saved=True)``)."""
     path = run_dir / "config.toml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {run_dir} is not a routeformer run directory")
     try:
         raw = tomllib.loads(path.read_text())
-        return RunConfig(TransformerConfig(**raw["model"]), TrainConfig(**raw["train"]))
+        return RunConfig(TransformerConfig.from_dict(raw["model"], saved=True), TrainConfig(**raw["train"]))
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path} is not a valid run configuration: {err}") from None
 
