@@ -17,6 +17,7 @@ from routeformer.executors import (
     register_executor,
     resolve_backend,
 )
+from routeformer.executors.inputs import Inputs, RelTerms
 from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 
@@ -119,7 +120,7 @@ def test_an_additive_bias_matches_the_dense_definition(backend: str) -> None:
     own = torch.eye(8, 16, dtype=torch.bool).roll(8, 1)  # span column r + back·block: no row without a key
     tiling = Tiling(block=8, back=1, allow=allow | own)
     bias = torch.randn(2, 3, 5, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    out, _ = get_executor(backend).tiled(q, k, v, tiling, scale=0.3, bias=bias)
+    out, _ = get_executor(backend).tiled(Inputs(q, k, v, 0.3), tiling, bias=bias)
     ref = _dense_reference(q, k, v, tiling, bias, 0.3)
     assert (out - ref).abs().max() < 1e-12
     weights = torch.randn_like(ref)
@@ -143,19 +144,19 @@ def test_the_values_refuse_what_does_not_fit_with_errors_that_name_it() -> None:
     with pytest.raises(ValueError, match=r"Tiling.block must be an integer >= 1, got 0"):
         Tiling(block=0)
     with pytest.raises(ValueError, match=r"tile mask must have shape \(4, 8\), got \(4, 4\)"):
-        tiles.tiled(q, k, v, Tiling(block=4, back=1, allow=torch.ones(4, 4, dtype=torch.bool)), scale=1.0)
+        tiles.tiled(Inputs(q, k, v, 1.0), Tiling(block=4, back=1, allow=torch.ones(4, 4, dtype=torch.bool)))
     with pytest.raises(ValueError, match="banded tiles need as many keys as queries"):
-        tiles.tiled(q, k[:, :, :8], v[:, :, :8], Tiling(block=4, back=1), scale=1.0)
+        tiles.tiled(Inputs(q, k[:, :, :8], v[:, :, :8], 1.0), Tiling(block=4, back=1))
     with pytest.raises(ValueError, match="the caller gives the tile mask"):
-        tiles.tiled(q[:, :, :8], k, v, Tiling(block=8, rows=4), scale=1.0)
+        tiles.tiled(Inputs(q[:, :, :8], k, v, 1.0), Tiling(block=8, rows=4))
     with pytest.raises(ValueError, match="with rows, queries are not at key positions"):
-        tiles.tiled(q[:, :, :8], k, v, Tiling(block=8, rows=4, tile_mask=torch.ones(4, 8, dtype=torch.bool)),
-                    scale=1.0, restrict=KeyRestrictions(exclude_self=True))
-    with pytest.raises(ValueError, match="relative positions need distances"):
-        tiles.tiled(q, k, v, Tiling.band(3, 16, True), scale=1.0, rel_pos=rand_rel(4, 3))
+        tiles.tiled(Inputs(q[:, :, :8], k, v, 1.0),
+                    Tiling(block=8, rows=4, tile_mask=torch.ones(4, 8, dtype=torch.bool)),
+                    restrict=KeyRestrictions(exclude_self=True))
+    assert RelTerms(rand_rel(4, 3)).distances == INDEX  # relative terms always carry their distances
     with pytest.raises(ValueError, match="bias takes no gradient"):
-        tiles.tiled(q, k, v, Tiling.dense(16), scale=1.0, bias=torch.zeros(16, 16, dtype=q.dtype,
-                                                                            requires_grad=True))
+        tiles.tiled(Inputs(q, k, v, 1.0), Tiling.dense(16), bias=torch.zeros(16, 16, dtype=q.dtype,
+                                                                             requires_grad=True))
 
 
 def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> None:
@@ -163,17 +164,16 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
     bias = torch.zeros(1, 1, 1, 16, 16, dtype=q.dtype)
     with pytest.raises(ValueError, match=r"the 'flex' executor does not support bias with relative positions; "
                                          r"'fused' and 'tiles' do"):
-        get_executor("flex").tiled(q, k, v, Tiling.dense(16), scale=1.0, bias=bias, rel_pos=rand_rel(4, 3),
-                                   distances=INDEX)
+        get_executor("flex").tiled(Inputs(q, k, v, 1.0), Tiling.dense(16), bias=bias, rel=RelTerms(rand_rel(4, 3)))
     with pytest.raises(ValueError, match=r"does not support bias, bias with exclude_self; 'fused' and 'tiles' do"):
         Executor("partial", get_executor("flex").run, frozenset({"exclude_self"})).tiled(
-            q, k, v, Tiling.dense(16), scale=1.0, bias=bias, restrict=KeyRestrictions(exclude_self=True))
+            Inputs(q, k, v, 1.0), Tiling.dense(16), bias=bias, restrict=KeyRestrictions(exclude_self=True))
     plain = Executor("plain", get_executor("tiles").run, frozenset({"tile_mask"}))
     with pytest.raises(ValueError, match="the 'plain' executor does not support groups, exclude_self; 'fused', "
                                          "'tiles' and 'flex' do"):
-        plain.band(q, k, v, window=3, causal=True, scale=1.0,
+        plain.band(Inputs(q, k, v, 1.0), window=3, causal=True,
                    restrict=KeyRestrictions(groups=torch.zeros(1, 2, 16, dtype=torch.long), exclude_self=True))
-    out, _ = plain.band(q, k, v, window=3, causal=True, scale=1.0)  # what it supports runs
+    out, _ = plain.band(Inputs(q, k, v, 1.0), window=3, causal=True)  # what it supports runs
     assert torch.equal(out, local_attention(q, k, v, 3, scale=1.0, backend="tiles"))
 
 
@@ -187,7 +187,7 @@ def test_a_row_left_empty_by_the_range_of_the_last_block_is_zero_with_lse_neg_in
     allow = torch.ones(4, 4, dtype=torch.bool)
     allow[2] = False
     allow[2, 3] = True  # row 2 sees column 3 only: key 4·b + 3, beyond the keys in the last block (keys 4..6)
-    out, lse = get_executor("tiles").tiled(q, k, v, Tiling(block=4, allow=allow), scale=0.5, need_lse=True)
+    out, lse = get_executor("tiles").tiled(Inputs(q, k, v, 0.5), Tiling(block=4, allow=allow), need_lse=True)
     i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
     dense = (i // 4 == j // 4) & allow[i % 4, j % 4]
     assert not dense[6].any() and dense[2].any()

@@ -9,7 +9,8 @@ import torch
 from torch.nn.attention.flex_attention import _ordered_to_dense
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
-from routeformer.attention import PATTERNS, flex
+from routeformer.attention import PATTERNS
+from routeformer.executors import flex
 from routeformer.executors.flex import blocks
 
 BLOCK = (16, 8)

@@ -24,7 +24,9 @@ from routeformer.attention.lsh import lsh_attention, lsh_rotations
 from routeformer.bench.measure import kept_for_backward
 from routeformer.executors import get_executor
 from routeformer.executors.fused import FusedKernelUnavailable, KernelBuild, available
-from routeformer.executors.tiling import Distances, KeyRestrictions, Tiling
+from routeformer.executors.inputs import Inputs, relative
+from routeformer.executors.ranges import KeyOrder, Ranges
+from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 FUSED = get_executor("fused")
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +79,10 @@ def test_gradcheck_of_the_tiled_operation(case: str) -> None:
     tables = [kw["rel_pos"].key, kw["rel_pos"].value] if "rel_pos" in kw else []
 
     def f(q, k, v, *tables):
-        out, lse = FUSED.tiled(q, k, v, scale=0.7, need_lse=True, **kw)
+        rest = dict(kw)
+        rel = relative(rest.pop("rel_pos", None), rest.pop("distances", INDEX))
+        inputs = Inputs(q, k, v, 0.7, rest.pop("key_valid", None))
+        out, lse = FUSED.tiled(inputs, rest.pop("tiling"), rel=rel, need_lse=True, **rest)
         return out, lse.where(lse > -1e300, 0.0)  # the lse of a row without keys is a constant
 
     assert torch.autograd.gradcheck(f, (q, k, v, *tables))
@@ -96,8 +101,9 @@ def test_gradcheck_of_ranges() -> None:
     pos = torch.arange(N).expand(1, 2, N)
 
     def f(q, k, v, a, b):
-        out, lse = FUSED.ranges(q, k, v, lo, hi, width=width, scale=0.6, merge=merge, key_order=order,
-                                query_pos=pos[..., :Nq], key_pos=pos, rel_pos=rel, need_lse=True)
+        spans = Ranges(lo, hi, width, merge, query_pos=pos[..., :Nq], key_pos=pos)
+        out, lse = FUSED.ranges(Inputs(q, k, v, 0.6), spans, order=KeyOrder(order, order.argsort(-1)), rel_pos=rel,
+                                need_lse=True)
         return out, lse.where(lse > -1e300, 0.0)
 
     assert torch.autograd.gradcheck(f, (q, k, v, rel.key, rel.value))
@@ -170,8 +176,8 @@ def test_other_dtypes_go_to_the_tiles_executor(dtype: torch.dtype) -> None:
     q, k, v = (x.to(dtype) for x in rand_qkv(1, 2, 30, 8, grad=False))
     order = torch.randperm(30).expand(1, 2, 30)
     tiling = Tiling(block=5, back=1, offsets=(-5, 0), order=order)
-    out, _ = FUSED.tiled(q, k, v, tiling, scale=0.3)
-    ref, _ = get_executor("tiles").tiled(q, k, v, tiling, scale=0.3)
+    out, _ = FUSED.tiled(Inputs(q, k, v, 0.3), tiling)
+    ref, _ = get_executor("tiles").tiled(Inputs(q, k, v, 0.3), tiling)
     assert out.dtype == dtype and torch.equal(out, ref)
 
 

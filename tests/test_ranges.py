@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import rand_padding, rand_qkv, rand_rel
-from routeformer.executors import get_executor, neg_inf, ranges
+from routeformer.executors import Inputs, get_executor, neg_inf, ranges
+from routeformer.executors.ranges import KeyOrder, Ranges
 
 gathered = ranges._gathered
 
@@ -71,9 +72,9 @@ def test_ranges_match_the_dense_definition(backend: str, extras: str, shape, mon
     stretch, block_rows = shape
     entries = q.gather(2, rows[..., None].expand(B, H, M, D))  # entry m asks with query rows[m] (repeats too)
     out, lse = get_executor(backend).ranges(
-        entries, k, v, lo, hi, width=width, scale=D**-0.5, key_order=key_rows, key_inverse=key_rows.argsort(-1),
-        key_valid=valid, query_pos=rows, key_pos=key_pos, rel_pos=rel, need_lse=True, stretch=stretch,
-        rows=block_rows)
+        Inputs(entries, k, v, D**-0.5, valid),
+        Ranges(lo, hi, width, query_pos=rows, key_pos=key_pos, stretch=stretch, rows=block_rows),
+        order=KeyOrder(key_rows, key_rows.argsort(-1)), rel_pos=rel, need_lse=True)
     ref, ref_lse = _reference(q, k, v, lo, hi, rows, key_rows, scale=D**-0.5, valid=valid, rel=rel,
                               key_pos=key_pos)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -98,7 +99,7 @@ def test_relative_positions_without_positions_are_refused(backend: str) -> None:
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
     lo = hi = torch.zeros(1, 1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="need query_pos and key_pos"):
-        get_executor(backend).ranges(q, k, v, lo, hi, width=2, scale=0.5, rel_pos=rand_rel(4, 2))
+        get_executor(backend).ranges(Inputs(q, k, v, 0.5), Ranges(lo, hi, 2), rel_pos=rand_rel(4, 2))
 
 
 @pytest.mark.parametrize("backend", ["tiles", "flex", "fused"])
@@ -125,9 +126,9 @@ def test_merged_entries_are_one_softmax_over_their_ranges(backend: str, merge: i
     query_pos = torch.randint(0, N, (B, H, Nq), generator=g)
     key_pos = torch.arange(N).expand(B, H, N)
     out, lse = get_executor(backend).ranges(
-        q, k, v, lo, hi, width=width, scale=D**-0.5, merge=merge, key_order=key_rows,
-        key_inverse=key_rows.argsort(-1), key_valid=valid, query_pos=query_pos, key_pos=key_pos, rel_pos=rel,
-        need_lse=True, stretch=3, rows=4)
+        Inputs(q, k, v, D**-0.5, valid),
+        Ranges(lo, hi, width, merge, query_pos=query_pos, key_pos=key_pos, stretch=3, rows=4),
+        order=KeyOrder(key_rows, key_rows.argsort(-1)), rel_pos=rel, need_lse=True)
     # The definition: row i sees the union of its entries' ranges of the reordered keys.
     idx = torch.arange(N)
     seq = ((idx >= lo[..., None]) & (idx < hi[..., None])).view(B, H, Nq, merge, N).any(3)
@@ -159,7 +160,7 @@ def test_entries_must_match_the_queries_and_merge(backend: str) -> None:
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
     lo = hi = torch.zeros(1, 1, 12, dtype=torch.long)
     with pytest.raises(ValueError, match="12 entries; 8 queries with merge=2 need 16"):
-        get_executor(backend).ranges(q, k, v, lo, hi, width=2, scale=0.5, merge=2)
+        get_executor(backend).ranges(Inputs(q, k, v, 0.5), Ranges(lo, hi, 2, 2))
 
 
 def test_span_masks_are_the_columns_inside_each_range() -> None:

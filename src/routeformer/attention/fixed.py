@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..checks import check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
-from ..executors.inputs import check_inputs
+from ..executors.inputs import Inputs, check_inputs, relative
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind, KeyStore
 from .kinds.common import at_most_seq_len
@@ -55,22 +55,23 @@ def fixed_attention(
     ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
     ``"tiles"``, ``"flex"``).
     """
-    B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    B, H, N, D = inputs.shape
     block, summary = positive_int("block", block), positive_int("summary", summary)
     if summary > block:
         raise ValueError(f"summary must be at most block, got summary={summary} > block={block}")
     executor = get_executor(backend, q.device)
-    common = {"scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
+    rel = relative(rel_pos)
     # A2 without a summary cell before N (the sequence ends first) is attention to no key
     cells, allow = summary_keys(N, block, summary, other_blocks=merged, causal=causal, device=q.device)
     if merged:
-        parts = [executor.block_diagonal(q, k, v, block, causal=causal, need_lse=True, **common)]
+        parts = [executor.block_diagonal(inputs, block, causal=causal, rel=rel, need_lse=True)]
         if cells.numel():
-            parts.append(executor.subset(q, k, v, cells, allow, need_lse=True, **common))
+            parts.append(executor.subset(inputs, cells, allow, rel=rel, need_lse=True))
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = executor.block_diagonal(q[:, :half], k[:, :half], v[:, :half], block, causal=causal, **common)
-    a2 = (executor.subset(q[:, half:], k[:, half:], v[:, half:], cells, allow, **common)[0] if cells.numel()
+    a1, _ = executor.block_diagonal(inputs.head_range(0, half), block, causal=causal, rel=rel)
+    a2 = (executor.subset(inputs.head_range(half, H), cells, allow, rel=rel)[0] if cells.numel()
           else q.new_zeros(B, H - half, N, D))
     return torch.cat([a1, a2], dim=1)
 
@@ -172,13 +173,13 @@ class FixedHeads(HeadGroup):
             return fixed_attention(q, k, v, self.block, self.summary, causal=True, rel_pos=rel_pos,
                                    backend=self.executor)
         if self.part == "a1":
-            return self.executor.block_diagonal(q, k, v, self.block, causal=True, scale=self.scale, key_valid=None,
-                                                rel_pos=rel_pos)[0]
+            return self.executor.block_diagonal(Inputs(q, k, v, self.scale), self.block, causal=True,
+                                                rel=relative(rel_pos))[0]
         cells, allow = summary_keys(q.shape[2], self.block, self.summary, other_blocks=False, causal=True,
                                     device=q.device)
         if not cells.numel():
             return torch.zeros_like(q)
-        return self.executor.subset(q, k, v, cells, allow, scale=self.scale, key_valid=None, rel_pos=rel_pos)[0]
+        return self.executor.subset(Inputs(q, k, v, self.scale), cells, allow, rel=relative(rel_pos))[0]
 
     def reference_mask(self, q, k):
         a1, a2 = fixed_mask(q.shape[2], self.block, self.summary, merged=False, heads=2, device=q.device)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import check_inputs
+from ..executors.inputs import check_inputs, relative
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
@@ -53,28 +53,27 @@ def full_attention(
     if check_kernel("kernel", kernel) != "exp":
         check_kernel_backend(kernel, backend)
         return kernel_attention(q, k, v, kernel, causal, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
-    B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    B, H, N, D = inputs.shape
+    scale, key_valid = inputs.scale, inputs.key_valid
     executor = get_executor(backend, q.device)
     if rel_pos is not None:
         if rel_pos.max_distance + 1 < N:
             # clipped at k < N - 1: the band |i - j| <= k with the relative terms, and the far keys (j < i - k, and
             # j > i + k when non-causal) with the constant terms of distance ∓k
             clip = rel_pos.max_distance
-            parts = [executor.band(q, k, v, window=clip + 1, causal=causal, scale=scale, key_valid=key_valid,
-                                   rel_pos=rel_pos, need_lse=True)]
+            parts = [executor.band(inputs, window=clip + 1, causal=causal, rel=relative(rel_pos), need_lse=True)]
             # the far keys of one dense tile, as key - query offsets: no (N, N) mask for an executor that reads them
             sides = [(-1, (-(N - 1), -clip - 1))] + ([] if causal else [(1, (clip + 1, N - 1))])
             for sign, offsets in sides:
-                out, lse = executor.tiled(q, k, v, Tiling(block=N, offsets=offsets), scale=scale,
-                                          key_valid=key_valid, need_lse=True)
+                out, lse = executor.tiled(inputs, Tiling(block=N, offsets=offsets), need_lse=True)
                 a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
                 shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
                 has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever q's dtype
                 out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (weights sum to 1)
                 parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows: neg_inf
             return merge_partials(parts)[0]
-        return executor.block_diagonal(q, k, v, N, causal=causal, scale=scale, key_valid=key_valid,
-                                             rel_pos=rel_pos)[0]
+        return executor.block_diagonal(inputs, N, causal=causal, rel=relative(rel_pos))[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allow = key_valid[:, :, None, :]  # (B, 1, 1, N)

@@ -110,7 +110,9 @@ def kernel_attention(
     key padded) or a zero sum output zeros. Computed in blocks of ``block`` queries, in float32 for half inputs:
     O(N²·D) time (O(N·(window + block)·D) with a window), O(block·N) extra memory.
     """
-    B, H, N, D, _, key_valid = check_inputs(q, k, v, None, key_padding_mask)
+    inputs = check_inputs(q, k, v, None, key_padding_mask)
+    B, H, N, D = inputs.shape
+    key_valid = inputs.key_valid
     check_kernel("kernel", kernel, FEATURE_KERNELS)
     if rel_pos is not None:
         raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")

@@ -130,7 +130,9 @@ def linear_attention(
     time and O(N·D + (N/c)·F·D) memory per head. F = D for elu, 1 + D + D(D+1)/2 for poly2. ``scale``: poly2's s
     (default 1/√D); elu has none. Half-precision inputs are computed in float32 and returned in their dtype.
     """
-    B, H, N, D, _, key_valid = check_inputs(q, k, v, None, key_padding_mask)
+    inputs = check_inputs(q, k, v, None, key_padding_mask)
+    B, H, N, D = inputs.shape
+    key_valid = inputs.key_valid
     check_kernel("kernel", kernel, FEATURE_KERNELS)
     s = kernel_scale(kernel, scale, D)
     chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else positive_int("chunk", chunk)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import check_inputs
+from ..executors.inputs import check_inputs, relative
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
@@ -51,10 +51,9 @@ def local_attention(
         check_kernel_backend(kernel, backend)
         return kernel_attention(q, k, v, kernel, causal, scale, window=positive_int("window", window),
                                 key_padding_mask=key_padding_mask, rel_pos=rel_pos)
-    _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
     window = positive_int("window", window)
-    out, _ = get_executor(backend, q.device).band(q, k, v, window=window, causal=causal, scale=scale,
-                                                  key_valid=key_valid, rel_pos=rel_pos)
+    out, _ = get_executor(backend, q.device).band(inputs, window=window, causal=causal, rel=relative(rel_pos))
     return out
 
 

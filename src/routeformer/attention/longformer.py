@@ -22,7 +22,7 @@ from torch import Tensor
 from ..checks import check_per_head, check_positions, positive_int
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.grid import columns_key_valid, from_columns, to_columns
-from ..executors.inputs import check_inputs
+from ..executors.inputs import Inputs, check_inputs, relative
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
 from .kinds.base import HeadGroup, HeadKind
@@ -54,7 +54,9 @@ def longformer_attention(
     ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
     ``"tiles"``, ``"flex"``).
     """
-    B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    B, H, N, D = inputs.shape
+    scale, key_valid = inputs.scale, inputs.key_valid
     window = positive_int("window", window)
     dilations = check_per_head("dilation", dilation, H)
     globals_ = check_positions("global_tokens", global_tokens, N)
@@ -69,11 +71,9 @@ def longformer_attention(
             qd, kd, vd = (x[:, idx] for x in (q, k, v))
         # the dilated band: a band along the columns of the sequence seen as a grid of d columns
         qc, kc, vc = to_columns(qd, d), to_columns(kd, d), to_columns(vd, d)  # (B·d, h, N/d, D)
-        band, band_lse = executor.band(
-            qc, kc, vc, window=window, causal=causal, scale=scale,
-            key_valid=columns_key_valid(key_valid, B, N, d, q.device),
-            rel_pos=rel_pos, distances=Distances(unit=d), need_lse=g is not None,
-        )
+        grid = Inputs(qc, kc, vc, scale, columns_key_valid(key_valid, B, N, d, q.device))
+        band, band_lse = executor.band(grid, window=window, causal=causal, rel=relative(rel_pos, Distances(unit=d)),
+                                       need_lse=g is not None)
         out = from_columns(band, d, N)
         if g is not None:
             pos = torch.arange(N, device=q.device)
@@ -82,15 +82,14 @@ def longformer_attention(
             steps = torch.div(diff, d, rounding_mode="floor")
             in_band = (diff % d == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
             allow = ~in_band & (diff <= 0) if causal else ~in_band
-            glob, glob_lse = executor.subset(qd, kd, vd, g, allow, scale=scale, key_valid=key_valid,
-                                             rel_pos=rel_pos, need_lse=True)
+            these = Inputs(qd, kd, vd, scale, key_valid)
+            glob, glob_lse = executor.subset(these, g, allow, rel=relative(rel_pos), need_lse=True)
             out, _ = merge_partials([(out, from_columns(band_lse, d, N)), (glob, glob_lse)])
             # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
             rows_delta = pos[None, :] - g[:, None]  # (G, N)
             rows, _ = executor.tiled(
-                qd[:, :, g], kd, vd, Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None),
-                scale=scale, key_valid=key_valid, rel_pos=rel_pos,
-                distances=None if rel_pos is None else Distances(delta=rows_delta),
+                these.with_(q=qd[:, :, g]), Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None),
+                rel=None if rel_pos is None else relative(rel_pos, Distances(delta=rows_delta)),
             )
             out = out.index_copy(2, g, rows)
         outs.append(out)

@@ -189,8 +189,8 @@ def lsh_attention(
         at = order[:, :, r]
         earlier = None if r == 0 else labels[:, :, :r].gather(-1, at[:, :, None].expand(B, H, r, N))
         parts.append(executor.tiled(
-            q, keys, v, dataclasses.replace(tiling, order=at), scale=1.0, need_lse=True,
-            key_valid=None if key_valid is None else key_valid.gather(-1, at),
+            Inputs(q, keys, v, 1.0, None if key_valid is None else key_valid.gather(-1, at)),
+            dataclasses.replace(tiling, order=at), need_lse=True,
             restrict=KeyRestrictions(groups=grouped[:, :, r], labels=earlier, label_window=window if r else 0),
         ))
     out, lse = merge_partials(parts)
@@ -219,7 +219,7 @@ def _check(q: Tensor, v: Tensor, buckets: int, rounds: int, window: int) -> tupl
 
 def _hashes(q: Tensor, inputs: Inputs, buckets: int, rounds: int, rotations: Tensor | None, seed: int) -> Tensor:
     """(B, H, rounds, N) buckets of the checked queries, under ``rotations`` (default: drawn from ``seed``)."""
-    H, D = inputs.heads, inputs.head_dim
+    _, H, _, D = q.shape
     if rotations is None:
         rotations = lsh_rotations(H, D, buckets, rounds, seed=seed).to(q.device)
     elif not isinstance(rotations, Tensor) or tuple(rotations.shape) != (H, rounds, D, buckets // 2):

@@ -102,7 +102,9 @@ def performer_attention(
     O(N·(c + m)·D) time, O(N·D + (N/c)·m·D) memory per head; non-causal O(N·m·D). Padded keys
     (``key_padding_mask`` False) leave the numerator and the denominator.
     """
-    B, H, N, D, s, key_valid = check_inputs(q, k, v, scale, key_padding_mask)
+    inputs = check_inputs(q, k, v, scale, key_padding_mask)
+    B, H, N, D = inputs.shape
+    s, key_valid = inputs.scale, inputs.key_valid
     if projection is None:
         m = default_features(D) if features is None else positive_int("features", features)
         projection = orthogonal_features(H, m, D, generator=generator, device=q.device)

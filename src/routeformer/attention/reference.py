@@ -29,7 +29,9 @@ def reference_weights(
     summing to 1 over the allowed keys, or all zeros when no key is allowed (or, for 'poly2' / 'elu', when every
     allowed key has zero weight). O(N²·D) time, O(N²) memory (O(N²·D) with ``rel_pos``: the literal tables)."""
     kernel_s = kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]) if kernel != "exp" else None
-    B, H, N, D, scale, _ = check_inputs(q, k, k, scale, key_padding_mask, rel_pos)  # validation only
+    inputs = check_inputs(q, k, k, scale, key_padding_mask, rel_pos)  # validation only
+    B, H, N, D = inputs.shape
+    scale = inputs.scale
     allowed = _check_mask(mask, B, H, N, q)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]

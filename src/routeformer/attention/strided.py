@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..checks import check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
-from ..executors.inputs import check_inputs
+from ..executors.inputs import Inputs, check_inputs, relative
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
@@ -58,21 +58,20 @@ def strided_attention(
     ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
     ``"tiles"``, ``"flex"``).
     """
-    B, H, N, D, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    B, H, N, D = inputs.shape
     stride = positive_int("stride", stride)
     executor = get_executor(backend, q.device)
-    near = {"window": stride + 1, "causal": causal, "scale": scale, "key_valid": key_valid, "rel_pos": rel_pos}
+    rel = relative(rel_pos)
     if merged:
         parts = [
-            executor.band(q, k, v, need_lse=True, **near),
-            executor.columns(q, k, v, stride, causal=causal, gap=2, scale=scale, key_valid=key_valid,
-                             rel_pos=rel_pos, need_lse=True),
+            executor.band(inputs, window=stride + 1, causal=causal, rel=rel, need_lse=True),
+            executor.columns(inputs, stride, causal=causal, gap=2, rel=rel, need_lse=True),
         ]
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = executor.band(q[:, :half], k[:, :half], v[:, :half], **near)
-    a2, _ = executor.columns(q[:, half:], k[:, half:], v[:, half:], stride, causal=causal, gap=0, scale=scale,
-                             key_valid=key_valid, rel_pos=rel_pos)
+    a1, _ = executor.band(inputs.head_range(0, half), window=stride + 1, causal=causal, rel=rel)
+    a2, _ = executor.columns(inputs.head_range(half, H), stride, causal=causal, gap=0, rel=rel)
     return torch.cat([a1, a2], dim=1)
 
 
@@ -131,8 +130,8 @@ class StridedHeads(HeadGroup):
             return strided_attention(q, k, v, self.stride, causal=True, rel_pos=rel_pos, backend=self.executor)
         if self.part == "a1":
             return local_attention(q, k, v, self.stride + 1, causal=True, rel_pos=rel_pos, backend=self.executor)
-        return self.executor.columns(q, k, v, self.stride, causal=True, gap=0, scale=self.scale, key_valid=None,
-                                     rel_pos=rel_pos)[0]
+        return self.executor.columns(Inputs(q, k, v, self.scale), self.stride, causal=True, gap=0,
+                                     rel=relative(rel_pos))[0]
 
     def reference_mask(self, q, k):
         a1, a2 = strided_mask(q.shape[2], self.stride, merged=False, heads=2, device=q.device)

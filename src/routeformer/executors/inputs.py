@@ -1,22 +1,67 @@
-"""The validation prologue every public attention function runs before computing anything."""
+"""The values an attention call hands down the stack: the checked inputs, and the relative-position terms.
+
+A public attention function checks its arguments once (``check_inputs``) and passes one ``Inputs`` value to the
+executor, as xformers' fmha passes one inputs value; the relative terms travel as one ``RelTerms`` value (the
+tables and how far apart each pair is), never as two arguments that must agree.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from ..checks import check_key_padding_mask, check_qkv, check_scale
 from .relative import RelativePositions
+from .tiling import INDEX, Distances
 
 
-class Inputs(NamedTuple):
-    batch: int
-    heads: int
-    n: int
-    head_dim: int
+@dataclass(frozen=True)
+class Inputs:
+    """Queries (B, H, Nq, D), keys and values (B, H, Nk, D), the score scale and the keys' validity (B, 1 or H,
+    Nk) bool or None (every key real). Made by ``check_inputs`` at a public function; an executor trusts it."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
     scale: float
-    key_valid: Tensor | None  # (B, 1, N) bool, broadcast over heads; None when every key is real
+    key_valid: Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, N, D) of the queries."""
+        B, H, N, D = self.q.shape
+        return B, H, N, D
+
+    def head_range(self, start: int, stop: int) -> Inputs:
+        """The inputs of heads start … stop - 1 (a key validity per head is cut too)."""
+        valid = self.key_valid
+        if valid is not None and valid.shape[1] > 1:
+            valid = valid[:, start:stop]
+        return Inputs(self.q[:, start:stop], self.k[:, start:stop], self.v[:, start:stop], self.scale, valid)
+
+    def with_(self, **changes) -> Inputs:
+        """The same inputs with some fields replaced (the heads of a split, the columns of a grid, ...)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RelTerms:
+    """Shaw et al.'s relative-position terms of one call: the tables, and the distance of every pair
+    (``tiling.Distances``: by index, explicit per tile entry, or between given positions)."""
+
+    tables: RelativePositions
+    distances: Distances = INDEX
+
+    def at(self, distances: Distances | None) -> RelTerms:
+        """The same tables at other distances."""
+        return RelTerms(self.tables, INDEX if distances is None else distances)
+
+
+def relative(rel_pos: RelativePositions | None, distances: Distances = INDEX) -> RelTerms | None:
+    """``rel_pos`` at ``distances`` as one value, or None without tables."""
+    return None if rel_pos is None else RelTerms(rel_pos, distances)
 
 
 def check_inputs(
@@ -27,7 +72,8 @@ def check_inputs(
     key_padding_mask: Tensor | None,
     rel_pos: RelativePositions | None = None,
 ) -> Inputs:
-    """Validate q, k, v (B, H, N, D), the scale, a (B, N) key padding mask and relative-position tables."""
+    """Validate q, k, v (B, H, N, D), the scale (None: 1/sqrt(D)), a (B, N) key padding mask (True = a real key)
+    and relative-position tables; the checked ``Inputs``."""
     B, H, N, D = check_qkv(q, k, v)
     resolved = check_scale(scale, D)
     mask = check_key_padding_mask(key_padding_mask, B, N, q.device)
@@ -35,4 +81,4 @@ def check_inputs(
         if not isinstance(rel_pos, RelativePositions):
             raise ValueError(f"rel_pos must be a RelativePositions module or None, got {type(rel_pos).__name__}")
         rel_pos.check(q)
-    return Inputs(B, H, N, D, resolved, None if mask is None else mask[:, None, :])
+    return Inputs(q, k, v, resolved, None if mask is None else mask[:, None, :])

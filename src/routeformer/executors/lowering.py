@@ -12,20 +12,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .inputs import Inputs
 from .rows import move_rows
 from .tiling import KeyRestrictions, Tiling
 
 
-def in_order(tiled: Callable, q: Tensor, k: Tensor, v: Tensor, tiling: Tiling,
-             **values) -> tuple[Tensor, Tensor | None]:
-    """``tiled(q, k, v, tiling, **values)`` for a tiling with ``order``: q, k, v permuted (one copy each; k is q's
+def in_order(tiled: Callable, inputs: Inputs, tiling: Tiling, **values) -> tuple[Tensor, Tensor | None]:
+    """``tiled(inputs, tiling, **values)`` for a tiling with ``order``: q, k, v permuted (one copy each; k is q's
     copy when k is q), the tiling run on them without its order, out and lse put back in the original order."""
+    q, k, v = inputs.q, inputs.k, inputs.v
     order = tiling.order.to(torch.long)
     inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                                .expand_as(order))
     qs, vs = move_rows(q, order, inverse, unreached=False), move_rows(v, order, inverse, unreached=False)
     ks = qs if k is q else move_rows(k, order, inverse, unreached=False)
-    out, lse = tiled(qs, ks, vs, dataclasses.replace(tiling, order=None), **values)
+    out, lse = tiled(inputs.with_(q=qs, k=ks, v=vs), dataclasses.replace(tiling, order=None), **values)
     out = move_rows(out, inverse, order, unreached=False)
     return out, None if lse is None else lse.gather(-1, inverse)
 

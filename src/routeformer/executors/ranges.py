@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .inputs import Inputs, RelTerms
 from .lse import neg_inf, saw_key
 from .relative import RelativePositions
 from .rows import gather_rows, move_rows
@@ -35,42 +36,60 @@ LEFTOVER = 0.03  # R is the smallest multiple of 8 that leaves at most this shar
 TILE_ROWS_PER_ENTRY = 2  # ... unless the tiles would then hold more rows than this many per entry
 
 
-def range_attention(tiled: Tiled, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int,
-                    scale: float, merge: int = 1, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
-                    key_valid: Tensor | None = None, query_pos: Tensor | None = None, key_pos: Tensor | None = None,
-                    rel_pos: RelativePositions | None = None, need_lse: bool = False, stretch: int | None = None,
-                    rows: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Query row i attends to the keys lo_m <= j < hi_m of k, v of its entries m = i·merge … i·merge + merge - 1:
-    softmax(q·kᵀ · scale + rel) over their union.
+class Ranges(NamedTuple):
+    """Every query entry's contiguous range of keys: entry m asks with query row m // ``merge`` and attends to the
+    keys [lo_m, hi_m) of the key sequence (at most ``width`` of them); the ``merge`` entries of a row are one
+    softmax (their ranges must not overlap: a key in two of them would count twice).
 
-    Args:
-        q: (B, H, Nq, D) the queries; entry m asks with row m // ``merge``.
-        k, v: (B, H, N, D) keys and values; the ranges index the sequence k[key_order] (``key_order`` (B, H, N) a
-            permutation, e.g. the keys sorted by cluster, and ``key_inverse`` its inverse; default: k as it is).
-        lo, hi: (B, H, Nq · merge) long with 0 <= lo <= hi <= N and hi - lo <= ``width``. The ranges of one row's
-            entries must not overlap (a key in two of them would count twice).
-        key_valid: optional bool (B, 1 or H, N) per row of k, False removes the key (padding).
-        query_pos, key_pos: (B, H, Nq) and (B, H, N) (per row of k) long positions, needed with ``rel_pos``:
-            relative distances are key_pos - query_pos.
-        stretch, rows: G and R (defaults: ``range_stretch(width)``, and from the entries' spread; ``rows`` also
-            fixes the gathered pass's block rows).
+    lo, hi: (B, H, Nq · merge) long, 0 <= lo <= hi <= N. query_pos, key_pos: (B, H, Nq) and (B, H, N) (per row of
+    k, before any ``KeyOrder``) long positions, needed with relative positions: distances are key_pos - query_pos.
+    stretch, rows: how the tiles cut them, G and R (defaults: ``range_stretch(width)``, and from the entries'
+    spread; ``rows`` also fixes the gathered pass's block rows).
+    """
 
-    The arguments are checked by the caller, ``Executor.ranges`` (``check_ranges``).
+    lo: Tensor
+    hi: Tensor
+    width: int
+    merge: int = 1
+    query_pos: Tensor | None = None
+    key_pos: Tensor | None = None
+    stretch: int | None = None
+    rows: int | None = None
+
+
+class KeyOrder(NamedTuple):
+    """The order the ranges index the keys in: ``order`` (B, H, N) a permutation (e.g. the keys sorted by
+    cluster: the ranges index k[order]) and ``inverse`` its inverse."""
+
+    order: Tensor
+    inverse: Tensor
+
+
+def range_attention(tiled: Tiled, inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
+                    rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Query row i attends to the keys lo_m <= j < hi_m of its entries m = i·merge … i·merge + merge - 1 (``spans``):
+    softmax(q·kᵀ · scale + rel) over their union, in tiles of ``tiled`` (see the module's docstring).
+
+    inputs: q (B, H, Nq, D), k, v (B, H, N, D), the scale and key validity per row of k; ``order``: the keys' order
+    the ranges index (default: k as it is); ``rel_pos``: relative-position tables (distances from the spans'
+    positions). The arguments are checked by the caller, ``Executor.ranges`` (``check_ranges``).
 
     Returns:
         out (B, H, Nq, D), zeros for a row that sees no key, and lse (B, H, Nq) in float32 or wider (``neg_inf``
         exactly for a row that sees no key) or None, as the executor's ``tiled`` returns them.
     """
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
     G = stretch or range_stretch(width)
-    if key_order is not None:  # the keys in the order the ranges index: one copy, then every span is a view
+    if order is not None:  # the keys in the order the ranges index: one copy, then every span is a view
         # q·k scaled once on that copy of the keys (free), unless relative terms q·a need the query scaled
         key_scale, scale = (scale, 1.0) if rel_pos is None else (1.0, scale)
-        k = move_rows(k, key_order, key_inverse, unreached=False, scale=key_scale)
-        v = move_rows(v, key_order, key_inverse, unreached=False)
-        key_valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, key_order)
-        key_pos = None if key_pos is None else key_pos.gather(-1, key_order)
+        k = move_rows(k, order.order, order.inverse, unreached=False, scale=key_scale)
+        v = move_rows(v, order.order, order.inverse, unreached=False)
+        key_valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order.order)
+        key_pos = None if key_pos is None else key_pos.gather(-1, order.order)
     if scale != 1.0:  # once, on the query rows (the executor is called with scale 1)
         q = q * scale
     sides = _Sides(q, query_pos, lo, hi, merge)
@@ -83,13 +102,12 @@ def range_attention(tiled: Tiled, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, h
     return _merge(parts, merge, Nq, need_lse)
 
 
-def check_ranges(q: Tensor, lo: Tensor, merge: int, rel_pos: RelativePositions | None, query_pos: Tensor | None,
-                 key_pos: Tensor | None) -> None:
+def check_ranges(q: Tensor, spans: Ranges, rel_pos: RelativePositions | None) -> None:
     """A ValueError when the entries do not fit the queries and ``merge``, or relative positions lack positions."""
-    Nq, M = q.shape[2], lo.shape[-1]
-    if Nq * merge != M:
-        raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={merge} need {Nq * merge}")
-    if rel_pos is not None and (key_pos is None or query_pos is None):
+    Nq, M = q.shape[2], spans.lo.shape[-1]
+    if Nq * spans.merge != M:
+        raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={spans.merge} need {Nq * spans.merge}")
+    if rel_pos is not None and (spans.key_pos is None or spans.query_pos is None):
         raise ValueError("relative positions need query_pos and key_pos")
 
 
@@ -182,10 +200,9 @@ def _tiles(tiled: Tiled, sides: _Sides, keys: _Keys, *, width: int, stretch: int
     if keys.rel_pos is not None:
         positions = keys.pos.gather(-1, key_index.clamp(0, N - 1).view(1, 1, -1).expand(B, H, -1))
         delta = positions.view(B, H, n_groups, 1, -1) - query_at
-    out, lse = tiled(sides.queries(entry), k, keys.v, Tiling(block=G, back=reach, rows=R, tile_mask=mask),
-                              scale=1.0, key_valid=keys.valid, rel_pos=keys.rel_pos,
-                              distances=None if delta is None else Distances(delta=delta),
-                              need_lse=True)
+    out, lse = tiled(Inputs(sides.queries(entry), k, keys.v, 1.0, keys.valid),
+                     Tiling(block=G, back=reach, rows=R, tile_mask=mask),
+                     rel=None if delta is None else RelTerms(keys.rel_pos, Distances(delta=delta)), need_lse=True)
     parts = [_Part(out, lse, entry)]
     left = int((~in_tile).sum(-1).max())
     if left:  # the leftover entries, each block of them with its own gathered span
@@ -227,9 +244,9 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
     kb, vb = gather_rows(k, key_index), gather_rows(v, key_index)
     heads = H * n_blocks
     out, lse = tiled(
-        sides.queries(entry).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D),
-        Tiling.dense(T, tile_mask=mask.view(B, heads, 1, T, S)), scale=1.0, rel_pos=keys.rel_pos,
-        distances=None if delta is None else Distances(delta=delta.reshape(B, heads, 1, T, S)), need_lse=True,
+        Inputs(sides.queries(entry).view(B, heads, T, D), kb.view(B, heads, S, D), vb.view(B, heads, S, D), 1.0),
+        Tiling.dense(T, tile_mask=mask.view(B, heads, 1, T, S)), need_lse=True,
+        rel=None if delta is None else RelTerms(keys.rel_pos, Distances(delta=delta.reshape(B, heads, 1, T, S))),
     )
     return _Part(out.view(B, H, n_blocks * T, D), lse.view(B, H, n_blocks * T), entry)
 

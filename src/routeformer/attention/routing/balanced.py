@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ...executors import Backend, get_executor, neg_inf
+from ...executors.inputs import Inputs, RelTerms
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
 from .sorted_window import drop_own_key, sort_by_cluster
@@ -111,11 +112,12 @@ def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_p
     if exclude_self:
         first = first & ~torch.eye(w, dtype=torch.bool, device=q.device)
     kv = None if valid is None else valid.gather(-1, flat).view(B, H * kc, w)
-    distances = None
+    rel = None
     if rel_pos is not None:
-        distances = Distances(delta=(members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w))
-    o, lse = executor.tiled(tiles(q), tiles(k), tiles(v), Tiling.dense(w, tile_mask=first.view(B, H * kc, 1, w, w)),
-                            scale=scale, key_valid=kv, rel_pos=rel_pos, distances=distances, need_lse=True)
+        delta = (members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w)
+        rel = RelTerms(rel_pos, Distances(delta=delta))
+    o, lse = executor.tiled(Inputs(tiles(q), tiles(k), tiles(v), scale, kv),
+                            Tiling.dense(w, tile_mask=first.view(B, H * kc, 1, w, w)), rel=rel, need_lse=True)
     return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
 
 
@@ -178,11 +180,10 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     kt = k.gather(2, flat_keys).view(B, H * total, w, D)
     vt = v.gather(2, flat_keys).view(B, H * total, w, D)
     kv = None if valid is None else valid.gather(-1, keys.reshape(B, H, total * w)).view(B, H * total, w)
-    distances = None
+    rel = None
     if rel_pos is not None:
-        distances = Distances(delta=(keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w))
-    o, _ = executor.tiled(qt, kt, vt, Tiling.dense(w), scale=scale, key_valid=kv, rel_pos=rel_pos,
-                          distances=distances)
+        rel = RelTerms(rel_pos, Distances(delta=(keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w)))
+    o, _ = executor.tiled(Inputs(qt, kt, vt, scale, kv), Tiling.dense(w), rel=rel)
     dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
     dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))
     return dest[:, :, :N]

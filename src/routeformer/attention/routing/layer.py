@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...executors import INDEX, KeyRestrictions, RelativePositions, Tiling, check_inputs
+from ...executors import KeyRestrictions, RelativePositions, Tiling, check_inputs
+from ...executors.inputs import Inputs, relative
 from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
 from .balanced import balanced_attention, balanced_mask, balanced_members
@@ -154,7 +155,8 @@ class RoutingAttention(HeadGroup):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None, *,
                 scale: float | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D)."""
-        _, _, _, _, scale, key_valid = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+        inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+        scale, key_valid = inputs.scale, inputs.key_valid
         routes = self.routing.routes(q, k, key_padding_mask, observe=True)
         if self.dense:
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
@@ -183,8 +185,8 @@ class RoutingAttention(HeadGroup):
         n = q.shape[2]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
-        out, _ = self.executor.tiled(q, k, v, Tiling.dense(n, allow=causal), scale=scale, key_valid=key_valid,
-                                     restrict=restrict, rel_pos=rel_pos, distances=INDEX,
+        out, _ = self.executor.tiled(Inputs(q, k, v, scale, key_valid), Tiling.dense(n, allow=causal),
+                                     restrict=restrict, rel=relative(rel_pos),
                                      bias=None if bias is None else bias[:, :, None])
         return out
 
@@ -308,7 +310,9 @@ class RoutingAttention(HeadGroup):
         """
         if isinstance(cache, KeyStore):
             return super().decode(q, k, v, cache, cache.count if start is None else start, rel_pos)
-        _, _, n, D, scale, _ = check_inputs(q, k, v, scale, None, rel_pos)
+        inputs = check_inputs(q, k, v, scale, None, rel_pos)
+        _, _, n, D = inputs.shape
+        scale = inputs.scale
         cache.check(n)
         if self.dense:
             raise ValueError("decode: this layer is in its dense warm-up or hand-over; its cache is not the routed "

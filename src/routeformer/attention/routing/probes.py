@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...executors import Executor, saw_key
+from ...executors.inputs import Inputs, relative
+from ...executors.ranges import KeyOrder, Ranges
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
 from .sorted_window import ClusterOrder, sort_by_cluster
@@ -72,13 +74,14 @@ def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tenso
     if exclude_self and key_valid is None:  # shared QK: a query that sees no other key sees its own
         hi = _own_key_when_alone(lo, hi, key_clusters, probes)
     pos = torch.arange(N, device=q.device).expand(B, H, N)
-    ranges = dict(width=window, scale=scale, key_order=sort.order, key_inverse=sort.inverse, key_valid=key_valid,
-                  key_pos=pos, rel_pos=rel_pos, need_lse=True)
+    inputs, order = Inputs(q, k, v, scale, key_valid), KeyOrder(sort.order, sort.inverse)
     if gates is None:  # one softmax over the union of the probes' (disjoint) ranges
-        merged, lse = executor.ranges(q, k, v, lo, hi, merge=p, query_pos=pos, **ranges)
+        merged, lse = executor.ranges(inputs, Ranges(lo, hi, window, p, query_pos=pos, key_pos=pos), order=order,
+                                      rel_pos=rel_pos, need_lse=True)
     else:  # each probe's softmax apart, scaled by its gate
-        out, lse = executor.ranges(q.repeat_interleave(p, dim=2), k, v, lo, hi, query_pos=pos.repeat_interleave(p, -1),
-                                   **ranges)
+        spans = Ranges(lo, hi, window, query_pos=pos.repeat_interleave(p, -1), key_pos=pos)
+        out, lse = executor.ranges(inputs.with_(q=q.repeat_interleave(p, dim=2)), spans, order=order, rel_pos=rel_pos,
+                                   need_lse=True)
         merged = (out.view(B, H, N, p, D) * gates[..., None].to(out.dtype)).sum(3)
         lse = lse.view(B, H, N, p).logsumexp(-1)  # neg_inf + log p where no probe saw a key: still unseen
     if not exclude_self or key_valid is None:
@@ -119,11 +122,11 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor
         own = eye & (union & ~eye).any(-1, keepdim=True)
         union = union & ~own
     idx = torch.arange(N, device=q.device)
-    distances = None if rel_pos is None else Distances(delta=idx[None, :] - idx[:, None])
+    rel = relative(rel_pos, Distances(delta=idx[None, :] - idx[:, None]))
+    inputs = Inputs(q, k, v, scale, key_valid)
 
     def attend(allow: Tensor) -> Tensor:
-        out, _ = executor.tiled(q, k, v, Tiling.dense(N, tile_mask=allow[:, :, None]), scale=scale,
-                                key_valid=key_valid, rel_pos=rel_pos, distances=distances)
+        out, _ = executor.tiled(inputs, Tiling.dense(N, tile_mask=allow[:, :, None]), rel=rel)
         return out
 
     if gates is None:

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from ...executors import Backend, get_executor
+from ...executors.inputs import Inputs, relative
 from ...executors.relative import RelativePositions
 from ...executors.rows import move_rows
-from ...executors.tiling import INDEX, Distances, KeyRestrictions
+from ...executors.tiling import Distances, KeyRestrictions
 
 
 class ClusterOrder(NamedTuple):
@@ -98,11 +99,10 @@ def sorted_window_attention(
     order, _, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self)
-    distances = INDEX if rel_pos is None else Distances(positions=order)  # between the entries' own positions
+    rel = relative(rel_pos, Distances(positions=order))  # between the entries' own positions
     # the band runs over the sorted sequence (Tiling.order): the executor reads rows by index or permutes them
-    out, lse = get_executor(backend, q.device).band(q, k, v, window=window, causal=causal, scale=scale,
-                                                    key_valid=valid, restrict=restrict, rel_pos=rel_pos,
-                                                    distances=distances, need_lse=need_lse, order=order)
+    out, lse = get_executor(backend, q.device).band(Inputs(q, k, v, scale, valid), window=window, causal=causal,
+                                                    restrict=restrict, rel=rel, need_lse=need_lse, order=order)
     return (out, lse) if need_lse else out
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..inputs import Inputs, RelTerms
 from ..lse import saw_key
 from ..relative import RelativePositions
-from ..tiling import Distances, KeyRestrictions, Tiling
+from ..tiling import KeyRestrictions, Tiling
 from .blocks import block_mask
 from .call import flex_call
 from .pattern import FlexPattern, Rule, data_rule, index_delta, lookup, positions_delta, without_self
@@ -98,14 +99,14 @@ def _tile_offsets(allow: Tensor | None, d: Tensor) -> tuple[int, int]:
     return (0, -1) if lo > hi else (lo, hi)
 
 
-def tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float, key_valid: Tensor | None = None,
-          restrict: KeyRestrictions | None = None, rel_pos: RelativePositions | None = None,
-          distances: Distances | None = None, bias: Tensor | None = None,
-          need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = None, rel: RelTerms | None = None,
+          bias: Tensor | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """``tiles.tiled_attention`` on FlexAttention: query block b sees key blocks b - back … b + ahead under the
     tiling's masks, as one exact rule (``executors.Executor.tiled`` documents and checks the arguments). ``bias``
     is added in the kernel's ``score_mod``; with relative positions it is refused by the executor (the relative
     value pass recomputes the probabilities without it)."""
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     groups, exclude = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)

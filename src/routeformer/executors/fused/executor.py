@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..inputs import Inputs, RelTerms
+from ..ranges import KeyOrder, Ranges
 from ..relative import RelativePositions
-from ..tiling import Distances, KeyRestrictions, Tiling
+from ..tiling import KeyRestrictions, Tiling
 from .build import KERNELS
 from .op import band, ranges, register, rounds
 
@@ -41,12 +43,13 @@ def rows_per_block(width: int) -> int:
     return max(16, min(64, 8 * -(-width // 32)))
 
 
-def fused_tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float, key_valid: Tensor | None = None,
-                restrict: KeyRestrictions | None = None, rel_pos: RelativePositions | None = None,
-                distances: Distances | None = None, bias: Tensor | None = None,
+def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = None,
+                rel: RelTerms | None = None, bias: Tensor | None = None,
                 need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """The fused executor's ``run`` (``executors.Executor.tiled`` documents the arguments and checks them, and
     lowers labelled pairs to a tile mask)."""
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
     Nq, Nk = q.shape[2], k.shape[2]
     single = tiling.single(Nq)
     groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
@@ -76,15 +79,15 @@ def fused_tiled(q: Tensor, k: Tensor, v: Tensor, tiling: Tiling, *, scale: float
     return out, (lse if need_lse else None)
 
 
-def fused_ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, *, width: int, scale: float,
-                 merge: int = 1, key_order: Tensor | None = None, key_inverse: Tensor | None = None,
-                 key_valid: Tensor | None = None, query_pos: Tensor | None = None, key_pos: Tensor | None = None,
-                 rel_pos: RelativePositions | None = None, need_lse: bool = False, stretch: int | None = None,
-                 rows: int | None = None) -> tuple[Tensor, Tensor | None]:
+def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
+                 rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """The fused executor's ``ranges`` (``ranges.range_attention`` documents the arguments): every entry's range
     tested and its keys gathered by index inside the kernel, blocks of ``rows`` entries (default from the width)
-    spanning at most width + ``stretch`` keys (default: ``rows``). ``key_inverse`` is not needed: no permuted copy
-    is made."""
+    spanning at most width + ``stretch`` keys (default: ``rows``). The order's inverse is not needed: no permuted
+    copy is made."""
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
+    key_order = None if order is None else order.order
     R = rows or rows_per_block(width)
     key_table = value_table = None
     if rel_pos is not None:

@@ -15,25 +15,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..inputs import Inputs, RelTerms
 from ..lse import lse_dtype, neg_inf
-from ..relative import RelativePositions
-from ..tiling import Distances, KeyRestrictions, Tiling, shift_invariant_mask
+from ..tiling import KeyRestrictions, Tiling, shift_invariant_mask
 from .layout import _key_source, _pad_seq, _windows
 from .op import _tile_attention
 from .relative import _RelTerms
 
 
 def tiled_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    inputs: Inputs,
     tiling: Tiling,
     *,
-    scale: float,
-    key_valid: Tensor | None = None,
     restrict: KeyRestrictions | None = None,
-    rel_pos: RelativePositions | None = None,
-    distances: Distances | None = None,
+    rel: RelTerms | None = None,
     bias: Tensor | None = None,
     need_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -48,6 +43,8 @@ def tiled_attention(
         out (B, H, Nq, D) with zeros for rows that see no key, and lse (B, H, Nq) in float32 or wider (rows that
         see no key get exactly ``neg_inf(lse.dtype)``, see ``saw_key``) or ``None``.
     """
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
     if tiling.order is not None or (restrict is not None and restrict.labels is not None):
         raise ValueError("the tiles executor takes Tiling.order and KeyRestrictions.labels through Executor.tiled, "
                          "which lowers them")
