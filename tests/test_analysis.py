@@ -338,6 +338,19 @@ def test_analyze_writes_tables_and_pictures(run_dir, capsys) -> None:
         assert matplotlib.image.imread(analysis / name).ndim == 3
 
 
+def test_analyze_approximations_shows_a_progress_bar(run_dir, capsys, tmp_path) -> None:
+    """One bar over the methods on stderr (as training's and evaluate's); stdout keeps each method's line and the
+    table, without the bar."""
+    capsys.readouterr()
+    assert main(["analyze", str(run_dir), "approximations", "--methods", "ovo,sliding", "--r", "1,2", "--windows",
+                 "2", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    methods = 5  # exact, then ovo and sliding at r = 1 and 2
+    assert "approximations" in captured.err and f"0/{methods} [" in captured.err and "method/s" in captured.err
+    assert f"/{methods} [" not in captured.out
+    assert "  optimal-v-oblivious-2: " in captured.out and "\nsliding-window-2 " in captured.out
+
+
 def test_analyze_bad_inputs_are_one_line_errors(run_dir, capsys, tmp_path) -> None:
     run = str(run_dir)
     assert "does not exist" in _one_line_error(capsys, ["analyze", str(tmp_path / "nowhere"), "heads"])
