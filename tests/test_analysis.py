@@ -215,6 +215,19 @@ def test_kept_keys_keep_their_weight_when_full_attention_underflows() -> None:
         torch.testing.assert_close(approx.weights.sum(-1), torch.ones_like(approx.weights.sum(-1)))
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_weights_from_the_shared_scores_are_the_reference_weights_bit_for_bit(name) -> None:
+    """A call computes its scores once and normalises them under each mask (``restricted``): the same bits as the
+    group's own ``reference_weights`` under that mask, for every kind and kernel."""
+    from routeformer.analysis.approximate import last_r
+
+    for call in capture(tiny(name), tokens()):
+        for keep in (call.allowed, last_r(call.allowed, 3), call.allowed & (torch.rand_like(call.q[..., :1]) > 0.5)):
+            own = call.group.reference_weights(call.q, call.k, call.rel_pos, mask=keep)
+            assert torch.equal(call.restricted(keep), own), (name, call.layer, call.kind)
+        assert torch.equal(call.weights, call.group.reference_weights(call.q, call.k, call.rel_pos))
+
+
 @pytest.mark.parametrize("name", ["local+routing", "local+lsh"])
 def test_random_features_approach_the_exact_weights_as_features_grow(name) -> None:
     model, x = tiny(name), tokens()
