@@ -217,6 +217,19 @@ def test_kept_keys_keep_their_weight_when_full_attention_underflows() -> None:
         torch.testing.assert_close(approx.weights.sum(-1), torch.ones_like(approx.weights.sum(-1)))
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_weights_from_the_shared_scores_are_the_reference_weights_bit_for_bit(name) -> None:
+    """A call computes its scores once and normalises them under each mask (``restricted``): the same bits as the
+    group's own ``reference_weights`` under that mask, for every kind and kernel."""
+    from routeformer.analysis.approximate import last_r
+
+    for call in capture(tiny(name), tokens()):
+        for keep in (call.allowed, last_r(call.allowed, 3), call.allowed & (torch.rand_like(call.q[..., :1]) > 0.5)):
+            own = call.group.reference_weights(call.q, call.k, call.rel_pos, mask=keep)
+            assert torch.equal(call.restricted(keep), own), (name, call.layer, call.kind)
+        assert torch.equal(call.weights, call.group.reference_weights(call.q, call.k, call.rel_pos))
+
+
 @pytest.mark.parametrize("name", ["local+routing", "local+lsh"])
 def test_random_features_approach_the_exact_weights_as_features_grow(name) -> None:
     model, x = tiny(name), tokens()
@@ -338,6 +351,19 @@ def test_analyze_writes_tables_and_pictures(run_dir, capsys) -> None:
     for name in ("approximations.png", "heads.png", "patterns-layer1.png", "clusters.png"):
         assert (analysis / name).read_bytes().startswith(PNG)
         assert matplotlib.image.imread(analysis / name).ndim == 3
+
+
+def test_analyze_approximations_shows_a_progress_bar(run_dir, capsys, tmp_path) -> None:
+    """One bar over the methods on stderr (as training's and evaluate's); stdout keeps each method's line and the
+    table, without the bar."""
+    capsys.readouterr()
+    assert main(["analyze", str(run_dir), "approximations", "--methods", "ovo,sliding", "--r", "1,2", "--windows",
+                 "2", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    methods = 5  # exact, then ovo and sliding at r = 1 and 2
+    assert "approximations" in captured.err and f"0/{methods} [" in captured.err and "method/s" in captured.err
+    assert f"/{methods} [" not in captured.out
+    assert "  optimal-v-oblivious-2: " in captured.out and "\nsliding-window-2 " in captured.out
 
 
 def test_analyze_bad_inputs_are_one_line_errors(run_dir, capsys, tmp_path) -> None:

@@ -241,16 +241,19 @@ def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Te
     lipschitz = gram.abs().sum(-1).amax(-1, keepdim=True).clamp_min(1e-12)
     excluded = torch.finfo(start.dtype).min / (4 * start.shape[-1])  # sorts last; their sums stay finite
 
-    def objective(w: Tensor) -> Tensor:  # |u w - o|² - |o|²
-        return ((gram @ w[..., None])[..., 0] * w).sum(-1) - 2 * (linear * w).sum(-1)
+    def objective(gw: Tensor, w: Tensor) -> Tensor:  # |u w - o|² - |o|², given gw = gram w
+        return (gw * w).sum(-1) - 2 * (linear * w).sum(-1)
 
+    # gram w serves both the objective at w and the next step's gradient: one small batched product per iteration
     w = best = start
-    best_value = objective(start)
+    gw = (gram @ w[..., None])[..., 0]
+    best_value = objective(gw, start)
     for _ in range(iterations):
-        grad = (gram @ w[..., None])[..., 0] - linear
+        grad = gw - linear
         step = w - grad / lipschitz
         w = project_simplex(step) if valid is None else project_simplex(step.masked_fill(~valid, excluded)) * valid
-        value = objective(w)
+        gw = (gram @ w[..., None])[..., 0]
+        value = objective(gw, w)
         better = value < best_value
         best = torch.where(better[..., None], w, best)
         best_value = torch.where(better, value, best_value)

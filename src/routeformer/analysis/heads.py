@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..attention import HeadGroup, RelativePositions
+from ..attention.reference import normalise_scores
 from ..model import TransformerLM
 
 
@@ -54,11 +55,20 @@ class HeadCall:
         """The exact attention weights (B, h, N, N) of the group, under ``allowed``."""
         return self.restricted(self.allowed)
 
+    @functools.cached_property
+    def scores(self) -> Tensor:
+        """The group's logits (kernel values for 'poly2' / 'elu') before any mask, (B, h, N, N): O(N²·D) to compute
+        (with relative positions the dominant cost of analysis), so computed once per call and normalised under
+        every mask an approximation asks for."""
+        with torch.no_grad():
+            return self.group.reference_scores(self.q, self.k, self.rel_pos)
+
     @torch.no_grad()
     def restricted(self, keep: Tensor) -> Tensor:
         """The group's kernel normalised over the keys in ``keep`` (B, h, N, N) only, computed from the scores (a
-        kept key counts even where its weight among all keys underflows to 0)."""
-        return self.group.reference_weights(self.q, self.k, self.rel_pos, mask=keep)
+        kept key counts even where its weight among all keys underflows to 0): the group's ``reference_weights``
+        under ``keep``, bit for bit, in O(N²) given ``scores``."""
+        return normalise_scores(self.scores, keep, self.group.kernel)
 
     @functools.cached_property
     def values(self) -> PairValues:

@@ -4,6 +4,7 @@ RUN_DIR/analysis), printing the table and the paths."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,9 +107,24 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
     if "features" in methods and kernels != {"exp"}:
         print(f"random features skipped: they estimate the exponential kernel only (this model: "
               f"{', '.join(sorted(kernels))})")
-    own, results = approximation_table(model, target.tokens, target.kind, chosen, layers=layers, batch=batch,
-                                       max_windows=windows, lsh_rounds=lsh_rounds, seed=seed,
-                                       progress=lambda s: print(f"  {s}", flush=True))
+    from tqdm import tqdm
+
+    # One bar over the methods (each an evaluation of the windows) on stderr, like training's and evaluate's; each
+    # method's line still goes to stdout, written above the bar.
+    bar = tqdm(total=len(chosen), desc="approximations", unit="method", dynamic_ncols=True, mininterval=1.0,
+               leave=False, file=sys.stderr)
+
+    def progress(line: str) -> None:
+        bar.write(f"  {line}", file=sys.stdout)
+        sys.stdout.flush()
+        bar.update()
+
+    try:
+        own, results = approximation_table(model, target.tokens, target.kind, chosen, layers=layers, batch=batch,
+                                           max_windows=windows, lsh_rounds=lsh_rounds, seed=seed,
+                                           progress=progress)
+    finally:
+        bar.close()
     D = model.config.head_dim
     scope = "every layer" if layers is None else f"layers {', '.join(map(str, layers))}"
     header = (f"{target.label}: every head of {scope} replaced at once; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..checks import check_scale
 from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, kernel_scale, pairwise
@@ -28,31 +29,49 @@ def reference_weights(
     """The attention weights α_ij of ``reference_attention`` (same arguments, no values): (B, H, N, N), each row
     summing to 1 over the allowed keys, or all zeros when no key is allowed (or, for 'poly2' / 'elu', when every
     allowed key has zero weight). O(N²·D) time, O(N²) memory (O(N²·D) with ``rel_pos``: the literal tables)."""
-    kernel_s = kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]) if kernel != "exp" else None
-    inputs = check_inputs(q, k, k, scale, key_padding_mask, rel_pos)  # validation only
-    B, H, N, D = inputs.shape
-    scale = inputs.scale
+    if kernel != "exp":  # the kernel and its scale are checked first
+        kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1])
+    B, H, N, D = check_inputs(q, k, k, scale, key_padding_mask, rel_pos).shape  # validation only
     allowed = _check_mask(mask, B, H, N, q)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
-    allowed = allowed.expand(B, H, N, N)
-    if kernel_s is not None:
+    scores = reference_scores(q, k, scale, rel_pos=rel_pos, kernel=kernel, bias=bias)
+    return normalise_scores(scores, allowed.expand(B, H, N, N), kernel)
+
+
+def reference_scores(q: Tensor, k: Tensor, scale: float | None = None, *, rel_pos: RelativePositions | None = None,
+                     kernel: str = "exp", bias: Tensor | None = None) -> Tensor:
+    """What ``reference_weights`` normalises, before any mask: (B, H, N, N). For softmax the logits
+    s·q_i·k_j (+ s·q_i·a^K_ij with ``rel_pos``, + ``bias``); for 'poly2' / 'elu' the kernel K(q_i, k_j) itself.
+    Analysis computes them once per head group and normalises them under several masks (``normalise_scores``).
+    O(N²·D) time, O(N²) memory (O(N²·D) with ``rel_pos``: the literal tables)."""
+    N = q.shape[2]
+    if kernel != "exp":
         if rel_pos is not None:
             raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
         if bias is not None:
             raise ValueError(f"bias: an additive score term is defined for the exponential kernel only, not {kernel!r}")
-        weights = pairwise(kernel, q, k, kernel_s).masked_fill(~allowed, 0.0)  # (B, H, N, N)
-        total = weights.sum(-1, keepdim=True)
-        return weights / torch.where(total > 0, total, 1.0)
-
+        return pairwise(kernel, q, k, kernel_scale(check_kernel("kernel", kernel), scale, q.shape[-1]))
+    scale = check_scale(scale, q.shape[-1])
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
     if rel_pos is not None:
-        a_key, _ = _literal_tables(rel_pos, N, q)  # (N, N, D)
+        pos = torch.arange(N, device=q.device)
+        a_key = rel_pos.key.to(q.dtype)[rel_pos.index(pos[None, :] - pos[:, None])]  # (N, N, D): a^K only
         # Σ_d q_id a^K_ijd as one contraction: a (B, H, N, N, D) product made analysis slow (allocation)
         scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) * scale
     if bias is not None:
         scores = scores + bias
+    return scores
 
+
+def normalise_scores(scores: Tensor, allowed: Tensor, kernel: str = "exp") -> Tensor:
+    """``reference_scores`` (B, H, N, N) made weights over the ``allowed`` keys (bool, broadcast to the scores):
+    each row sums to 1 over them, or is all zeros when none is allowed (for 'poly2' / 'elu' also when every allowed
+    key has zero weight). O(N²)."""
+    if kernel != "exp":
+        weights = scores.masked_fill(~allowed, 0.0)
+        total = weights.sum(-1, keepdim=True)
+        return weights / torch.where(total > 0, total, 1.0)
     has_key = allowed.any(-1, keepdim=True)  # (B, H, N, 1)
     # A row with no allowed key would be softmax(-inf, ..., -inf) = NaN; give it finite scores and zero it after.
     scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)

@@ -21,7 +21,7 @@ from ...executors import Executor, get_executor
 from ...executors.relative import RelativePositions
 from ..decoding import attend_cached
 from ..kernels import attend_cached_kernel, kernel_scale
-from ..reference import reference_attention, reference_weights
+from ..reference import reference_attention, reference_scores, reference_weights
 
 
 @dataclass
@@ -162,6 +162,13 @@ class HeadGroup(nn.Module):
             raise NotImplementedError(f"{type(self).__name__} heads are not a mask over attention: no weights")
         return reference_weights(q, self.reference_keys(q, k), mask, scale=self.kernel_scale, rel_pos=rel_pos,
                                  kernel=self.kernel, bias=self.reference_bias(q, k))
+
+    def reference_scores(self, q: Tensor, k: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
+        """What ``reference_weights`` normalises, before any mask (B, h, N, N): the heads' logits (kernel values
+        for 'poly2' / 'elu'), for analysis that normalises them under several masks
+        (``attention.reference.normalise_scores``, which then gives ``reference_weights`` bit for bit)."""
+        return reference_scores(q, self.reference_keys(q, k), scale=self.kernel_scale, rel_pos=rel_pos,
+                                kernel=self.kernel, bias=self.reference_bias(q, k))
 
     num_clusters: int | None = None  # kinds that route (``clusters`` not None) set it: the clusters it draws from
     band: int | None = None  # kinds whose heads see exactly the last ``band`` keys whatever the content (local: its
