@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from routeformer.attention import HeadKind, register_kind
 from routeformer.attention.full import KIND as FULL
 from routeformer.attention.kinds.base import Warmup
+from routeformer.attention.routing import RoutingAttention
 from routeformer.attention.routing.kind import KIND as ROUTING
-from routeformer.attention.routing.kind import RoutingHeads
 from routeformer.attention.routing.probes import probe_masks
 
 DISTILL_WEIGHT = 1.0  # the weight of routing_ad's loss (--distill-weight)
@@ -61,17 +61,17 @@ def summaries(q, k, v, keys, num_clusters, shared):
     return sum_k * scale, sum_v * scale, count > 0
 
 
-class CompressedRouting(RoutingHeads):
+class CompressedRouting(RoutingAttention):
     """Routing with a compressed branch; ``select``: the probes are the clusters whose summary keys score highest
     (q · mean key, NSA's selection), not the nearest centroids."""
 
     select = False
 
     def forward(self, q, k, v, rel_pos):
-        routing = self.routing
+        routing = self  # the heads' modes; the router is routing.routing
         if routing.warming_up:
             return super().forward(q, k, v, rel_pos)
-        routes = routing.routes(q, k, None, observe=True)  # the k-means statistics, bias loads, commitment
+        routes = routing.routing.routes(q, k, None, observe=True)  # the k-means statistics, bias loads, commitment
         B, H, N, D = q.shape
         eye = torch.eye(N, dtype=torch.bool, device=q.device)
         mean_k, mean_v, has = summaries(q, k, v, routes.keys, routing.num_clusters, routing.shared_qk)
@@ -104,10 +104,10 @@ class SelectedRouting(CompressedRouting):
     select = True
 
 
-class DistilledRouting(RoutingHeads):
+class DistilledRouting(RoutingAttention):
     def forward(self, q, k, v, rel_pos):
         out = super().forward(q, k, v, rel_pos)
-        routing = self.routing
+        routing = self  # the heads' modes; the router is routing.routing
         self._distill = None
         if self.training and routing.warming_up:  # the dense attention is the routing's target
             with torch.no_grad():
@@ -122,12 +122,12 @@ class DistilledRouting(RoutingHeads):
                     allow = allow & ~(torch.eye(N, dtype=torch.bool, device=q.device)
                                       & (torch.arange(N, device=q.device) > 0)[:, None])
                 p = s.masked_fill(~allow, float("-inf")).softmax(-1)
-                keys = routing.routes(q, k).keys  # (B, H, N) each key's cluster
+                keys = routing.routing.routes(q, k).keys  # (B, H, N) each key's cluster
                 mass = p @ F.one_hot(keys, routing.num_clusters).to(p.dtype)  # (B, H, N, k)
-            rq, _ = routing.query_and_key_vectors(q, k)
-            logits = torch.einsum("bhnd,hkd->bhnk", rq, routing.kmeans.centroids.to(rq.dtype))
-            if routing.bias is not None:
-                logits = logits + routing.bias[:, None, :].to(rq.dtype)
+            rq, _ = routing.routing.query_and_key_vectors(q, k)
+            logits = torch.einsum("bhnd,hkd->bhnk", rq, routing.routing.kmeans.centroids.to(rq.dtype))
+            if routing.routing.bias is not None:
+                logits = logits + routing.routing.bias[:, None, :].to(rq.dtype)
             self._distill = DISTILL_WEIGHT * -(mass * (DISTILL_SHARPNESS * logits).log_softmax(-1)).sum(-1).mean()
         return out
 
@@ -138,21 +138,22 @@ class DistilledRouting(RoutingHeads):
         return loss
 
 
-class BlendedRouting(RoutingHeads):
+class BlendedRouting(RoutingAttention):
     """The hand-over as a blend of outputs instead of a penalty: during ``options.routing.handover`` steps after the
     warm-up, (1 - a) · dense + a · routed, a = (s + 1) / handover at hand-over step s; routed before and after."""
 
     def forward(self, q, k, v, rel_pos):
-        routing = self.routing
+        routing = self  # the heads' modes; the router is routing.routing
         if not routing.handing_over:
             return super().forward(q, k, v, rel_pos)
         steps = routing._steps
         a = (steps - routing.warmup + 1) / routing.handover
         try:
-            routing._steps = routing.warmup + routing.handover  # the routed forward (it observes the routing once)
+            # the routed forward (it observes the routing once)
+            routing.routing._steps = routing.warmup + routing.handover
             routed = super().forward(q, k, v, rel_pos)
         finally:
-            routing._steps = steps
+            routing.routing._steps = steps
         dense = routing._dense(q, k, v, self.scale, None, rel_pos)
         return (1 - a) * dense + a * routed
 
@@ -180,14 +181,14 @@ def _leak_check() -> None:
 
 
 register_kind(HeadKind(
-    "routing_cb", lambda o, heads, head_dim, seed: CompressedRouting(heads, head_dim, o, seed),
+    "routing_cb", lambda o, heads, head_dim, seed: CompressedRouting(heads, head_dim, o, seed=seed),
     keys_per_query=lambda o, n: ROUTING.keys_per_query(o, n) + o.num_clusters,  # + one summary per cluster
     warmup=ROUTING.warmup, option_type=ROUTING.option_type, section="routing", complete=ROUTING.complete,
     shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads that also attend to the causal mean key and value of every cluster"), replace=True)
 
 register_kind(HeadKind(
-    "routing_sel", lambda o, heads, head_dim, seed: SelectedRouting(heads, head_dim, o, seed),
+    "routing_sel", lambda o, heads, head_dim, seed: SelectedRouting(heads, head_dim, o, seed=seed),
     keys_per_query=lambda o, n: ROUTING.keys_per_query(o, n) + o.num_clusters,  # + one summary per cluster
     warmup=ROUTING.warmup, option_type=ROUTING.option_type, section="routing", complete=ROUTING.complete,
     shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
@@ -195,13 +196,13 @@ register_kind(HeadKind(
     replace=True)
 
 register_kind(HeadKind(
-    "routing_ad", lambda o, heads, head_dim, seed: DistilledRouting(heads, head_dim, o, seed),
+    "routing_ad", lambda o, heads, head_dim, seed: DistilledRouting(heads, head_dim, o, seed=seed),
     keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, option_type=ROUTING.option_type,
     section="routing", complete=ROUTING.complete, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads whose query routing learns from the dense attention during the warm-up"), replace=True)
 
 register_kind(HeadKind(
-    "routing_blend", lambda o, heads, head_dim, seed: BlendedRouting(heads, head_dim, o, seed),
+    "routing_blend", lambda o, heads, head_dim, seed: BlendedRouting(heads, head_dim, o, seed=seed),
     keys_per_query=ROUTING.keys_per_query, warmup=ROUTING.warmup, option_type=ROUTING.option_type,
     section="routing", complete=ROUTING.complete, shares_qk=ROUTING.shares_qk, describe=ROUTING.describe,
     summary="routing heads whose hand-over blends the dense and the routed outputs"), replace=True)

@@ -142,5 +142,5 @@ def test_two_gloo_processes_keep_centroids_and_bias_bit_identical(tmp_path) -> N
     v = torch.cat([r["last"][1] for r in results])
     single(q, q, v)
     single.update()
-    torch.testing.assert_close(single.routing.kmeans.centroids, a["kmeans.centroids"], rtol=1e-6, atol=1e-6)
-    assert torch.equal(single.routing.bias, a["bias"])
+    torch.testing.assert_close(single.routing.kmeans.centroids, a["routing.kmeans.centroids"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(single.routing.bias, a["routing.bias"])

@@ -16,6 +16,7 @@ from routeformer.model import TransformerLM
 
 FIXTURE = Path(__file__).parent / "fixtures" / "saved_run"
 MADE_ON = "AVX2"  # the instruction set the expected step was computed with (README.md there)
+THREADS = 2  # and its threads: a matmul's sums are split by thread, so the bits depend on the count
 
 
 @pytest.mark.parametrize("name", ["run", "run_flat"])
@@ -32,7 +33,12 @@ def test_resuming_a_saved_run_gives_the_next_step_of_its_day(name: str, tmp_path
     shutil.copytree(FIXTURE / "data", tmp_path / "data")  # the run's config names data_dir = "data"
     shutil.copytree(FIXTURE / name, tmp_path / "run")
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--resume", "run", "--max-steps", "7"]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)  # pytest-xdist gives each worker its share of the cores
+    try:
+        assert main(["train", "--resume", "run", "--max-steps", "7"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert state["step"] == 7
     expected = load_file(FIXTURE / "expected_step7.safetensors")

@@ -40,7 +40,8 @@ from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
-from ..executors import resolve_backend
+from ..attention.routing import RoutingOptions
+from ..executors import get_executor, resolve_backend
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import PeakMemory, format_table, kept_for_backward, median_time, memory_trackable
@@ -74,11 +75,17 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     stride = max(1, round(math.sqrt(n)))
     clusters = max(1, round(math.sqrt(n)))
     routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
-    routing = RoutingAttention(heads, head_dim, clusters, routed, causal=causal, backend=backend).to(device).train()
+    # the paper's rule: one cluster per query, no balancing bias
+    paper = RoutingOptions(num_clusters=clusters, window=routed, probes=1, balance=0.0)
+    routing = RoutingAttention(heads, head_dim, paper, causal=causal).to(device).train()
+    routing.executor = get_executor(backend, device)
     # The multi-probe rule at the same keys per query: two clusters of half the window each (causal only).
     probed = max(1, routed // 2)
-    probing = (RoutingAttention(heads, head_dim, clusters, probed, causal=True, probes=min(2, clusters), balance=0.01,
-                                backend=backend).to(device).train() if causal else None)
+    probing = None
+    if causal:
+        options = RoutingOptions(num_clusters=clusters, window=probed, probes=min(2, clusters), balance=0.01)
+        probing = RoutingAttention(heads, head_dim, options).to(device).train()
+        probing.executor = get_executor(backend, device)
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
     buckets, lsh_window = default_lsh_settings(n)
@@ -97,7 +104,7 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     def routed_work(module: RoutingAttention) -> rf.Useful | None:
         def useful(q: Tensor) -> float:
             with torch.no_grad():
-                routes = module.routes(q, q)
+                routes = module.routing.routes(q, q)
             B, H, N, D = q.shape
             seen = rf.pairs_in_groups(routes.keys, routes.probes, module.window, exclude_self=True)
             return rf.softmax_flops(seen, q) + 2.0 * D * module.num_clusters * B * H * N  # + the centroid scores
