@@ -69,22 +69,21 @@ def _is_operator(node: ast.FunctionDef, parent: ast.AST | None) -> bool:
 def parameter_counts(root: Path) -> dict[str, int]:
     """'path:Qualified.name' -> named parameters, for every function over ``MOST`` that is not an operator's."""
     found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str, parent: ast.AST | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", child)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = _named(child.args)
+                if count > MOST and not _is_operator(child, parent):
+                    found[f"{prefix}{child.name}"] = count
+                visit(child, f"{prefix}{child.name}.<locals>.", None)
+            else:
+                visit(child, prefix, parent)
+
     for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-
-        def visit(node: ast.AST, prefix: str, parent: ast.AST | None) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}{child.name}.", child)
-                elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    count = _named(child.args)
-                    if count > MOST and not _is_operator(child, parent):
-                        found[f"{rel}:{prefix}{child.name}"] = count
-                    visit(child, f"{prefix}{child.name}.<locals>.", None)
-                else:
-                    visit(child, prefix, parent)
-
-        visit(ast.parse(path.read_text()), "", None)
+        visit(ast.parse(path.read_text()), f"{path.relative_to(root).as_posix()}:", None)
     return found
 
 
