@@ -130,3 +130,12 @@ def routing_layer(heads: int, head_dim: int, num_clusters: int, window: int, cau
     if backend is not None:
         layer.executor = get_executor(backend)
     return layer
+
+
+def make_router(heads: int, head_dim: int, num_clusters: int, *, seed: int = 0, probes: int = 1, balance: float = 0.0,
+                **options):
+    """A ``Router`` from its old arguments, with the paper's rule unless told (as ``routing_layer``)."""
+    from routeformer.attention.routing import Router, RoutingOptions
+
+    return Router(heads, head_dim, RoutingOptions(num_clusters=num_clusters, probes=probes, balance=balance, **options),
+                  seed=seed)

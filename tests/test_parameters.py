@@ -25,7 +25,6 @@ OVER = {
     "bench/text.py:run": 12,
     "attention/routing/probes.py:_dense": 12,
     "bench/attention.py:_peers": 11,
-    "attention/routing/router.py:Router.__init__": 11,
     "attention/routing/balanced.py:_unselected_tiles": 11,
     "attention/lsh.py:lsh_attention": 11,
     "attention/longformer.py:longformer_attention": 11,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
+from helpers import compare_with_reference, make_router, rand_padding, rand_qkv, rand_rel, routing_layer
 from routeformer.attention.routing import Router, update_routing
 from routeformer.attention.routing.sorted_window import sorted_window_attention, sorted_window_mask
 from routeformer.executors import merge_partials, neg_inf
@@ -17,7 +17,7 @@ def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bo
                                                                       balance: float) -> None:
     B, H, N, D, k = 2, 3, 30, 8, 4
     options = dict(shared_qk=shared, separate=separate, probes=probes, balance=balance, seed=3)
-    router = Router(H, D, k, **options).double()
+    router = make_router(H, D, k, **options).double()
     layer = routing_layer(H, D, k, 5, **options).double()
     assert isinstance(layer.routing, Router)
     q, kk, v = rand_qkv(B, H, N, D, grad=False)
@@ -47,7 +47,7 @@ def test_probes_are_the_best_clusters_by_biased_score_own_cluster_first() -> Non
     """Built independently: a key's cluster is the argmax of cosine + bias, a query's probes its p best clusters
     by the same score, distinct, its own first."""
     B, H, N, D, k, p = 2, 2, 40, 8, 6, 3
-    router = Router(H, D, k, probes=p, balance=0.05).double()
+    router = make_router(H, D, k, probes=p, balance=0.05).double()
     with torch.no_grad():
         router.bias.copy_(torch.randn(H, k, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 0.3)
     q, _, _ = rand_qkv(B, H, N, D, grad=False)
@@ -67,7 +67,7 @@ def test_probes_are_the_best_clusters_by_biased_score_own_cluster_first() -> Non
 
 
 def test_tied_scores_probe_the_lower_cluster_first() -> None:
-    router = Router(1, 4, 5, probes=3)
+    router = make_router(1, 4, 5, probes=3)
     scores = torch.tensor([[[[0.5, 0.9, 0.2, 0.9, 0.5]]]])  # (B, H, N, k): two ties
     assert router._best(scores.clone()).tolist() == [[[[1, 3, 0]]]]
 
@@ -76,7 +76,7 @@ def test_the_bias_steps_towards_equal_loads_between_optimiser_steps() -> None:
     """b_c += rate · sign(mean load - load_c), loads counted over the real keys of the training forwards since the
     last step; nothing moves in evaluation mode or without a forward."""
     H, D, k, rate = 2, 8, 4, 0.25
-    router = Router(H, D, k, balance=rate).double()
+    router = make_router(H, D, k, balance=rate).double()
     q, _, _ = rand_qkv(3, H, 50, D, grad=False)
     padding = torch.rand(3, 50, generator=torch.Generator().manual_seed(4)) > 0.4
     keys = router.routes(q, q).keys
@@ -106,7 +106,7 @@ def test_a_balanced_router_spreads_keys_that_one_cluster_would_take() -> None:
     near the mean size."""
     torch.manual_seed(0)
     H, D, k = 1, 8, 4
-    plain, balanced = Router(H, D, k).double(), Router(H, D, k, balance=0.01).double()
+    plain, balanced = make_router(H, D, k).double(), make_router(H, D, k, balance=0.01).double()
     spread, direction = torch.randn(8, H, 64, D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
 
     def batch():

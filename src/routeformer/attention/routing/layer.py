@@ -96,9 +96,7 @@ class RoutingAttention(HeadGroup):
             if given:
                 raise ValueError(f"{', '.join(given)} apply to causal routing only (causal=True)")
         super().__init__(heads, head_dim)
-        self.routing = Router(heads, head_dim, o.num_clusters, shared_qk=o.shared_qk, separate=o.separate,
-                              probes=o.probes, balance=o.balance, decay=o.decay, commitment=o.commitment, seed=seed,
-                              counted=bool(o.warmup or o.handover))
+        self.routing = Router(heads, head_dim, o, seed=seed, counted=bool(o.warmup or o.handover))
         self.options = o
         self.num_clusters, self.window, self.causal, self.balanced = o.num_clusters, o.window, causal, bool(balanced)
         self.shared_qk, self.separate, self.probes = o.shared_qk, o.separate, o.probes

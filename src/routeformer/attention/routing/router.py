@@ -20,7 +20,6 @@ clusters. Another way of grouping positions (hash buckets) can reuse that attent
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 from ...checks import positive_int
 from ...executors.inputs import check_inputs
 from .kmeans import SphericalKMeans
+from .options import RoutingOptions
 
 
 class Routes(NamedTuple):
@@ -56,15 +56,16 @@ class Router(nn.Module):
 
     Args:
         heads, head_dim: H and D.
-        num_clusters: k centroids per head.
-        shared_qk: queries and keys are the same vectors: a position routes on its query alone. Otherwise it routes
-            on normalise(n(q_i) + n(k_i)) (one vector per position), unless ``separate``.
-        separate: route queries by q and keys by k (needs shared_qk=False): a key joins the cluster of its key
-            vector, a query probes the clusters nearest its query vector, so W_Q and W_K can learn to meet in a
-            cluster as they meet in q·k.
-        probes: p, the clusters each query probes (1: its own cluster only).
-        balance: the bias step per optimiser step (0: no bias, the paper's plain argmax).
-        decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
+        options: ``RoutingOptions`` (num_clusters given); the router reads
+            num_clusters: k centroids per head;
+            shared_qk: queries and keys are the same vectors: a position routes on its query alone. Otherwise it
+                routes on normalise(n(q_i) + n(k_i)) (one vector per position), unless ``separate``;
+            separate: route queries by q and keys by k (needs shared_qk=False): a key joins the cluster of its key
+                vector, a query probes the clusters nearest its query vector, so W_Q and W_K can learn to meet in a
+                cluster as they meet in q·k;
+            probes: p, the clusters each query probes (1: its own cluster only);
+            balance: the bias step per optimiser step (0: no bias, the paper's plain argmax);
+            decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
         seed: seed of the fixed random orthonormal routing projection W_R.
         counted: keep ``steps``, the number of ``update`` calls (a buffer saved with the model), for a warm-up.
 
@@ -76,24 +77,21 @@ class Router(nn.Module):
     O(N · D² + N · k · D) time, O(N · k) memory per head.
     """
 
-    def __init__(self, heads: int, head_dim: int, num_clusters: int, *, shared_qk: bool = True,
-                 separate: bool = False, probes: int = 1, balance: float = 0.0, decay: float = 0.999,
-                 commitment: float = 1e-4, seed: int = 0, counted: bool = False) -> None:
+    def __init__(self, heads: int, head_dim: int, options: RoutingOptions, *, seed: int = 0,
+                 counted: bool = False) -> None:
         super().__init__()
+        if not isinstance(options, RoutingOptions) or options.num_clusters is None:
+            raise ValueError(f"options must be RoutingOptions with num_clusters given, got {options!r}")
         self.heads = positive_int("heads", heads)
         self.head_dim = positive_int("head_dim", head_dim)
-        self.num_clusters = positive_int("num_clusters", num_clusters)
-        self.probes = positive_int("probes", probes)
+        self.num_clusters = options.num_clusters  # checked by RoutingOptions, as are the rest
+        self.probes = options.probes
         if self.probes > self.num_clusters:
-            raise ValueError(f"probes ({probes}) must be at most num_clusters ({num_clusters})")
-        self.shared_qk, self.separate = bool(shared_qk), bool(separate)
-        if self.separate and self.shared_qk:
-            raise ValueError("separate=True routes queries and keys apart: it needs shared_qk=False")
-        if isinstance(balance, bool) or not isinstance(balance, numbers.Real) or not 0 <= balance < float("inf"):
-            raise ValueError(f"balance must be a non-negative number (the bias step; 0: no bias), got {balance!r}")
-        self.balance = float(balance)
-        self.commitment = float(commitment)
-        self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
+            raise ValueError(f"probes ({self.probes}) must be at most num_clusters ({self.num_clusters})")
+        self.shared_qk, self.separate = options.shared_qk, options.separate
+        self.balance = float(options.balance)
+        self.commitment = float(options.commitment)
+        self.kmeans = SphericalKMeans(heads, head_dim, self.num_clusters, decay=options.decay)
         gen = torch.Generator().manual_seed(seed)
         q, _ = torch.linalg.qr(torch.randn(self.heads, self.head_dim, self.head_dim, generator=gen))
         self.register_buffer("projection", q)  # W_R (H, D, D), fixed random orthonormal
