@@ -68,18 +68,17 @@ class CompressedRouting(RoutingAttention):
     select = False
 
     def forward(self, q, k, v, rel_pos):
-        routing = self  # the heads' modes; the router is routing.routing
-        if routing.warming_up:
+        if self.warming_up:
             return super().forward(q, k, v, rel_pos)
-        routes = routing.routing.routes(q, k, None, observe=True)  # the k-means statistics, bias loads, commitment
+        routes = self.routing.routes(q, k, None, observe=True)  # the k-means statistics, bias loads, commitment
         B, H, N, D = q.shape
         eye = torch.eye(N, dtype=torch.bool, device=q.device)
-        mean_k, mean_v, has = summaries(q, k, v, routes.keys, routing.num_clusters, routing.shared_qk)
+        mean_k, mean_v, has = summaries(q, k, v, routes.keys, self.num_clusters, self.shared_qk)
         c = torch.einsum("bhid,bhicd->bhic", q, mean_k) * self.scale
         c = c.masked_fill(~has, float("-inf"))
-        probes = c.detach().topk(routing.probes, -1).indices if self.select else routes.probes
-        allow = probe_masks(routes.keys, probes, routing.window).any(2)  # (B, H, N, N)
-        if routing.shared_qk:
+        probes = c.detach().topk(self.probes, -1).indices if self.select else routes.probes
+        allow = probe_masks(routes.keys, probes, self.window).any(2)  # (B, H, N, N)
+        if self.shared_qk:
             allow = allow & ~eye
         s = (q @ k.transpose(-1, -2)) * self.scale
         if rel_pos is not None:
@@ -94,7 +93,7 @@ class CompressedRouting(RoutingAttention):
         out = pr @ v + torch.einsum("bhic,bhicd->bhid", ps, mean_v)
         if rel_pos is not None:
             out = out + torch.einsum("bhij,ijd->bhid", pr, a_v)
-        if routing.shared_qk:  # nothing else in view: the own key, as the library's rule
+        if self.shared_qk:  # nothing else in view: the own key, as the library's rule
             own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]
             out = torch.where(seen, out, own)
         return out
@@ -107,9 +106,8 @@ class SelectedRouting(CompressedRouting):
 class DistilledRouting(RoutingAttention):
     def forward(self, q, k, v, rel_pos):
         out = super().forward(q, k, v, rel_pos)
-        routing = self  # the heads' modes; the router is routing.routing
         self._distill = None
-        if self.training and routing.warming_up:  # the dense attention is the routing's target
+        if self.training and self.warming_up:  # the dense attention is the routing's target
             with torch.no_grad():
                 N = q.shape[2]
                 s = (q @ k.transpose(-1, -2)) * self.scale
@@ -118,16 +116,16 @@ class DistilledRouting(RoutingAttention):
                     a_k, _ = rel_pos.tables(idx[None, :] - idx[:, None], q.dtype)
                     s = s + torch.einsum("bhid,ijd->bhij", q, a_k) * self.scale
                 allow = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
-                if routing.shared_qk:  # as the warm-up attends: not the own key, but at position 0
+                if self.shared_qk:  # as the warm-up attends: not the own key, but at position 0
                     allow = allow & ~(torch.eye(N, dtype=torch.bool, device=q.device)
                                       & (torch.arange(N, device=q.device) > 0)[:, None])
                 p = s.masked_fill(~allow, float("-inf")).softmax(-1)
-                keys = routing.routing.routes(q, k).keys  # (B, H, N) each key's cluster
-                mass = p @ F.one_hot(keys, routing.num_clusters).to(p.dtype)  # (B, H, N, k)
-            rq, _ = routing.routing.query_and_key_vectors(q, k)
-            logits = torch.einsum("bhnd,hkd->bhnk", rq, routing.routing.kmeans.centroids.to(rq.dtype))
-            if routing.routing.bias is not None:
-                logits = logits + routing.routing.bias[:, None, :].to(rq.dtype)
+                keys = self.routing.routes(q, k).keys  # (B, H, N) each key's cluster
+                mass = p @ F.one_hot(keys, self.num_clusters).to(p.dtype)  # (B, H, N, k)
+            rq, _ = self.routing.query_and_key_vectors(q, k)
+            logits = torch.einsum("bhnd,hkd->bhnk", rq, self.routing.kmeans.centroids.to(rq.dtype))
+            if self.routing.bias is not None:
+                logits = logits + self.routing.bias[:, None, :].to(rq.dtype)
             self._distill = DISTILL_WEIGHT * -(mass * (DISTILL_SHARPNESS * logits).log_softmax(-1)).sum(-1).mean()
         return out
 
@@ -139,22 +137,21 @@ class DistilledRouting(RoutingAttention):
 
 
 class BlendedRouting(RoutingAttention):
-    """The hand-over as a blend of outputs instead of a penalty: during ``options.routing.handover`` steps after the
+    """The hand-over as a blend of outputs instead of a penalty: during ``options.self.handover`` steps after the
     warm-up, (1 - a) · dense + a · routed, a = (s + 1) / handover at hand-over step s; routed before and after."""
 
     def forward(self, q, k, v, rel_pos):
-        routing = self  # the heads' modes; the router is routing.routing
-        if not routing.handing_over:
+        if not self.handing_over:
             return super().forward(q, k, v, rel_pos)
-        steps = routing._steps
-        a = (steps - routing.warmup + 1) / routing.handover
+        steps = self._steps
+        a = (steps - self.warmup + 1) / self.handover
         try:
             # the routed forward (it observes the routing once)
-            routing.routing._steps = routing.warmup + routing.handover
+            self.routing._steps = self.warmup + self.handover
             routed = super().forward(q, k, v, rel_pos)
         finally:
-            routing.routing._steps = steps
-        dense = routing._dense(q, k, v, self.scale, None, rel_pos)
+            self.routing._steps = steps
+        dense = self._dense(q, k, v, self.scale, None, rel_pos)
         return (1 - a) * dense + a * routed
 
 

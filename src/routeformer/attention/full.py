@@ -117,8 +117,7 @@ class FullHeads(HeadGroup):
         self.kernel = kernel
 
     def forward(self, q, k, v, rel_pos):
-        on = {"backend": self.executor} if self.kernel == "exp" else {}  # the other kernels run on no executor
-        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, **on)
+        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.executor)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)

@@ -39,11 +39,11 @@ def check_kernel(name: str, kernel: object, allowed: tuple[str, ...] = KERNELS) 
 
 
 def check_kernel_backend(kernel: str, backend) -> None:
-    """The poly2 and elu kernels have one implementation (blocked PyTorch, like the tiles executor): ``backend``
-    (a name or an executor) must be "auto" or "tiles"; "flex" is refused rather than ignored (FlexAttention
-    normalises with exp)."""
+    """The poly2 and elu kernels have one implementation (blocked PyTorch, what the tiles executor and the fused one,
+    which hands it what its kernels do not run, stand for): ``backend`` (a name or an executor) must be "auto",
+    "tiles" or "fused"; "flex" is refused rather than ignored (FlexAttention normalises with exp)."""
     name = getattr(check_backend(backend), "name", backend)
-    if name not in ("auto", "tiles"):
+    if name not in ("auto", "tiles", "fused"):
         raise ValueError(f"backend={backend!r} has no path for kernel={kernel!r}: the poly2 and elu kernels run as "
                          f"blocked PyTorch only; use backend='auto' or 'tiles'")
 

@@ -92,8 +92,8 @@ class LocalHeads(HeadGroup):
         self.band = window
 
     def forward(self, q, k, v, rel_pos):
-        on = {"backend": self.executor} if self.kernel == "exp" else {}  # the other kernels run on no executor
-        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel, **on)
+        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,
+                               backend=self.executor)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)

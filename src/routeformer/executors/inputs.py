@@ -54,9 +54,9 @@ class RelTerms:
     tables: RelativePositions
     distances: Distances = INDEX
 
-    def at(self, distances: Distances | None) -> RelTerms:
+    def at(self, distances: Distances) -> RelTerms:
         """The same tables at other distances."""
-        return RelTerms(self.tables, INDEX if distances is None else distances)
+        return RelTerms(self.tables, distances)
 
 
 def relative(rel_pos: RelativePositions | None, distances: Distances = INDEX) -> RelTerms | None:

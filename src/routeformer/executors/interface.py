@@ -3,8 +3,8 @@
 A pattern (``local``, ``strided``, ``fixed``, ``longformer``, ``full``, ``routing``) says which keys each query
 sees and builds that from a few pieces; an executor computes the pieces without an N×N matrix. Every pattern
 function takes ``backend`` (a name or an ``Executor``) and calls ``get_executor(backend, q.device)`` once; below it
-only ``Executor`` values travel. A model resolves ``TransformerConfig.backend`` for its device and hands the executor
-to its head groups (``TransformerLM``), again when it moves to another device:
+only ``Executor`` values travel. A model resolves ``TransformerConfig.backend`` when it is built and hands the executor
+to its head groups (``TransformerLM``), and again at its first forward on another device:
 
 - ``"fused"`` (``fused/``): C++ CPU kernels compiled at first use, masks computed from the values inside the
   kernel, an online softmax, and a backward that recomputes the probabilities (it keeps O(N · D) per head); the
@@ -16,17 +16,18 @@ to its head groups (``TransformerLM``), again when it moves to another device:
 - ``"auto"`` (a name only, resolved by ``get_executor``): ``"flex"`` on CUDA, ``"fused"`` on the CPU
   (``"tiles"`` where it cannot be built), ``"tiles"`` elsewhere.
 
-``register_executor`` adds another by name. An executor has one operation, ``tiled``, which takes (B, H, N, D)
-queries, keys and values and values that describe the rest (``tiling.py``): a ``Tiling`` (blocks, neighbouring
-blocks, static and per-tile masks), ``KeyRestrictions`` (groups, the query's own key), ``Distances`` for relative
-positions (unit offsets, explicit deltas or positions) and an optional additive ``bias``; it checks them, refuses
+``register_executor`` adds another by name. An executor has one operation, ``tiled``, which takes the checked
+inputs (``inputs.Inputs``: (B, H, N, D) queries, keys and values, the scale, the keys' validity) and values that
+describe the rest (``tiling.py``): a ``Tiling`` (blocks, neighbouring blocks, static and per-tile masks),
+``KeyRestrictions`` (groups, the query's own key), the relative terms (``inputs.RelTerms``: the tables and their
+``Distances``, unit offsets, explicit deltas or positions) and an optional additive ``bias``; it checks them, refuses
 what the executor does not support (``supports``, out of ``FEATURES``) with an error that says which executor
 does. A tiling's sequence order (``Tiling.order``) and labelled pairs (``KeyRestrictions.labels``) work on
 every executor: one that does not read them natively gets the permuted sequence and a tile mask (``LOWERED``). It
 returns ``(out, lse)``: out (B, H, N, D), zeros for a row that sees no key, and lse (B, H, N) or None
 (``need_lse=False``), in float32 or wider, exactly ``neg_inf(lse.dtype)`` for a row that sees no key;
 ``merge_partials`` combines parts over disjoint key sets exactly on that convention. The band, block diagonal,
-key subsets and ranges are built on ``tiled``, the same for every executor.
+key subsets, grid columns and ranges are built on ``tiled``, the same for every executor.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
-from ..executors import get_executor
+from ..executors import Executor
 from ..executors.fused.activation import sigmoid_gelu
 from .config import HeadGroupSpec, TransformerConfig
 
@@ -27,8 +27,7 @@ class MixedAttention(nn.Module):
         H, D = config.heads, config.head_dim
         self.heads, self.head_dim = H, D
         self.groups = nn.ModuleList(g.kind.build(g.options, g.heads, D, layer * 131 + i) for i, g in enumerate(spec))
-        self.on_executor = [g.kind.runs_on_executor(g.options) for g in spec]
-        self.bind(get_executor(config.backend, "cpu"))
+        self.on_executor = [g.kind.runs_on_executor(g.options) for g in spec]  # the model binds their executor
         self.shares_qk = [g.kind.heads_share_qk(g.options) for g in spec]
         self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
         self.query = nn.Linear(config.dim, H * D)
@@ -37,7 +36,7 @@ class MixedAttention(nn.Module):
         self.out = nn.Linear(H * D, config.dim)
         self.rel_pos = RelativePositions(D, config.rel_clip) if config.positions == "relative" else None
 
-    def bind(self, executor) -> None:
+    def bind(self, executor: Executor) -> None:
         """Hand ``executor`` to the head groups that run on one (``TransformerLM`` resolves its device's)."""
         for group, uses in zip(self.groups, self.on_executor, strict=True):
             if uses:

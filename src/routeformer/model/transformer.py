@@ -59,7 +59,7 @@ class TransformerLM(nn.Module):
             init_weights(block, config.depth)
         nn.init.zeros_(self.head.weight)
         self.aux_loss: Tensor = torch.zeros(())
-        self._executor_device = torch.device("cpu")  # the blocks hold this device's executor (config.backend)
+        self._bind_executors(torch.device("cpu"))  # resolved once here; again at a forward on another device
 
     def _bind_executors(self, device: torch.device) -> None:
         """Resolve ``config.backend`` for ``device`` once ("auto": the fused kernels on the CPU, FlexAttention on

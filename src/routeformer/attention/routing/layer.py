@@ -294,7 +294,6 @@ class RoutingAttention(HeadGroup):
         routed = (clusters[..., None] == probes[:, :, None, :]).any(-1) & (newer < self.window)
         return (~routed).to(q.dtype) * -self.handover_penalty()
 
-    @torch.no_grad()
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache | KeyStore, start: int | None = None,
                rel_pos: RelativePositions | None = None, *, scale: float | None = None) -> Tensor:
         """Outputs (B, H, n, D) of n new positions (B, H, n, D), continuing ``cache`` and updating it in place.
@@ -306,11 +305,16 @@ class RoutingAttention(HeadGroup):
         warm-up and hand-over every earlier key (``start``: the position of the first new one, default the count
         the cache holds).
         """
-        if isinstance(cache, KeyStore):
+        if isinstance(cache, KeyStore):  # every position, as HeadGroup keeps them
             return super().decode(q, k, v, cache, cache.count if start is None else start, rel_pos)
+        return self._decode_routed(q, k, v, cache, rel_pos, scale)
+
+    @torch.no_grad()
+    def _decode_routed(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache, rel_pos: RelativePositions | None,
+                       scale: float | None) -> Tensor:
+        """``decode`` on the per-cluster ring buffers."""
         inputs = check_inputs(q, k, v, scale, None, rel_pos)
-        _, _, n, D = inputs.shape
-        scale = inputs.scale
+        n, scale = q.shape[2], inputs.scale
         cache.check(n)
         if self.dense:
             raise ValueError("decode: this layer is in its dense warm-up or hand-over; its cache is not the routed "

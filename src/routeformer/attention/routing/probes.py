@@ -122,7 +122,7 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor
         own = eye & (union & ~eye).any(-1, keepdim=True)
         union = union & ~own
     idx = torch.arange(N, device=q.device)
-    rel = relative(rel_pos, Distances(delta=idx[None, :] - idx[:, None]))
+    rel = None if rel_pos is None else relative(rel_pos, Distances(delta=idx[None, :] - idx[:, None]))
     inputs = Inputs(q, k, v, scale, key_valid)
 
     def attend(allow: Tensor) -> Tensor:
