@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>  // vec_reduce_all (vec.h brings it only with some capabilities)
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/empty.h>
@@ -94,7 +95,7 @@ inline T exp_shift_sum(T* x, int64_t n, T shift) {
       e.store(x + j);
       acc = acc + e;
     }
-    sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+    sum = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
   }
   for (; j < n; j++) {
     x[j] = std::exp(x[j] - shift);
@@ -112,7 +113,7 @@ inline T max_of(const T* x, int64_t n) {
     if (n >= Vec::size()) {
       Vec acc = Vec::loadu(x);
       for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + j));
-      m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+      m = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, acc);
     }
   }
   for (; j < n; j++) m = std::max(m, x[j]);
@@ -127,7 +128,7 @@ inline T dot(const T* a, const T* b, int64_t n) {
     using Vec = at::vec::Vectorized<float>;
     Vec acc(0.f);
     for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
-    s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+    s = at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, acc);
   }
   for (; j < n; j++) s += a[j] * b[j];
   return s;
