@@ -2,24 +2,35 @@
 
 The C++ sources ship in the package (``csrc/``). The first process that needs them compiles them once into the
 user's cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``, under ``routeformer/``) and says so in
-one line; later processes load the built library. The build's name carries a hash of the sources, the flags, the
-torch and compiler versions and the processor capability PyTorch reports, so a changed source, another torch or
-another machine sharing the cache gets its own build. Flags come from that capability
-(``torch.backends.cpu.get_cpu_capability()``), never ``-march=native``: ``at::vec`` needs the matching
-``CPU_CAPABILITY`` defines, and a native build in a shared cache could crash a machine without those instructions.
+one line; later processes load the built library. A build's name carries a hash of the sources, every header, the
+compile and link flags, the torch and compiler versions, the instruction set and the machine, so a changed source,
+another torch or another machine sharing the cache gets its own build.
 
-Concurrency: an exclusive ``flock`` on a lock file beside the build serialises builders (parallel test workers
-compile once; the others wait, then load). A build runs in a private folder and its library is moved into place
-atomically, so a build killed half-way leaves no half-written library, and its lock dies with its process: later
-runs rebuild instead of waiting on a stale lock file (``torch.utils.cpp_extension``'s own baton would wait forever).
+Instruction sets: one build per capability PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``,
+which ``ATEN_CPU_CAPABILITY=default|avx2|avx512`` lowers), with that capability's flags and the ``CPU_CAPABILITY``
+defines ``at::vec`` selects its implementation by (``Vectorized<float>`` is 16 lanes under AVX512, 8 under AVX2),
+never ``-march=native`` (a native build in a shared cache could crash a machine without those instructions). On x86
+a build that fails falls back to the next lower capability (a processor that runs one runs those below it), then to
+the tiles executor, and one warning says so. Elsewhere (arm64, ...) there is one build, with the DEFAULT flags:
+``at::vec`` is then NEON's (``vec128``) on arm64, whose float reductions the kernels call as on x86; a compiler
+without OpenMP (macOS' clang) fails that build, and the tiles executor runs, with the warning.
 
-No compiler, no ninja, or a compile or load error: one warning, and the executor hands every call to the tiles
-executor. ``ROUTEFORMER_FUSED=0`` forces the tiles executor.
+A failed compilation is remembered per build (``failed.txt`` in its folder, with the compiler's log beside it): later
+processes warn and fall back without compiling again; removing the folder retries. No compiler or no ninja is not
+remembered (cheap to look for again).
+
+``ROUTEFORMER_FUSED``: unset or ``auto``, the above; ``0``, the tiles executor; ``1``, the kernel is required: any
+fallback (a lower capability's build, or tiles) is an error naming why, as benchmarks of the kernel want.
+
+Concurrency: an exclusive file lock (``filelock``, a torch dependency; ``flock`` on Unix, released by the kernel if
+the process dies) beside the build serialises builders (parallel test workers compile once; the others wait, then
+load). A build runs in a private folder and its library is moved into place atomically, so a build killed half-way
+leaves no half-written library, and later runs rebuild instead of waiting on a stale lock
+(``torch.utils.cpp_extension``'s own baton would wait forever).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import platform
@@ -33,27 +44,59 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ops.cpp", "band.cpp", "ranges.cpp", "rounds.cpp", "activation.cpp")
-HEADERS = ("common.h",)
-ENV_SWITCH = "ROUTEFORMER_FUSED"  # "0": use the tiles executor on the CPU
+ENV_SWITCH = "ROUTEFORMER_FUSED"  # "0": the tiles executor; "1": the kernel or an error; unset / "auto": fallbacks
+SWITCH_VALUES = ("auto", "0", "1")
+CAPABILITIES = ("AVX512", "AVX2", "DEFAULT")  # x86's builds, widest first
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+FAILED = "failed.txt"  # in a build's folder: why its compilation failed (the log beside it)
+LOG = "build.log"
 
 
 class FusedKernelUnavailable(UserWarning):
-    """The fused CPU kernels could not be built or loaded; the tiles executor runs instead."""
+    """The fused CPU kernels could not be built or loaded (the tiles executor runs instead), or only a lower
+    capability's build could (it runs instead)."""
+
+
+class FusedKernelRequired(RuntimeError):
+    """``ROUTEFORMER_FUSED=1`` and the kernel of the capability PyTorch dispatches to could not be had."""
+
+
+def switch() -> str:
+    """``ROUTEFORMER_FUSED`` as one of ``auto``, ``0``, ``1`` (unset: ``auto``); anything else is an error."""
+    value = os.environ.get(ENV_SWITCH, "auto").strip().lower() or "auto"
+    if value not in SWITCH_VALUES:
+        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: expected one of {', '.join(SWITCH_VALUES)} "
+                         f"(0: the tiles executor, 1: the fused kernel or an error, auto: fall back with a warning)")
+    return value
+
+
+def dispatched_capability() -> str:
+    """The instruction set PyTorch dispatches its own CPU kernels to (``ATEN_CPU_CAPABILITY`` can lower it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build_chain(capability: str | None = None) -> tuple[str, ...]:
+    """The builds to try, in order: on x86 the dispatched capability, then each lower one; elsewhere DEFAULT's."""
+    cap = capability or dispatched_capability()
+    if X86 and cap in CAPABILITIES:
+        return CAPABILITIES[CAPABILITIES.index(cap):]
+    return ("DEFAULT",)
 
 
 def capability_flags(capability: str | None = None) -> list[str]:
-    """Compiler flags for the processor capability PyTorch dispatches to (``get_cpu_capability``): the instruction
-    sets and the ``CPU_CAPABILITY`` defines ``at::vec`` selects its implementation by."""
-    cap = capability or torch.backends.cpu.get_cpu_capability()
+    """Compiler flags of one capability: the instruction sets and the ``CPU_CAPABILITY`` defines ``at::vec``
+    selects its implementation by (as ATen's own build sets them)."""
+    cap = capability or build_chain()[0]
     if cap == "AVX512":
         return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                 "-DCPU_CAPABILITY_AVX512"]
     if cap == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return ["-DCPU_CAPABILITY=DEFAULT"]  # vec's portable scalar implementation
+    return ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]  # vec's portable (or NEON) implementation
 
 
 def cache_root() -> Path:
@@ -65,15 +108,35 @@ def cache_root() -> Path:
     return Path(cache) / "torch_extensions" / "routeformer"
 
 
-def _compiler() -> str:
+def compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def _compiler_version(cxx: str) -> str:
+def compiler_version(cxx: str | None = None) -> str:
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        return subprocess.run([cxx or compiler(), "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         return "unknown"
+
+
+@dataclass(frozen=True)
+class BuildStatus:
+    """What this process has of one kernel library: the capability of the build it loaded (None: none), the
+    capability PyTorch dispatches to, and why a build did not load (in the order tried), with their logs."""
+
+    loaded: str | None
+    wanted: str
+    failures: tuple[tuple[str, str], ...] = ()  # (capability, why)
+    library: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded is not None
+
+    def why(self) -> str:
+        """The failures, one clause each: 'AVX512: compile error: ... (log: ...)'."""
+        return "; ".join(f"{cap}: {reason}" for cap, reason in self.failures)
 
 
 @dataclass
@@ -86,91 +149,163 @@ class KernelBuild:
     headers: tuple[Path, ...] = ()
     root: Path | None = None
     extra_cflags: tuple[str, ...] = ("-O3", "-fopenmp")
+    extra_ldflags: tuple[str, ...] = ("-fopenmp",)
     what: str = "the fused CPU attention kernel"
     _state: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def flags(self) -> list[str]:
-        return [*self.extra_cflags, *capability_flags()]
+    def flags(self, capability: str | None = None) -> list[str]:
+        return [*self.extra_cflags, *capability_flags(capability)]
 
-    def name(self) -> str:
-        """prefix_<hash of sources, headers, flags, torch, compiler, capability, machine>."""
+    def name(self, capability: str | None = None) -> str:
+        """prefix_<hash of sources, headers, compile and link flags, torch, compiler, capability, machine>."""
+        cap = capability or build_chain()[0]
         h = hashlib.sha256()
         for path in (*self.sources, *self.headers):
             h.update(path.name.encode())
             h.update(path.read_bytes())
-        for part in (*self.flags(), torch.__version__, _compiler_version(_compiler()),
-                     torch.backends.cpu.get_cpu_capability(), platform.machine()):
+        for part in (*self.flags(cap), "|", *self.extra_ldflags, torch.__version__, compiler_version(), cap,
+                     platform.machine()):
             h.update(part.encode())
         return f"{self.prefix}_{h.hexdigest()[:16]}"
 
-    def load(self) -> str | None:
-        """Build (if needed) and load the library once per process: None when loaded, else why it is not (and a
-        warning said so, once)."""
-        with self._lock:
-            if "result" not in self._state:
-                self._state["result"] = self._load()
-                if self._state["result"] is not None:
-                    warnings.warn(f"routeformer: {self.what} is not available ({self._state['result']}); using "
-                                  f"the tiles executor", FusedKernelUnavailable, stacklevel=3)
-            return self._state["result"]
+    def folder(self, capability: str | None = None) -> Path:
+        return (self.root or cache_root()) / self.name(capability)
 
-    def _load(self) -> str | None:
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            return f"{ENV_SWITCH}=0"
+    def load(self) -> str | None:
+        """Build (if needed) and load the library once per process: None when a build is loaded (the dispatched
+        capability's, or on x86 a lower one's), else why none is; a warning says so once. Under
+        ``ROUTEFORMER_FUSED=1`` anything but the dispatched capability's build is ``FusedKernelRequired``."""
+        status = self.status()
+        return None if status.ok else (status.why() or "not loaded")
+
+    def status(self) -> BuildStatus:
+        """The build this process loaded (building and loading it on first call), as a ``BuildStatus``."""
+        with self._lock:
+            if "status" not in self._state:
+                self._state["status"] = self._resolve()
+                self._say(self._state["status"])
+            status: BuildStatus = self._state["status"]
+        if switch() == "1" and (status.failures or not status.ok):
+            raise FusedKernelRequired(f"routeformer: {ENV_SWITCH}=1 but {self.what} for {status.wanted} could not "
+                                      f"be had ({status.why()}); {_retry_hint(status)}")
+        return status
+
+    def _resolve(self) -> BuildStatus:
+        mode = switch()
+        chain = build_chain()
+        if mode == "0":
+            return BuildStatus(None, chain[0], ((chain[0], f"{ENV_SWITCH}=0"),))
+        failures: list[tuple[str, str]] = []
+        for cap in chain:
+            why = self._load_one(cap)
+            if why is None:
+                return BuildStatus(cap, chain[0], tuple(failures), self.folder(cap) / f"{self.name(cap)}.so")
+            failures.append((cap, why))
+            if mode == "1" or why.startswith(("no C++ compiler", "ninja")):  # nothing lower can do better
+                break
+        return BuildStatus(None, chain[0], tuple(failures))
+
+    def _say(self, status: BuildStatus) -> None:
+        if not status.failures:
+            return
+        if switch() == "1":
+            return  # status() raises instead
+        if status.ok:
+            msg = (f"routeformer: {self.what}'s {status.wanted} build is not available ({status.why()}); using its "
+                   f"{status.loaded} build, with narrower vectors")
+        else:
+            msg = f"routeformer: {self.what} is not available ({status.why()}); using the tiles executor"
+        hint = _retry_hint(status)
+        warnings.warn(msg + (f"; {hint}" if hint else ""), FusedKernelUnavailable, stacklevel=4)
+
+    def _load_one(self, cap: str) -> str | None:
+        """Load one capability's build, compiling it first if needed: None when loaded, else why not."""
         try:
-            name = self.name()
-            folder = (self.root or cache_root()) / name
+            name = self.name(cap)
+            folder = self.folder(cap)
             library = folder / f"{name}.so"
             if library.exists():
                 torch.ops.load_library(str(library))
-            else:
-                return self._build(name, folder, library)
-        except Exception as error:  # a load error, or a cache we cannot write: the tiles executor instead
+                return None
+            if (folder / FAILED).exists():
+                return (folder / FAILED).read_text().strip() + " (remembered)"
+            return self._build(cap, name, folder, library)
+        except Exception as error:  # a load error, or a cache we cannot write: the next build, or tiles
             return f"{type(error).__name__}: {_first_lines(str(error))}"
-        return None
 
-    def _build(self, name: str, folder: Path, library: Path) -> str | None:
+    def _build(self, cap: str, name: str, folder: Path, library: Path) -> str | None:
         """Compile into a private folder, load, and move the library into place, under an exclusive lock; None on
-        success (or when another process built it meanwhile: then loaded from there), else the reason."""
+        success (or when another process built it meanwhile: then loaded from there), else the reason (remembered
+        in the folder when the compiler failed)."""
         from torch.utils import cpp_extension
 
-        if shutil.which(_compiler()) is None:
-            return f"no C++ compiler ({_compiler()!r} not found; set CXX)"
+        if shutil.which(compiler()) is None:
+            return f"no C++ compiler ({compiler()!r} not found; set CXX)"
         if not cpp_extension.is_ninja_available():
             return "ninja is not installed (pip install ninja)"
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder.parent / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-            try:
-                if library.exists():  # built by another process while this one waited
-                    torch.ops.load_library(str(library))
-                    return None
-                for stale in folder.glob("build-*"):  # left by a build that was killed: nobody else holds the lock
-                    shutil.rmtree(stale, ignore_errors=True)
-                work = Path(tempfile.mkdtemp(prefix="build-", dir=folder))
-                print(f"routeformer: compiling {self.what} into {folder} (once, about a minute)", file=sys.stderr,
-                      flush=True)
-                try:
-                    built = _compile_and_load(name, [str(s) for s in self.sources], self.flags(), work)
-                except Exception as error:  # the build folder stays, for its log and build.ninja
-                    return f"compile error: {_compiler_errors(str(error))} (build folder: {work})"
-                os.replace(built, library)  # the loaded mapping stays valid
-                shutil.rmtree(work, ignore_errors=True)
+        with FileLock(str(folder.parent / f"{name}.lock")):
+            if library.exists():  # built by another process while this one waited
+                torch.ops.load_library(str(library))
                 return None
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+            if (folder / FAILED).exists():  # failed in another process while this one waited
+                return (folder / FAILED).read_text().strip() + " (remembered)"
+            for stale in folder.glob("build-*"):  # left by a build that was killed: nobody else holds the lock
+                shutil.rmtree(stale, ignore_errors=True)
+            work = Path(tempfile.mkdtemp(prefix="build-", dir=folder))
+            print(f"routeformer: compiling {self.what} ({cap}) into {folder} (once, about a minute)",
+                  file=sys.stderr, flush=True)
+            try:
+                built = _compile_and_load(name, [str(s) for s in self.sources], self.flags(cap),
+                                          list(self.extra_ldflags), work)
+            except Exception as error:
+                log = folder / LOG
+                log.write_text(str(error))
+                reason = f"compile error: {_compiler_errors(str(error))} (log: {log})"
+                (folder / FAILED).write_text(reason)
+                shutil.rmtree(work, ignore_errors=True)
+                return reason
+            os.replace(built, library)  # the loaded mapping stays valid
+            shutil.rmtree(work, ignore_errors=True)
+            return None
 
 
-def _compile_and_load(name: str, sources: list[str], cflags: list[str], work: Path) -> Path:
+def _retry_hint(status: BuildStatus) -> str:
+    """How to try a remembered failed build again, when one was remembered."""
+    if "(remembered)" in status.why() or "compile error" in status.why():
+        return "to compile again, remove the build folders named in the logs"
+    return ""
+
+
+def _compile_and_load(name: str, sources: list[str], cflags: list[str], ldflags: list[str], work: Path) -> Path:
     """Compile and link ``sources`` into ``work/name.so`` with cpp_extension's ninja build and load it (its
     operators register with the dispatcher)."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name=name, sources=sources, extra_cflags=cflags, extra_ldflags=ldflags,
                        extra_include_paths=[str(Path(sources[0]).parent)], build_directory=str(work), verbose=False,
                        with_cuda=False, is_python_module=False)
     return work / f"{name}.so"
+
+
+def compile_only(build: KernelBuild, capability: str, out: Path) -> subprocess.CompletedProcess:
+    """Compile (no link, no load) every source of ``build`` with one capability's flags into ``out``: how a
+    capability this processor cannot run is still checked to build. The compiler's command lines are
+    cpp_extension's own (its include paths and ABI defines)."""
+    from torch.utils import cpp_extension
+
+    out.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in (*cpp_extension.include_paths(), str(build.sources[0].parent))]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    errors = []
+    for source in build.sources:
+        cmd = [compiler(), "-c", str(source), "-o", str(out / (source.stem + ".o")), "-std=c++20", "-fPIC", abi,
+               *includes, *build.flags(capability)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            errors.append(run.stderr)
+    return subprocess.CompletedProcess(["compile_only", capability], int(bool(errors)), "", "\n".join(errors))
 
 
 def _compiler_errors(text: str, n: int = 3) -> str:
@@ -185,4 +320,4 @@ def _first_lines(text: str, n: int = 6) -> str:
     return " | ".join(lines[:n]) + (" | …" if len(lines) > n else "")
 
 
-KERNELS = KernelBuild("routeformer_fused", tuple(CSRC / s for s in SOURCES), tuple(CSRC / h for h in HEADERS))
+KERNELS = KernelBuild("routeformer_fused", tuple(CSRC / s for s in SOURCES), tuple(sorted(CSRC.glob("*.h"))))

@@ -24,7 +24,8 @@ DTYPES = (torch.float32, torch.float64)
 
 @torch.compiler.assume_constant_result  # decided once per process: a constant to torch.compile, not traced
 def available() -> bool:
-    """Whether the kernels are built and loaded (building them on first call; a warning says why not, once)."""
+    """Whether the kernels are built and loaded (building them on first call; a warning says why not, once, or
+    ``FusedKernelRequired`` under ``ROUTEFORMER_FUSED=1``)."""
     if KERNELS.load() is not None:
         return False
     register()

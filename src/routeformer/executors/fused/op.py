@@ -13,6 +13,7 @@ their backwards recompute likewise.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -45,6 +46,34 @@ def _zeros_like_or_none(grad: Tensor | None, like: Tensor) -> Tensor:
 def _contiguous(grad: Tensor | None) -> Tensor | None:
     """The kernels read gradients as contiguous rows (autograd may hand them over as strided views)."""
     return None if grad is None else grad.contiguous()
+
+
+def once_differentiable(what: str):
+    """A backward computed by the kernels, which are not themselves differentiable: under ``create_graph=True`` its
+    gradients carry a node that raises, naming the operator, if anything differentiates them again (as
+    ``torch.autograd.function.once_differentiable``, but also when only the saved inputs require grad, where that
+    decorator would let the second-order terms drop silently)."""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            with torch.no_grad():
+                outputs = backward(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return outputs
+            if not any(isinstance(x, Tensor) and x.requires_grad for x in (*grads, *ctx.saved_tensors)):
+                return outputs
+            present = [x for x in outputs if isinstance(x, Tensor)]
+            error = torch._C._functions.DelayedError(
+                f"routeformer: the fused CPU kernel's {what} backward is not differentiable: no double backward "
+                f"(create_graph=True) through it, nor through the tiles executor; reference_attention, the dense "
+                f"definition, is twice differentiable".encode(), len(present))
+            wrapped = iter(error(*[x.detach().requires_grad_() for x in present]))
+            return tuple(next(wrapped) if isinstance(x, Tensor) else x for x in outputs)
+
+        return wrapper
+
+    return decorate
 
 
 def _register() -> None:
@@ -115,6 +144,7 @@ class _Band(torch.autograd.Function):
         return out, lse, alone
 
     @staticmethod
+    @once_differentiable("band")
     def backward(ctx, grad_out, grad_lse, grad_alone):  # type: ignore[override]
         q, k, v, out, lse, alone, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().band_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse), q,
@@ -132,6 +162,7 @@ class _Ranges(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("ranges")
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse, lo, hi, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse),
@@ -150,6 +181,7 @@ class _Rounds(torch.autograd.Function):
         return out, lse, alone
 
     @staticmethod
+    @once_differentiable("LSH rounds")
     def backward(ctx, grad_out, grad_lse, grad_alone):  # type: ignore[override]
         q, k, v, out, lse, alone, order, groups, labels, key_valid = ctx.saved_tensors
         dq, dk, dv = ops().rounds_backward(_zeros_like_or_none(grad_out, out), q, k, v, out, lse, alone, order,
@@ -164,6 +196,7 @@ class _SigmoidGelu(torch.autograd.Function):
         return ops().sigmoid_gelu(x)
 
     @staticmethod
+    @once_differentiable("sigmoid GELU")
     def backward(ctx, grad):  # type: ignore[override]
         (x,) = ctx.saved_tensors
         return ops().sigmoid_gelu_backward(grad, x)

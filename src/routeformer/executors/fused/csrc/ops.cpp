@@ -10,6 +10,10 @@ namespace routeformer {
 
 bool fused_has_blas() { return has_blas(); }
 
+// The float lanes of at::vec in this build (16 under AVX512, 8 under AVX2 and DEFAULT's 32-byte emulation, 4 with
+// NEON): what the build's CPU_CAPABILITY defines selected.
+int64_t fused_vector_width() { return at::vec::Vectorized<float>::size(); }
+
 }  // namespace routeformer
 
 TORCH_LIBRARY(routeformer_fused, m) {
@@ -40,6 +44,7 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def("sigmoid_gelu(Tensor x) -> Tensor");
   m.def("sigmoid_gelu_backward(Tensor grad, Tensor x) -> Tensor");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
+  m.def("vector_width() -> int", &routeformer::fused_vector_width);
 }
 
 TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
