@@ -2,7 +2,7 @@
 ``torch.ops.routeformer_fused`` with fake implementations and autograd (``op.py``), and the executor's Python front
 end (``executor.py``)."""
 
-from .build import KERNELS, ENV_SWITCH, BuildStatus, FusedKernelRequired, FusedKernelUnavailable, KernelBuild
+from .build import ENV_SWITCH, KERNELS, BuildStatus, FusedKernelRequired, FusedKernelUnavailable, KernelBuild
 from .executor import available, fused_ranges, fused_tiled
 
 __all__ = ["ENV_SWITCH", "KERNELS", "BuildStatus", "FusedKernelRequired", "FusedKernelUnavailable", "KernelBuild",
