@@ -265,6 +265,24 @@ def resolve_backend(name: Backend, device: torch.device | str | None) -> str:
     return "fused" if kind == "cpu" and fused.available() else "tiles"
 
 
+def describe_backend(name: Backend, device: torch.device | str | None) -> str:
+    """One line for the banners of ``train``, ``evaluate``, ``sample`` and ``bench``: the executor ``name`` runs
+    as on ``device`` and why, e.g. "attention: fused C++ kernel (AVX512, 16-lane vectors)" or "attention: tiles
+    (fused kernel unavailable: compile error ..., log: ...)". Builds the kernels if they are not yet."""
+    chosen = resolve_backend(name, device)
+    how = "asked for" if chosen == name else f"the default on {torch.device(device or 'cpu').type}"
+    if chosen == "fused":
+        status = fused.KERNELS.status()
+        if not status.ok:  # the executor hands every call to tiles
+            return f"attention: tiles (fused asked for, but its kernel is unavailable: {status.why()})"
+        line = (f"attention: fused C++ kernel ({status.loaded}, {torch.ops.routeformer_fused.vector_width()}-lane "
+                f"vectors)")
+        return line + (f" instead of its {status.wanted} build ({status.why()})" if status.failures else "")
+    if chosen == "tiles" and name == "auto" and torch.device(device or "cpu").type == "cpu":
+        return f"attention: tiles (fused kernel unavailable: {fused.KERNELS.status().why()})"
+    return f"attention: {chosen} ({how})"
+
+
 def get_executor(backend: Backend = "auto", device: torch.device | str | None = None) -> Executor:
     """The executor ``backend`` is on ``device``: an executor as it is, a name looked up (see ``resolve_backend``)."""
     if isinstance(backend, Executor):

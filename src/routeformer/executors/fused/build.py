@@ -187,8 +187,9 @@ class KernelBuild:
                 self._say(self._state["status"])
             status: BuildStatus = self._state["status"]
         if switch() == "1" and (status.failures or not status.ok):
+            hint = _retry_hint(status)
             raise FusedKernelRequired(f"routeformer: {ENV_SWITCH}=1 but {self.what} for {status.wanted} could not "
-                                      f"be had ({status.why()}); {_retry_hint(status)}")
+                                      f"be had ({status.why()})" + (f"; {hint}" if hint else ""))
         return status
 
     def _resolve(self) -> BuildStatus:
