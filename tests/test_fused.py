@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,9 @@ from routeformer.attention.lsh import lsh_attention, lsh_rotations
 from routeformer.bench.measure import kept_for_backward
 from routeformer.executors import get_executor
 from routeformer.executors.fused import FusedKernelUnavailable, KernelBuild, available
-from routeformer.executors.fused.build import build_chain
+from routeformer.executors.fused import build as fused_build
+from routeformer.executors.fused.activation import sigmoid_gelu
+from routeformer.executors.fused.build import FusedKernelRequired, build_chain, compile_only
 from routeformer.executors.inputs import Inputs, relative
 from routeformer.executors.ranges import KeyOrder, Ranges
 from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
@@ -243,7 +246,15 @@ def test_no_ninja_is_named(tmp_path: Path, monkeypatch) -> None:
         assert build.load() is not None
 
 
-def test_a_compile_error_is_a_warning_that_quotes_the_compiler(tmp_path: Path) -> None:
+def _one_capability(monkeypatch) -> str:
+    """Builds of this test try the dispatched capability only (a broken source fails the same in every one)."""
+    top = build_chain()[0]
+    monkeypatch.setattr(fused_build, "build_chain", lambda capability=None: (top,))
+    return top
+
+
+def test_a_compile_error_is_a_warning_that_quotes_the_compiler(tmp_path: Path, monkeypatch) -> None:
+    _one_capability(monkeypatch)
     build = _tiny(tmp_path, "routeformer_test_broken", TINY.replace("x.mul(2)", "x * undefined_name"))
     with pytest.warns(FusedKernelUnavailable, match="undefined_name"):
         assert "compile error" in build.load()
@@ -302,3 +313,142 @@ def test_parallel_builders_compile_once_and_a_killed_build_does_not_block_the_ne
     after = _python(_builder(killed), timeout=300)
     assert after.returncode == 0 and "LOADED" in after.stdout, after.stderr
     assert time.monotonic() - start < 240
+
+
+def test_a_failed_compilation_is_remembered_with_its_log(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The next process (a new KernelBuild of the same sources) warns with the remembered reason and its log and
+    compiles nothing; removing the build folder, as the warning says, compiles again."""
+    _one_capability(monkeypatch)
+    body = TINY.replace("x.mul(2)", "x * undefined_name")
+    with pytest.warns(FusedKernelUnavailable, match="remove the build folders"):
+        first = _tiny(tmp_path, "routeformer_test_remembered", body).load()
+    assert "compiling the test library" in capsys.readouterr().err
+    folder = _tiny(tmp_path, "routeformer_test_remembered", body).folder()
+    log = folder / fused_build.LOG
+    assert f"(log: {log})" in first and "undefined_name" in log.read_text()
+    with pytest.warns(FusedKernelUnavailable, match="remembered"):
+        again = _tiny(tmp_path, "routeformer_test_remembered", body).load()
+    assert "compiling" not in capsys.readouterr().err and "undefined_name" in again
+    shutil.rmtree(folder)
+    with pytest.warns(FusedKernelUnavailable, match="compile error"):
+        _tiny(tmp_path, "routeformer_test_remembered", body).load()
+    assert "compiling the test library" in capsys.readouterr().err
+
+
+def test_a_failed_build_falls_back_to_the_next_lower_capability_with_one_warning(tmp_path: Path) -> None:
+    chain = build_chain()
+    if len(chain) < 2:
+        pytest.skip(f"{chain[0]} has no lower capability to fall back to")
+    broken_at_top = f"#if defined(CPU_CAPABILITY_{chain[0]})\n#error this capability's build is broken\n#endif\n"
+    build = _tiny(tmp_path, "routeformer_test_lower", broken_at_top + TINY)
+    with pytest.warns(FusedKernelUnavailable) as caught:
+        status = build.status()
+    assert len(caught) == 1 and f"using its {chain[1]} build" in str(caught[0].message)
+    assert status.loaded == chain[1] and status.failures[0][0] == chain[0] and build.load() is None
+    assert torch.ops.routeformer_test_lower.twice(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_required_means_an_error_instead_of_a_fallback(tmp_path: Path, monkeypatch) -> None:
+    chain = build_chain()
+    monkeypatch.setenv("ROUTEFORMER_FUSED", "1")
+    broken_at_top = f"#if defined(CPU_CAPABILITY_{chain[0]})\n#error this capability's build is broken\n#endif\n"
+    build = _tiny(tmp_path, "routeformer_test_required", broken_at_top + TINY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an error, not a warning and a fallback
+        with pytest.raises(FusedKernelRequired, match=f"ROUTEFORMER_FUSED=1 .*{chain[0]}.*broken"):
+            build.load()
+    assert not any(build.folder(cap).exists() for cap in chain[1:])  # nothing lower was even tried
+
+
+def test_required_with_no_compiler_fails_the_first_attention_call(tmp_path: Path) -> None:
+    run = _python(RESOLVE, {"ROUTEFORMER_FUSED": "1", "CXX": str(tmp_path / "no-such-compiler"),
+                            "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert run.returncode != 0 and "FusedKernelRequired" in run.stderr and "no C++ compiler" in run.stderr
+    assert "RESOLVED" not in run.stdout
+
+
+def test_the_switch_takes_only_its_values(monkeypatch) -> None:
+    monkeypatch.setenv("ROUTEFORMER_FUSED", "yes")
+    with pytest.raises(ValueError, match="ROUTEFORMER_FUSED='yes': expected one of auto, 0, 1"):
+        fused_build.switch()
+    for value, meaning in (("", "auto"), ("AUTO", "auto"), ("0", "0"), ("1", "1")):
+        monkeypatch.setenv("ROUTEFORMER_FUSED", value)
+        assert fused_build.switch() == meaning
+
+
+def test_the_build_name_covers_every_header_the_flags_and_the_capability(tmp_path: Path) -> None:
+    assert {h.name for h in fused_build.KERNELS.headers} == {h.name for h in fused_build.CSRC.glob("*.h")}
+    header = tmp_path / "extra.h"
+    header.write_text("// one\n")
+    build = _tiny(tmp_path, "routeformer_test_hash")
+    with_header = KernelBuild(build.prefix, build.sources, (header,), root=build.root)
+    names = {build.name(), with_header.name()}
+    header.write_text("// two\n")
+    names |= {with_header.name(), KernelBuild(build.prefix, build.sources, root=build.root,
+                                              extra_ldflags=("-fopenmp", "-lm")).name()}
+    names |= {build.name(cap) for cap in fused_build.CAPABILITIES}
+    assert len(names) == 4 + len(fused_build.CAPABILITIES) - 1  # build.name() is its dispatched capability's
+
+
+def test_import_works_without_fcntl() -> None:
+    """As on Windows: the build lock is filelock's, not fcntl's."""
+    run = _python("""
+        import sys
+        sys.modules["fcntl"] = None  # import fcntl raises ImportError
+        import routeformer
+        from routeformer.executors.fused import build
+        print("IMPORTED", build.switch())
+    """)
+    assert run.returncode == 0 and "IMPORTED auto" in run.stdout, run.stderr
+
+
+def test_compile_only_checks_a_capability_without_loading_it(tmp_path: Path) -> None:
+    good = _tiny(tmp_path, "routeformer_test_compile_only")
+    bad = _tiny(tmp_path, "routeformer_test_compile_only_bad", TINY.replace("x.mul(2)", "x * undefined_name"))
+    cap = fused_build.CAPABILITIES[0] if fused_build.X86 else "DEFAULT"
+    assert compile_only(good, cap, tmp_path / "good").returncode == 0
+    assert (tmp_path / "good" / "routeformer_test_compile_only.o").exists()
+    result = compile_only(bad, cap, tmp_path / "bad")
+    assert result.returncode != 0 and "undefined_name" in result.stderr
+
+
+def test_bench_fused_rows_refuse_anything_but_the_dispatched_build(tmp_path: Path, monkeypatch) -> None:
+    from routeformer.bench import measure
+
+    chain = build_chain()
+    broken_at_top = f"#if defined(CPU_CAPABILITY_{chain[0]})\n#error this capability's build is broken\n#endif\n"
+    build = _tiny(tmp_path, "routeformer_test_bench", broken_at_top + TINY)
+    monkeypatch.setattr(measure, "KERNELS", build)
+    with pytest.warns(FusedKernelUnavailable), pytest.raises(FusedKernelRequired, match="--backend tiles"):
+        measure.measured_backend("fused", torch.device("cpu"))
+    assert measure.measured_backend("tiles", torch.device("cpu")) == "tiles"
+
+
+# --- autograd -------------------------------------------------------------------------------------------------
+
+
+def _double_backward_cases():
+    q, k, v = rand_qkv(1, 2, 40, 8, seed=6)
+    order = torch.randperm(40).expand(1, 2, 40).contiguous()
+    hi = torch.arange(1, 41).expand(1, 2, 40).contiguous()
+    return (q, k, v), {
+        "band": lambda q, k, v: local_attention(q, k, v, 5, backend="fused"),
+        "ranges": lambda q, k, v: FUSED.ranges(Inputs(q, k, v, 0.3), Ranges((hi - 6).clamp_min(0), hi, 6, 1),
+                                               order=KeyOrder(order, order.argsort(-1)))[0],
+        "LSH rounds": lambda q, k, v: lsh_attention(q, v, buckets=4, rounds=2, window=6,
+                                                    rotations=lsh_rotations(2, 8, 4, 2), backend="fused"),
+        "sigmoid GELU": lambda q, k, v: sigmoid_gelu(q),
+    }
+
+
+@pytest.mark.parametrize("name", ["band", "ranges", "LSH rounds", "sigmoid GELU"])
+def test_double_backward_is_an_error_naming_the_kernel(name: str) -> None:
+    """create_graph=True: the first gradients are right (as without it), and differentiating them again raises,
+    also when only the inputs (not the incoming gradient) require grad; before, the second-order terms dropped."""
+    (q, k, v), cases = _double_backward_cases()
+    out = cases[name](q, k, v)
+    plain = torch.autograd.grad(out.sum(), q, retain_graph=True)[0]
+    first = torch.autograd.grad(out.sum(), q, create_graph=True)[0]  # the incoming gradient needs no grad
+    assert torch.equal(first.detach(), plain) and first.requires_grad
+    with pytest.raises(RuntimeError, match=f"fused CPU kernel's {name} backward is not differentiable"):
+        first.pow(2).sum().backward()

@@ -41,10 +41,10 @@ from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
 from ..attention.routing import RoutingOptions
-from ..executors import get_executor, resolve_backend
+from ..executors import get_executor
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
-from .measure import PeakMemory, format_table, kept_for_backward, median_time, memory_trackable
+from .measure import PeakMemory, format_table, kept_for_backward, measured_backend, median_time, memory_trackable
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -320,7 +320,7 @@ def run(
     results: list[dict] = []
     matmul = rf.matmul_gflops(dev, dtype)
     echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
-         f"{'causal' if causal else 'non-causal'}, backend {resolve_backend(backend, dev)}, "
+         f"{'causal' if causal else 'non-causal'}, backend {measured_backend(backend, dev)}, "
          f"threads={torch.get_num_threads()}, median of {repeats}; dense matmul (2048³) {matmul:.0f} GFLOP/s")
     for n in ns:
         cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)

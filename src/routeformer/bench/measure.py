@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..executors import resolve_backend
+from ..executors.fused.build import KERNELS, FusedKernelRequired
 
 
 def merge_fields(*tables: dict) -> dict:
@@ -28,6 +29,21 @@ def merge_fields(*tables: dict) -> dict:
             else:
                 out[key] = value
     return {**out, "options": options} if options else out
+
+
+def measured_backend(backend: str, device: torch.device) -> str:
+    """The executor a benchmark's rows run on, and for the fused one its kernel of the capability PyTorch dispatches
+    to or an error (as ``ROUTEFORMER_FUSED=1``): fused rows never measure the tiles fallback or a narrower build
+    without saying so."""
+    name = resolve_backend(backend, device)
+    if name == "fused" and device.type == "cpu":
+        status = KERNELS.status()
+        if status.failures or not status.ok:
+            raise FusedKernelRequired(
+                f"routeformer bench: the fused rows need the fused kernel's {status.wanted} build, which this process "
+                f"does not have ({status.why()}); measure the tiles executor with --backend tiles, or a lower "
+                f"capability with ATEN_CPU_CAPABILITY=avx2|default")
+    return name
 
 
 def memory_trackable(device: torch.device, backend: str) -> bool:

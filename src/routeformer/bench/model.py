@@ -21,11 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..executors import resolve_backend
 from ..model import TransformerConfig, TransformerLM
 from ..train.config import TrainConfig
 from ..train.loop import adamw
-from .measure import PeakMemory, format_table, median_time, memory_trackable, merge_fields, synchronize
+from .measure import (
+    PeakMemory,
+    format_table,
+    measured_backend,
+    median_time,
+    memory_trackable,
+    merge_fields,
+    synchronize,
+)
 
 MODELS = ("full", "local", "local+routing")  # the default rows
 
@@ -76,7 +83,7 @@ def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, 
     """Print the training and the generation tables for each attention spec; return their rows."""
     dev = torch.device(device)
     echo(f"# model benchmark: dim={dim}, depth={depth}, heads={heads}, window={window}, batch={batch}, "
-         f"float32, {dev}, backend {resolve_backend(backend, dev)}, threads={torch.get_num_threads()}, "
+         f"float32, {dev}, backend {measured_backend(backend, dev)}, threads={torch.get_num_threads()}, "
          f"median of {repeats}")
     train_rows: list[dict] = []
     for n in ns:

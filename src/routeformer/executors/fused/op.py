@@ -63,13 +63,17 @@ def once_differentiable(what: str):
                 return outputs
             if not any(isinstance(x, Tensor) and x.requires_grad for x in (*grads, *ctx.saved_tensors)):
                 return outputs
+            single = isinstance(outputs, Tensor)
+            outputs = (outputs,) if single else outputs
             present = [x for x in outputs if isinstance(x, Tensor)]
             error = torch._C._functions.DelayedError(
                 f"routeformer: the fused CPU kernel's {what} backward is not differentiable: no double backward "
                 f"(create_graph=True) through it, nor through the tiles executor; reference_attention, the dense "
                 f"definition, is twice differentiable".encode(), len(present))
-            wrapped = iter(error(*[x.detach().requires_grad_() for x in present]))
-            return tuple(next(wrapped) if isinstance(x, Tensor) else x for x in outputs)
+            aliases = error(*[x.detach().requires_grad_() for x in present])
+            wrapped = iter((aliases,) if isinstance(aliases, Tensor) else aliases)
+            result = tuple(next(wrapped) if isinstance(x, Tensor) else x for x in outputs)
+            return result[0] if single else result
 
         return wrapper
 
