@@ -452,3 +452,18 @@ def test_double_backward_is_an_error_naming_the_kernel(name: str) -> None:
     assert torch.equal(first.detach(), plain) and first.requires_grad
     with pytest.raises(RuntimeError, match=f"fused CPU kernel's {name} backward is not differentiable"):
         first.pow(2).sum().backward()
+
+
+def test_ninja_is_found_in_this_python_s_scripts_folder_without_an_activated_venv(tmp_path: Path, monkeypatch) -> None:
+    """``pip install ninja`` (a dependency) puts it beside this Python's scripts, which ``.venv/bin/routeformer``
+    does not put on PATH; the build looks there too."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "ninja").write_text("#!/bin/sh\necho 1.13.0\n")
+    (scripts / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(fused_build.sysconfig, "get_path", lambda name: str(scripts))
+    assert fused_build._ninja_on_path() and os.environ["PATH"].endswith(str(scripts))
+    monkeypatch.setattr(fused_build.sysconfig, "get_path", lambda name: str(tmp_path / "empty"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert not fused_build._ninja_on_path()

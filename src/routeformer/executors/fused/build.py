@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import warnings
@@ -243,7 +244,7 @@ class KernelBuild:
 
         if shutil.which(compiler()) is None:
             return f"no C++ compiler ({compiler()!r} not found; set CXX)"
-        if not cpp_extension.is_ninja_available():
+        if not _ninja_on_path() or not cpp_extension.is_ninja_available():
             return "ninja is not installed (pip install ninja)"
         folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder.parent / f"{name}.lock")):
@@ -270,6 +271,19 @@ class KernelBuild:
             os.replace(built, library)  # the loaded mapping stays valid
             shutil.rmtree(work, ignore_errors=True)
             return None
+
+
+def _ninja_on_path() -> bool:
+    """Whether ``ninja`` is on PATH, adding this Python's scripts folder (where ``pip install ninja``, a dependency,
+    puts it) when it is there and PATH does not have it: a venv's programs run without activating it
+    (``.venv/bin/routeformer``), and cpp_extension looks for ninja on PATH only."""
+    if shutil.which("ninja"):
+        return True
+    scripts = sysconfig.get_path("scripts")
+    if scripts and shutil.which("ninja", path=scripts):
+        os.environ["PATH"] = os.pathsep.join(p for p in (os.environ.get("PATH", ""), scripts) if p)
+        return True
+    return False
 
 
 def _retry_hint(status: BuildStatus) -> str:

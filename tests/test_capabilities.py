@@ -1,0 +1,106 @@
+"""The fused kernels on every instruction set PyTorch dispatches to on x86 (DEFAULT, AVX2, AVX512).
+
+Each capability this processor can run: the kernel is built with that capability's flags (``ATEN_CPU_CAPABILITY``
+lowers what PyTorch and our build use), loaded as required (``ROUTEFORMER_FUSED=1``: no fallback can pass), its
+vectors are as wide as the capability's, and the fused executor's tests run on it in a process of their own. The
+capability this process runs is the rest of the suite's. Each capability this processor cannot run: every source
+compiles with its flags (a compile error in any variant fails the suite), and the AVX-512 objects use 512-bit
+registers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from routeformer.executors.fused import build
+from routeformer.executors.fused.build import CAPABILITIES, KERNELS, compile_only
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not build.X86, reason="the capabilities are x86's; elsewhere one DEFAULT build")
+LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}  # float lanes of at::vec's Vectorized<float> under each
+# The fused executor's tests (its own, and every executor test of ranges, LSH and the executors parametrised
+# with it), less the build tests, which do not depend on the capability.
+FUSED_TESTS = ["tests/test_fused.py", "tests/test_ranges.py", "tests/test_lsh.py", "tests/test_executors.py",
+               "-k", "fused and not build and not compil and not ninja and not switch and not library "
+                     "and not fcntl and not bench"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "PYTEST_XDIST_WORKER",
+                                                             "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")}
+    return {**env, **extra}
+
+
+@functools.cache
+def hardware_capability() -> str:
+    """The widest capability this processor runs: what PyTorch picks with ATEN_CPU_CAPABILITY unset."""
+    run = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                         capture_output=True, text=True, env=_env(), check=True)
+    return run.stdout.strip()
+
+
+def runnable(cap: str) -> bool:
+    top = hardware_capability()
+    return top in CAPABILITIES and CAPABILITIES.index(cap) >= CAPABILITIES.index(top)
+
+
+CHECK = """
+import torch
+from routeformer.executors.fused import available, KERNELS
+assert available()
+status = KERNELS.status()
+print("LOADED", status.loaded, status.wanted, torch.ops.routeformer_fused.vector_width())
+"""
+
+
+@pytest.mark.parametrize("cap", CAPABILITIES)
+def test_every_capability_builds_and_runs_the_fused_executor_tests(cap: str, tmp_path: Path) -> None:
+    if not runnable(cap):
+        pytest.skip(f"this processor cannot run {cap}: test_every_capability_compiles checks its build")
+    env = _env(ATEN_CPU_CAPABILITY=cap.lower(), ROUTEFORMER_FUSED="1")
+    check = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, cwd=REPO,
+                           timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert f"LOADED {cap} {cap} {LANES[cap]}" in check.stdout
+    if cap == "AVX512":
+        assert _has_512_bit_code(KERNELS.folder(cap) / f"{KERNELS.name(cap)}.so")
+    if cap == torch.backends.cpu.get_cpu_capability():
+        return  # the rest of the suite runs the fused executor's tests on this one
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *FUSED_TESTS],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    assert " passed" in tests.stdout and " failed" not in tests.stdout
+
+
+@pytest.mark.parametrize("cap", CAPABILITIES)
+def test_every_capability_compiles(cap: str, tmp_path: Path) -> None:
+    """Where the processor cannot run a capability, its build is still compiled (objects only, never loaded)."""
+    if runnable(cap):
+        pytest.skip(f"{cap} runs here: test_every_capability_builds_and_runs_the_fused_executor_tests builds it")
+    result = compile_only(KERNELS, cap, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    if cap == "AVX512":
+        assert _has_512_bit_code(tmp_path / "band.o")
+
+
+def _has_512_bit_code(path: Path) -> bool:
+    """Whether the kernel's own loops use 512-bit vectors (zmm registers), where objdump can tell."""
+    if not shutil.which("objdump"):
+        return True
+    return "zmm" in subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True,
+                                   text=True).stdout
+
+
+def test_the_loaded_build_is_the_dispatched_capability_s() -> None:
+    """This process's kernel: the capability PyTorch dispatches to, with its vector width, never a fallback."""
+    status = KERNELS.status()
+    assert status.loaded == torch.backends.cpu.get_cpu_capability() and not status.failures
+    assert torch.ops.routeformer_fused.vector_width() == LANES[status.loaded]
