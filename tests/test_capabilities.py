@@ -24,7 +24,8 @@ from routeformer.executors.fused import build
 from routeformer.executors.fused.build import CAPABILITIES, KERNELS, compile_only
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not build.X86, reason="the capabilities are x86's; elsewhere one DEFAULT build")
+X86_ONLY = pytest.mark.skipif(not build.X86, reason="the capabilities are x86's; elsewhere one DEFAULT build")
+ARM64_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (.ci/run installs it where it can)
 LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}  # float lanes of at::vec's Vectorized<float> under each
 # The fused executor's tests (its own, and every executor test of ranges, LSH and the executors parametrised
 # with it), less the build tests, which do not depend on the capability.
@@ -61,6 +62,7 @@ print("LOADED", status.loaded, status.wanted, torch.ops.routeformer_fused.vector
 """
 
 
+@X86_ONLY
 @pytest.mark.parametrize("cap", CAPABILITIES)
 def test_every_capability_builds_and_runs_the_fused_executor_tests(cap: str, tmp_path: Path) -> None:
     if not runnable(cap):
@@ -80,6 +82,7 @@ def test_every_capability_builds_and_runs_the_fused_executor_tests(cap: str, tmp
     assert " passed" in tests.stdout and " failed" not in tests.stdout
 
 
+@X86_ONLY
 @pytest.mark.parametrize("cap", CAPABILITIES)
 def test_every_capability_compiles(cap: str, tmp_path: Path) -> None:
     """Where the processor cannot run a capability, its build is still compiled (objects only, never loaded)."""
@@ -99,8 +102,22 @@ def _has_512_bit_code(path: Path) -> bool:
                                    text=True).stdout
 
 
+@X86_ONLY
 def test_the_loaded_build_is_the_dispatched_capability_s() -> None:
     """This process's kernel: the capability PyTorch dispatches to, with its vector width, never a fallback."""
     status = KERNELS.status()
     assert status.loaded == torch.backends.cpu.get_cpu_capability() and not status.failures
     assert torch.ops.routeformer_fused.vector_width() == LANES[status.loaded]
+
+
+@pytest.mark.slow  # about a minute of compiling
+@pytest.mark.skipif(shutil.which(ARM64_CXX) is None, reason=f"no {ARM64_CXX} (a cross compiler) here")
+def test_the_arm64_build_compiles_with_neon_vectors(tmp_path: Path) -> None:
+    """On arm64 the one build has the DEFAULT flags, and at::vec is NEON's there: the sources compile for it (objects
+    only, with the x86 wheel's headers: no arm64 machine runs it here) and their loops use 4-lane float vectors."""
+    result = compile_only(KERNELS, "DEFAULT", tmp_path, cxx=ARM64_CXX)
+    assert result.returncode == 0, result.stderr[-4000:]
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump:
+        assert ".4s" in subprocess.run([objdump, "-d", str(tmp_path / "band.o")], capture_output=True,
+                                       text=True).stdout

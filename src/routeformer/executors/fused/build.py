@@ -304,10 +304,10 @@ def _compile_and_load(name: str, sources: list[str], cflags: list[str], ldflags:
     return work / f"{name}.so"
 
 
-def compile_only(build: KernelBuild, capability: str, out: Path) -> subprocess.CompletedProcess:
+def compile_only(build: KernelBuild, capability: str, out: Path, cxx: str | None = None) -> subprocess.CompletedProcess:
     """Compile (no link, no load) every source of ``build`` with one capability's flags into ``out``: how a
-    capability this processor cannot run is still checked to build. The compiler's command lines are
-    cpp_extension's own (its include paths and ABI defines)."""
+    capability this processor cannot run is still checked to build (and, with a cross compiler as ``cxx``, another
+    architecture). Include paths and the ABI define as cpp_extension's."""
     from torch.utils import cpp_extension
 
     out.mkdir(parents=True, exist_ok=True)
@@ -315,7 +315,7 @@ def compile_only(build: KernelBuild, capability: str, out: Path) -> subprocess.C
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     errors = []
     for source in build.sources:
-        cmd = [compiler(), "-c", str(source), "-o", str(out / (source.stem + ".o")), "-std=c++20", "-fPIC", abi,
+        cmd = [cxx or compiler(), "-c", str(source), "-o", str(out / (source.stem + ".o")), "-std=c++20", "-fPIC", abi,
                *includes, *build.flags(capability)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
