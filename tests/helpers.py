@@ -1,14 +1,16 @@
 """Shared test machinery: random problems, the comparison with the dense reference, the leak check, and the tiny
-text data set and model that the command-line tests train."""
+text data set and model that the command-line tests train, and the banner line the commands begin with."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from routeformer.attention import KINDS, RelativePositions, reference_attention
+from routeformer.executors import resolve_backend
 
 
 def rand_qkv(B: int, H: int, N: int, D: int, dtype=torch.float64, seed: int = 0, grad: bool = True):
@@ -139,3 +141,18 @@ def make_router(heads: int, head_dim: int, num_clusters: int, *, seed: int = 0, 
 
     return Router(heads, head_dim, RoutingOptions(num_clusters=num_clusters, probes=probes, balance=balance, **options),
                   seed=seed)
+
+
+def banner(err: str) -> str:
+    """The first line a command printed on stderr, past what building the model says before it: the fused kernel's
+    compilation line (first use only) and its warning when it is unavailable (file:line: category: message, then
+    the source line, indented)."""
+    lines = [line for line in err.splitlines() if line and not line.startswith(("routeformer: compiling", " "))
+             and not re.match(r"\S+:\d+: \w+: ", line)]
+    return lines[0] if lines else ""
+
+
+def executor_named(device: str = "cpu") -> str:
+    """The words the banner begins with for the model of these tests (local and routing heads) on ``device``."""
+    chosen = resolve_backend("auto", device)
+    return f"attention: {'fused C++ kernel' if chosen == 'fused' else chosen} ("

@@ -4,11 +4,14 @@ settings are refused with the reason (their numbers are the benchmark's business
 from __future__ import annotations
 
 import pytest
+import torch
 
+from helpers import banner
 from routeformer.bench import recall
 from routeformer.bench.recall import HEADERS, attention_config
 from routeformer.cli import main
 from routeformer.data import prepare
+from routeformer.executors import describe_backend
 
 
 def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
@@ -16,7 +19,9 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     assert main(["bench", "recall", "--tasks", "passkey", "mqar", "--attention", "full", "local", probed,
                  "--seq-len", "48", "--gap", "12", "--window", "4", "--dim", "16", "--steps", "2", "--batch", "2",
                  "--eval", "4", "--seeds", "0", "1"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert banner(captured.err) == describe_backend("auto", "cpu") and captured.err.count("attention: ") == 1
     table = out[out.index("| task"):].splitlines()
     assert [cell.strip() for cell in table[0].split("|")[1:-1]] == HEADERS
     rows = [dict(zip(HEADERS, (cell.strip() for cell in line.split("|")[1:-1]), strict=True)) for line in table[2:]]
@@ -35,6 +40,14 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     total, shares = routed["in window %"].split(" ", 1)
     assert abs(float(total) - sum(float(x) for x in shares.strip("()").split("+"))) < 0.2
     assert 0 <= float(routed["in window %"].split()[0]) <= float(routed["in cluster %"].split()[0]) <= 100
+
+def test_bench_recall_names_the_executor_of_each_row() -> None:
+    said: list[str] = []
+    recall.run(["passkey"], ["local", "local@backend='tiles'", "full"], seq_len=48, gap=12, window=4, dim=16,
+               steps=1, batch=2, eval_sequences=4, echo=lambda *_: None, say=said.append)
+    auto = describe_backend("auto", "cpu").removeprefix("attention: ")
+    assert said == [f"attention (local, full): {auto}", "attention (local@backend='tiles'): tiles (asked for)"]
+
 
 def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops(monkeypatch) -> None:
     made = []
@@ -85,7 +98,10 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
                  "--out", str(tmp_path / "runs"), "--set", "dim=16", "--set", "depth=1", "--set", "eval_every=100",
                  "--set", "warmup_steps=1", "--set", "batch_size=2", "--set", "options.routing.probes=2",
                  "--set", "options.routing.warmup=1000", "--set", "options.routing.warmup_len=64"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the rows train where `train` would
+    assert banner(captured.err) == describe_backend("auto", device) and captured.err.count("attention: ") == 1
     # k = round(sqrt(32)) = 6 and 32 // (6 · 2 probes) = 2 keys per probe; the configuration's warm-up length (64 of
     # its 256) keeps its share of the bench's length: 8 of 32
     assert "| local " in out and "| local+routing " in out

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+from helpers import banner, executor_named
 from routeformer.attention import PATTERNS
 from routeformer.cli import main
+from routeformer.executors import describe_backend, resolve_backend
+from routeformer.executors.fused.build import build_chain
 
 
 def test_bench_attention_prints_a_table_for_every_pattern(capsys) -> None:
     assert main(["bench", "attention", "--n", "64", "96", "--repeats", "1", "--heads", "2", "--head-dim", "8",
                  "--window", "16"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # the line naming the executor, on stderr (stdout keeps the tables), once
+    assert banner(captured.err) == describe_backend("auto", "cpu") and captured.err.count("attention: ") == 1
+    assert banner(captured.err).startswith(executor_named()) and "attention: " not in out
     for n in ("64", "96"):
         rows = [line for line in out.splitlines() if line.startswith(f"| {n} ") or line.startswith(f"|  {n} ")]
         names = {row.split("|")[2].strip() for row in rows}
@@ -30,7 +40,7 @@ def test_bench_rejects_bad_sizes(capsys) -> None:
 
 
 @pytest.mark.parametrize("args", [["--help"], *([cmd, "--help"] for cmd in ("prepare", "train", "evaluate", "sample",
-                                                                          "bench")),
+                                                                          "bench", "env")),
                                   ["bench", "attention", "--help"], ["bench", "model", "--help"],
                                   ["bench", "recall", "--help"], ["bench", "text", "--help"]])
 def test_help(args: list[str]) -> None:
@@ -42,7 +52,124 @@ def test_help(args: list[str]) -> None:
 def test_bench_model_prints_training_and_generation_tables(capsys) -> None:
     assert main(["bench", "model", "--n", "64", "128", "--positions", "32", "96", "--dim", "32", "--depth", "1",
                  "--heads", "4", "--window", "16", "--repeats", "1"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert banner(captured.err) == describe_backend("auto", "cpu") and captured.err.count("attention: ") == 1
     for name in ("full", "local", "local+routing"):
         assert f"| {name} " in out
     assert "tokens/s" in out and "ms/token at 32" in out and "ms/token at 96" in out
+
+
+def test_the_banner_names_the_executor_asked_for(capsys) -> None:
+    assert main(["bench", "attention", "--n", "64", "--repeats", "1", "--heads", "2", "--head-dim", "8", "--window",
+                 "16", "--only", "local", "--backend", "tiles"]) == 0
+    assert banner(capsys.readouterr().err) == "attention: tiles (asked for)"
+
+
+def test_the_banner_says_tiles_where_the_fused_kernel_does_not_run() -> None:
+    """The fused executor hands calls off the CPU, and in dtypes other than float32 / float64, to tiles: the line
+    says so (for a float32 call on the CPU it names the kernel, as the banner tests above check)."""
+    from routeformer import TransformerConfig
+
+    assert describe_backend("fused", "meta") == ("attention: tiles (fused asked for, but its kernels run on the CPU "
+                                                 "only, not meta)")
+    assert describe_backend("tiles", "cpu", torch.bfloat16) == "attention: tiles (asked for)"
+    if resolve_backend("auto", "cpu") == "fused":
+        assert describe_backend("auto", "cpu", torch.bfloat16) == ("attention: tiles (the fused kernel takes "
+                                                                   "float32 and float64, not bfloat16)")
+        assert describe_backend("auto", "cpu", torch.float64) == describe_backend("auto", "cpu")
+    local = TransformerConfig(dim=32, heads=2, depth=1, attention="local", options={"local": {"window": 8}})
+    assert local.describe_executor("cpu") == describe_backend("auto", "cpu")
+    linear = TransformerConfig(dim=32, heads=2, depth=1, attention="linear", positions="absolute")
+    assert linear.describe_executor("cpu") == "attention: no executor (the linear heads compute their own way)"
+
+
+def _env(*args: str, **env: str) -> tuple[dict[str, str], subprocess.CompletedProcess]:
+    """`routeformer env ARGS` in a process of its own (the environment ``env`` added): its 'key: value' lines as a
+    dict, and the process."""
+    done = subprocess.run([sys.executable, "-m", "routeformer", "env", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    column = lines[0].index(lines[0].split(":", 1)[1].strip())  # the values are aligned
+    rows = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        assert line[column - 1] == " " and line[column] != " " and value.strip() == line[column:], line
+        rows[key] = value.strip()
+    return rows, done
+
+
+def test_env_reports_this_installation() -> None:
+    from routeformer import __version__
+    from routeformer.executors import EXECUTORS
+    from routeformer.executors.fused.build import KERNELS, cache_root
+
+    rows, _ = _env()
+    assert rows["routeformer"].startswith(f"{__version__} (")
+    assert rows["torch"].startswith(f"{torch.__version__} (")
+    assert rows["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
+    assert rows["cpu capability"] == torch.backends.cpu.get_cpu_capability()
+    assert rows["ATEN_CPU_CAPABILITY"] == os.environ.get("ATEN_CPU_CAPABILITY", "unset")
+    assert rows["build chain"] == ", ".join(build_chain())
+    assert rows["openmp threads"].startswith(f"{torch.get_num_threads()} ")
+    assert rows["blas"].startswith(f"torch: MKL {'available' if torch.backends.mkl.is_available() else 'not'}")
+    assert rows["ROUTEFORMER_FUSED"].split()[0] == os.environ.get("ROUTEFORMER_FUSED", "auto")
+    assert rows["kernel cache"].startswith(f"{cache_root()} (")
+    assert rows["cuda"].startswith(torch.version.cuda or "none (a CPU build of torch)")
+    assert rows["executors"].startswith(", ".join(EXECUTORS))
+    # what this process resolves, the env process reports: the kernel it loaded, auto and the banner
+    status = KERNELS.status()
+    if status.ok:
+        assert rows[f"build {status.loaded}"] == f"built: {status.library}"
+        width = torch.ops.routeformer_fused.vector_width()
+        assert rows["loaded"] == f"{status.loaded}, {width}-lane vectors ({status.library})"
+        assert "the kernel's products" in rows["blas"]
+    else:
+        assert rows["loaded"] == f"no: {status.why()}"
+    assert rows["auto on cpu"] == resolve_backend("auto", "cpu")
+    assert rows["banner on cpu"] == describe_backend("auto", "cpu")
+    assert ("auto on cuda" in rows) == torch.cuda.is_available()
+
+
+def test_env_reports_a_failed_build_and_looks_without_building(tmp_path) -> None:
+    """In an empty cache with a compiler that fails: --no-build compiles nothing; env tries, fails, says why and
+    exits 0; the failures are remembered, and a later --no-build shows each build as failed with its reason and log."""
+    cache = tmp_path / "cache"
+    cxx = tmp_path / "c++"  # answers --version; compiling fails with a compiler error
+    cxx.write_text('#!/bin/sh\ncase "$*" in *--version*) echo "failing-c++ 1.0"; exit 0;; esac\n'
+                   'echo "kernel.cpp:1:1: error: this compiler always fails" >&2\nexit 1\n')
+    cxx.chmod(0o755)
+    env = {"TORCH_EXTENSIONS_DIR": str(cache), "CXX": str(cxx), "ROUTEFORMER_FUSED": "auto"}
+    chain = build_chain()
+
+    rows, done = _env("--no-build", **env)
+    assert not cache.exists() and "compiling" not in done.stderr  # nothing built, not even a folder
+    assert all(rows[f"build {cap}"].startswith(f"not built ({cache / 'routeformer'}") for cap in chain)
+    assert rows["loaded"] == "not tried (--no-build)" and "banner on cpu" not in rows
+    assert rows["auto on cpu"].startswith(f"fused once its {chain[0]} build compiles")
+    assert rows["compiler"] == f"{cxx} ({cxx}): failing-c++ 1.0"
+
+    rows, done = _env(**env)
+    assert rows["loaded"].startswith(f"no: {chain[0]}: compile error: kernel.cpp:1:1: error: this compiler always "
+                                     f"fails"), rows["loaded"]
+    assert all(f"{cap}: compile error" in rows["loaded"] for cap in chain)  # x86 falls back, build by build
+    assert rows["auto on cpu"] == "tiles"
+    assert rows["banner on cpu"].startswith(f"attention: tiles (fused kernel unavailable: {chain[0]}: compile error")
+
+    rows, _ = _env("--no-build", **env)
+    for cap in chain:
+        state = rows[f"build {cap}"]
+        assert state.startswith("failed: compile error: kernel.cpp:1:1: error: this compiler always fails"), state
+        log, failed = state.split("(log: ")[1].split(")")[0], state.split("remembered in ")[1]
+        assert Path(log).is_file() and Path(failed).is_file() and Path(failed).name == "failed.txt"
+    assert rows["auto on cpu"].startswith("tiles (every build failed")
+
+
+def test_env_without_a_compiler_says_so_and_builds_nothing(tmp_path) -> None:
+    missing = tmp_path / "no-such-c++"
+    rows, _ = _env(TORCH_EXTENSIONS_DIR=str(tmp_path / "cache"), CXX=str(missing), ROUTEFORMER_FUSED="auto")
+    assert rows["compiler"].startswith(f"{missing} not found")
+    assert rows["loaded"] == f"no: {build_chain()[0]}: no C++ compiler ({str(missing)!r} not found; set CXX)"
+    assert rows["banner on cpu"].startswith("attention: tiles (fused kernel unavailable:")
+    assert not any(p.suffix == ".so" for p in (tmp_path / "cache").rglob("*"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_model_toml, tiny_text_data
+from helpers import banner, executor_named, tiny_model_toml, tiny_text_data
 from routeformer.cli import main
 from routeformer.data import prepare
-from routeformer.train import load_run_config
+from routeformer.executors import describe_backend
+from routeformer.executors.fused.build import build_chain
+from routeformer.train import executor_line, load_run_config
 from routeformer.train.config import TrainConfig, parse_override
 from routeformer.train.loop import budget_warning
 from routeformer.train.schedule import TimeShare, learning_rate
@@ -62,6 +65,11 @@ def test_a_run_directory_holds_everything(setup, capsys) -> None:
     assert train(setup, run) == 0
     captured = capsys.readouterr()
     out = captured.out
+    # the first line on stderr names the executor the attention runs on, and why
+    line = banner(captured.err)
+    assert line == executor_line(load_run_config(run / "config.toml")), captured.err
+    assert line.startswith(executor_named("cuda" if torch.cuda.is_available() else "cpu")) and line.endswith(")")
+    assert captured.err.count("attention: ") == 1 and "attention: " not in out
     # a line per periodic validation on screen, and a progress bar for the final evaluation
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in lines] == ["step 4", "step 8", "step 12"], out
@@ -111,6 +119,26 @@ def test_a_fresh_start_drops_the_rows_of_a_start_that_died_before_its_first_chec
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train", "loss": 99.0}) + "\n")
     assert train(setup, run, "--max-steps", "2") == 0
     assert all(r["loss"] != 99.0 for r in metrics(run, "train")) and metrics(run, "train")[0]["step"] == 2
+
+
+def test_the_banner_says_tiles_and_why_when_the_fused_kernel_is_switched_off(setup, tmp_path) -> None:
+    """ROUTEFORMER_FUSED=0 (read once per process: a process of its own): train's first line says the tiles
+    executor runs, and why; evaluate and sample on that run say the same."""
+    run = tmp_path / "tiles"
+    cmd = [sys.executable, "-m", "routeformer", "train", "--config", str(setup["config"]), "--data-dir",
+           str(setup["data"]), "--out", str(run), "--max-steps", "2", "--set", "eval_every=2",
+           "--set", "device=cpu"]
+    env = {**os.environ, "ROUTEFORMER_FUSED": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    why = f"attention: tiles (fused kernel unavailable: {build_chain()[0]}: ROUTEFORMER_FUSED=0)"
+    assert banner(done.stderr) == why, done.stderr
+    assert "attention: " not in done.stdout
+    for command in (["evaluate", str(run), "--device", "cpu"],
+                    ["sample", str(run), "--prompt", "def", "--tokens", "2", "--device", "cpu"]):
+        done = subprocess.run([sys.executable, "-m", "routeformer", *command], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0 and banner(done.stderr) == why, done.stderr
 
 
 def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys) -> None:
@@ -175,12 +203,18 @@ def test_evaluate_and_sample(setup, capsys) -> None:
     captured = capsys.readouterr()
     out = captured.out
     assert "test split" in captured.err and "window" in captured.err  # its progress bar
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert banner(captured.err) == load_run_config(run / "config.toml").model.describe_executor(device)
+    assert banner(captured.err).startswith(executor_named(device)) and "attention: " not in out
     assert "bits per byte" in out and "test split of tiny" in out and "non-overlapping windows of 32 tokens" in out
     assert main(["evaluate", str(run), "--stride", "8", "--checkpoint", "last"]) == 0
     assert "scoring the last 8 of each (at least 24 tokens of context)" in capsys.readouterr().out
-    assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1"]) == 0
-    out = capsys.readouterr().out
+    assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1", "--device",
+                 "cpu"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.startswith("def routing(") and len(out) > len("def routing(")
+    assert banner(captured.err) == describe_backend("auto", "cpu") and banner(captured.err).startswith(executor_named())
     assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1"]) == 0
     assert capsys.readouterr().out == out  # seeded: the same text
     # a prompt that is not UTF-8 (argv bytes 0xff 0xfe arrive as surrogates): its bytes are the prompt

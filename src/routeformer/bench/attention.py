@@ -41,7 +41,7 @@ from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
 from ..attention.routing import RoutingOptions
-from ..executors import get_executor
+from ..executors import describe_backend, get_executor
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import PeakMemory, format_table, kept_for_backward, measured_backend, median_time, memory_trackable
@@ -313,17 +313,22 @@ def run(
     leak_n: int | None = None,
     backend: str = "auto",
     echo: Callable[[str], None] = print,
+    say: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Measure every candidate at every length; print one table per length (and, causal, the leak table of
-    ``leaks`` at N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows."""
+    ``leaks`` at N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows. ``say``: where the line
+    naming the executor ``backend`` runs as goes, once the mechanisms are chosen (the command line: stderr)."""
     dev = torch.device(device)
     results: list[dict] = []
+    first = selected(candidates(ns[0], heads, head_dim, window, dev, dtype, causal, backend), only)  # --only checked
+    if say is not None:
+        say(describe_backend(backend, dev, dtype))
     matmul = rf.matmul_gflops(dev, dtype)
     echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
          f"{'causal' if causal else 'non-causal'}, backend {measured_backend(backend, dev)}, "
          f"threads={torch.get_num_threads()}, median of {repeats}; dense matmul (2048³) {matmul:.0f} GFLOP/s")
-    for n in ns:
-        cands = selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
+    for i, n in enumerate(ns):
+        cands = first if i == 0 else selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
         track = memory_trackable(dev, backend)

@@ -46,6 +46,17 @@ def measured_backend(backend: str, device: torch.device) -> str:
     return name
 
 
+def executor_lines(lines: dict[str, str]) -> list[str]:
+    """The banner of a benchmark of several models: row name -> its ``describe_executor`` line, one line per
+    distinct line, naming its rows when the rows differ ('attention (full, local): fused C++ kernel (...)')."""
+    rows: dict[str, list[str]] = {}
+    for name, line in lines.items():
+        rows.setdefault(line, []).append(name)
+    if len(rows) <= 1:
+        return list(rows)
+    return [line.replace("attention:", f"attention ({', '.join(names)}):", 1) for line, names in rows.items()]
+
+
 def memory_trackable(device: torch.device, backend: str) -> bool:
     """Whether ``PeakMemory`` can watch attention run by ``backend`` on ``device``: on CPU its dispatch mode is
     refused by FlexAttention's operator (and a refused trace breaks later flex calls in the process)."""

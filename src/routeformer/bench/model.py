@@ -26,6 +26,7 @@ from ..train.config import TrainConfig
 from ..train.loop import adamw
 from .measure import (
     PeakMemory,
+    executor_lines,
     format_table,
     measured_backend,
     median_time,
@@ -79,15 +80,21 @@ def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.T
 def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, heads: int = 8, window: int = 256,
         batch: int = 1, repeats: int = 3, steps: int = 8, device: str = "cpu",
         attentions: tuple[str, ...] | list[str] = MODELS, backend: str = "auto",
-        echo: Callable[[str], None] = print) -> dict[str, list[dict]]:
-    """Print the training and the generation tables for each attention spec; return their rows."""
+        echo: Callable[[str], None] = print, say: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
+    """Print the training and the generation tables for each attention spec; return their rows. ``say``: where the
+    line naming the executor the models run on goes, once their configurations are checked (the command line:
+    stderr)."""
     dev = torch.device(device)
+    configs = {n: model_configs(n, dim, depth, heads, window, attentions, backend) for n in ns}  # checked first
+    if say is not None and ns:
+        for line in executor_lines({name: config.describe_executor(dev) for name, config in configs[ns[0]].items()}):
+            say(line)
     echo(f"# model benchmark: dim={dim}, depth={depth}, heads={heads}, window={window}, batch={batch}, "
          f"float32, {dev}, backend {measured_backend(backend, dev)}, threads={torch.get_num_threads()}, "
          f"median of {repeats}")
     train_rows: list[dict] = []
     for n in ns:
-        for i, (name, config) in enumerate(model_configs(n, dim, depth, heads, window, attentions, backend).items()):
+        for i, (name, config) in enumerate(configs[n].items()):
             torch.manual_seed(0)
             model = TransformerLM(config).to(dev).train()
             opt = adamw(model, TrainConfig(lr=1e-4))  # the training loop's own optimizer (fused where it can be)

@@ -1,4 +1,4 @@
-"""The ``routeformer`` command line: prepare | train | evaluate | sample | analyze | bench.
+"""The ``routeformer`` command line: prepare | train | evaluate | sample | analyze | bench | env.
 
 Each command is a module of this package with ``add_parser`` (its sub-parser) and ``cmd_<name>`` (its handler);
 ``COMMANDS`` maps a command's name to its handler, which ``main`` looks up when it runs.
@@ -14,14 +14,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from . import analyze, bench, evaluate, prepare, sample, train
+from . import analyze, bench, env, evaluate, prepare, sample, train
 from .options import Parser
 
 # in the order `routeformer --help` lists them
-MODULES = (prepare, train, evaluate, sample, analyze, bench)
+MODULES = (prepare, train, evaluate, sample, analyze, bench, env)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "prepare": prepare.cmd_prepare, "train": train.cmd_train, "evaluate": evaluate.cmd_evaluate,
-    "sample": sample.cmd_sample, "analyze": analyze.cmd_analyze, "bench": bench.cmd_bench}
+    "sample": sample.cmd_sample, "analyze": analyze.cmd_analyze, "bench": bench.cmd_bench, "env": env.cmd_env}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(
         prog="routeformer", description="Long-sequence Transformers with routing attention: prepare data, train, "
-        "evaluate, sample, benchmark.")
+        "evaluate, sample, benchmark; env describes this installation.")
     parser.add_argument("--version", action="version", version=f"routeformer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in MODULES:

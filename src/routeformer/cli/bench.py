@@ -19,6 +19,7 @@ from .options import (
     add_seq_len,
     add_size,
     add_window,
+    note,
     positive,
 )
 
@@ -143,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         text.run(args.attention, seq_len=args.seq_len, minutes=args.minutes, steps=args.steps, window=args.window,
                  num_clusters=args.num_clusters, routing_window=args.routing_window, data=args.data,
-                 data_dir=args.data_dir, out=args.out, overrides=args.overrides)
+                 data_dir=args.data_dir, out=args.out, overrides=args.overrides, say=note)
     elif args.suite == "recall":
         from ..bench import recall
 
@@ -151,17 +152,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    dim=args.dim,
                    heads=args.heads, window=args.window, num_clusters=args.num_clusters,
                    routing_window=args.routing_window, steps=args.steps,
-                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds)
+                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds, say=note)
     elif args.suite == "attention":
         attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                       repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
-                      only=args.only, backend=args.backend)
+                      only=args.only, backend=args.backend, say=note)
     elif args.suite == "model":
         model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
                   batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models,
-                  backend=args.backend)
+                  backend=args.backend, say=note)
     else:
-        attention.run([1024, 4096, 16384], device=args.device)
+        attention.run([1024, 4096, 16384], device=args.device, say=note)
         print()
-        model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device)
+        model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device, say=note)
     return 0

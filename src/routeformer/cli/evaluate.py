@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .options import add_checkpoint, add_data_dir, add_device, add_run_dir, positive
+from .options import add_checkpoint, add_data_dir, add_device, add_run_dir, note, positive
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -44,6 +44,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         tokens = data.split(args.split)
         if len(tokens) < 2:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
+        if procs.main:
+            note(model.config.describe_executor(procs.device))
         total, count = evaluate(model, tokens, seq, batch=args.batch_size, procs=procs, stride=args.stride,
                                 progress=f"{args.split} split")
         if procs.main:

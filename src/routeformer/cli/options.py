@@ -4,6 +4,7 @@ parser class whose help texts state defaults."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -28,6 +29,12 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def note(line: str) -> None:
+    """An information line of a command (the attention banner: which executor runs, and why) on stderr, where the
+    compiler's and the progress bars' lines go: stdout keeps the results (tables, scores, the sample's text)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 # --- options that several commands share, each defined once ------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .options import add_checkpoint, add_data_dir, add_device, add_run_dir, positive, positive_float
+from .options import add_checkpoint, add_data_dir, add_device, add_run_dir, note, positive, positive_float
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -53,6 +53,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
     prompt = data.encode(text)[None]
     device = next(model.parameters()).device
+    note(model.config.describe_executor(device))
     sys.stdout.write(text.decode("utf-8", errors="replace"))
     sys.stdout.flush()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .options import add_data, add_data_dir, add_out, add_overrides, positive, positive_float
+from .options import add_data, add_data_dir, add_out, add_overrides, note, positive, positive_float
 
 PROMPT_END = "⟫"  # printed where a run's final sample turns from its prompt to the model's continuation
 
@@ -70,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             start(run.train.device)
             dist.barrier()
     try:
-        result = train(run, run_dir, resume=bool(args.resume))
+        result = train(run, run_dir, resume=bool(args.resume), say=note)
     except Interrupted as stop:
         print(f"routeformer: {stop}", file=sys.stderr)
         return 130

@@ -265,20 +265,27 @@ def resolve_backend(name: Backend, device: torch.device | str | None) -> str:
     return "fused" if kind == "cpu" and fused.available() else "tiles"
 
 
-def describe_backend(name: Backend, device: torch.device | str | None) -> str:
+def describe_backend(name: Backend, device: torch.device | str | None, dtype: torch.dtype | None = None) -> str:
     """One line for the banners of ``train``, ``evaluate``, ``sample`` and ``bench``: the executor ``name`` runs
-    as on ``device`` and why, e.g. "attention: fused C++ kernel (AVX512, 16-lane vectors)" or "attention: tiles
-    (fused kernel unavailable: compile error ..., log: ...)". Builds the kernels if they are not yet."""
+    as on ``device`` (for inputs of ``dtype``, when given) and why, e.g. "attention: fused C++ kernel (AVX512,
+    16-lane vectors)" or "attention: tiles (fused kernel unavailable: compile error ..., log: ...)". Builds the
+    kernels if they are not yet."""
+    kind = torch.device(device or "cpu").type
     chosen = resolve_backend(name, device)
-    how = "asked for" if chosen == name else f"the default on {torch.device(device or 'cpu').type}"
+    how = "asked for" if chosen == name else f"the default on {kind}"
     if chosen == "fused":
+        if kind != "cpu":  # the executor hands every call off the CPU to tiles
+            return f"attention: tiles (fused asked for, but its kernels run on the CPU only, not {kind})"
         status = fused.KERNELS.status()
         if not status.ok:  # the executor hands every call to tiles
             return f"attention: tiles (fused asked for, but its kernel is unavailable: {status.why()})"
+        if dtype is not None and dtype not in fused.DTYPES:
+            return (f"attention: tiles (the fused kernel takes float32 and float64, not "
+                    f"{str(dtype).removeprefix('torch.')})")
         line = (f"attention: fused C++ kernel ({status.loaded}, {torch.ops.routeformer_fused.vector_width()}-lane "
                 f"vectors)")
         return line + (f" instead of its {status.wanted} build ({status.why()})" if status.failures else "")
-    if chosen == "tiles" and name == "auto" and torch.device(device or "cpu").type == "cpu":
+    if chosen == "tiles" and name == "auto" and kind == "cpu":
         return f"attention: tiles (fused kernel unavailable: {fused.KERNELS.status().why()})"
     return f"attention: {chosen} ({how})"
 

@@ -347,6 +347,17 @@ class TransformerConfig:
         seen = {g.kind.name: g.kind.describe_options(g.options) for layer in self.head_groups() for g in layer}
         return "; ".join(f"{name}: {text}" for name, text in seen.items())
 
+    def describe_executor(self, device: Any, dtype: Any = None) -> str:
+        """The banner line of a command that runs this model on ``device`` (inputs of ``dtype``, when given): the
+        executor its heads run on and why (``executors.describe_backend`` of ``backend``), or that none of them runs
+        on one (then no kernel is built)."""
+        from ..executors import describe_backend
+
+        groups = [g for layer in self.head_groups() for g in layer]
+        if not any(g.kind.runs_on_executor(g.options) for g in groups):
+            kinds = ", ".join(dict.fromkeys(g.kind.name for g in groups))
+            return f"attention: no executor (the {kinds} heads compute their own way)"
+        return describe_backend(self.backend, device, dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,6 +16,16 @@ from .config import TrainConfig
 from .distributed import Processes
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """What precision ``auto`` is on ``device`` (bfloat16 on CUDA where supported, else float16; float32
+    elsewhere); other values as they are."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
 class Parallelism:
     def __init__(self, procs: Processes, cfg: TrainConfig) -> None:
         self.procs = procs
@@ -24,13 +34,8 @@ class Parallelism:
                              "(start it with torchrun --nproc-per-node N, or drop --fsdp)")
         self.sharded = cfg.fsdp
         self.compile = cfg.compile
-        dev, choice = procs.device, cfg.precision
-        if choice == "auto":
-            if dev.type == "cuda":
-                choice = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-            else:
-                choice = "float32"
-        self.precision = choice
+        dev = procs.device
+        self.precision = choice = resolve_precision(cfg.precision, dev)
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(choice)
         # A new context manager at each call: forward passes of training, evaluation and sampling run under it.
         self.autocast: Callable[[], contextlib.AbstractContextManager] = \

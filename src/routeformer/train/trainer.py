@@ -29,13 +29,13 @@ from .checkpoint import CHECKPOINT, Checkpointer, first_line, load_checkpoint
 from .config import RunConfig
 from .evaluation import UNITS, Validator, metric
 from .loop import Loop, adamw, schedule_warnings
-from .parallel import Parallelism
+from .parallel import Parallelism, resolve_precision
 from .rundir import RunDirectory, new_run_dir
 from .runs import check_sample_layout
 from .sampling import decode, sample
 from .signals import Interrupted, StopRequest
 
-__all__ = ["Interrupted", "TrainResult", "decode", "new_run_dir", "train"]
+__all__ = ["Interrupted", "TrainResult", "decode", "executor_line", "new_run_dir", "train"]
 
 
 @dataclass
@@ -51,16 +51,25 @@ class TrainResult:
     final_seconds: float  # the whole-split evaluation and the sample
 
 
-def train(run: RunConfig, run_dir: Path, *, resume: bool = False, echo=print) -> TrainResult:
-    """Train ``run`` in ``run_dir`` (continuing its checkpoint when ``resume``)."""
+def train(run: RunConfig, run_dir: Path, *, resume: bool = False, echo=print, say=None) -> TrainResult:
+    """Train ``run`` in ``run_dir`` (continuing its checkpoint when ``resume``). ``echo``: where the lines of the run
+    go (the first, the validations, the warnings); ``say`` (None: nowhere): where the line naming the attention
+    executor goes (``executor_line``), first, once the run is set up (the command line: stderr). Rank 0 only."""
     procs = distributed.start(run.train.device)
     try:
-        return _train(run, run_dir, procs, resume, echo)
+        return _train(run, run_dir, procs, resume, echo, say)
     finally:
         distributed.stop(procs)
 
 
-def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: bool, echo) -> TrainResult:
+def executor_line(run: RunConfig, device: torch.device | None = None) -> str:
+    """The line naming the executor training ``run`` runs its attention on and why (``describe_executor``), on
+    ``device`` (default: the run's) in the run's precision."""
+    dev = device or distributed.resolve_device(run.train.device)
+    return run.model.describe_executor(dev, getattr(torch, resolve_precision(run.train.precision, dev)))
+
+
+def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: bool, echo, say) -> TrainResult:
     cfg = run.train
     started = time.monotonic()
     data = open_data(run)  # first: a start that fails on its data leaves no run directory behind
@@ -88,6 +97,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
                            world=procs.world, align=data.meta.sample_length or 1)
     sampler.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
+        if say is not None:
+            say(executor_line(run, procs.device))
         sharded = " (sharded by FSDP2)" if parallel.sharded else ""
         m = run.model
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter model{sharded} "

@@ -173,6 +173,18 @@ class KernelBuild:
     def folder(self, capability: str | None = None) -> Path:
         return (self.root or cache_root()) / self.name(capability)
 
+    def state(self, capability: str | None = None) -> str:
+        """What the cache holds of one capability's build, without building or loading anything: 'built: <library>',
+        'failed: <the remembered reason, with its log>; remembered in <failed.txt>' or 'not built (<its folder>)'."""
+        cap = capability or build_chain()[0]
+        folder = self.folder(cap)
+        library = folder / f"{self.name(cap)}.so"
+        if library.exists():
+            return f"built: {library}"
+        if (folder / FAILED).exists():
+            return f"failed: {(folder / FAILED).read_text().strip()}; remembered in {folder / FAILED}"
+        return f"not built ({folder})"
+
     def load(self) -> str | None:
         """Build (if needed) and load the library once per process: None when a build is loaded (the dispatched
         capability's, or on x86 a lower one's), else why none is; a warning says so once. Under
