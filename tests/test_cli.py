@@ -105,14 +105,14 @@ def test_env_reports_this_installation() -> None:
     from routeformer.executors import EXECUTORS
     from routeformer.executors.fused.build import KERNELS, cache_root
 
-    rows, _ = _env()
+    rows, _ = _env(OMP_NUM_THREADS="1")  # a thread count of its own (a test worker's is its share of the cores)
     assert rows["routeformer"].startswith(f"{__version__} (")
     assert rows["torch"].startswith(f"{torch.__version__} (")
     assert rows["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
     assert rows["cpu capability"] == torch.backends.cpu.get_cpu_capability()
     assert rows["ATEN_CPU_CAPABILITY"] == os.environ.get("ATEN_CPU_CAPABILITY", "unset")
     assert rows["build chain"] == ", ".join(build_chain())
-    assert rows["openmp threads"].startswith(f"{torch.get_num_threads()} ")
+    assert rows["openmp threads"].startswith("1 ") and "OMP_NUM_THREADS=1" in rows["openmp threads"]
     assert rows["blas"].startswith(f"torch: MKL {'available' if torch.backends.mkl.is_available() else 'not'}")
     assert rows["ROUTEFORMER_FUSED"].split()[0] == os.environ.get("ROUTEFORMER_FUSED", "auto")
     assert rows["kernel cache"].startswith(f"{cache_root()} (")
