@@ -44,7 +44,7 @@ from .fused import executor as fused
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import Inputs, RelTerms
 from .lowering import in_order, labels_as_mask
-from .ranges import KeyOrder, Ranges, check_ranges, range_attention
+from .ranges import KeyOrder, Ranges, broadcast_ranges, check_ranges, range_attention
 from .relative import RelativePositions
 from .tiles import tiled_attention
 from .tiling import Distances, KeyRestrictions, Tiling
@@ -129,7 +129,7 @@ class Executor:
                 raise ValueError(f"bias must be a floating tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
             if bias.requires_grad:
                 raise ValueError("bias takes no gradient: pass it detached")
-        tiling.check(Nq, Nk, restrict, None if rel is None else rel.distances)
+        tiling.check(Nq, Nk, restrict, None if rel is None else rel.distances, heads=tuple(inputs.q.shape[:2]))
         if tiling.order is not None and "order" not in self.supports:  # the permuted sequence, and back
             return in_order(self.tiled, inputs, tiling, restrict=restrict, rel=rel, bias=bias, need_lse=need_lse)
         if restrict is not None and restrict.labels is not None and "labels" not in self.supports:
@@ -213,6 +213,7 @@ class Executor:
         ``ranges_run`` computes it there (the fused one: ranges tested and keys gathered inside the kernel); else
         tiles of entries per stretch of keys, each a tile of ``tiled`` (``ranges.range_attention``)."""
         check_ranges(inputs.q, spans, rel_pos)
+        spans, order = broadcast_ranges(inputs, spans, order)
         runner = self.runner(inputs.q)
         if runner.ranges_run is not None:
             return runner.ranges_run(inputs, spans, order=order, rel_pos=rel_pos, need_lse=need_lse)

@@ -43,6 +43,7 @@ class Ranges(NamedTuple):
 
     lo, hi: (B, H, Nq · merge) long, 0 <= lo <= hi <= N. query_pos, key_pos: (B, H, Nq) and (B, H, N) (per row of
     k, before any ``KeyOrder``) long positions, needed with relative positions: distances are key_pos - query_pos.
+    Each of them may give B or H as 1, standing for all (``broadcast_ranges``).
     stretch, rows: how the tiles cut them, G and R (defaults: ``range_stretch(width)``, and from the entries'
     spread; ``rows`` also fixes the gathered pass's block rows).
     """
@@ -59,7 +60,7 @@ class Ranges(NamedTuple):
 
 class KeyOrder(NamedTuple):
     """The order the ranges index the keys in: ``order`` (B, H, N) a permutation (e.g. the keys sorted by
-    cluster: the ranges index k[order]) and ``inverse`` its inverse."""
+    cluster: the ranges index k[order]) and ``inverse`` its inverse (B or H of 1 standing for all)."""
 
     order: Tensor
     inverse: Tensor
@@ -109,6 +110,30 @@ def check_ranges(q: Tensor, spans: Ranges, rel_pos: RelativePositions | None) ->
         raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={spans.merge} need {Nq * spans.merge}")
     if rel_pos is not None and (spans.key_pos is None or spans.query_pos is None):
         raise ValueError("relative positions need query_pos and key_pos")
+
+
+def broadcast_ranges(inputs: Inputs, spans: Ranges, order: KeyOrder | None) -> tuple[Ranges, KeyOrder | None]:
+    """The per-head values of the ranges (lo, hi, the positions, the key order) as (B, H, ·) views, a batch or
+    head dimension of 1 standing for all (every executor then reads each head's own row); a ValueError naming the
+    value that is not (B, H, n) or broadcast to it."""
+    B, H, Nq, _ = inputs.q.shape
+    N, M = inputs.k.shape[2], spans.lo.shape[-1]
+
+    def per_head(x: Tensor | None, n: int, name: str, size: str) -> Tensor | None:
+        if x is None:
+            return None
+        if x.dim() != 3 or x.shape[0] not in (1, B) or x.shape[1] not in (1, H) or x.shape[2] != n:
+            raise ValueError(f"{name} must be (B, H, {size}) = {(B, H, n)} or broadcast to it (B or H of 1), got "
+                             f"{tuple(x.shape)}")
+        return x.expand(B, H, n)
+
+    spans = spans._replace(lo=per_head(spans.lo, M, "Ranges.lo", "M"), hi=per_head(spans.hi, M, "Ranges.hi", "M"),
+                           query_pos=per_head(spans.query_pos, Nq, "Ranges.query_pos", "Nq"),
+                           key_pos=per_head(spans.key_pos, N, "Ranges.key_pos", "N"))
+    if order is not None:
+        order = KeyOrder(per_head(order.order, N, "KeyOrder.order", "N"),
+                         per_head(order.inverse, N, "KeyOrder.inverse", "N"))
+    return spans, order
 
 
 class _Keys(NamedTuple):

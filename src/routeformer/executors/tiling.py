@@ -28,7 +28,8 @@ class KeyRestrictions(NamedTuple):
     Routing's band over its cluster-sorted sequence uses them; so may any self-attention over a reordered or
     segmented sequence. Given in the tiling's sequence order (``Tiling.order``).
 
-    groups: optional integer (B, H, N): a query sees only keys of its own group.
+    groups: optional integer (B, H, N) (a batch or head dimension of 1 stands for all): a query sees only keys of
+        its own group.
     exclude_self: a query does not see the key at its own index unless no other key is allowed (shared-QK
         attention, where q_i·k_i would dominate).
     labels: optional integer (B, H, L, N): a pair whose labels differ by less than ``label_window`` in any of the L
@@ -49,8 +50,8 @@ class Distances:
     unit: ``unit`` · (key index - query index): shift-invariant tiles, the fastest form.
     delta: an integer tensor broadcastable to (B, H, n_blocks, T, S), one distance per tile entry (irregular
         distances: summary cells, global tokens, gathered keys).
-    positions: integer (B, H, N), the original position of every entry of a sequence given in a permuted order
-        (self-attention only): distance = positions[key] - positions[query].
+    positions: integer (B, H, N) (B or H may be 1), the original position of every entry of a sequence given in a
+        permuted order (self-attention only): distance = positions[key] - positions[query].
     """
 
     unit: int | None = None
@@ -88,7 +89,8 @@ class Tiling:
         sliding window; executors may use it to compute relative terms on the strip of the tile it covers).
     tile_mask: optional bool broadcastable to (B, H, n_blocks, T, S), ANDed with the static mask: a mask that
         differs between tiles.
-    order: optional integer (B, H, N) permutation (self-attention, no ``rows``): the tiling runs over the sequence
+    order: optional integer (B, H, N) permutation (B or H may be 1: the same for every batch entry or head;
+        self-attention, no ``rows``): the tiling runs over the sequence
         q[order], k[order], v[order] (e.g. sorted by cluster), and the results come back in the original order of q.
         Per-position values of the call (key validity, ``KeyRestrictions``, ``Distances.positions``) are given in
         the tiling's order. An executor may read rows by index instead of copying the permuted sequence.
@@ -234,8 +236,10 @@ class Tiling:
             held = hit if held is None else held.logical_or_(hit)
         return held
 
-    def check(self, nq: int, nk: int, restrict: KeyRestrictions | None, distances: Distances | None) -> None:
-        """A ValueError naming the problem when these inputs do not fit this tiling."""
+    def check(self, nq: int, nk: int, restrict: KeyRestrictions | None, distances: Distances | None,
+              heads: tuple[int, int] | None = None) -> None:
+        """A ValueError naming the problem when these inputs do not fit this tiling; ``heads``: the inputs' (B, H),
+        which the per-position values (the order, groups, positions) must broadcast to."""
         single = self.single(nq)
         if self.rows is not None:
             n_blocks = -(-nk // self.block)
@@ -270,6 +274,21 @@ class Tiling:
                     or restrict.label_window < 1:
                 raise ValueError(f"KeyRestrictions.label_window must be a positive integer, got "
                                  f"{restrict.label_window!r}")
+        if heads is not None:
+            _check_per_position(heads, nq, {"Tiling.order": self.order,
+                                            "KeyRestrictions.groups": None if restrict is None else restrict.groups,
+                                            "Distances.positions": None if distances is None else distances.positions})
+
+
+def _check_per_position(heads: tuple[int, int], n: int, values: dict[str, Tensor | None]) -> None:
+    """A ValueError naming the value that is not (B, H, N) or broadcast to it (B or H of 1): executors index every
+    (batch, head)'s own row of them, and a batch of one where there are two would be read past its end."""
+    B, H = heads
+    for name, x in values.items():
+        if x is not None and (x.dim() != 3 or x.shape[0] not in (1, B) or x.shape[1] not in (1, H)
+                              or x.shape[2] != n):
+            raise ValueError(f"{name} must be (B, H, N) = {(B, H, n)} or broadcast to it (B or H of 1), got "
+                             f"{tuple(x.shape)}")
 
 
 def index_offsets(rows: int, span: int, base: int, device: torch.device | str | None = None) -> Tensor:

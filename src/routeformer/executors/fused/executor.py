@@ -51,7 +51,8 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
     lowers labelled pairs to a tile mask)."""
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
     rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
-    Nq, Nk = q.shape[2], k.shape[2]
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
     single = tiling.single(Nq)
     groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
     lo, hi = tiling.offsets or (0, 0)
@@ -65,18 +66,17 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
         elif distances.positions is tiling.order:  # the sorted window's: one tensor, passed once
             from_order = True
         else:
-            positions = distances.positions.to(torch.long).contiguous()
+            positions = _per_head(distances.positions, (B, H, Nk), "Distances.positions")
     width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
     geometry = [tiling.block, tiling.back, tiling.ahead, tiling.rows or 0, int(single),
                 int(tiling.offsets is not None), lo, hi, int(exclude_self), unit,
                 0 if rel_pos is None else rel_pos.max_distance, rows_per_block(width), int(from_order)]
+    order = _per_head(tiling.order, (B, H, Nk), "Tiling.order")
     out, lse, _ = band(
         _rows(q), _rows(k), _rows(v), geometry, float(scale),
-        None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask,
-        None if key_valid is None else key_valid.contiguous(),
-        None if groups is None else groups.to(torch.long).contiguous(),
-        None if tiling.order is None else tiling.order.to(torch.long).contiguous(),
-        key_table, value_table, delta, positions, None if bias is None else bias.to(q.dtype))
+        None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask, _valid(key_valid, B, H, Nk),
+        _per_head(groups, (B, H, Nk), "KeyRestrictions.groups"), order, key_table, value_table, delta,
+        positions, None if bias is None else bias.to(q.dtype))
     return out, (lse if need_lse else None)
 
 
@@ -94,12 +94,13 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
     if rel_pos is not None:
         key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
     setup = [merge, R, width + (stretch or R), 0 if rel_pos is None else rel_pos.max_distance]
+    B, H, Nq, _ = q.shape
+    N, M = k.shape[2], lo.shape[-1]
     out, lse = ranges(
-        _rows(q), _rows(k), _rows(v), lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous(), setup,
-        float(scale), None if key_order is None else key_order.to(torch.long).contiguous(),
-        None if key_valid is None else key_valid.contiguous(),
-        None if query_pos is None else query_pos.to(torch.long).contiguous(),
-        None if key_pos is None else key_pos.to(torch.long).contiguous(), key_table, value_table)
+        _rows(q), _rows(k), _rows(v), _per_head(lo, (B, H, M), "Ranges.lo"), _per_head(hi, (B, H, M), "Ranges.hi"),
+        setup, float(scale), _per_head(key_order, (B, H, N), "KeyOrder.order"), _valid(key_valid, B, H, N),
+        _per_head(query_pos, (B, H, Nq), "Ranges.query_pos"), _per_head(key_pos, (B, H, N), "Ranges.key_pos"),
+        key_table, value_table)
     return out, (lse if need_lse else None)
 
 
@@ -117,5 +118,33 @@ def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: 
 
 
 def _rows(x: Tensor) -> Tensor:
-    """x with its last dimension contiguous (the kernel reads rows; any other strides are fine)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """x with its last dimension contiguous and rows that do not overlap (the kernel hands rows to BLAS with the
+    row stride as leading dimension; any other strides are fine)."""
+    N, D = x.shape[-2:]
+    if (x.stride(-1) == 1 or D <= 1) and (N == 0 or x.stride(-2) >= max(1, D)):
+        return x
+    return x.contiguous()
+
+
+def _per_head(x: Tensor | None, shape: tuple[int, int, int], name: str) -> Tensor | None:
+    """x, one value per position of every (batch, head), broadcast to ``shape`` (B, H, N) as one contiguous long
+    tensor (a batch or head dimension of 1 stands for all: the kernels index every head's own row); a ValueError
+    naming it when it does not broadcast."""
+    if x is None:
+        return None
+    if x.dim() != 3 or any(a not in (1, b) for a, b in zip(x.shape, shape, strict=True)):
+        raise ValueError(f"{name} must be (B, H, N) = {shape} or broadcast to it (B or H of 1), got "
+                         f"{tuple(x.shape)}")
+    return x.expand(shape).to(torch.long).contiguous()
+
+
+def _valid(key_valid: Tensor | None, B: int, H: int, N: int) -> Tensor | None:
+    """Key validity (B, 1 or H, N) as the kernels read it: contiguous, a batch of 1 broadcast; a ValueError when it
+    does not fit."""
+    if key_valid is None:
+        return None
+    if key_valid.dim() != 3 or key_valid.shape[0] not in (1, B) or key_valid.shape[1] not in (1, H) \
+            or key_valid.shape[2] != N:
+        raise ValueError(f"key validity must be (B, 1 or H, N) = ({B}, 1 or {H}, {N}) or broadcast to it, got "
+                         f"{tuple(key_valid.shape)}")
+    return key_valid.expand(B, key_valid.shape[1], N).contiguous()

@@ -1,6 +1,7 @@
 // The Sparse Transformer's GELU, f(x) = x · sigmoid(1.702 x), forward and backward in one pass each (PyTorch's
 // expression takes five elementwise passes and keeps two tensors). Not attention, but on the main job's step it is
 // a tenth of the time once attention is fused, so it lives with the other CPU kernels.
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -45,15 +46,11 @@ void backward_range(const T* g, const T* x, T* dx, int64_t n) {
   }
 }
 
-void check(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-              "routeformer sigmoid_gelu takes float32 or float64 CPU tensors");
-}
 
 }  // namespace
 
 at::Tensor fused_sigmoid_gelu(const at::Tensor& x_) {
-  check(x_);
+  checks::floating("sigmoid_gelu", x_, "x");
   const auto x = x_.contiguous();
   auto y = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "routeformer_sigmoid_gelu", [&] {
@@ -65,7 +62,10 @@ at::Tensor fused_sigmoid_gelu(const at::Tensor& x_) {
 }
 
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad_, const at::Tensor& x_) {
-  check(x_);
+  const char* op = "sigmoid_gelu_backward";
+  checks::floating(op, x_, "x");
+  checks::dtype(op, grad_, "grad", x_.scalar_type());  // read elementwise beside x: the same shape and dtype
+  checks::shape(op, grad_, "grad", "x's shape", x_.sizes());
   const auto x = x_.contiguous();
   const auto grad = grad_.contiguous();
   auto dx = at::empty_like(x);

@@ -12,6 +12,7 @@
 //
 // Parallel over (batch·head, block) forward; backward over batch·head, each head's blocks in order (its key
 // gradients are its own: no atomics, the same sums in the same order whatever the thread count).
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -33,10 +34,54 @@ struct Geometry {
   int64_t max_distance;
   int64_t rows_per_block;
   bool positions_from_order;  // relative distances between the entries' original positions (order[j] - order[i])
+  int64_t n_tiles, T, S;      // the tiles: (n_tiles, T, S) as ``Tiling.shape`` gives them
 
-  static Geometry from(at::IntArrayRef g) {
-    TORCH_CHECK(g.size() == 13, "routeformer fused band: geometry must hold 13 integers, got ", g.size());
-    return {g[0], g[1], g[2], g[3], g[4] != 0, g[5] != 0, g[6], g[7], g[8] != 0, g[9], g[10], g[11], g[12] != 0};
+  // The list checked against q's Nq and k's Nk: values in range, the tiles' geometry within int64 (the kernel
+  // computes key indices (t ± reach) · block), and what the kernel assumes of a tiling (``Tiling.check``).
+  static Geometry from(const char* op, at::IntArrayRef l, int64_t Nq, int64_t Nk) {
+    checks::length(op, l, 13, "geometry");
+    Geometry g{l[0], l[1], l[2], l[3], checks::flag(op, l[4], "geometry[4] (single)"),
+               checks::flag(op, l[5], "geometry[5] (has_offsets)"), l[6], l[7],
+               checks::flag(op, l[8], "geometry[8] (exclude_self)"), l[9], l[10], l[11],
+               checks::flag(op, l[12], "geometry[12] (positions_from_order)"), 0, 0, 0};
+    checks::at_least(op, g.block, 1, "geometry[0] (block)");
+    checks::at_least(op, g.back, 0, "geometry[1] (back)");
+    checks::at_least(op, g.ahead, 0, "geometry[2] (ahead)");
+    checks::at_least(op, g.rows, 0, "geometry[3] (rows)");
+    checks::at_least(op, g.unit, 0, "geometry[9] (unit)");
+    checks::at_least(op, g.max_distance, 0, "geometry[10] (max_distance)");
+    checks::at_least(op, g.rows_per_block, 1, "geometry[11] (rows_per_block)");
+    RF_CHECK(!g.has_offsets || g.off_lo <= g.off_hi, op, "geometry's offsets must have lo <= hi, got (", g.off_lo,
+             ", ", g.off_hi, ")");
+    const bool single = g.back == 0 && g.ahead == 0 && g.block >= Nq && g.rows == 0;
+    RF_CHECK(g.single == single, op, "geometry[4] (single) must be ", int(single), " for block ", g.block, ", back ",
+             g.back, ", ahead ", g.ahead, ", rows ", g.rows, " and ", Nq, " queries, got ", int(g.single));
+    if (g.single) {
+      g.n_tiles = 1;
+      g.T = Nq;
+      g.S = Nk;
+    } else {
+      g.n_tiles = ceil_div(g.rows > 0 ? Nk : Nq, g.block);
+      g.T = g.rows > 0 ? g.rows : g.block;
+      const int64_t reach = checks::sum(op, checks::sum(op, g.n_tiles + 1, g.back, "the tiles' reach"), g.ahead,
+                                        "the tiles' reach");
+      checks::product(op, reach, g.block, "the tiles' key indices");
+      g.S = (g.back + 1 + g.ahead) * g.block;
+      if (g.rows > 0) {
+        RF_CHECK(Nq == checks::product(op, g.n_tiles, g.rows, "n_tiles * rows"), op, "with rows = ", g.rows,
+                 ", q must hold ceil(Nk / block) * rows = ", g.n_tiles * g.rows, " queries, got ", Nq);
+      } else {
+        RF_CHECK(Nq == Nk, op, "banded tiles need as many keys as queries, got ", Nq, " queries and ", Nk, " keys");
+      }
+    }
+    RF_CHECK(!g.exclude_self || Nq == Nk, op, "exclude_self needs as many keys as queries, got ", Nq, " and ", Nk);
+    // Values past the sequence mean the same as the sequence's ends; clipped there, row ± offset and the distances
+    // (key - query) · unit stay far inside int64.
+    const int64_t far = Nq + Nk + 1;
+    g.off_lo = std::clamp(g.off_lo, -far, far);
+    g.off_hi = std::clamp(g.off_hi, -far, far);
+    if (g.unit > 1) g.unit = std::min(g.unit, std::max<int64_t>(2, g.max_distance + 1));  // |d| >= 1: clipped anyway
+    return g;
   }
 };
 
@@ -145,6 +190,40 @@ inline std::pair<int64_t, int64_t> interval(const Call<T>& c, int64_t bh, int64_
   return {a, e};
 }
 
+// Every tensor argument against the checked geometry (see ``Call`` for how each is read); the relative tables'
+// source of distances: exactly one of unit, delta, positions and the order's positions with the tables (the rules
+// read the first of them, and delta unchecked when none), none without.
+void check_tensors(const char* op, const checks::QKV& s, const Geometry& g, const std::optional<at::Tensor>& allow,
+                   const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
+                   const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
+                   const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+                   const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
+                   const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  const std::vector<int64_t> shape5 = {s.B, s.H, g.n_tiles, g.T, g.S}, per_key = {s.B, s.H, s.N};
+  const char* tiles = "(B, H, n_tiles, T, S)";
+  if (allow.has_value()) checks::flat(op, *allow, "allow", at::kBool, "(T, S)", {g.T, g.S});
+  if (tile_mask.has_value()) checks::broadcastable(op, *tile_mask, "tile_mask", at::kBool, tiles, shape5);
+  checks::key_valid(op, key_valid, s.B, s.H, s.N);
+  // groups, the order and positions are read at query and key indices alike: self-attention only
+  for (const auto& [t, name] : {std::pair{&groups, "groups"}, {&order, "order"}, {&positions, "positions"}}) {
+    if (!t->has_value()) continue;
+    RF_CHECK(s.Nq == s.N, op, name, " needs as many keys as queries, got ", s.Nq, " queries and ", s.N, " keys");
+    checks::flat(op, **t, name, at::kLong, "(B, H, N)", per_key);
+  }
+  if (order.has_value()) checks::permutations(op, *order, "order");
+  checks::positions(op, positions, "positions", per_key);
+  if (delta.has_value()) checks::broadcastable(op, *delta, "delta", at::kLong, tiles, shape5);
+  if (bias.has_value()) checks::broadcastable(op, *bias, "bias", dtype, tiles, shape5);
+  const bool rel = checks::tables(op, key_table, value_table, g.max_distance, s.D, dtype);
+  const int sources = int(g.unit > 0) + int(delta.has_value()) + int(positions.has_value()) +
+                      int(g.positions_from_order);
+  RF_CHECK(sources <= 1 && (!rel || sources == 1), op, "the relative tables need exactly one source of distances ",
+           "(unit > 0, delta, positions or positions_from_order) and none comes without them, got ", sources,
+           rel ? " with the tables" : " without tables");
+  RF_CHECK(!g.positions_from_order || order.has_value(), op, "positions_from_order needs an order");
+}
+
+// Pointers and strides of the checked arguments.
 template <typename T>
 Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, const std::optional<at::Tensor>& allow,
                   const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
@@ -156,35 +235,20 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, c
   c.H = q.size(1);
   c.Nq = q.size(2);
   c.Nk = k.size(2);
-  if (g.single) {
-    c.n_tiles = 1;
-    c.T_ = c.Nq;
-    c.S = c.Nk;
-  } else {
-    c.T_ = g.rows > 0 ? g.rows : g.block;
-    c.n_tiles = g.rows > 0 ? (c.Nk + g.block - 1) / g.block : (c.Nq + g.block - 1) / g.block;
-    c.S = (g.back + 1 + g.ahead) * g.block;
-  }
+  c.n_tiles = g.n_tiles;
+  c.T_ = g.T;
+  c.S = g.S;
   std::vector<int64_t> shape5 = {c.B, c.H, c.n_tiles, c.T_, c.S};
-  if (allow.has_value()) {
-    TORCH_CHECK(allow->dim() == 2 && allow->size(0) == c.T_ && allow->size(1) == c.S && allow->is_contiguous(),
-                "routeformer fused band: allow must be a contiguous (T, S) bool tensor");
-    c.allow = allow->data_ptr<bool>();
-  }
+  if (allow.has_value()) c.allow = allow->data_ptr<bool>();
   c.tile_mask = Strided5<bool>::of(tile_mask, shape5);
   if (key_valid.has_value()) {
-    TORCH_CHECK(key_valid->dim() == 3 && key_valid->is_contiguous() && key_valid->size(2) == c.Nk,
-                "routeformer fused band: key_valid must be a contiguous (B, 1 or H, Nk) bool tensor");
     c.key_valid = key_valid->data_ptr<bool>();
     c.valid_heads = key_valid->size(1);
   }
   if (groups.has_value()) c.groups = groups->data_ptr<int64_t>();
   c.delta = Strided5<int64_t>::of(delta, shape5);
   if (positions.has_value()) c.positions = positions->data_ptr<int64_t>();
-  if (g.positions_from_order) {
-    TORCH_CHECK(order.has_value(), "routeformer fused band: positions from the order need an order");
-    c.positions = order->data_ptr<int64_t>();
-  }
+  if (g.positions_from_order) c.positions = order->data_ptr<int64_t>();
   c.bias = Strided5<T>::of(bias, shape5);
   if (c.groups != nullptr) {  // sorted groups: each group one run, its bounds per position
     const int64_t N = c.Nk, BH = c.B * c.H;
@@ -216,7 +280,7 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Geometry& g, c
 }
 
 // The blocks of one head: consecutive rows [r0, r1) of the sequence.
-inline int64_t n_blocks(int64_t nq, int64_t rows_per_block) { return (nq + rows_per_block - 1) / rows_per_block; }
+inline int64_t n_blocks(int64_t nq, int64_t rows_per_block) { return ceil_div(nq, rows_per_block); }
 
 template <typename T>
 Head<T> head_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t bh, int64_t H,
@@ -259,16 +323,21 @@ at::Tensor lse_like(const at::Tensor& q) {
   return at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "routeformer fused attention runs on the CPU");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "routeformer fused attention: q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "routeformer fused attention: q, k, v must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "routeformer fused attention takes float32 or float64");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "routeformer fused attention: the last dimension of q, k, v must be contiguous");
+// Everything both directions read: q, k, v, the geometry against their sizes, the optional tensors against the
+// geometry. Returns the geometry.
+Geometry check_call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& allow,
+                    const std::optional<at::Tensor>& tile_mask, const std::optional<at::Tensor>& key_valid,
+                    const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
+                    const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
+                    const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
+                    const std::optional<at::Tensor>& bias) {
+  const checks::QKV s = checks::qkv(op, q, k, v);
+  checks::finite(op, scale, "scale");
+  const Geometry g = Geometry::from(op, geometry, s.Nq, s.N);
+  check_tensors(op, s, g, allow, tile_mask, key_valid, groups, order, key_table, value_table, delta, positions, bias,
+                q.scalar_type());
+  return g;
 }
 
 }  // namespace
@@ -280,8 +349,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
     const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
     const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
     const std::optional<at::Tensor>& bias) {
-  check_inputs(q, k, v);
-  const Geometry g = Geometry::from(geometry);
+  const Geometry g = check_call("band_forward", q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order,
+                                key_table, value_table, delta, positions, bias);
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   auto out = at::empty({B, H, Nq, D}, q.options());
   auto lse = lse_like(q);
@@ -330,9 +399,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
     const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias) {
-  check_inputs(q, k, v);
-  const Geometry g = Geometry::from(geometry);
+  const char* op = "band_backward";
+  const Geometry g = check_call(op, q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, key_table,
+                                value_table, delta, positions, bias);
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), Nk = k.size(2), D = q.size(3);
+  checks::grads(op, grad_out, grad_lse, out, lse, {B, H, Nq, Nk, D}, q.scalar_type());
+  checks::dtype(op, alone, "alone", at::kBool);
+  if (g.exclude_self) checks::flat(op, alone, "alone", at::kBool, "(B, H, Nq)", {B, H, Nq});
   auto go = grad_out.contiguous();
   auto o = out.contiguous();
   auto dq = at::empty({B, H, Nq, D}, q.options());

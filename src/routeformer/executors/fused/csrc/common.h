@@ -40,6 +40,9 @@ namespace routeformer {
 
 inline bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
+// ceil(a / b) for a >= 0, b > 0, without the overflow of (a + b - 1) / b for a b taken from an int list
+inline int64_t ceil_div(int64_t a, int64_t b) { return a == 0 ? 0 : (a - 1) / b + 1; }
+
 template <typename T>
 at::ScalarType scalar_type_of();
 template <>

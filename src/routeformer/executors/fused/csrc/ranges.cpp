@@ -8,6 +8,7 @@
 // query row's merged lse: the union is one softmax, so an entry's probabilities are exp(s - lse of its row).
 //
 // Forward parallel over (head, block); backward over heads, each head's blocks in order.
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -73,12 +74,43 @@ struct Sizes {
   int64_t B, H, Nq, N, D, M, merge, rows_per_block, span_cap, max_distance;
 };
 
-Sizes sizes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lo, at::IntArrayRef setup) {
-  TORCH_CHECK(setup.size() == 4, "routeformer fused ranges: setup must hold 4 integers");
-  Sizes s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), lo.size(2), setup[0], setup[1], setup[2], setup[3]};
-  TORCH_CHECK(s.M == s.Nq * s.merge, "routeformer fused ranges: ", s.M, " entries for ", s.Nq, " queries with merge ",
-              s.merge);
-  return s;
+// 0 <= lo <= hi <= N for every entry: the kernel reads keys [lo, hi) and counts entries by hi
+void check_ranges(const char* op, const at::Tensor& lo, const at::Tensor& hi, int64_t N) {
+  const int64_t* a = lo.data_ptr<int64_t>();
+  const int64_t* e = hi.data_ptr<int64_t>();
+  for (int64_t m = 0, n = lo.numel(); m < n; m++)
+    RF_CHECK(a[m] >= 0 && a[m] <= e[m] && e[m] <= N, op, "lo and hi must have 0 <= lo <= hi <= N = ", N,
+             ", got lo ", a[m], ", hi ", e[m], " at flat entry ", m);
+}
+
+// Everything both directions read: q, k, v, the setup list, the ranges against k's N, the key order, validity and
+// positions against the sizes, the relative tables (with both positions).
+Sizes check_call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo,
+                 const at::Tensor& hi, at::IntArrayRef setup, double scale,
+                 const std::optional<at::Tensor>& key_order, const std::optional<at::Tensor>& key_valid,
+                 const std::optional<at::Tensor>& query_pos, const std::optional<at::Tensor>& key_pos,
+                 const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table) {
+  const checks::QKV s = checks::qkv(op, q, k, v);
+  checks::finite(op, scale, "scale");
+  checks::length(op, setup, 4, "setup");
+  checks::at_least(op, setup[0], 1, "setup[0] (merge)");
+  checks::at_least(op, setup[1], 1, "setup[1] (rows_per_block)");
+  checks::at_least(op, setup[2], 1, "setup[2] (span_cap)");
+  const Sizes z{s.B, s.H, s.Nq, s.N, s.D, checks::product(op, s.Nq, setup[0], "Nq * merge"), setup[0], setup[1],
+                setup[2], setup[3]};
+  checks::flat(op, lo, "lo", at::kLong, "(B, H, Nq * merge)", {z.B, z.H, z.M});
+  checks::flat(op, hi, "hi", at::kLong, "(B, H, Nq * merge)", {z.B, z.H, z.M});
+  check_ranges(op, lo, hi, z.N);
+  if (key_order.has_value()) {
+    checks::flat(op, *key_order, "key_order", at::kLong, "(B, H, N)", {z.B, z.H, z.N});
+    checks::permutations(op, *key_order, "key_order");
+  }
+  checks::key_valid(op, key_valid, z.B, z.H, z.N);
+  checks::positions(op, query_pos, "query_pos", {z.B, z.H, z.Nq});
+  checks::positions(op, key_pos, "key_pos", {z.B, z.H, z.N});
+  if (checks::tables(op, key_table, value_table, z.max_distance, z.D, q.scalar_type()))
+    RF_CHECK(query_pos.has_value() && key_pos.has_value(), op, "relative positions need query_pos and key_pos");
+  return z;
 }
 
 template <typename T>
@@ -157,16 +189,6 @@ RangeCall<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return c;
 }
 
-void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi) {
-  TORCH_CHECK(q.device().is_cpu(), "routeformer fused attention runs on the CPU");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "routeformer fused attention takes float32 or float64");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "routeformer fused attention: the last dimension of q, k, v must be contiguous");
-  TORCH_CHECK(lo.is_contiguous() && hi.is_contiguous() && lo.sizes() == hi.sizes() && lo.dim() == 3,
-              "routeformer fused ranges: lo and hi must be contiguous (B, H, M) tensors");
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
@@ -175,8 +197,8 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table) {
-  check(q, k, v, lo, hi);
-  const Sizes z = sizes_of(q, k, lo, setup);
+  const Sizes z = check_call("ranges_forward", q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos,
+                             key_pos, key_table, value_table);
   auto out = at::empty({z.B, z.H, z.Nq, z.D}, q.options());
   auto lse = at::empty({z.B, z.H, z.Nq}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_ranges_forward", [&] {
@@ -250,8 +272,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table) {
-  check(q, k, v, lo, hi);
-  const Sizes z = sizes_of(q, k, lo, setup);
+  const char* op = "ranges_backward";
+  const Sizes z = check_call(op, q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table,
+                             value_table);
+  checks::grads(op, grad_out, grad_lse, out, lse, {z.B, z.H, z.Nq, z.N, z.D}, q.scalar_type());
   auto go = grad_out.contiguous();
   auto o = out.contiguous();
   auto dq = at::zeros({z.B, z.H, z.Nq, z.D}, q.options());

@@ -11,6 +11,7 @@
 // shared-QK keys, the queries at unit length times the score scale (k_j = scale · q_j / |q_j|), made as each chunk
 // is read, their gradient taken back to q at the end: no keys tensor. Forward parallel over (head, round, block),
 // backward over heads.
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -25,11 +26,20 @@ namespace {
 struct Setup {
   int64_t window, rows_per_block;
   bool causal;
-  static Setup from(at::IntArrayRef s) {
-    TORCH_CHECK(s.size() == 3, "routeformer fused rounds: setup must hold 3 integers");
-    return {s[0], s[1], s[2] != 0};
+  static Setup from(const char* op, at::IntArrayRef s) {
+    checks::length(op, s, 3, "setup");
+    checks::at_least(op, s[0], 1, "setup[0] (window)");
+    checks::at_least(op, s[1], 1, "setup[1] (rows_per_block)");
+    return {s[0], s[1], checks::flag(op, s[2], "setup[2] (causal)")};
   }
 };
+
+// |a - b| < w for any int64 labels a, b (w > 0): the difference taken in unsigned, where it cannot overflow
+inline bool closer_than(int64_t a, int64_t b, int64_t w) {
+  const uint64_t d = a >= b ? static_cast<uint64_t>(a) - static_cast<uint64_t>(b)
+                            : static_cast<uint64_t>(b) - static_cast<uint64_t>(a);
+  return d < static_cast<uint64_t>(w);
+}
 
 template <typename T>
 struct RoundRules {
@@ -45,10 +55,8 @@ struct RoundRules {
     const int64_t pi = order[qseq[r]], pj = order[j];
     if (!causal && pj == pi) return false;  // the own key: only when alone in every round (the merge decides)
     if (valid != nullptr && !valid[pj]) return false;
-    for (int64_t x = 0; x < round; x++) {
-      const int64_t d = labels[x * N + pi] - labels[x * N + pj];
-      if (d < window && -d < window) return false;
-    }
+    for (int64_t x = 0; x < round; x++)
+      if (closer_than(labels[x * N + pi], labels[x * N + pj], window)) return false;
     return true;
   }
   int64_t distance(int64_t, int64_t) const { return 0; }
@@ -87,7 +95,7 @@ struct RoundCall {
                                           : valid + (b * valid_heads + (valid_heads == 1 ? 0 : h)) * z.N,
                          qseq, r, z.N, st.window, st.causal};
   }
-  int64_t blocks() const { return (z.N + st.rows_per_block - 1) / st.rows_per_block; }
+  int64_t blocks() const { return ceil_div(z.N, st.rows_per_block); }
   // block x of round r of head bh: sorted indices, query rows (positions), intervals
   void rows_of(int64_t bh, int64_t r, int64_t x, std::vector<int64_t>& seq, std::vector<int64_t>& qrow,
                std::vector<int64_t>& a, std::vector<int64_t>& e, Rows& rows) const {
@@ -106,7 +114,7 @@ struct RoundCall {
       while (lo < s && gr[lo] != gr[s]) lo++;  // the bucket's run (groups sorted): at most window steps
       int64_t hi = s;
       if (!st.causal) {
-        hi = std::min(z.N, s + st.window);
+        hi = s + std::min(st.window, z.N - s);  // not s + window: window may be any positive int64
         while (hi > s + 1 && gr[hi - 1] != gr[s]) hi--;
       }
       a[i] = lo;
@@ -166,15 +174,44 @@ RoundCall<T> make_call(const at::Tensor& q, const std::optional<at::Tensor>& k, 
   return c;
 }
 
-void check(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
-           const at::Tensor& groups, const at::Tensor& labels) {
-  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
-              "routeformer fused rounds take float32 or float64 CPU tensors");
-  TORCH_CHECK(q.stride(3) == 1 && v.stride(3) == 1 && (!k.has_value() || (k->stride(3) == 1 && q.sizes() ==
-              k->sizes())), "routeformer fused rounds: q, k, v (B, H, N, D) with contiguous rows");
-  TORCH_CHECK(order.is_contiguous() && groups.is_contiguous() && labels.is_contiguous() && order.dim() == 4 &&
-                  order.sizes() == groups.sizes() && order.sizes() == labels.sizes() && order.size(3) == q.size(2),
-              "routeformer fused rounds: order, groups and labels must be contiguous (B, H, R, N) tensors");
+// Every row of a contiguous int64 tensor non-decreasing: a round's buckets in sorted order, each one run (the
+// kernel finds a query's run by stepping from it while the bucket stays the same).
+void check_sorted(const char* op, const at::Tensor& t, const char* name) {
+  const int64_t n = t.size(-1);
+  const int64_t* p = t.data_ptr<int64_t>();
+  for (int64_t r = 0, rows = n == 0 ? 0 : t.numel() / n; r < rows; r++)
+    for (int64_t i = 1; i < n; i++)
+      RF_CHECK(p[r * n + i - 1] <= p[r * n + i], op, name, " must be non-decreasing along each round, got ",
+               p[r * n + i - 1], " before ", p[r * n + i], " at flat row ", r, ", index ", i);
+}
+
+// Everything both directions read: q, k (or none), v of one shape, the setup list, the rounds' order (permutations),
+// groups (sorted) and labels (B, H, R, N), the validity. Returns the setup.
+Setup check_call(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
+                 const at::Tensor& order, const at::Tensor& groups, const at::Tensor& labels,
+                 const std::optional<at::Tensor>& key_valid, at::IntArrayRef setup, double scale) {
+  checks::floating(op, q, "q");
+  checks::rows(op, q, "q", q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  if (k.has_value()) {
+    checks::rows(op, *k, "k", q.scalar_type());
+    checks::shape(op, *k, "k", "(B, H, N, D) like q", {B, H, N, D});
+  }
+  checks::rows(op, v, "v", q.scalar_type());
+  checks::shape(op, v, "v", "(B, H, N, D) like q", {B, H, N, D});
+  checks::finite(op, scale, "scale");
+  const Setup st = Setup::from(op, setup);
+  checks::dtype(op, order, "order", at::kLong);
+  RF_CHECK(order.dim() == 4 && order.size(2) >= 1, op, "order must be (B, H, R, N) with R >= 1 rounds, got ",
+           checks::dims(order.sizes()));
+  const std::vector<int64_t> shape = {B, H, order.size(2), N};
+  checks::flat(op, order, "order", at::kLong, "(B, H, R, N)", shape);
+  checks::flat(op, groups, "groups", at::kLong, "(B, H, R, N)", shape);
+  checks::flat(op, labels, "labels", at::kLong, "(B, H, R, N)", shape);
+  checks::permutations(op, order, "order");
+  check_sorted(op, groups, "groups");
+  checks::key_valid(op, key_valid, B, H, N);
+  return st;
 }
 
 }  // namespace
@@ -183,8 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
     const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
     const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
     at::IntArrayRef setup, double scale) {
-  check(q, k, v, order, groups, labels);
-  const Setup st = Setup::from(setup);
+  const Setup st = check_call("rounds_forward", q, k, v, order, groups, labels, key_valid, setup, scale);
   const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
   auto out = at::empty({B, H, N, D}, q.options());
   auto lse = at::empty({B, H, N}, q.options());
@@ -256,9 +292,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
     const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
     at::IntArrayRef setup, double scale) {
-  check(q, k, v, order, groups, labels);
-  const Setup st = Setup::from(setup);
+  const char* op = "rounds_backward";
+  const Setup st = check_call(op, q, k, v, order, groups, labels, key_valid, setup, scale);
   const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
+  checks::grads(op, grad_out, std::nullopt, out, lse, {B, H, N, N, D}, q.scalar_type());
+  checks::flat(op, alone, "alone", at::kBool, "(B, H, N)", {B, H, N});
   auto go = grad_out.contiguous();
   auto o = out.contiguous();
   auto dq = at::zeros({B, H, N, D}, q.options());
