@@ -323,7 +323,13 @@ def _band(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, 
     return B, H, Nq, Nk, D, bool(own)
 
 
+def _output_mask(x) -> None:
+    _need(isinstance(x, list) and len(x) == 3 and all(isinstance(b, bool) for b in x), "output_mask: 3 bools")
+
+
 def _band_backward(grad_out, grad_lse, q, k, v, out, lse, alone, *rest) -> None:
+    *rest, mask = rest
+    _output_mask(mask)
     B, H, Nq, Nk, D, own = _band(q, k, v, *rest)
     _grads(grad_out, out, lse, grad_lse, B, H, Nq, D, q.dtype)
     _need(isinstance(alone, Tensor) and alone.dtype == torch.bool, "alone bool")
@@ -357,6 +363,8 @@ def _ranges(q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_
 
 
 def _ranges_backward(grad_out, grad_lse, q, k, v, out, lse, *rest) -> None:
+    *rest, mask = rest
+    _output_mask(mask)
     B, H, Nq, D = _ranges(q, k, v, *rest)
     _grads(grad_out, out, lse, grad_lse, B, H, Nq, D, q.dtype)
 
@@ -386,6 +394,8 @@ def _rounds(q, k, v, order, groups, labels, key_valid, setup, scale) -> tuple:
 
 
 def _rounds_backward(grad_out, q, k, v, out, lse, alone, *rest) -> None:
+    *rest, mask = rest
+    _output_mask(mask)
     B, H, N, D = _rounds(q, k, v, *rest)
     _grads(grad_out, out, lse, None, B, H, N, D, q.dtype)
     _exact(alone, (B, H, N), "alone", torch.bool)
@@ -422,6 +432,8 @@ def violation(op: str, args: list) -> str | None:
 def _kind(call: Call, i: int) -> str:
     name = names(call.op)[i]
     x = call.args[i]
+    if name == "output_mask":
+        return "bools"
     if isinstance(x, list):
         return "ints"
     if isinstance(x, float):
@@ -441,6 +453,10 @@ def mutations(call: Call) -> list[dict]:
         if x is None:
             if optional(call.op, i):
                 out.append(dict(arg=i, kind="give"))
+            continue
+        if kind == "bools":  # which gradients to compute: any choice is valid, a list of another length is not
+            out += [dict(arg=i, kind="flip", at=e) for e in range(len(x))]
+            out += [dict(arg=i, kind="length", by=1), dict(arg=i, kind="length", by=-1)]
             continue
         if kind == "ints":
             for e in range(len(x)):
@@ -550,6 +566,8 @@ def apply(call: Call, spec: dict) -> tuple[list, bool]:
         same = (call.op.split("_")[0], spec["at"]) in SEMANTIC_FREE or old == spec["value"]
     elif kind == "length":
         args[i] = list(x) + [0] if spec["by"] > 0 else list(x)[:-1]
+    elif kind == "flip":
+        args[i] = [not b if e == spec["at"] else b for e, b in enumerate(x)]
     elif kind == "scale":
         args[i] = float(spec["value"])
         same = args[i] == x

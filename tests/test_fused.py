@@ -467,3 +467,49 @@ def test_ninja_is_found_in_this_python_s_scripts_folder_without_an_activated_ven
     monkeypatch.setattr(fused_build.sysconfig, "get_path", lambda name: str(tmp_path / "empty"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert not fused_build._ninja_on_path()
+
+
+class _MaskRecorder:
+    """Stands in for torch.ops.routeformer_fused: records each backward's output_mask and its gradients' sizes."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[bool], list[int]]] = []
+
+    def __getattr__(self, name: str):
+        op = getattr(torch.ops.routeformer_fused, name)
+        if not name.endswith("_backward"):
+            return op
+
+        def recorded(*args):
+            result = op(*args)
+            self.seen.append((list(args[-1]), [t.numel() for t in result[:3]]))
+            return result
+
+        return recorded
+
+
+@pytest.mark.parametrize("wanted", ["q", "k", "v", "qv"])
+@pytest.mark.parametrize("name", ["band", "ranges", "LSH rounds"])
+def test_only_the_gradients_autograd_asks_for_are_computed(name: str, wanted: str, monkeypatch) -> None:
+    """The backward operators get autograd's needs_input_grad as their output_mask and leave the other gradients
+    empty (their products skipped); what is computed is the same bits as with every gradient."""
+    from routeformer.executors.fused import op as fused_op
+
+    if name == "LSH rounds" and wanted == "k":
+        pytest.skip("LSH's keys are made from q inside the kernel: no k")
+    (q, k, v), cases = _double_backward_cases()
+    grad = torch.randn(1, 2, 40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    full = torch.autograd.grad(cases[name](q, k, v), (q, k, v), grad, allow_unused=True)
+    recorder = _MaskRecorder()
+    monkeypatch.setattr(fused_op, "ops", lambda: recorder)
+    inputs = [x.detach().requires_grad_(n in wanted) for n, x in zip("qkv", (q, k, v), strict=True)]
+    asked = [x for x in inputs if x.requires_grad]
+    some = torch.autograd.grad(cases[name](*inputs), asked, grad)
+    mask = [n in wanted for n in "qkv"]
+    assert recorder.seen and all(m == mask for m, _ in recorder.seen)
+    for m, sizes in recorder.seen:
+        assert [size > 0 for size in sizes[:3]][::2] == [m[0], m[2]]  # dq, dv: computed exactly when asked
+        if name != "LSH rounds":
+            assert (sizes[1] > 0) == m[1]
+    for got, n in zip(some, [n for n in "qkv" if n in wanted], strict=True):
+        assert torch.equal(got, full["qkv".index(n)])

@@ -70,6 +70,10 @@ def _mutation(draw, calls) -> dict:
     x, kind = call.args[i], fb._kind(call, i)
     if x is None:
         return dict(call=c, arg=i, kind="give")
+    if kind == "bools":  # the backward's output_mask: one entry flipped, or a list of another length
+        if draw(st.integers(0, 3)) == 0:
+            return dict(call=c, arg=i, kind="length", by=draw(st.sampled_from([-1, 1])))
+        return dict(call=c, arg=i, kind="flip", at=draw(st.integers(0, len(x) - 1)))
     if kind == "ints":
         if draw(st.integers(0, 9)) == 0:
             return dict(call=c, arg=i, kind="length", by=draw(st.sampled_from([-1, 1])))

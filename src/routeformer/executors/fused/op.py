@@ -92,8 +92,8 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "band_backward")
     def _(grad_out, grad_lse, q, k, v, out, lse, alone, geometry, scale, allow, tile_mask, key_valid, groups, order,
-          key_table, value_table, delta, positions, bias):
-        return _grad_shapes(q, k, key_table)
+          key_table, value_table, delta, positions, bias, output_mask):
+        return _grad_shapes(q, k, key_table, output_mask)
 
     @torch.library.register_fake(lib + "ranges_forward")
     def _(q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table, value_table):
@@ -102,8 +102,8 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "ranges_backward")
     def _(grad_out, grad_lse, q, k, v, out, lse, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos,
-          key_table, value_table):
-        return _grad_shapes(q, k, key_table)
+          key_table, value_table, output_mask):
+        return _grad_shapes(q, k, key_table, output_mask)
 
     @torch.library.register_fake(lib + "rounds_forward")
     def _(q, k, v, order, groups, labels, key_valid, setup, scale):
@@ -111,8 +111,11 @@ def _register() -> None:
         return q.new_empty(B, H, N, D), q.new_empty(B, H, N), q.new_empty(B, H, N, dtype=torch.bool)
 
     @torch.library.register_fake(lib + "rounds_backward")
-    def _(grad_out, q, k, v, out, lse, alone, order, groups, labels, key_valid, setup, scale):
-        return q.new_empty(q.shape), q.new_empty(0) if k is None else k.new_empty(k.shape), v.new_empty(v.shape)
+    def _(grad_out, q, k, v, out, lse, alone, order, groups, labels, key_valid, setup, scale, output_mask):
+        need_q, need_k, need_v = output_mask
+        return (q.new_empty(q.shape if need_q else (0,)),
+                q.new_empty(0) if k is None or not need_k else k.new_empty(k.shape),
+                v.new_empty(v.shape if need_v else (0,)))
 
     @torch.library.register_fake(lib + "sigmoid_gelu")
     def _(x):
@@ -124,17 +127,34 @@ def _register() -> None:
 
 
 
-def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None):
+def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None, output_mask: list[bool]):
+    need_q, need_k, need_v = output_mask
     table = (0,) if key_table is None else tuple(key_table.shape)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape), q.new_empty(table),
-            q.new_empty(table))
+    return (q.new_empty(q.shape if need_q else (0,)), k.new_empty(k.shape if need_k else (0,)),
+            k.new_empty(k.shape if need_v else (0,)), q.new_empty(table), q.new_empty(table))
 
 
-def _optional_grads(names: tuple[str, ...], optional: list, dkey: Tensor, dvalue: Tensor) -> list[Tensor | None]:
-    """The gradients of the optional inputs: the relative tables' where given, none for the rest."""
+def _output_mask(ctx, first_optional: int, names: tuple[str, ...]) -> list[bool]:
+    """The backward operators' output_mask from autograd's needs_input_grad: q; k or the key table; v or the value
+    table (a table's gradient comes out of the same products as its side's)."""
+    needs = ctx.needs_input_grad
+    table = {name: needs[first_optional + i] for i, name in enumerate(names) if name in ("key_table", "value_table")}
+    return [needs[0], needs[1] or table.get("key_table", False), needs[2] or table.get("value_table", False)]
+
+
+def _grads(ctx, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """q, k, v's gradients where autograd asked for them (the operator leaves the others empty)."""
+    needs = ctx.needs_input_grad
+    return dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None
+
+
+def _optional_grads(ctx, first_optional: int, names: tuple[str, ...], optional: list, dkey: Tensor,
+                    dvalue: Tensor) -> list[Tensor | None]:
+    """The gradients of the optional inputs: the relative tables' where given and asked for, none for the rest."""
     tables = {"key_table": dkey, "value_table": dvalue}
-    return [tables[name] if name in tables and x is not None else None for name, x in zip(names, optional,
-                                                                                         strict=True)]
+    needs = ctx.needs_input_grad[first_optional:]
+    return [tables[name] if name in tables and x is not None and need else None
+            for name, x, need in zip(names, optional, needs, strict=True)]
 
 
 class _Band(torch.autograd.Function):
@@ -152,8 +172,9 @@ class _Band(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_alone):  # type: ignore[override]
         q, k, v, out, lse, alone, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().band_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse), q,
-                                                       k, v, out, lse, alone, ctx.geometry, ctx.scale, *optional)
-        return (dq, dk, dv, None, None, *_optional_grads(_OPTIONAL_BAND, optional, dkey, dvalue))
+                                                       k, v, out, lse, alone, ctx.geometry, ctx.scale, *optional,
+                                                       _output_mask(ctx, 5, _OPTIONAL_BAND))
+        return (*_grads(ctx, dq, dk, dv), None, None, *_optional_grads(ctx, 5, _OPTIONAL_BAND, optional, dkey, dvalue))
 
 
 class _Ranges(torch.autograd.Function):
@@ -170,8 +191,10 @@ class _Ranges(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse, lo, hi, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse),
-                                                         q, k, v, out, lse, lo, hi, ctx.setup, ctx.scale, *optional)
-        return (dq, dk, dv, None, None, None, None, *_optional_grads(_OPTIONAL_RANGES, optional, dkey, dvalue))
+                                                         q, k, v, out, lse, lo, hi, ctx.setup, ctx.scale, *optional,
+                                                         _output_mask(ctx, 7, _OPTIONAL_RANGES))
+        return (*_grads(ctx, dq, dk, dv), None, None, None, None,
+                *_optional_grads(ctx, 7, _OPTIONAL_RANGES, optional, dkey, dvalue))
 
 
 class _Rounds(torch.autograd.Function):
@@ -189,7 +212,9 @@ class _Rounds(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_alone):  # type: ignore[override]
         q, k, v, out, lse, alone, order, groups, labels, key_valid = ctx.saved_tensors
         dq, dk, dv = ops().rounds_backward(_zeros_like_or_none(grad_out, out), q, k, v, out, lse, alone, order,
-                                           groups, labels, key_valid, ctx.setup, ctx.scale)
+                                           groups, labels, key_valid, ctx.setup, ctx.scale,
+                                           list(ctx.needs_input_grad[:3]))
+        dq, dk, dv = _grads(ctx, dq, dk, dv)
         return dq, None if k is None else dk, dv, None, None, None, None, None, None
 
 

@@ -398,8 +398,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
     const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
     const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
-    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias) {
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask) {
   const char* op = "band_backward";
+  const Needs need = Needs::of(output_mask);
   const Geometry g = check_call(op, q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, key_table,
                                 value_table, delta, positions, bias);
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), Nk = k.size(2), D = q.size(3);
@@ -408,9 +410,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
   if (g.exclude_self) checks::flat(op, alone, "alone", at::kBool, "(B, H, Nq)", {B, H, Nq});
   auto go = grad_out.contiguous();
   auto o = out.contiguous();
-  auto dq = at::empty({B, H, Nq, D}, q.options());
-  auto dk = at::zeros({B, H, Nk, D}, q.options());
-  auto dv = at::zeros({B, H, Nk, D}, q.options());
+  auto dq = at::empty(need.q ? at::IntArrayRef{B, H, Nq, D} : at::IntArrayRef{0}, q.options());
+  auto dk = at::zeros(need.k ? at::IntArrayRef{B, H, Nk, D} : at::IntArrayRef{0}, q.options());
+  auto dv = at::zeros(need.v ? at::IntArrayRef{B, H, Nk, D} : at::IntArrayRef{0}, q.options());
   const bool has_rel = key_table.has_value();
   const int64_t L = has_rel ? key_table->size(0) : 0;
   auto dtab = at::zeros({2, B * H, std::max<int64_t>(L, 1), D}, q.options());  // per head, summed in head order
@@ -426,7 +428,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
     const T* lse_p = lse.data_ptr<T>();
     const T* glse_p = grad_lse.has_value() ? grad_lse->data_ptr<T>() : nullptr;
     const bool* alone_p = g.exclude_self ? alone.data_ptr<bool>() : nullptr;
-    T* dq_p = dq.data_ptr<T>();
+    T* dq_p = need.q ? dq.data_ptr<T>() : nullptr;
     at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
       Work<T> w;
       std::vector<int64_t> seq, qrow, a, e;
@@ -435,9 +437,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
       Rows rows;
       for (int64_t bh = h0; bh < h1; bh++) {
         const Head<T> hd = head_of<T>(q, k, v, bh, H, ord, static_cast<T>(scale));
-        Grads<T> gr{dk.data_ptr<T>() + bh * Nk * D, dv.data_ptr<T>() + bh * Nk * D,
-                    has_rel ? dtab.data_ptr<T>() + bh * L * D : nullptr,
-                    has_rel ? dtab.data_ptr<T>() + (B * H + bh) * L * D : nullptr};
+        Grads<T> gr{need.k ? dk.data_ptr<T>() + bh * Nk * D : nullptr,
+                    need.v ? dv.data_ptr<T>() + bh * Nk * D : nullptr,
+                    has_rel && need.k ? dtab.data_ptr<T>() + bh * L * D : nullptr,
+                    has_rel && need.v ? dtab.data_ptr<T>() + (B * H + bh) * L * D : nullptr, need.q};
         for (int64_t x = 0; x < nbk; x++) {
           const int64_t n = block_rows(c, bh, x, ord, seq, qrow, a, e, rows);
           T* lr = lb.get(n);
@@ -450,8 +453,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
             al[r] = alone_p == nullptr ? 0 : alone_p[at_row];
           }
           backward_block(hd, rel, BandRules<T>(c, bh, rows.qseq), rows, go_p + bh * Nq * D, D, lr, dr, al, w, gr);
-          for (int64_t r = 0; r < n; r++)
-            std::memcpy(dq_p + (bh * Nq + qrow[r]) * D, w.dq.ptr + r * D, D * sizeof(T));
+          if (need.q)
+            for (int64_t r = 0; r < n; r++)
+              std::memcpy(dq_p + (bh * Nq + qrow[r]) * D, w.dq.ptr + r * D, D * sizeof(T));
         }
       }
     });

@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -527,13 +528,21 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
 }
 
 // Where a backward block's key gradients go: rows of dk, dv in place (no key order) or through scratch and an
-// addition by index; and the relative tables' gradients (L, D) each.
+// addition by index; and the relative tables' gradients (L, D) each. A null dk (with its dkey) or dv (with its
+// dvalue), or dq false, is a gradient nobody needs (autograd's needs_input_grad): its products are skipped.
 template <typename T>
 struct Grads {
   T* dk;
   T* dv;
   T* dkey;    // null without relative positions
   T* dvalue;
+  bool dq = true;
+};
+
+// The backward operators' output_mask (q; k or its table; v or its table), as autograd's needs_input_grad.
+struct Needs {
+  bool q, k, v;
+  static Needs of(std::array<bool, 3> mask) { return {mask[0], mask[1], mask[2]}; }
 };
 
 // Backward of one block, recomputing the probabilities from q, k and the rows' lse. Rows take, per row: lse
@@ -588,35 +597,40 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
     }
     // dv (and d a^V) += [p | p per table row]ᵀ · dout
     T* dkv = nullptr;
-    if (h.key_order == nullptr && !ext) {
+    if (g.dv == nullptr) {
+    } else if (h.key_order == nullptr && !ext) {
       gemm<T>(true, false, nc, D, n, T(1), s, ld, dop, ldo, T(1), g.dv + c0 * D, D);
     } else {
       dkv = w.kv_grad.get(W * D);
       gemm<T>(true, false, W, D, n, T(1), s, ld, dop, ldo, T(0), dkv, D);
       add_key_rows(dkv, nc, D, h.key_order, c0, g.dv, ext ? g.dvalue : nullptr, u0, U);
     }
-    gemm<T>(false, true, n, W, D, T(1), dop, ldo, vp, ldv, T(0), dp, ld);  // dp = dout · [v | a^V]ᵀ
+    const bool need_ds = g.dq || g.dk != nullptr;  // the scores' gradient feeds dq and dk only
+    if (need_ds) gemm<T>(false, true, n, W, D, T(1), dop, ldo, vp, ldv, T(0), dp, ld);  // dp = dout · [v | a^V]ᵀ
     for (int64_t r = 0; r < n; r++) {
       T* dpr = dp + r * ld;
       const int64_t a = std::max(rows.a[r], c0) - c0, e = std::min(rows.e[r], c1) - c0;
-      if (ext && a < e) rc.gather_add(r, dpr, a, e, dpr + nc);  // dp_ij += dout_i · a^V_ij
+      if (need_ds && ext && a < e) rc.gather_add(r, dpr, a, e, dpr + nc);  // dp_ij += dout_i · a^V_ij
       if (rc.direct && a < e && lse[r] != neg_inf<T>()) {  // the same per pair, and d a^V += p_ij dout_i
         const int32_t* ir = rc.row_index(r);
         const T* row = s + r * ld;
         const T* dor = dop + r * ldo;
         for (int64_t j = a; j < e; j++) {
-          dpr[j] += dot(dor, rel.value + ir[j] * D, D);
-          if (row[j] != T(0)) axpy(g.dvalue + ir[j] * D, dor, D, row[j]);
+          if (need_ds) dpr[j] += dot(dor, rel.value + ir[j] * D, D);
+          if (g.dvalue != nullptr && row[j] != T(0)) axpy(g.dvalue + ir[j] * D, dor, D, row[j]);
         }
       }
+      if (!need_ds) continue;
       softmax_grad_row(dpr, s + r * ld, nc, delta[r]);  // ds, in dp
       if (ext) {  // ds summed per table row, after the chunk's own columns
         std::fill(dpr + nc, dpr + W, T(0));
         if (a < e && lse[r] != neg_inf<T>()) rc.scatter_add(r, dpr, a, e, dpr + nc);
       }
     }
-    gemm<T>(false, false, n, D, W, T(1), dp, ld, kp, ldk, T(1), dq, D);  // dq += [ds | ..] · [k | a^K] (scaled below)
-    if (h.key_order == nullptr && !ext) {
+    if (!need_ds) continue;
+    if (g.dq) gemm<T>(false, false, n, D, W, T(1), dp, ld, kp, ldk, T(1), dq, D);  // dq += [ds | ..] · [k | a^K]
+    if (g.dk == nullptr) {
+    } else if (h.key_order == nullptr && !ext) {
       gemm<T>(true, false, nc, D, n, h.scale, dp, ld, qp, ldq, T(1), g.dk + c0 * D, D);
     } else {
       dkv = w.kv_grad.get(W * D);
@@ -631,8 +645,8 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
         const T* dsr = dp + r * ld;
         for (int64_t j = a; j < e; j++) {
           if (dsr[j] == T(0)) continue;
-          axpy(dq + r * D, rel.key + ir[j] * D, D, dsr[j]);
-          axpy(g.dkey + ir[j] * D, qp + r * ldq, D, h.scale * dsr[j]);
+          if (g.dq) axpy(dq + r * D, rel.key + ir[j] * D, D, dsr[j]);
+          if (g.dkey != nullptr) axpy(g.dkey + ir[j] * D, qp + r * ldq, D, h.scale * dsr[j]);
         }
       }
     }

@@ -25,7 +25,7 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "band_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor alone, int[] geometry, float scale, Tensor? allow, Tensor? tile_mask, Tensor? key_valid, "
       "Tensor? groups, Tensor? order, Tensor? key_table, Tensor? value_table, Tensor? delta, "
-      "Tensor? positions, Tensor? bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? positions, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "ranges_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int[] setup, float scale, "
       "Tensor? key_order, Tensor? key_valid, Tensor? query_pos, Tensor? key_pos, Tensor? key_table, "
@@ -33,14 +33,15 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def(
       "ranges_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor lo, Tensor hi, int[] setup, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
-      "Tensor? key_pos, Tensor? key_table, Tensor? value_table) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? key_pos, Tensor? key_table, Tensor? value_table, bool[3] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "rounds_forward(Tensor q, Tensor? k, Tensor v, Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, "
       "int[] setup, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "rounds_backward(Tensor grad_out, Tensor q, Tensor? k, Tensor v, Tensor out, Tensor lse, Tensor alone, "
-      "Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, int[] setup, float scale) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, int[] setup, float scale, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   m.def("sigmoid_gelu(Tensor x) -> Tensor");
   m.def("sigmoid_gelu_backward(Tensor grad, Tensor x) -> Tensor");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
 
@@ -25,7 +26,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
     const std::optional<at::Tensor>& groups, const std::optional<at::Tensor>& order,
     const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
-    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias);
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask);
 
 std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi,
@@ -40,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table);
+    const std::optional<at::Tensor>& value_table, std::array<bool, 3> output_mask);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
     const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
@@ -51,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
     const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
-    at::IntArrayRef setup, double scale);
+    at::IntArrayRef setup, double scale, std::array<bool, 3> output_mask);
 
 at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);

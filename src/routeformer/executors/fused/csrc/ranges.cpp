@@ -271,16 +271,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table) {
+    const std::optional<at::Tensor>& value_table, std::array<bool, 3> output_mask) {
+  const Needs need = Needs::of(output_mask);
   const char* op = "ranges_backward";
   const Sizes z = check_call(op, q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table,
                              value_table);
   checks::grads(op, grad_out, grad_lse, out, lse, {z.B, z.H, z.Nq, z.N, z.D}, q.scalar_type());
   auto go = grad_out.contiguous();
   auto o = out.contiguous();
-  auto dq = at::zeros({z.B, z.H, z.Nq, z.D}, q.options());
-  auto dk = at::zeros({z.B, z.H, z.N, z.D}, q.options());
-  auto dv = at::zeros({z.B, z.H, z.N, z.D}, q.options());
+  auto dq = at::zeros(need.q ? at::IntArrayRef{z.B, z.H, z.Nq, z.D} : at::IntArrayRef{0}, q.options());
+  auto dk = at::zeros(need.k ? at::IntArrayRef{z.B, z.H, z.N, z.D} : at::IntArrayRef{0}, q.options());
+  auto dv = at::zeros(need.v ? at::IntArrayRef{z.B, z.H, z.N, z.D} : at::IntArrayRef{0}, q.options());
   const bool has_rel = key_table.has_value();
   const int64_t L = has_rel ? key_table->size(0) : 1;
   auto dtab = at::zeros({2, z.B * z.H, L, z.D}, q.options());
@@ -293,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     const T* o_p = o.data_ptr<T>();
     const T* lse_p = lse.data_ptr<T>();
     const T* glse_p = grad_lse.has_value() ? grad_lse->data_ptr<T>() : nullptr;
-    T* dq_p = dq.data_ptr<T>();
+    T* dq_p = need.q ? dq.data_ptr<T>() : nullptr;
     at::parallel_for(0, BH, 1, [&](int64_t h0, int64_t h1) {
       Work<T> w;
       std::vector<int64_t> qrow, a, e;
@@ -307,9 +308,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
           delta[i] = dot(go_p + at_row * D, o_p + at_row * D, D) - (glse_p == nullptr ? T(0) : glse_p[at_row]);
         }
         const Entries en = c.entries(bh);
-        Grads<T> gr{dk.data_ptr<T>() + bh * z.N * D, dv.data_ptr<T>() + bh * z.N * D,
-                    has_rel ? dtab.data_ptr<T>() + bh * L * D : nullptr,
-                    has_rel ? dtab.data_ptr<T>() + (BH + bh) * L * D : nullptr};
+        Grads<T> gr{need.k ? dk.data_ptr<T>() + bh * z.N * D : nullptr,
+                    need.v ? dv.data_ptr<T>() + bh * z.N * D : nullptr,
+                    has_rel && need.k ? dtab.data_ptr<T>() + bh * L * D : nullptr,
+                    has_rel && need.v ? dtab.data_ptr<T>() + (BH + bh) * L * D : nullptr, need.q};
         for (size_t b = 0; b + 1 < en.start.size(); b++) {
           c.rows_of(en, bh, b, qrow, a, e, rows);
           const int64_t n = rows.n;
@@ -323,7 +325,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
           }
           backward_block(c.head(bh), c.rel, c.rules(bh, qrow.data()), rows, go_p + bh * z.Nq * D, D, lr, dr, al,
                          w, gr);
-          for (int64_t r = 0; r < n; r++) axpy(dq_p + (bh * z.Nq + qrow[r]) * D, w.dq.ptr + r * D, D, T(1));
+          if (need.q)
+            for (int64_t r = 0; r < n; r++) axpy(dq_p + (bh * z.Nq + qrow[r]) * D, w.dq.ptr + r * D, D, T(1));
         }
       }
     });

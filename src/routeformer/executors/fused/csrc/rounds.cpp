@@ -291,17 +291,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
     const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
-    at::IntArrayRef setup, double scale) {
+    at::IntArrayRef setup, double scale, std::array<bool, 3> output_mask) {
   const char* op = "rounds_backward";
+  Needs need = Needs::of(output_mask);
+  if (!k.has_value()) need.k = need.q;  // the unit keys' gradient is taken back to q
   const Setup st = check_call(op, q, k, v, order, groups, labels, key_valid, setup, scale);
   const int64_t B = q.size(0), H = q.size(1), R = order.size(2), N = q.size(2), D = q.size(3);
   checks::grads(op, grad_out, std::nullopt, out, lse, {B, H, N, N, D}, q.scalar_type());
   checks::flat(op, alone, "alone", at::kBool, "(B, H, N)", {B, H, N});
   auto go = grad_out.contiguous();
   auto o = out.contiguous();
-  auto dq = at::zeros({B, H, N, D}, q.options());
-  auto dk = at::zeros({B, H, N, D}, q.options());
-  auto dv = at::zeros({B, H, N, D}, q.options());
+  auto dq = at::zeros(need.q ? at::IntArrayRef{B, H, N, D} : at::IntArrayRef{0}, q.options());
+  auto dk = at::zeros(need.k ? at::IntArrayRef{B, H, N, D} : at::IntArrayRef{0}, q.options());
+  auto dv = at::zeros(need.v ? at::IntArrayRef{B, H, N, D} : at::IntArrayRef{0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_rounds_backward", [&] {
     using T = scalar_t;
     const std::vector<T> unit = k.has_value() ? std::vector<T>() : unit_key_scales<T>(q, scale);
@@ -311,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
     const T* o_p = o.data_ptr<T>();
     const T* lse_p = lse.data_ptr<T>();
     const bool* alone_p = alone.data_ptr<bool>();
-    T* dq_p = dq.data_ptr<T>();
+    T* dq_p = need.q ? dq.data_ptr<T>() : nullptr;
     at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
       Work<T> w;
       std::vector<int64_t> seq, qrow, a, e;
@@ -322,7 +324,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
         T* delta = dlt.get(N);
         for (int64_t i = 0; i < N; i++)
           delta[i] = dot(go_p + (bh * N + i) * D, o_p + (bh * N + i) * D, D);
-        Grads<T> gr{dk.data_ptr<T>() + bh * N * D, dv.data_ptr<T>() + bh * N * D, nullptr, nullptr};
+        Grads<T> gr{need.k ? dk.data_ptr<T>() + bh * N * D : nullptr,
+                    need.v ? dv.data_ptr<T>() + bh * N * D : nullptr, nullptr, nullptr, need.q};
         for (int64_t r = 0; r < R; r++) {
           for (int64_t x = 0; x < nbk; x++) {
             c.rows_of(bh, r, x, seq, qrow, a, e, rows);
@@ -336,12 +339,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
             }
             backward_block(c.head(bh, r), Rel<T>(), c.rules(bh, r, rows.qseq), rows, go_p + bh * N * D, D, lr, dr,
                            al, w, gr);
-            for (int64_t i = 0; i < rows.n; i++) axpy(dq_p + (bh * N + qrow[i]) * D, w.dq.ptr + i * D, D, T(1));
+            if (need.q)
+              for (int64_t i = 0; i < rows.n; i++) axpy(dq_p + (bh * N + qrow[i]) * D, w.dq.ptr + i * D, D, T(1));
           }
         }
-        for (int64_t i = 0; i < N; i++)  // a position alone in every round outputs its own value
-          if (alone_p[bh * N + i]) axpy(gr.dv + i * D, go_p + (bh * N + i) * D, D, T(1));
-        if (!k.has_value()) {  // unit keys k_j = c_j q_j, c_j = scale / |q_j|: dq_j += c_j (g - (g·u_j) u_j)
+        if (need.v)
+          for (int64_t i = 0; i < N; i++)  // a position alone in every round outputs its own value
+            if (alone_p[bh * N + i]) axpy(gr.dv + i * D, go_p + (bh * N + i) * D, D, T(1));
+        if (!k.has_value() && need.q) {  // unit keys k_j = c_j q_j, c_j = scale / |q_j|: dq_j += c_j (g - (g·u_j) u_j)
           const int64_t b = bh / H, h = bh % H;
           for (int64_t i = 0; i < N; i++) {
             const T* qr = c.q + b * c.qs[0] + h * c.qs[1] + i * c.qs[2];
