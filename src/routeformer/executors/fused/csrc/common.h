@@ -34,6 +34,8 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
             const float*, const int*, const float*, float*, const int*) __attribute__((weak));
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
             const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+// MKL's thread count for the calling thread (returns the previous one; 0: MKL's global count). Null without MKL.
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 }
 
 namespace routeformer {
@@ -58,6 +60,10 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, con
     return;
   }
   if (has_blas()) {  // column-major BLAS computes Cᵀ = op(B)ᵀ · op(A)ᵀ
+    // On the calling thread alone: the kernels share out their blocks themselves, and MKL, left to its own thread
+    // count, splits some products (long inner dimensions: a chunk with its relative table rows) differently at
+    // different counts, which changes the bits of the sums.
+    const int mkl_threads = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
     const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
     const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
     const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
@@ -66,6 +72,7 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, con
     } else {
       dgemm_(&tB, &tA, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
     }
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(mkl_threads);
     return;
   }
   // No BLAS symbols in this build of PyTorch: ATen's matmul on views of the rows.
