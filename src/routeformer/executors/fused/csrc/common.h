@@ -59,6 +59,16 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, con
       for (int64_t j = 0; j < n; j++) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
     return;
   }
+#ifdef ROUTEFORMER_SANITIZE  // the sanitizer build (tests/test_sanitizer.py): loops it sees every read and write of
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      T acc = 0;
+      for (int64_t p = 0; p < k; p++)
+        acc += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+      c[i * ldc + j] = beta == T(0) ? alpha * acc : alpha * acc + beta * c[i * ldc + j];
+    }
+  return;
+#endif
   if (has_blas()) {  // column-major BLAS computes Cᵀ = op(B)ᵀ · op(A)ᵀ
     // On the calling thread alone: the kernels share out their blocks themselves, and MKL, left to its own thread
     // count, splits some products (long inner dimensions: a chunk with its relative table rows) differently at
@@ -183,6 +193,16 @@ struct Buffer {
   T* ptr = nullptr;
   size_t size = 0;
   T* get(size_t n) {
+#ifdef ROUTEFORMER_SANITIZE  // exactly n values each time: the sanitizer sees a read or write past what was asked for
+    if (n != size) {
+      std::free(ptr);
+      ptr = nullptr;
+      TORCH_CHECK(posix_memalign(reinterpret_cast<void**>(&ptr), 64, std::max<size_t>(n, 1) * sizeof(T)) == 0,
+                  "routeformer fused attention: out of memory for ", n, " scratch values");
+      size = n;
+    }
+    return ptr;
+#endif
     if (n > size) {
       std::free(ptr);
       size_t bytes = ((n * sizeof(T) + 63) / 64) * 64;
