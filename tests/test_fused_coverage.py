@@ -24,8 +24,8 @@ same up to 2200 keys or queries, of terms that cancel: they are compared relativ
 want| <= 1e-4 · max |want| (again some 15 times sqrt(n)·eps); the relative tables' gradients sum over every pair of a
 head (up to N · 2200 ≈ 9e6, sqrt of that times eps ≈ 4e-4) and get 1e-3.
 
-Slow (``pytest -m slow``): the N = 4096 comparisons. Fast, in the default suite: one N = 1100 problem of each kind
-(rows crossing a chunk boundary) and the thread-count tests.
+Slow (``pytest -m slow``): the N = 4096 comparisons. Fast, in the default suite: one N = 1100 to 1400 problem of each
+kind (rows crossing a chunk boundary) and the thread-count tests.
 """
 
 from __future__ import annotations
