@@ -3,6 +3,16 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+if os.environ.get("ROUTEFORMER_TEST_SANITIZE") == "1":  # helpers.SANITIZE
+    # The sanitizer target (tests/test_sanitizer.py) runs the fused-kernel tests in a process of their own with this
+    # switch and the sanitizers' runtimes preloaded: the kernels are built with AddressSanitizer and UBSan, under a
+    # name of their own, and loaded instead of the normal build (whose operators have the same names).
+    from helpers import sanitized
+    from routeformer.executors import fused
+    from routeformer.executors.fused import build, executor
+
+    build.KERNELS = executor.KERNELS = fused.KERNELS = sanitized(build.KERNELS)
+
 # Small, many examples locally; CI and the default run use the same profile so timings stay predictable.
 settings.register_profile(
     "default",

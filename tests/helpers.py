@@ -12,6 +12,23 @@ from torch import Tensor
 from routeformer.attention import KINDS, RelativePositions, reference_attention
 from routeformer.executors import resolve_backend
 
+SANITIZE = "ROUTEFORMER_TEST_SANITIZE"  # "1": the fused kernels' sanitizer build (conftest.py, test_sanitizer.py)
+# -D_GLIBCXX_ASSERTIONS: std::vector's [] checked; ROUTEFORMER_SANITIZE: products as plain loops and scratch of exactly
+# the size asked for (csrc/common.h), so that the sanitizers see every access (none hides inside BLAS or a rounded-up
+# allocation)
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1", "-D_GLIBCXX_ASSERTIONS",
+                  "-DROUTEFORMER_SANITIZE")
+
+
+def sanitized(build):
+    """``build`` (a ``KernelBuild``) compiled with AddressSanitizer and UBSan, under a name of its own (its prefix
+    and ``_asan``). Loading it needs the sanitizers' runtimes preloaded (``test_sanitizer.py``)."""
+    from routeformer.executors.fused import KernelBuild
+
+    return KernelBuild(f"{build.prefix}_asan", build.sources, build.headers, root=build.root,
+                       extra_cflags=("-fopenmp", *SANITIZE_FLAGS), extra_ldflags=("-fopenmp", SANITIZE_FLAGS[0]),
+                       what=f"{build.what} with AddressSanitizer and UBSan")
+
 
 def rand_qkv(B: int, H: int, N: int, D: int, dtype=torch.float64, seed: int = 0, grad: bool = True):
     g = torch.Generator().manual_seed(seed)

@@ -35,6 +35,8 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
             const float*, const int*, const float*, float*, const int*) __attribute__((weak));
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
             const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+// MKL's thread count for the calling thread (returns the previous one; 0: MKL's global count). Null without MKL.
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 }
 
 namespace routeformer {
@@ -61,7 +63,21 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, con
       for (int64_t j = 0; j < n; j++) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
     return;
   }
+#ifdef ROUTEFORMER_SANITIZE  // the sanitizer build (tests/test_sanitizer.py): loops it sees every read and write of
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      T acc = 0;
+      for (int64_t p = 0; p < k; p++)
+        acc += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+      c[i * ldc + j] = beta == T(0) ? alpha * acc : alpha * acc + beta * c[i * ldc + j];
+    }
+  return;
+#endif
   if (has_blas()) {  // column-major BLAS computes Cᵀ = op(B)ᵀ · op(A)ᵀ
+    // On the calling thread alone: the kernels share out their blocks themselves, and MKL, left to its own thread
+    // count, splits some products (long inner dimensions: a chunk with its relative table rows) differently at
+    // different counts, which changes the bits of the sums.
+    const int mkl_threads = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
     const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
     const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
     const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
@@ -70,6 +86,7 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, con
     } else {
       dgemm_(&tB, &tA, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
     }
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(mkl_threads);
     return;
   }
   // No BLAS symbols in this build of PyTorch: ATen's matmul on views of the rows.
@@ -180,6 +197,16 @@ struct Buffer {
   T* ptr = nullptr;
   size_t size = 0;
   T* get(size_t n) {
+#ifdef ROUTEFORMER_SANITIZE  // exactly n values each time: the sanitizer sees a read or write past what was asked for
+    if (n != size) {
+      std::free(ptr);
+      ptr = nullptr;
+      TORCH_CHECK(posix_memalign(reinterpret_cast<void**>(&ptr), 64, std::max<size_t>(n, 1) * sizeof(T)) == 0,
+                  "routeformer fused attention: out of memory for ", n, " scratch values");
+      size = n;
+    }
+    return ptr;
+#endif
     if (n > size) {
       std::free(ptr);
       size_t bytes = ((n * sizeof(T) + 63) / 64) * 64;
