@@ -32,7 +32,7 @@ LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}  # float lanes of at::vec's Vect
 FUSED_TESTS = ["tests/test_fused.py", "tests/test_fused_coverage.py", "tests/test_ranges.py", "tests/test_lsh.py",
                "tests/test_executors.py",
                "-k", "fused and not build and not compil and not ninja and not switch and not library "
-                     "and not fcntl and not bench"]
+                     "and not fcntl and not bench and not required"]
 
 
 def _env(**extra: str) -> dict[str, str]:
