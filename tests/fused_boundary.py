@@ -665,9 +665,13 @@ def run_one(call: Call, spec: dict, baseline: list[Tensor]) -> dict:
 
 
 def _library() -> str:
-    """The loaded kernels' file: a worker loads it alone instead of importing routeformer (seconds per worker)."""
-    found = [p for p in torch.ops.loaded_libraries if os.path.basename(p).startswith("routeformer_fused")]
-    return found[0] if len(found) == 1 else ""
+    """The loaded kernels' file, where the build keeps it (a process that compiled them loaded them from the private
+    folder they were built in, since moved): a worker loads it alone instead of importing routeformer (seconds per
+    worker)."""
+    from routeformer.executors.fused import executor
+
+    status = executor.KERNELS.status()
+    return str(status.library) if status.ok else ""
 
 
 CHILD_SECONDS = 60  # a mutated call that runs longer is reported as hung

@@ -8,6 +8,7 @@ import torch
 
 from helpers import banner
 from routeformer.bench import recall
+from routeformer.bench.measure import Echo
 from routeformer.bench.recall import HEADERS, attention_config
 from routeformer.cli import main
 from routeformer.data import prepare
@@ -44,7 +45,7 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
 def test_bench_recall_names_the_executor_of_each_row() -> None:
     said: list[str] = []
     recall.run(["passkey"], ["local", "local@backend='tiles'", "full"], seq_len=48, gap=12, window=4, dim=16,
-               steps=1, batch=2, eval_sequences=4, echo=lambda *_: None, say=said.append)
+               steps=1, batch=2, eval_sequences=4, echo=Echo(lambda *_: None, said.append))
     auto = describe_backend("auto", "cpu").removeprefix("attention: ")
     assert said == [f"attention (local, full): {auto}", "attention (local@backend='tiles'): tiles (asked for)"]
 

@@ -44,7 +44,15 @@ from ..attention.routing import RoutingOptions
 from ..executors import describe_backend, get_executor
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
-from .measure import PeakMemory, format_table, kept_for_backward, measured_backend, median_time, memory_trackable
+from .measure import (
+    PeakMemory,
+    format_table,
+    kept_for_backward,
+    measured_backend,
+    median_time,
+    memory_trackable,
+    notes,
+)
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -313,14 +321,14 @@ def run(
     leak_n: int | None = None,
     backend: str = "auto",
     echo: Callable[[str], None] = print,
-    say: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """Measure every candidate at every length; print one table per length (and, causal, the leak table of
-    ``leaks`` at N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows. ``say``: where the line
-    naming the executor ``backend`` runs as goes, once the mechanisms are chosen (the command line: stderr)."""
+    """Measure every candidate at every length; print one table per length (and, causal, the leak table of ``leaks`` at
+    N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows. ``echo``'s notes (``measure.Echo``): where
+    the line naming the executor ``backend`` runs as goes, once the mechanisms are chosen (the command line: stderr)."""
     dev = torch.device(device)
     results: list[dict] = []
     first = selected(candidates(ns[0], heads, head_dim, window, dev, dtype, causal, backend), only)  # --only checked
+    say = notes(echo)
     if say is not None:
         say(describe_backend(backend, dev, dtype))
     matmul = rf.matmul_gflops(dev, dtype)

@@ -6,6 +6,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +45,24 @@ def measured_backend(backend: str, device: torch.device) -> str:
                 f"does not have ({status.why()}); measure the tiles executor with --backend tiles, or a lower "
                 f"capability with ATEN_CPU_CAPABILITY=avx2|default")
     return name
+
+
+@dataclass(frozen=True)
+class Echo:
+    """Where a benchmark's lines go: its tables (``table``: called as ``echo(line)``) and its notes on how it runs,
+    such as the line naming the attention executor (``note``; none by default): one value, so a benchmark's
+    ``run`` takes one ``echo`` (a plain callable is an Echo without notes)."""
+
+    table: Callable[[str], None] = print
+    note: Callable[[str], None] | None = None
+
+    def __call__(self, line: str) -> None:
+        self.table(line)
+
+
+def notes(echo: Callable[[str], None]) -> Callable[[str], None] | None:
+    """Where ``echo``'s notes go: its ``note`` if it is an ``Echo``, else nowhere."""
+    return echo.note if isinstance(echo, Echo) else None
 
 
 def executor_lines(lines: dict[str, str]) -> list[str]:

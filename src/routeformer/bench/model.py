@@ -32,6 +32,7 @@ from .measure import (
     median_time,
     memory_trackable,
     merge_fields,
+    notes,
     synchronize,
 )
 
@@ -80,12 +81,13 @@ def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.T
 def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, heads: int = 8, window: int = 256,
         batch: int = 1, repeats: int = 3, steps: int = 8, device: str = "cpu",
         attentions: tuple[str, ...] | list[str] = MODELS, backend: str = "auto",
-        echo: Callable[[str], None] = print, say: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
-    """Print the training and the generation tables for each attention spec; return their rows. ``say``: where the
-    line naming the executor the models run on goes, once their configurations are checked (the command line:
-    stderr)."""
+        echo: Callable[[str], None] = print) -> dict[str, list[dict]]:
+    """Print the training and the generation tables for each attention spec; return their rows. ``echo``'s notes
+    (``measure.Echo``): where the line naming the executor the models run on goes, once their configurations are checked
+    (the command line: stderr)."""
     dev = torch.device(device)
     configs = {n: model_configs(n, dim, depth, heads, window, attentions, backend) for n in ns}  # checked first
+    say = notes(echo)
     if say is not None and ns:
         for line in executor_lines({name: config.describe_executor(dev) for name, config in configs[ns[0]].items()}):
             say(line)

@@ -33,7 +33,7 @@ from ..model import TransformerConfig, TransformerLM
 from ..model.config import MOVED, old_spelling_error
 from ..train.config import FIELDS, TrainConfig, parse_override, set_field
 from ..train.schedule import learning_rate
-from .measure import executor_lines, format_table, merge_fields
+from .measure import executor_lines, format_table, merge_fields, notes
 
 EVAL_SEED = 10**6  # held-out batches use seeds from here; training batches use seeds 0, 1, ...
 
@@ -138,14 +138,13 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
         dim: int = 64, heads: int = 4, window: int = 8, num_clusters: int | None = None,
         routing_window: int | None = None, steps: int = 800, batch: int = 32,
         lr: float = 1e-3, eval_sequences: int = 512, seeds: list[int] | tuple[int, ...] = (0,),
-        extra: dict | None = None, echo: Callable[[str], None] = print,
-        say: Callable[[str], None] | None = None) -> list[dict]:
-    """Train and score one model per (task, attention, seed); print the table row by row, then whole; return the
-    rows. ``facts``: mqar's facts (each with its own key). ``window``: the local heads' (and rel_clip);
-    ``num_clusters``, ``routing_window``: the routing heads' (None: their defaults). ``extra``: further
-    TransformerConfig fields for every model (``positions``, ``options``, ...); a row's own settings come after
-    the bench's, ``extra`` last (``options`` merged section by section). ``say``: where the line naming the
-    executor the models run on (on the CPU) goes, once every configuration is checked (the command line: stderr)."""
+        extra: dict | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+    """Train and score one model per (task, attention, seed); print the table row by row, then whole; return the rows.
+    ``facts``: mqar's facts (each with its own key). ``window``: the local heads' (and rel_clip); ``num_clusters``,
+    ``routing_window``: the routing heads' (None: their defaults). ``extra``: further TransformerConfig fields for every
+    model (``positions``, ``options``, ...); a row's own settings come after the bench's, ``extra`` last (``options``
+    merged section by section). ``echo``'s notes (``measure.Echo``): where the line naming the executor the models run
+    on (on the CPU) goes, once every configuration is checked (the command line: stderr)."""
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose from {', '.join(sorted(TASKS))}")
@@ -170,6 +169,7 @@ def run(tasks: list[str], attentions: list[str], *, seq_len: int = 128, gap: int
         lengths = {c.train_len(0) for c in configs} - {seq_len}
         short = {n: TASKS[task_name](seq_len=n, min_gap=depth * (window - 1), **options) for n in lengths}
         built[task_name] = (lambda n, task=task, short=short: short.get(n, task)), configs
+    say = notes(echo)
     if say is not None:
         for line in executor_lines({name: config.describe_executor("cpu") for _, configs in built.values()
                                     for name, config in zip(attentions, configs, strict=True)}):

@@ -20,18 +20,17 @@ from pathlib import Path
 
 from ..attention.routing.kind import RoutingOptions, default_routing_window
 from ..model import TransformerLM
-from .measure import executor_lines, format_table
+from .measure import executor_lines, format_table, notes
 from .recall import attention_config
 
 
 def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, steps: int = 2000,
         window: int | None = None, num_clusters: int | None = None, routing_window: int | None = None,
         data: str = "stdlib", data_dir: str | None = None, out: str = "runs/bench-text",
-        overrides: list[str] | None = None, echo: Callable[[str], None] = print,
-        say: Callable[[str], None] | None = None) -> list[dict]:
-    """Train and score one model per attention; print the table row by row, then whole; return the rows. Every
-    row's configuration is checked before the first trains. ``say``: where the line naming the executor the models
-    run on goes (the command line: stderr)."""
+        overrides: list[str] | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+    """Train and score one model per attention; print the table row by row, then whole; return the rows. Every row's
+    configuration is checked before the first trains. ``echo``'s notes (``measure.Echo``): where the line naming the
+    executor the models run on goes (the command line: stderr)."""
     from ..data import prepare_builtin
     from ..train import executor_line, load_run_config, train
 
@@ -71,6 +70,7 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
         # one folder per (length, row): the README's runs at 256, 1024 and 2048 share --out
         run_dir = Path(out) / f"{seq_len}-{name.replace('/', '-').replace(':', '').replace(',', '-').replace('+', '-')}"
         planned.append((name, sets, run_config, run_dir))
+    say = notes(echo)
     if say is not None:
         for line in executor_lines({name: executor_line(run_config) for name, _, run_config, _ in planned}):
             say(line)

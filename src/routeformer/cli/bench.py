@@ -138,13 +138,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench import attention, model
+    from ..bench.measure import Echo
 
+    echo = Echo(print, note)  # tables on stdout, the executor's line on stderr
     if args.suite == "text":
         from ..bench import text
 
         text.run(args.attention, seq_len=args.seq_len, minutes=args.minutes, steps=args.steps, window=args.window,
                  num_clusters=args.num_clusters, routing_window=args.routing_window, data=args.data,
-                 data_dir=args.data_dir, out=args.out, overrides=args.overrides, say=note)
+                 data_dir=args.data_dir, out=args.out, overrides=args.overrides, echo=echo)
     elif args.suite == "recall":
         from ..bench import recall
 
@@ -152,17 +154,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    dim=args.dim,
                    heads=args.heads, window=args.window, num_clusters=args.num_clusters,
                    routing_window=args.routing_window, steps=args.steps,
-                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds, say=note)
+                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds, echo=echo)
     elif args.suite == "attention":
         attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                       repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
-                      only=args.only, backend=args.backend, say=note)
+                      only=args.only, backend=args.backend, echo=echo)
     elif args.suite == "model":
         model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
                   batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models,
-                  backend=args.backend, say=note)
+                  backend=args.backend, echo=echo)
     else:
-        attention.run([1024, 4096, 16384], device=args.device, say=note)
+        attention.run([1024, 4096, 16384], device=args.device, echo=echo)
         print()
-        model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device, say=note)
+        model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device, echo=echo)
     return 0
