@@ -27,12 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 X86_ONLY = pytest.mark.skipif(not build.X86, reason="the capabilities are x86's; elsewhere one DEFAULT build")
 ARM64_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (.ci/run installs it where it can)
 LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}  # float lanes of at::vec's Vectorized<float> under each
-# The fused executor's tests (its own, and every executor test of ranges, LSH and the executors parametrised
-# with it), less the build tests, which do not depend on the capability.
+# The fused executor's tests: its own, and every executor test of ranges, LSH and the executors parametrised with
+# it (how the kernels are built, tests/test_build.py, does not depend on the capability).
 FUSED_TESTS = ["tests/test_fused.py", "tests/test_fused_coverage.py", "tests/test_ranges.py", "tests/test_lsh.py",
-               "tests/test_executors.py",
-               "-k", "fused and not build and not compil and not ninja and not switch and not library "
-                     "and not fcntl and not bench and not required"]
+               "tests/test_executors.py", "-k", "fused"]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -2,9 +2,9 @@
 (``helpers.SANITIZE_FLAGS``: ``-fsanitize=address,undefined -fno-omit-frame-pointer -g -O1``, vector indexing checked,
 and under ``ROUTEFORMER_SANITIZE`` the products as plain loops and scratch of exactly the size asked for, so that no
 access hides inside BLAS or a rounded-up allocation), and the fused-kernel tests run against that build in a process
-of their own: ``tests/test_fused.py`` but its build tests, the fused cases of ``tests/test_ranges.py``,
-``tests/test_lsh.py`` and the default-suite part of ``tests/test_fused_coverage.py`` (less its thread-count tests on
-six heads: those on one head run the same code).
+of their own: ``tests/test_fused.py`` (the build's tests are ``tests/test_build.py``), the fused cases of
+``tests/test_ranges.py``, ``tests/test_lsh.py`` and the default-suite part of ``tests/test_fused_coverage.py``
+(less its thread-count tests on six heads: those on one head run the same code).
 
 That process has the sanitizers' runtimes preloaded (``LD_PRELOAD``: ASan must be the first library loaded, before
 torch), ``ROUTEFORMER_TEST_SANITIZE=1`` (``conftest.py`` puts the sanitized build in place of the kernels, under a name
@@ -32,11 +32,6 @@ from routeformer.executors.fused.build import compiler
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GCC on Linux")]
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD_TESTS = ("test_the_switch_forces_the_tiles_executor_with_one_warning",
-               "test_no_compiler_means_the_tiles_executor_with_one_warning", "test_no_ninja_is_named",
-               "test_a_compile_error_is_a_warning_that_quotes_the_compiler",
-               "test_a_library_that_does_not_load_is_a_warning",
-               "test_parallel_builders_compile_once_and_a_killed_build_does_not_block_the_next")
 # the same code as their (1, 1) cases on more heads, three quarters of the run's time under the sanitizers
 SLOWEST = tuple(f"test_fused_coverage.py::test_the_same_bits_at_one_to_four_threads[2-3-{kind}]"
                 for kind in ("band", "lsh", "ranges"))
@@ -117,7 +112,6 @@ def test_the_fused_kernels_under_address_and_undefined_behaviour_sanitizers() ->
     # -s: a report goes to stderr as it is written (pytest's capture would swallow one that aborts the process)
     args = ["-m", "pytest", "-n", "0", "-q", "-s", "tests/test_fused.py", "tests/test_ranges.py",
             "tests/test_lsh.py", "tests/test_fused_coverage.py", "-k", "not tiles and not flex",
-            *[f"--deselect=tests/test_fused.py::{name}" for name in BUILD_TESTS],
             *[f"--deselect=tests/{name}" for name in SLOWEST]]
     run = sanitized_run(args, timeout=3000)
     output = run.stdout + run.stderr
