@@ -16,7 +16,7 @@ from ..inputs import Inputs, RelTerms
 from ..ranges import KeyOrder, Ranges
 from ..relative import RelativePositions
 from ..tiling import KeyRestrictions, Tiling
-from .build import KERNELS  # noqa: F401 (the build's status, for banners)
+from .build import KERNELS
 from .op import band, ranges, register, rounds
 
 DTYPES = (torch.float32, torch.float64)
