@@ -31,6 +31,7 @@ leaves no half-written library, and later runs rebuild instead of waiting on a s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -114,11 +115,22 @@ def compiler() -> str:
 
 
 def compiler_version(cxx: str | None = None) -> str:
+    """The compiler's first ``--version`` line (once per compiler and process: every build name hashes it)."""
+    return _version_of(cxx or compiler())
+
+
+@functools.cache
+def _version_of(cxx: str) -> str:
     try:
-        return subprocess.run([cxx or compiler(), "--version"], capture_output=True, text=True,
-                              timeout=30).stdout.splitlines()[0]
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _remembered(folder: Path) -> str | None:
+    """The reason a build's compilation failed, as remembered in its folder, or None."""
+    marker = folder / FAILED
+    return marker.read_text().strip() if marker.exists() else None
 
 
 @dataclass(frozen=True)
@@ -181,8 +193,9 @@ class KernelBuild:
         library = folder / f"{self.name(cap)}.so"
         if library.exists():
             return f"built: {library}"
-        if (folder / FAILED).exists():
-            return f"failed: {(folder / FAILED).read_text().strip()}; remembered in {folder / FAILED}"
+        failed = _remembered(folder)
+        if failed is not None:
+            return f"failed: {failed}; remembered in {folder / FAILED}"
         return f"not built ({folder})"
 
     def load(self) -> str | None:
@@ -242,8 +255,9 @@ class KernelBuild:
             if library.exists():
                 torch.ops.load_library(str(library))
                 return None
-            if (folder / FAILED).exists():
-                return (folder / FAILED).read_text().strip() + " (remembered)"
+            failed = _remembered(folder)
+            if failed is not None:
+                return failed + " (remembered)"
             return self._build(cap, name, folder, library)
         except Exception as error:  # a load error, or a cache we cannot write: the next build, or tiles
             return f"{type(error).__name__}: {_first_lines(str(error))}"
@@ -263,8 +277,9 @@ class KernelBuild:
             if library.exists():  # built by another process while this one waited
                 torch.ops.load_library(str(library))
                 return None
-            if (folder / FAILED).exists():  # failed in another process while this one waited
-                return (folder / FAILED).read_text().strip() + " (remembered)"
+            failed = _remembered(folder)  # failed in another process while this one waited
+            if failed is not None:
+                return failed + " (remembered)"
             for stale in folder.glob("build-*"):  # left by a build that was killed: nobody else holds the lock
                 shutil.rmtree(stale, ignore_errors=True)
             work = Path(tempfile.mkdtemp(prefix="build-", dir=folder))
