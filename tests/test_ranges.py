@@ -9,9 +9,18 @@ import torch
 
 from helpers import rand_padding, rand_qkv, rand_rel
 from routeformer.executors import Inputs, get_executor, neg_inf, ranges
+from routeformer.executors.flex import ranges as flex_ranges
 from routeformer.executors.ranges import KeyOrder, Ranges
 
 gathered = ranges._gathered
+NATIVE = ("fused", "flex")  # executors with their own ranges (the range test inside the kernel's mask)
+
+
+def _small_flex(monkeypatch) -> None:
+    """Flex blocks of 16 rows and keys, so that the test's ~50 entries span several blocks and the block mask has
+    blocks to leave out, and its relative value pass in chunks of 3 entries."""
+    monkeypatch.setattr(flex_ranges, "BLOCK", 16)
+    monkeypatch.setattr(flex_ranges, "CHUNK", 3 * 6 * 8 * 4)  # 3 entries of B·H = 4, width 6, D = 8
 
 
 def _problem(B, H, N, M, width, seed):
@@ -55,7 +64,9 @@ def _reference(q, k, v, lo, hi, rows, key_rows, *, scale, valid, rel, key_pos):
 @pytest.mark.parametrize("shape", [(None, None), (3, 4), (1, 16), "compiling"])
 def test_ranges_match_the_dense_definition(backend: str, extras: str, shape, monkeypatch) -> None:
     """Block shapes: the defaults; tiles of 4 rows per stretch of 3 keys (many entries left over for the gathered
-    pass); one key per stretch; and the path taken under torch.compile (every entry gathered, no host read)."""
+    pass); one key per stretch; and the path taken under torch.compile (every entry gathered, no host read). Flex:
+    blocks of 16 and its relative value pass in chunks of 3 entries."""
+    _small_flex(monkeypatch)
     passes = []
     monkeypatch.setattr(ranges, "_gathered", lambda *a, **kw: passes.append(kw.get("bound")) or gathered(*a, **kw))
     compiling = shape == "compiling"
@@ -78,8 +89,8 @@ def test_ranges_match_the_dense_definition(backend: str, extras: str, shape, mon
     ref, ref_lse = _reference(q, k, v, lo, hi, rows, key_rows, scale=D**-0.5, valid=valid, rel=rel,
                               key_pos=key_pos)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    if backend == "fused":
-        assert passes == [], "the fused executor tests the ranges inside its kernel"
+    if backend in NATIVE:
+        assert passes == [], f"the {backend} executor tests the ranges inside its kernel"
     elif compiling:
         assert passes == [True], "every entry through the gathered pass, at its size bound"
     elif shape == (3, 4):
@@ -108,6 +119,7 @@ def test_merged_entries_are_one_softmax_over_their_ranges(backend: str, merge: i
                                                          monkeypatch) -> None:
     """merge = p: query row i asks with p entries whose ranges are disjoint; its output is the softmax over their
     union (each key once), the entries left over for the gathered pass included (stretches of 3 keys, 4 rows)."""
+    _small_flex(monkeypatch)
     passes = []
     monkeypatch.setattr(ranges, "_gathered", lambda *a, **kw: passes.append(1) or gathered(*a, **kw))
     B, H, N, Nq, D, width = 2, 2, 41, 23, 8, 6
@@ -143,7 +155,7 @@ def test_merged_entries_are_one_softmax_over_their_ranges(backend: str, merge: i
     p = torch.where(allow, s, float("-inf")).where(seen, 0.0).softmax(-1) * seen
     ref = p @ v + ((p[..., None] * a_value).sum(-2) if rel is not None else 0)
     ref_lse = torch.where(seen[..., 0], torch.where(allow, s, float("-inf")).logsumexp(-1), neg_inf(s.dtype))
-    assert passes == ([] if backend == "fused" else [1]), "entries left over for the gathered pass (not on fused)"
+    assert passes == ([] if backend in NATIVE else [1]), "entries left over for the gathered pass (not natively)"
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     assert (~seen).any() and seen.any()
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)

@@ -12,7 +12,8 @@ to its head groups (``TransformerLM``), and again at its first forward on anothe
   when it cannot be built: a warning says so once) to the tiles executor.
 - ``"tiles"`` (``tiles/``): blocked PyTorch with a fused custom operator; runs everywhere.
 - ``"flex"`` (``flex/``): FlexAttention, compiled, one fused kernel per piece with a block-sparse ``BlockMask``;
-  the default on CUDA. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
+  the default on CUDA. Its ``ranges`` (multi-probe routing) is one call with every (query, range) entry a row
+  (``flex/ranges.py``): shapes fixed by N, memory O(N · D) around the kernel. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
 - ``"auto"`` (a name only, resolved by ``get_executor``): ``"flex"`` on CUDA, ``"fused"`` on the CPU
   (``"tiles"`` where it cannot be built), ``"tiles"`` elsewhere.
 
@@ -238,7 +239,8 @@ EXECUTORS: dict[str, Executor] = {
     "tiles": Executor("tiles", tiled_attention),
     # the relative value pass and the own-key fallback recompute scores without the bias
     "flex": Executor("flex", flex.tiled,
-                     frozenset(FEATURES) - LOWERED - {"bias with relative positions", "bias with exclude_self"}),
+                     frozenset(FEATURES) - LOWERED - {"bias with relative positions", "bias with exclude_self"},
+                     ranges_run=flex.flex_ranges),
 }
 
 
