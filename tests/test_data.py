@@ -433,6 +433,14 @@ def test_an_interrupted_pg19_prepare_leaves_nothing_that_looks_complete(tmp_path
     assert list((tmp_path / "data").iterdir()) == []
     with pytest.raises(DataError, match="is not prepared"):
         Dataset.open("pg19", tmp_path / "data")
+    # killed outright instead (no cleanup ran): the staging folder keeps a partial file; the next prepare drops it
+    monkeypatch.setattr(pg19, "_stream", real)
+    (tmp_path / "data" / ".pg19.staging").mkdir()
+    (tmp_path / "data" / ".pg19.staging" / ".train.bin.99999.tmp").write_bytes(b"partial" * 100)
+    prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["pg19"]
+    assert sorted(p.name for p in (tmp_path / "data" / "pg19").iterdir()) == ["meta.json", "test.bin", "train.bin",
+                                                                              "valid.bin"]
 
 
 def test_pg19_prepared_from_the_command_line_trains_and_evaluates(tmp_path, capsys) -> None:

@@ -122,7 +122,11 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
     A data set already in ``directory`` stays untouched until the new one is complete, and for good unless its
     splits are the same or ``force``: a DataError names the splits that would change.
     """
-    staging = writable_directory(directory.with_name(f".{directory.name}.staging"))
+    staging = directory.with_name(f".{directory.name}.staging")
+    # A prepare killed outright (SIGKILL, a power cut) leaves its staging folder with partial .tmp files, which would
+    # otherwise move into place with the next data set (PG-19's train split alone is 11 GB).
+    shutil.rmtree(staging, ignore_errors=True)
+    staging = writable_directory(staging)
     try:
         for split in SPLITS:
             count, digest = write_split(staging / f"{split}.bin", splits[split], np.dtype(meta.dtype))
