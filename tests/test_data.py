@@ -463,3 +463,34 @@ def test_pg19_prepared_from_the_command_line_trains_and_evaluates(tmp_path, caps
     capsys.readouterr()
     assert main(["evaluate", str(run), "--split", "test", "--device", "cpu"]) == 0
     assert "bits per byte" in capsys.readouterr().out
+
+
+def test_pg19_prepare_holds_a_few_blocks_in_memory_whatever_the_books_size(tmp_path, monkeypatch, capsys) -> None:
+    """A 24 MB release through `routeformer prepare pg19` (the store and the reference points it prints) with 1 MB
+    blocks: the peak of Python's and numpy's allocations stays a few blocks, never near the books' size (PG-19's
+    train split is 11 GB)."""
+    import tracemalloc
+
+    from routeformer.cli import main
+    from routeformer.cli import prepare as prepare_command
+    from routeformer.data import pg19
+
+    root = tmp_path / "release"
+    text = b"".join(book for book in _pg19_books(FIXTURE_PG19, "train"))
+    for folder, count in (("train", 6), ("validation", 1), ("test", 1)):
+        (root / folder).mkdir(parents=True)
+        for i in range(count):
+            (root / folder / f"{i}.txt").write_bytes(text * (3_000_000 // len(text)))  # 3 MB a book
+    size = sum(p.stat().st_size for p in root.rglob("*.txt"))
+    assert size > 23_000_000
+    monkeypatch.setattr(pg19, "BLOCK", 1 << 20)
+    monkeypatch.setattr(prepare_command, "BLOCK", 1 << 18)  # bincount widens a block eightfold
+    tracemalloc.start()
+    try:
+        assert main(["prepare", "pg19", "--from", str(root), "--data-dir", str(tmp_path / "data")]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "reference points" in capsys.readouterr().out
+    # a block read, its copy written, its text decoded (UTF-8 check), the reference points' block widened: ~7 MB
+    assert peak < 8 << 20 < size / 2.5, f"prepare held {peak:,} bytes at once for {size:,} bytes of books"
