@@ -113,3 +113,31 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
     for row in ("32-local", "32-local-routing"):  # the cosine over --steps, not over the main job's decay_steps
         train = read_run_config(tmp_path / "runs" / row).train
         assert train.max_steps == train.decay_steps == 3
+
+
+def test_bench_text_device_and_dtype_reach_every_row(tmp_path, capsys) -> None:
+    """--device and --dtype are the rows' [train] device and precision (bfloat16 autocast here, on the CPU), and
+    --set decay_steps=0 (the cosine over the time budget) is kept rather than replaced by --steps."""
+    from routeformer.train.runs import read_run_config
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("".join(f"{i}: def f(x): return x * {i}\n" for i in range(400)))
+    prepare("text", tmp_path / "data", str(corpus), dataset_name="tiny")
+    base = ["bench", "text", "--attention", "local", "--seq-len", "32", "--window", "8", "--steps", "2",
+            "--minutes", "1", "--data", "tiny", "--data-dir", str(tmp_path / "data"), "--set", "dim=16",
+            "--set", "depth=1", "--set", "eval_every=100", "--set", "batch_size=2"]
+    assert main([*base, "--out", str(tmp_path / "bf16"), "--device", "cpu", "--dtype", "bfloat16",
+                 "--set", "decay_steps=0"]) == 0
+    assert "bits per byte" in capsys.readouterr().out
+    train = read_run_config(tmp_path / "bf16" / "32-local").train
+    assert (train.device, train.precision, train.decay_steps, train.max_steps) == ("cpu", "bfloat16", 0, 2)
+    # without them: the configuration's (auto, auto) and the cosine over --steps
+    assert main([*base, "--out", str(tmp_path / "plain")]) == 0
+    train = read_run_config(tmp_path / "plain" / "32-local").train
+    assert (train.device, train.precision, train.decay_steps) == ("auto", "auto", 2)
+    capsys.readouterr()
+    for flag, value, key in (("--device", "cpu", "device"), ("--dtype", "float32", "precision")):
+        assert main([*base, "--out", str(tmp_path / "both"), flag, value, "--set", f"{key}={value}"]) == 2
+        assert f"{flag} {value} and --set {key}=... both set the rows' {key}" in capsys.readouterr().err
+    assert not (tmp_path / "both").exists()

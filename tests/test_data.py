@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -318,3 +319,178 @@ def test_the_real_sympy_matches_the_documented_checksum(tmp_path) -> None:
     docs = (Path(__file__).resolve().parents[1] / "docs" / "text-study.md").read_text()
     if f"SymPy {sympy.__version__}" in docs:
         assert meta.source_checksum in docs and f"{median:,} bytes" in docs
+
+
+FIXTURE_PG19 = Path(__file__).parent / "fixtures" / "pg19"
+PG19_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
+
+
+def _pg19_books(root: Path, folder: str) -> list[bytes]:
+    return [p.read_bytes() for p in sorted((root / folder).glob("*.txt"), key=lambda p: p.name)]
+
+
+def _split_bytes(name: str, data_dir: Path) -> dict[str, bytes]:
+    data = Dataset.open(name, data_dir)
+    return {s: np.asarray(data.split(s)).tobytes() for s in ("train", "valid", "test")}
+
+
+def test_pg19_keeps_the_release_splits_and_ends_every_book_with_0xff(tmp_path) -> None:
+    """Each split is its folder's books in file-name order, each followed by the byte 0xFF, which no UTF-8 book holds:
+    the model sees every book's end, and nothing else looks like one."""
+    meta = prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))
+    splits = _split_bytes("pg19", tmp_path / "data")
+    for split, folder in PG19_SPLITS.items():
+        books = _pg19_books(FIXTURE_PG19, folder)
+        assert len(books) >= 1 and all(b"\xff" not in book for book in books)
+        assert splits[split] == b"".join(book + b"\xff" for book in books), split  # not re-split, not reordered
+        assert splits[split].split(b"\xff")[:-1] == books and splits[split].count(b"\xff") == len(books)
+        assert meta.extra["books"][split] == {"books": len(books), "bytes": sum(map(len, books)), "not_utf8": [],
+                                              "holding_separator": []}
+    assert len(_pg19_books(FIXTURE_PG19, "train")) == 3 and len(_pg19_books(FIXTURE_PG19, "validation")) == 2
+    assert "—".encode() in splits["train"]  # UTF-8 text as its bytes (the em dash of 90003.txt: 3 bytes)
+    assert meta.kind == "bytes" and meta.vocab_size == 256 and meta.extra["separator"] == 0xFF
+    assert meta.extra["metadata"] == "metadata.csv lists 6 books; none of the 6 prepared books are not among them"
+    assert "3 train, 2 validation, 1 test books" in meta.source and "0xFF" in meta.notes
+
+
+def test_pg19_reads_books_in_blocks_and_takes_other_bytes_as_they_are(tmp_path, monkeypatch) -> None:
+    """PG-19's train split is 11 GB: books are streamed in blocks of at most pg19.BLOCK bytes. A book that is not
+    UTF-8 (Latin-1 here, whose ÿ is the byte 0xFF) is stored as its bytes, with a warning that names it."""
+    from routeformer.data import pg19
+
+    root = tmp_path / "release"
+    shutil.copytree(FIXTURE_PG19, root)
+    latin = "Le garçon ÿ était — déjà parti.\n".encode("latin-1", errors="replace") * 20
+    (root / "train" / "90007.txt").write_bytes(latin)  # not in metadata.csv either
+    monkeypatch.setattr(pg19, "BLOCK", 64)
+    sizes: list[int] = []
+    real = pg19._stream
+
+    def recording(books, stats, progress):
+        for chunk in real(books, stats, progress):
+            sizes.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(pg19, "_stream", recording)
+    with pytest.warns(UserWarning) as caught:
+        meta = prepare("pg19", tmp_path / "data", str(root))
+    messages = [str(w.message) for w in caught]
+    assert any("1 books are not in" in m and "90007" in m for m in messages), messages
+    assert any("not valid UTF-8" in m and "90007.txt" in m and "hold the separator byte 0xFF" in m
+               for m in messages), messages
+    assert max(sizes) == 64 and sum(sizes) == sum(meta.splits.values())
+    train = _split_bytes("pg19", tmp_path / "data")["train"]
+    assert train == b"".join(b + b"\xff" for b in _pg19_books(root, "train")) and latin in train
+    assert meta.extra["books"]["train"]["not_utf8"] == ["90007.txt"]
+    assert meta.extra["books"]["train"]["holding_separator"] == ["90007.txt"]
+    assert "1 of the 7 prepared books is not among them" in meta.extra["metadata"]
+
+
+def test_pg19_errors_name_the_folder_and_nothing_is_written(tmp_path) -> None:
+    data = tmp_path / "data"
+    with pytest.raises(DataError, match="pg19 is not downloaded by routeformer.*prepare pg19 --from FOLDER"):
+        prepare("pg19", data)
+    with pytest.raises(DataError, match="not a file"):
+        prepare("pg19", data, str(FIXTURE_PG19 / "metadata.csv"))
+    root = tmp_path / "release"
+    shutil.copytree(FIXTURE_PG19, root)
+    shutil.rmtree(root / "validation")
+    with pytest.raises(DataError, match=f"{root} has no validation/ folder"):
+        prepare("pg19", data, str(root))
+    (root / "validation").mkdir()
+    (root / "validation" / "notes.md").write_text("not a book")
+    with pytest.raises(DataError, match=f"{root / 'validation'} holds no .txt books: the validation split would be "
+                                        "empty"):
+        prepare("pg19", data, str(root))
+    (root / "validation" / "1.txt").write_bytes(b"")
+    with pytest.raises(DataError, match="are all empty"):
+        prepare("pg19", data, str(root))
+    (root / "metadata.csv").write_bytes(b"\xff\xfe not csv")
+    (root / "validation" / "1.txt").write_bytes(b"a book")
+    with pytest.raises(DataError, match="metadata.csv cannot be read"):
+        prepare("pg19", data, str(root))
+    assert list(data.iterdir()) == []  # every error before anything is written
+    with pytest.raises(DataError, match=f"routeformer prepare pg19 --from FOLDER --data-dir {data}"):
+        Dataset.open("pg19", data)
+
+
+def test_an_interrupted_pg19_prepare_leaves_nothing_that_looks_complete(tmp_path, monkeypatch) -> None:
+    """Ctrl-C while the valid split is written (train.bin already whole): no data set, no staging folder."""
+    from routeformer.data import pg19
+
+    real = pg19._stream
+
+    def interrupted(books, stats, progress):
+        stream = real(books, stats, progress)
+        yield next(stream)
+        if books[0].parent.name == "validation":
+            raise KeyboardInterrupt
+        yield from stream
+
+    monkeypatch.setattr(pg19, "_stream", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))
+    assert list((tmp_path / "data").iterdir()) == []
+    with pytest.raises(DataError, match="is not prepared"):
+        Dataset.open("pg19", tmp_path / "data")
+    # killed outright instead (no cleanup ran): the staging folder keeps a partial file; the next prepare drops it
+    monkeypatch.setattr(pg19, "_stream", real)
+    (tmp_path / "data" / ".pg19.staging").mkdir()
+    (tmp_path / "data" / ".pg19.staging" / ".train.bin.99999.tmp").write_bytes(b"partial" * 100)
+    prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["pg19"]
+    assert sorted(p.name for p in (tmp_path / "data" / "pg19").iterdir()) == ["meta.json", "test.bin", "train.bin",
+                                                                              "valid.bin"]
+
+
+def test_pg19_prepared_from_the_command_line_trains_and_evaluates(tmp_path, capsys) -> None:
+    """`routeformer prepare pg19 --from DIR`, then two training steps of a tiny model on it and its evaluation on
+    the test split."""
+    from routeformer.cli import main
+
+    data = tmp_path / "data"
+    assert main(["prepare", "pg19", "--from", str(FIXTURE_PG19), "--data-dir", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert f"prepared pg19 in {data / 'pg19'}: train 3,434, valid 1,837, test 1,087 tokens" in out
+    assert "reference points: order-0 entropy" in out
+    run = tmp_path / "run"
+    assert main(["train", "--data", "pg19", "--data-dir", str(data), "--out", str(run), "--max-steps", "2",
+                 "--set", "seq_len=64", "--set", "dim=32", "--set", "depth=1", "--set", "batch_size=2",
+                 "--set", "eval_every=2", "--set", "eval_tokens=128", "--set", "sample_tokens=4",
+                 "--set", "options.local.window=16", "--set", "rel_clip=16", "--set", "options.routing.num_clusters=4",
+                 "--set", "options.routing.window=16", "--set", "device=cpu"]) == 0
+    assert json.loads((run / "data.json").read_text())["name"] == "pg19"
+    capsys.readouterr()
+    assert main(["evaluate", str(run), "--split", "test", "--device", "cpu"]) == 0
+    assert "bits per byte" in capsys.readouterr().out
+
+
+def test_pg19_prepare_holds_a_few_blocks_in_memory_whatever_the_books_size(tmp_path, monkeypatch, capsys) -> None:
+    """A 24 MB release through `routeformer prepare pg19` (the store and the reference points it prints) with 1 MB
+    blocks: the peak of Python's and numpy's allocations stays a few blocks, never near the books' size (PG-19's
+    train split is 11 GB)."""
+    import tracemalloc
+
+    from routeformer.cli import main
+    from routeformer.cli import prepare as prepare_command
+    from routeformer.data import pg19
+
+    root = tmp_path / "release"
+    text = b"".join(book for book in _pg19_books(FIXTURE_PG19, "train"))
+    for folder, count in (("train", 6), ("validation", 1), ("test", 1)):
+        (root / folder).mkdir(parents=True)
+        for i in range(count):
+            (root / folder / f"{i}.txt").write_bytes(text * (3_000_000 // len(text)))  # 3 MB a book
+    size = sum(p.stat().st_size for p in root.rglob("*.txt"))
+    assert size > 23_000_000
+    monkeypatch.setattr(pg19, "BLOCK", 1 << 20)
+    monkeypatch.setattr(prepare_command, "BLOCK", 1 << 18)  # bincount widens a block eightfold
+    tracemalloc.start()
+    try:
+        assert main(["prepare", "pg19", "--from", str(root), "--data-dir", str(tmp_path / "data")]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "reference points" in capsys.readouterr().out
+    # a block read, its copy written, its text decoded (UTF-8 check), the reference points' block widened: ~7 MB
+    assert peak < 8 << 20 < size / 2.5, f"prepare held {peak:,} bytes at once for {size:,} bytes of books"

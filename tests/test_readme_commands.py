@@ -25,6 +25,7 @@ from routeformer.train.config import resolve_config_path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 ROOT = README.parent
+FIXTURE_PG19 = ROOT / "tests" / "fixtures" / "pg19"
 
 TOY_MODEL = ["--set", "dim=32", "--set", "depth=1", "--set", "batch_size=2", "--set", "grad_accum=1",
              "--set", "eval_tokens=64", "--set", "eval_every=2", "--set", "sample_tokens=4"]
@@ -149,6 +150,8 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
         elif argv[:2] == ["bench", "text"]:
             toy = [*argv, *data, *TOY_TEXT, "--out", str(folder / f"bench-text-{index}")]  # rows of one length
             # and attention repeat across the pages' commands: each command its own folder
+        elif argv[:2] == ["prepare", "pg19"]:  # the books are the committed six-book stand-in of the release
+            toy = ["prepare", "pg19", "--from", str(FIXTURE_PG19), "--data-dir", str(folder / "data")]
         elif argv[0] == "analyze":
             toy = [*argv, "--windows", "2"] if "approximations" in argv else argv
         else:

@@ -8,8 +8,10 @@ attention, the given context and a budget of ``--minutes`` of training, then sco
 ``train TFLOP`` is the estimated work of the steps it took (``TransformerLM.training_flops``: a routing warm-up
 counted at its own cost and length).
 The cosine schedule runs over ``--steps``: a row that reaches the time budget first stops where it is in the
-schedule, so a faster mechanism takes more steps and decays further, as it would in any budgeted run. The run
-directories stay under ``--out`` for inspection.
+schedule, so a faster mechanism takes more steps and decays further, as it would in any budgeted run
+(``--set decay_steps=0`` lays the cosine over the time budget instead: each row reaches ``min_lr`` as its time runs
+out). ``--device`` and ``--dtype`` are the rows' ``device`` and ``precision`` (autocast). The run directories stay
+under ``--out`` for inspection.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
 
     prepare_builtin(data, data_dir, echo)
     base = load_run_config(None, list(overrides or [])).model
-    # the cosine runs over --steps whatever the configuration plans (the main job's decay_steps is its own)
-    settings = {"data": data, "data_dir": data_dir, "max_steps": steps, "max_minutes": minutes, "decay_steps": steps}
+    # the cosine runs over --steps whatever the configuration plans (the main job's decay_steps is its own), unless
+    # the overrides set decay_steps (0: over the time budget, for a machine whose speed no one knows yet)
+    settings = {"data": data, "data_dir": data_dir, "max_steps": steps, "max_minutes": minutes}
+    if not any(item.partition("=")[0].strip().removeprefix("train.") == "decay_steps" for item in overrides or []):
+        settings["decay_steps"] = steps
     planned = []  # (name, the --set items, its run configuration, its run directory)
     for name in attentions:
         fields = attention_config(name, base.heads)

@@ -128,8 +128,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_routing_sizes(txt, "seq_len")
     add_data(txt, "data set (default stdlib)", default="stdlib")
     add_data_dir(txt)
+    txt.add_argument("--device", help="where the rows train and are scored: auto, cpu, cuda or cuda:N (default: "
+                     "the configuration's device, auto: a GPU if there is one)")
+    from ..train.config import PRECISIONS
+
+    txt.add_argument("--dtype", choices=PRECISIONS, help="the rows' precision (autocast in training and scoring; "
+                     "default: the configuration's, auto: bfloat16 on a GPU that has it, else float16 there, "
+                     "float32 on the CPU)")
     add_out(txt, "where the run directories go", default="runs/bench-text", metavar="DIR")
-    add_overrides(txt, "override a [model] or [train] field for every row")
+    add_overrides(txt, "override a [model] or [train] field for every row (--set decay_steps=0: the cosine over "
+                  "the time budget instead of --steps)")
 
     every = suites.add_parser("all", help="the attention benchmark, then the model benchmark (defaults)",
                               description="Run 'bench attention' and then 'bench model', each with its defaults.")
@@ -146,7 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         text.run(args.attention, seq_len=args.seq_len, minutes=args.minutes, steps=args.steps, window=args.window,
                  num_clusters=args.num_clusters, routing_window=args.routing_window, data=args.data,
-                 data_dir=args.data_dir, out=args.out, overrides=args.overrides, echo=echo)
+                 data_dir=args.data_dir, out=args.out, overrides=text_overrides(args), echo=echo)
     elif args.suite == "recall":
         from ..bench import recall
 
@@ -168,3 +176,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print()
         model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device, echo=echo)
     return 0
+
+
+def text_overrides(args: argparse.Namespace) -> list[str]:
+    """bench text's --set items with --device and --dtype as the [train] fields they set (device, precision); a
+    ValueError when one is given both ways."""
+    overrides = list(args.overrides)
+    for flag, key, value in (("--device", "device", args.device), ("--dtype", "precision", args.dtype)):
+        if value is None:
+            continue
+        if any(item.partition("=")[0].strip().removeprefix("train.") == key for item in overrides):
+            raise ValueError(f"{flag} {value} and --set {key}=... both set the rows' {key}: give one of them")
+        overrides.append(f"{key}={value}")
+    return overrides

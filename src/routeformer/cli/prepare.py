@@ -7,6 +7,8 @@ from pathlib import Path
 
 from .options import add_data_dir
 
+BLOCK = 1 << 22  # bytes of a split read at a time for the reference points (bincount makes 8 bytes of each)
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Adds the ``prepare`` command to ``commands`` (the top-level sub-parsers)."""
@@ -18,8 +20,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "under DATA_DIR/NAME. stdlib: this Python's standard library (no download); sympy: the installed SymPy's "
         "sources of at least 16 KiB, long documents (no download); enwik8, text8: downloaded "
         "from mattmahoney.net or taken from --from (md5 checked); wikitext103: downloaded or --from (the "
-        "wikitext-103-v1 zip or its folder); imagenet64: --from a folder of the 64x64 npz batches; text: --from a "
-        "text file or folder.")
+        "wikitext-103-v1 zip or its folder); imagenet64: --from a folder of the 64x64 npz batches; pg19: --from a "
+        "local copy of DeepMind's PG-19 release (train/, validation/, test/ of .txt books; each book followed by the "
+        "byte 0xFF; no download); text: --from a text file or folder.")
     prep.add_argument("name", choices=sorted(PREPARERS), metavar="NAME", help=f"one of {', '.join(PREPARERS)}")
     prep.add_argument("--from", dest="source", metavar="PATH", help="a local archive, file or folder to use")
     add_data_dir(prep, "where data sets live (default ~/.cache/routeformer, or $ROUTEFORMER_DATA)")
@@ -47,9 +50,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         from ..data import Dataset
 
         data = Dataset.open(meta.name, data_dir, verify=False)
-        counts = np.bincount(np.asarray(data.split("train")), minlength=256)
+        # Read in blocks, not through the memory map: a split can be far larger than memory (PG-19's train is
+        # 11 GB), a mapped page stays in the process until unmapped, and bincount widens its input to int64.
+        counts = np.zeros(256, dtype=np.int64)
+        for block in _blocks(data.directory / "train.bin"):
+            counts += np.bincount(np.frombuffer(block, dtype=np.uint8), minlength=256)
         p = counts[counts > 0] / counts.sum()
-        valid = np.asarray(data.split("valid")).tobytes()
+        packer, packed = zlib.compressobj(9), 0
+        for block in _blocks(data.directory / "valid.bin"):
+            packed += len(packer.compress(block))
+        packed += len(packer.flush())
         print(f"reference points: order-0 entropy {float(-(p * np.log2(p)).sum()):.2f} bits per byte (train), "
-              f"zlib -9 {8 * len(zlib.compress(valid, 9)) / len(valid):.2f} bits per byte (valid)")
+              f"zlib -9 {8 * packed / meta.splits['valid']:.2f} bits per byte (valid)")
     return 0
+
+
+def _blocks(path: Path):
+    """The bytes of ``path``, BLOCK at a time."""
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(BLOCK), b"")

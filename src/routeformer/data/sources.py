@@ -10,6 +10,8 @@
                  frequency, <unk> as in the data (the tokenized wikitext-103-v1 archive).
     imagenet64   downsampled ImageNet 64x64 npz batches: each image 12288 bytes in raster order, R G B; train =
                  the training batches but their last 10000 images, valid = those 10000, test = the validation set.
+    pg19         PG-19's books from a local copy of DeepMind's release (pg19.py): its train / validation / test
+                 folders as the splits, each book followed by the byte 0xFF; streamed, never read whole.
     text         any local text file or folder (files in sorted path order), as bytes; split 90 / 5 / 5 %.
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .pg19 import prepare_pg19
 from .store import (
     BUILT_IN,
     DataError,
@@ -358,6 +361,7 @@ PREPARERS = {
     "text8": _mahoney("TEXT8", "text8"),
     "wikitext103": _wikitext103,
     "imagenet64": _imagenet64,
+    "pg19": prepare_pg19,
     "text": _text,
 }
 assert set(PREPARERS) - {"text"} == set(BUILT_IN), "the data sets prepared by name alone"

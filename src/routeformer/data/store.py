@@ -22,7 +22,8 @@ from ..durable import durable_replace
 
 SPLITS = ("train", "valid", "test")
 # the names `routeformer prepare` takes as is
-BUILT_IN = ("stdlib", "sympy", "enwik8", "text8", "wikitext103", "imagenet64")
+BUILT_IN = ("stdlib", "sympy", "enwik8", "text8", "wikitext103", "imagenet64", "pg19")
+FROM_FOLDER = ("imagenet64", "pg19")  # of those, the ones prepared only from a local copy (--from)
 METRICS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
 VERIFY_LIMIT = 1 << 30  # splits up to this size are checksummed on open
 
@@ -121,7 +122,11 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
     A data set already in ``directory`` stays untouched until the new one is complete, and for good unless its
     splits are the same or ``force``: a DataError names the splits that would change.
     """
-    staging = writable_directory(directory.with_name(f".{directory.name}.staging"))
+    staging = directory.with_name(f".{directory.name}.staging")
+    # A prepare killed outright (SIGKILL, a power cut) leaves its staging folder with partial .tmp files, which would
+    # otherwise move into place with the next data set (PG-19's train split alone is 11 GB).
+    shutil.rmtree(staging, ignore_errors=True)
+    staging = writable_directory(staging)
     try:
         for split in SPLITS:
             count, digest = write_split(staging / f"{split}.bin", splits[split], np.dtype(meta.dtype))
@@ -181,8 +186,8 @@ class Dataset:
         directory = directory / name
         meta_path = directory / "meta.json"
         dir_arg = "" if data_dir is None else f" --data-dir {Path(data_dir).expanduser()}"
-        command = (f"routeformer prepare {name}{dir_arg}" if name in BUILT_IN
-                   else f"routeformer prepare text --from PATH --name {name}{dir_arg}")
+        command = (f"routeformer prepare {name}{' --from FOLDER' if name in FROM_FOLDER else ''}{dir_arg}"
+                   if name in BUILT_IN else f"routeformer prepare text --from PATH --name {name}{dir_arg}")
         if not meta_path.is_file():
             raise DataError(f"data set {name!r} is not prepared in {directory.parent}: run `{command}` first")
         try:

@@ -1,0 +1,385 @@
+"""The text question on a GPU (issue 41, item 4): does routing pay on long text at equal time?
+
+    python scripts/device_text.py OUT [--data DIR] [--device cuda|cpu] [--toy] [--minutes M] [--seeds S …]
+                                      [--total M] [--work DIR] [--set KEY=VALUE …]
+
+`routeformer bench text` rows at 8192 bytes, in bf16 (autocast): all-local heads, half local + half routing heads
+with the paper's rule (one probe, no balancing, k = round(sqrt(N)) = 91 clusters, N // k = 90 keys per cluster),
+and full attention; the shipped default model (dim 128, depth 4, 4 heads, relative positions) and optimiser, each
+row ``--minutes`` of training (2.5, the compilation included: equal time) with the cosine laid over that time
+(``decay_steps = 0``), then scored on the whole validation split. Rows run seed by seed (``--seeds``, default 0 1:
+every attention of seed 0, then of seed 1), and a row that would end past ``--total`` minutes (default 9.5) from
+the start is skipped and reported as such, so the whole stays inside one 10-minute device call: at 2.5 minutes a
+row, seed 0's three rows fit and seed 1's are listed as skipped (``--seeds 1`` runs them in a later call).
+
+Data: ``--data DIR``, a prepared data set's folder (``routeformer prepare pg19 --from BOOKS`` makes
+``~/.cache/routeformer/pg19``); else ``sympy``, the installed SymPy's long source files (a dependency of torch, so
+on every machine with torch), prepared into the work folder first. ``OUT`` gets report.md and report.json, written
+before the first row and again after every row (atomically), so an interrupted run loses at most the row in
+progress; the data and the run directories go to ``--work`` (default: a new temporary folder), not to ``OUT``.
+
+``--toy`` runs the same rows at toy sizes (256 bytes, a 32-wide model, 6 s a row, the committed SymPy fixture as
+the corpus) in about a minute on the CPU (float32 there unless ``--dtype`` says otherwise: bfloat16 autocast is
+several times slower on a CPU): .ci/run runs ``--toy --device cpu`` so that the script cannot rot. The
+device check (scripts/device_check.py) comes first: this script is for a GPU on which it passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # the routeformer beside this script, whether or not it is installed
+
+# (label, bench text row): the paper's rule spelled out, not taken from whatever default.toml says at the time
+ROWS = (("local", "local"),
+        ("local+routing", "local+routing@options.routing.probes=1@options.routing.balance=0.0"),
+        ("full", "full"))
+STEPS = 1_000_000  # bench text's --steps: far more than a row reaches, so the time budget ends every row
+SIZES = {  # seq_len, training minutes a row, the whole run's minutes, --set items
+    "gpu": {"seq_len": 8192, "minutes": 2.5, "total": 9.5, "sets": []},
+    "toy": {"seq_len": 256, "minutes": 0.1, "total": 10.0,
+            "sets": ["dim=32", "depth=2", "batch_size=2", "eval_tokens=512", "log_every=1"]},
+}
+clock = time.monotonic  # the run's clock (a test's stand-in advances it)
+FIRST_OVERHEAD_S = 45.0  # a row's seconds beyond its training minutes (set-up, final evaluation) before one is seen
+
+
+class ScriptError(ValueError):
+    """What the user gave cannot run: one line on stderr, exit status 2."""
+
+
+@dataclass
+class Plan:
+    """What every row shares: sizes, data, device, and where things go."""
+
+    out: Path
+    work: Path
+    device: str
+    dtype: str
+    seq_len: int
+    minutes: float
+    total: float
+    data_name: str = ""
+    data_dir: Path | None = None
+    sets: list[str] = field(default_factory=list)
+
+    @property
+    def num_clusters(self) -> int:
+        return max(1, round(self.seq_len ** 0.5))
+
+    @property
+    def routing_window(self) -> int:
+        return max(1, self.seq_len // self.num_clusters)  # one probe: N / k keys per query
+
+    def overrides(self, seed: int) -> list[str]:
+        """The --set items of a row of seed ``seed``."""
+        return [*self.sets, f"seed={seed}", f"device={self.device}", f"precision={self.dtype}", "decay_steps=0",
+                "sample_tokens=0"]
+
+
+@dataclass
+class Row:
+    label: str
+    spec: str
+    seed: int
+    status: str = "planned"  # planned | running | done | failed | skipped | interrupted
+    steps: int | None = None
+    train_minutes: float | None = None
+    wall_s: float | None = None
+    tokens_per_s: float | None = None
+    first_log_s: float | None = None  # elapsed seconds at the first logged step: the compilation shows here
+    peak_gib: float | None = None
+    valid: float | None = None
+    unit: str | None = None
+    heads: str | None = None
+    note: str = ""
+
+
+def plan_rows(seeds: list[int]) -> list[Row]:
+    """Every attention of the first seed, then of the next: an interrupted or time-cut run still compares the
+    attentions on one seed."""
+    return [Row(label, spec, seed) for seed in seeds for label, spec in ROWS]
+
+
+def fits(elapsed_s: float, minutes: float, overhead_s: float, total: float) -> bool:
+    """Whether a row of ``minutes`` training plus ``overhead_s`` started ``elapsed_s`` into the run ends inside
+    ``total`` minutes."""
+    return elapsed_s + minutes * 60 + overhead_s <= total * 60
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = make_plan(args)
+    except ScriptError as err:
+        print(f"device_text: error: {err}", file=sys.stderr)
+        return 2
+    from routeformer.train.signals import Interrupted
+
+    # SIGTERM (a time limit's kill) ends the run as Ctrl-C does: inside training at a step boundary (the trainer's
+    # own handler, then Interrupted), elsewhere at once (KeyboardInterrupt); either way the report is written
+    signal.signal(signal.SIGTERM, _stop)
+    rows = plan_rows(args.seeds)
+    report = {"title": title(plan), "machine": machine(plan.device), "settings": settings(plan, argv),
+              "rows": rows}
+    write_report(plan.out, report)
+    start, overheads = clock(), []  # each finished row's seconds beyond its training minutes
+    for row in rows:
+        elapsed = clock() - start
+        overhead = max(overheads) if overheads else FIRST_OVERHEAD_S
+        if not fits(elapsed, plan.minutes, overhead, plan.total):
+            row.status = "skipped"
+            row.note = (f"would end past --total {plan.total:g} min ({elapsed / 60:.1f} min used, "
+                        f"{plan.minutes:g} + {overhead / 60:.1f} min a row)")
+            write_report(plan.out, report)
+            continue
+        row.status = "running"
+        write_report(plan.out, report)
+        began = clock()
+        try:
+            run_row(row, plan)
+            row.status = "done"
+        except (KeyboardInterrupt, Interrupted):  # Ctrl-C, SIGTERM: the finished rows are in the report
+            row.status, row.note = "interrupted", "interrupted (Ctrl-C or SIGTERM)"
+            row.wall_s = clock() - began
+            write_report(plan.out, report)
+            print(f"device_text: interrupted; the report of the rows before is in {plan.out}", file=sys.stderr)
+            return 130
+        except Exception as err:  # a row that fails (out of memory, a compile error) must not lose the others
+            traceback.print_exc()
+            row.status, row.note = "failed", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            _free_device(plan.device)
+        row.wall_s = clock() - began
+        if row.status == "done":
+            overheads.append(max(0.0, row.wall_s - plan.minutes * 60))
+        write_report(plan.out, report)
+    print(render_markdown(report))
+    return 1 if any(r.status == "failed" for r in rows) else 0  # the report says which and why
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUT", help="folder for report.md and report.json")
+    parser.add_argument("--data", metavar="DIR", help="a prepared data set's folder (e.g. ~/.cache/routeformer/pg19; "
+                        "default: sympy, prepared into the work folder)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the rows train (default cuda)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        help="the rows' autocast precision (default: bfloat16 on cuda; float32 on cpu, where "
+                        "bfloat16 autocast is several times slower)")
+    parser.add_argument("--toy", action="store_true", help="toy sizes (256 bytes, a 32-wide model, 6 s a row, the "
+                        "committed SymPy fixture): the whole in about a minute on the CPU")
+    parser.add_argument("--minutes", type=float, help="training minutes a row (default 2.5; --toy 0.1)")
+    parser.add_argument("--total", type=float, help="skip the rows that would end later than this many minutes "
+                        "from the start (default 9.5; --toy 10)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], metavar="SEED",
+                        help="seeds, run one after the other (default 0 1)")
+    parser.add_argument("--work", metavar="DIR", help="where the data and the run directories go (default: a new "
+                        "temporary folder)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a [model] or [train] field for every row, as bench text's --set")
+    return parser.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """The rows' shared settings, the data prepared or checked; ScriptError when they cannot run."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ScriptError("--device cuda: torch sees no CUDA device here; use --device cpu (with --toy for toy sizes)")
+    size = SIZES["toy" if args.toy else "gpu"]
+    minutes = args.minutes if args.minutes is not None else size["minutes"]
+    total = args.total if args.total is not None else size["total"]
+    if not (minutes > 0 and total > 0):
+        raise ScriptError(f"--minutes and --total must be positive, got {minutes} and {total}")
+    out = Path(args.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).expanduser() if args.work else Path(tempfile.mkdtemp(prefix="device-text-"))
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    plan = Plan(out, work, args.device, dtype, size["seq_len"], minutes, total, sets=[*size["sets"], *args.sets])
+    plan.data_name, plan.data_dir = data(args, work)
+    return plan
+
+
+def data(args: argparse.Namespace, work: Path) -> tuple[str, Path]:
+    """(data set name, data folder): the prepared set --data names, checked, or sympy prepared in ``work``."""
+    from routeformer.data import DataError, Dataset, prepare
+
+    if args.data is not None:
+        where = Path(args.data).expanduser().resolve()
+        try:
+            Dataset.open(where.name, where.parent, verify=False)
+        except DataError as err:
+            raise ScriptError(f"--data {args.data}: not a prepared data set ({err})") from None
+        return where.name, where.parent
+    source = str(ROOT / "tests" / "fixtures" / "sympy") if args.toy else None  # toy: 48 KB, not 20 MB
+    prepare("sympy", work / "data", source)
+    return "sympy", work / "data"
+
+
+def run_row(row: Row, plan: Plan) -> None:
+    """Train and score ``row`` with bench text; fill in its numbers."""
+    import torch
+
+    from routeformer.bench import text
+    from routeformer.bench.measure import Echo
+
+    out = plan.work / "runs" / f"seed{row.seed}" / row.label.replace("+", "-")
+    cuda = plan.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    def note(line: str) -> None:  # the executor's line, as the command line prints it: on stderr
+        print(line, file=sys.stderr, flush=True)
+
+    result = text.run([row.spec], seq_len=plan.seq_len, minutes=plan.minutes, steps=STEPS,
+                      num_clusters=plan.num_clusters, routing_window=plan.routing_window, data=plan.data_name,
+                      data_dir=str(plan.data_dir), out=str(out), overrides=plan.overrides(row.seed),
+                      echo=Echo(print, note))[0]
+    row.steps, row.train_minutes, row.valid, row.unit, row.heads = (result["steps"], result["minutes"],
+                                                                    result["valid"], result["unit"], result["heads"])
+    if cuda:
+        row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    logged = [json.loads(line) for run_dir in out.iterdir() if (run_dir / "metrics.jsonl").is_file()
+              for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in logged if r.get("split") == "train" and "tokens_per_s" in r]
+    if speeds:
+        row.first_log_s = next(r["elapsed_s"] for r in logged if r.get("split") == "train")
+        row.tokens_per_s = statistics.median(speeds[1:] or speeds)  # the first holds the compilation
+
+
+def _free_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def title(plan: Plan) -> str:
+    return (f"bench text at {plan.seq_len} bytes on {plan.data_name}: local, local + routing (the paper's rule) "
+            f"and full attention, {plan.minutes:g} training minutes a row, {plan.dtype}")
+
+
+def machine(device: str) -> dict:
+    import torch
+
+    import routeformer
+
+    info = {"routeformer": routeformer.__version__, "commit": _commit(), "python": platform.python_version(),
+            "torch": torch.__version__, "device": device, "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def _commit() -> str | None:
+    """The checkout's commit, when it is a git checkout (a copy of the tree may not be)."""
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def settings(plan: Plan, argv: list[str] | None) -> dict:
+    from routeformer.data import Dataset
+
+    meta = Dataset.open(plan.data_name, plan.data_dir, verify=False).meta
+    return {"command": " ".join(["python", "scripts/device_text.py", *(sys.argv[1:] if argv is None else argv)]),
+            "seq_len": plan.seq_len, "minutes_per_row": plan.minutes, "total_minutes": plan.total,
+            "dtype": plan.dtype, "num_clusters": plan.num_clusters, "routing_window": plan.routing_window,
+            "probes": 1, "sets": plan.sets, "data": {"name": plan.data_name, "source": meta.source,
+                                                     "splits": meta.splits},
+            "work": str(plan.work)}
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """Each seed's differences from local, and the goal: routing below local by more than the seed spread."""
+    done = {(r.label, r.seed): r.valid for r in rows if r.status == "done" and r.valid is not None
+            and math.isfinite(r.valid)}
+    lines = []
+    for seed in sorted({r.seed for r in rows}):
+        local = done.get(("local", seed))
+        parts = [f"{label} − local {done[(label, seed)] - local:+.3f}" for label in ("local+routing", "full")
+                 if local is not None and (label, seed) in done]
+        if parts:
+            lines.append(f"seed {seed}: " + ", ".join(parts) + " bits per byte")
+    both = [s for s in sorted({r.seed for r in rows}) if ("local", s) in done and ("local+routing", s) in done]
+    if len(both) < 2:
+        lines.append(f"goal (local + routing below local by more than the seed spread, at equal time): not judged, "
+                     f"{len(both)} seed(s) with both rows; it needs two")
+        return lines
+    local = [done[("local", s)] for s in both]
+    routing = [done[("local+routing", s)] for s in both]
+    gain = statistics.mean(local) - statistics.mean(routing)
+    spread = max(max(local) - min(local), max(routing) - min(routing))
+    verdict = "met" if gain > spread else "not met"
+    lines.append(f"goal (local + routing below local by more than the seed spread, at equal time): {verdict}: "
+                 f"local + routing − local {-gain:+.3f} bits per byte (mean over seeds {both}), seed spread "
+                 f"{spread:.3f} (the larger of the two rows' ranges)")
+    return lines
+
+
+def render_markdown(report: dict) -> str:
+    machine_ = report["machine"]
+    where = (f"{machine_['gpu']} (CUDA {machine_['cuda']}, capability {machine_['capability']})"
+             if machine_["device"] == "cuda" else f"CPU {machine_['cpu']}, {machine_['threads']} threads")
+    s = report["settings"]
+    lines = [f"# {report['title']}", "",
+             f"{machine_['date']}; {where}; torch {machine_['torch']}, Python {machine_['python']}, routeformer "
+             f"{machine_['routeformer']} ({machine_['commit'] or 'commit unknown'}).",
+             f"Data: `{s['data']['name']}`, {s['data']['source']}; splits {s['data']['splits']} bytes. Routing: "
+             f"k = {s['num_clusters']}, {s['routing_window']} keys per cluster, 1 probe, no balancing. Each row: "
+             f"{s['minutes_per_row']:g} minutes of training (compilation included), the cosine over that time, "
+             f"then the whole validation split; rows past {s['total_minutes']:g} minutes are skipped. "
+             f"Extra settings: {s['sets'] or 'none'}.", "",
+             f"`{s['command']}`", "",
+             "| row | seed | status | steps | train min | row s | tokens/s | first log s | peak GiB | valid | note |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r.label} | {r.seed} | {r.status} | {_cell(r.steps, ',')} | {_cell(r.train_minutes, '.2f')} "
+                     f"| {_cell(r.wall_s, '.0f')} | {_cell(r.tokens_per_s, ',.0f')} | {_cell(r.first_log_s, '.1f')} "
+                     f"| {_cell(r.peak_gib, '.2f')} | {_cell(r.valid, '.3f')} | {r.note.replace('|', '/')} |")
+    lines += ["", "## Summary", ""] + [f"- {line}" for line in summary(report["rows"])]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def write_report(out: Path, report: dict) -> None:
+    """report.json and report.md, each replaced whole (a temporary file renamed): an interruption leaves the last
+    complete version."""
+    data = {**report, "rows": [asdict(r) for r in report["rows"]], "summary": summary(report["rows"])}
+    for name, body in (("report.json", json.dumps(data, indent=2) + "\n"), ("report.md", render_markdown(report))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(body)
+        os.replace(tmp, out / name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
