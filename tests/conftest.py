@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -25,3 +26,12 @@ settings.load_profile("default")
 # Under pytest-xdist each worker takes its share of the cores; alone, the suite takes up to two.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
+
+
+@pytest.fixture
+def on_device():
+    """The device the ``cuda`` tests run on (``helpers.device_under_test``: ROUTEFORMER_TEST_DEVICE, default cuda,
+    skipped without a GPU; cpu runs them through FlexAttention's CPU path)."""
+    from helpers import device_under_test
+
+    return device_under_test()

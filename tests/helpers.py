@@ -1,9 +1,12 @@
-"""Shared test machinery: random problems, the comparison with the dense reference, the leak check, and the tiny
-text data set and model that the command-line tests train, and the banner line the commands begin with."""
+"""Shared test machinery: random problems, the comparison with the dense reference, the leak check, the tiny
+text data set and model that the command-line tests train, the banner line the commands begin with, and the device
+the device tests run on (``device_under_test``)."""
 
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -173,3 +176,46 @@ def executor_named(device: str = "cpu") -> str:
     """The words the banner begins with for the model of these tests (local and routing heads) on ``device``."""
     chosen = resolve_backend("auto", device)
     return f"attention: {'fused C++ kernel' if chosen == 'fused' else chosen} ("
+
+
+TEST_DEVICE = "ROUTEFORMER_TEST_DEVICE"  # where tests/test_cuda.py runs: cuda (the default), cuda:N or cpu
+
+
+@dataclass(frozen=True)
+class DeviceUnderTest:
+    """Where the device tests (``tests/test_cuda.py``, marker ``cuda``) run, and how.
+
+    device: the device; backend: the executor named in the models and layers ("auto" on CUDA, which resolves to
+    "flex"; "flex" on the CPU, its dense eager path, so that the same tests run without a GPU and cannot rot);
+    n: the sequence length of the layer tests, which spans many of the executor's blocks there (FlexAttention's
+    blocks are 128 wide on CUDA) and, past 256, takes multi-probe routing off its one dense tile onto its ranges;
+    model_n: the models' (on the CPU shorter: FlexAttention's eager operator is dense there, and its relative
+    terms take a pass per offset)."""
+
+    device: torch.device
+    backend: str
+    n: int
+    model_n: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def device_under_test() -> DeviceUnderTest:
+    """The device ``ROUTEFORMER_TEST_DEVICE`` names (default cuda); skips the test when it is CUDA and this PyTorch
+    sees none, and refuses a value that names no usable device."""
+    import pytest
+
+    name = os.environ.get(TEST_DEVICE, "cuda")
+    if name == "cpu":
+        return DeviceUnderTest(torch.device("cpu"), "flex", 320, 128)
+    if name != "cuda" and not re.fullmatch(r"cuda:\d+", name):
+        raise ValueError(f"{TEST_DEVICE}={name!r}: expected cuda, cuda:N or cpu")
+    if not torch.cuda.is_available():
+        pytest.skip(f"needs CUDA ({TEST_DEVICE}={name}; this PyTorch sees no GPU): set {TEST_DEVICE}=cpu to run "
+                    "these tests on the CPU")
+    device = torch.device(name)
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{TEST_DEVICE}={name!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return DeviceUnderTest(device, "auto", 2048, 2048)

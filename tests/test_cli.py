@@ -33,6 +33,23 @@ def test_bench_attention_prints_a_table_for_every_pattern(capsys) -> None:
     assert "routing" in names and "training peak memory ~ N^b" in out
 
 
+def test_bench_attention_writes_its_rows_as_json(tmp_path: Path, capsys) -> None:
+    """--json: the settings and the rows the table prints (scripts/device_check.py reads them)."""
+    import json
+
+    path = tmp_path / "new" / "rows.json"
+    assert main(["bench", "attention", "--n", "64", "--repeats", "1", "--heads", "2", "--head-dim", "8", "--window",
+                 "16", "--only", "local", "--backend", "tiles", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    table = json.loads(path.read_text())
+    assert table["suite"] == "attention" and table["settings"]["backend"] == "tiles"
+    assert table["settings"]["heads"] == 2 and table["settings"]["dtype"] == "float32"
+    assert [(row["n"], row["mechanism"]) for row in table["rows"]] == [(64, "full"), (64, "local")]
+    for row in table["rows"]:
+        assert row["fwd_bwd_s"] > 0 and f"{row['fwd_bwd_s'] * 1e3:.1f}" in out  # the table's number
+        assert row["training_bytes"] > 0
+
+
 def test_bench_rejects_bad_sizes(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "attention", "--n", "0"])

@@ -116,7 +116,11 @@ def test_static_block_masks_are_cached_and_data_masks_are_not(monkeypatch) -> No
     assert built[1:] == [None, None]
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled FlexAttention)")
+def cuda(test):
+    """Compiled FlexAttention: CUDA only, and marked ``cuda`` (the device tests ``pytest -m cuda`` and
+    scripts/device_check.py run)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason="needs CUDA (compiled FlexAttention)")(test))
 
 
 @cuda

@@ -9,7 +9,8 @@ run beside ours when installed (``pip install -e ".[bench]"``); ``--only NAME`` 
 ``peer_of`` of their row) as well as NAME. A row that cannot run (too much memory, an error) is printed with the
 reason in a note column. ``--backend`` chooses the executor of our patterns (``auto``: FlexAttention on CUDA,
 the fused kernels on the CPU); on CUDA a sliding window written directly with FlexAttention (``flex-sliding
-(direct)``) runs beside ``local`` as the hand-written baseline.
+(direct)``) runs beside ``local`` as the hand-written baseline, and full attention held to SDPA's FlashAttention
+and cuDNN backends (``sdpa-flash``, ``sdpa-cudnn``) beside ``full``. ``--json FILE`` also writes the rows.
 """
 
 from __future__ import annotations
@@ -169,9 +170,29 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
                   lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="poly2"), skip=quadratic,
                   useful=full_pairs),
     ]
+    found[1:1] = _sdpa_backends(causal, device, full_pairs)
     found += _flex_sliding(window, causal, device)
     found += _peers(n, window, causal, heads, head_dim, clusters, routed, buckets, lsh_window, features, device)
     return found
+
+
+def _sdpa_backends(causal: bool, device: torch.device, useful: rf.Useful | None) -> list[Candidate]:
+    """Full attention by PyTorch's SDPA held to one of its CUDA backends (``torch.nn.attention.sdpa_kernel``):
+    FlashAttention and cuDNN's, the dense baselines a GPU user compares with (``full`` lets SDPA choose). Only on
+    CUDA; both take float16 and bfloat16 only, and a dtype or GPU they refuse is the row's note."""
+    if device.type != "cuda":
+        return []
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pinned(backend: SDPBackend) -> Attend:
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            with sdpa_kernel(backend):  # the backward runs the kernel the forward chose
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return attend
+
+    return [Candidate("sdpa-flash", "full, SDPA's FlashAttention backend", pinned(SDPBackend.FLASH_ATTENTION),
+                      useful=useful),
+            Candidate("sdpa-cudnn", "full, SDPA's cuDNN backend", pinned(SDPBackend.CUDNN_ATTENTION), useful=useful)]
 
 
 def _flex_sliding(window: int, causal: bool, device: torch.device) -> list[Candidate]:

@@ -54,6 +54,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_backend(att)
     att.add_argument("--only", nargs="+", metavar="NAME",
                      help="mechanisms to run beside full, with their peers (e.g. local strided lsh performer)")
+    att.add_argument("--json", metavar="FILE", help="also write the measured rows to FILE as JSON (the settings "
+                     "and, per row, n, mechanism, fwd_s, fwd_bwd_s, inference/training/kept bytes, note)")
 
     mod = suites.add_parser(
         "model",
@@ -164,9 +166,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    routing_window=args.routing_window, steps=args.steps,
                    batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds, echo=echo)
     elif args.suite == "attention":
-        attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
-                      repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype], causal=not args.non_causal,
-                      only=args.only, backend=args.backend, echo=echo)
+        rows = attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
+                             repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
+                             causal=not args.non_causal, only=args.only, backend=args.backend, echo=echo)
+        if args.json:
+            _write_json(args.json, {"suite": "attention", "settings": {
+                key: getattr(args, key) for key in ("batch", "heads", "head_dim", "window", "repeats", "device",
+                                                    "dtype", "non_causal", "backend")}, "rows": rows})
     elif args.suite == "model":
         model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
                   batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models,
@@ -189,3 +195,13 @@ def text_overrides(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"{flag} {value} and --set {key}=... both set the rows' {key}: give one of them")
         overrides.append(f"{key}={value}")
     return overrides
+
+
+def _write_json(path: str, table: dict) -> None:
+    """``table`` as JSON at ``path`` (its folder made), whole or not at all (``durable.atomic_write``)."""
+    import json
+    from pathlib import Path
+
+    from ..durable import atomic_write
+
+    atomic_write(Path(path).expanduser(), lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))

@@ -13,7 +13,8 @@ to its head groups (``TransformerLM``), and again at its first forward on anothe
 - ``"tiles"`` (``tiles/``): blocked PyTorch with a fused custom operator; runs everywhere.
 - ``"flex"`` (``flex/``): FlexAttention, compiled, one fused kernel per piece with a block-sparse ``BlockMask``;
   the default on CUDA. Its ``ranges`` (multi-probe routing) is one call with every (query, range) entry a row
-  (``flex/ranges.py``): shapes fixed by N, memory O(N · D) around the kernel. On CPU it runs FlexAttention's dense eager operator (correctness tests only).
+  (``flex/ranges.py``): shapes fixed by N, memory O(N · D) around the kernel. On CPU it runs FlexAttention's
+  dense eager operator (correctness tests only).
 - ``"auto"`` (a name only, resolved by ``get_executor``): ``"flex"`` on CUDA, ``"fused"`` on the CPU
   (``"tiles"`` where it cannot be built), ``"tiles"`` elsewhere.
 

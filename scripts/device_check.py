@@ -1,0 +1,425 @@
+#!/usr/bin/env python3
+"""The device check: what routeformer does on a GPU, in one command of under 8 minutes, written to a report.
+
+    python scripts/device_check.py OUT                      # on a machine with one CUDA GPU
+    python scripts/device_check.py OUT --toy --device cpu   # the same steps at toy sizes on the CPU (CI)
+
+Writes OUT/report.md and OUT/report.json (and each step's whole output under OUT/logs/): the versions (Python,
+PyTorch, CUDA, cuDNN, Triton, the GPU, the CPU, ``routeformer env --no-build``), then one subprocess per step, each
+with its own time limit, recorded as pass, fail or timeout with its seconds, the numbers parsed from it and the
+tail of its output:
+
+1. tests: ``pytest -m cuda tests/test_cuda.py tests/test_flex.py`` on the device (``ROUTEFORMER_TEST_DEVICE``);
+2. bench-N: ``routeformer bench attention`` at 16k and 64k (toy: 256, 512): local, routing with the paper's rule
+   and with two probes, LSH, beside full attention held to SDPA's flash and cuDNN backends and FlexAttention's own
+   sliding window; ms forward+backward and peak memory;
+3. train: a 2-minute ``routeformer train`` at 4096 with local and routing heads in bfloat16: tokens/s at steady
+   state, the first step's seconds (compilation), the recompilations dynamo logs (TORCH_LOGS=recompiles);
+4. ddp, fsdp: a one-process ``torchrun`` training a few steps (NCCL on CUDA, gloo on the CPU), with DDP and with
+   FSDP2 (``--fsdp``), as a user would start it.
+
+A failing step never stops the check, and the report is rewritten after every step, so an interrupted check keeps
+what it measured. Exit status: 0 when every step passed, 1 when one failed or ran out of time, 2 for a usage error.
+docs/gpu.md says what each number means and what the goals are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL_CHARS = 3000  # of each step's output, in the report (the whole output is in OUT/logs/)
+# The forward+backward ratios the goals name (docs/gpu.md): name -> (row, row it is divided by).
+RATIOS = {"local / flex-sliding": ("local", "flex-sliding (direct)"), "routing / local": ("routing", "local"),
+          "routing-p2 / local": ("routing-p2", "local")}
+BENCH_ROWS = ["local", "routing", "routing-p2", "lsh", "sdpa-flash", "sdpa-cudnn"]  # beside full (SDPA's choice)
+
+# Printed by the versions step as one JSON line; run in a subprocess so that this process never holds a CUDA
+# context (its memory) while the steps run.
+VERSIONS = r"""
+import json, platform, sys
+import torch
+out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+       "cuda_available": torch.cuda.is_available(), "cpu_threads": torch.get_num_threads()}
+try:
+    import triton
+    out["triton"] = triton.__version__
+except ImportError:
+    out["triton"] = None
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    out.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
+               gpu_count=torch.cuda.device_count(), bf16=torch.cuda.is_bf16_supported())
+print("VERSIONS " + json.dumps(out))
+"""
+
+
+@dataclass
+class Step:
+    """One subprocess of the check and what it gave. ``parse(output, out_dir)`` reads its numbers (the output, and
+    any file the step wrote under the check's folder); it may raise, which is recorded, never fatal."""
+
+    name: str
+    what: str
+    argv: list[str]
+    limit_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    parse: Callable[[str, Path], dict] | None = None
+    status: str = "not run"  # pass | fail | timeout | interrupted | not run
+    seconds: float | None = None
+    returncode: int | None = None
+    numbers: dict = field(default_factory=dict)
+    tail: str = ""
+
+    def record(self) -> dict:
+        """The step as the JSON report holds it."""
+        kept = asdict(self)
+        del kept["parse"]
+        return {**kept, "command": " ".join(self.argv)}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Where the check runs and at which sizes."""
+
+    device: str  # cuda | cpu
+    toy: bool
+    out: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+# --- the steps ---------------------------------------------------------------------------------------------------
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def plan(mode: Mode) -> list[Step]:
+    """The steps in order. On a GPU their limits add up to 480 s, the whole check's budget (8 minutes)."""
+    out, toy = mode.out, mode.toy
+    # The training steps' data: stdlib (30 MB); at toy sizes the README as a text data set, whose validation split
+    # (1.5 kB) the final evaluation scores in a moment on the CPU (stdlib's 1.6 MB take a minute there).
+    name = "readme" if toy else "stdlib"
+    data = ["--data", name, "--data-dir", str(out / "data")]
+    source = ["text", "--from", str(ROOT / "README.md"), "--name", name, "--force"] if toy else ["stdlib"]
+    steps = [
+        Step("versions", "Python, PyTorch, CUDA, cuDNN, Triton, the GPU", python("-c", VERSIONS), 20,
+             parse=parse_versions),
+        Step("env", "routeformer env --no-build: the executors and the fused CPU kernel's builds",
+             python("-m", "routeformer", "env", "--no-build"), 15),
+        Step("prepare", f"the {name} data set the training steps read",
+             python("-m", "routeformer", "prepare", *source, "--data-dir", str(out / "data")), 15),
+        test_step(mode),
+    ]
+    for n in (256, 512) if toy else (16384, 65536):
+        steps.append(bench_step(mode, n))
+    steps.append(Step(
+        "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
+                                                                 "seq_len 4096, bfloat16, 2 minutes "
+                                                                 "(1.75 of steps, then the final evaluation)"),
+        python("-m", "routeformer", "train", *data, "--out", str(out / "runs" / "train"),
+               "--max-minutes", "1" if toy else "1.75", "--max-steps", "40" if toy else "100000",
+               *train_settings(mode, seq_len=64 if toy else 4096)),
+        120 if toy else 150, env={"TORCH_LOGS": "recompiles"}, parse=parse_train))
+    for sharding in ("ddp", "fsdp"):
+        steps.append(Step(
+            sharding, f"torchrun --nproc_per_node 1, {'NCCL' if mode.cuda else 'gloo'}, "
+                      f"{'DDP' if sharding == 'ddp' else 'FSDP2 (--fsdp)'}: a few training steps",
+            python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "routeformer",
+                   "train", *data, "--out", str(out / "runs" / sharding), "--max-steps", "5" if toy else "10",
+                   *(["--fsdp"] if sharding == "fsdp" else []), *train_settings(mode, seq_len=64 if toy else 1024)),
+            60 if toy else 35, env={"NCCL_DEBUG": "INFO"} if mode.cuda else {},
+            parse=parse_torchrun if mode.cuda else lambda output, out: without(parse_torchrun(output, out), "nccl")))
+    return steps
+
+
+def test_step(mode: Mode) -> Step:
+    """The device tests and FlexAttention's CUDA tests. The project's pytest options are replaced (they need
+    pytest-xdist, which a GPU machine may lack); on a GPU 8 workers compile FlexAttention's kernels side by side."""
+    argv = python("-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-m", "cuda", "-v", "-rfE",
+                  "--junitxml", str(mode.out / "tests.xml"), "tests/test_cuda.py", "tests/test_flex.py")
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        argv += ["-n", "8" if mode.cuda else "2"]
+    return Step("tests", f"pytest -m cuda on {mode.device} (the device tests, FlexAttention's CUDA tests)", argv,
+                600 if not mode.cuda else 110, env={"ROUTEFORMER_TEST_DEVICE": mode.device}, parse=parse_tests)
+
+
+def bench_step(mode: Mode, n: int) -> Step:
+    dtype = "bfloat16" if mode.cuda else "float32"  # SDPA's flash and cuDNN backends take half precision only
+    json_path = mode.out / f"bench-{n}.json"
+    size = ["--heads", "2", "--head-dim", "16", "--window", "32", "--repeats", "1"] if mode.toy else ["--repeats", "3"]
+    return Step(f"bench-{n}", f"routeformer bench attention at N={n}, {dtype}",
+                python("-m", "routeformer", "bench", "attention", "--device", mode.device, "--dtype", dtype,
+                       "--n", str(n), *size, "--only", *(BENCH_ROWS if mode.cuda else BENCH_ROWS[:4]),
+                       "--json", str(json_path)),
+                120 if mode.toy else (40 if n <= 16384 else 60),
+                parse=lambda output, out: parse_bench(json_path))
+
+
+def train_settings(mode: Mode, seq_len: int) -> list[str]:
+    """--set options of the training steps: half local, half routing heads (the shipped default.toml's routing
+    rule, the paper's), one log row per step, no periodic evaluation, no sample."""
+    toy = mode.toy
+    settings = {"seq_len": seq_len, "dim": 32 if toy else 512, "depth": 1 if toy else 4, "heads": 2 if toy else 8,
+                "attention": '"local:1,routing:1"' if toy else '"local:4,routing:4"', "batch_size": 4 if toy else 8,
+                "options.local.window": 16 if toy else 256, "options.routing.num_clusters": 4 if toy else 64,
+                "options.routing.window": 8 if toy else 64, "precision": '"bfloat16"' if mode.cuda else '"float32"',
+                "device": f'"{mode.device}"', "log_every": 1, "eval_every": 100000, "eval_tokens": 4096,
+                "sample_tokens": 0, "warmup_steps": 10}
+    return [word for key, value in settings.items() for word in ("--set", f"{key}={value}")]
+
+
+# --- reading the numbers -------------------------------------------------------------------------------------------
+
+def parse_versions(output: str, out: Path) -> dict:
+    line = next(line for line in output.splitlines() if line.startswith("VERSIONS "))
+    found = json.loads(line.removeprefix("VERSIONS "))
+    found["cpu"] = cpu_model()
+    return found
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores"
+
+
+TEST_LINE = re.compile(r"(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|"
+                       r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)")
+
+
+def parse_tests(output: str, out: Path) -> dict:
+    """Counts per outcome and the tests that failed, from pytest's verbose lines (with or without xdist; a run cut
+    short by its time limit still has the lines of the tests that finished)."""
+    outcome: dict[str, str] = {}
+    for match in TEST_LINE.finditer(output):
+        test = match.group(1) or match.group(4)
+        outcome[test] = (match.group(2) or match.group(3)).lower()
+    counts: dict[str, int] = {}
+    for result in outcome.values():
+        counts[result] = counts.get(result, 0) + 1
+    summary = re.findall(r"=+ (.*(?:passed|failed|error|skipped|deselected).* in [\d.]+s.*) =+", output)
+    return {"counts": counts, "failed": sorted(t for t, r in outcome.items() if r in ("failed", "error")),
+            "summary": summary[-1] if summary else None}
+
+
+def parse_bench(path: Path) -> dict:
+    """Per mechanism: ms forward, ms forward+backward, peak MiB (inference, training), and the note; with the
+    ratios the goals name (docs/gpu.md) where both rows were measured."""
+    table = json.loads(path.read_text())
+    rows = {}
+    for row in table["rows"]:
+        rows[row["mechanism"]] = {
+            "fwd_ms": None if row["fwd_s"] is None else round(row["fwd_s"] * 1e3, 3),
+            "fwd_bwd_ms": None if row["fwd_bwd_s"] is None else round(row["fwd_bwd_s"] * 1e3, 3),
+            "inference_mib": None if row["inference_bytes"] is None else round(row["inference_bytes"] / 2**20, 1),
+            "training_mib": None if row["training_bytes"] is None else round(row["training_bytes"] / 2**20, 1),
+            "note": row["note"] or None}
+    found: dict = {"n": table["rows"][0]["n"] if table["rows"] else None, "rows": rows}
+    for name, (a, b) in RATIOS.items():
+        x, y = (rows.get(r, {}).get("fwd_bwd_ms") for r in (a, b))
+        if x and y:
+            found[name] = round(x / y, 2)
+    return found
+
+
+def parse_train(output: str, out: Path) -> dict:
+    """From the run's metrics.jsonl (one row per step): steps, the first step's seconds (compilation included),
+    tokens/s at steady state (median over the second half of the steps), the last training loss; from the output:
+    the validation score and dynamo's recompilations (TORCH_LOGS=recompiles) and recompile-limit hits."""
+    rows = [json.loads(line) for line in (out / "runs" / "train" / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    found: dict = {"steps": train[-1]["step"] if train else 0,
+                   "recompiles": output.count("Recompiling function"),
+                   "recompile_limit_hits": output.count("torch._dynamo hit config.")}
+    if train:
+        found["first_step_s"] = round(train[0]["elapsed_s"], 2)
+        steady = sorted(r["tokens_per_s"] for r in train[len(train) // 2:])
+        found["steady_tokens_per_s"] = round(steady[len(steady) // 2])
+        found["last_train_loss"] = round(train[-1]["loss"], 4)
+    found.update(validation(output))
+    return found
+
+
+def parse_torchrun(output: str, out: Path) -> dict:
+    found = {"nccl_lines": output.count("NCCL INFO")}
+    stopped = re.search(r"stopped after (\d+) steps", output)
+    if stopped:
+        found["steps"] = int(stopped.group(1))
+    found.update(validation(output))
+    return found
+
+
+def without(numbers: dict, prefix: str) -> dict:
+    return {key: value for key, value in numbers.items() if not key.startswith(prefix)}
+
+
+def validation(output: str) -> dict:
+    match = re.search(r"validation ([\w ]+): ([\d.]+)", output)
+    return {f"validation ({match.group(1)})": float(match.group(2))} if match else {}
+
+
+# --- running -------------------------------------------------------------------------------------------------------
+
+def run_step(step: Step, mode: Mode, deadline: float) -> None:
+    """Run ``step`` in its own process group (so that a time limit ends its workers too), its output to
+    OUT/logs/NAME.log; record status, seconds, numbers and the output's tail."""
+    limit = min(step.limit_s, max(1.0, deadline - time.monotonic()))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    log = mode.out / "logs" / f"{step.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    header = f"$ {' '.join(step.argv)}\n"  # the log's first line; the report shows the command apart
+    with open(log, "w") as sink:
+        sink.write(header)
+        sink.flush()
+        child = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            step.returncode = child.wait(timeout=limit)
+            step.status = "pass" if step.returncode == 0 else "fail"
+        except subprocess.TimeoutExpired:
+            stop(child)
+            step.status = "timeout"
+        except KeyboardInterrupt:
+            stop(child)
+            step.status = "interrupted"
+            raise
+        finally:
+            step.seconds = round(time.monotonic() - start, 1)
+            output = log.read_text(errors="replace")[len(header):]
+            step.tail = settled(output)[-TAIL_CHARS:]
+            if step.status == "timeout":
+                step.tail += f"\n[device check: stopped at its time limit of {limit:.0f} s]"
+            if step.parse is not None:
+                try:
+                    step.numbers = step.parse(output, mode.out)
+                except Exception as e:  # a step that failed early leaves nothing to read: say so, go on
+                    step.numbers = {"unread": f"{type(e).__name__}: {e}"}
+
+
+def settled(output: str) -> str:
+    """``output`` as a terminal would leave it: of the lines a progress bar redraws (carriage returns), the last."""
+    lines = []
+    for line in output.split("\n"):
+        drawn = [part for part in line.split("\r") if part.strip()]
+        lines.append(drawn[-1] if drawn else "")
+    return "\n".join(lines)
+
+
+def stop(child: subprocess.Popen) -> None:
+    """End ``child``'s process group: SIGTERM, then SIGKILL after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# --- the report ------------------------------------------------------------------------------------------------------
+
+def report(mode: Mode, steps: list[Step], started: str, elapsed: float) -> dict:
+    versions = next((s.numbers for s in steps if s.name == "versions"), {})
+    return {"started": started, "seconds": round(elapsed, 1), "device": mode.device, "toy": mode.toy,
+            "versions": versions, "steps": [s.record() for s in steps]}
+
+
+def markdown(table: dict) -> str:
+    """The report as markdown: the versions, a summary row per step, then each step's numbers and output tail."""
+    lines = [f"# routeformer device check ({table['device']}{', toy sizes' if table['toy'] else ''})", "",
+             f"Started {table['started']}, {table['seconds']} s so far. Written by scripts/device_check.py; "
+             "docs/gpu.md says what the numbers mean.", "", "## Versions", ""]
+    env = next((s for s in table["steps"] if s["name"] == "env"), None)
+    lines += [f"- {key}: {value}" for key, value in table["versions"].items()]
+    if env and env["tail"]:
+        lines += ["", "`routeformer env --no-build`:", "", "```", env["tail"].strip(), "```"]
+    lines += ["", "## Steps", "", "| step | status | seconds | what |", "|---|---|---:|---|"]
+    lines += [f"| {s['name']} | {s['status']} | {'' if s['seconds'] is None else s['seconds']} | {s['what']} |"
+              for s in table["steps"]]
+    for s in table["steps"]:
+        if s["name"] in ("versions", "env") or s["status"] == "not run":
+            continue
+        lines += ["", f"### {s['name']}: {s['status']}", "", f"`{s['command']}` (limit {s['limit_s']:.0f} s, exit "
+                  f"{s['returncode']})", ""]
+        if s["numbers"]:
+            lines += ["```json", json.dumps(s["numbers"], indent=1), "```", ""]
+        lines += ["Output (tail):", "", "```", s["tail"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, table: dict) -> None:
+    """report.json and report.md, each replaced whole (an interruption leaves the previous version)."""
+    for name, text in (("report.json", json.dumps(table, indent=1) + "\n"), ("report.md", markdown(table))):
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(out / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="folder for report.md, report.json, the logs and the runs")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default cuda")
+    parser.add_argument("--toy", action="store_true", help="toy sizes (with --device cpu: CI, a few minutes)")
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.toy:
+        parser.error("--device cpu runs the toy sizes only (add --toy): the full sizes are GPU sizes")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: this PyTorch sees no CUDA device (run --toy --device cpu instead)")
+    mode = Mode(args.device, args.toy, args.out.resolve())
+    mode.out.mkdir(parents=True, exist_ok=True)
+    steps = plan(mode)
+    started, start = time.strftime("%Y-%m-%d %H:%M:%S"), time.monotonic()
+    deadline = start + sum(s.limit_s for s in steps)
+    try:
+        for step in steps:
+            print(f"device check: {step.name} ({step.what}) ...", file=sys.stderr, flush=True)
+            run_step(step, mode, deadline)
+            print(f"device check: {step.name}: {step.status} in {step.seconds} s", file=sys.stderr, flush=True)
+            write(mode.out, report(mode, steps, started, time.monotonic() - start))
+    except KeyboardInterrupt:
+        write(mode.out, report(mode, steps, started, time.monotonic() - start))
+        print(f"device check: interrupted; the report so far is in {mode.out}", file=sys.stderr)
+        return 130
+    failed = [s.name for s in steps if s.status != "pass"]
+    print(f"device check: {len(steps) - len(failed)}/{len(steps)} steps passed"
+          + (f"; not passed: {', '.join(failed)}" if failed else "") + f"; report: {mode.out / 'report.md'}",
+          file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

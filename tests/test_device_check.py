@@ -1,0 +1,142 @@
+"""scripts/device_check.py: each step's status, seconds, numbers and output tail; a failing or hanging step never
+stops the check; the report on disk after every step; the numbers read from pytest and the attention benchmark;
+the GPU plan within its 8 minutes. (The whole check at toy sizes runs in CI: .ci/run.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+
+
+@pytest.fixture(scope="module")
+def dc():
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["device_check"]
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _steps(dc, out: Path) -> list:
+    pid_file = out / "sleeper.pid"
+    return [
+        dc.Step("ok", "prints a number", _py("print('VALUE 42')"), 60,
+                parse=lambda output, _: {"value": int(output.split("VALUE ")[1].split()[0])}),
+        dc.Step("bad", "fails", _py("import sys; print('broken'); sys.exit(3)"), 60),
+        # a step that hangs, with a child of its own: the time limit ends both
+        dc.Step("hangs", "sleeps", _py(
+            "import subprocess, sys, time\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "print('waiting', flush=True)\n"
+            "time.sleep(120)"), 3),
+        # reads the report the check wrote after the steps before it
+        dc.Step("reads", "reads the report so far", _py(
+            f"import json; print('SEEN', [s['status'] for s in json.load(open({str(out / 'report.json')!r}))"
+            f"['steps']])"), 60,
+            parse=lambda output, _: {"seen": output.split("SEEN ")[1].strip()}),
+        dc.Step("unreadable", "its numbers cannot be read", _py("pass"), 60, parse=lambda output, _: {}["missing"]),
+    ]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting for its reaper does not), after up to 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state == "Z":
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
+
+
+def test_every_step_is_recorded_and_none_stops_the_check(dc, tmp_path: Path, monkeypatch, capsys) -> None:
+    out = tmp_path / "check"
+    monkeypatch.setattr(dc, "plan", lambda mode: _steps(dc, mode.out))
+    assert dc.main([str(out), "--toy", "--device", "cpu"]) == 1  # one step failed, one timed out
+    table = json.loads((out / "report.json").read_text())
+    steps = {s["name"]: s for s in table["steps"]}
+    assert [s["status"] for s in table["steps"]] == ["pass", "fail", "timeout", "pass", "pass"]
+    assert steps["ok"]["numbers"] == {"value": 42} and steps["ok"]["returncode"] == 0
+    assert steps["bad"]["returncode"] == 3 and "broken" in steps["bad"]["tail"]
+    assert steps["hangs"]["seconds"] < 30 and "waiting" in steps["hangs"]["tail"]
+    assert "stopped at its time limit of 3 s" in steps["hangs"]["tail"]
+    assert not _alive(int((out / "sleeper.pid").read_text()))  # the step's own child ended with it
+    assert steps["reads"]["numbers"] == {"seen": "['pass', 'fail', 'timeout', 'not run', 'not run']"}
+    assert steps["unreadable"]["numbers"] == {"unread": "KeyError: 'missing'"}
+    assert steps["ok"]["command"].endswith("print('VALUE 42')") and (out / "logs" / "bad.log").is_file()
+    md = (out / "report.md").read_text()
+    assert "| ok | pass |" in md and "| hangs | timeout |" in md and '"value": 42' in md
+    assert "not passed: bad, hangs" in capsys.readouterr().err
+
+
+def test_usage_errors(dc, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        dc.main([str(tmp_path), "--device", "cpu"])
+    assert stop.value.code == 2 and "--device cpu runs the toy sizes only" in capsys.readouterr().err
+
+
+def test_the_gpu_check_fits_eight_minutes_and_runs_every_step(dc, tmp_path: Path) -> None:
+    gpu, toy = (dc.plan(dc.Mode(device, device == "cpu", tmp_path)) for device in ("cuda", "cpu"))
+    assert sum(s.limit_s for s in gpu) <= 480
+    assert [s.name for s in gpu] == ["versions", "env", "prepare", "tests", "bench-16384", "bench-65536", "train",
+                                     "ddp", "fsdp"]
+    assert [s.name for s in toy] == ["versions", "env", "prepare", "tests", "bench-256", "bench-512", "train", "ddp",
+                                     "fsdp"]
+    steps = {s.name: s for s in gpu}
+    assert steps["tests"].env == {"ROUTEFORMER_TEST_DEVICE": "cuda"} and "-m" in steps["tests"].argv
+    bench = steps["bench-65536"].argv
+    assert bench[bench.index("--device") + 1] == "cuda" and bench[bench.index("--dtype") + 1] == "bfloat16"
+    assert {"local", "routing", "routing-p2", "lsh", "sdpa-flash", "sdpa-cudnn"} <= set(bench)
+    train = " ".join(steps["train"].argv)
+    assert "seq_len=4096" in train and 'precision="bfloat16"' in train and steps["train"].env["TORCH_LOGS"]
+    assert "--fsdp" in steps["fsdp"].argv and "torch.distributed.run" in steps["ddp"].argv
+
+
+def test_pytest_outcomes_are_read_with_and_without_workers(dc) -> None:
+    plain = ("tests/test_cuda.py::test_a PASSED [ 50%]\ntests/test_cuda.py::test_b[x-1] FAILED [100%]\n"
+             "==== 1 failed, 1 passed in 3.10s ====\n")
+    workers = ("[gw0] [ 50%] PASSED tests/test_cuda.py::test_a \n[gw1] [100%] SKIPPED tests/test_flex.py::test_c \n"
+               "[gw0] [100%] ERROR tests/test_cuda.py::test_d \n")
+    assert dc.parse_tests(plain, Path()) == {"counts": {"passed": 1, "failed": 1},
+                                             "failed": ["tests/test_cuda.py::test_b[x-1]"],
+                                             "summary": "1 failed, 1 passed in 3.10s"}
+    found = dc.parse_tests(workers, Path())
+    assert found["counts"] == {"passed": 1, "skipped": 1, "error": 1} and found["summary"] is None
+    assert found["failed"] == ["tests/test_cuda.py::test_d"]
+
+
+def test_benchmark_rows_and_ratios(dc, tmp_path: Path) -> None:
+    def row(name: str, seconds: float | None, note: str = "") -> dict:
+        return {"n": 65536, "mechanism": name, "fwd_s": seconds, "fwd_bwd_s": seconds and 3 * seconds,
+                "inference_bytes": 2**20, "training_bytes": None, "kept_bytes": None, "note": note}
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": [row("full", 0.01), row("local", 0.002), row("flex-sliding (direct)", 0.001),
+                                         row("routing", 0.003), row("routing-p2", None, "failed: OOM")]}))
+    found = dc.parse_bench(path)
+    assert found["n"] == 65536 and found["rows"]["local"] == {"fwd_ms": 2.0, "fwd_bwd_ms": 6.0, "inference_mib": 1.0,
+                                                               "training_mib": None, "note": None}
+    assert found["local / flex-sliding"] == 2.0 and found["routing / local"] == 1.5
+    assert "routing-p2 / local" not in found and found["rows"]["routing-p2"]["note"] == "failed: OOM"
+
+
+def test_progress_bars_leave_their_last_state(dc) -> None:
+    assert dc.settled("a\nbar 1%\rbar 50%\rbar 100%\r    \rdone\nz\r\n") == "a\ndone\nz\n"
+    assert dc.settled("bar 1%\rbar 100%\r   \r\nnext") == "bar 100%\nnext"
