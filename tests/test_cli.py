@@ -136,8 +136,8 @@ def test_env_reports_a_failed_build_and_looks_without_building(tmp_path) -> None
     """In an empty cache with a compiler that fails: --no-build compiles nothing; env tries, fails, says why and
     exits 0; the failures are remembered, and a later --no-build shows each build as failed with its reason and log."""
     cache = tmp_path / "cache"
-    cxx = tmp_path / "c++"  # answers --version; compiling fails with a compiler error
-    cxx.write_text('#!/bin/sh\ncase "$*" in *--version*) echo "failing-c++ 1.0"; exit 0;; esac\n'
+    cxx = tmp_path / "c++"  # answers --version and -v (torch 2.6 asks it); compiling fails with a compiler error
+    cxx.write_text('#!/bin/sh\ncase "$*" in *--version*|-v) echo "failing-c++ 1.0"; exit 0;; esac\n'
                    'echo "kernel.cpp:1:1: error: this compiler always fails" >&2\nexit 1\n')
     cxx.chmod(0o755)
     env = {"TORCH_EXTENSIONS_DIR": str(cache), "CXX": str(cxx), "ROUTEFORMER_FUSED": "auto"}
