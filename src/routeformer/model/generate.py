@@ -57,6 +57,10 @@ def check_sampling(model: nn.Module, prompt: Tensor, max_new_tokens: int, temper
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     if top_k is not None and top_k > vocab:
         raise ValueError(f"top_k ({top_k}) is larger than the vocabulary ({vocab})")
+    if prompt.device.type == "cpu":  # before it goes to the model's device (the forward checks CPU tensors only)
+        from .transformer import check_token_ids  # here: transformer.py imports this module
+
+        check_token_ids(prompt, vocab)
     return prompt.to(next(model.parameters()).device)
 
 
