@@ -18,14 +18,7 @@ from .generate import generate, stream
 from .layers import Block, init_weights
 from .positions import PositionEmbedding
 from .pretrained import from_pretrained, save_pretrained
-
-
-def check_token_ids(tokens: Tensor, vocab_size: int) -> None:
-    """A ValueError unless every id of ``tokens`` (any shape, integer) lies in [0, vocab_size). It reads the range
-    back: call it on host (CPU) tensors, before they go to a GPU."""
-    low, high = (int(x) for x in tokens.aminmax())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+from .tokens import check_token_ids
 
 
 class ModelCache:
