@@ -19,7 +19,7 @@ from routeformer.executors.fused.build import build_chain
 
 def test_bench_attention_prints_a_table_for_every_pattern(capsys) -> None:
     assert main(["bench", "attention", "--n", "64", "96", "--repeats", "1", "--heads", "2", "--head-dim", "8",
-                 "--window", "16"]) == 0
+                 "--window", "16", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     # the line naming the executor, on stderr (stdout keeps the tables), once
@@ -51,7 +51,7 @@ def test_help(args: list[str]) -> None:
 
 def test_bench_model_prints_training_and_generation_tables(capsys) -> None:
     assert main(["bench", "model", "--n", "64", "128", "--positions", "32", "96", "--dim", "32", "--depth", "1",
-                 "--heads", "4", "--window", "16", "--repeats", "1"]) == 0
+                 "--heads", "4", "--window", "16", "--repeats", "1", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert banner(captured.err) == describe_backend("auto", "cpu") and captured.err.count("attention: ") == 1
@@ -62,7 +62,7 @@ def test_bench_model_prints_training_and_generation_tables(capsys) -> None:
 
 def test_the_banner_names_the_executor_asked_for(capsys) -> None:
     assert main(["bench", "attention", "--n", "64", "--repeats", "1", "--heads", "2", "--head-dim", "8", "--window",
-                 "16", "--only", "local", "--backend", "tiles"]) == 0
+                 "16", "--only", "local", "--backend", "tiles", "--device", "cpu"]) == 0
     assert banner(capsys.readouterr().err) == "attention: tiles (asked for)"
 
 
