@@ -341,7 +341,7 @@ def test_analyze_writes_tables_and_pictures(run_dir, capsys) -> None:
                  "cpu"]) == 0
     assert "local-routing" in capsys.readouterr().out
     assert main(["analyze", str(run_dir), "patterns", "--layer", "1", "--text", "def route(q, keys):",
-                 "--batches", "1"]) == 0
+                 "--batches", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     analysis = run_dir / "analysis"
     for name in ("approximations.txt", "approximations.csv", "approximations.png", "heads.txt", "heads.csv",
@@ -361,7 +361,7 @@ def test_analyze_approximations_shows_a_progress_bar(run_dir, capsys, tmp_path) 
     table, without the bar."""
     capsys.readouterr()
     assert main(["analyze", str(run_dir), "approximations", "--methods", "ovo,sliding", "--r", "1,2", "--windows",
-                 "2", "--out", str(tmp_path)]) == 0
+                 "2", "--out", str(tmp_path), "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     methods = 5  # exact, then ovo and sliding at r = 1 and 2
     assert "approximations" in captured.err and f"0/{methods} [" in captured.err and "method/s" in captured.err
@@ -462,7 +462,7 @@ def test_analyze_routing_writes_its_tables_against_a_local_baseline(run_dir, cap
     capsys.readouterr()
     out_dir = tmp_path / "out"
     assert main(["analyze", str(run_dir), "routing", "--baseline", str(local), "--windows", "4", "--top", "10",
-                 "--out", str(out_dir)]) == 0
+                 "--out", str(out_dir), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "beyond the local window %" in out and "The 10 most-attended routed pairs at distance >= 8" in out
     assert "not in the window" in out and "balance" in out
