@@ -295,6 +295,7 @@ def test_patterns_and_cluster_statistics() -> None:
 
 TINY = tiny_model_toml(depth=2) + """
 [train]
+device = "cpu"  # a CPU test, also on a machine with a GPU
 data = "tiny"
 batch_size = 4
 lr = 3e-3
@@ -320,7 +321,7 @@ def run_dir(tmp_path_factory):
 
 def _one_line_error(capsys, argv) -> str:
     capsys.readouterr()
-    assert main(argv) == 2
+    assert main([*argv, "--device", "cpu"]) == 2  # the run loads on the CPU, also where there is a GPU
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("routeformer: error: ") and "Traceback" not in err
     return err
@@ -328,17 +329,19 @@ def _one_line_error(capsys, argv) -> str:
 
 def test_analyze_writes_tables_and_pictures(run_dir, capsys) -> None:
     capsys.readouterr()
-    assert main(["analyze", str(run_dir), "approximations", "--r", "1,2,17", "--windows", "4"]) == 0
+    assert main(["analyze", str(run_dir), "approximations", "--r", "1,2,17", "--windows", "4",
+                 "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "optimal-v-aware-2 (upper bound)" in out and "random features-17" in out
     assert "optimal-v-aware-17 " in out and "optimal-v-aware-17 (upper bound)" not in out  # D = 16: exact
     own = float(out.split("model's own evaluation on these windows: ")[1].split()[0])
     exact = float(out.split("\nexact")[1].split()[0])
     assert exact == pytest.approx(own, abs=1e-4)
-    assert main(["analyze", str(run_dir), "heads", "--batches", "2", "--batch-size", "2"]) == 0
+    assert main(["analyze", str(run_dir), "heads", "--batches", "2", "--batch-size", "2", "--device",
+                 "cpu"]) == 0
     assert "local-routing" in capsys.readouterr().out
     assert main(["analyze", str(run_dir), "patterns", "--layer", "1", "--text", "def route(q, keys):",
-                 "--batches", "1"]) == 0
+                 "--batches", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     analysis = run_dir / "analysis"
     for name in ("approximations.txt", "approximations.csv", "approximations.png", "heads.txt", "heads.csv",
@@ -358,7 +361,7 @@ def test_analyze_approximations_shows_a_progress_bar(run_dir, capsys, tmp_path) 
     table, without the bar."""
     capsys.readouterr()
     assert main(["analyze", str(run_dir), "approximations", "--methods", "ovo,sliding", "--r", "1,2", "--windows",
-                 "2", "--out", str(tmp_path)]) == 0
+                 "2", "--out", str(tmp_path), "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     methods = 5  # exact, then ovo and sliding at r = 1 and 2
     assert "approximations" in captured.err and f"0/{methods} [" in captured.err and "method/s" in captured.err
@@ -459,7 +462,7 @@ def test_analyze_routing_writes_its_tables_against_a_local_baseline(run_dir, cap
     capsys.readouterr()
     out_dir = tmp_path / "out"
     assert main(["analyze", str(run_dir), "routing", "--baseline", str(local), "--windows", "4", "--top", "10",
-                 "--out", str(out_dir)]) == 0
+                 "--out", str(out_dir), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "beyond the local window %" in out and "The 10 most-attended routed pairs at distance >= 8" in out
     assert "not in the window" in out and "balance" in out

@@ -19,7 +19,7 @@ from routeformer.executors.fused.build import build_chain
 
 def test_bench_attention_prints_a_table_for_every_pattern(capsys) -> None:
     assert main(["bench", "attention", "--n", "64", "96", "--repeats", "1", "--heads", "2", "--head-dim", "8",
-                 "--window", "16"]) == 0
+                 "--window", "16", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     # the line naming the executor, on stderr (stdout keeps the tables), once
@@ -68,7 +68,7 @@ def test_help(args: list[str]) -> None:
 
 def test_bench_model_prints_training_and_generation_tables(capsys) -> None:
     assert main(["bench", "model", "--n", "64", "128", "--positions", "32", "96", "--dim", "32", "--depth", "1",
-                 "--heads", "4", "--window", "16", "--repeats", "1"]) == 0
+                 "--heads", "4", "--window", "16", "--repeats", "1", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert banner(captured.err) == describe_backend("auto", "cpu") and captured.err.count("attention: ") == 1
@@ -79,7 +79,7 @@ def test_bench_model_prints_training_and_generation_tables(capsys) -> None:
 
 def test_the_banner_names_the_executor_asked_for(capsys) -> None:
     assert main(["bench", "attention", "--n", "64", "--repeats", "1", "--heads", "2", "--head-dim", "8", "--window",
-                 "16", "--only", "local", "--backend", "tiles"]) == 0
+                 "16", "--only", "local", "--backend", "tiles", "--device", "cpu"]) == 0
     assert banner(capsys.readouterr().err) == "attention: tiles (asked for)"
 
 
@@ -153,8 +153,8 @@ def test_env_reports_a_failed_build_and_looks_without_building(tmp_path) -> None
     """In an empty cache with a compiler that fails: --no-build compiles nothing; env tries, fails, says why and
     exits 0; the failures are remembered, and a later --no-build shows each build as failed with its reason and log."""
     cache = tmp_path / "cache"
-    cxx = tmp_path / "c++"  # answers --version; compiling fails with a compiler error
-    cxx.write_text('#!/bin/sh\ncase "$*" in *--version*) echo "failing-c++ 1.0"; exit 0;; esac\n'
+    cxx = tmp_path / "c++"  # answers --version and -v (torch 2.6 asks it); compiling fails with a compiler error
+    cxx.write_text('#!/bin/sh\ncase "$*" in *--version*|-v) echo "failing-c++ 1.0"; exit 0;; esac\n'
                    'echo "kernel.cpp:1:1: error: this compiler always fails" >&2\nexit 1\n')
     cxx.chmod(0o755)
     env = {"TORCH_EXTENSIONS_DIR": str(cache), "CXX": str(cxx), "ROUTEFORMER_FUSED": "auto"}

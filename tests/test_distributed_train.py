@@ -16,6 +16,7 @@ from routeformer.cli import main
 
 CONFIG = tiny_model_toml(depth=2) + """
 [train]
+device = "cpu"  # gloo on the CPU, also where there are GPUs (rank 1 would otherwise go to cuda:1)
 data = "tiny"
 batch_size = 8
 grad_accum = {accum}
@@ -45,13 +46,13 @@ def single(tmp_path_factory) -> Path:
     return root
 
 
-def _torchrun(root: Path, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(root: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "routeformer",
-         "train", *args], capture_output=True, text=True, timeout=600, env=env)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+         "routeformer", "train", *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 process(es)" in done.stdout  # rank 0 alone talks and writes
+    assert f"{nproc} process(es)" in done.stdout  # rank 0 alone talks and writes
     assert done.stdout.count("validation bits per byte") == 1
     return done
 
@@ -80,6 +81,17 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(single: Pat
     _same_curve(single / "one", out)
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_one_process_under_torchrun_runs_in_a_process_group(single: Path, mode: str) -> None:
+    """A one-GPU user's torchrun: one gloo process wraps the model in DDP or shards it with FSDP2 as a larger run
+    does, and follows the plain process's curve (the same batches: two micro-batches of 4 per step)."""
+    out = single / f"one_{mode}"
+    done = _torchrun(single, "--config", str(single / "one.toml"), "--data-dir", str(single / "data"), "--out",
+                     str(out), *(["--fsdp"] if mode == "fsdp" else []), nproc=1)
+    assert ("(sharded by FSDP2)" if mode == "fsdp" else "1 process(es) with DDP on cpu") in done.stdout
+    _same_curve(single / "one", out)
+
+
 def test_a_sharded_run_resumes_on_the_same_curve(single: Path) -> None:
     out = single / "fsdp_resumed"
     _torchrun(single, "--config", str(single / "two.toml"), "--data-dir", str(single / "data"), "--out", str(out),
@@ -88,7 +100,7 @@ def test_a_sharded_run_resumes_on_the_same_curve(single: Path) -> None:
     _same_curve(single / "one", out)
 
 
-def _sync_worker(rank: int, store: str, out: str) -> None:
+def _sync_worker(rank: int, store: str, out: str, dtype: str) -> None:
     import torch.distributed as dist
 
     from routeformer import TransformerConfig, TransformerLM
@@ -101,14 +113,15 @@ def _sync_worker(rank: int, store: str, out: str) -> None:
                                             attention="local:1,routing:1", rel_clip=4, options={
                                                 "local": {"window": 4}, "routing": {
                                                     "num_clusters": 2, "window": 4, "balance": 0.01, "warmup": 3}}))
+    model = model.to(getattr(torch, dtype))
     same = routing_in_sync(model, procs)
     drifted = {}
     for name in ("kmeans.centroids", "routing.bias", "routing.steps"):  # one ulp (one step) on one rank
         buf = next(b for n, b in model.named_buffers() if n.endswith(name))
         before = buf.clone()
-        if rank == 1:
-            flat = buf.view(-1)
-            flat[0] = flat[0] + 1 if buf.dtype == torch.long else torch.nextafter(flat[0], torch.tensor(2.0))
+        if rank == 1:  # the next representable value: its bits as an integer, plus one
+            bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(buf.dtype, buf.dtype)
+            buf.view(bits).view(-1)[0] += 1
         drifted[name] = routing_in_sync(model, procs)
         buf.copy_(before)
     if rank == 0:
@@ -117,10 +130,11 @@ def _sync_worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_the_sync_check_sees_one_ulp_of_drift_in_centroids_bias_or_warm_up_count(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_sync_check_sees_one_ulp_of_drift_in_centroids_bias_or_warm_up_count(tmp_path, dtype: str) -> None:
     import torch.multiprocessing as mp
 
     out = tmp_path / "result.pt"
-    mp.spawn(_sync_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    mp.spawn(_sync_worker, args=(str(tmp_path / "store"), str(out), dtype), nprocs=2, join=True)
     result = torch.load(out)
     assert result == {"same": True, "kmeans.centroids": False, "routing.bias": False, "routing.steps": False}

@@ -13,6 +13,7 @@ from routeformer.attention import fixed_attention, local_attention, longformer_a
 from routeformer.executors import (
     EXECUTORS,
     Executor,
+    describe_backend,
     get_executor,
     register_executor,
     resolve_backend,
@@ -34,6 +35,31 @@ def test_auto_is_flex_on_cuda_and_fused_on_the_cpu_and_unknown_names_are_listed(
         local_attention(q, k, v, 3, backend="cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
         routing_layer(1, 4, 2, 3, backend="triton")
+
+
+def test_nothing_meant_for_cuda_builds_the_cpu_kernels(monkeypatch) -> None:
+    """Choosing, describing and binding the executor of a CUDA model never starts the CPU kernels' build (25-60 s):
+    every build and load goes through ``KERNELS.status``, made to fail here."""
+    from routeformer import TransformerLM
+    from routeformer.executors.fused import KERNELS
+    from routeformer.train import executor_line, load_run_config
+
+    def refuse() -> None:
+        raise AssertionError("the CPU kernels were built or loaded for CUDA")
+
+    monkeypatch.setattr(KERNELS, "status", refuse)
+    cuda = torch.device("cuda", 0)
+    assert resolve_backend("auto", "cuda") == "flex" and get_executor("auto", cuda) is EXECUTORS["flex"]
+    assert describe_backend("auto", cuda) == "attention: flex (the default on cuda)"
+    run = load_run_config(None, ["precision=float32", "attention=local:2,routing:2"])
+    assert run.model.backend == "auto"
+    assert executor_line(run, cuda) == "attention: flex (the default on cuda)"
+    model = TransformerLM(run.model)  # built on the CPU, to be moved: "auto" waits for its device
+    model._bind_executors(cuda)  # what its first forward on CUDA does
+    assert {g.executor.name for b in model.blocks for g, on in zip(b.attention.groups, b.attention.on_executor,
+                                                                    strict=True) if on} == {"flex"}
+    with pytest.raises(AssertionError, match="built or loaded for CUDA"):  # the CPU's "auto" does build
+        resolve_backend("auto", "cpu")
 
 
 def test_register_refuses_duplicates_and_incomplete_executors() -> None:

@@ -401,6 +401,29 @@ def test_bad_tokens(bad, fragment: str) -> None:
         randomised(tiny(), dtype=torch.float32)(bad)
 
 
+def test_the_token_range_is_read_back_on_the_host_only(monkeypatch) -> None:
+    """The forward reads the token range back only from CPU tensors (on a GPU that is a host synchronisation per
+    step); batches made on the host are checked where they are made: evaluation's windows and a prompt, before
+    they go to the device."""
+    import numpy as np
+
+    from routeformer.train.distributed import Processes
+    from routeformer.train.evaluation import evaluate
+
+    model = randomised(tiny(), dtype=torch.float32)
+    model._check_tokens(torch.full((1, 4), 23, device="meta"))  # reading a meta tensor's values would raise
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=23\), got values in \[-1, 5\]"):
+        model(torch.tensor([[5, -1, 2]]))
+    # as on a GPU: the forward checks no range; the host checks must catch it
+    monkeypatch.setattr(TransformerLM, "_check_tokens", lambda self, tokens: None)
+    data = np.arange(200) % 23
+    data[150] = 23
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=23\), got values in \[0, 23\]"):
+        evaluate(model, data, 48, batch=2, procs=Processes(0, 1, 0, torch.device("cpu")))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=23\)"):
+        model.generate(torch.tensor([3, 30]), 2)
+
+
 def test_decoding_past_the_cache_is_an_error() -> None:
     model = randomised(tiny(), dtype=torch.float32)
     cache = model.new_cache(1, 10)

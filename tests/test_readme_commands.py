@@ -154,9 +154,27 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
             toy = ["prepare", "pg19", "--from", str(FIXTURE_PG19), "--data-dir", str(folder / "data")]
         elif argv[0] == "analyze":
             toy = [*argv, "--windows", "2"] if "approximations" in argv else argv
+        elif argv[:2] in (["bench", "attention"], ["bench", "model"]):  # a GPU's lengths (64k) at toy size too
+            toy = [*argv, "--n", "512", "--repeats", "1"] + (["--positions", "64"] if argv[1] == "model" else [])
         else:
             toy = argv
+        toy = _on_the_cpu(toy)
         assert main(toy) == 0, f"README command failed at toy size: routeformer {' '.join(toy)}"
+
+
+DEVICE_OPTION = ("evaluate", "sample", "analyze", "bench attention", "bench model", "bench all")
+
+
+def _on_the_cpu(argv: list[str]) -> list[str]:
+    """A command that names no CUDA device runs on the CPU, also on a machine with a GPU (its "auto" would take the
+    GPU, against this test's CPU-made runs): train and bench text by their configuration, the others by --device."""
+    if any("cuda" in arg for arg in argv):
+        return argv
+    if argv[0] == "train" and "--resume" not in argv or argv[:2] == ["bench", "text"]:
+        return [*argv, "--set", "device=cpu"]
+    if " ".join(argv[:2]).startswith(DEVICE_OPTION) and "--device" not in argv:
+        return [*argv, "--device", "cpu"]
+    return argv
 
 
 def _sets_rel_clip(argv: list[str]) -> bool:

@@ -32,6 +32,8 @@ def test_a_saved_run_loads_with_its_options(name: str) -> None:
 def test_resuming_a_saved_run_gives_the_next_step_of_its_day(name: str, tmp_path, monkeypatch) -> None:
     shutil.copytree(FIXTURE / "data", tmp_path / "data")  # the run's config names data_dir = "data"
     shutil.copytree(FIXTURE / name, tmp_path / "run")
+    config = tmp_path / "run" / "config.toml"  # saved with device "auto": a GPU machine's would take its GPU
+    config.write_text(config.read_text().replace('device = "auto"', 'device = "cpu"'))
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)  # pytest-xdist gives each worker its share of the cores

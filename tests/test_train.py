@@ -28,6 +28,7 @@ from routeformer.train.schedule import TimeShare, learning_rate
 
 TINY = tiny_model_toml(depth=1) + """
 [train]
+device = "cpu"  # a CPU test, also on a machine with a GPU
 data = "tiny"
 batch_size = 4
 lr = 3e-3
@@ -68,7 +69,7 @@ def test_a_run_directory_holds_everything(setup, capsys) -> None:
     # the first line on stderr names the executor the attention runs on, and why
     line = banner(captured.err)
     assert line == executor_line(load_run_config(run / "config.toml")), captured.err
-    assert line.startswith(executor_named("cuda" if torch.cuda.is_available() else "cpu")) and line.endswith(")")
+    assert line.startswith(executor_named("cpu")) and line.endswith(")")
     assert captured.err.count("attention: ") == 1 and "attention: " not in out
     # a line per periodic validation on screen, and a progress bar for the final evaluation
     lines = [line for line in out.splitlines() if line.startswith("step ")]
@@ -199,15 +200,14 @@ def test_evaluate_and_sample(setup, capsys) -> None:
     if not (run / "checkpoint.pt").is_file():
         assert train(setup, run) == 0
     capsys.readouterr()
-    assert main(["evaluate", str(run), "--split", "test"]) == 0
+    assert main(["evaluate", str(run), "--split", "test", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert "test split" in captured.err and "window" in captured.err  # its progress bar
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert banner(captured.err) == load_run_config(run / "config.toml").model.describe_executor(device)
-    assert banner(captured.err).startswith(executor_named(device)) and "attention: " not in out
+    assert banner(captured.err) == load_run_config(run / "config.toml").model.describe_executor("cpu")
+    assert banner(captured.err).startswith(executor_named("cpu")) and "attention: " not in out
     assert "bits per byte" in out and "test split of tiny" in out and "non-overlapping windows of 32 tokens" in out
-    assert main(["evaluate", str(run), "--stride", "8", "--checkpoint", "last"]) == 0
+    assert main(["evaluate", str(run), "--stride", "8", "--checkpoint", "last", "--device", "cpu"]) == 0
     assert "scoring the last 8 of each (at least 24 tokens of context)" in capsys.readouterr().out
     assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1", "--device",
                  "cpu"]) == 0
@@ -215,10 +215,12 @@ def test_evaluate_and_sample(setup, capsys) -> None:
     out = captured.out
     assert out.startswith("def routing(") and len(out) > len("def routing(")
     assert banner(captured.err) == describe_backend("auto", "cpu") and banner(captured.err).startswith(executor_named())
-    assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1"]) == 0
+    assert main(["sample", str(run), "--prompt", "def routing(", "--tokens", "20", "--seed", "1", "--device",
+                 "cpu"]) == 0
     assert capsys.readouterr().out == out  # seeded: the same text
     # a prompt that is not UTF-8 (argv bytes 0xff 0xfe arrive as surrogates): its bytes are the prompt
-    assert main(["sample", str(run), "--prompt", "def \udcff\udcfe(", "--tokens", "4", "--seed", "1"]) == 0
+    assert main(["sample", str(run), "--prompt", "def \udcff\udcfe(", "--tokens", "4", "--seed", "1", "--device",
+                 "cpu"]) == 0
     assert capsys.readouterr().out.startswith("def \ufffd\ufffd(")
 
 
@@ -266,7 +268,7 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     base = ["train", "--config", cfg, "--data-dir", data, "--out", str(tmp_path / "r")]
     assert "fsdp shards the model across the processes of torchrun" in _error(capsys, base + ["--fsdp"])
     assert "--only: unknown mechanism(s) 'typo'; choices: full, local" in _error(
-        capsys, ["bench", "attention", "--n", "64", "--only", "typo"])
+        capsys, ["bench", "attention", "--n", "64", "--only", "typo", "--device", "cpu"])
     assert "dropout must be in [0, 1)" in _error(capsys, base + ["--set", "dropout=2"])
     assert "unknown key; valid keys: activation" in _error(capsys, base + ["--set", "dimension=3"])
     assert "seq_len (4096) + 1 is longer than the valid split" in _error(capsys, base + [
@@ -302,7 +304,7 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     saved = weights.read_bytes()
     weights.write_bytes(saved[:100])
     assert f"{weights} cannot be read as safetensors" in _error(capsys, ["evaluate", str(run), "--checkpoint",
-                                                                         "last"])
+                                                                         "last", "--device", "cpu"])
     weights.write_bytes(saved)
     ckpt = run / "checkpoint.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
@@ -315,7 +317,8 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
             z.writestr(f"wikitext-103/wiki.{split}.tokens", "a b c\n" * 20)
     other = tmp_path / "otherdata"
     prepare("wikitext103", other, str(words), dataset_name="tiny")
-    assert "wrong data for this checkpoint" in _error(capsys, ["evaluate", str(run), "--data-dir", str(other)])
+    assert "wrong data for this checkpoint" in _error(capsys, ["evaluate", str(run), "--data-dir", str(other),
+                                                                     "--device", "cpu"])
 
 
 @pytest.mark.parametrize("item, want", [
@@ -452,7 +455,7 @@ def test_main_job_defaults_prepare_stdlib_on_first_use(tmp_path, capsys, monkeyp
     monkeypatch.setattr(Validator, "whole_split", Validator.estimate)
     assert main(["train", "--max-steps", "1", "--set", "dim=32", "--set", "depth=1", "--set", "heads=2", "--set",
                  "attention=local:1,routing:1", "--set", "seq_len=64", "--set", "options.local.window=16",
-                 "--set", "rel_clip=16", "--set", "batch_size=2",
+                 "--set", "rel_clip=16", "--set", "batch_size=2", "--set", "device=cpu",
                  "--set", "sample_tokens=4", "--set", "eval_tokens=64", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "preparing the stdlib data set" in out and (tmp_path / "data" / "stdlib" / "meta.json").is_file()

@@ -18,6 +18,7 @@ from routeformer.data import prepare
 
 CONFIG = tiny_model_toml(depth=1) + """
 [train]
+device = "cpu"  # a CPU test, also on a machine with a GPU
 data = "tiny"
 batch_size = 2
 max_steps = 2
@@ -87,7 +88,7 @@ def test_a_broken_file_is_a_one_line_error_naming_it(made, tmp_path, capsys, whe
     path.write_bytes(BREAKS[how](path.name, path.read_bytes()))
     argv = [a.format(run=run) for a in READERS[where]]
     if argv[0] == "evaluate":
-        argv += ["--data-dir", str(data)]
+        argv += ["--data-dir", str(data), "--device", "cpu"]
     capsys.readouterr()
     code = main(argv)
     err = capsys.readouterr().err
@@ -114,11 +115,11 @@ def test_a_run_keeps_the_data_it_trained_on(made, tmp_path, capsys) -> None:
     assert main(["prepare", "text", "--from", str(other), "--name", "tiny", "--data-dir", str(data)]) == 2
     err = capsys.readouterr().err
     assert "already exists with other content" in err and "--force" in err and err.count("\n") == 1
-    assert main(["evaluate", str(run), "--data-dir", str(data)]) == 0
+    assert main(["evaluate", str(run), "--data-dir", str(data), "--device", "cpu"]) == 0
     assert "warning" not in capsys.readouterr().err
     assert main(["prepare", "text", "--from", str(other), "--name", "tiny", "--data-dir", str(data), "--force"]) == 0
     capsys.readouterr()
-    assert main(["evaluate", str(run), "--data-dir", str(data)]) == 0
+    assert main(["evaluate", str(run), "--data-dir", str(data), "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "warning: data set 'tiny'" in err and "is not the one" in err and "train.bin" in err
     assert main(["train", "--resume", str(run), "--max-steps", "3"]) == 2

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from .tokens import check_token_ids
+
 
 def sample_next(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> Tensor:
@@ -57,6 +59,8 @@ def check_sampling(model: nn.Module, prompt: Tensor, max_new_tokens: int, temper
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     if top_k is not None and top_k > vocab:
         raise ValueError(f"top_k ({top_k}) is larger than the vocabulary ({vocab})")
+    if prompt.device.type == "cpu":  # before it goes to the model's device (the forward checks CPU tensors only)
+        check_token_ids(prompt, vocab)
     return prompt.to(next(model.parameters()).device)
 
 

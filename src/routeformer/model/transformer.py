@@ -18,6 +18,7 @@ from .generate import generate, stream
 from .layers import Block, init_weights
 from .positions import PositionEmbedding
 from .pretrained import from_pretrained, save_pretrained
+from .tokens import check_token_ids
 
 
 class ModelCache:
@@ -59,11 +60,16 @@ class TransformerLM(nn.Module):
             init_weights(block, config.depth)
         nn.init.zeros_(self.head.weight)
         self.aux_loss: Tensor = torch.zeros(())
-        self._bind_executors(torch.device("cpu"))  # resolved once here; again at a forward on another device
+        self._executor_device: torch.device | None = None
+        # A named executor is bound now (resolving a name builds nothing), and again at a forward on another device.
+        # "auto" waits for the first forward's device: resolved for the CPU here it would compile the CPU kernels
+        # (25-60 s) for a model about to move to CUDA; until then a head group's executor is "auto" on its device.
+        if config.backend != "auto":
+            self._bind_executors(torch.device("cpu"))
 
     def _bind_executors(self, device: torch.device) -> None:
         """Resolve ``config.backend`` for ``device`` once ("auto": the fused kernels on the CPU, FlexAttention on
-        CUDA) and hand the executor to every head group that runs on one."""
+        CUDA; only the CPU's builds the kernels) and hand the executor to every head group that runs on one."""
         executor = get_executor(self.config.backend, device)
         for block in self.blocks:
             block.attention.bind(executor)
@@ -109,11 +115,11 @@ class TransformerLM(nn.Module):
             raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError("tokens must hold at least one position")
-        if not torch.compiler.is_compiling():
-            low, high = (int(x) for x in tokens.aminmax())
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size}), "
-                                 f"got values in [{low}, {high}]")
+        # Reading the range back is free on the CPU, and a host synchronisation per step on a GPU: there the
+        # batches are checked on the host where they are made (training, evaluation, a prompt; check_token_ids),
+        # and a token out of range in a tensor made on the device trips the embedding's device-side assert.
+        if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_token_ids(tokens, self.config.vocab_size)
 
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None) -> Tensor:

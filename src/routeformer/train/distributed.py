@@ -1,4 +1,6 @@
-"""Processes under torchrun: one per GPU (NCCL) or per CPU worker (gloo); plain single-process otherwise."""
+"""Processes under torchrun: one per GPU (NCCL) or per CPU worker (gloo), in a process group even when torchrun
+starts one (so that a one-GPU run wraps the model in DDP or FSDP2 as a larger one does); plain single-process
+otherwise."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Processes:
     world: int
     local_rank: int
     device: torch.device
+    launched: bool = False  # started by torchrun: in a process group, even alone
 
     @property
     def main(self) -> bool:
@@ -26,7 +29,9 @@ class Processes:
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        """Whether the processes form a process group (torchrun, any number of them): the model is wrapped in DDP
+        or FSDP2 and the ranks reduce and compare through ``torch.distributed``."""
+        return self.launched or self.world > 1
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -50,16 +55,24 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     return dev
 
 
+def launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (it sets TORCHELASTIC_RUN_ID, and LOCAL_RANK and WORLD_SIZE), whatever
+    the number of processes."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or {"LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys()
+
+
 def start(device: str = "auto") -> Processes:
-    """Join the torchrun group when launched by torchrun (RANK / WORLD_SIZE set), choosing the device."""
+    """Join the torchrun group when launched by torchrun (one process included: NCCL on CUDA, gloo on the CPU),
+    choosing the device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
+    procs = Processes(rank, world, local_rank, dev, launched=launched_by_torchrun())
+    if procs.distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Processes(rank, world, local_rank, dev)
+    return procs
 
 
 def stop(procs: Processes) -> None:
@@ -90,7 +103,8 @@ def routing_in_sync(model: nn.Module, procs: Processes) -> bool:
         routed = name.startswith(routers) or any(part in name for part in ("centroids", "ema_", "initialized"))
         if routed and "pending" not in name:
             digest.update(name.encode())
-            digest.update(buf.detach().cpu().contiguous().numpy().tobytes())
+            # the raw bytes, whatever the dtype (numpy has no bfloat16)
+            digest.update(buf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     gathered: list[str | None] = [None] * procs.world
     dist.all_gather_object(gathered, digest.hexdigest())
     return len(set(gathered)) == 1

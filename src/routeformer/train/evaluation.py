@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import eval_windows, window_batches
+from ..model import check_token_ids
 from .distributed import Processes, routing_in_sync, sum_all
 
 UNITS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
@@ -53,6 +54,7 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
                disable=progress is None or not procs.main)
     try:
         for rows, mask in mine:
+            check_token_ids(rows, model.config.vocab_size)  # on the host: no device sync
             rows, mask = rows.to(procs.device), mask.to(procs.device)
             with autocast or contextlib.nullcontext():
                 logits = model(rows[:, :-1])

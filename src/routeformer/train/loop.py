@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import BatchSampler
-from ..model import TransformerLM
+from ..model import TransformerLM, check_token_ids
 from . import distributed
 from .checkpoint import Checkpointer, Progress
 from .config import TrainConfig
@@ -157,7 +157,9 @@ class Loop:
         losses = []
         length = self.core.config.train_len(step - 1)  # shorter during a warm-up that asks for it
         for micro in range(cfg.grad_accum):
-            tokens = self.sampler.batch(step, micro, cfg.grad_accum).to(self.procs.device, non_blocking=True)
+            tokens = self.sampler.batch(step, micro, cfg.grad_accum)
+            check_token_ids(tokens, self.core.config.vocab_size)  # on the host: no device sync
+            tokens = tokens.to(self.procs.device, non_blocking=True)
             if length < self.seq_len:
                 tokens = cut_sequences(tokens, length)
             last = micro == cfg.grad_accum - 1

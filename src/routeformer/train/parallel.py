@@ -30,8 +30,8 @@ class Parallelism:
     def __init__(self, procs: Processes, cfg: TrainConfig) -> None:
         self.procs = procs
         if cfg.fsdp and not procs.distributed:
-            raise ValueError("fsdp shards the model across the processes of torchrun; this run has one process "
-                             "(start it with torchrun --nproc-per-node N, or drop --fsdp)")
+            raise ValueError("fsdp shards the model across the processes of torchrun; this run was not started by "
+                             "torchrun (start it with torchrun --nproc-per-node N, 1 included, or drop --fsdp)")
         self.sharded = cfg.fsdp
         self.compile = cfg.compile
         dev = procs.device
@@ -96,4 +96,5 @@ class Parallelism:
             optimizer.load_state_dict(state)
 
     def describe(self) -> str:
-        return f"{self.procs.world} process(es) on {self.procs.device}, {self.precision}"
+        ddp = " with DDP" if self.procs.distributed and not self.sharded else ""
+        return f"{self.procs.world} process(es){ddp} on {self.procs.device}, {self.precision}"

@@ -56,13 +56,15 @@ def _compiled(key: tuple) -> Callable:
 def _eager(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable, block_mask, scale: float,
            key: tuple) -> tuple[Tensor, Tensor]:
     """The higher-order operator's eager path (dense, differentiable on every device): private PyTorch API, used
-    only where the public ``flex_attention`` refuses gradients (CPU)."""
+    only where the public ``flex_attention`` refuses gradients (CPU). A torch without that API (2.6) still lets
+    the public function, uncompiled, run the same operator with gradients on the CPU: that is used there."""
     try:
         from torch._higher_order_ops.utils import setup_compilation_env
         from torch.nn.attention.flex_attention import _apply_kernel_options
-    except ImportError as exc:  # pragma: no cover - depends on the installed torch
-        raise RuntimeError(f"backend='flex' on {q.device.type} needs FlexAttention's eager operator, which torch "
-                           f"{torch.__version__} does not provide; use backend='tiles'") from exc
+    except ImportError:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=True)
 
     hop = _eager_hop(key)
     options = _apply_kernel_options(q, k, v, True, None, None)
@@ -77,6 +79,30 @@ def _eager_hop(key: tuple) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention_hop
 
     return _distinct(flex_attention_hop, key)
+
+
+@functools.cache
+def _aux_request() -> type | None:
+    """FlexAttention's ``AuxRequest`` where the installed torch has it, else None: then the call asks for the lse
+    with ``return_lse=True``, which releases before ``AuxRequest`` only know (and later ones deprecate). Decided
+    once per process."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return None
+    return AuxRequest
+
+
+def _compiled_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable, block_mask, scale: float,
+                   key: tuple) -> tuple[Tensor, Tensor]:
+    """The compiled ``flex_attention`` with its lse (natural log, as the public function returns it in either
+    convention): out (B, H, Nq, D), lse (B, H, Nq)."""
+    request = _aux_request()
+    if request is None:
+        return _compiled(key)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=True)
+    out, aux = _compiled(key)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              return_aux=request(lse=True))
+    return out, aux.lse
 
 
 def _identity(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -95,11 +121,7 @@ def flex_call(q: Tensor, k: Tensor, v: Tensor, *, block_mask, scale: float,
     if q.device.type == "cpu":
         out, lse = _eager(q, k, v, score_mod, block_mask, scale, key)
     else:
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        out, aux = _compiled(key)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                  return_aux=AuxRequest(lse=True))
-        lse = aux.lse
+        out, lse = _compiled_call(q, k, v, score_mod, block_mask, scale, key)
     lse = lse.to(lse_dtype(q.dtype))
     saw = lse > neg_inf(lse.dtype) / 2  # FlexAttention gives -inf to a row without keys
     return out.masked_fill(~saw[..., None], 0.0), torch.where(saw, lse, neg_inf(lse.dtype))

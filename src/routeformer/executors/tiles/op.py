@@ -41,7 +41,10 @@ def _softmax_(scores: Tensor) -> Tensor:
     return torch.softmax(scores, -1)
 
 
-@torch.library.custom_op("routeformer::tile_attention", mutates_args=())
+# The schemas are written out: torch before 2.7 cannot infer one from ``Tensor | None`` and ``list[int]``.
+@torch.library.custom_op("routeformer::tile_attention", mutates_args=(), schema=(
+    "(Tensor qt, Tensor k, Tensor v, SymInt[] windows, Tensor? mask, Tensor? key_table, Tensor? value_table, "
+    "SymInt offset, bool need_lse, Tensor? bias=None) -> (Tensor, Tensor, Tensor)"))
 def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: Tensor | None,
                     key_table: Tensor | None, value_table: Tensor | None, offset: int,
                     need_lse: bool, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -89,7 +92,9 @@ def _(qt, k, v, windows, mask, key_table, value_table, offset, need_lse, bias=No
     return qt.new_empty(*lead, T, D), lse, qt.new_empty(tiles, T, (reach + 1) * block)
 
 
-@torch.library.custom_op("routeformer::tile_attention_backward", mutates_args=())
+@torch.library.custom_op("routeformer::tile_attention_backward", mutates_args=(), schema=(
+    "(Tensor grad_out, Tensor? grad_lse, Tensor qt, Tensor k, Tensor v, Tensor probs, Tensor out, Tensor? key_table, "
+    "Tensor? value_table, SymInt[] windows, SymInt offset) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _tile_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, qt: Tensor, k: Tensor, v: Tensor,
                              probs: Tensor, out: Tensor, key_table: Tensor | None, value_table: Tensor | None,
                              windows: list[int], offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
