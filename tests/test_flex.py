@@ -9,9 +9,14 @@ import torch
 from torch.nn.attention.flex_attention import _ordered_to_dense
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
-from routeformer.attention import PATTERNS
-from routeformer.executors import flex
+from routeformer.attention import PATTERNS, reference_attention
+from routeformer.attention.reference import reference_scores
+from routeformer.attention.routing.probes import probe_masks
+from routeformer.attention.routing.sorted_window import drop_own_key
+from routeformer.executors import KeyRestrictions, Tiling, flex, get_executor, neg_inf
 from routeformer.executors.flex import blocks
+from routeformer.executors.inputs import Inputs, relative
+from routeformer.executors.tiling import Distances
 
 BLOCK = (16, 8)
 
@@ -114,6 +119,81 @@ def test_static_block_masks_are_cached_and_data_masks_are_not(monkeypatch) -> No
     for _ in range(2):
         PATTERNS["local"].attend(q, k, v, window=9, key_padding_mask=rand_padding(1, 70), backend="flex")
     assert built[1:] == [None, None]
+
+
+def _bias_problem(frame: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allow (n, n), bias (2, 3, n, n)) for the value pass's frames: causal (offsets, one-sided), a random
+    two-sided mask (offsets, the right side's second call) and either mask read through explicit deltas (the
+    "all" frame). Row 5 sees only its own key and row 7 nothing, so the own-key fallback and empty rows are hit."""
+    g = torch.Generator().manual_seed(5)
+    if frame == "offsets, one-sided":
+        allow = torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        allow = torch.rand(n, n, generator=g) < 0.6
+    allow[5] = torch.arange(n) == 5
+    allow[7] = False
+    return allow, torch.randn(2, 3, n, n, generator=g, dtype=torch.float64) * 3
+
+
+@pytest.mark.parametrize("exclude_self", [False, True])
+@pytest.mark.parametrize("rel, frame", [(False, "offsets, one-sided"), (True, "offsets, one-sided"),
+                                        (True, "offsets, two-sided"), (True, "all")])
+def test_a_bias_is_added_wherever_flex_recomputes_scores(rel: bool, frame: str, exclude_self: bool) -> None:
+    """A bias with relative positions (the value pass recomputes the probabilities outside the kernel) and with the
+    own-key rule (the fallback recomputes the own score): out, lse and gradients against the dense definition in
+    float64, on each of the value pass's frames (clipped distances, so the clipped rows' mass is checked too;
+    without relative positions there is no value pass)."""
+    n, scale = 29, 0.4
+    q, k, v = rand_qkv(2, 3, n, 8)
+    allow, bias = _bias_problem(frame, n)
+    rel_pos = rand_rel(8, 4) if rel else None
+    idx = torch.arange(n)
+    distances = Distances(delta=idx[None, :] - idx[:, None]) if frame == "all" else Distances(unit=1)
+    out, lse = get_executor("flex").tiled(
+        Inputs(q, k, v, scale), Tiling.dense(n, allow=allow), rel=relative(rel_pos, distances), bias=bias[:, :, None],
+        restrict=KeyRestrictions(exclude_self=True) if exclude_self else None, need_lse=True)
+    mask = drop_own_key(allow, torch.eye(n, dtype=torch.bool)) if exclude_self else allow
+    ref = reference_attention(q, k, v, mask, scale=scale, rel_pos=rel_pos, bias=bias)
+    scores = reference_scores(q, k, scale, rel_pos=rel_pos, bias=bias).masked_fill(~mask, float("-inf"))
+    ref_lse = torch.where(mask.any(-1), scores.logsumexp(-1), neg_inf(lse.dtype))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    leaves = [q, k, v] + ([rel_pos.key, rel_pos.value] if rel else [])
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    got = torch.autograd.grad((out * weights).sum() + lse.clamp_min(-1e3).sum(), leaves)
+    want = torch.autograd.grad((ref * weights).sum() + ref_lse.clamp_min(-1e3).sum(), leaves)
+    for name, a, b in zip(["q", "k", "v", "a^K", "a^V"], got, want, strict=False):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def test_routing_warms_up_and_hands_over_on_flex() -> None:
+    """The warm-up and the hand-over with shared QK and relative positions (a bias with the own-key rule and the
+    relative value pass, which flex once refused) on flex: equal to the dense float64 definition, forward and
+    gradients of q, v and both tables, and then routed."""
+    layer = routing_layer(2, 8, 4, 5, causal=True, balance=0.01, probes=2, warmup=1, handover=2,
+                          backend="flex").double()
+    n = 30
+    q, _, v = rand_qkv(2, 2, n, 8)
+    rel = rand_rel(8, 5)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = drop_own_key(causal, torch.eye(n, dtype=torch.bool))
+    for step in range(3):
+        assert layer.dense and layer.handing_over == (step > 0)
+        bias = None
+        if layer.handing_over:  # from the definition: -16 · (s + 1) / handover outside the probes' windows
+            routed = probe_masks(layer.routing.route_keys(q, q), layer.routing.probe(q, q), 5).any(2)
+            bias = (~routed).double() * -16.0 * step / 2
+        out = layer(q, q, v, rel_pos=rel)
+        want = reference_attention(q, q, v, mask, rel_pos=rel, bias=bias)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        leaves = (q, v, rel.key, rel.value)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step), dtype=out.dtype)
+        for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(want, leaves, grad), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        layer.update()
+    assert not layer.dense
+    torch.testing.assert_close(layer(q, q, v, rel_pos=rel), reference_attention(q, q, v, layer.routing_mask(q, q),
+                                                                                rel_pos=rel))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled FlexAttention)")

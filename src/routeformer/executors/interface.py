@@ -236,9 +236,7 @@ EXECUTORS: dict[str, Executor] = {
     "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES) - {"labels"}, ranges_run=fused.fused_ranges,
                       rounds_run=fused.fused_rounds, delegate=_unless_fused_takes),
     "tiles": Executor("tiles", tiled_attention),
-    # the relative value pass and the own-key fallback recompute scores without the bias
-    "flex": Executor("flex", flex.tiled,
-                     frozenset(FEATURES) - LOWERED - {"bias with relative positions", "bias with exclude_self"}),
+    "flex": Executor("flex", flex.tiled),
 }
 
 

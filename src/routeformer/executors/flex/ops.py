@@ -18,27 +18,23 @@ from ..tiling import KeyRestrictions, Tiling
 from .blocks import block_mask
 from .call import flex_call
 from .pattern import FlexPattern, Rule, data_rule, index_delta, lookup, positions_delta, without_self
-from .relative import key_scores, own_score, score_mod, value_term
+from .relative import Terms, key_scores, own_score, score_mod, value_term
 
 
 def attend(pattern: FlexPattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
            rel_pos: RelativePositions | None, need_lse: bool, bias: Rule | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention of q (B, H, Nq, D) to k, v (B, H, Nk, D) under ``pattern`` -> (out, lse or None); ``bias``:
-    (b, h, i, j) -> an additive score term (not with ``rel_pos``)."""
+    (b, h, i, j) -> an additive score term. The kernel's ``score_mod`` adds the relative key term and the bias; the
+    passes that recompute scores outside the kernel (the relative value term, the own-key fallback) add both too."""
     B, H = q.shape[:2]
-    mod, qa = None, None
-    if rel_pos is not None:
-        qa = key_scores(q, rel_pos, scale)
-        mod = score_mod(qa, pattern.delta, rel_pos.max_distance, pattern.nq)
-    elif bias is not None:
-        def mod(score, b, h, i, j):
-            return score + bias(b, h, i, j).to(score.dtype)
+    qa = None if rel_pos is None else key_scores(q, rel_pos, scale)
+    mod = None if qa is None and bias is None else score_mod(qa, pattern.delta, rel_pos, pattern.nq, bias)
     out, lse = flex_call(q, k, v, block_mask=block_mask(pattern, B, H, q.device), scale=scale, score_mod=mod)
     if rel_pos is not None:
-        out = out + value_term(pattern, q, k, lse, qa, rel_pos, scale, lambda: _right_lse(pattern, q, k, v, mod,
-                                                                                             rel_pos, scale))
+        out = out + value_term(pattern, q, k, lse, Terms(qa, rel_pos, bias), scale,
+                               lambda: _right_lse(pattern, q, k, v, mod, rel_pos, scale))
     if pattern.exclude_self:
-        out, lse = _own_key_fallback(pattern, q, k, v, out, lse, qa, rel_pos, scale)
+        out, lse = _own_key_fallback(pattern, (q, k, v), out, lse, Terms(qa, rel_pos, bias), scale)
     return out, lse if need_lse else None
 
 
@@ -55,16 +51,23 @@ def _right_lse(pattern: FlexPattern, q, k, v, mod, rel_pos: RelativePositions, s
                      score_mod=mod)[1]
 
 
-def _own_key_fallback(pattern, q, k, v, out, lse, qa, rel_pos, scale):
-    """Shared-QK attention: a query that saw no other key attends to its own key alone (if it may)."""
+def _own_key_fallback(pattern: FlexPattern, qkv: tuple[Tensor, Tensor, Tensor], out: Tensor, lse: Tensor,
+                      terms: Terms, scale: float) -> tuple[Tensor, Tensor]:
+    """Shared-QK attention: a query that saw no other key attends to its own key alone (if it may): its output is
+    v_i (+ a^V(0)), its lse the own score with the key term of distance 0 and the bias at (i, i)."""
+    q, k, v = qkv
     B, H, N, _ = q.shape
     b = torch.arange(B, device=q.device).view(B, 1, 1)
     h = torch.arange(H, device=q.device).view(1, H, 1)
     i = torch.arange(N, device=q.device).view(1, 1, N)
     alone = ~saw_key(lse) & pattern.own(b, h, i, i).expand(B, H, N)
+    rel_pos = terms.rel_pos
     own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]  # the value term of distance 0
     out = torch.where(alone[..., None], own, out)
-    lse = torch.where(alone, own_score(q, k, qa, rel_pos, scale).to(lse.dtype), lse)
+    s = own_score(q, k, terms.qa, rel_pos, scale)
+    if terms.bias is not None:
+        s = s + terms.bias(b, h, i, i).to(s.dtype)
+    lse = torch.where(alone, s.to(lse.dtype), lse)
     return out, lse
 
 
@@ -103,8 +106,7 @@ def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = 
           bias: Tensor | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """``tiles.tiled_attention`` on FlexAttention: query block b sees key blocks b - back … b + ahead under the
     tiling's masks, as one exact rule (``executors.Executor.tiled`` documents and checks the arguments). ``bias``
-    is added in the kernel's ``score_mod``; with relative positions it is refused by the executor (the relative
-    value pass recomputes the probabilities without it)."""
+    is added in the kernel's ``score_mod`` and wherever scores are recomputed (``attend``)."""
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
     rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
     B, H, Nq, _ = q.shape

@@ -19,13 +19,24 @@ recomputed from its log-sum-exp, p_ij = exp(s_ij - lse_i), on the keys the patte
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..lse import saw_key
 from ..relative import RelativePositions
-from .pattern import FlexPattern
+from .pattern import FlexPattern, Rule
+
+
+class Terms(NamedTuple):
+    """The additive score terms besides q·k · scale, for the passes that recompute scores outside the kernel:
+    qa (B, H, Nq, 2k + 1) the relative key term per distance (``key_scores``) and its tables ``rel_pos`` (None
+    without relative positions), ``bias`` (b, h, i, j) -> a per-pair term (or None)."""
+
+    qa: Tensor | None
+    rel_pos: RelativePositions | None
+    bias: Rule | None
 
 
 def key_scores(q: Tensor, rel_pos: RelativePositions, scale: float) -> Tensor:
@@ -33,14 +44,28 @@ def key_scores(q: Tensor, rel_pos: RelativePositions, scale: float) -> Tensor:
     return (q * scale) @ rel_pos.key.to(q.dtype).T
 
 
-def score_mod(qa: Tensor, delta, max_distance: int, nq: int) -> Callable:
-    """FlexAttention ``score_mod`` adding the relative key term of the pair's distance."""
+def score_mod(qa: Tensor | None, delta: Rule | None, rel_pos: RelativePositions | None, nq: int,
+              bias: Rule | None) -> Callable:
+    """FlexAttention ``score_mod`` adding the relative key term of the pair's distance (qa from ``key_scores``;
+    None: no relative positions) and the per-pair ``bias`` (None: none)."""
+    if qa is None:
+        def add_bias(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return score + bias(b, h, i, j).to(score.dtype)
+
+        return add_bias
+    max_distance = rel_pos.max_distance
 
     def add_key_term(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         d = delta(b, h, i, j).clamp(-max_distance, max_distance) + max_distance
         return score + qa[b, h, i.clamp(max=nq - 1), d].to(score.dtype)
 
-    return add_key_term
+    if bias is None:
+        return add_key_term
+
+    def add_both(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return add_key_term(score, b, h, i, j) + bias(b, h, i, j).to(score.dtype)
+
+    return add_both
 
 
 def _weights(scores: Tensor, allowed: Tensor, lse: Tensor) -> Tensor:
@@ -55,10 +80,12 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(saw_key(lse), lse, 0.0)
 
 
-def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tensor, rel_pos: RelativePositions,
-               scale: float, right_lse: Callable[[], Tensor]) -> Tensor:
-    """Σ_j p_ij a^V(delta_ij): (B, H, Nq, D) in q's dtype. ``right_lse()`` gives the log-sum-exp over the keys with
-    delta >= k (only called for two-sided patterns whose frame is not complete)."""
+def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, terms: Terms, scale: float,
+               right_lse: Callable[[], Tensor]) -> Tensor:
+    """Σ_j p_ij a^V(delta_ij): (B, H, Nq, D) in q's dtype, p_ij recomputed from ``lse`` with every term the kernel
+    added (``terms``: the key term, the bias). ``right_lse()`` gives the log-sum-exp over the keys with delta >= k
+    (only called for two-sided patterns whose frame is not complete)."""
+    qa, rel_pos, bias = terms
     B, H, Nq, D = q.shape
     kmax = rel_pos.max_distance
     finite = _finite(lse)
@@ -72,6 +99,8 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tens
         bb, hh = b[..., None], h[..., None]
         idx = rel_pos.index(pattern.delta(bb, hh, i, j)).expand(B, H, Nq, Nk)
         scores = (q * scale) @ k.transpose(-1, -2) + qa.gather(-1, idx)
+        if bias is not None:
+            scores = scores + bias(bb, hh, i, j).to(scores.dtype)
         p = _weights(scores, pattern.allowed(bb, hh, i, j), finite[..., None])
         mass = p.new_zeros(B, H, Nq, 2 * kmax + 1).scatter_add(-1, idx, p)
         return (mass @ a_v).to(q.dtype)
@@ -88,6 +117,8 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, qa: Tens
         d = pattern.delta(b, h, qi, kj).expand(B, H, z - a)
         idx = rel_pos.index(d)
         s = (q[:, :, a:z] * k[:, :, a + t:z + t]).sum(-1) * scale + qa[:, :, a:z].gather(-1, idx[..., None])[..., 0]
+        if bias is not None:
+            s = s + bias(b, h, qi, kj).to(s.dtype)
         p = _weights(s, pattern.allowed(b, h, qi, kj), finite[:, :, a:z])
         probs.append(torch.nn.functional.pad(p, (a, n - z)))
         rows.append(torch.nn.functional.pad(idx, (a, n - z)))
@@ -116,4 +147,4 @@ def own_score(q: Tensor, k: Tensor, qa: Tensor | None, rel_pos: RelativePosition
     return s.to(torch.promote_types(s.dtype, torch.float32))
 
 
-__all__ = ["key_scores", "own_score", "score_mod", "value_term"]
+__all__ = ["Terms", "key_scores", "own_score", "score_mod", "value_term"]
