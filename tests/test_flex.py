@@ -196,6 +196,63 @@ def test_routing_warms_up_and_hands_over_on_flex() -> None:
                                                                                 rel_pos=rel))
 
 
+@pytest.mark.parametrize("chunk", [1 << 24, 5000])
+@pytest.mark.parametrize("causal, clip", [(True, 16), (False, 16), (False, 400)])
+def test_the_value_pass_at_a_window_of_hundreds(monkeypatch, causal: bool, clip: int, chunk: int) -> None:
+    """The relative value pass over the offsets of a 300-key window (its blocks, windows of keys and the band of
+    their scores), in one chunk and in many: local attention against the dense float64 reference, forward and
+    gradients, with the clip nearer than the window (only the near keys enumerated, the far mass from the
+    log-sum-exp; two-sided: the right side's second call) and beyond it (every offset enumerated)."""
+    monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
+    q, k, v = rand_qkv(1, 2, 700, 8)
+    mask = PATTERNS["local"].build_mask(700, 2, causal, window=300)
+    compare_with_reference(lambda *x, **kw: PATTERNS["local"].attend(*x, window=300, causal=causal, backend="flex",
+                                                                     **kw),
+                           mask, q, k, v, key_padding_mask=rand_padding(1, 700), rel_pos=rand_rel(8, clip))
+
+
+def test_the_value_pass_runs_as_many_operators_at_any_window(monkeypatch) -> None:
+    """The operators the value pass dispatches, forward and backward, at windows of 130 and 300 (one chunk): the
+    same count (a loop per offset ran about ten per offset)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    real = flex.relative.value_term
+    counts = []
+
+    def counted(pattern, q, k, lse, *rest):
+        with Count() as mode:  # the pass's own operators: lse (the kernel's) held constant
+            out = real(pattern, q, k, lse.detach(), *rest)
+            out.backward(torch.ones_like(out), inputs=[q])
+        counts.append(mode.ops)
+        return out.detach()
+
+    monkeypatch.setattr(flex.ops, "value_term", counted)
+    for window in (130, 300):
+        q, k, v = rand_qkv(1, 2, 700, 8)
+        PATTERNS["local"].attend(q, k, v, window=window, causal=True, rel_pos=rand_rel(8, 400), backend="flex")
+    assert len(counts) == 2 and counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 5000])
+def test_the_value_pass_reads_distances_between_positions_at_a_window_of_hundreds(monkeypatch, chunk: int) -> None:
+    """The sorted window (distances between the entries' original positions, one table row per pair): routing's
+    layer at a window of 200 against the reference over its mask, forward and gradients."""
+    monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
+    layer = routing_layer(2, 8, 2, 200, causal=False, balanced=False, backend="flex").double()
+    q, k, v = rand_qkv(1, 2, 500, 8)
+    compare_with_reference(lambda *x, **kw: layer(*x, **kw), layer.routing_mask(q, k), q, k, v,
+                           rel_pos=rand_rel(8, 24))
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled FlexAttention)")
 
 

@@ -80,14 +80,14 @@ def _finish(pattern_args: dict, rule, exclude: bool) -> dict:
 
 
 def _offsets(lo: int, hi: int, unit: int, rel_pos: RelativePositions | None, by_index: bool) -> tuple:
-    """The value pass's frame for keys at offsets [lo, hi] of their query: only the near ones when distances are
-    ``unit`` times the offset and the clip is nearer than the reach."""
+    """The value pass's frame for keys at offsets [lo, hi] of their query (``FlexPattern.frame``): only the near
+    ones when distances are ``unit`` times the offset and the clip is nearer than the reach."""
     if rel_pos is None or not by_index:
-        return ("offsets", lo, hi, True)
+        return ("offsets", lo, hi, True, None)
     m = (rel_pos.max_distance - 1) // unit
     if -m <= lo and hi <= m:
-        return ("offsets", lo, hi, True)
-    return ("offsets", max(lo, -m), min(hi, m), False)
+        return ("offsets", lo, hi, True, unit)
+    return ("offsets", max(lo, -m), min(hi, m), False, unit)
 
 
 def _tile_offsets(allow: Tensor | None, d: Tensor) -> tuple[int, int]:
