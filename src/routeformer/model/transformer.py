@@ -110,10 +110,16 @@ class TransformerLM(nn.Module):
         if tokens.shape[1] == 0:
             raise ValueError("tokens must hold at least one position")
         if not torch.compiler.is_compiling():
-            low, high = (int(x) for x in tokens.aminmax())
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size}), "
-                                 f"got values in [{low}, {high}]")
+            # An assertion on the tokens' device, not a host read of their range: on CUDA a read would wait for the
+            # device at every forward; the assertion fails there asynchronously (a device-side assert), at once on
+            # the CPU, where it is turned into the ValueError naming the range.
+            vocab = self.config.vocab_size
+            try:
+                torch._assert_async(((tokens >= 0) & (tokens < vocab)).all(), f"token ids must lie in [0, {vocab})")
+            except RuntimeError as exc:
+                low, high = (int(x) for x in tokens.aminmax())
+                raise ValueError(f"token ids must lie in [0, vocab_size={vocab}), got values in [{low}, {high}]") \
+                    from exc
 
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None) -> Tensor:

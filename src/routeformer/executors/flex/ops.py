@@ -90,16 +90,14 @@ def _offsets(lo: int, hi: int, unit: int, rel_pos: RelativePositions | None, by_
     return ("offsets", max(lo, -m), min(hi, m), False, unit)
 
 
-def _tile_offsets(allow: Tensor | None, d: Tensor) -> tuple[int, int]:
-    """Smallest and largest of the offsets ``d`` (T, S) (key index - query index, on the host) of the tile entries
-    ``allow`` (T, S) permits (all without it); (0, -1) when it permits none. One host read of two numbers when
-    ``allow`` is given."""
-    if allow is None:
-        return int(d.min()), int(d.max())
-    d = d.to(allow.device)
-    big = d.shape[0] + d.shape[1]  # beyond every offset
-    lo, hi = torch.stack([torch.where(allow, d, big).min(), torch.where(allow, d, -big).max()]).tolist()
-    return (0, -1) if lo > hi else (lo, hi)
+def _tile_offsets(tiling: Tiling, nq: int, nk: int) -> tuple[int, int]:
+    """Smallest and largest key index - query index of the tile entries (every entry of the tile, whatever
+    ``allow`` permits: reading the offsets it permits would be a host read of a device tensor at every call, so a
+    mask narrower than its tile enumerates offsets it never allows, at no cost to the results). Host arithmetic on
+    the tiling's sizes (``Tiling.index_offsets``: s - base - r for row r and span column s)."""
+    _, T, S = tiling.shape(nq, nk)
+    base = 0 if tiling.single(nq) else tiling.back * tiling.block
+    return -base - (T - 1), S - 1 - base
 
 
 def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = None, rel: RelTerms | None = None,
@@ -153,7 +151,7 @@ def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = 
         delta = index_delta(distances.unit)
     one_sided = False
     if rel_pos is not None and rel_delta is None and Nq == Nk:  # offsets of the keys a tile may hold
-        lo, hi = offsets if offsets is not None else _tile_offsets(allow, tiling.index_offsets(Nq, Nk))
+        lo, hi = offsets if offsets is not None else _tile_offsets(tiling, Nq, Nk)
         frame = _offsets(lo, hi, distances.unit if by_index else 1, rel_pos, by_index)
         one_sided = hi <= 0
     extra = None

@@ -156,7 +156,9 @@ def _offsets_mass(pattern: FlexPattern, qs: Tensor, k: Tensor, finite: Tensor, t
     onehot = None
     if unit is not None:  # the distance is unit · (lo + c) for every query: one table row per column
         col_idx = rel_pos.index(unit * (lo + c))
-        onehot = F.one_hot(col_idx, rows_out).to(finite.dtype)  # (C, 2k + 1): mass per row is one product
+        # (C, 2k + 1): the mass per table row is one product (a comparison, not F.one_hot: that reads the indices'
+        # range on the host)
+        onehot = (col_idx[:, None] == torch.arange(rows_out, device=dev)).to(finite.dtype)
     step = max(1, _CHUNK // (B * H * T * W))
     masses, nears = [], []
     for b0 in range(0, nb, step):  # chunks of query blocks: bounded memory, a fixed number of kernels each
