@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _ordered_to_dense
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
+from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import PATTERNS, reference_attention
 from routeformer.attention.reference import reference_scores
 from routeformer.attention.routing.probes import probe_masks
@@ -284,3 +286,65 @@ def test_cuda_routing_runs_on_flex_by_default() -> None:
     want = routing_layer(4, 64, 16, 128, backend="tiles").cuda()
     want.load_state_dict(layer.state_dict())
     torch.testing.assert_close(layer.eval()(q, q, v), want.eval()(q, q, v), atol=1e-4, rtol=1e-4)
+
+
+def _skewed(step: int, shape: tuple[int, ...], vocab: int = 32) -> torch.Tensor:
+    """Random tokens whose spread changes with the step, so that clusters and buckets change size between steps."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, max(2, vocab >> (step % 4)), shape, generator=g)
+
+
+RECOMPILE_CASES = {
+    "local": ("local:2", {"local": {"window": 8}}, "relative", 0),
+    "routing, the paper's rule": ("local:1,routing:1", {"local": {"window": 8}, "routing": {
+        "num_clusters": 4, "window": 8, "probes": 1, "balance": 0.0}}, "relative", 0),
+    "routing, warm-up and hand-over": ("routing:2", {"routing": {
+        "num_clusters": 4, "window": 8, "probes": 2, "warmup": 1, "handover": 1}}, "relative", 2),
+    "lsh": ("lsh:2", {"lsh": {"buckets": 4, "window": 8}}, "absolute", 0),
+}
+
+
+@pytest.mark.parametrize("case", list(RECOMPILE_CASES.values()), ids=list(RECOMPILE_CASES))
+@torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+def test_training_compiles_flex_a_bounded_number_of_times(case) -> None:
+    """Shapes depend on the configuration and N only: after two steps (past the warm-up and hand-over, where there
+    are some), three steps on new random data compile FlexAttention no more. Dynamo's automatic dynamic shapes
+    are off, as in the CUDA path (``torch.compile(..., dynamic=False)``), so any new shape would recompile."""
+    from torch._dynamo.utils import counters
+
+    attention, options, positions, phases = case
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=32, dim=32, depth=2, heads=2, seq_len=64,
+                                            attention=attention, options=options, backend="flex",
+                                            positions=positions, rel_clip=8)).train()
+    graphs = []
+    for step in range(phases + 5):
+        tokens = _skewed(step, (2, 65))
+        logits = model(tokens[:, :-1])
+        (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss).backward()
+        model.after_optimizer_step(step)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[phases + 1], graphs
+
+
+@pytest.mark.parametrize("members", ["balanced", "sorted"])
+@torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+def test_encoder_routing_compiles_flex_a_bounded_number_of_times(members: str) -> None:
+    """The encoder's rules: the balanced clusters (how many queries are in no cluster changes with the data; their
+    tiles are as many as there can be) and the non-causal sorted window, five steps on data whose clusters
+    change: no compilation after the first two."""
+    from torch._dynamo.utils import counters
+
+    layer = routing_layer(2, 8, 8, 4, causal=False, balanced=members == "balanced", backend="flex")
+    rel = rand_rel(8, 4, dtype=torch.float32)
+    graphs = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        q = torch.randn(2, 2, 64, 8, generator=g) * (1 + step)
+        q[..., 0] += 3 * step  # clusters of other sizes at every step
+        q.requires_grad_()
+        v = torch.randn(2, 2, 64, 8, generator=g, requires_grad=True)
+        layer(q, q, v, rel_pos=rel).square().sum().backward()
+        layer.update()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1], graphs
