@@ -114,6 +114,36 @@ def test_a_training_step_on_flex_reads_nothing_on_the_host(config) -> None:
         assert step == 0 or not reads.found, f"update {step}:\n{reads.report()}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled FlexAttention)")
+@pytest.mark.parametrize("config", [c for c in CONFIGS.values() if not hasattr(c, "marks")],
+                         ids=[name for name, c in CONFIGS.items() if not hasattr(c, "marks")])
+def test_a_training_step_on_cuda_never_synchronises(config) -> None:
+    """On the device itself: CUDA's sync debug mode turns every synchronising call (a read, a blocking copy)
+    into an error. Each step runs its forward and backward once unchecked first (a new phase compiles, and
+    compiling may synchronise), then again, and the routing update, checked; the first update (the seeding) is not
+    checked."""
+    attention, options, n, positions = config
+    model = _model(attention, options, n=n, positions=positions).cuda()
+    tokens = torch.randint(0, 32, (2, n + 1), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def forward_backward() -> None:
+        logits = model(tokens[:, :-1])
+        (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss).backward()
+
+    for step in range(4):
+        forward_backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            forward_backward()
+            if step > 0:
+                model.after_optimizer_step(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if step == 0:
+            model.after_optimizer_step(step)
+
+
 def test_balanced_routing_on_flex_reads_nothing_on_the_host() -> None:
     """The encoder's balanced clusters (a layer of its own: the model is causal), with relative positions and
     shared QK, forward and backward."""

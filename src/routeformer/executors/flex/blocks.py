@@ -48,7 +48,9 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
     nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
     cand, in_reach = _candidates(pattern, bq, bk)
     width = cand.shape[1]
-    cand, in_reach = cand.to(device), in_reach.to(device)
+    # non_blocking: a blocking copy to CUDA ends in a stream synchronisation (PyTorch's memcpy_and_sync); from
+    # pageable host memory the copy is staged before the call returns, so the host tensors may go at once
+    cand, in_reach = cand.to(device, non_blocking=True), in_reach.to(device, non_blocking=True)
 
     b = torch.arange(B, device=device).view(B, 1, 1, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1, 1, 1)
