@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _ordered_to_dense
 
 from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
-from routeformer.attention import PATTERNS
-from routeformer.executors import flex
+from routeformer import TransformerConfig, TransformerLM
+from routeformer.attention import PATTERNS, reference_attention
+from routeformer.attention.reference import reference_scores
+from routeformer.attention.routing.probes import probe_masks
+from routeformer.attention.routing.sorted_window import drop_own_key
+from routeformer.executors import KeyRestrictions, Tiling, flex, get_executor, neg_inf
 from routeformer.executors.flex import blocks
+from routeformer.executors.inputs import Inputs, relative
+from routeformer.executors.tiling import Distances
 
 BLOCK = (16, 8)
 
@@ -116,6 +123,139 @@ def test_static_block_masks_are_cached_and_data_masks_are_not(monkeypatch) -> No
     assert built[1:] == [None, None]
 
 
+def _bias_problem(frame: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allow (n, n), bias (2, 3, n, n)) for the value pass's frames: causal (offsets, one-sided), a random
+    two-sided mask (offsets, the right side's second call) and either mask read through explicit deltas (the
+    "all" frame). Row 5 sees only its own key and row 7 nothing, so the own-key fallback and empty rows are hit."""
+    g = torch.Generator().manual_seed(5)
+    if frame == "offsets, one-sided":
+        allow = torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        allow = torch.rand(n, n, generator=g) < 0.6
+    allow[5] = torch.arange(n) == 5
+    allow[7] = False
+    return allow, torch.randn(2, 3, n, n, generator=g, dtype=torch.float64) * 3
+
+
+@pytest.mark.parametrize("exclude_self", [False, True])
+@pytest.mark.parametrize("rel, frame", [(False, "offsets, one-sided"), (True, "offsets, one-sided"),
+                                        (True, "offsets, two-sided"), (True, "all")])
+def test_a_bias_is_added_wherever_flex_recomputes_scores(rel: bool, frame: str, exclude_self: bool) -> None:
+    """A bias with relative positions (the value pass recomputes the probabilities outside the kernel) and with the
+    own-key rule (the fallback recomputes the own score): out, lse and gradients against the dense definition in
+    float64, on each of the value pass's frames (clipped distances, so the clipped rows' mass is checked too;
+    without relative positions there is no value pass)."""
+    n, scale = 29, 0.4
+    q, k, v = rand_qkv(2, 3, n, 8)
+    allow, bias = _bias_problem(frame, n)
+    rel_pos = rand_rel(8, 4) if rel else None
+    idx = torch.arange(n)
+    distances = Distances(delta=idx[None, :] - idx[:, None]) if frame == "all" else Distances(unit=1)
+    out, lse = get_executor("flex").tiled(
+        Inputs(q, k, v, scale), Tiling.dense(n, allow=allow), rel=relative(rel_pos, distances), bias=bias[:, :, None],
+        restrict=KeyRestrictions(exclude_self=True) if exclude_self else None, need_lse=True)
+    mask = drop_own_key(allow, torch.eye(n, dtype=torch.bool)) if exclude_self else allow
+    ref = reference_attention(q, k, v, mask, scale=scale, rel_pos=rel_pos, bias=bias)
+    scores = reference_scores(q, k, scale, rel_pos=rel_pos, bias=bias).masked_fill(~mask, float("-inf"))
+    ref_lse = torch.where(mask.any(-1), scores.logsumexp(-1), neg_inf(lse.dtype))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    leaves = [q, k, v] + ([rel_pos.key, rel_pos.value] if rel else [])
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    got = torch.autograd.grad((out * weights).sum() + lse.clamp_min(-1e3).sum(), leaves)
+    want = torch.autograd.grad((ref * weights).sum() + ref_lse.clamp_min(-1e3).sum(), leaves)
+    for name, a, b in zip(["q", "k", "v", "a^K", "a^V"], got, want, strict=False):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def test_routing_warms_up_and_hands_over_on_flex() -> None:
+    """The warm-up and the hand-over with shared QK and relative positions (a bias with the own-key rule and the
+    relative value pass, which flex once refused) on flex: equal to the dense float64 definition, forward and
+    gradients of q, v and both tables, and then routed."""
+    layer = routing_layer(2, 8, 4, 5, causal=True, balance=0.01, probes=2, warmup=1, handover=2,
+                          backend="flex").double()
+    n = 30
+    q, _, v = rand_qkv(2, 2, n, 8)
+    rel = rand_rel(8, 5)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = drop_own_key(causal, torch.eye(n, dtype=torch.bool))
+    for step in range(3):
+        assert layer.dense and layer.handing_over == (step > 0)
+        bias = None
+        if layer.handing_over:  # from the definition: -16 · (s + 1) / handover outside the probes' windows
+            routed = probe_masks(layer.routing.route_keys(q, q), layer.routing.probe(q, q), 5).any(2)
+            bias = (~routed).double() * -16.0 * step / 2
+        out = layer(q, q, v, rel_pos=rel)
+        want = reference_attention(q, q, v, mask, rel_pos=rel, bias=bias)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        leaves = (q, v, rel.key, rel.value)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step), dtype=out.dtype)
+        for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(want, leaves, grad), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        layer.update()
+    assert not layer.dense
+    torch.testing.assert_close(layer(q, q, v, rel_pos=rel), reference_attention(q, q, v, layer.routing_mask(q, q),
+                                                                                rel_pos=rel))
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 5000])
+@pytest.mark.parametrize("causal, clip", [(True, 16), (False, 16), (False, 400)])
+def test_the_value_pass_at_a_window_of_hundreds(monkeypatch, causal: bool, clip: int, chunk: int) -> None:
+    """The relative value pass over the offsets of a 300-key window (its blocks, windows of keys and the band of
+    their scores), in one chunk and in many: local attention against the dense float64 reference, forward and
+    gradients, with the clip nearer than the window (only the near keys enumerated, the far mass from the
+    log-sum-exp; two-sided: the right side's second call) and beyond it (every offset enumerated)."""
+    monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
+    q, k, v = rand_qkv(1, 2, 700, 8)
+    mask = PATTERNS["local"].build_mask(700, 2, causal, window=300)
+    compare_with_reference(lambda *x, **kw: PATTERNS["local"].attend(*x, window=300, causal=causal, backend="flex",
+                                                                     **kw),
+                           mask, q, k, v, key_padding_mask=rand_padding(1, 700), rel_pos=rand_rel(8, clip))
+
+
+def test_the_value_pass_runs_as_many_operators_at_any_window(monkeypatch) -> None:
+    """The operators the value pass dispatches, forward and backward, at windows of 130 and 300 (one chunk): the
+    same count (a loop per offset ran about ten per offset)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    real = flex.relative.value_term
+    counts = []
+
+    def counted(pattern, q, k, lse, *rest):
+        with Count() as mode:  # the pass's own operators: lse (the kernel's) held constant
+            out = real(pattern, q, k, lse.detach(), *rest)
+            out.backward(torch.ones_like(out), inputs=[q])
+        counts.append(mode.ops)
+        return out.detach()
+
+    monkeypatch.setattr(flex.ops, "value_term", counted)
+    for window in (130, 300):
+        q, k, v = rand_qkv(1, 2, 700, 8)
+        PATTERNS["local"].attend(q, k, v, window=window, causal=True, rel_pos=rand_rel(8, 400), backend="flex")
+    assert len(counts) == 2 and counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 5000])
+def test_the_value_pass_reads_distances_between_positions_at_a_window_of_hundreds(monkeypatch, chunk: int) -> None:
+    """The sorted window (distances between the entries' original positions, one table row per pair): routing's
+    layer at a window of 200 against the reference over its mask, forward and gradients."""
+    monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
+    layer = routing_layer(2, 8, 2, 200, causal=False, balanced=False, backend="flex").double()
+    q, k, v = rand_qkv(1, 2, 500, 8)
+    compare_with_reference(lambda *x, **kw: layer(*x, **kw), layer.routing_mask(q, k), q, k, v,
+                           rel_pos=rand_rel(8, 24))
+
+
+
 def cuda(test):
     """Compiled FlexAttention: CUDA only, and marked ``cuda`` (the device tests ``pytest -m cuda`` and
     scripts/device_check.py run)."""
@@ -151,3 +291,65 @@ def test_cuda_routing_runs_on_flex_by_default() -> None:
     want = routing_layer(4, 64, 16, 128, backend="tiles").cuda()
     want.load_state_dict(layer.state_dict())
     torch.testing.assert_close(layer.eval()(q, q, v), want.eval()(q, q, v), atol=1e-4, rtol=1e-4)
+
+
+def _skewed(step: int, shape: tuple[int, ...], vocab: int = 32) -> torch.Tensor:
+    """Random tokens whose spread changes with the step, so that clusters and buckets change size between steps."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, max(2, vocab >> (step % 4)), shape, generator=g)
+
+
+RECOMPILE_CASES = {
+    "local": ("local:2", {"local": {"window": 8}}, "relative", 0),
+    "routing, the paper's rule": ("local:1,routing:1", {"local": {"window": 8}, "routing": {
+        "num_clusters": 4, "window": 8, "probes": 1, "balance": 0.0}}, "relative", 0),
+    "routing, warm-up and hand-over": ("routing:2", {"routing": {
+        "num_clusters": 4, "window": 8, "probes": 2, "warmup": 1, "handover": 1}}, "relative", 2),
+    "lsh": ("lsh:2", {"lsh": {"buckets": 4, "window": 8}}, "absolute", 0),
+}
+
+
+@pytest.mark.parametrize("case", list(RECOMPILE_CASES.values()), ids=list(RECOMPILE_CASES))
+@torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+def test_training_compiles_flex_a_bounded_number_of_times(case) -> None:
+    """Shapes depend on the configuration and N only: after two steps (past the warm-up and hand-over, where there
+    are some), three steps on new random data compile FlexAttention no more. Dynamo's automatic dynamic shapes
+    are off, as in the CUDA path (``torch.compile(..., dynamic=False)``), so any new shape would recompile."""
+    from torch._dynamo.utils import counters
+
+    attention, options, positions, phases = case
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=32, dim=32, depth=2, heads=2, seq_len=64,
+                                            attention=attention, options=options, backend="flex",
+                                            positions=positions, rel_clip=8)).train()
+    graphs = []
+    for step in range(phases + 5):
+        tokens = _skewed(step, (2, 65))
+        logits = model(tokens[:, :-1])
+        (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss).backward()
+        model.after_optimizer_step(step)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[phases + 1], graphs
+
+
+@pytest.mark.parametrize("members", ["balanced", "sorted"])
+@torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+def test_encoder_routing_compiles_flex_a_bounded_number_of_times(members: str) -> None:
+    """The encoder's rules: the balanced clusters (how many queries are in no cluster changes with the data; their
+    tiles are as many as there can be) and the non-causal sorted window, five steps on data whose clusters
+    change: no compilation after the first two."""
+    from torch._dynamo.utils import counters
+
+    layer = routing_layer(2, 8, 8, 4, causal=False, balanced=members == "balanced", backend="flex")
+    rel = rand_rel(8, 4, dtype=torch.float32)
+    graphs = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        q = torch.randn(2, 2, 64, 8, generator=g) * (1 + step)
+        q[..., 0] += 3 * step  # clusters of other sizes at every step
+        q.requires_grad_()
+        v = torch.randn(2, 2, 64, 8, generator=g, requires_grad=True)
+        layer(q, q, v, rel_pos=rel).square().sum().backward()
+        layer.update()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1], graphs

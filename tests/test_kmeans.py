@@ -40,6 +40,33 @@ def test_evaluation_observes_nothing_and_an_empty_update_changes_nothing() -> No
     assert torch.equal(layer.routing.kmeans.centroids, before)
 
 
+def test_an_empty_update_after_seeding_changes_nothing_and_reads_nothing_on_the_host() -> None:
+    """Once seeded, the update selects on the device whether anything was observed (no host read, which would
+    wait for the device on CUDA); a step that observed nothing leaves every statistic as it was, bit for bit."""
+    from routeformer.testing import host_reads
+
+    layer = routing_layer(2, 8, 3, 4, balance=0.1, warmup=5).train()
+    q, _, v = rand_qkv(1, 2, 20, 8, dtype=torch.float32, grad=False)
+    layer(q, q, v)
+    layer.update()  # the seeding
+    layer(q, q, v)
+    layer.update()  # one EMA step, so that the centroids are the EMA's own
+    km = layer.routing.kmeans
+    state = {name: x.clone() for name, x in layer.state_dict().items()}
+    with host_reads() as reads:
+        layer.update()  # nothing observed since the last one
+    assert reads.found == []
+    for name, x in layer.state_dict().items():
+        if name.endswith("steps"):
+            assert int(x) == int(state[name]) + 1 == layer.routing.updates
+        else:
+            assert torch.equal(x, state[name]), name
+    layer(q, q, v)
+    with host_reads() as reads:
+        layer.update()
+    assert reads.found == [] and not torch.equal(km.ema_counts, state["routing.kmeans.ema_counts"])
+
+
 def test_initialisation_sees_every_micro_batch_of_the_first_step() -> None:
     """Gradient accumulation: seeding from two micro-batches equals seeding from their concatenation."""
     g = torch.Generator().manual_seed(3)

@@ -40,7 +40,6 @@ OVER = {
     "analysis/substitution.py:approximation_table": 10,
     "train/evaluation.py:evaluate": 9,
     "executors/fused/op.py:rounds": 9,
-    "executors/flex/ops.py:_own_key_fallback": 9,
     "attention/routing/cache.py:RoutingCache.step": 9,
     "attention/reference.py:reference_attention": 9,
     "attention/linear.py:feature_attention": 9,

@@ -163,10 +163,11 @@ class Executor:
         q, k, v: (B, H, N, D) -> out (B, H, N, D), lse (B, H, N) or None. Time O(N · block · D), memory
         O(N · block).
         """
-        q = inputs.q
-        size = min(block, q.shape[2])
-        allow = torch.ones(size, size, dtype=torch.bool, device=q.device).tril() if causal else None
-        return self.tiled(inputs, Tiling(block=size, allow=allow), rel=rel, need_lse=need_lse)
+        size = min(block, inputs.q.shape[2])
+        # causal as the offsets j - i <= 0 within a block, not a mask tensor: read by executors from the tiling,
+        # with no host read of a device tensor (flex's relative value pass enumerates those offsets)
+        tiling = Tiling(block=size, offsets=(1 - size, 0)) if causal else Tiling(block=size)
+        return self.tiled(inputs, tiling, rel=rel, need_lse=need_lse)
 
     def subset(self, inputs: Inputs, key_idx: Tensor, allow: Tensor | None, *, rel: RelTerms | None = None,
                need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -239,10 +240,7 @@ EXECUTORS: dict[str, Executor] = {
     "fused": Executor("fused", fused.fused_tiled, frozenset(FEATURES) - {"labels"}, ranges_run=fused.fused_ranges,
                       rounds_run=fused.fused_rounds, delegate=_unless_fused_takes),
     "tiles": Executor("tiles", tiled_attention),
-    # the relative value pass and the own-key fallback recompute scores without the bias
-    "flex": Executor("flex", flex.tiled,
-                     frozenset(FEATURES) - LOWERED - {"bias with relative positions", "bias with exclude_self"},
-                     ranges_run=flex.flex_ranges),
+    "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges),
 }
 
 

@@ -345,14 +345,15 @@ class _Merge(torch.autograd.Function):
 
 
 def _pick(outs: tuple[Tensor, ...], starts: list[int], index: Tensor) -> Tensor:
-    """Rows ``index`` (B, H, Nq) of the parts ``outs`` laid end to end -> a fresh (B, H, Nq, D)."""
+    """Rows ``index`` (B, H, Nq) of the parts ``outs`` laid end to end -> a fresh (B, H, Nq, D). A later part's
+    rows (the gathered pass's leftovers) by a gather and a selection over every row, not by finding the few that
+    are there: that would be a host read of a device tensor (a wait for the device on CUDA)."""
     first = outs[0].shape[2]
     rows = gather_rows(outs[0], index.clamp_max(first - 1))
-    for i in range(1, len(outs)):  # the few rows of later parts (the gathered pass's leftovers)
+    for i in range(1, len(outs)):
         where = (index >= starts[i]) & (index < starts[i + 1])
-        if bool(where.any()):
-            b, h, n = where.nonzero(as_tuple=True)
-            rows[b, h, n] = outs[i][b, h, index[b, h, n] - starts[i]]
+        later = gather_rows(outs[i], (index - starts[i]).clamp(0, outs[i].shape[2] - 1))
+        rows = torch.where(where[..., None], later, rows)
     return rows
 
 

@@ -115,11 +115,17 @@ class TransformerLM(nn.Module):
             raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError("tokens must hold at least one position")
-        # Reading the range back is free on the CPU, and a host synchronisation per step on a GPU: there the
-        # batches are checked on the host where they are made (training, evaluation, a prompt; check_token_ids),
-        # and a token out of range in a tensor made on the device trips the embedding's device-side assert.
+        # Reading the range back would be a host synchronisation per step on a GPU: there the batches are checked on
+        # the host where they are made (training, evaluation, a prompt; check_token_ids), and a token out of range in
+        # a tensor made on the device trips the embedding's device-side assert. On the CPU an assertion (no host read
+        # among the dispatched operators: tests/test_host_reads.py) that turns into the ValueError naming the range.
         if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
-            check_token_ids(tokens, self.config.vocab_size)
+            vocab = self.config.vocab_size
+            try:
+                torch._assert_async(((tokens >= 0) & (tokens < vocab)).all(), f"token ids must lie in [0, {vocab})")
+            except RuntimeError:
+                check_token_ids(tokens, vocab)
+                raise
 
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None) -> Tensor:

@@ -8,7 +8,9 @@ A token may land in several clusters or in none. Definition of what a query i se
 - shared QK: i's own key is dropped unless nothing else is left, exactly as in the sorted window.
 
 Cost: the member tiles are k · window² = N · window scores for window = N / k; queries in no cluster are packed
-into tiles of `window` queries per cluster, at most N + k · window more rows.
+into tiles of `window` queries per cluster, always as many tiles as they can need (``unselected_tile_bound``, at
+most N + k · window rows): their count is then known without reading the data on the host (on CUDA that read
+waits for the device) and the shapes depend on the sizes alone (FlexAttention compiles once for them).
 """
 
 from __future__ import annotations
@@ -94,10 +96,9 @@ def balanced_attention(
             own = own * valid[..., None]
         out = torch.where(alone[..., None], own, out)
 
-    # Queries in no cluster: the members of their nearest centroid's cluster.
-    if not bool(selected.all()):
-        out = _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor)
-    return out
+    # Queries in no cluster: the members of their nearest centroid's cluster (always run: whether any query is in
+    # none would be a host read; with none, every tile is empty and its rows go to the dump slot).
+    return _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor)
 
 
 def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos, executor):
@@ -154,8 +155,18 @@ def _merge_by_token(o: Tensor, lse: Tensor, token: Tensor, n: int) -> tuple[Tens
     return out.to(o.dtype), peak + den.log()
 
 
+def unselected_tile_bound(n: int, num_clusters: int, w: int) -> int:
+    """The most tiles of w queries the queries in no cluster can need, from the sizes alone: the members of one
+    cluster are w tokens that are selected, so at most U = n - w are in none; U_c of them in cluster c take
+    ceil(U_c / w) <= floor(U_c / w) + [U_c > 0] tiles, at most floor(U / w) + min(k, U) in all."""
+    unselected = max(0, n - w)
+    return max(1, unselected // w + min(num_clusters, unselected))
+
+
 def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor):
-    """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members."""
+    """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members.
+    As many tiles as there can be (``unselected_tile_bound``), not as there are: their number is then no host read
+    of a device tensor, and the shapes, which FlexAttention compiles for, depend on the sizes alone."""
     B, H, N, D = q.shape
     kc, w = members.shape[2:]
     group = torch.where(selected, kc, clusters)  # unselected tokens by cluster; selected ones last (sentinel k)
@@ -163,7 +174,7 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     counts = counts[..., :kc]
     n_tiles = -(-counts // w)  # (B, H, k)
     tile_end = n_tiles.cumsum(-1)
-    total = int(tile_end[..., -1].max())
+    total = unselected_tile_bound(N, kc, w)
     live = grouped < kc
     g = grouped.clamp_max(kc - 1)
     slot = (tile_end - n_tiles).gather(-1, g) * w + rank  # (B, H, N) in the packed layout

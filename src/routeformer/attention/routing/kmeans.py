@@ -152,26 +152,31 @@ class SphericalKMeans(nn.Module):
 
     @torch.no_grad()
     def update(self, group: dist.ProcessGroup | None = None) -> None:
-        """Apply the observed statistics (all-reduced across ranks when torch.distributed is initialised)."""
+        """Apply the observed statistics (all-reduced across ranks when torch.distributed is initialised).
+
+        Once initialised, no host read of a device tensor (on CUDA none waits for the device): a step that observed
+        nothing leaves the state as it is by a selection on the device. Until then the first step with statistics
+        is found by reading their total (the seeding, once, reads its samples on the host anyway)."""
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:
             dist.all_reduce(self.pending_sums, group=group)
             dist.all_reduce(self.pending_counts, group=group)
         total = self.pending_counts.sum()
-        if float(total) > 0:  # the same value on every rank after the all-reduce
-            if not bool(self.initialized):
-                samples, kept = self._gathered_samples(group) if distributed else self._local_samples()
-                self._initialise(samples[:, kept], total)
-                if distributed:
-                    dist.broadcast(self.centroids, src=0, group=group)
-                self._sample_parts.clear()
-            else:
-                lam = self.decay
-                self.ema_counts.mul_(lam).add_(self.pending_counts, alpha=1 - lam)
-                self.ema_sums.mul_(lam).add_(self.pending_sums, alpha=1 - lam)
-                means = self.ema_sums / (self.ema_counts[..., None] + self.eps)
-                alive = self.ema_sums.norm(dim=-1, keepdim=True) > 0
-                self.centroids.copy_(torch.where(alive, nn.functional.normalize(means, dim=-1), self.centroids))
+        if self._ready:  # the Python mirror of `initialized`: the same on every rank
+            seen = total > 0  # the same value on every rank after the all-reduce
+            # Nothing observed: every pending weight was 0, so the statistics are 0 and only the decay must not act.
+            keep = torch.where(seen, self.decay, 1.0).to(self.ema_counts.dtype)
+            self.ema_counts.mul_(keep).add_(self.pending_counts, alpha=1 - self.decay)
+            self.ema_sums.mul_(keep).add_(self.pending_sums, alpha=1 - self.decay)
+            means = self.ema_sums / (self.ema_counts[..., None] + self.eps)
+            alive = (self.ema_sums.norm(dim=-1, keepdim=True) > 0) & seen
+            self.centroids.copy_(torch.where(alive, nn.functional.normalize(means, dim=-1), self.centroids))
+        elif float(total) > 0:  # the same value on every rank after the all-reduce
+            samples, kept = self._gathered_samples(group) if distributed else self._local_samples()
+            self._initialise(samples[:, kept], total)
+            if distributed:
+                dist.broadcast(self.centroids, src=0, group=group)
+            self._sample_parts.clear()
         self.pending_sums.zero_()
         self.pending_counts.zero_()
 

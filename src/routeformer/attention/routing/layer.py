@@ -179,11 +179,11 @@ class RoutingAttention(HeadGroup):
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
                rel_pos: RelativePositions | None, bias: Tensor | None = None) -> Tensor:
         """The warm-up and the hand-over: causal attention to every earlier key (shared QK: not the own key, unless
-        alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory."""
+        alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory. Causal as the offsets j - i <= 0
+        (not a mask tensor: an executor reads the range from the tiling, with no host read of a device tensor)."""
         n = q.shape[2]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
-        out, _ = self.executor.tiled(Inputs(q, k, v, scale, key_valid), Tiling.dense(n, allow=causal),
+        out, _ = self.executor.tiled(Inputs(q, k, v, scale, key_valid), Tiling(block=n, offsets=(1 - n, 0)),
                                      restrict=restrict, rel=relative(rel_pos),
                                      bias=None if bias is None else bias[:, :, None])
         return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...executors import Executor, saw_key
@@ -173,7 +172,9 @@ def routed_pairs(key_clusters: Tensor, probes: Tensor, window: int, num_clusters
     the query's probes, and fewer than ``window`` keys of that cluster in (j, i]. From prefix counts per cluster:
     O(N²·p) time and O(N²) memory (``probe_masks`` keeps (p, N, N) counts), for the hand-over's dense penalty."""
     n = key_clusters.shape[-1]
-    count = F.one_hot(key_clusters, num_clusters).cumsum(2, dtype=torch.int32)  # (B, H, N, k): keys of c at <= i
+    # (B, H, N, k): keys of c at <= i (a comparison, not F.one_hot: that reads the clusters' range on the host)
+    member = key_clusters[..., None] == torch.arange(num_clusters, device=key_clusters.device)
+    count = member.cumsum(2, dtype=torch.int32)
     own = count.gather(-1, key_clusters[..., None])[..., 0]  # (B, H, N): key j's rank in its cluster, from 1
     later = count.gather(-1, key_clusters[:, :, None, :].expand(*key_clusters.shape[:2], n, n))  # [i, j]: c_j at <= i
     probed = (key_clusters[:, :, None, :, None] == probes[:, :, :, None, :]).any(-1)  # (B, H, N, N)

@@ -218,18 +218,19 @@ class Router(nn.Module):
     @torch.no_grad()
     def update(self, group: dist.ProcessGroup | None = None) -> None:
         """The k-means step and the bias step: apply the statistics observed since the last call (all-reduced
-        across ranks)."""
+        across ranks). No host read of a device tensor (on CUDA none waits for the device): the step count moves
+        on the device and in its Python mirror side by side."""
         self.kmeans.update(group)
         if getattr(self, "steps", None) is not None:
-            self.steps += 1
-            self._steps = int(self.steps)
+            self.steps.add_(1)
+            self._steps += 1
         if self.bias is None:
             return
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self.pending_load, group=group)
         load = self.pending_load
-        if float(load.sum()) > 0:  # the same value on every rank after the all-reduce
-            self.bias += self.balance * torch.sign(load.mean(-1, keepdim=True) - load)
+        # Loads are counts (>= 0): with none observed every sign is 0 and the bias stays, so no test of the sum.
+        self.bias += self.balance * torch.sign(load.mean(-1, keepdim=True) - load)
         load.zero_()
 
     def extra_repr(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+from torch import Tensor
 
 from .pattern import FlexPattern
 
@@ -45,16 +46,11 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
 
     bq, bk = block
     nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
-    # The reach is arithmetic on block numbers: computed on the host, so no device sync reads the width.
-    first = torch.arange(nq_blocks) * bq
-    last = (first + bq - 1).clamp(max=pattern.nq - 1)
-    lo, hi = pattern.reach(first, last)
-    lo_block = lo.clamp(0, pattern.nk - 1) // bk  # (nqb,)
-    hi_block = hi.clamp(0, pattern.nk - 1) // bk
-    width = int((hi_block - lo_block).max()) + 1  # candidates per query block
-    cand = lo_block[:, None] + torch.arange(width)  # (nqb, C)
-    in_reach = (cand <= hi_block[:, None]).to(device)
-    cand = cand.clamp(max=nk_blocks - 1).to(device)
+    cand, in_reach = _candidates(pattern, bq, bk)
+    width = cand.shape[1]
+    # non_blocking: a blocking copy to CUDA ends in a stream synchronisation (PyTorch's memcpy_and_sync); from
+    # pageable host memory the copy is staged before the call returns, so the host tensors may go at once
+    cand, in_reach = cand.to(device, non_blocking=True), in_reach.to(device, non_blocking=True)
 
     b = torch.arange(B, device=device).view(B, 1, 1, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1, 1, 1)
@@ -77,6 +73,22 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
     full_num, full_idx = _ordered(every, cand, nk_blocks)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
                                     mask_mod=pattern.allowed, seq_lengths=(pattern.nq, pattern.nk))
+
+
+def _candidates(pattern: FlexPattern, bq: int, bk: int) -> tuple[Tensor, Tensor]:
+    """(cand, in_reach) (nqb, C) on the host: the key blocks each query block's reach covers (clamped to the last
+    block) and whether each is within it. The reach is arithmetic on block numbers, tensors on the host made here:
+    reading the width C is a host read of a host tensor, never a wait for the device, and C depends only on the
+    pattern's reach and sizes (not on the data), so the block mask's shapes do too."""
+    nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
+    first = torch.arange(nq_blocks) * bq
+    last = (first + bq - 1).clamp(max=pattern.nq - 1)
+    lo, hi = pattern.reach(first, last)
+    lo_block = lo.clamp(0, pattern.nk - 1) // bk  # (nqb,)
+    hi_block = hi.clamp(0, pattern.nk - 1) // bk
+    width = int((hi_block - lo_block).max()) + 1  # candidates per query block
+    cand = lo_block[:, None] + torch.arange(width)  # (nqb, C)
+    return cand.clamp(max=nk_blocks - 1), cand <= hi_block[:, None]
 
 
 def _ordered(chosen: torch.Tensor, cand: torch.Tensor, nk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,27 +18,23 @@ from ..tiling import KeyRestrictions, Tiling
 from .blocks import block_mask
 from .call import flex_call
 from .pattern import FlexPattern, Rule, data_rule, index_delta, lookup, positions_delta, without_self
-from .relative import key_scores, own_score, score_mod, value_term
+from .relative import Terms, key_scores, own_score, score_mod, value_term
 
 
 def attend(pattern: FlexPattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
            rel_pos: RelativePositions | None, need_lse: bool, bias: Rule | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention of q (B, H, Nq, D) to k, v (B, H, Nk, D) under ``pattern`` -> (out, lse or None); ``bias``:
-    (b, h, i, j) -> an additive score term (not with ``rel_pos``)."""
+    (b, h, i, j) -> an additive score term. The kernel's ``score_mod`` adds the relative key term and the bias; the
+    passes that recompute scores outside the kernel (the relative value term, the own-key fallback) add both too."""
     B, H = q.shape[:2]
-    mod, qa = None, None
-    if rel_pos is not None:
-        qa = key_scores(q, rel_pos, scale)
-        mod = score_mod(qa, pattern.delta, rel_pos.max_distance, pattern.nq)
-    elif bias is not None:
-        def mod(score, b, h, i, j):
-            return score + bias(b, h, i, j).to(score.dtype)
+    qa = None if rel_pos is None else key_scores(q, rel_pos, scale)
+    mod = None if qa is None and bias is None else score_mod(qa, pattern.delta, rel_pos, pattern.nq, bias)
     out, lse = flex_call(q, k, v, block_mask=block_mask(pattern, B, H, q.device), scale=scale, score_mod=mod)
     if rel_pos is not None:
-        out = out + value_term(pattern, q, k, lse, qa, rel_pos, scale, lambda: _right_lse(pattern, q, k, v, mod,
-                                                                                             rel_pos, scale))
+        out = out + value_term(pattern, q, k, lse, Terms(qa, rel_pos, bias), scale,
+                               lambda: _right_lse(pattern, q, k, v, mod, rel_pos, scale))
     if pattern.exclude_self:
-        out, lse = _own_key_fallback(pattern, q, k, v, out, lse, qa, rel_pos, scale)
+        out, lse = _own_key_fallback(pattern, (q, k, v), out, lse, Terms(qa, rel_pos, bias), scale)
     return out, lse if need_lse else None
 
 
@@ -55,16 +51,23 @@ def _right_lse(pattern: FlexPattern, q, k, v, mod, rel_pos: RelativePositions, s
                      score_mod=mod)[1]
 
 
-def _own_key_fallback(pattern, q, k, v, out, lse, qa, rel_pos, scale):
-    """Shared-QK attention: a query that saw no other key attends to its own key alone (if it may)."""
+def _own_key_fallback(pattern: FlexPattern, qkv: tuple[Tensor, Tensor, Tensor], out: Tensor, lse: Tensor,
+                      terms: Terms, scale: float) -> tuple[Tensor, Tensor]:
+    """Shared-QK attention: a query that saw no other key attends to its own key alone (if it may): its output is
+    v_i (+ a^V(0)), its lse the own score with the key term of distance 0 and the bias at (i, i)."""
+    q, k, v = qkv
     B, H, N, _ = q.shape
     b = torch.arange(B, device=q.device).view(B, 1, 1)
     h = torch.arange(H, device=q.device).view(1, H, 1)
     i = torch.arange(N, device=q.device).view(1, 1, N)
     alone = ~saw_key(lse) & pattern.own(b, h, i, i).expand(B, H, N)
+    rel_pos = terms.rel_pos
     own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]  # the value term of distance 0
     out = torch.where(alone[..., None], own, out)
-    lse = torch.where(alone, own_score(q, k, qa, rel_pos, scale).to(lse.dtype), lse)
+    s = own_score(q, k, terms.qa, rel_pos, scale)
+    if terms.bias is not None:
+        s = s + terms.bias(b, h, i, i).to(s.dtype)
+    lse = torch.where(alone, s.to(lse.dtype), lse)
     return out, lse
 
 
@@ -77,34 +80,31 @@ def _finish(pattern_args: dict, rule, exclude: bool) -> dict:
 
 
 def _offsets(lo: int, hi: int, unit: int, rel_pos: RelativePositions | None, by_index: bool) -> tuple:
-    """The value pass's frame for keys at offsets [lo, hi] of their query: only the near ones when distances are
-    ``unit`` times the offset and the clip is nearer than the reach."""
+    """The value pass's frame for keys at offsets [lo, hi] of their query (``FlexPattern.frame``): only the near
+    ones when distances are ``unit`` times the offset and the clip is nearer than the reach."""
     if rel_pos is None or not by_index:
-        return ("offsets", lo, hi, True)
+        return ("offsets", lo, hi, True, None)
     m = (rel_pos.max_distance - 1) // unit
     if -m <= lo and hi <= m:
-        return ("offsets", lo, hi, True)
-    return ("offsets", max(lo, -m), min(hi, m), False)
+        return ("offsets", lo, hi, True, unit)
+    return ("offsets", max(lo, -m), min(hi, m), False, unit)
 
 
-def _tile_offsets(allow: Tensor | None, d: Tensor) -> tuple[int, int]:
-    """Smallest and largest of the offsets ``d`` (T, S) (key index - query index, on the host) of the tile entries
-    ``allow`` (T, S) permits (all without it); (0, -1) when it permits none. One host read of two numbers when
-    ``allow`` is given."""
-    if allow is None:
-        return int(d.min()), int(d.max())
-    d = d.to(allow.device)
-    big = d.shape[0] + d.shape[1]  # beyond every offset
-    lo, hi = torch.stack([torch.where(allow, d, big).min(), torch.where(allow, d, -big).max()]).tolist()
-    return (0, -1) if lo > hi else (lo, hi)
+def _tile_offsets(tiling: Tiling, nq: int, nk: int) -> tuple[int, int]:
+    """Smallest and largest key index - query index of the tile entries (every entry of the tile, whatever
+    ``allow`` permits: reading the offsets it permits would be a host read of a device tensor at every call, so a
+    mask narrower than its tile enumerates offsets it never allows, at no cost to the results). Host arithmetic on
+    the tiling's sizes (``Tiling.index_offsets``: s - base - r for row r and span column s)."""
+    _, T, S = tiling.shape(nq, nk)
+    base = 0 if tiling.single(nq) else tiling.back * tiling.block
+    return -base - (T - 1), S - 1 - base
 
 
 def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = None, rel: RelTerms | None = None,
           bias: Tensor | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """``tiles.tiled_attention`` on FlexAttention: query block b sees key blocks b - back … b + ahead under the
     tiling's masks, as one exact rule (``executors.Executor.tiled`` documents and checks the arguments). ``bias``
-    is added in the kernel's ``score_mod``; with relative positions it is refused by the executor (the relative
-    value pass recomputes the probabilities without it)."""
+    is added in the kernel's ``score_mod`` and wherever scores are recomputed (``attend``)."""
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
     rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
     B, H, Nq, _ = q.shape
@@ -151,7 +151,7 @@ def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = 
         delta = index_delta(distances.unit)
     one_sided = False
     if rel_pos is not None and rel_delta is None and Nq == Nk:  # offsets of the keys a tile may hold
-        lo, hi = offsets if offsets is not None else _tile_offsets(allow, tiling.index_offsets(Nq, Nk))
+        lo, hi = offsets if offsets is not None else _tile_offsets(tiling, Nq, Nk)
         frame = _offsets(lo, hi, distances.unit if by_index else 1, rel_pos, by_index)
         one_sided = hi <= 0
     extra = None

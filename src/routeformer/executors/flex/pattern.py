@@ -29,8 +29,9 @@ class FlexPattern:
     rule for the block-mask cache (None: do not cache). delta: (b, h, i, j) -> relative distance, or None.
     reach and cache_key are read on the host (``blocks.py``): reach gets CPU tensors.
     frame: how the relative value pass enumerates each query's keys (``relative.value_term``):
-    ``("offsets", lo, hi, complete)`` (keys j = i + t for t in [lo, hi]; ``complete=False``: only those, the rest
-    being beyond the clip) or ``("all",)`` (every key, one tile). one_sided: no allowed pair has delta > 0.
+    ``("offsets", lo, hi, complete, unit)`` (keys j = i + t for t in [lo, hi]; ``complete=False``: only those, the
+    rest being beyond the clip; ``unit``: the distance is unit · t, or None: ``delta`` gives it) or ``("all",)``
+    (every key, one tile). one_sided: no allowed pair has delta > 0.
     exclude_self: a query's own key only when it sees no other (applied after the call).
     own: the rule without ``exclude_self`` at (i, i), for that fallback.
     """
