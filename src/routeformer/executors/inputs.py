@@ -52,16 +52,17 @@ class RelTerms:
     (``tiling.Distances``: by index, explicit per tile entry, or between given positions)."""
 
     tables: RelativePositions
-    distances: Distances = INDEX
+    distances: Distances  # no default: dynamo before 2.13 cannot wrap a dataclass field's default (INDEX)
 
     def at(self, distances: Distances) -> RelTerms:
         """The same tables at other distances."""
         return RelTerms(self.tables, distances)
 
 
-def relative(rel_pos: RelativePositions | None, distances: Distances = INDEX) -> RelTerms | None:
-    """``rel_pos`` at ``distances`` as one value, or None without tables."""
-    return None if rel_pos is None else RelTerms(rel_pos, distances)
+def relative(rel_pos: RelativePositions | None, distances: Distances | None = None) -> RelTerms | None:
+    """``rel_pos`` at ``distances`` (default ``INDEX``) as one value, or None without tables."""
+    # INDEX read here, not as the parameter's default: dynamo before 2.13 cannot wrap a default value's dataclass
+    return None if rel_pos is None else RelTerms(rel_pos, INDEX if distances is None else distances)
 
 
 def check_inputs(

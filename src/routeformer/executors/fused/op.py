@@ -235,13 +235,13 @@ def _distinct(*args):
     """The arguments with every repeated tensor (k is q under shared QK, positions is the order) given as a view of
     itself: torch.compile does not trace an autograd.Function that takes one tensor twice; a view's gradient flows
     back to the tensor as usual."""
-    seen: set[int] = set()
+    seen: list[Tensor] = []  # compared by identity with `is`, not id(): dynamo before 2.13 cannot trace id()
     out = []
     for a in args:
         if isinstance(a, Tensor):
-            if id(a) in seen:
+            if any(a is b for b in seen):
                 a = a.view(a.shape)
-            seen.add(id(a))
+            seen.append(a)
         out.append(a)
     return out
 
