@@ -19,7 +19,7 @@ from routeformer.executors import (
     register_executor,
     resolve_backend,
 )
-from routeformer.executors.inputs import Inputs, RelTerms
+from routeformer.executors.inputs import Inputs, RelTerms, relative
 from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 
@@ -180,7 +180,9 @@ def test_the_values_refuse_what_does_not_fit_with_errors_that_name_it() -> None:
         tiles.tiled(Inputs(q[:, :, :8], k, v, 1.0),
                     Tiling(block=8, rows=4, tile_mask=torch.ones(4, 8, dtype=torch.bool)),
                     restrict=KeyRestrictions(exclude_self=True))
-    assert RelTerms(rand_rel(4, 3)).distances == INDEX  # relative terms always carry their distances
+    assert relative(rand_rel(4, 3)).distances == INDEX  # relative terms always carry their distances (by index)
+    with pytest.raises(TypeError):
+        RelTerms(rand_rel(4, 3))  # ... given: the value has no default (dynamo < 2.13 cannot wrap one)
     with pytest.raises(ValueError, match="bias takes no gradient"):
         tiles.tiled(Inputs(q, k, v, 1.0), Tiling.dense(16), bias=torch.zeros(16, 16, dtype=q.dtype,
                                                                              requires_grad=True))
@@ -193,7 +195,7 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
                            frozenset(FEATURES) - {"order", "labels", "bias with relative positions"})
     with pytest.raises(ValueError, match=r"the 'no-rel-bias' executor does not support bias with relative positions; "
                                          r"'fused', 'tiles' and 'flex' do"):
-        no_rel_bias.tiled(Inputs(q, k, v, 1.0), Tiling.dense(16), bias=bias, rel=RelTerms(rand_rel(4, 3)))
+        no_rel_bias.tiled(Inputs(q, k, v, 1.0), Tiling.dense(16), bias=bias, rel=relative(rand_rel(4, 3)))
     with pytest.raises(ValueError, match=r"does not support bias, bias with exclude_self; 'fused', 'tiles' and 'flex' "
                                          r"do"):
         Executor("partial", get_executor("flex").run, frozenset({"exclude_self"})).tiled(
