@@ -14,6 +14,7 @@ from routeformer.executors import Inputs, get_executor
 from routeformer.executors.flex import ranges as flex_ranges
 from routeformer.executors.lse import neg_inf
 from routeformer.executors.ranges import KeyOrder, Ranges
+from routeformer.testing import host_reads
 
 
 def _spans(B: int, H: int, N: int, Nq: int, merge: int, width: int, seed: int) -> tuple[Ranges, KeyOrder]:
@@ -50,21 +51,15 @@ def test_block_mask_holds_exactly_the_key_blocks_the_ranges_touch(block: int) ->
     assert not want[0, 0, :40 // block].any() and want.any()
 
 
-class _Watch(TorchDispatchMode):
-    """Records the largest tensor any operator returns and every operator that reads a tensor's value on the host
-    (a device synchronisation on CUDA)."""
-
-    HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave", "item")
+class _Largest(TorchDispatchMode):
+    """Records the largest tensor any operator returns (host reads: ``routeformer.testing.host_reads``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.largest, self.reads = 0, []
+        self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if any(name.startswith(r) for r in self.HOST_READS):
-            self.reads.append(name)
         for x in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(x, torch.Tensor):
                 self.largest = max(self.largest, x.numel())
@@ -91,10 +86,10 @@ def test_routing_ranges_around_the_kernel_stay_linear_in_n_and_read_nothing_on_t
     spans, order = _spans(B, H, N, N, merge, width, seed=0)
     rel = rand_rel(D, 8, dtype=torch.float32) if relative else None
     valid = rand_padding(B, N)[:, None, :] if relative else None
-    with _Watch() as watch:
+    with host_reads() as reads, _Largest() as watch:
         out, lse = get_executor("flex").ranges(Inputs(q, k, v, D**-0.5, valid), spans, order=order, rel_pos=rel,
                                                need_lse=True)
         (out.sum() + lse.where(lse > neg_inf(lse.dtype) / 2, 0.0).sum()).backward()
-    assert watch.reads == [], f"host reads in flex ranges: {watch.reads}"
+    assert not reads.found, f"host reads in flex ranges:\n{reads.report()}"
     linear = B * H * N * merge * max(D, width + (2 * 8 + 1 if relative else 0))
     assert watch.largest <= 4 * linear < N * N, f"largest tensor {watch.largest} elements for N = {N}"
