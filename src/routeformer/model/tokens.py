@@ -1,6 +1,6 @@
-"""The token-id check, on host tensors: the model's forward runs it on CPU tensors, and the places that make batches
-on the host (training, evaluation, a prompt) before those go to a GPU, where reading the range back would
-synchronise."""
+"""The token-id check, on host tensors: the places that make batches on the host (training, evaluation, a prompt)
+run it before those go to a GPU, where reading the range back would synchronise; the model's forward, on CPU
+tokens, asserts the range without a host read and calls it only to name the range once the assertion failed."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from ..inputs import Inputs
 from ..ranges import KeyOrder, Ranges, _merge, _Part
 from ..relative import RelativePositions
 from ..rows import gather_rows, move_rows
-from .blocks import BLOCK
+from .blocks import BLOCK, _ordered
 from .call import flex_call
 from .relative import _finite, _weights
 
@@ -99,10 +99,9 @@ def range_block_mask(first: Tensor, last: Tensor, n_keys: int, mask_mod, block: 
     diff.scatter_add_(-1, (row_block + first.clamp(0, n_keys - 1) // block).expand(B, H, M), some)
     diff.scatter_add_(-1, (row_block + (last - 1).clamp(0, n_keys - 1) // block + 1).expand(B, H, M), -some)
     touched = diff.view(B, H, nqb, nkb + 1).cumsum(-1)[..., :nkb] > 0  # (B, H, nqb, nkb)
-    blocks = torch.arange(nkb, device=dev)
-    kv_idx = torch.where(touched, blocks, nkb).sort(-1).values.clamp_max(nkb - 1)  # touched blocks first, in order
-    return BlockMask.from_kv_blocks(touched.sum(-1, dtype=torch.int32), kv_idx.to(torch.int32).contiguous(),
-                                    BLOCK_SIZE=(block, block), mask_mod=mask_mod, seq_lengths=(M, n_keys))
+    kv_num, kv_idx = _ordered(touched, torch.arange(nkb, device=dev).expand(nqb, nkb), nkb)  # touched ones first
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+                                    seq_lengths=(M, n_keys))
 
 
 class _Terms(NamedTuple):
