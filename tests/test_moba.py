@@ -1,0 +1,152 @@
+"""MoBA heads (``attention/moba.py``) and the block selection they share with the NSA-style kind (``blocks.py``):
+the selection against its definition written out with loops, every executor against the dense float64 reference
+(forward and gradients), no leak, exact decoding, the warm-up, the cost, the options' errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import compare_with_reference, leaks, rand_qkv, rand_rel
+from routeformer import TransformerConfig, TransformerLM
+from routeformer.attention import get_kind
+from routeformer.attention.blocks import NONE, block_means, select_blocks, selected_mask
+from routeformer.attention.moba import MobaHeads, MobaOptions, keys_per_query
+from routeformer.executors import get_executor
+from routeformer.testing import check_kind
+
+
+def _selection_by_loops(q, k, block: int, top: int) -> list:
+    """The selection as the paper states it, one query at a time: the `top` complete earlier blocks by q · mean."""
+    B, H, N, _ = q.shape
+    out = []
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                scored = [(float(q[b, h, i] @ k[b, h, j * block:(j + 1) * block].mean(0)), j)
+                          for j in range(i // block)]
+                out.append({j for _, j in sorted(scored, reverse=True)[:top]})
+    return out
+
+
+@pytest.mark.parametrize("n, block, top", [(40, 8, 2), (37, 5, 3), (12, 16, 2), (30, 3, 1)])
+def test_the_selection_is_the_definition(n: int, block: int, top: int) -> None:
+    q, k, _ = rand_qkv(2, 2, n, 6, grad=False)
+    scores = torch.einsum("bhnd,bhmd->bhnm", q, block_means(k, block))
+    chosen = select_blocks(scores, block, top)
+    assert chosen.shape == (2, 2, n, top)  # a fixed shape, NONE where fewer candidates
+    got = [{j for j in row.tolist() if j != NONE} for row in chosen.reshape(-1, top)]
+    assert got == _selection_by_loops(q, k, block, top)
+    mask = selected_mask(chosen, block)
+    i = torch.arange(n)
+    for b, h, qi in [(0, 0, n - 1), (1, 1, n // 2), (0, 1, 0)]:
+        own = (i // block == qi // block) & (i <= qi)
+        picked = torch.zeros(n, dtype=torch.bool)
+        for j in got[(b * 2 + h) * n + qi]:
+            picked[j * block:(j + 1) * block] = True
+        assert torch.equal(mask[b, h, qi], own | picked)
+    assert not mask.triu(1).any()  # causal by construction
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused", "flex"])
+@pytest.mark.parametrize("n, block, top, relative", [(40, 8, 2, False), (37, 5, 3, True), (300, 16, 3, True)])
+def test_every_executor_computes_the_definition(backend: str, n: int, block: int, top: int, relative: bool) -> None:
+    heads = MobaHeads(2, 8, MobaOptions(block=block, top_k=top)).double()
+    heads.executor = get_executor(backend)
+    q, k, v = rand_qkv(2, 2, n, 8)
+    mask = heads.reference_mask(q.detach(), k.detach())
+    compare_with_reference(lambda q, k, v, key_padding_mask, rel_pos: heads(q, k, v, rel_pos), mask, q, k, v,
+                           rel_pos=rand_rel(8, 6) if relative else None)
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_no_leak(backend: str) -> None:
+    heads = MobaHeads(2, 8, MobaOptions(block=6, top_k=2)).double()
+    heads.executor = get_executor(backend)
+    q, k, v = rand_qkv(1, 2, 50, 8, grad=False)
+    for t in (0, 5, 6, 23, 48):
+        assert not leaks(lambda q, k, v: heads(q, k, v, None), q, k, v, t, atol=1e-12), f"leaks into {t}"
+
+
+def test_a_broken_selection_is_caught(monkeypatch) -> None:
+    """Held to its definition: a kind that selects the *worst* blocks fails the reference check."""
+    import routeformer.attention.moba as moba
+
+    check_kind("moba", seq_len=40, options={"moba": {"block": 5, "top_k": 2}}, rel_clip=8)
+    monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None: select_blocks(-scores, block,
+                                                                                                      top, pos))
+    monkeypatch.setattr(MobaHeads, "reference_mask", lambda self, q, k: selected_mask(
+        select_blocks(torch.einsum("bhnd,bhmd->bhnm", q, block_means(k, self.block)), self.block, self.top_k),
+        self.block))
+    with pytest.raises(AssertionError, match="moba heads fail the reference check"):
+        check_kind("moba", seq_len=40, options={"moba": {"block": 5, "top_k": 2}}, rel_clip=8)
+
+
+@pytest.mark.parametrize("options", [{"block": 5, "top_k": 2}, {"block": 8, "top_k": 1, "warmup": 2},
+                                     {"top_k": 3}])
+def test_the_generic_checks(options: dict) -> None:
+    report = check_kind("moba", seq_len=40, options={"moba": options}, rel_clip=8)
+    assert max(report.reference, report.reference_grad, report.leak, report.decode) <= 1e-9
+
+
+def test_decoding_reproduces_the_forward_through_the_warm_up() -> None:
+    config = TransformerConfig(vocab_size=31, dim=32, depth=2, heads=4, seq_len=48, rel_clip=6,
+                               attention="local:2,moba:2", options={"local": {"window": 6},
+                                                                    "moba": {"block": 6, "top_k": 2, "warmup": 1}})
+    torch.manual_seed(0)
+    model = TransformerLM(config).double().eval()
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.5)
+    tokens = torch.randint(0, 31, (2, 48))
+    for phase in ("warm-up", "selecting"):
+        with torch.no_grad():
+            full = model(tokens)
+            cache = model.new_cache(2, 48)
+            steps = [model(tokens[:, :20], cache)] + [model(tokens[:, t:t + 1], cache)
+                                                            for t in range(20, 48)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10, msg=phase)
+        assert model.head_groups()[1].warming_up == (phase == "warm-up")
+        model.after_optimizer_step()
+
+
+def test_the_warm_up_is_counted_and_trains_on_short_sequences() -> None:
+    config = TransformerConfig(vocab_size=31, dim=32, depth=1, heads=2, seq_len=64, attention="local:1,moba:1",
+                               options={"local": {"window": 8},
+                                        "moba": {"block": 8, "top_k": 2, "warmup": 3, "warmup_len": 16}})
+    assert [config.train_len(s) for s in (0, 2, 3)] == [16, 16, 64]
+    model = TransformerLM(config)
+    group = model.head_groups()[1]
+    dense = model.flops_per_token(64, step=0)
+    assert model.flops_per_token(64, step=3) < dense
+    for _ in range(3):
+        assert group.warming_up
+        assert model.after_optimizer_step() == 1
+    assert not group.warming_up and model.after_optimizer_step() == 0
+    restored = TransformerLM(config)
+    restored.load_state_dict(model.state_dict())  # a saved run resumes after its warm-up
+    assert not restored.head_groups()[1].warming_up
+
+
+def test_keys_per_query_counts_the_selection() -> None:
+    o = MobaOptions(block=8, top_k=3)
+    n = 128
+    per_query = []
+    for i in range(n):
+        earlier = i // 8
+        per_query.append(min(earlier, 3) * 8 + (8 + 1) / 2 + earlier)  # chosen blocks, own block, block scores
+    assert keys_per_query(o, n) == pytest.approx(sum(per_query) / n)
+    config = TransformerConfig(seq_len=128, dim=32, heads=2, attention="moba", options={"moba": {"block": 8}})
+    assert config.keys_per_query()["moba"] == pytest.approx(keys_per_query(o, 128))
+    assert get_kind("moba").cost(config.options["moba"], 128, step=0) == keys_per_query(o, 128)  # no warm-up
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"block": 0}, r"options.moba: block must be a positive integer"),
+    ({"top_k": 0}, r"options.moba: top_k must be a positive integer"),
+    ({"block": 100}, r"options.moba: block \(100\) is larger than seq_len \(64\)"),
+    ({"warmup": 5, "warmup_len": 24}, r"options.moba: warmup_len \(24\) must divide seq_len \(64\)"),
+    ({"blocks": 4}, r"options.moba: unknown field\(s\) \['blocks'\]"),
+])
+def test_options_are_checked_by_name(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(seq_len=64, dim=32, heads=2, attention="moba", options={"moba": options})
