@@ -150,3 +150,15 @@ def test_keys_per_query_counts_the_selection() -> None:
 def test_options_are_checked_by_name(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TransformerConfig(seq_len=64, dim=32, heads=2, attention="moba", options={"moba": options})
+
+
+def test_reach_says_whether_the_needed_key_is_seen() -> None:
+    heads = MobaHeads(1, 8, MobaOptions(block=4, top_k=1)).double()
+    q, k, _ = rand_qkv(1, 1, 32, 8, grad=False)
+    best = int(heads.select(q, k)[0, 0, 30, 0])  # query 30's one selected block
+    other = next(j for j in range(7) if j != best)
+    rows = torch.zeros(4, dtype=torch.long)
+    cols = torch.tensor([30, 30, 30, 30])
+    sources = torch.tensor([best * 4 + 1, other * 4 + 2, 29, 28])  # selected, unselected, own block (28-30)
+    seen = [float(heads.reach(q, k, rows[i:i + 1], cols[i:i + 1], sources[i:i + 1])["in_window"]) for i in range(4)]
+    assert seen == [1.0, 0.0, 1.0, 1.0]

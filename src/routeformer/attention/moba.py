@@ -125,6 +125,17 @@ class MobaHeads(HeadGroup):
             return torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         return selected_mask(self.select(q, k), self.block)
 
+    def reach(self, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, sources: Tensor) -> dict[str, Tensor]:
+        """How often the key at ``sources`` is seen by the query at (``rows``, ``cols``) ('in_window': in a
+        selected block or its own block's causal part; mean over heads), the recall benchmark's diagnostic."""
+        if self.warming_up:
+            return {}
+        chosen = self.select(q, k)[rows, :, cols]  # (S, H, top_k)
+        home = (sources // self.block)[:, None]  # (S, 1): the needed key's block
+        own = (home == (cols // self.block)[:, None]) & (sources <= cols)[:, None]
+        seen = (chosen == home[..., None]).any(-1) | own
+        return {"in_window": seen.float().mean()}
+
     # --- decoding -------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int, device, dtype) -> BlockCache:
         return BlockCache(KeyStore.empty(batch, self.heads, max_len, self.head_dim, ring=False, device=device,
