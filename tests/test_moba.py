@@ -16,27 +16,35 @@ from routeformer.executors import get_executor
 from routeformer.testing import check_kind
 
 
-def _selection_by_loops(q, k, block: int, top: int) -> list:
-    """The selection as the paper states it, one query at a time: the `top` complete earlier blocks by q · mean."""
+def _score(q, keys, score: str) -> float:
+    """MoBA's q · mean key, or Quest's bound: the largest q · x over the box of the keys' per-channel ranges."""
+    if score == "mean":
+        return float(q @ keys.mean(0))
+    lo, hi = keys.min(0).values, keys.max(0).values
+    return float(sum(max(q[d] * lo[d], q[d] * hi[d]) for d in range(q.numel())))
+
+
+def _selection_by_loops(q, k, block: int, top: int, score: str) -> list:
+    """The selection as the papers state it, one query at a time: the `top` complete earlier blocks by score."""
     B, H, N, _ = q.shape
     out = []
     for b in range(B):
         for h in range(H):
             for i in range(N):
-                scored = [(float(q[b, h, i] @ k[b, h, j * block:(j + 1) * block].mean(0)), j)
+                scored = [(_score(q[b, h, i], k[b, h, j * block:(j + 1) * block], score), j)
                           for j in range(i // block)]
                 out.append({j for _, j in sorted(scored, reverse=True)[:top]})
     return out
 
 
+@pytest.mark.parametrize("score", ["mean", "bound"])
 @pytest.mark.parametrize("n, block, top", [(40, 8, 2), (37, 5, 3), (12, 16, 2), (30, 3, 1)])
-def test_the_selection_is_the_definition(n: int, block: int, top: int) -> None:
+def test_the_selection_is_the_definition(n: int, block: int, top: int, score: str) -> None:
     q, k, _ = rand_qkv(2, 2, n, 6, grad=False)
-    scores = torch.einsum("bhnd,bhmd->bhnm", q, block_means(k, block))
-    chosen = select_blocks(scores, block, top)
+    chosen = MobaHeads(2, 6, MobaOptions(block=block, top_k=top, score=score)).select(q, k)
     assert chosen.shape == (2, 2, n, top)  # a fixed shape, NONE where fewer candidates
     got = [{j for j in row.tolist() if j != NONE} for row in chosen.reshape(-1, top)]
-    assert got == _selection_by_loops(q, k, block, top)
+    assert got == _selection_by_loops(q, k, block, top, score)
     mask = selected_mask(chosen, block)
     i = torch.arange(n)
     for b, h, qi in [(0, 0, n - 1), (1, 1, n // 2), (0, 1, 0)]:
@@ -49,9 +57,11 @@ def test_the_selection_is_the_definition(n: int, block: int, top: int) -> None:
 
 
 @pytest.mark.parametrize("backend", ["tiles", "fused", "flex"])
-@pytest.mark.parametrize("n, block, top, relative", [(40, 8, 2, False), (37, 5, 3, True), (300, 16, 3, True)])
-def test_every_executor_computes_the_definition(backend: str, n: int, block: int, top: int, relative: bool) -> None:
-    heads = MobaHeads(2, 8, MobaOptions(block=block, top_k=top)).double()
+@pytest.mark.parametrize("n, block, top, relative, score", [(40, 8, 2, False, "mean"), (37, 5, 3, True, "bound"),
+                                                            (300, 16, 3, True, "mean")])
+def test_every_executor_computes_the_definition(backend: str, n: int, block: int, top: int, relative: bool,
+                                                score: str) -> None:
+    heads = MobaHeads(2, 8, MobaOptions(block=block, top_k=top, score=score)).double()
     heads.executor = get_executor(backend)
     q, k, v = rand_qkv(2, 2, n, 8)
     mask = heads.reference_mask(q.detach(), k.detach())
@@ -83,16 +93,18 @@ def test_a_broken_selection_is_caught(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("options", [{"block": 5, "top_k": 2}, {"block": 8, "top_k": 1, "warmup": 2},
-                                     {"top_k": 3}])
+                                     {"top_k": 3}, {"block": 6, "top_k": 2, "score": "bound"}])
 def test_the_generic_checks(options: dict) -> None:
     report = check_kind("moba", seq_len=40, options={"moba": options}, rel_clip=8)
     assert max(report.reference, report.reference_grad, report.leak, report.decode) <= 1e-9
 
 
-def test_decoding_reproduces_the_forward_through_the_warm_up() -> None:
+@pytest.mark.parametrize("score", ["mean", "bound"])
+def test_decoding_reproduces_the_forward_through_the_warm_up(score: str) -> None:
     config = TransformerConfig(vocab_size=31, dim=32, depth=2, heads=4, seq_len=48, rel_clip=6,
                                attention="local:2,moba:2", options={"local": {"window": 6},
-                                                                    "moba": {"block": 6, "top_k": 2, "warmup": 1}})
+                                                                    "moba": {"block": 6, "top_k": 2, "warmup": 1,
+                                                                             "score": score}})
     torch.manual_seed(0)
     model = TransformerLM(config).double().eval()
     with torch.no_grad():
@@ -146,6 +158,7 @@ def test_keys_per_query_counts_the_selection() -> None:
     ({"block": 100}, r"options.moba: block \(100\) is larger than seq_len \(64\)"),
     ({"warmup": 5, "warmup_len": 24}, r"options.moba: warmup_len \(24\) must divide seq_len \(64\)"),
     ({"blocks": 4}, r"options.moba: unknown field\(s\) \['blocks'\]"),
+    ({"score": "max"}, r"options.moba: score must be one of 'mean', 'bound', got 'max'"),
 ])
 def test_options_are_checked_by_name(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

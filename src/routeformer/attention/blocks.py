@@ -24,11 +24,37 @@ from ..executors.relative import RelativePositions
 NONE = -1  # a selection slot with no block (fewer complete earlier blocks than ``top``)
 
 
-def block_means(k: Tensor, block: int) -> Tensor:
-    """The mean key of every complete block: (B, H, N, D) -> (B, H, N // block, D). O(N · D)."""
+def complete_blocks(k: Tensor, block: int) -> Tensor:
+    """The keys of every complete block: (B, H, N, D) -> (B, H, N // block, block, D), a view."""
     B, H, N, D = k.shape
     nb = N // block
-    return k[:, :, :nb * block].reshape(B, H, nb, block, D).mean(3)
+    return k[:, :, :nb * block].reshape(B, H, nb, block, D)
+
+
+def block_means(k: Tensor, block: int) -> Tensor:
+    """The mean key of every complete block: (B, H, N, D) -> (B, H, N // block, D). O(N · D)."""
+    return complete_blocks(k, block).mean(3)
+
+
+def summarise(blocks: Tensor, score: str) -> Tensor:
+    """What a block is scored by, from its keys (..., block, D): 'mean', its mean key (..., D) (MoBA); 'bound', its
+    keys' least and greatest value in every channel (..., 2D) (Quest, Tang et al. 2024)."""
+    if score == "mean":
+        return blocks.mean(-2)
+    return torch.cat([blocks.amin(-2), blocks.amax(-2)], -1)
+
+
+def block_scores(q: Tensor, summaries: Tensor, score: str) -> Tensor:
+    """Every query's score of every block: q (B, H, Nq, D), ``summarise``'s summaries (B, H, nb, D or 2D) -> (B, H,
+    Nq, nb). 'mean': q · mean key. 'bound': max over the block's box of q · k = Σ_d max(q_d · lo_d, q_d · hi_d) =
+    q⁺ · hi - q⁻ · lo, an upper bound of the query's best score in the block, so one matching key among filler is
+    not averaged away. O(Nq · nb · D)."""
+    summaries = summaries.to(q.dtype)
+    if score == "mean":
+        return torch.einsum("bhnd,bhmd->bhnm", q, summaries)
+    lo, hi = summaries.chunk(2, -1)
+    return (torch.einsum("bhnd,bhmd->bhnm", q.clamp(min=0), hi)
+            - torch.einsum("bhnd,bhmd->bhnm", (-q).clamp(min=0), lo))
 
 
 def candidates(query_pos: Tensor, blocks: int, block: int) -> Tensor:
@@ -99,5 +125,5 @@ def allowed_keys(chosen: Tensor, block: int, t: int, positions: Tensor) -> Tenso
     return picked | ((key_block == t // block) & (positions <= t) & (positions >= 0))
 
 
-__all__ = ["NONE", "allowed_keys", "block_means", "candidates", "select_blocks", "selected_attention",
+__all__ = ["NONE", "allowed_keys", "block_means", "block_scores", "complete_blocks", "summarise", "candidates", "select_blocks", "selected_attention",
            "selected_mask", "selected_ranges"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,14 @@ from torch import Tensor
 from ..checks import positive_int
 from ..executors.inputs import Inputs, check_inputs
 from ..executors.relative import RelativePositions
-from .blocks import allowed_keys, block_means, select_blocks, selected_attention, selected_mask
+from .blocks import (allowed_keys, block_scores, complete_blocks, select_blocks, selected_attention, selected_mask,
+                     summarise)
 from .full import full_attention
 from .kinds.base import HeadGroup, HeadKind, KeyStore, Warmup
 from .kinds.common import at_most_seq_len, non_negative_int
+
+
+SCORES = ("mean", "bound")
 
 
 def default_block(seq_len: int, top_k: int) -> int:
@@ -42,11 +47,14 @@ def default_block(seq_len: int, top_k: int) -> int:
 
 @dataclass(frozen=True)
 class MobaOptions:
-    """options.moba: the block size (None: ``default_block``), the blocks each query selects, and an optional dense
-    warm-up (steps, and the length of the sequences it trains on; None: the model's)."""
+    """options.moba: the block size (None: ``default_block``), the blocks each query selects, how a block is scored
+    ('mean': q · its mean key, MoBA's; 'bound': an upper bound of q · k over its keys, Quest's; see
+    ``blocks.block_scores``), and an optional dense warm-up (steps, and the length of the sequences it trains on;
+    None: the model's)."""
 
     block: int | None = None
     top_k: int = 3
+    score: str = "mean"
     warmup: int = 0
     warmup_len: int | None = None
 
@@ -54,19 +62,23 @@ class MobaOptions:
         if self.block is not None:
             positive_int("block", self.block)
         positive_int("top_k", self.top_k)
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(map(repr, SCORES))}, got {self.score!r}")
         non_negative_int("warmup", self.warmup)
         if self.warmup_len is not None:
             positive_int("warmup_len", self.warmup_len)
 
 
 class BlockCache:
-    """Decoding state of block-selecting heads: every key and value (``KeyStore``) and the mean key of each
-    complete block (B, H, max_len // block, D), written when the block's last key is kept."""
+    """Decoding state of block-selecting heads: every key and value (``KeyStore``) and the summary of each complete
+    block (B, H, max_len // block, S) by ``summary`` ((B, H, block, D) keys -> (B, H, S)), written when the block's
+    last key is kept."""
 
-    def __init__(self, store: KeyStore, block: int) -> None:
+    def __init__(self, store: KeyStore, block: int, summary: Callable[[Tensor], Tensor]) -> None:
         B, H, capacity, D = store.keys.shape
-        self.store, self.block = store, block
-        self.means = store.keys.new_zeros(B, H, capacity // block, D)
+        self.store, self.block, self.summary = store, block, summary
+        size = summary(store.keys[:, :, :1]).shape[-1]
+        self.summaries = store.keys.new_zeros(B, H, capacity // block, size)
 
     @property
     def count(self) -> int:
@@ -77,7 +89,7 @@ class BlockCache:
         self.store.add(k, v, positions)
         b = self.block
         for j in range(before // b, self.store.count // b):  # the blocks these positions completed
-            self.means[:, :, j] = self.store.keys[:, :, j * b:(j + 1) * b].mean(2)
+            self.summaries[:, :, j] = self.summary(self.store.keys[:, :, j * b:(j + 1) * b])
 
     def filled(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.store.filled()
@@ -89,7 +101,7 @@ class MobaHeads(HeadGroup):
     def __init__(self, heads: int, head_dim: int, options: MobaOptions) -> None:
         super().__init__(heads, head_dim)
         self.options = options
-        self.block, self.top_k, self.warmup = options.block, options.top_k, options.warmup
+        self.block, self.top_k, self.score, self.warmup = options.block, options.top_k, options.score, options.warmup
         # optimiser steps taken, for the warm-up; a buffer so that a saved run resumes in the same phase
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
@@ -106,9 +118,8 @@ class MobaHeads(HeadGroup):
 
     def select(self, q: Tensor, k: Tensor) -> Tensor:
         """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones)."""
-        means = block_means(k, self.block)  # (B, h, N // block, D)
-        scores = torch.einsum("bhnd,bhmd->bhnm", q, means.to(q.dtype))  # (B, h, N, N // block)
-        return select_blocks(scores, self.block, self.top_k)
+        summaries = summarise(complete_blocks(k, self.block), self.score)  # (B, h, N // block, D or 2D)
+        return select_blocks(block_scores(q, summaries, self.score), self.block, self.top_k)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         if self.warming_up:
@@ -139,20 +150,20 @@ class MobaHeads(HeadGroup):
     # --- decoding -------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int, device, dtype) -> BlockCache:
         return BlockCache(KeyStore.empty(batch, self.heads, max_len, self.head_dim, ring=False, device=device,
-                                         dtype=dtype), self.block)
+                                         dtype=dtype), self.block, lambda keys: summarise(keys, self.score))
 
     def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None) -> Tensor:
         keys, values, positions = cache.filled()
         if self.warming_up:
             return self.attend(q, keys, values, positions, t, rel_pos)
-        means = cache.means[:, :, :t // self.block]  # the complete blocks before t's own
-        scores = torch.einsum("bhd,bhmd->bhm", q.to(means.dtype), means)[:, :, None]  # (B, h, 1, m)
+        summaries = cache.summaries[:, :, :t // self.block]  # the complete blocks before t's own
+        scores = block_scores(q[:, :, None].to(summaries.dtype), summaries, self.score)  # (B, h, 1, m)
         chosen = select_blocks(scores, self.block, self.top_k, torch.full((1,), t, device=q.device))[:, :, 0]
         return self.attend(q, keys, values, positions, t, rel_pos,
                            allowed=allowed_keys(chosen, self.block, t, positions))
 
     def extra_repr(self) -> str:
-        return (f"heads={self.heads}, block={self.block}, top_k={self.top_k}"
+        return (f"heads={self.heads}, block={self.block}, top_k={self.top_k}, score={self.score}"
                 + (f", warmup={self.warmup}" if self.warmup else "") + f", executor={self.executor.name}")
 
 
@@ -172,9 +183,11 @@ def _complete(o: MobaOptions, config: Any) -> MobaOptions:
 
 
 def keys_per_query(o: MobaOptions, n: int) -> float:
-    """Selected keys (top_k blocks of an average query, its own block half full) plus the block means it scores."""
+    """Selected keys (top_k blocks of an average query, its own block half full) plus the blocks it scores (a
+    'bound' summary is two vectors)."""
     earlier = torch.arange(n, dtype=torch.float64) // o.block  # complete blocks before each query's own
-    return float(earlier.clamp(max=o.top_k).mean() * o.block + (min(o.block, n) + 1) / 2 + earlier.mean())
+    return float(earlier.clamp(max=o.top_k).mean() * o.block + (min(o.block, n) + 1) / 2
+                 + earlier.mean() * (2 if o.score == "bound" else 1))
 
 
 def _warmup(o: MobaOptions) -> Warmup:
@@ -182,7 +195,7 @@ def _warmup(o: MobaOptions) -> Warmup:
 
 
 def _describe(o: MobaOptions) -> str:
-    text = f"block={o.block}, top_k={o.top_k}"
+    text = f"block={o.block}, top_k={o.top_k}" + ("" if o.score == "mean" else f", score={o.score}")
     if o.warmup:
         text += f", warm-up={o.warmup}" + (f" at length {o.warmup_len}" if o.warmup_len is not None else "")
     return text
