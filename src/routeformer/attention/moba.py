@@ -102,18 +102,25 @@ class MobaHeads(HeadGroup):
         super().__init__(heads, head_dim)
         self.options = options
         self.block, self.top_k, self.score, self.warmup = options.block, options.top_k, options.score, options.warmup
-        # optimiser steps taken, for the warm-up; a buffer so that a saved run resumes in the same phase
+        # optimiser steps taken, for the warm-up: a buffer so that a saved run resumes in the same phase, and a
+        # python mirror so that a forward decides its mode without reading a tensor (a host sync on a GPU)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self._steps = 0
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._steps = int(self.steps)
 
     @property
     def warming_up(self) -> bool:
         """Whether the heads still attend to every earlier key (their first ``warmup`` optimiser steps)."""
-        return self.warmup > 0 and int(self.steps) < self.warmup
+        return self._steps < self.warmup
 
     def after_optimizer_step(self, step: int | None, group: dist.ProcessGroup | None) -> bool:
-        if not self.warmup or int(self.steps) >= self.warmup:
+        if self._steps >= self.warmup:
             return False
         self.steps += 1
+        self._steps += 1
         return True
 
     def select(self, q: Tensor, k: Tensor) -> Tensor:
