@@ -4,10 +4,11 @@ names its answer, answers are uniform over as many choices as ``chance`` says, a
 import pytest
 import torch
 
-from routeformer.data.recall import IGNORE, TASKS, latest, mqar, passkey, two_hop
+from routeformer.data.recall import IGNORE, TASKS, latest, mqar, one_hop, passkey, two_hop
 
 SMALL = {"mqar": dict(seq_len=96, min_gap=24), "passkey": dict(seq_len=80, min_gap=30),
-         "two_hop": dict(seq_len=128, min_gap=20), "latest": dict(seq_len=96, min_gap=24)}
+         "two_hop": dict(seq_len=128, min_gap=20), "latest": dict(seq_len=96, min_gap=24),
+         "one_hop": dict(seq_len=96, min_gap=24, facts=6)}
 
 
 def scored(batch):
@@ -36,6 +37,14 @@ def test_every_answer_lies_beyond_the_gap_and_nothing_near_names_it(name):
         assert s >= 0 and t - s > task.min_gap
         answer = int(batch.targets[b, t])
         near = batch.tokens[b, t - task.min_gap:t + 1].tolist()
+        if name == "one_hop":  # a value token names no key, so the answer's token may recur near the query as
+            key = int(batch.tokens[b, t])  # an earlier query's answer, which belongs to another key
+            assert int(batch.tokens[b, s - 1]) == key and int(batch.tokens[b, s]) == answer  # the fact: key, value
+            assert key not in near[:-1]  # the query's key is not repeated near it, so neither is its fact
+            values, q0 = range(6, 6 + 16), task.seq_len - 2 * task.answers_per_sequence  # SMALL: 6 keys, then values
+            assert all(j > q0 and (j - q0) % 2 == 1  # the only values near: earlier queries' answers
+                       for j, tok in enumerate(near, start=t - task.min_gap) if tok in values)
+            continue
         assert answer not in near
         if name == "two_hop":  # the first hop's fact links the query to the b whose fact is the answer,
             fact = int(batch.tokens[b, s])  # which lies more than min_gap before it
@@ -77,6 +86,17 @@ def test_given_the_query_answers_are_uniform_over_one_over_chance_choices(name):
         assert (counts - expected).abs().max() < 5 * expected ** 0.5  # five standard deviations
 
 
+def test_one_hop_answers_are_independent_of_the_earlier_query_answer():
+    """Within the gap, the second query sees the first query's (key, value): values of distinct keys are drawn
+    independently, so it is the second answer's token one time in ``values``, as chance says."""
+    task = one_hop(seq_len=64, min_gap=16, facts=4, values=16)
+    batch = task.make(6000, 2)
+    first, second = batch.targets[:, -4], batch.targets[:, -2]
+    same = int((first == second).sum())
+    expected, sd = 6000 / 16, (6000 * (1 / 16) * (15 / 16)) ** 0.5
+    assert abs(same - expected) < 5 * sd
+
+
 def test_scored_positions_are_where_the_task_says():
     batch = passkey(seq_len=40, min_gap=10).make(16, 0)
     assert (batch.targets[:, -1] != IGNORE).all() and (batch.targets[:, :-1] == IGNORE).all()
@@ -84,6 +104,13 @@ def test_scored_positions_are_where_the_task_says():
     assert (batch.targets[:, -6::2] != IGNORE).all() and (batch.targets[:, -6::2] == batch.tokens[:, -5::2]).all()
     batch = two_hop(seq_len=128, min_gap=16, queries=2).make(16, 0)
     assert (batch.targets[:, -4::2] == batch.tokens[:, -3::2]).all()
+    batch = one_hop(seq_len=64, min_gap=16, facts=4, queries=3).make(16, 0)
+    assert (batch.targets[:, -6::2] != IGNORE).all() and (batch.targets[:, -6::2] == batch.tokens[:, -5::2]).all()
+    rows = torch.arange(16)[:, None]
+    sources = batch.sources[:, -6::2]  # each answer's source is the value token right after its fact's key
+    assert (batch.tokens[rows, sources] == batch.targets[:, -6::2]).all()
+    assert (batch.tokens[rows, sources - 1] == batch.tokens[:, -6::2]).all()
+    assert (batch.tokens[:, :-6] < 4).sum(1).eq(4).all()  # each of the 4 facts' keys once, before the queries
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -94,6 +121,8 @@ def test_scored_positions_are_where_the_task_says():
     (lambda: two_hop(links=0), "links must be a positive integer"),
     (lambda: latest(seq_len=40, min_gap=30), "latest: seq_len 40 is too short"),
     (lambda: latest(queries=3, writes=2), "latest needs queries"),
+    (lambda: one_hop(seq_len=40, min_gap=21), "one_hop: seq_len 40 is too short"),
+    (lambda: one_hop(facts=8, keys=4), "one_hop needs queries"),
     (lambda: passkey(min_gap=-1), "min_gap"),
     (lambda: passkey().make(0, 0), "batch_size"),
 ])
