@@ -22,15 +22,18 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
     captured = capsys.readouterr()
     out = captured.out
     assert banner(captured.err) == describe_backend("auto", "cpu") and captured.err.count("attention: ") == 1
-    table = out[out.index("| task"):].splitlines()
+    table = [line for line in out[out.index("| task"):].splitlines() if line.startswith("|")]  # not warnings
     assert [cell.strip() for cell in table[0].split("|")[1:-1]] == HEADERS
     rows = [dict(zip(HEADERS, (cell.strip() for cell in line.split("|")[1:-1]), strict=True)) for line in table[2:]]
-    assert [(r["task"], r["attention"]) for r in rows] == [(t, a) for t in ("passkey", "mqar")
-                                                           for a in ("full", "local", probed)]
-    full, local, routed = rows[3:]
+    # the reference: min(800, 2 // 2) steps at 48 // 4, doubled for mqar (4 facts, 2 queries and a gap of
+    # 2 × (4 - 1) do not fit in 12)
+    assert [(r["task"], r["attention"]) for r in rows] == [
+        (t, a) for t, n in (("passkey", 12), ("mqar", 24))
+        for a in (f"reference: full (curriculum 1 at {n}, seeds 0 1)", "full", "local", probed)]
+    ref, full, local, routed = rows[4:]
     assert local["chance %"] == routed["chance %"] == "6.2"  # chance: 1 / 16 values
     assert len(local["seeds %"].split("/")) == 2  # one accuracy per seed, the mean beside
-    assert full["vs first"] in ("1.00", "-")  # the first row is the baseline ("-" when it scored 0)
+    assert ref["vs ref"] in ("1.00", "-")  # the reference is every row's yardstick ("-" when it scored 0)
     assert local["keys/query"] == "4.0" and local["balance"] == "-" and local["in window %"] == "-"
     assert local["head options"] == "local: window=4"
     # k = round(sqrt(48)) = 7, window 48 // (7 · 2) = 3: two probes of 3 keys, and the 7 centroids that route
@@ -43,8 +46,9 @@ def test_bench_recall_prints_a_row_per_task_and_attention(capsys) -> None:
 
 def test_bench_recall_names_the_executor_of_each_row() -> None:
     said: list[str] = []
-    recall.run(["passkey"], ["local", "local@backend='tiles'", "full"], seq_len=48, gap=12, window=4, dim=16,
-               steps=1, batch=2, eval_sequences=4, echo=Echo(lambda *_: None, said.append))
+    recall.run(["passkey"], ["local", "local@backend='tiles'", "full"], recall.RecallSettings(seq_len=48, gap=12,
+               window=4, dim=16), recall.Training(steps=1, batch=2, eval_sequences=4),
+               echo=Echo(lambda *_: None, said.append))
     auto = describe_backend("auto", "cpu").removeprefix("attention: ")
     assert said == [f"attention (local, full): {auto}", "attention (local@backend='tiles'): tiles (asked for)"]
 
@@ -56,8 +60,8 @@ def test_bench_recall_counts_the_dense_warm_up_in_the_training_flops(monkeypatch
                         or make(self, b, seed))
     rows = recall.run(["passkey"], ["local+routing", "local+routing@options.routing.warmup=1",
                                     "local+routing@options.routing.warmup=1@options.routing.warmup_len=16", "full"],
-                      seq_len=48,
-                      gap=12, window=4, dim=16, steps=2, batch=2, eval_sequences=4, echo=lambda *_: None)
+                      recall.RecallSettings(seq_len=48, gap=12, window=4, dim=16),
+                      recall.Training(steps=2, batch=2, eval_sequences=4), reference=None, echo=lambda *_: None)
     routed, warm, short, full = (r["train_flops"] for r in rows)
     assert routed < short < warm < full  # one of two steps dense: between routing all along and full attention
     # the short warm-up's step trains on 3 × 2 sequences of 16 tokens, the same tokens as 2 of 48

@@ -16,7 +16,6 @@ MOST = 8
 # arguments, causal, scale, the padding mask, rel_pos, backend, kernel), the routing internals that take the
 # tensors one by one, the benchmarks' and the training loop's constructors. Shrink it; never grow it.
 OVER = {
-    "bench/recall.py:run": 18,
     "train/loop.py:Loop.__init__": 13,
     "bench/model.py:run": 13,
     "bench/attention.py:run": 13,

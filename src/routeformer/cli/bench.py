@@ -85,22 +85,36 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "recall",
         help="long-range recall: accuracy of full, local and local+routing models trained on synthetic tasks",
         description="Trains one small model per (task, attention) for a fixed number of steps on recall tasks "
-        "generated on the fly (multi-query associative recall, passkey, two-hop recall), each with a gap longer "
-        "than depth × window so that local-only attention stays at chance, and prints accuracy, chance, seconds "
-        "per step, keys scored per query and what the routing heads reached (cluster balance, needed key in the "
-        "query's cluster, in its window).",
+        "generated on the fly (multi-query associative recall, passkey, two-hop recall, recall with overwrites, "
+        "one-hop key-value recall), each with a gap longer than depth × window so that local-only attention stays "
+        "at chance, and prints accuracy, its ratio to a reference (full attention trained with a curriculum, "
+        "the first row of each task), chance, seconds per step, keys scored per query and what the routing heads "
+        "reached (cluster balance, needed key in the query's cluster, in its window).",
     )
     rec.add_argument("--tasks", nargs="+", default=["mqar", "passkey", "two_hop"], metavar="TASK",
-                     help="mqar, passkey, two_hop, latest (default: the first three)")
+                     help="mqar, passkey, two_hop, latest, one_hop (default: the first three)")
     add_attention_specs(rec, ["full", "local", "local+routing"],
-                         "full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
-                         "a suffix /shared, /joint or /separate says how routing heads route, and '@field=value' "
-                         "suffixes set model config fields for the row (local+routing@options.routing.probes=1); "
-                         "the first row is the baseline of the 'vs first' column (default: full local local+routing)")
+                        "full, local, local+routing (half and half) or any attention spec (local:2,routing:2); "
+                        "a suffix /shared, /joint or /separate says how routing heads route, and '@field=value' "
+                        "suffixes set model config fields for the row (local+routing@options.routing.probes=1) "
+                        "(default: full local local+routing)")
+    rec.add_argument("--reference", default="full", metavar="SPEC",
+                     help="what every row is judged against ('vs ref'): an attention row as in --attention, trained "
+                     "on the same seeds with a curriculum and printed first with each seed's accuracy; 'none': "
+                     "no reference, the ratio is over the first row ('vs first') (default: full)")
+    rec.add_argument("--reference-steps", type=positive, metavar="S",
+                     help="the reference's training steps (default: --steps)")
+    rec.add_argument("--reference-curriculum", type=_curriculum, metavar="C:L",
+                     help="the reference's first C steps on sequences of length L (the batch cut into them, the task "
+                     "re-generated with its gap just past local reach), then the full length; C alone: the "
+                     "default L; 0: none (default: C = min(800, reference steps / 2), L = N / 4, doubled until the "
+                     "task fits)")
+    rec.add_argument("--reference-seeds", type=int, nargs="+", metavar="SEED",
+                     help="the reference's seeds (default: --seeds)")
     add_seq_len(rec, 128, "sequence length N")
     rec.add_argument("--gap", type=positive, default=32, help="positions between an answer and what it needs "
                      "are more than this (default 32; at least depth × (window - 1))")
-    add_size(rec, "--facts", 4, "mqar: facts per sequence, each with its own key")
+    add_size(rec, "--facts", 4, "mqar and one_hop: facts per sequence, each with its own key")
     add_size(rec, "--depth", 2, "layers")
     add_size(rec, "--dim", 64, "model width")
     add_size(rec, "--heads", 4, "heads per layer")
@@ -160,11 +174,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.suite == "recall":
         from ..bench import recall
 
-        recall.run(args.tasks, args.attention, seq_len=args.seq_len, gap=args.gap, facts=args.facts, depth=args.depth,
-                   dim=args.dim,
-                   heads=args.heads, window=args.window, num_clusters=args.num_clusters,
-                   routing_window=args.routing_window, steps=args.steps,
-                   batch=args.batch, lr=args.lr, eval_sequences=args.eval, seeds=args.seeds, echo=echo)
+        training = recall.Training(steps=args.steps, batch=args.batch, lr=args.lr, eval_sequences=args.eval,
+                                   seeds=args.seeds)
+        recall.run(args.tasks, args.attention, recall_settings(args), training, reference=recall_reference(args),
+                   echo=echo)
     elif args.suite == "attention":
         rows = attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                              repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
@@ -182,6 +195,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print()
         model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device, echo=echo)
     return 0
+
+
+def recall_settings(args: argparse.Namespace):
+    """bench recall's task and model sizes (``bench.recall.RecallSettings``)."""
+    from ..bench.recall import RecallSettings
+
+    return RecallSettings(seq_len=args.seq_len, gap=args.gap, facts=args.facts, depth=args.depth, dim=args.dim,
+                          heads=args.heads, window=args.window, num_clusters=args.num_clusters,
+                          routing_window=args.routing_window)
+
+
+def recall_reference(args: argparse.Namespace):
+    """bench recall's ``Reference`` from --reference*, or None for '--reference none' (which takes no other
+    --reference-* option: they would be ignored)."""
+    from ..bench.recall import Curriculum, Reference
+
+    if args.reference.strip().lower() == "none":
+        given = [flag for flag, value in (("--reference-steps", args.reference_steps),
+                                          ("--reference-curriculum", args.reference_curriculum),
+                                          ("--reference-seeds", args.reference_seeds)) if value is not None]
+        if given:
+            raise ValueError(f"--reference none trains no reference: {', '.join(given)} would be ignored")
+        return None
+    return Reference(args.reference, steps=args.reference_steps,
+                     curriculum=args.reference_curriculum or Curriculum(), seeds=args.reference_seeds)
+
+
+def _curriculum(text: str):
+    """An argparse type: --reference-curriculum's C:L (``bench.recall.Curriculum.parse``)."""
+    from ..bench.recall import Curriculum
+
+    try:
+        return Curriculum.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def text_overrides(args: argparse.Namespace) -> list[str]:

@@ -7,14 +7,17 @@ keys over L layers sees L·(w - 1) positions back, so with ``min_gap >= L·(w - 
 over the number of answers it cannot tell apart, all equally likely); a model that retrieves by content can reach
 100%.
 
-Facts are single tokens. A fact token names both a key and a value (token ``first + key · values + value``), so
-finding it is one attention hop by content. The classic form, a key token followed by a value token, also needs an
-induction circuit (a previous-token head, then a match on what it copied): small models on a CPU budget do not
-learn that within minutes (see the README's recall section), and a benchmark of how attention *reaches* should not
-hinge on it.
+Facts are single tokens, except ``one_hop``'s. A fact token names both a key and a value (token
+``first + key · values + value``), so finding it is one attention hop by content. The classic form, a key token
+followed by a value token (``one_hop``), also needs an induction circuit (a previous-token head, then a match on
+what it copied): small models on a CPU budget learn that slowly (see docs/recall.md), so the other tasks, which
+measure how attention *reaches*, do not hinge on it, and ``one_hop`` measures whether a mechanism also lets that
+circuit form.
 
 - ``mqar``: multi-query associative recall. ``facts`` facts with distinct keys early, filler, then ``queries`` queries:
   a key token, whose next token is its fact.
+- ``one_hop``: the classic key-value form. ``facts`` (key token, value token) pairs with distinct keys early,
+  filler, then ``queries`` queries: a key token, whose next token is its value.
 - ``passkey``: one needle token (one of ``values``) hidden in filler; at the end a marker asks for it.
 - ``latest``: recall with overwrites. Facts scattered in filler, a key written several times; a query asks for
   the value written last to its key (written for the routing hand-over study, not tuned on).
@@ -133,6 +136,46 @@ def mqar(seq_len: int = 256, min_gap: int = 64, keys: int = 4, values: int = 16,
     return RecallTask("mqar", seq_len, min_gap, first_filler + filler, 1.0 / values, queries, 1, generate)
 
 
+def one_hop(seq_len: int = 128, min_gap: int = 64, facts: int = 8, keys: int | None = None, values: int = 16,
+            queries: int = 2, filler: int = 64) -> RecallTask:
+    """One-hop key-value recall in the classic form: a fact is two tokens, a key then its value.
+
+    Layout: filler; ``facts`` (key, value) pairs (distinct keys drawn from ``keys``, default ``facts``; values
+    uniform over ``values``, independently) side by side at a random offset; filler; then ``queries`` (key, value)
+    pairs over distinct keys of the facts, the last ending the sequence. Scored: each query key, whose next token is
+    its value; its source is the fact's value token (what attention must reach), which lies more than ``min_gap``
+    positions before the first query. Within ``min_gap`` of a query lie filler and the earlier queries, whose
+    values belong to other keys and are drawn independently: they say nothing about the answer. Vocabulary: keys
+    [0, keys), values [keys, keys + values), filler after. Chance: 1 / values.
+
+    Unlike the other tasks a value token does not name its key: the model must tie each value to the key before it
+    (a previous-token head) and then match the query on that (an induction circuit).
+    """
+    facts, values, queries, filler = (positive_int(n, x) for n, x in
+                                      [("facts", facts), ("values", values), ("queries", queries), ("filler", filler)])
+    keys = facts if keys is None else positive_int("keys", keys)
+    if not queries <= facts <= keys:
+        raise ValueError(f"one_hop needs queries ({queries}) <= facts ({facts}) <= keys ({keys})")
+    free = _check_length("one_hop", seq_len, min_gap, 2 * facts + 2 * queries + min_gap,
+                         f"{facts} facts of two tokens, {queries} queries and a gap of {min_gap}")
+    first_value, first_filler = keys, keys + values
+
+    def generate(gen: torch.Generator) -> Row:
+        tokens = _fill(seq_len, first_filler, filler, gen)
+        k = torch.randperm(keys, generator=gen)[:facts]
+        value = first_value + torch.randint(values, (facts,), generator=gen)
+        start = _randint(0, free, gen)
+        tokens[start:start + 2 * facts:2], tokens[start + 1:start + 2 * facts:2] = k, value
+        asked = torch.randperm(facts, generator=gen)[:queries]
+        q0 = seq_len - 2 * queries
+        tokens[q0::2], tokens[q0 + 1::2] = k[asked], value[asked]
+        targets, sources = torch.full((seq_len,), IGNORE), torch.full((seq_len,), -1)
+        targets[q0::2], sources[q0::2] = value[asked], start + 2 * asked + 1
+        return tokens, targets, sources
+
+    return RecallTask("one_hop", seq_len, min_gap, first_filler + filler, 1.0 / values, queries, 1, generate)
+
+
 def passkey(seq_len: int = 256, min_gap: int = 64, values: int = 16, filler: int = 64) -> RecallTask:
     """Passkey retrieval: one needle token (one of ``values``) at a random position in filler; the sequence ends
     with a marker, whose next token is the needle. The needle lies more than ``min_gap`` positions before the
@@ -242,4 +285,4 @@ def latest(seq_len: int = 256, min_gap: int = 64, keys: int = 4, values: int = 1
 
 
 TASKS: dict[str, Callable[..., RecallTask]] = {"mqar": mqar, "passkey": passkey, "two_hop": two_hop,
-                                               "latest": latest}
+                                               "latest": latest, "one_hop": one_hop}
