@@ -23,15 +23,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import positive_int
-from ..executors.inputs import Inputs, check_inputs
+from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
-from .blocks import allowed_keys, block_means, select_blocks, selected_attention, selected_mask
+from .blocks import (
+    BlockCache,
+    BlockHeads,
+    allowed_keys,
+    block_means,
+    dense_warmup,
+    describe_warmup,
+    select_blocks,
+    selected_attention,
+    selected_mask,
+    selection_keys,
+    warmup_length,
+)
 from .full import full_attention
-from .kinds.base import HeadGroup, HeadKind, KeyStore, Warmup
+from .kinds.base import HeadKind
 from .kinds.common import at_most_seq_len, non_negative_int
 
 
@@ -59,50 +70,17 @@ class MobaOptions:
             positive_int("warmup_len", self.warmup_len)
 
 
-class BlockCache:
-    """Decoding state of block-selecting heads: every key and value (``KeyStore``) and the mean key of each
-    complete block (B, H, max_len // block, D), written when the block's last key is kept."""
-
-    def __init__(self, store: KeyStore, block: int) -> None:
-        B, H, capacity, D = store.keys.shape
-        self.store, self.block = store, block
-        self.means = store.keys.new_zeros(B, H, capacity // block, D)
-
-    @property
-    def count(self) -> int:
-        return self.store.count
-
-    def add(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        before = self.store.count
-        self.store.add(k, v, positions)
-        b = self.block
-        for j in range(before // b, self.store.count // b):  # the blocks these positions completed
-            self.means[:, :, j] = self.store.keys[:, :, j * b:(j + 1) * b].mean(2)
-
-    def filled(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.store.filled()
-
-
-class MobaHeads(HeadGroup):
-    """Block-selecting heads (see the module). q, k, v: (B, h, N, D) -> (B, h, N, D)."""
+class MobaHeads(BlockHeads):
+    """Block-selecting heads (see the module). q, k, v: (B, h, N, D) -> (B, h, N, D). The decoding cache keeps the
+    mean key of each block (``BlockCache``)."""
 
     def __init__(self, heads: int, head_dim: int, options: MobaOptions) -> None:
-        super().__init__(heads, head_dim)
+        super().__init__(heads, head_dim, options.block, options.warmup)
         self.options = options
-        self.block, self.top_k, self.warmup = options.block, options.top_k, options.warmup
-        # optimiser steps taken, for the warm-up; a buffer so that a saved run resumes in the same phase
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.top_k = options.top_k
 
-    @property
-    def warming_up(self) -> bool:
-        """Whether the heads still attend to every earlier key (their first ``warmup`` optimiser steps)."""
-        return self.warmup > 0 and int(self.steps) < self.warmup
-
-    def after_optimizer_step(self, step: int | None, group: dist.ProcessGroup | None) -> bool:
-        if not self.warmup or int(self.steps) >= self.warmup:
-            return False
-        self.steps += 1
-        return True
+    def summarise(self, keys: Tensor, values: Tensor) -> tuple[Tensor]:
+        return (block_means(keys, self.block),)
 
     def select(self, q: Tensor, k: Tensor) -> Tensor:
         """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones)."""
@@ -126,15 +104,11 @@ class MobaHeads(HeadGroup):
         return selected_mask(self.select(q, k), self.block)
 
     # --- decoding -------------------------------------------------------------------------------------------
-    def new_cache(self, batch: int, max_len: int, device, dtype) -> BlockCache:
-        return BlockCache(KeyStore.empty(batch, self.heads, max_len, self.head_dim, ring=False, device=device,
-                                         dtype=dtype), self.block)
-
     def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None) -> Tensor:
         keys, values, positions = cache.filled()
         if self.warming_up:
             return self.attend(q, keys, values, positions, t, rel_pos)
-        means = cache.means[:, :, :t // self.block]  # the complete blocks before t's own
+        (means,) = cache.before(t)  # the complete blocks before t's own
         scores = torch.einsum("bhd,bhmd->bhm", q.to(means.dtype), means)[:, :, None]  # (B, h, 1, m)
         chosen = select_blocks(scores, self.block, self.top_k, torch.full((1,), t, device=q.device))[:, :, 0]
         return self.attend(q, keys, values, positions, t, rel_pos,
@@ -151,34 +125,17 @@ class MobaHeads(HeadGroup):
 def _complete(o: MobaOptions, config: Any) -> MobaOptions:
     block = default_block(config.seq_len, o.top_k) if o.block is None else o.block
     at_most_seq_len("block", block, config)
-    length = o.warmup_len
-    if length is not None:
-        if length > config.seq_len or config.seq_len % length:
-            raise ValueError(f"warmup_len ({length}) must divide seq_len ({config.seq_len}): the warm-up trains on "
-                             f"each sequence cut into pieces that long")
-        length = length if o.warmup else None  # without a warm-up it has nothing to set
-    return dataclasses.replace(o, block=block, warmup_len=length)
+    return dataclasses.replace(o, block=block, warmup_len=warmup_length(o.warmup_len, o.warmup, config))
 
 
 def keys_per_query(o: MobaOptions, n: int) -> float:
     """Selected keys (top_k blocks of an average query, its own block half full) plus the block means it scores."""
-    earlier = torch.arange(n, dtype=torch.float64) // o.block  # complete blocks before each query's own
-    return float(earlier.clamp(max=o.top_k).mean() * o.block + (min(o.block, n) + 1) / 2 + earlier.mean())
-
-
-def _warmup(o: MobaOptions) -> Warmup:
-    return Warmup(o.warmup, lambda n: (n + 1) / 2, o.warmup_len)
-
-
-def _describe(o: MobaOptions) -> str:
-    text = f"block={o.block}, top_k={o.top_k}"
-    if o.warmup:
-        text += f", warm-up={o.warmup}" + (f" at length {o.warmup_len}" if o.warmup_len is not None else "")
-    return text
+    return selection_keys(o.block, o.top_k, n)
 
 
 KIND = HeadKind("moba", lambda o, heads, head_dim, seed: MobaHeads(heads, head_dim, o), keys_per_query=keys_per_query,
-                warmup=_warmup, option_type=MobaOptions, complete=_complete, describe=_describe,
+                warmup=dense_warmup, option_type=MobaOptions, complete=_complete,
+                describe=lambda o: f"block={o.block}, top_k={o.top_k}" + describe_warmup(o),
                 summary="the `top_k` earlier blocks whose mean key the query scores highest, and its own block")
 
-__all__ = ["KIND", "BlockCache", "MobaHeads", "MobaOptions", "default_block"]
+__all__ = ["KIND", "MobaHeads", "MobaOptions", "default_block"]
