@@ -147,7 +147,8 @@ class NsaHeads(BlockHeads):
         ck, cv = compression(self.key_weights) @ k, compression(self.value_weights) @ v  # (B, h, blocks, D)
         scores = q @ ck.transpose(-1, -2) * self.scale  # (B, h, N, blocks)
         allowed = (j[None, :] + 1) * b - 1 < i[:, None] - i[:, None] % b  # ends before the query's block starts
-        top = scores.detach().masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True)
+        masked = scores.detach().masked_fill(~allowed, float("-inf"))
+        top = masked.amax(-1, keepdim=True) if masked.shape[-1] else masked.new_zeros(*masked.shape[:-1], 1)
         shifted = torch.where(allowed, scores - torch.where(torch.isfinite(top), top, 0.0), float("-inf"))
         weights = shifted.exp()
         total = weights.sum(-1, keepdim=True)
