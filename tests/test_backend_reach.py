@@ -20,6 +20,7 @@ SPECS = {  # a model spec per built-in kind that runs on an executor, with the s
     "full": "full", "local": "local", "routing": "local:2,routing:2", "strided_a1": "strided_a1:2,strided_a2:2",
     "strided_a2": "strided_a1:2,strided_a2:2", "strided": "strided", "fixed_a1": "fixed_a1:2,fixed_a2:2",
     "fixed_a2": "fixed_a1:2,fixed_a2:2", "fixed": "fixed", "longformer": "longformer", "lsh": "lsh",
+    "moba": "local:2,moba:2", "nsa": "nsa",
 }
 PROBED = {"probes": 2, "balance": 0.01}  # options.routing: the default rule; the paper's rule runs too
 
@@ -57,7 +58,8 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
         pytest.skip("the routing rule matters to routing heads only")
     sections = {"local": {"window": 6}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
                 "routing": {"num_clusters": 3, "window": 6, **rule},
-                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2]}}
+                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2]}, "moba": {"block": 16, "top_k": 2},
+                "nsa": {"block": 16, "top": 2, "window": 6}}
     config = TransformerConfig(vocab_size=23, dim=32, depth=1, heads=4, seq_len=300, attention=spec, rel_clip=6,
                                grid_width=5, options=sections_in_use(spec, sections), backend="recording",
                                positions="absolute" if spec == "lsh" else "relative")

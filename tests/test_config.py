@@ -180,7 +180,7 @@ def test_corrupt_config_file_names_the_file(tmp_path) -> None:
 @pytest.mark.parametrize("attention, positions", [
     ("full", "relative"), ("local", "relative"), ("routing", "relative"), ("strided_a1:4,strided_a2:4", "relative"),
     ("fixed", "relative"), ("longformer", "relative"), ("lsh", "none"), ("linear", "none"),
-    ("performer", "absolute"), ("local:4,routing:4", "factorized"),
+    ("performer", "absolute"), ("local:4,routing:4", "factorized"), ("moba", "relative"), ("nsa", "relative"),
 ])
 def test_every_kinds_completed_options_survive_config_json(tmp_path, attention: str, positions: str) -> None:
     options = {"longformer": {"dilation": [1, 2] * 4, "global_tokens": [0, 3]}} if attention == "longformer" else {}

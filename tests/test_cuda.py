@@ -51,7 +51,8 @@ def _kind_config(name: str, n: int, backend: str) -> TransformerConfig:
     window = n // 8
     options = {"local": {"window": window}, "longformer": {"window": n // 16, "global_tokens": [0, n // 3]},
                "strided": {"stride": round(n ** 0.5)}, "fixed": {"block": window, "summary": 4},
-               "routing": {"num_clusters": 4, "window": window}, "moba": {"block": window, "top_k": 2}}
+               "routing": {"num_clusters": 4, "window": window}, "moba": {"block": window, "top_k": 2},
+               "nsa": {"block": window, "top": 2, "window": window}}
     kind = KINDS[name]
     options = {key: table for key, table in options.items() if key == kind.options_key}
     relative = kind.relative_positions is not False

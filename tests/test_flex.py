@@ -311,6 +311,8 @@ RECOMPILE_CASES = {
     "routing, warm-up and hand-over": ("routing:2", {"routing": {
         "num_clusters": 4, "window": 8, "probes": 2, "warmup": 1, "handover": 1}}, "relative", 2),
     "lsh": ("lsh:2", {"lsh": {"buckets": 4, "window": 8}}, "absolute", 0),
+    "moba": ("moba:2", {"moba": {"block": 8, "top_k": 2}}, "relative", 0),
+    "nsa": ("nsa:2", {"nsa": {"block": 8, "top": 2, "window": 8}}, "relative", 0),
 }
 
 

@@ -87,9 +87,9 @@ CONFIGS = {
     "routing, warm-up and hand-over": ("routing:2", {"routing": {
         "num_clusters": 4, "window": 8, "probes": 2, "warmup": 1, "handover": 1}}, 64, "relative"),
     "lsh": ("lsh:2", {"lsh": {"buckets": 4, "window": 8}}, 64, "absolute"),
-    "moba, warm-up then selection": ("local:1,moba:1", {"local": {"window": 8}, "moba": {
-        "block": 8, "top_k": 2, "warmup": 1}}, 64, "relative"),
+    "moba, warm-up": ("moba:2", {"moba": {"block": 8, "top_k": 2, "warmup": 1}}, 64, "relative"),
     "moba, bound": ("moba:2", {"moba": {"block": 8, "top_k": 2, "score": "bound"}}, 300, "relative"),
+    "nsa, warm-up": ("nsa:2", {"nsa": {"block": 8, "top": 2, "window": 8, "warmup": 1}}, 64, "relative"),
     # past probes.DENSE_UP_TO as well (the other executors' ranges read their tile sizes on the host; flex has its own)
     "routing, two probes at 300": ("routing:2", {"routing": {"num_clusters": 4, "window": 8, "probes": 2}}, 300,
                                    "relative"),

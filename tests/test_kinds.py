@@ -27,10 +27,11 @@ from routeformer.testing import check_kind
 
 # small settings of every kind (options sections), and the model fields that go with them
 SMALL = {"local": {"window": 8}, "longformer": {"window": 8}, "strided": {"stride": 6},
-         "fixed": {"block": 12, "summary": 3}, "routing": {"num_clusters": 4, "window": 8}}
+         "fixed": {"block": 12, "summary": 3}, "routing": {"num_clusters": 4, "window": 8},
+         "moba": {"block": 5, "top_k": 2}, "nsa": {"block": 5, "top": 2, "window": 6}}
 SMALL_FIELDS = {"rel_clip": 8, "grid_width": 6}
 BUILT_IN = ["full", "local", "routing", "strided", "strided_a1", "strided_a2", "fixed", "fixed_a1", "fixed_a2",
-            "longformer", "lsh", "linear", "performer"]
+            "longformer", "lsh", "linear", "performer", "moba", "nsa"]
 ABSOLUTE = {"positions": "absolute"}  # the kernel heads have no relative positions
 
 
@@ -51,6 +52,8 @@ def test_the_built_in_kinds_are_registered_in_order() -> None:
     ("longformer", {"dilation": [1, 3], "global_tokens": [0, 7]}, {}),
     ("routing", {"shared_qk": False}, {}),
     ("routing", {"shared_qk": False, "separate": True}, {}),
+    ("moba", {"warmup": 1}, {}),
+    ("nsa", {"warmup": 1}, {}),
 ])
 def test_every_built_in_kind_passes_the_generic_checks(name: str, own: dict, extra: dict) -> None:
     section = KINDS[name].options_key

@@ -13,7 +13,7 @@ from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention.routing import probes as probes_module
 
 SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
-         "longformer", "local:2,routing:2"]
+         "longformer", "local:2,routing:2", "local:2,moba:2", "nsa"]
 # options.routing settings (each case's ``kw``)
 SEPARATE = {"shared_qk": False, "separate": True}  # routing heads that route queries and keys apart
 PROBED = {"probes": 2, "balance": 0.01}  # each query probes two clusters, balanced by a bias
@@ -26,7 +26,8 @@ def tiny(spec: str = "local:2,routing:2", routing: dict | None = None, **kw) -> 
     """A small model of kinds ``spec``; ``routing``: options.routing settings over the test's."""
     sections = {"local": {"window": 6}, "strided": {"stride": 5}, "fixed": {"block": 8, "summary": 2},
                 "routing": {"num_clusters": 3, "window": 6, **(routing or {})},
-                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2, 30]}}
+                "longformer": {"window": 6, "dilation": 2, "global_tokens": [2, 30]}, "moba": {"block": 5, "top_k": 2},
+                "nsa": {"block": 5, "top": 2, "window": 6}}
     base = dict(vocab_size=23, dim=32, depth=2, heads=4, seq_len=48, attention=spec, rel_clip=6, grid_width=5,
                 options=sections_in_use(spec, sections))
     return TransformerConfig(**{**base, **kw})

@@ -9,17 +9,26 @@ last), each at most ``block`` keys wide: O(N · (top + 1) · block · D) time pe
 
 Selection has a fixed shape whatever the data: a query with fewer than ``top`` candidates (the first blocks) gets
 empty ranges for the missing ones (``NONE``), so no shape, and no compiled graph, depends on the content.
+
+The kinds also share their heads' frame (``BlockHeads``: the block, an optional dense warm-up counted in optimiser
+steps, the decoding cache ``BlockCache`` of every key plus per-block summaries), the completion of their options'
+warm-up length, and the count of the keys a selection costs (``selection_keys``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..executors import Executor
 from ..executors.inputs import Inputs
 from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
+from .kinds.base import HeadGroup, KeyStore, Warmup
 
 NONE = -1  # a selection slot with no block (fewer complete earlier blocks than ``top``)
 
@@ -36,23 +45,24 @@ def block_means(k: Tensor, block: int) -> Tensor:
     return complete_blocks(k, block).mean(3)
 
 
-def summarise(blocks: Tensor, score: str) -> Tensor:
-    """What a block is scored by, from its keys (..., block, D): 'mean', its mean key (..., D) (MoBA); 'bound', its
-    keys' least and greatest value in every channel (..., 2D) (Quest, Tang et al. 2024)."""
-    if score == "mean":
-        return blocks.mean(-2)
-    return torch.cat([blocks.amin(-2), blocks.amax(-2)], -1)
+def block_bounds(k: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """The least and the greatest key value in every channel of every complete block (Quest, Tang et al. 2024):
+    (B, H, N, D) -> two (B, H, N // block, D). O(N · D)."""
+    blocks = complete_blocks(k, block)
+    return blocks.amin(3), blocks.amax(3)
 
 
-def block_scores(q: Tensor, summaries: Tensor, score: str) -> Tensor:
-    """Every query's score of every block: q (B, H, Nq, D), ``summarise``'s summaries (B, H, nb, D or 2D) -> (B, H,
-    Nq, nb). 'mean': q · mean key. 'bound': max over the block's box of q · k = Σ_d max(q_d · lo_d, q_d · hi_d) =
-    q⁺ · hi - q⁻ · lo, an upper bound of the query's best score in the block, so one matching key among filler is
-    not averaged away. O(Nq · nb · D)."""
-    summaries = summaries.to(q.dtype)
+def block_scores(q: Tensor, summary: tuple[Tensor, ...], score: str) -> Tensor:
+    """Every query's score of every block: q (B, H, Nq, D) and the blocks' summary -> (B, H, Nq, nb).
+
+    'mean' (summary: the mean keys): q · mean key, MoBA's. 'bound' (summary: ``block_bounds``): the largest q · x
+    over the box of the block's per-channel key ranges, Σ_d max(q_d · lo_d, q_d · hi_d) = q⁺ · hi - q⁻ · lo, an
+    upper bound of the query's best score in the block, so one matching key among filler is not averaged away.
+    O(Nq · nb · D)."""
     if score == "mean":
-        return torch.einsum("bhnd,bhmd->bhnm", q, summaries)
-    lo, hi = summaries.chunk(2, -1)
+        (means,) = summary
+        return torch.einsum("bhnd,bhmd->bhnm", q, means.to(q.dtype))
+    lo, hi = (x.to(q.dtype) for x in summary)
     return (torch.einsum("bhnd,bhmd->bhnm", q.clamp(min=0), hi)
             - torch.einsum("bhnd,bhmd->bhnm", (-q).clamp(min=0), lo))
 
@@ -125,5 +135,116 @@ def allowed_keys(chosen: Tensor, block: int, t: int, positions: Tensor) -> Tenso
     return picked | ((key_block == t // block) & (positions <= t) & (positions >= 0))
 
 
-__all__ = ["NONE", "allowed_keys", "block_means", "block_scores", "complete_blocks", "summarise", "candidates", "select_blocks", "selected_attention",
-           "selected_mask", "selected_ranges"]
+# --- what block-selecting kinds share: their heads' frame, decoding cache, options and cost ---
+
+
+class BlockCache:
+    """Decoding state of block-selecting heads: every key and value (``KeyStore``: a selected block may be any
+    earlier one) and ``parts`` summaries of each complete block (B, H, max_len // block, D) each (MoBA: its mean key;
+    NSA: its compressed key and value), written once, when the block's last key is kept.
+
+    ``summarise(keys, values)``: keys and values of whole blocks (B, H, m · block, D) -> ``parts`` tensors
+    (B, H, m, D), the same function the heads' forward applies, so that a step sees what the forward saw."""
+
+    def __init__(self, store: KeyStore, block: int, summarise: Callable[[Tensor, Tensor], tuple[Tensor, ...]],
+                 parts: int) -> None:
+        B, H, capacity, D = store.keys.shape
+        self.store, self.block, self.summarise = store, block, summarise
+        self.summaries = tuple(store.keys.new_zeros(B, H, capacity // block, D) for _ in range(parts))
+
+    @property
+    def count(self) -> int:
+        return self.store.count
+
+    def add(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        before = self.store.count
+        self.store.add(k, v, positions)
+        b = self.block
+        first, last = before // b, self.store.count // b  # the blocks these positions completed
+        if last > first:
+            span = slice(first * b, last * b)
+            made = self.summarise(self.store.keys[:, :, span], self.store.values[:, :, span])
+            for kept, new in zip(self.summaries, made, strict=True):
+                kept[:, :, first:last] = new.to(kept.dtype)
+
+    def before(self, t: int) -> tuple[Tensor, ...]:
+        """The summaries of the complete blocks before position t's own, (B, H, t // block, D) each."""
+        return tuple(s[:, :, :t // self.block] for s in self.summaries)
+
+    def filled(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.store.filled()
+
+
+class BlockHeads(HeadGroup):
+    """What block-selecting heads share: their ``block``, an optional dense warm-up (full causal attention for the
+    first ``warmup`` optimiser steps) and their decoding cache (``BlockCache`` of the ``parts`` summaries their
+    ``summarise`` makes of each block). Subclasses write ``forward``, ``summarise`` and ``step``."""
+
+    parts = 1  # summaries per block the decoding cache keeps
+
+    def __init__(self, heads: int, head_dim: int, block: int, warmup: int) -> None:
+        super().__init__(heads, head_dim)
+        self.block, self.warmup = block, warmup
+        # optimiser steps taken, for the warm-up; a buffer so that a saved run resumes in the same phase, and a Python
+        # mirror so that a forward decides its mode without reading a tensor (on CUDA: without waiting for the device)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self._steps = 0
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._steps = int(self.steps)
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the heads still attend to every earlier key (their first ``warmup`` optimiser steps)."""
+        return self._steps < self.warmup
+
+    def after_optimizer_step(self, step: int | None, group: dist.ProcessGroup | None) -> bool:
+        if self._steps >= self.warmup:
+            return False
+        self.steps.add_(1)
+        self._steps += 1
+        return True
+
+    def summarise(self, keys: Tensor, values: Tensor) -> tuple[Tensor, ...]:
+        """The ``parts`` summaries (B, H, m, D) of the m whole blocks of ``keys``, ``values`` (B, H, m · block, D)."""
+        raise NotImplementedError
+
+    def new_cache(self, batch: int, max_len: int, device, dtype) -> BlockCache:
+        store = KeyStore.empty(batch, self.heads, max_len, self.head_dim, ring=False, device=device, dtype=dtype)
+        return BlockCache(store, self.block, self.summarise, self.parts)
+
+
+def warmup_length(length: int | None, warmup: int, config: Any) -> int | None:
+    """options' ``warmup_len`` checked against the model: it must divide seq_len; None without a warm-up (it has
+    nothing to set then)."""
+    if length is not None and (length > config.seq_len or config.seq_len % length):
+        raise ValueError(f"warmup_len ({length}) must divide seq_len ({config.seq_len}): the warm-up trains on each "
+                         f"sequence cut into pieces that long")
+    return length if warmup else None
+
+
+def dense_warmup(o: Any) -> Warmup:
+    """The warm-up phase of options with ``warmup`` and ``warmup_len``: every earlier key, (n + 1) / 2 per query."""
+    return Warmup(o.warmup, lambda n: (n + 1) / 2, o.warmup_len)
+
+
+def describe_warmup(o: Any) -> str:
+    """', warm-up=S[ at length L]' for options with a warm-up, else ''."""
+    if not o.warmup:
+        return ""
+    return f", warm-up={o.warmup}" + (f" at length {o.warmup_len}" if o.warmup_len is not None else "")
+
+
+def selection_keys(block: int, top: int, n: int, summaries: int = 1) -> float:
+    """Keys per query of a selection at context n, averaged over the query positions: the ``top`` blocks of an
+    average query (fewer for the first), its own block (half full on average), and the complete earlier blocks'
+    ``summaries`` vectors each it scores."""
+    earlier = torch.arange(n, dtype=torch.float64) // block  # complete blocks before each query's own
+    return float(earlier.clamp(max=top).mean() * block + (min(block, n) + 1) / 2 + summaries * earlier.mean())
+
+
+__all__ = ["NONE", "BlockCache", "BlockHeads", "allowed_keys", "block_bounds", "block_means", "block_scores",
+           "candidates", "complete_blocks", "dense_warmup",
+           "describe_warmup", "select_blocks", "selected_attention", "selected_mask", "selected_ranges",
+           "selection_keys", "warmup_length"]

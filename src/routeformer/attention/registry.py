@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import fixed, full, linear, local, longformer, lsh, moba, performer, strided
+from . import fixed, full, linear, local, longformer, lsh, moba, nsa, performer, strided
 from .kinds.base import HeadKind
 from .routing import kind as routing
 
@@ -52,7 +52,7 @@ def get_kind(name: str) -> HeadKind:
 # The built-in kinds, in the order error messages list them. A new built-in mechanism is one module (its function,
 # mask, head kind and options) and one entry here.
 for _kind in (full.KIND, local.KIND, routing.KIND, *strided.KINDS, *fixed.KINDS, longformer.KIND, lsh.KIND,
-              linear.KIND, performer.KIND, moba.KIND):
+              linear.KIND, performer.KIND, moba.KIND, nsa.KIND):
     register_kind(_kind)
 
 

@@ -1,0 +1,212 @@
+"""NSA-style heads, after Native Sparse Attention (Yuan et al. 2025): three branches over the same q, k, v, mixed by
+learned gates.
+
+This module is the mechanism's one home: its head kind, options, dense definition and decoding, registered in
+``registry.py``; the block selection and its ranges are ``blocks.py`` (shared with MoBA).
+
+Heads. The keys are cut into blocks of ``block`` (the blocks of the selection).
+
+1. compressed: each complete block j becomes one key and one value by learned weights over its positions,
+   ck_j = Σ_t a_t k_{j·block+t} and cv_j = Σ_t c_t v_{j·block+t} (a, c: (heads, block), initially the mean); query i
+   attends (softmax, scale 1/sqrt(D), no relative positions) to the compressed blocks before its own (j < i // block):
+   out_cmp, 0 for a query of the first block. Dense over the blocks: O(N · N / block · D) per head.
+2. selected: the ``top`` blocks whose compressed keys score highest (q · ck_j: NSA selects by the compressed
+   attention's scores; no gradient through the choice), and its own block up to itself, one softmax (relative
+   positions apply), through the executor's ``ranges`` (``blocks.selected_attention``): O(N · (top + 1) · block · D).
+3. window: the last ``window`` keys (``Executor.band``; relative positions apply): O(N · window · D).
+
+The gates g = sigmoid(q · W_g + b_g) (W_g (heads, D, 3) and b_g (heads, 3), zero at first: every gate 0.5) mix them,
+out = g_cmp · out_cmp + g_sel · out_sel + g_win · out_win. The loss reaches a and c through out_cmp, the gates, and
+q, k, v through every branch. An optional dense warm-up (``warmup`` optimiser steps of full causal attention, on
+sequences of ``warmup_len``; the gates unused) as MoBA's.
+
+Decoding keeps every key and value and, for each block when its last key arrives, its compressed key and value
+(``blocks.BlockCache``): a new token costs O(N / block · D + ((top + 1) · block + window) · D) per head (here as
+attention over the kept keys under a mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..checks import positive_int
+from ..executors.inputs import check_inputs, relative
+from ..executors.relative import RelativePositions
+from .blocks import (
+    NONE,
+    BlockCache,
+    BlockHeads,
+    allowed_keys,
+    candidates,
+    dense_warmup,
+    describe_warmup,
+    select_blocks,
+    selected_attention,
+    selected_mask,
+    selection_keys,
+    warmup_length,
+)
+from .full import full_attention
+from .kinds.base import HeadKind
+from .kinds.common import at_most_seq_len, non_negative_int
+from .local import local_mask
+from .moba import default_block
+from .reference import normalise_scores, reference_attention
+
+BRANCHES = ("compressed", "selected", "window")  # the order of the gates
+
+
+@dataclass(frozen=True)
+class NsaOptions:
+    """options.nsa: the block size (None: MoBA's ``default_block`` for ``top``), the blocks each query selects, the
+    sliding window (None: the block), and an optional dense warm-up (steps, and the length of the sequences it
+    trains on; None: the model's)."""
+
+    block: int | None = None
+    top: int = 2
+    window: int | None = None
+    warmup: int = 0
+    warmup_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block", "window", "warmup_len"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        positive_int("top", self.top)
+        non_negative_int("warmup", self.warmup)
+
+
+class NsaHeads(BlockHeads):
+    """NSA-style heads (see the module). q, k, v: (B, h, N, D) -> (B, h, N, D). The decoding cache keeps every key
+    and value and the compressed key and value of each block (``BlockCache``, two summaries)."""
+
+    parts = 2
+
+    def __init__(self, heads: int, head_dim: int, options: NsaOptions) -> None:
+        super().__init__(heads, head_dim, options.block, options.warmup)
+        self.options = options
+        self.top, self.window = options.top, options.window
+        b = options.block
+        self.key_weights = nn.Parameter(torch.full((heads, b), 1.0 / b))  # a: the compressed key, the mean at first
+        self.value_weights = nn.Parameter(torch.full((heads, b), 1.0 / b))  # c: the compressed value
+        self.gate_weight = nn.Parameter(torch.zeros(heads, head_dim, len(BRANCHES)))  # W_g: every gate 0.5 at first
+        self.gate_bias = nn.Parameter(torch.zeros(heads, len(BRANCHES)))  # b_g
+
+    def summarise(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The compressed keys and values (B, h, m, D) of the m whole blocks of keys, values (B, h, m · block, D)."""
+        B, H, M, D = keys.shape
+        shape = (B, H, M // self.block, self.block, D)
+        ck = torch.einsum("bhjtd,ht->bhjd", keys.reshape(shape), self.key_weights.to(keys.dtype))
+        cv = torch.einsum("bhjtd,ht->bhjd", values.reshape(shape), self.value_weights.to(values.dtype))
+        return ck, cv
+
+    def gates(self, q: Tensor) -> Tensor:
+        """The three gates (B, h, N, 3) of the queries q (B, h, N, D), in ``BRANCHES`` order."""
+        logits = torch.einsum("bhnd,hdc->bhnc", q, self.gate_weight.to(q.dtype))
+        return torch.sigmoid(logits + self.gate_bias.to(q.dtype)[:, None])
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
+        if self.warming_up:
+            return full_attention(q, k, v, causal=True, rel_pos=rel_pos, backend=self.executor)
+        inputs = check_inputs(q, k, v, None, None, rel_pos)
+        n, b = q.shape[2], self.block
+        whole = n // b * b
+        ck, cv = self.summarise(k[:, :, :whole], v[:, :, :whole])  # (B, h, N // block, D)
+        scores = torch.einsum("bhnd,bhmd->bhnm", q, ck) * self.scale  # (B, h, N, N // block)
+        seen = candidates(torch.arange(n, device=q.device), ck.shape[2], b)  # complete blocks before the own
+        out_cmp = normalise_scores(scores, seen) @ cv  # zeros for the queries of the first block
+        with torch.no_grad():  # the selection is discrete: chosen by the compressed attention's scores
+            chosen = select_blocks(scores.detach(), b, self.top)
+        out_sel, _ = selected_attention(inputs, chosen, b, self.executor, rel_pos)
+        out_win, _ = self.executor.band(inputs, window=self.window, causal=True, rel=relative(rel_pos))
+        g = self.gates(q)
+        return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
+
+    # --- meaning, for tests ---------------------------------------------------------------------------------
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
+        """The dense O(N²) definition of ``forward``, written apart from it: the compression as an explicit
+        (blocks, N) matrix of the weights, the compressed attention as an explicit masked softmax, the selection
+        by rank (a candidate block is chosen when fewer than ``top`` candidates score higher), the selected and
+        window branches as ``reference_attention`` under ``selected_mask`` and ``local_mask``."""
+        n, b = q.shape[2], self.block
+        i = torch.arange(n, device=q.device)
+        if self.warming_up:
+            return reference_attention(q, k, v, i[None, :] <= i[:, None], rel_pos=rel_pos)
+        j = torch.arange(n // b, device=q.device)  # the complete blocks
+        offset = i[None, :] - j[:, None] * b  # (blocks, N): key position - block start
+        inside = (offset >= 0) & (offset < b)
+
+        def compression(weights: Tensor) -> Tensor:  # (h, blocks, N): weights[h, t] at key j·block + t
+            return torch.where(inside, weights.to(q.dtype)[:, offset.clamp(0, b - 1)], 0.0)
+
+        ck, cv = compression(self.key_weights) @ k, compression(self.value_weights) @ v  # (B, h, blocks, D)
+        scores = q @ ck.transpose(-1, -2) * self.scale  # (B, h, N, blocks)
+        allowed = (j[None, :] + 1) * b - 1 < i[:, None] - i[:, None] % b  # ends before the query's block starts
+        masked = scores.detach().masked_fill(~allowed, float("-inf"))
+        top = masked.amax(-1, keepdim=True) if masked.shape[-1] else masked.new_zeros(*masked.shape[:-1], 1)
+        shifted = torch.where(allowed, scores - torch.where(torch.isfinite(top), top, 0.0), float("-inf"))
+        weights = shifted.exp()
+        total = weights.sum(-1, keepdim=True)
+        out_cmp = weights / torch.where(total > 0, total, 1.0) @ cv
+
+        s = scores.detach()
+        higher = ((s[..., None, :] > s[..., :, None]) & allowed[:, None, :]).sum(-1)  # candidates scoring above
+        picked = allowed & (higher < self.top)  # (B, h, N, blocks)
+        chosen = torch.where(picked, j, NONE)  # every picked block, in the form ``selected_mask`` reads
+        out_sel = reference_attention(q, k, v, selected_mask(chosen, b), rel_pos=rel_pos)
+        out_win = reference_attention(q, k, v, local_mask(n, self.window, device=q.device), rel_pos=rel_pos)
+
+        g = torch.sigmoid(q @ self.gate_weight.to(q.dtype) + self.gate_bias.to(q.dtype)[:, None, :])
+        return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
+
+    # --- decoding -------------------------------------------------------------------------------------------
+    def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None) -> Tensor:
+        keys, values, positions = cache.filled()
+        if self.warming_up:
+            return self.attend(q, keys, values, positions, t, rel_pos)
+        ck, cv = cache.before(t)  # the compressed blocks before t's own, (B, h, t // block, D)
+        scores = torch.einsum("bhd,bhmd->bhm", q.to(ck.dtype), ck) * self.scale
+        out_cmp = torch.einsum("bhm,bhmd->bhd", scores.softmax(-1), cv).to(q.dtype)  # 0 with no block
+        chosen = select_blocks(scores[:, :, None], self.block, self.top, torch.full((1,), t, device=q.device))
+        out_sel = self.attend(q, keys, values, positions, t, rel_pos,
+                              allowed=allowed_keys(chosen[:, :, 0], self.block, t, positions))
+        out_win = self.attend(q, keys, values, positions, t, rel_pos, allowed=positions > t - self.window)
+        g = self.gates(q[:, :, None])[:, :, 0]  # (B, h, 3)
+        return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, block={self.block}, top={self.top}, window={self.window}"
+                + (f", warmup={self.warmup}" if self.warmup else "") + f", executor={self.executor.name}")
+
+
+# --- the head kind: how a model uses it ---
+
+
+def _complete(o: NsaOptions, config: Any) -> NsaOptions:
+    block = default_block(config.seq_len, o.top) if o.block is None else o.block
+    at_most_seq_len("block", block, config)
+    window = block if o.window is None else o.window
+    at_most_seq_len("window", window, config)
+    return dataclasses.replace(o, block=block, window=window, warmup_len=warmup_length(o.warmup_len, o.warmup, config))
+
+
+def keys_per_query(o: NsaOptions, n: int) -> float:
+    """Each branch's keys, averaged over the query positions: the compressed blocks scored and attended (the
+    selection reuses their scores), the ``top`` selected blocks and the own block (``blocks.selection_keys``
+    counts those three), and the window."""
+    window = torch.arange(1, n + 1, dtype=torch.float64).clamp(max=o.window).mean()
+    return selection_keys(o.block, o.top, n) + float(window)
+
+
+KIND = HeadKind("nsa", lambda o, heads, head_dim, seed: NsaHeads(heads, head_dim, o), keys_per_query=keys_per_query,
+                warmup=dense_warmup, option_type=NsaOptions, complete=_complete,
+                describe=lambda o: f"block={o.block}, top={o.top}, window={o.window}" + describe_warmup(o),
+                summary="NSA-style: compressed blocks, the `top` blocks they score highest with the own block, and "
+                        "the last `window` keys, mixed by learned gates")
+
+__all__ = ["BRANCHES", "KIND", "NsaHeads", "NsaOptions"]
