@@ -17,6 +17,7 @@ warm-up length, and the count of the keys a selection costs (``selection_keys``)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..executors.inputs import Inputs
 from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, KeyStore, Warmup
+from .kinds.common import at_most_seq_len
 
 NONE = -1  # a selection slot with no block (fewer complete earlier blocks than ``top``)
 
@@ -206,6 +208,15 @@ class BlockHeads(HeadGroup):
         self._steps += 1
         return True
 
+    def own_repr(self) -> str:
+        """The kind's own settings for ``extra_repr`` ('top_k=3, score=mean')."""
+        return ""
+
+    def extra_repr(self) -> str:
+        warmup = f", warmup={self.warmup}" if self.warmup else ""
+        return (f"heads={self.heads}, block={self.block}, {self.own_repr()}{warmup}, "
+                f"executor={self.executor.name}")
+
     def summarise(self, keys: Tensor, values: Tensor) -> tuple[Tensor, ...]:
         """The ``parts`` summaries (B, H, m, D) of the m whole blocks of ``keys``, ``values`` (B, H, m · block, D)."""
         raise NotImplementedError
@@ -213,6 +224,16 @@ class BlockHeads(HeadGroup):
     def new_cache(self, batch: int, max_len: int, device, dtype) -> BlockCache:
         store = KeyStore.empty(batch, self.heads, max_len, self.head_dim, ring=False, device=device, dtype=dtype)
         return BlockCache(store, self.block, self.summarise, self.parts)
+
+
+def default_block(seq_len: int, top: int) -> int:
+    """The block that gives routing's default cost, top · block ≈ 2 · sqrt(seq_len) selected keys per query."""
+    return max(1, min(seq_len, round(2 * math.sqrt(seq_len) / top)))
+
+
+def complete_block(block: int | None, top: int, config: Any) -> int:
+    """options' ``block`` against the model: ``default_block`` when None, and at most seq_len."""
+    return at_most_seq_len("block", default_block(config.seq_len, top) if block is None else block, config)
 
 
 def warmup_length(length: int | None, warmup: int, config: Any) -> int | None:
@@ -245,6 +266,6 @@ def selection_keys(block: int, top: int, n: int, summaries: int = 1) -> float:
 
 
 __all__ = ["NONE", "BlockCache", "BlockHeads", "allowed_keys", "block_bounds", "block_means", "block_scores",
-           "candidates", "complete_blocks", "dense_warmup",
+           "candidates", "complete_block", "complete_blocks", "default_block", "dense_warmup",
            "describe_warmup", "select_blocks", "selected_attention", "selected_mask", "selected_ranges",
            "selection_keys", "warmup_length"]

@@ -18,7 +18,6 @@ once when its last key arrives: a new token costs O(N / block · D + (top_k + 1)
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,8 @@ from .blocks import (
     block_bounds,
     block_means,
     block_scores,
+    complete_block,
+    default_block,
     dense_warmup,
     describe_warmup,
     select_blocks,
@@ -45,14 +46,9 @@ from .blocks import (
 )
 from .full import full_attention
 from .kinds.base import HeadKind
-from .kinds.common import at_most_seq_len, non_negative_int
+from .kinds.common import non_negative_int
 
 SCORES = ("mean", "bound")  # how a block is scored: MoBA's mean key, or Quest's bound (``blocks.block_scores``)
-
-
-def default_block(seq_len: int, top_k: int) -> int:
-    """The block that gives routing's default cost, top_k · block ≈ 2 · sqrt(seq_len) selected keys per query."""
-    return max(1, min(seq_len, round(2 * math.sqrt(seq_len) / top_k)))
 
 
 @dataclass(frozen=True)
@@ -135,18 +131,16 @@ class MobaHeads(BlockHeads):
         return self.attend(q, keys, values, positions, t, rel_pos,
                            allowed=allowed_keys(chosen, self.block, t, positions))
 
-    def extra_repr(self) -> str:
-        return (f"heads={self.heads}, block={self.block}, top_k={self.top_k}, score={self.score}"
-                + (f", warmup={self.warmup}" if self.warmup else "") + f", executor={self.executor.name}")
+    def own_repr(self) -> str:
+        return f"top_k={self.top_k}, score={self.score}"
 
 
 # --- the head kind: how a model uses it ---
 
 
 def _complete(o: MobaOptions, config: Any) -> MobaOptions:
-    block = default_block(config.seq_len, o.top_k) if o.block is None else o.block
-    at_most_seq_len("block", block, config)
-    return dataclasses.replace(o, block=block, warmup_len=warmup_length(o.warmup_len, o.warmup, config))
+    return dataclasses.replace(o, block=complete_block(o.block, o.top_k, config),
+                               warmup_len=warmup_length(o.warmup_len, o.warmup, config))
 
 
 def keys_per_query(o: MobaOptions, n: int) -> float:

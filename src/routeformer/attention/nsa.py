@@ -43,6 +43,7 @@ from .blocks import (
     BlockHeads,
     allowed_keys,
     candidates,
+    complete_block,
     dense_warmup,
     describe_warmup,
     select_blocks,
@@ -55,7 +56,6 @@ from .full import full_attention
 from .kinds.base import HeadKind
 from .kinds.common import at_most_seq_len, non_negative_int
 from .local import local_mask
-from .moba import default_block
 from .reference import normalise_scores, reference_attention
 
 BRANCHES = ("compressed", "selected", "window")  # the order of the gates
@@ -63,7 +63,7 @@ BRANCHES = ("compressed", "selected", "window")  # the order of the gates
 
 @dataclass(frozen=True)
 class NsaOptions:
-    """options.nsa: the block size (None: MoBA's ``default_block`` for ``top``), the blocks each query selects, the
+    """options.nsa: the block size (None: ``blocks.default_block`` for ``top``), the blocks each query selects, the
     sliding window (None: the block), and an optional dense warm-up (steps, and the length of the sequences it
     trains on; None: the model's)."""
 
@@ -179,17 +179,15 @@ class NsaHeads(BlockHeads):
         g = self.gates(q[:, :, None])[:, :, 0]  # (B, h, 3)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 
-    def extra_repr(self) -> str:
-        return (f"heads={self.heads}, block={self.block}, top={self.top}, window={self.window}"
-                + (f", warmup={self.warmup}" if self.warmup else "") + f", executor={self.executor.name}")
+    def own_repr(self) -> str:
+        return f"top={self.top}, window={self.window}"
 
 
 # --- the head kind: how a model uses it ---
 
 
 def _complete(o: NsaOptions, config: Any) -> NsaOptions:
-    block = default_block(config.seq_len, o.top) if o.block is None else o.block
-    at_most_seq_len("block", block, config)
+    block = complete_block(o.block, o.top, config)
     window = block if o.window is None else o.window
     at_most_seq_len("window", window, config)
     return dataclasses.replace(o, block=block, window=window, warmup_len=warmup_length(o.warmup_len, o.warmup, config))
