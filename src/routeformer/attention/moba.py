@@ -1,18 +1,22 @@
-"""MoBA, mixture of block attention (Lu et al. 2025): each query selects the ``top_k`` earlier blocks of keys whose
-mean key it scores highest, and attends to them and to its own block up to itself.
+"""MoBA, mixture of block attention (Lu et al. 2025): each query selects the ``top_k`` earlier blocks of keys it
+scores highest (by their mean key, MoBA's gate, or by Quest's bound, ``score = "bound"``), and attends to them and to
+its own block up to itself.
 
 This module is the mechanism's one home: its head kind, options and decoding, registered in ``registry.py``; the
 selection and its ranges are ``blocks.py`` (shared with the NSA-style kind).
 
 Heads. The keys are cut into blocks of ``block``. Query i scores every complete block before its own by q_i · mean
 key (MoBA's parameter-free gate: the loss trains the selection only through the keys' and queries' use in the
-attention) and takes its ``top_k`` best, then one softmax over their keys and its own block's keys j <= i: causal by
-construction. Per query (top_k + 1) · block keys at most, plus N / block block scores: O(N · (top_k · block + N /
-block) · D) per head, O(N^1.5 · D) with block ~ sqrt(N). An optional dense warm-up (``warmup`` optimiser steps of
-full causal attention, on sequences of ``warmup_len``) is the recipe routing's recall study found decisive.
+attention; ``score = "bound"``: the upper bound of q_i · k over the block's per-channel key ranges,
+``blocks.block_scores``, which does not average one matching key away among filler) and takes its ``top_k`` best,
+then one softmax over their keys and its own block's keys j <= i: causal by construction. Per query (top_k + 1) ·
+block keys at most, plus N / block block scores: O(N · (top_k · block + N / block) · D) per head, O(N^1.5 · D) with
+block ~ sqrt(N). An optional dense warm-up (``warmup`` optimiser steps of full causal attention, on sequences of
+``warmup_len``) is the recipe routing's recall study found decisive.
 
-Decoding keeps every key and value (a selected block may be any earlier one) and the mean key of each block, written
-once when its last key arrives: a new token costs O(N / block · D + (top_k + 1) · block · D) per head.
+Decoding keeps every key and value (a selected block may be any earlier one) and what each block is scored by (its
+mean key, or its least and greatest key values), written once when its last key arrives: a new token costs O(N /
+block · D + (top_k + 1) · block · D) per head.
 """
 
 from __future__ import annotations
