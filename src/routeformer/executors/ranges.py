@@ -127,9 +127,10 @@ def broadcast_ranges(inputs: Inputs, spans: Ranges, order: KeyOrder | None) -> t
                              f"{tuple(x.shape)}")
         return x.expand(B, H, n)
 
-    spans = spans._replace(lo=per_head(spans.lo, M, "Ranges.lo", "M"), hi=per_head(spans.hi, M, "Ranges.hi", "M"),
-                           query_pos=per_head(spans.query_pos, Nq, "Ranges.query_pos", "Nq"),
-                           key_pos=per_head(spans.key_pos, N, "Ranges.key_pos", "N"))
+    # Built whole, not by ``_replace``: dynamo 2.11 rebuilds a ``_replace``d NamedTuple empty after a graph break.
+    spans = Ranges(per_head(spans.lo, M, "Ranges.lo", "M"), per_head(spans.hi, M, "Ranges.hi", "M"), spans.width,
+                   spans.merge, per_head(spans.query_pos, Nq, "Ranges.query_pos", "Nq"),
+                   per_head(spans.key_pos, N, "Ranges.key_pos", "N"), spans.stretch, spans.rows)
     if order is not None:
         order = KeyOrder(per_head(order.order, N, "KeyOrder.order", "N"),
                          per_head(order.inverse, N, "KeyOrder.inverse", "N"))
@@ -314,7 +315,7 @@ class _Merge(torch.autograd.Function):
         merged = None
         for t in range(p):
             part = _pick(outs, starts, source[..., t])
-            merged = part.mul_(weight[..., t, None].to(part.dtype)) if merged is None else merged.addcmul_(
+            merged = part * weight[..., t, None].to(part.dtype) if merged is None else merged.addcmul(
                 part, weight[..., t, None].to(part.dtype))
         total = torch.where(seen.any(-1, keepdim=True), total, floor)[..., 0]
         ctx.save_for_backward(source, entry, weight, merged, *outs)

@@ -150,6 +150,14 @@ class Router(nn.Module):
         first = scores.argmax(-1, keepdim=True)
         if self.probes == 1:
             return first
+        if torch.compiler.is_compiling():
+            # Inductor cannot functionalise scatter_ into the einsum's permuted output ("Cannot view a tensor with
+            # shape ... as a tensor with shape ..."); out of place, it fuses the passes into one kernel anyway.
+            found, masked = [first], scores
+            for _ in range(self.probes - 1):
+                masked = masked.scatter(-1, found[-1], float("-inf"))
+                found.append(masked.argmax(-1, keepdim=True))
+            return torch.cat(found, -1)
         found = [first]
         kept = [scores.gather(-1, first)]
         for _ in range(self.probes - 1):
