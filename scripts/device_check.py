@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The device check: what routeformer does on a GPU, in one command of under 8 minutes, written to a report.
 
-    python scripts/device_check.py OUT                      # on a machine with one CUDA GPU
-    python scripts/device_check.py OUT --toy --device cpu   # the same steps at toy sizes on the CPU (CI)
+    python scripts/device_check.py OUT --part check         # on one CUDA GPU: tests and training, under 9 minutes
+    python scripts/device_check.py OUT --part bench         # on one CUDA GPU: the attention benchmark, under 8
+    python scripts/device_check.py OUT                      # both parts, one after the other (~17 minutes)
+    python scripts/device_check.py OUT --toy --device cpu   # every step at toy sizes on the CPU (CI)
 
 Writes OUT/report.md and OUT/report.json (and each step's whole output under OUT/logs/): the versions (Python,
 PyTorch, CUDA, cuDNN, Triton, the GPU, the CPU, ``routeformer env --no-build``), then one subprocess per step, each
@@ -109,8 +111,15 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def plan(mode: Mode) -> list[Step]:
-    """The steps in order. On a GPU their limits add up to 480 s, the whole check's budget (8 minutes)."""
+PARTS = {"check": ("versions", "env", "prepare", "tests", "train", "ddp", "fsdp"),
+         "bench": ("versions", "env", "bench")}  # bench: the benchmark's steps, one per length
+
+
+def plan(mode: Mode, part: str = "all") -> list[Step]:
+    """The steps in order (of ``part``: 'check', 'bench' or 'all'). On a GPU the limits of each part add up to
+    under 9 minutes, so that either fits a 15-minute loan of a GPU with its start-up. The limits were set from the
+    first run on an H200 (2026-11-27), where FlexAttention's compilation took most of every step: tests ~130 s
+    with 8 workers, the first training step 24 s, torchrun's first step 17 s, a benchmark row tens of seconds."""
     out, toy = mode.out, mode.toy
     # The training steps' data: stdlib (30 MB); at toy sizes the README as a text data set, whose validation split
     # (1.5 kB) the final evaluation scores in a moment on the CPU (stdlib's 1.6 MB take a minute there).
@@ -130,12 +139,12 @@ def plan(mode: Mode) -> list[Step]:
         steps.append(bench_step(mode, n))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
-                                                                 "seq_len 4096, bfloat16, 2 minutes "
-                                                                 "(1.75 of steps, then the final evaluation)"),
+                                                                 "seq_len 4096, bfloat16, 1 minute of "
+                                                                 "steps, then the final evaluation"),
         python("-m", "routeformer", "train", *data, "--out", str(out / "runs" / "train"),
-               "--max-minutes", "1" if toy else "1.75", "--max-steps", "40" if toy else "100000",
+               "--max-minutes", "1", "--max-steps", "40" if toy else "100000",
                *train_settings(mode, seq_len=64 if toy else 4096)),
-        120 if toy else 150, env={"TORCH_LOGS": "recompiles"}, parse=parse_train))
+        120 if toy else 150, env={"TORCH_LOGS": "recompiles"}, parse=parse_train))  # 1 min of steps + evaluation
     for sharding in ("ddp", "fsdp"):
         steps.append(Step(
             sharding, f"torchrun --nproc_per_node 1, {'NCCL' if mode.cuda else 'gloo'}, "
@@ -143,9 +152,10 @@ def plan(mode: Mode) -> list[Step]:
             python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "routeformer",
                    "train", *data, "--out", str(out / "runs" / sharding), "--max-steps", "5" if toy else "10",
                    *(["--fsdp"] if sharding == "fsdp" else []), *train_settings(mode, seq_len=64 if toy else 1024)),
-            60 if toy else 35, env={"NCCL_DEBUG": "INFO"} if mode.cuda else {},
+            60 if toy else 80, env={"NCCL_DEBUG": "INFO"} if mode.cuda else {},
             parse=parse_torchrun if mode.cuda else lambda output, out: without(parse_torchrun(output, out), "nccl")))
-    return steps
+    names = {name for p, names in PARTS.items() if part in ("all", p) for name in names}
+    return [step for step in steps if step.name.split("-")[0] in names]
 
 
 def test_step(mode: Mode) -> Step:
@@ -160,7 +170,7 @@ def test_step(mode: Mode) -> Step:
     else:
         argv += ["-n", "8" if mode.cuda else "2"]
     return Step("tests", f"pytest -m cuda on {mode.device} (the device tests, FlexAttention's CUDA tests)", argv,
-                600 if not mode.cuda else 110, env={"ROUTEFORMER_TEST_DEVICE": mode.device}, parse=parse_tests)
+                600 if not mode.cuda else 180, env={"ROUTEFORMER_TEST_DEVICE": mode.device}, parse=parse_tests)
 
 
 def bench_step(mode: Mode, n: int) -> Step:
@@ -171,20 +181,21 @@ def bench_step(mode: Mode, n: int) -> Step:
                 python("-m", "routeformer", "bench", "attention", "--device", mode.device, "--dtype", dtype,
                        "--n", str(n), *size, "--only", *(BENCH_ROWS if mode.cuda else BENCH_ROWS[:4]),
                        "--json", str(json_path)),
-                120 if mode.toy else (40 if n <= 16384 else 60),
+                120 if mode.toy else (200 if n <= 16384 else 240),
                 parse=lambda output, out: parse_bench(json_path))
 
 
 def train_settings(mode: Mode, seq_len: int) -> list[str]:
     """--set options of the training steps: half local, half routing heads (the shipped default.toml's routing
-    rule, the paper's), one log row per step, no periodic evaluation, no sample."""
+    rule, the paper's), one log row per step, no periodic evaluation, no sample. On a GPU lr 2e-3 with 50 warm-up
+    steps: at the default 6e-3 with 10 this 12.5M-parameter model in bfloat16 diverged (nan from step ~105, H200)."""
     toy = mode.toy
     settings = {"seq_len": seq_len, "dim": 32 if toy else 512, "depth": 1 if toy else 4, "heads": 2 if toy else 8,
                 "attention": '"local:1,routing:1"' if toy else '"local:4,routing:4"', "batch_size": 4 if toy else 8,
                 "options.local.window": 16 if toy else 256, "options.routing.num_clusters": 4 if toy else 64,
                 "options.routing.window": 8 if toy else 64, "precision": '"bfloat16"' if mode.cuda else '"float32"',
                 "device": f'"{mode.device}"', "log_every": 1, "eval_every": 100000, "eval_tokens": 4096,
-                "sample_tokens": 0, "warmup_steps": 10}
+                "sample_tokens": 0, "warmup_steps": 10 if toy else 50, **({} if toy else {"lr": 2e-3})}
     return [word for key, value in settings.items() for word in ("--set", f"{key}={value}")]
 
 
@@ -391,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="folder for report.md, report.json, the logs and the runs")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default cuda")
     parser.add_argument("--toy", action="store_true", help="toy sizes (with --device cpu: CI, a few minutes)")
+    parser.add_argument("--part", choices=["all", *PARTS], default="all",
+                        help="check: versions, tests, training, torchrun; bench: versions, the attention benchmark "
+                             "at 16k and 64k; all (default): both")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.toy:
         parser.error("--device cpu runs the toy sizes only (add --toy): the full sizes are GPU sizes")
@@ -401,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--device cuda: this PyTorch sees no CUDA device (run --toy --device cpu instead)")
     mode = Mode(args.device, args.toy, args.out.resolve())
     mode.out.mkdir(parents=True, exist_ok=True)
-    steps = plan(mode)
+    steps = plan(mode, args.part)
     started, start = time.strftime("%Y-%m-%d %H:%M:%S"), time.monotonic()
     deadline = start + sum(s.limit_s for s in steps)
     try:

@@ -81,6 +81,24 @@ def test_the_exact_row_reproduces_evaluate_and_the_model_comes_back_unchanged() 
     assert again == total  # the hooks are gone
 
 
+def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None:
+    """``fixed_shape`` (CUDA's default, where kernels compile per shape): the last, short batch (here 1 window of a
+    split's 5, the last of them shorter than seq_len) is padded to the others' shape with rows that score nothing;
+    the same sum and count as unpadded batches."""
+    model = tiny()
+    shapes = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real(x, *a, **kw))
+    split = np.random.default_rng(0).integers(0, 40, 24 * 4 + 13)
+    procs = Processes(0, 1, 0, torch.device("cpu"))
+    plain = evaluate(model, split, 24, batch=2, procs=procs, fixed_shape=False)
+    assert shapes == [(2, 24), (2, 24), (1, 12)], shapes
+    shapes.clear()
+    fixed = evaluate(model, split, 24, batch=2, procs=procs, fixed_shape=True)
+    assert shapes == [(2, 24)] * 3, shapes
+    assert fixed[1] == plain[1] and fixed[0] == pytest.approx(plain[0], rel=1e-12)
+
+
 @pytest.mark.parametrize("method", [Method("ovo", 2), Method("ova", 3), Method("sliding", 2), Method("lsh", 2),
                                     Method("features", 16)])
 def test_substituted_models_stay_causal(method) -> None:

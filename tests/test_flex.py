@@ -275,17 +275,30 @@ def cuda(test):
                                           ("longformer", {"window": 64, "global_tokens": [0, 700]})])
 @pytest.mark.parametrize("rel", [False, True])
 def test_cuda_flex_kernels_agree_with_tiles(name: str, params: dict, dtype, rel: bool) -> None:
-    """The compiled kernels against the tiled executor, forward and gradients, at a size with many blocks."""
+    """The compiled kernels against the tiled executor, forward and gradients, at a size with many blocks. In
+    float32 to 1e-4. In bfloat16 both round differently (the device check found single elements 0.13 apart), so
+    each is measured against the tiled executor in float64: flex's relative error (Frobenius) at most twice the
+    tiled executor's own in bfloat16, or 1% when that is smaller."""
     q, k, v = (x.detach().to("cuda", dtype).requires_grad_() for x in rand_qkv(1, 4, 2048, 64, torch.float32))
     rel_pos = rand_rel(64, 32, dtype=torch.float32).cuda() if rel else None
-    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
-    outs = []
-    for backend in ("tiles", "flex"):
+
+    def run(backend: str, q, k, v, rel_pos):
         out = PATTERNS[name].attend(q, k, v, causal=True, rel_pos=rel_pos, **params, backend=backend)
-        grads = torch.autograd.grad(out.float().square().sum(), [q, k, v])
-        outs.append((out, *grads))
-    for a, b in zip(*outs, strict=True):
-        torch.testing.assert_close(b.float(), a.float(), **tol)
+        return (out, *torch.autograd.grad(out.float().square().sum(), [q, k, v]))
+
+    tiles, flex = run("tiles", q, k, v, rel_pos), run("flex", q, k, v, rel_pos)
+    if dtype == torch.float32:
+        for a, b in zip(tiles, flex, strict=True):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        return
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    exact = run("tiles", *wide, None if rel_pos is None else rel_pos.double())
+
+    def error(x: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+    for what, a, b, ref in zip(("out", "dq", "dk", "dv"), tiles, flex, exact, strict=True):
+        assert error(b, ref) <= max(2 * error(a, ref), 1e-2), (what, error(b, ref), error(a, ref))
 
 
 @cuda

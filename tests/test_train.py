@@ -93,6 +93,35 @@ def test_a_run_directory_holds_everything(setup, capsys) -> None:
     assert any(k.endswith("kmeans.centroids") for k in state["model"])
 
 
+def test_a_diverging_run_stops_at_the_first_non_finite_loss_and_keeps_the_last_good_state(setup, monkeypatch,
+                                                                                           capsys) -> None:
+    """A loss of nan (here from step 6 on, as a bf16 run on a GPU gave at a high learning rate) stops the run at
+    once with exit status 1 and a message naming the step; checkpoint.pt keeps the last evaluation's state (step 4),
+    finite, and the nan weights are never written."""
+    import routeformer.train.loop as loop
+
+    real = loop.Loop.step
+
+    def diverging(self, step: int, *args) -> float:
+        loss = real(self, step, *args)
+        if step < 6:
+            return loss
+        with torch.no_grad():  # what an overflow leaves behind: weights and loss nan
+            for p in self.core.parameters():
+                p.fill_(float("nan"))
+        return float("nan")
+
+    monkeypatch.setattr(loop.Loop, "step", diverging)
+    run = setup["root"] / "diverged"
+    assert train(setup, run) == 1
+    err = capsys.readouterr().err
+    assert "training diverged: the loss at step 6 is nan" in err and "keeps step 4" in err, err
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 4
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert [r["step"] for r in metrics(run, "train")] == [2, 4]
+
+
 def test_resume_matches_an_uninterrupted_run_exactly(setup) -> None:
     whole, part = setup["root"] / "whole", setup["root"] / "part"
     assert train(setup, whole) == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -361,7 +362,7 @@ def run(
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
         track = memory_trackable(dev, backend)
-        results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev, track)]
+        results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev, track, say)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))
         echo("")
@@ -444,9 +445,10 @@ def memory_growth(rows: list[dict]) -> str:
 
 
 def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tensor, repeats: int,
-             dev: torch.device, track_memory: bool = True) -> list[dict]:
+             dev: torch.device, track_memory: bool = True, say: Callable[[str], None] | None = None) -> list[dict]:
     """Time (median of consecutive runs) and peak memory of each candidate on one input (``track_memory=False``:
-    no memory columns, with a note)."""
+    no memory columns, with a note). ``say``: a line per row once it is measured, with its seconds (compilation
+    included: on CUDA a row's first call compiles its kernels), so that a run cut short shows how far it got."""
     for t in (q, k, v):
         t.requires_grad_(True)
 
@@ -462,14 +464,9 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
             q.grad = k.grad = v.grad = None
         return call
 
-    rows = []
-    for i, c in enumerate(cands):
-        row = {"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
-               "inference_bytes": None, "training_bytes": None, "kept_bytes": None, "note": c.skip or "",
-               "useful_flops": c.useful(q.detach()) if c.useful is not None and not c.skip else None}
-        rows.append(row)
+    def measure(c: Candidate, row: dict) -> None:
         if c.skip:
-            continue
+            return
         try:
             need = c.training_bytes(q) if c.training_bytes else 0
             free = _available_bytes(dev) if c.training_bytes else None
@@ -483,7 +480,7 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
                 row["fwd_bwd_s"] = median_time(train_step(c), repeats, dev)
             if not track_memory:
                 row["note"] = row["note"] or UNTRACKED
-                continue
+                return
             with PeakMemory(dev) as inference:
                 forward(c)()
             row["inference_bytes"] = inference.bytes
@@ -497,7 +494,23 @@ def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tens
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             row["note"] = _failure(e)
+
+    rows = []
+    for i, c in enumerate(cands):
+        row = {"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
+               "inference_bytes": None, "training_bytes": None, "kept_bytes": None, "note": c.skip or "",
+               "useful_flops": c.useful(q.detach()) if c.useful is not None and not c.skip else None}
+        rows.append(row)
+        started = time.perf_counter()
+        measure(c, row)
+        if say is not None and not c.skip:
+            say(f"measured {c.name} at N={q.shape[2]}: fwd {_ms(row['fwd_s'])}, fwd+bwd {_ms(row['fwd_bwd_s'])} ms"
+                f" ({time.perf_counter() - started:.0f} s{', ' + row['note'] if row['note'] else ''})")
     return rows
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
 def attention_table(rows: list[dict]) -> str:

@@ -38,7 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ..data import prepare_builtin
-    from ..train import Interrupted, load_run_config, train
+    from ..train import Diverged, Interrupted, load_run_config, train
     from ..train.rundir import new_run_dir
     from ..train.runs import read_run_config
 
@@ -74,6 +74,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except Interrupted as stop:
         print(f"routeformer: {stop}", file=sys.stderr)
         return 130
+    except Diverged as err:
+        print(f"\nrouteformer: {err}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\nstopped after {result.step} steps ({result.stopped}), {result.minutes:.1f} minutes")
         print(f"validation {result.unit}: {result.valid:.4f} (whole split; final evaluation and sample "

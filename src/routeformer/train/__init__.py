@@ -3,6 +3,8 @@ run directory (rundir.py), precision and parallelism (parallel.py, over distribu
 evaluation (evaluation.py), checkpointing (checkpoint.py), stop signals (signals.py) and the sample (sampling.py)."""
 
 from .config import RunConfig, TrainConfig, load_run_config
+from .signals import Diverged
 from .trainer import Interrupted, TrainResult, executor_line, train
 
-__all__ = ["Interrupted", "RunConfig", "TrainConfig", "TrainResult", "executor_line", "load_run_config", "train"]
+__all__ = ["Diverged", "Interrupted", "RunConfig", "TrainConfig", "TrainResult", "executor_line", "load_run_config",
+           "train"]

@@ -34,11 +34,13 @@ def context_policy(seq_len: int, stride: int | None) -> str:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, procs: Processes,
              autocast: contextlib.AbstractContextManager | None = None, stride: int | None = None,
-             max_windows: int | None = None, progress: str | None = None) -> tuple[float, int]:
+             max_windows: int | None = None, progress: str | None = None,
+             fixed_shape: bool | None = None) -> tuple[float, int]:
     """(sum of NLL in nats, number of predictions) over the split, every prediction counted once, summed over
     ranks (each rank takes every world-th batch of windows). ``max_windows`` keeps that many evenly spaced
     non-overlapping windows (the cheap estimate used during training). ``progress``: the label of a progress
-    bar on stderr (windows scored, time left), shown by the main process."""
+    bar on stderr (windows scored, time left), shown by the main process. ``fixed_shape`` (default: on CUDA) pads
+    the last, short batch to the shape of the others with rows that score nothing (``_padded``)."""
     from tqdm import tqdm
 
     windows = eval_windows(len(tokens), seq_len, stride)
@@ -55,6 +57,8 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
     try:
         for rows, mask in mine:
             check_token_ids(rows, model.config.vocab_size)  # on the host: no device sync
+            if fixed_shape if fixed_shape is not None else procs.device.type == "cuda":
+                rows, mask = _padded(rows, mask, min(batch, len(windows)), seq_len)
             rows, mask = rows.to(procs.device), mask.to(procs.device)
             with autocast or contextlib.nullcontext():
                 logits = model(rows[:, :-1])
@@ -67,6 +71,20 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
         model.train(was_training)
     total, count = sum_all([total, float(count)], procs)
     return total, int(count)
+
+
+def _padded(rows: torch.Tensor, mask: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of windows (b, L + 1) and its score mask (b, L) grown to (batch, seq_len + 1) with rows that score
+    nothing: the last, short batch of a split then has the shape of the others, and FlexAttention's kernels,
+    compiled per shape, are not compiled again for it (on CUDA; each recompilation costs seconds)."""
+    b, length = mask.shape
+    if (b, length) == (batch, seq_len):
+        return rows, mask
+    full = rows.new_zeros(batch, seq_len + 1)
+    full[:b, :length + 1] = rows
+    scored = mask.new_zeros(batch, seq_len)
+    scored[:b, :length] = mask
+    return full, scored
 
 
 def _my_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,

@@ -25,7 +25,7 @@ from .evaluation import Validator, metric
 from .parallel import Parallelism
 from .rundir import RunDirectory
 from .schedule import TimeShare, learning_rate
-from .signals import StopRequest
+from .signals import Diverged, StopRequest
 
 SHORT_UNITS = {"bytes": "bpb", "words": "ppl", "images": "bpd"}
 
@@ -71,6 +71,7 @@ class Loop:
                    disable=not procs.main)
         tokens_per_step = cfg.batch_size * self.seq_len
         last_eval = progress.step if resume else -1
+        saved = last_eval  # the step whose state checkpoint.pt holds (-1: none yet)
         first_step = progress.step
         rate_time, rate_steps = time.monotonic(), 0
         shown, train = "", math.nan  # the last training row, as the bar shows it, and its mean loss
@@ -94,6 +95,10 @@ class Loop:
                 loss_sum, interrupted, out_of_time, elapsed_sum = distributed.sum_all(
                     [local_loss, float(self.stop.requested), float(elapsed >= budget), elapsed], procs)
                 synced = elapsed_sum / procs.world
+                if not math.isfinite(loss_sum):  # every rank sees the same sum: all stop here, nothing saved
+                    bar.close()
+                    raise Diverged(self.directory.path, progress.step, loss_sum / procs.world,
+                                   saved if saved >= 0 else None)
                 progress.window["loss"] += loss_sum / procs.world
                 progress.window["steps"] += 1
                 if progress.step % cfg.log_every == 0 or progress.step == cfg.max_steps:
@@ -137,7 +142,7 @@ class Loop:
                         if procs.main:  # under the bar, and kept on screen
                             bar.write(validation_line(progress.step, self.kind, recent, valid, speed, elapsed, left))
                     self.checkpointer.save()
-                    last_eval = progress.step
+                    last_eval = saved = progress.step
                 if stopped != "max_steps":
                     break
             if last_eval != progress.step:

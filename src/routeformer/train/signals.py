@@ -24,6 +24,17 @@ class Interrupted(Exception):
         self.run_dir, self.step = run_dir, step
 
 
+class Diverged(RuntimeError):
+    """The training loss was not finite at a step (on some rank): the weights after that step are not saved."""
+
+    def __init__(self, run_dir: Path, step: int, loss: float, saved: int | None) -> None:
+        kept = (f"{run_dir / CHECKPOINT} keeps step {saved}" if saved is not None else
+                f"nothing was saved in {run_dir}")
+        super().__init__(f"training diverged: the loss at step {step} is {loss} (lower lr, raise warmup_steps or "
+                         f"clip, or train in float32); the weights after it are not saved: {kept}")
+        self.run_dir, self.step, self.saved = run_dir, step, saved
+
+
 class StopRequest:
     """Whether this process was asked to stop; ``echo`` (None on ranks other than 0) tells the user."""
 
