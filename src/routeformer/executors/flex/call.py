@@ -53,7 +53,6 @@ def _compiled(key: tuple) -> Callable:
     return torch.compile(_distinct(flex_attention, key), dynamic=False)
 
 
-@torch.compiler.disable  # run eagerly inside a compiled model: traced, torch 2.11 lost its gradients (zeros)
 def _eager(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable, block_mask, scale: float,
            key: tuple) -> tuple[Tensor, Tensor]:
     """The higher-order operator's eager path (dense, differentiable on every device): private PyTorch API, used

@@ -4,6 +4,12 @@
 It turns its arguments into one ``FlexPattern`` and runs ``attend``: one FlexAttention call (plus, with
 relative positions, the banded value pass and, for two-sided patterns with clipped distances, a second call for the
 right side's mass), then the exclude-self fallback.
+
+Under a compiled model (``compile = true``) ``tiled`` and ``flex_ranges`` are not traced into the model's graph
+(``torch.compiler.disable``): the flex call compiles on its own, with static shapes, as in an eager model. Traced,
+the block masks' data-dependent sizes turned symbolic after a recompilation, and inductor's FlexAttention lowering
+failed on the symbolic integers the mask and score functions capture ("'ShapeAsConstantBuffer' object has no
+attribute 'dtype'", torch 2.11, H200).
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ def _tile_offsets(tiling: Tiling, nq: int, nk: int) -> tuple[int, int]:
     return -base - (T - 1), S - 1 - base
 
 
+@torch.compiler.disable  # under a compiled model: see the module's docstring
 def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = None, rel: RelTerms | None = None,
           bias: Tensor | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """``tiles.tiled_attention`` on FlexAttention: query block b sees key blocks b - back … b + ahead under the

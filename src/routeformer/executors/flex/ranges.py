@@ -34,6 +34,7 @@ from .relative import _finite, _weights
 CHUNK = 1 << 24  # elements of gathered keys in one chunk of the relative value pass (64 MiB in float32)
 
 
+@torch.compiler.disable  # under a compiled model: see flex/ops.py's docstring
 def flex_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
                 rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """The flex executor's ``ranges`` (``ranges.range_attention`` documents the arguments and results; they come
