@@ -82,7 +82,7 @@ def test_the_exact_row_reproduces_evaluate_and_the_model_comes_back_unchanged() 
 
 
 def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None:
-    """``fixed_shape`` (CUDA's default, where kernels compile per shape): the last, short batch (here 1 window of a
+    """``one_shape`` (on CUDA, where kernels compile per shape): the last, short batch (here 1 window of a
     split's 5, the last of them shorter than seq_len) is padded to the others' shape with rows that score nothing;
     the same sum and count as unpadded batches."""
     model = tiny()
@@ -91,10 +91,13 @@ def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None
     monkeypatch.setattr(model, "forward", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real(x, *a, **kw))
     split = np.random.default_rng(0).integers(0, 40, 24 * 4 + 13)
     procs = Processes(0, 1, 0, torch.device("cpu"))
-    plain = evaluate(model, split, 24, batch=2, procs=procs, fixed_shape=False)
+    plain = evaluate(model, split, 24, batch=2, procs=procs)
     assert shapes == [(2, 24), (2, 24), (1, 12)], shapes
     shapes.clear()
-    fixed = evaluate(model, split, 24, batch=2, procs=procs, fixed_shape=True)
+    import routeformer.train.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "one_shape", lambda device: True)
+    fixed = evaluate(model, split, 24, batch=2, procs=procs)
     assert shapes == [(2, 24)] * 3, shapes
     assert fixed[1] == plain[1] and fixed[0] == pytest.approx(plain[0], rel=1e-12)
 

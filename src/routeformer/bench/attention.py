@@ -362,7 +362,7 @@ def run(
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
         track = memory_trackable(dev, backend)
-        results += [{"n": n, **row} for row in _measure(cands, q, k, v, grad, repeats, dev, track, say)]
+        results += [{"n": n, **row} for row in _measure(cands, (q, k, v, grad), repeats, dev, track, say)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))
         echo("")
@@ -444,11 +444,13 @@ def memory_growth(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _measure(cands: list[Candidate], q: Tensor, k: Tensor, v: Tensor, grad: Tensor, repeats: int,
+def _measure(cands: list[Candidate], inputs: tuple[Tensor, Tensor, Tensor, Tensor], repeats: int,
              dev: torch.device, track_memory: bool = True, say: Callable[[str], None] | None = None) -> list[dict]:
-    """Time (median of consecutive runs) and peak memory of each candidate on one input (``track_memory=False``:
+    """Time (median of consecutive runs) and peak memory of each candidate on one input, q, k, v and the output's
+    gradient (B, H, N, D) (``track_memory=False``:
     no memory columns, with a note). ``say``: a line per row once it is measured, with its seconds (compilation
     included: on CUDA a row's first call compiles its kernels), so that a run cut short shows how far it got."""
+    q, k, v, grad = inputs
     for t in (q, k, v):
         t.requires_grad_(True)
 

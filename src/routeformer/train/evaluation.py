@@ -34,13 +34,12 @@ def context_policy(seq_len: int, stride: int | None) -> str:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, procs: Processes,
              autocast: contextlib.AbstractContextManager | None = None, stride: int | None = None,
-             max_windows: int | None = None, progress: str | None = None,
-             fixed_shape: bool | None = None) -> tuple[float, int]:
+             max_windows: int | None = None, progress: str | None = None) -> tuple[float, int]:
     """(sum of NLL in nats, number of predictions) over the split, every prediction counted once, summed over
     ranks (each rank takes every world-th batch of windows). ``max_windows`` keeps that many evenly spaced
     non-overlapping windows (the cheap estimate used during training). ``progress``: the label of a progress
-    bar on stderr (windows scored, time left), shown by the main process. ``fixed_shape`` (default: on CUDA) pads
-    the last, short batch to the shape of the others with rows that score nothing (``_padded``)."""
+    bar on stderr (windows scored, time left), shown by the main process. Where ``one_shape`` (CUDA) the last, short
+    batch is padded to the shape of the others with rows that score nothing (``_padded``)."""
     from tqdm import tqdm
 
     windows = eval_windows(len(tokens), seq_len, stride)
@@ -57,7 +56,7 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
     try:
         for rows, mask in mine:
             check_token_ids(rows, model.config.vocab_size)  # on the host: no device sync
-            if fixed_shape if fixed_shape is not None else procs.device.type == "cuda":
+            if one_shape(procs.device):
                 rows, mask = _padded(rows, mask, min(batch, len(windows)), seq_len)
             rows, mask = rows.to(procs.device), mask.to(procs.device)
             with autocast or contextlib.nullcontext():
@@ -71,6 +70,12 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, 
         model.train(was_training)
     total, count = sum_all([total, float(count)], procs)
     return total, int(count)
+
+
+def one_shape(device: torch.device) -> bool:
+    """Whether evaluation batches all take one shape on ``device``: on CUDA, where FlexAttention's kernels are
+    compiled per shape (seconds each). Elsewhere a short last batch costs less than padding it."""
+    return device.type == "cuda"
 
 
 def _padded(rows: torch.Tensor, mask: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
