@@ -122,6 +122,23 @@ def test_a_diverging_run_stops_at_the_first_non_finite_loss_and_keeps_the_last_g
     assert [r["step"] for r in metrics(run, "train")] == [2, 4]
 
 
+def test_weight_decay_reaches_matrices_and_embeddings_not_biases_or_norms() -> None:
+    """AdamW's groups: every parameter once; decayed: two or more dimensions and not a bias, so nsa's per-head gate
+    bias (heads, 3) is not, its gate weights (heads, D, 3) are."""
+    from routeformer.model import TransformerConfig, TransformerLM
+    from routeformer.train.loop import adamw
+
+    model = TransformerLM(TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=32,
+                                            attention="local:1,nsa:1", options={"local": {"window": 8}, "nsa": {"block": 4, "window": 8}}))
+    decay, rest = adamw(model, TrainConfig()).param_groups
+    assert decay["weight_decay"] > 0 and rest["weight_decay"] == 0
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert len(decay["params"]) + len(rest["params"]) == len(names)
+    assert any(n.endswith("gate_weight") for n in decayed) and not any(n.endswith("gate_bias") for n in decayed)
+    assert "embed.weight" in decayed and not any(n.endswith("bias") or "norm" in n for n in decayed), decayed
+
+
 def test_resume_matches_an_uninterrupted_run_exactly(setup) -> None:
     whole, part = setup["root"] / "whole", setup["root"] / "part"
     assert train(setup, whole) == 0

@@ -31,13 +31,16 @@ SHORT_UNITS = {"bytes": "bpb", "words": "ppl", "images": "bpd"}
 
 
 def adamw(core: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings (parameters of two or more dimensions) only; built after
-    sharding, so that it holds this rank's shards. PyTorch's fused implementation (one kernel for every parameter:
+    """AdamW with weight decay on matrices and embeddings (parameters of two or more dimensions) only, not on
+    biases whatever their shape (a per-head bias such as nsa's gate bias is (heads, 3)); built after sharding, so
+    that it holds this rank's shards. PyTorch's fused implementation (one kernel for every parameter:
     about 5× faster than the default on the main job's CPU step) where every parameter is a plain floating tensor
     on the CPU or CUDA; otherwise (sharded DTensors) the default."""
-    params = list(core.parameters())
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
+    named = list(core.named_parameters())
+    params = [p for _, p in named]
+    decayed = {id(p) for name, p in named if p.dim() >= 2 and not name.endswith("bias")}
+    decay = [p for p in params if id(p) in decayed]
+    rest = [p for p in params if id(p) not in decayed]
     fused = all(type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point()
                 for p in params)
     return torch.optim.AdamW(
