@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The device check: what routeformer does on a GPU, in one command of under 8 minutes, written to a report.
+"""The device check: what routeformer does on a GPU, in two parts of under 9 minutes each, written to a report.
 
     python scripts/device_check.py OUT --part check         # on one CUDA GPU: tests and training, under 9 minutes
     python scripts/device_check.py OUT --part bench         # on one CUDA GPU: the attention benchmark, under 8
@@ -15,7 +15,7 @@ tail of its output:
 2. bench-N: ``routeformer bench attention`` at 16k and 64k (toy: 256, 512): local, routing with the paper's rule
    and with two probes, LSH, beside full attention held to SDPA's flash and cuDNN backends and FlexAttention's own
    sliding window; ms forward+backward and peak memory;
-3. train: a 2-minute ``routeformer train`` at 4096 with local and routing heads in bfloat16: tokens/s at steady
+3. train: a 1-minute ``routeformer train`` at 4096 with local and routing heads in bfloat16: tokens/s at steady
    state, the first step's seconds (compilation), the recompilations dynamo logs (TORCH_LOGS=recompiles);
 4. ddp, fsdp: a one-process ``torchrun`` training a few steps (NCCL on CUDA, gloo on the CPU), with DDP and with
    FSDP2 (``--fsdp``), as a user would start it.
