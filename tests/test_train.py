@@ -128,8 +128,9 @@ def test_weight_decay_reaches_matrices_and_embeddings_not_biases_or_norms() -> N
     from routeformer.model import TransformerConfig, TransformerLM
     from routeformer.train.loop import adamw
 
+    options = {"local": {"window": 8}, "nsa": {"block": 4, "window": 8}}
     model = TransformerLM(TransformerConfig(vocab_size=32, dim=32, depth=1, heads=2, seq_len=32,
-                                            attention="local:1,nsa:1", options={"local": {"window": 8}, "nsa": {"block": 4, "window": 8}}))
+                                            attention="local:1,nsa:1", options=options))
     decay, rest = adamw(model, TrainConfig()).param_groups
     assert decay["weight_decay"] > 0 and rest["weight_decay"] == 0
     names = {id(p): name for name, p in model.named_parameters()}

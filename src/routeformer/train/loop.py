@@ -99,7 +99,6 @@ class Loop:
                     [local_loss, float(self.stop.requested), float(elapsed >= budget), elapsed], procs)
                 synced = elapsed_sum / procs.world
                 if not math.isfinite(loss_sum):  # every rank sees the same sum: all stop here, nothing saved
-                    bar.close()
                     raise Diverged(self.directory.path, progress.step, loss_sum / procs.world,
                                    saved if saved >= 0 else None)
                 progress.window["loss"] += loss_sum / procs.world

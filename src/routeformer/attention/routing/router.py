@@ -150,21 +150,18 @@ class Router(nn.Module):
         first = scores.argmax(-1, keepdim=True)
         if self.probes == 1:
             return first
-        if torch.compiler.is_compiling():
-            # Inductor cannot functionalise scatter_ into the einsum's permuted output ("Cannot view a tensor with
-            # shape ... as a tensor with shape ..."); out of place, it fuses the passes into one kernel anyway.
-            found, masked = [first], scores
-            for _ in range(self.probes - 1):
-                masked = masked.scatter(-1, found[-1], float("-inf"))
-                found.append(masked.argmax(-1, keepdim=True))
-            return torch.cat(found, -1)
-        found = [first]
-        kept = [scores.gather(-1, first)]
+        # Compiled: out of place (inductor cannot functionalise scatter_ into the einsum's permuted output, "Cannot
+        # view a tensor with shape ..."; it fuses the passes anyway). Eager: in place, the winners put back after.
+        compiling = torch.compiler.is_compiling()
+        found, kept, masked = [first], [], scores
         for _ in range(self.probes - 1):
-            scores.scatter_(-1, found[-1], float("-inf"))
-            found.append(scores.argmax(-1, keepdim=True))
-            kept.append(scores.gather(-1, found[-1]))
-        for index, value in zip(found[:-1], kept[:-1], strict=True):
+            if compiling:
+                masked = masked.scatter(-1, found[-1], float("-inf"))
+            else:
+                kept.append(masked.gather(-1, found[-1]))
+                masked.scatter_(-1, found[-1], float("-inf"))
+            found.append(masked.argmax(-1, keepdim=True))
+        for index, value in zip(found[:len(kept)], kept, strict=True):  # none when compiled
             scores.scatter_(-1, index, value)
         return torch.cat(found, -1)
 
