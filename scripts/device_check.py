@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The device check: what routeformer does on a GPU, in two parts of under 9 minutes each, written to a report.
+"""The device check: what routeformer does on a GPU, in three parts of under 9 minutes each, written to a report.
 
     python scripts/device_check.py OUT --part check         # on one CUDA GPU: tests and training, under 9 minutes
-    python scripts/device_check.py OUT --part bench         # on one CUDA GPU: the attention benchmark, under 8
-    python scripts/device_check.py OUT                      # both parts, one after the other (~17 minutes)
+    python scripts/device_check.py OUT --part bench         # on one CUDA GPU: the attention benchmark, under 9
+    python scripts/device_check.py OUT --part cpu           # the README's test suite on the GPU machine's host
+    python scripts/device_check.py OUT                      # all three parts, one after the other (~25 minutes)
     python scripts/device_check.py OUT --toy --device cpu   # every step at toy sizes on the CPU (CI)
 
 Writes OUT/report.md and OUT/report.json (and each step's whole output under OUT/logs/): the versions (Python,
@@ -18,7 +19,9 @@ tail of its output:
 3. train: a 1-minute ``routeformer train`` at 4096 with local and routing heads in bfloat16: tokens/s at steady
    state, the first step's seconds (compilation), the recompilations dynamo logs (TORCH_LOGS=recompiles);
 4. ddp, fsdp: a one-process ``torchrun`` training a few steps (NCCL on CUDA, gloo on the CPU), with DDP and with
-   FSDP2 (``--fsdp``), as a user would start it.
+   FSDP2 (``--fsdp``), as a user would start it;
+5. profile (part bench): ``torch.profiler`` of local and routing forward+backward at 16k, the costliest operators;
+6. suite (part cpu; not at toy sizes): the README's test command on the host's CPU, the failures named.
 
 A failing step never stops the check, and the report is rewritten after every step, so an interrupted check keeps
 what it measured. Exit status: 0 when every step passed, 1 when one failed or ran out of time, 2 for a usage error.
@@ -68,6 +71,49 @@ print("VERSIONS " + json.dumps(out))
 """
 
 
+# Profiles local and routing forward+backward (3 steps after 2 warm ones, which compile) at length argv[1] on
+# device argv[2]: each row's operator table (by device self time on CUDA, by CPU self time as well: a launch- or
+# sync-bound row shows there) goes to the log, and one PROFILE line with its top operators to the report.
+PROFILE = r"""
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+from routeformer.bench.attention import candidates, selected
+n, dev = int(sys.argv[1]), torch.device(sys.argv[2])
+cuda = dev.type == "cuda"
+dtype = torch.bfloat16 if cuda else torch.float32
+heads, head_dim, window = (8, 64, 256) if n > 1024 else (2, 16, 32)
+gen = torch.Generator().manual_seed(0)
+q, k, v, grad = (torch.randn(1, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_(True)
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+for c in selected(candidates(n, heads, head_dim, window, dev, dtype), ["local", "routing"])[1:]:
+    for _ in range(2):
+        c.attend(q, k, v).backward(grad)
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            c.attend(q, k, v).backward(grad)
+        sync()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"== {c.name} ({c.settings}): 3 steps forward+backward, by {key}")
+    print(events.table(sort_by=key, row_limit=25))
+    if cuda:
+        print(f"== {c.name}: by self_cpu_time_total")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:5]
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+                or (e.key == "cudaMemcpyAsync"))
+    print("PROFILE " + json.dumps({"row": c.name, "ms_per_step": round(sum(getattr(e, key) for e in events) / 3e3, 3),
+          "top_ms_per_step": {e.key[:60]: round(getattr(e, key) / 3e3, 3) for e in top},
+          "sync_calls_per_step": syncs / 3 if cuda else None}))
+"""
+PROFILE_N = {False: 16384, True: 512}  # toy: on the CPU in the CI
+
+
 @dataclass
 class Step:
     """One subprocess of the check and what it gave. ``parse(output, out_dir)`` reads its numbers (the output, and
@@ -112,7 +158,8 @@ def python(*args: str) -> list[str]:
 
 
 PARTS = {"check": ("versions", "env", "prepare", "tests", "train", "ddp", "fsdp"),
-         "bench": ("versions", "env", "bench")}  # bench: the benchmark's steps, one per length
+         "bench": ("versions", "env", "bench", "profile"),  # bench: the benchmark's steps, one per length
+         "cpu": ("versions", "env", "suite")}  # the default test suite on the GPU machine's host processor
 
 
 def plan(mode: Mode, part: str = "all") -> list[Step]:
@@ -137,6 +184,9 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
     ]
     for n in (256, 512) if toy else (16384, 65536):
         steps.append(bench_step(mode, n))
+    steps.append(Step("profile", f"torch.profiler of local and routing forward+backward at N={PROFILE_N[toy]}: "
+                      "the operators that take the time", python("-c", PROFILE, str(PROFILE_N[toy]), mode.device),
+                      60, parse=parse_profile))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
                                                                  "seq_len 4096, bfloat16, 1 minute of "
@@ -154,6 +204,8 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
                    *(["--fsdp"] if sharding == "fsdp" else []), *train_settings(mode, seq_len=64 if toy else 1024)),
             60 if toy else 80, env={"NCCL_DEBUG": "INFO"} if mode.cuda else {},
             parse=parse_torchrun if mode.cuda else lambda output, out: without(parse_torchrun(output, out), "nccl")))
+    if not toy:  # CI runs the suite itself; on a GPU machine its host is another x86 processor
+        steps.append(suite_step(mode))
     names = {name for p, names in PARTS.items() if part in ("all", p) for name in names}
     return [step for step in steps if step.name.split("-")[0] in names]
 
@@ -171,6 +223,16 @@ def test_step(mode: Mode) -> Step:
         argv += ["-n", "8" if mode.cuda else "2"]
     return Step("tests", f"pytest -m cuda on {mode.device} (the device tests, FlexAttention's CUDA tests)", argv,
                 600 if not mode.cuda else 180, env={"ROUTEFORMER_TEST_DEVICE": mode.device}, parse=parse_tests)
+
+
+def suite_step(mode: Mode) -> Step:
+    """The README's test command (the project's pytest options: not slow) on the host's CPU, the GPU hidden as on a
+    CPU machine, 8 workers of 2 threads (16 workers of 16 threads each crawled through a third of it in 200 s on
+    the H200's 16-core host, 2026-11-27)."""
+    argv = python("-m", "pytest", "-q", "-rfE", "-n", "8", "--junitxml", str(mode.out / "suite.xml"))
+    return Step("suite", "the README's test command on the host's CPU, 8 workers of 2 threads", argv, 420,
+                env={"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""},
+                parse=lambda output, out: parse_junit(out / "suite.xml"))
 
 
 def bench_step(mode: Mode, n: int) -> Step:
@@ -235,6 +297,34 @@ def parse_tests(output: str, out: Path) -> dict:
     summary = re.findall(r"=+ (.*(?:passed|failed|error|skipped|deselected).* in [\d.]+s.*) =+", output)
     return {"counts": counts, "failed": sorted(t for t, r in outcome.items() if r in ("failed", "error")),
             "summary": summary[-1] if summary else None}
+
+
+def parse_junit(path: Path) -> dict:
+    """Counts per outcome and the failed tests from pytest's junit XML (``-q`` prints no per-test lines)."""
+    import xml.etree.ElementTree as ET
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failed = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts["failed"] += 1
+            failed.append(name)
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return {"counts": counts, "failed": failed}
+
+
+def parse_profile(output: str, out: Path) -> dict:
+    """Per profiled row: the five operators with the most device (CUDA) or CPU self time, and the host
+    synchronisations counted (cudaStreamSynchronize, cudaDeviceSynchronize, device-to-host copies' calls)."""
+    found: dict = {}
+    for line in output.splitlines():
+        if line.startswith("PROFILE "):
+            row = json.loads(line.removeprefix("PROFILE "))
+            found[row.pop("row")] = row
+    return found
 
 
 def parse_bench(path: Path) -> dict:

@@ -95,16 +95,19 @@ def test_usage_errors(dc, tmp_path: Path, capsys) -> None:
 def test_each_part_of_the_gpu_check_fits_nine_minutes_and_together_they_run_every_step(dc, tmp_path: Path) -> None:
     """A GPU is lent for 15 minutes, its start-up included: each part's limits add up to under 9 minutes."""
     gpu, toy = (dc.plan(dc.Mode(device, device == "cpu", tmp_path)) for device in ("cuda", "cpu"))
-    parts = {part: dc.plan(dc.Mode("cuda", False, tmp_path), part) for part in ("check", "bench")}
+    parts = {part: dc.plan(dc.Mode("cuda", False, tmp_path), part) for part in ("check", "bench", "cpu")}
     assert all(sum(s.limit_s for s in steps) <= 540 for steps in parts.values())
     assert [s.name for s in parts["check"]] == ["versions", "env", "prepare", "tests", "train", "ddp", "fsdp"]
-    assert [s.name for s in parts["bench"]] == ["versions", "env", "bench-16384", "bench-65536"]
-    assert [s.name for s in gpu] == ["versions", "env", "prepare", "tests", "bench-16384", "bench-65536", "train",
-                                     "ddp", "fsdp"]
-    assert [s.name for s in toy] == ["versions", "env", "prepare", "tests", "bench-256", "bench-512", "train", "ddp",
-                                     "fsdp"]
+    assert [s.name for s in parts["bench"]] == ["versions", "env", "bench-16384", "bench-65536", "profile"]
+    assert [s.name for s in parts["cpu"]] == ["versions", "env", "suite"]
+    assert [s.name for s in gpu] == ["versions", "env", "prepare", "tests", "bench-16384", "bench-65536", "profile",
+                                     "train", "ddp", "fsdp", "suite"]
+    assert [s.name for s in toy] == ["versions", "env", "prepare", "tests", "bench-256", "bench-512", "profile",
+                                     "train", "ddp", "fsdp"]  # CI runs the suite itself
     steps = {s.name: s for s in gpu}
     assert steps["tests"].env == {"ROUTEFORMER_TEST_DEVICE": "cuda"} and "-m" in steps["tests"].argv
+    # the suite as the README runs it (its pytest options kept: not slow), on the CPU with the GPU hidden
+    assert "addopts=" not in " ".join(steps["suite"].argv) and steps["suite"].env["CUDA_VISIBLE_DEVICES"] == ""
     bench = steps["bench-65536"].argv
     assert bench[bench.index("--device") + 1] == "cuda" and bench[bench.index("--dtype") + 1] == "bfloat16"
     assert {"local", "routing", "routing-p2", "lsh", "sdpa-flash", "sdpa-cudnn"} <= set(bench)
@@ -144,3 +147,21 @@ def test_benchmark_rows_and_ratios(dc, tmp_path: Path) -> None:
 def test_progress_bars_leave_their_last_state(dc) -> None:
     assert dc.settled("a\nbar 1%\rbar 50%\rbar 100%\r    \rdone\nz\r\n") == "a\ndone\nz\n"
     assert dc.settled("bar 1%\rbar 100%\r   \r\nnext") == "bar 100%\nnext"
+
+
+def test_junit_outcomes_are_counted_with_the_failed_tests_named(dc, tmp_path: Path) -> None:
+    xml = tmp_path / "suite.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok"/>'
+                   '<testcase classname="tests.test_a" name="test_bad"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.test_b" name="test_err"><error message="y"/></testcase>'
+                   '<testcase classname="tests.test_b" name="test_skip"><skipped/></testcase></testsuite></testsuites>')
+    found = dc.parse_junit(xml)
+    assert found["counts"] == {"passed": 1, "failed": 2, "skipped": 1}
+    assert found["failed"] == ["tests.test_a::test_bad", "tests.test_b::test_err"]
+
+
+def test_the_profile_names_the_operators_of_each_row(dc) -> None:
+    output = ('== local\ntable\nPROFILE {"row": "local", "ms_per_step": 2.0, "top_ms_per_step": {"a": 1.0}}\n'
+              'PROFILE {"row": "routing", "ms_per_step": 9.0, "top_ms_per_step": {"scatter": 5.0}}\n')
+    found = dc.parse_profile(output, Path("."))
+    assert found["routing"]["top_ms_per_step"] == {"scatter": 5.0} and found["local"]["ms_per_step"] == 2.0
