@@ -38,7 +38,7 @@ def _selection_by_loops(q, k, block: int, top: int, score: str) -> list:
 
 
 @pytest.mark.parametrize("score", ["mean", "bound"])
-@pytest.mark.parametrize("n, block, top", [(40, 8, 2), (37, 5, 3), (12, 16, 2), (30, 3, 1)])
+@pytest.mark.parametrize("n, block, top", [(40, 8, 2), (37, 5, 3), (12, 16, 2), (30, 3, 1), (40, 4, 6)])  # 6: topk
 def test_the_selection_is_the_definition(n: int, block: int, top: int, score: str) -> None:
     q, k, _ = rand_qkv(2, 2, n, 6, grad=False)
     chosen = MobaHeads(2, 6, MobaOptions(block=block, top_k=top, score=score)).select(q, k)
