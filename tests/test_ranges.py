@@ -105,6 +105,34 @@ def test_ranges_match_the_dense_definition(backend: str, extras: str, shape, mon
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["tiles", "flex", "fused"])
+@pytest.mark.parametrize("shift", [0, 3])
+def test_unit_distances_match_the_dense_definition(backend: str, shift: int, monkeypatch) -> None:
+    """Keys in their own order and positions that are the sequence indices (shift 0: the fused kernel then reads
+    the relative tables along each row's stretch, as for block selection), or the same distances from positions
+    shifted by 3 (one table index per pair): both the definition, with ranges before, around and after each query
+    and distances clipped on both sides, forward and gradients."""
+    _small_flex(monkeypatch)
+    B, H, N, D, width = 2, 2, 37, 8, 6
+    q, k, v = rand_qkv(B, H, N, D)
+    lo, hi, _, _ = _problem(B, H, N, N, width, seed=7)  # entry i asks with query i
+    rel = rand_rel(D, 3)
+    pos = (torch.arange(N) + shift).expand(B, H, N)
+    out, lse = get_executor(backend).ranges(Inputs(q, k, v, D**-0.5, None), Ranges(lo, hi, width, query_pos=pos,
+                                                                                   key_pos=pos),
+                                            rel_pos=rel, need_lse=True)
+    identity = torch.arange(N).expand(B, H, N)
+    ref, ref_lse = _reference(q, k, v, lo, hi, identity, identity, scale=D**-0.5, valid=None, rel=rel,
+                              key_pos=identity)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    seen = ref_lse > neg_inf(ref_lse.dtype) / 2
+    torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    leaves = [q, k, v, rel.key, rel.value]
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("backend", ["tiles", "fused"])
 def test_relative_positions_without_positions_are_refused(backend: str) -> None:
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)

@@ -60,6 +60,7 @@ struct RangeRules {
   const int64_t* key_pos;   // per row of k
   const int64_t* query_pos; // per query row
   const int64_t* qrow;      // the block's rows: their query rows
+  int64_t unit_;            // 1: positions are the sequence indices (distance = j - qrow[r]), read affinely
   static constexpr bool has_bias = false;
   int64_t key_row(int64_t j) const { return key_order == nullptr ? j : key_order[j]; }
   bool elementwise(int64_t) const { return valid != nullptr; }
@@ -67,8 +68,22 @@ struct RangeRules {
   int64_t distance(int64_t r, int64_t j) const { return key_pos[key_row(j)] - query_pos[qrow[r]]; }
   T bias(int64_t, int64_t) const { return T(0); }
   int64_t self(int64_t) const { return -1; }
-  int64_t unit() const { return 0; }
+  int64_t unit() const { return unit_; }
 };
+
+// Whether a head's distances are unit ones, key index - query row: no key order, and both positions the identity.
+// Then the relative tables are read along each row's contiguous stretch of table rows (``RelChunk``'s affine path:
+// vector passes) instead of one table index per pair (block selection's ranges: about 1.7x faster with relative
+// positions).
+bool unit_positions(const int64_t* key_order, const int64_t* key_pos, const int64_t* query_pos, int64_t N,
+                    int64_t Nq) {
+  if (key_order != nullptr || key_pos == nullptr || query_pos == nullptr) return false;
+  for (int64_t j = 0; j < N; j++)
+    if (key_pos[j] != j) return false;
+  for (int64_t i = 0; i < Nq; i++)
+    if (query_pos[i] != i) return false;
+  return true;
+}
 
 struct Sizes {
   int64_t B, H, Nq, N, D, M, merge, rows_per_block, span_cap, max_distance;
@@ -123,6 +138,7 @@ struct RangeCall {
   int64_t valid_heads;
   Rel<T> rel;
   T scale;
+  std::vector<uint8_t> unit_heads;  // with relative tables: per head, whether its distances are unit ones
 
   Head<T> head(int64_t bh) const {
     const int64_t b = bh / z.H, h = bh % z.H;
@@ -131,10 +147,11 @@ struct RangeCall {
   }
   RangeRules<T> rules(int64_t bh, const int64_t* qrow) const {
     const int64_t b = bh / z.H, h = bh % z.H;
-    return RangeRules<T>{
-        valid == nullptr ? nullptr : valid + (b * valid_heads + (valid_heads == 1 ? 0 : h)) * z.N,
-        key_order == nullptr ? nullptr : key_order + bh * z.N, key_pos == nullptr ? nullptr : key_pos + bh * z.N,
-        query_pos == nullptr ? nullptr : query_pos + bh * z.Nq, qrow};
+    const int64_t* korder = key_order == nullptr ? nullptr : key_order + bh * z.N;
+    const int64_t* kpos = key_pos == nullptr ? nullptr : key_pos + bh * z.N;
+    const int64_t* qpos = query_pos == nullptr ? nullptr : query_pos + bh * z.Nq;
+    return RangeRules<T>{valid == nullptr ? nullptr : valid + (b * valid_heads + (valid_heads == 1 ? 0 : h)) * z.N,
+                         korder, kpos, qpos, qrow, unit_heads.empty() ? 0 : int64_t(unit_heads[bh])};
   }
   Entries entries(int64_t bh) const {
     return cut_blocks(lo + bh * z.M, hi + bh * z.M, z.M, z.N, z.rows_per_block, z.span_cap);
@@ -154,7 +171,7 @@ struct RangeCall {
     }
     rows.n = n;
     rows.qrow = qrow.data();
-    rows.qseq = en.sorted.data() + s0;
+    rows.qseq = qrow.data();  // a row's sequence index is its query row's (read by unit distances only)
     rows.a = a.data();
     rows.e = e.data();
     rows.contiguous = false;
@@ -186,6 +203,15 @@ RangeCall<T> make_call(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   c.key_pos = key_pos.has_value() ? key_pos->data_ptr<int64_t>() : nullptr;
   c.rel = Rel<T>::of(key_table, value_table, z.max_distance);
   c.scale = static_cast<T>(scale);
+  if (c.rel.on()) {
+    c.unit_heads.resize(z.B * z.H);
+    at::parallel_for(0, z.B * z.H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t bh = h0; bh < h1; bh++)
+        c.unit_heads[bh] = unit_positions(c.key_order == nullptr ? nullptr : c.key_order + bh * z.N,
+                                          c.key_pos == nullptr ? nullptr : c.key_pos + bh * z.N,
+                                          c.query_pos == nullptr ? nullptr : c.query_pos + bh * z.Nq, z.N, z.Nq);
+    });
+  }
   return c;
 }
 
@@ -230,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
         BlockOut<T> bo{ob.get(rows.n * D), lb.get(rows.n), nullptr};
         forward_block(c.head(bh), c.rel, c.rules(bh, qrow.data()), rows, w, bo);
         for (int64_t r = 0; r < rows.n; r++) {
-          const int64_t m = bh * z.M + rows.qseq[r];
+          const int64_t m = bh * z.M + en.sorted[en.start[x - first[bh]] + r];
           std::memcpy(eo_p + m * D, bo.o + r * D, D * sizeof(T));
           el_p[m] = bo.lse[r];
         }
