@@ -51,14 +51,14 @@ class MixedAttention(nn.Module):
         sizes = [m.out_features for m in layers]
         q, v, *k = (y.view(B, N, -1, self.head_dim).transpose(1, 2) for y in both.split(sizes, -1))  # (B, h, N, D)
         k = k[0] if k else None
-        parts, h, hk = [], 0, 0
-        for group, shared in zip(self.groups, self.shares_qk, strict=True):
-            n = group.heads
-            qg = q[:, h:h + n]
-            kg = qg if shared else k[:, hk:hk + n]
-            parts.append((qg, kg, v[:, h:h + n]))
-            h, hk = h + n, hk + (0 if shared else n)
-        return parts
+        # split, not sliced: a slice's backward fills a zero tensor of all the heads per group and adds them up (6
+        # fills of (B, H, N, D) per layer, ~8% of a 2048-byte step with two groups); split's is one concatenation
+        heads = [group.heads for group in self.groups]
+        qs, vs = _heads(q, heads), _heads(v, heads)
+        ks = iter(_heads(k, [n for n, shared in zip(heads, self.shares_qk, strict=True) if not shared])
+                  if k is not None else ())
+        return [(qg, qg if shared else next(ks), vg)
+                for qg, vg, shared in zip(qs, vs, self.shares_qk, strict=True)]
 
     def forward(self, x: Tensor, caches: list | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
         """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``caches``
@@ -128,3 +128,8 @@ def init_weights(module: nn.Module, depth: int) -> None:
         if isinstance(m, (MixedAttention, FeedForward)):
             last = m.out if isinstance(m, MixedAttention) else m.w2
             last.weight.data.mul_(1 / math.sqrt(2 * depth))
+
+
+def _heads(x: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
+    """x (B, H, N, D) cut into groups of ``sizes`` heads along dim 1 (views); one group: x itself."""
+    return (x,) if len(sizes) == 1 else x.split(sizes, 1)
