@@ -92,16 +92,15 @@ def select_blocks(scores: Tensor, block: int, top: int, query_pos: Tensor | None
     masked = scores.masked_fill(~allowed, float("-inf"))
     if t > PASSES_OF_MAX:
         values, index = masked.topk(t, dim=-1)
-    else:  # t passes of max, each removing its pick (out of place, as torch.compile wants): topk costs 5-12x more
-        picks = []
-        for n in range(t):
-            value, best = masked.max(-1, keepdim=True)
-            picks.append(torch.where(torch.isfinite(value), best, NONE))
-            if n + 1 < t:
-                masked = masked.scatter(-1, best, float("-inf"))
-        index = torch.cat(picks, -1)
-        values = None
-    chosen[..., :t] = index if values is None else torch.where(torch.isfinite(values), index, NONE)
+        chosen[..., :t] = torch.where(torch.isfinite(values), index, NONE)
+        return chosen
+    picks = []  # t passes of max, each removing its pick (out of place, as torch.compile wants)
+    for n in range(t):
+        value, best = masked.max(-1, keepdim=True)
+        picks.append(torch.where(torch.isfinite(value), best, NONE))
+        if n + 1 < t:
+            masked = masked.scatter(-1, best, float("-inf"))
+    chosen[..., :t] = torch.cat(picks, -1)
     return chosen
 
 

@@ -52,7 +52,8 @@ class MixedAttention(nn.Module):
         q, v, *k = (y.view(B, N, -1, self.head_dim).transpose(1, 2) for y in both.split(sizes, -1))  # (B, h, N, D)
         k = k[0] if k else None
         # split, not sliced: a slice's backward fills a zero tensor of all the heads per group and adds them up (6
-        # fills of (B, H, N, D) per layer, ~8% of a 2048-byte step with two groups); split's is one concatenation
+        # fills of (B, H, N, D) per layer); split's is one concatenation. A 2048-byte step of 2 local + 2 moba heads
+        # went from 0.855 to 0.728 s (one thread, 2026-11-27; docs/block-selection.md)
         heads = [group.heads for group in self.groups]
         qs, vs = _heads(q, heads), _heads(v, heads)
         ks = iter(_heads(k, [n for n, shared in zip(heads, self.shares_qk, strict=True) if not shared])
