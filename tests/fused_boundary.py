@@ -36,7 +36,7 @@ HUGE = 2**62
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 POSITION_LIMIT = 2**62  # positions beyond this could overflow their differences
 OPS = ("band_forward", "band_backward", "ranges_forward", "ranges_backward", "rounds_forward", "rounds_backward",
-       "sigmoid_gelu", "sigmoid_gelu_backward")
+       "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks")
 INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels"}
 MASK_ARGS = {"allow", "tile_mask", "key_valid", "alone"}
 STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H, n_tiles, T, S)
@@ -163,6 +163,15 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
     yield "tiled: dense, allow, unsorted groups, own key, positions", tiled_dense
     x = torch.randn(3, 5, dtype=torch.float64, generator=g, requires_grad=True)
     yield "sigmoid_gelu", lambda: op.sigmoid_gelu(x)
+    from routeformer.executors.fused.selection import fused_select_blocks
+
+    for bound, top in ((True, 2), (False, 9)):  # 9: more picks than blocks
+
+        def selection(bound=bound, top=top):
+            chosen = fused_select_blocks(q.detach(), k.detach(), 3, top, bound)
+            return q.sum() + chosen.sum()
+
+        yield f"select_blocks: {'bound' if bound else 'mean'}, top {top}", selection
 
 
 def record() -> list[Call]:
@@ -401,6 +410,15 @@ def _rounds_backward(grad_out, q, k, v, out, lse, alone, *rest) -> None:
     _exact(alone, (B, H, N), "alone", torch.bool)
 
 
+def _select(q, k, block, top, bound) -> None:
+    _float(q, "q")
+    for x, what in ((q, "q"), (k, "k")):
+        _float(x, what, q.dtype)
+        _rows_ok(x, what)
+    _need(k.shape == q.shape, "k's shape")
+    _need(block >= 1 and top >= 1, "block, top >= 1")
+
+
 def _gelu(x) -> None:
     _float(x, "x")
 
@@ -412,7 +430,7 @@ def _gelu_backward(grad, x) -> None:
 
 CONTRACTS = {"band_forward": _band, "band_backward": _band_backward, "ranges_forward": _ranges,
              "ranges_backward": _ranges_backward, "rounds_forward": _rounds, "rounds_backward": _rounds_backward,
-             "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward}
+             "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward, "select_blocks": _select}
 
 
 def violation(op: str, args: list) -> str | None:
@@ -434,6 +452,10 @@ def _kind(call: Call, i: int) -> str:
     x = call.args[i]
     if name == "output_mask":
         return "bools"
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, int):
+        return "int"
     if isinstance(x, list):
         return "ints"
     if isinstance(x, float):
@@ -457,6 +479,12 @@ def mutations(call: Call) -> list[dict]:
         if kind == "bools":  # which gradients to compute: any choice is valid, a list of another length is not
             out += [dict(arg=i, kind="flip", at=e) for e in range(len(x))]
             out += [dict(arg=i, kind="length", by=1), dict(arg=i, kind="length", by=-1)]
+            continue
+        if kind == "bool":
+            out.append(dict(arg=i, kind="toggle"))
+            continue
+        if kind == "int":
+            out += [dict(arg=i, kind="int", value=v) for v in (0, -1, 1, x + 1, HUGE, INT64_MIN, INT64_MAX)]
             continue
         if kind == "ints":
             for e in range(len(x)):
@@ -564,6 +592,11 @@ def apply(call: Call, spec: dict) -> tuple[list, bool]:
         x[spec["at"]] = spec["value"]
         args[i] = x
         same = (call.op.split("_")[0], spec["at"]) in SEMANTIC_FREE or old == spec["value"]
+    elif kind == "toggle":
+        args[i] = not x
+    elif kind == "int":
+        args[i] = spec["value"]
+        same = spec["value"] == x
     elif kind == "length":
         args[i] = list(x) + [0] if spec["by"] > 0 else list(x)[:-1]
     elif kind == "flip":

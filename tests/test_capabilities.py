@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 X86_ONLY = pytest.mark.skipif(not build.X86, reason="the capabilities are x86's; elsewhere one DEFAULT build")
 ARM64_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (.ci/run installs it where it can)
 LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}  # float lanes of at::vec's Vectorized<float> under each
-# The fused executor's tests: its own, and every executor test of ranges, LSH and the executors parametrised with
-# it (how the kernels are built, tests/test_build.py, does not depend on the capability).
+# The fused executor's tests: its own, every executor test of ranges, LSH and the executors parametrised with it,
+# and the fused block selection's (how the kernels are built, tests/test_build.py, does not depend on the capability).
 FUSED_TESTS = ["tests/test_fused.py", "tests/test_fused_coverage.py", "tests/test_ranges.py", "tests/test_lsh.py",
-               "tests/test_executors.py", "-k", "fused"]
+               "tests/test_executors.py", "tests/test_moba.py", "-k", "fused"]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -28,6 +28,15 @@ FUSED, TILES = get_executor("fused"), get_executor("tiles")
 OPS = torch.ops.routeformer_fused
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _loaded() -> None:
+    """The operators are registered when the kernels load: in a worker where no earlier test loaded them, ``OPS``
+    would have no attributes yet."""
+    from routeformer.executors.fused import available
+
+    assert available(), "the fused kernels are not built"
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """The recorded calls, and the file the workers load them from."""
@@ -78,6 +87,10 @@ def _mutation(draw, calls) -> dict:
         if draw(st.integers(0, 9)) == 0:
             return dict(call=c, arg=i, kind="length", by=draw(st.sampled_from([-1, 1])))
         return dict(call=c, arg=i, kind="entry", at=draw(st.integers(0, len(x) - 1)), value=draw(_ints))
+    if kind == "bool":
+        return dict(call=c, arg=i, kind="toggle")
+    if kind == "int":
+        return dict(call=c, arg=i, kind="int", value=draw(_ints))
     if kind == "float":
         # not any float: a finite scale large enough to overflow the scores gives NaN on every executor
         value = draw(st.one_of(st.sampled_from([math.nan, math.inf, -math.inf]), st.floats(-10, 10)))

@@ -10,9 +10,10 @@ import torch
 from helpers import compare_with_reference, leaks, rand_qkv, rand_rel
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import get_kind
-from routeformer.attention.blocks import NONE, block_means, select_blocks, selected_mask
+from routeformer.attention.blocks import NONE, block_bounds, block_means, block_scores, select_blocks, selected_mask
 from routeformer.attention.moba import MobaHeads, MobaOptions, keys_per_query
 from routeformer.executors import get_executor
+from routeformer.executors.fused.selection import fused_select_blocks
 from routeformer.testing import check_kind
 
 
@@ -37,9 +38,25 @@ def _selection_by_loops(q, k, block: int, top: int, score: str) -> list:
     return out
 
 
+def _selection_by(path: str, monkeypatch) -> None:
+    """MobaHeads.select on one path: the fused CPU kernel (which must take the call) or PyTorch's operators."""
+    import routeformer.attention.moba as moba
+
+    real = moba.fused_select_blocks
+
+    def fused(*args, **kwargs):
+        chosen = real(*args, **kwargs)
+        assert chosen is not None, "the fused kernel did not take the call"
+        return chosen
+
+    monkeypatch.setattr(moba, "fused_select_blocks", fused if path == "fused" else lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("path", ["fused", "pytorch"])
 @pytest.mark.parametrize("score", ["mean", "bound"])
 @pytest.mark.parametrize("n, block, top", [(40, 8, 2), (37, 5, 3), (12, 16, 2), (30, 3, 1), (40, 4, 6)])  # 6: topk
-def test_the_selection_is_the_definition(n: int, block: int, top: int, score: str) -> None:
+def test_the_selection_is_the_definition(n: int, block: int, top: int, score: str, path: str, monkeypatch) -> None:
+    _selection_by(path, monkeypatch)
     q, k, _ = rand_qkv(2, 2, n, 6, grad=False)
     chosen = MobaHeads(2, 6, MobaOptions(block=block, top_k=top, score=score)).select(q, k)
     assert chosen.shape == (2, 2, n, top)  # a fixed shape, NONE where fewer candidates
@@ -78,13 +95,20 @@ def test_no_leak(backend: str) -> None:
         assert not leaks(lambda q, k, v: heads(q, k, v, None), q, k, v, t, atol=1e-12), f"leaks into {t}"
 
 
-def test_a_broken_selection_is_caught(monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["fused", "pytorch"])
+def test_a_broken_selection_is_caught(path: str, monkeypatch) -> None:
     """Held to its definition: a kind that selects the *worst* blocks fails the reference check."""
     import routeformer.attention.moba as moba
 
+    _selection_by(path, monkeypatch)
     check_kind("moba", seq_len=40, options={"moba": {"block": 5, "top_k": 2}}, rel_clip=8)
-    monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None: select_blocks(-scores, block,
-                                                                                                      top, pos))
+    if path == "fused":
+        real = moba.fused_select_blocks
+        monkeypatch.setattr(moba, "fused_select_blocks", lambda q, k, block, top, bound: real(-q, k, block, top,
+                                                                                               bound))
+    else:
+        monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None: select_blocks(
+            -scores, block, top, pos))
     monkeypatch.setattr(MobaHeads, "reference_mask", lambda self, q, k: selected_mask(
         select_blocks(torch.einsum("bhnd,bhmd->bhnm", q, block_means(k, self.block)), self.block, self.top_k),
         self.block))
@@ -175,3 +199,66 @@ def test_reach_says_whether_the_needed_key_is_seen() -> None:
     sources = torch.tensor([best * 4 + 1, other * 4 + 2, 29, 28])  # selected, unselected, own block (28-30)
     seen = [float(heads.reach(q, k, rows[i:i + 1], cols[i:i + 1], sources[i:i + 1])["in_window"]) for i in range(4)]
     assert seen == [1.0, 0.0, 1.0, 1.0]
+
+
+# --- the fused selection against PyTorch's --------------------------------------------------------------------------
+
+
+def _pytorch_select(q, k, block: int, top: int, score: str):
+    summary = block_bounds(k, block) if score == "bound" else (block_means(k, block),)
+    return select_blocks(block_scores(q, summary, score), block, top)
+
+
+@pytest.mark.parametrize("score", ["mean", "bound"])
+@pytest.mark.parametrize("n, d, block, top", [(300, 16, 16, 1), (300, 16, 16, 3), (257, 33, 8, 5), (64, 7, 8, 9),
+                                              (5, 4, 8, 2), (200, 20, 1, 2)])
+def test_the_fused_selection_is_pytorchs_in_float64(n: int, d: int, block: int, top: int, score: str) -> None:
+    """The same picks, in the same order (ties to the lower block), NONE where fewer candidates; q and k strided as
+    the model hands them over (heads split from the projection's rows)."""
+    g = torch.Generator().manual_seed(n + top)
+    q, k = (torch.randn(2, n, 3, d, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    chosen = fused_select_blocks(q, k, block, top, bound=score == "bound")
+    assert chosen is not None and chosen.shape == (2, 3, n, top)
+    assert torch.equal(chosen, _pytorch_select(q, k, block, top, score))
+
+
+@pytest.mark.parametrize("score", ["mean", "bound"])
+def test_the_fused_selection_in_float32_picks_the_best_blocks(score: str) -> None:
+    """In float32 the kernel sums the scores in another order: each pick's exact score (float64) is within
+    rounding of the best remaining one's."""
+    q, k, _ = rand_qkv(2, 2, 512, 32, dtype=torch.float32, grad=False)
+    chosen = fused_select_blocks(q, k, 32, 3, bound=score == "bound")
+    q64, k64 = q.double(), k.double()
+    summary = block_bounds(k64, 32) if score == "bound" else (block_means(k64, 32),)
+    exact = block_scores(q64, summary, score)  # (B, H, N, nb)
+    expected = _pytorch_select(q64, k64, 32, 3, score)
+    assert torch.equal(chosen == NONE, expected == NONE)
+    got, want = (exact.gather(-1, x.clamp(min=0)).where(x >= 0, 0.0) for x in (chosen, expected))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert (chosen != expected).float().mean() < 0.01  # a near-tie may fall the other way, rarely
+
+
+def test_the_fused_selection_is_the_same_at_one_and_two_threads() -> None:
+    threads = torch.get_num_threads()
+    q, k, _ = rand_qkv(3, 4, 700, 16, dtype=torch.float32, grad=False)
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(fused_select_blocks(q, k, 16, 2, bound=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*results)
+
+
+def test_the_fused_selection_names_what_is_wrong() -> None:
+    ops = torch.ops.routeformer_fused
+    q, k, _ = rand_qkv(1, 2, 16, 4, grad=False)
+    with pytest.raises(RuntimeError, match=r"select_blocks: block must be >= 1, got 0"):
+        ops.select_blocks(q, k, 0, 1, True)
+    with pytest.raises(RuntimeError, match=r"select_blocks: top must be >= 1, got -1"):
+        ops.select_blocks(q, k, 4, -1, True)
+    with pytest.raises(RuntimeError, match=r"select_blocks: k must be \(B, H, N, D\) like q"):
+        ops.select_blocks(q, k[:, :, :8], 4, 1, True)
+    with pytest.raises(RuntimeError, match=r"select_blocks: k must be Double, got Float"):
+        ops.select_blocks(q, k.float(), 4, 1, True)

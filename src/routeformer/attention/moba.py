@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..checks import positive_int
+from ..executors.fused.selection import fused_select_blocks
 from ..executors.inputs import check_inputs
 from ..executors.relative import RelativePositions
 from .blocks import (
@@ -95,6 +96,9 @@ class MobaHeads(BlockHeads):
 
     def select(self, q: Tensor, k: Tensor) -> Tensor:
         """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones)."""
+        chosen = fused_select_blocks(q, k, self.block, self.top_k, bound=self.score == "bound")
+        if chosen is not None:  # the fused CPU kernel: no (B, h, N, N // block) scores
+            return chosen
         scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
         return select_blocks(scores, self.block, self.top_k)
 

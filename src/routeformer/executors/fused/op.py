@@ -125,6 +125,11 @@ def _register() -> None:
     def _(grad, x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(lib + "select_blocks")
+    def _(q, k, block, top, bound):
+        B, H, N, _ = q.shape
+        return q.new_empty(B, H, N, min(top, N // block), dtype=torch.long)
+
 
 
 def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None, output_mask: list[bool]):

@@ -1,5 +1,6 @@
 // The fused CPU operators, as ops.cpp registers them (``torch.ops.routeformer_fused.*``); each is defined in the
-// file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp.
+// file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp, select.cpp
+// (block selection).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -57,6 +58,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
 
 at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
+
+at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound);
 
 bool fused_has_blas();
 

@@ -1,0 +1,23 @@
+"""Block selection (MoBA's mean key, Quest's bound) as one fused CPU kernel where the kernels are built (float32
+and float64 on the CPU), else ``None`` and the caller takes PyTorch's operators (``attention.blocks``): the same
+picks, the scores summed in another order (a near-tie may fall the other way)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import op
+from .executor import takes
+
+
+def fused_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool) -> Tensor | None:
+    """Every query's ``top`` best complete blocks before its own block, best first, -1 where it has fewer: q, k
+    (B, H, N, D) -> (B, H, N, top) long, the blocks scored by the bound (``bound``) or q · the mean key. O(N · N /
+    block · D / 2) per head, no (N, N / block) tensor. ``None`` where the kernels do not take q."""
+    if not takes(q) or k.dtype != q.dtype or k.device != q.device:
+        return None
+    with torch.no_grad():
+        chosen = op.ops().select_blocks(q, k, block, top, bound)  # (B, H, N, min(top, N // block))
+    missing = top - chosen.shape[-1]
+    return chosen if missing == 0 else torch.cat([chosen, chosen.new_full((*chosen.shape[:3], missing), -1)], -1)
