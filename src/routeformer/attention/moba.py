@@ -12,7 +12,9 @@ attention; ``score = "bound"``: the upper bound of q_i · k over the block's per
 then one softmax over their keys and its own block's keys j <= i: causal by construction. Per query (top_k + 1) ·
 block keys at most, plus N / block block scores: O(N · (top_k · block + N / block) · D) per head, O(N^1.5 · D) with
 block ~ sqrt(N). An optional dense warm-up (``warmup`` optimiser steps of full causal attention, on sequences of
-``warmup_len``) is the recipe routing's recall study found decisive.
+``warmup_len``) is the recipe routing's recall study found decisive. On the CPU (float32, float64, the kernels
+built) the selection is one fused pass that scores each query's candidate blocks only, without the (N, N / block)
+scores (``executors/fused/selection.py``); elsewhere PyTorch's operators (``blocks.select_blocks``).
 
 Decoding keeps every key and value (a selected block may be any earlier one) and what each block is scored by (its
 mean key, or its least and greatest key values), written once when its last key arrives: a new token costs O(N /

@@ -2,7 +2,7 @@
 // ``top`` best complete blocks before its own, best first. The PyTorch form (attention/blocks.py) builds the
 // (B, H, N, N / block) score tensor, masks the blocks that are not candidates and takes passes of max: seven
 // operators and three temporaries of that size per call, 4-5 ms of a 2048-token layer on one thread. Here each
-// query scores only its candidates (j < i / block: half the blocks on average) and keeps its picks in registers.
+// query scores only its candidates (j < i / block: half the blocks on average) and keeps only its picks (a few values on the stack).
 //
 // Forward only: the selection is discrete (the loss reaches it through the attention only), so there is no
 // backward. Each query's picks depend on its own row and the block summaries alone, so the result is the same for
@@ -12,7 +12,6 @@
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 
 #include <limits>
@@ -51,8 +50,12 @@ void summarise(const T* k, int64_t k_stride, int64_t block, int64_t nb, int64_t 
       T a = rows[d], b = a;
       for (int64_t r = 1; r < block; r++) {
         const T x = rows[r * k_stride + d];
-        a = bound ? std::min(a, x) : a + x;
-        b = std::max(b, x);
+        if (bound) {
+          a = std::min(a, x);
+          b = std::max(b, x);
+        } else {
+          a += x;
+        }
       }
       first[d] = a;
       second[d] = b;
