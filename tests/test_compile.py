@@ -14,6 +14,15 @@ from routeformer import TransformerConfig, TransformerLM
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _pinned_isa() -> None:
+    """As training compiles (``pin_inductor_isa``): inductor's cache otherwise hands this process code generated for
+    another ``ATEN_CPU_CAPABILITY`` (a heap corruption here after a run of the AVX2 build)."""
+    from routeformer.train.parallel import pin_inductor_isa
+
+    pin_inductor_isa()
+
+
 @pytest.mark.parametrize("spec", ["local:2,routing:2", "full", "strided", "fixed", "longformer"])
 def test_compiled_training_matches_eager(spec: str) -> None:
     torch.manual_seed(0)

@@ -60,19 +60,24 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict:
 class Progress:
     """Where the run stands, beside its weights and optimizer: the last optimiser step taken, the best validation
     loss so far, the training loss summed since the last logged row (so a resumed run logs the same rows), and the
-    share of the cosine decay the time budgets have used (``schedule.TimeShare``; a resumed run goes on from it)."""
+    share of the cosine decay the time budgets have used (``schedule.TimeShare``; a resumed run goes on from it), and
+    the step from which training forwards ran compiled (None: eager so far; a resumed run compiles from its first step
+    then, as the run did)."""
 
     step: int = 0
     best: float = math.inf
     window: dict = field(default_factory=lambda: {"loss": 0.0, "steps": 0})
     time_share: float = 0.0
+    compiled_from: int | None = None
 
     @classmethod
     def of(cls, state: dict | None) -> Progress:
         """A checkpoint's progress, or a fresh start's (``state`` None)."""
         if state is None:
             return cls()
-        return cls(int(state["step"]), float(state["best"]), dict(state["window"]), float(state.get("time_share", 0.0)))
+        compiled_from = state.get("compiled_from")
+        return cls(int(state["step"]), float(state["best"]), dict(state["window"]), float(state.get("time_share", 0.0)),
+                   None if compiled_from is None else int(compiled_from))
 
 
 class Checkpointer:
@@ -117,6 +122,7 @@ class Checkpointer:
                 "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optim_state,
                 "scaler": self.parallel.scaler.state_dict(), "step": progress.step, "best": progress.best,
                 "rng": rngs, "window": progress.window, "time_share": progress.time_share,
+                "compiled_from": progress.compiled_from,
             })
         self.save_weights(self.run_dir, model_state)
         if self.procs.distributed:

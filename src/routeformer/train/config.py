@@ -39,7 +39,9 @@ class TrainConfig:
     warmup_steps, then decays (cosine to min_lr at decay_steps, or as 1/sqrt(step)). decay_steps = 0 means
     max_steps, or the time budget when that stops the run first (``schedule.TimeShare``); set it to plan the decay
     in steps alone (a longer schedule than this invocation runs, to stop early and resume later). max_minutes
-    bounds the wall time of each invocation (a resumed run gets its own budget).
+    bounds the wall time of each invocation (a resumed run gets its own budget). compile: ``torch.compile`` the
+    model training calls forward on (true, false, or "auto": on a CPU, in one process, for runs of
+    ``train.parallel.AUTO_COMPILE_STEPS`` steps or more, where the compilation pays for itself).
     """
 
     data: str = "stdlib"
@@ -63,7 +65,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"
-    compile: bool = False
+    compile: bool | str = "auto"
     fsdp: bool = False
     tensorboard: bool = False
     wandb: str | None = None
@@ -109,7 +111,9 @@ class TrainConfig:
             raise ValueError(f"data must be a data set name, got {self.data!r}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})")
-        for name in ("compile", "fsdp", "tensorboard"):
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ValueError(f'compile must be true, false or "auto", got {self.compile!r}')
+        for name in ("fsdp", "tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -22,7 +22,7 @@ from . import distributed
 from .checkpoint import Checkpointer, Progress
 from .config import TrainConfig
 from .evaluation import Validator, metric
-from .parallel import Parallelism
+from .parallel import Parallelism, TrainingForward
 from .rundir import RunDirectory
 from .schedule import TimeShare, learning_rate
 from .signals import Diverged, StopRequest
@@ -49,10 +49,10 @@ def adamw(core: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 class Loop:
-    """Trains ``model`` (the data-parallel form of ``core``) with ``optimizer`` on the batches of ``sampler`` from
-    ``progress.step`` on."""
+    """Trains ``model`` (the forward of ``core``'s data-parallel form, compiled or not) with ``optimizer`` on the
+    batches of ``sampler`` from ``progress.step`` on."""
 
-    def __init__(self, cfg: TrainConfig, seq_len: int, kind: str, *, model: nn.Module, core: TransformerLM,
+    def __init__(self, cfg: TrainConfig, seq_len: int, kind: str, *, model: TrainingForward, core: TransformerLM,
                  optimizer: torch.optim.Optimizer, sampler: BatchSampler, parallel: Parallelism,
                  progress: Progress, directory: RunDirectory, validator: Validator, checkpointer: Checkpointer,
                  stop: StopRequest) -> None:
@@ -72,6 +72,8 @@ class Loop:
         budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
         bar = tqdm(total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True, mininterval=1.0,
                    disable=not procs.main)
+        if procs.main:
+            self.model.say = bar.write  # "auto"'s choice and a compile fallback, under the bar
         tokens_per_step = cfg.batch_size * self.seq_len
         last_eval = progress.step if resume else -1
         saved = last_eval  # the step whose state checkpoint.pt holds (-1: none yet)
@@ -80,8 +82,9 @@ class Loop:
         shown, train = "", math.nan  # the last training row, as the bar shows it, and its mean loss
         speed = math.nan
         checked = False  # whether the time budget was compared with max_steps yet
-        first_done = math.nan  # seconds this invocation's first step took: it holds one-time costs (the fused
-        # kernels compile at first use, ~30 s from an empty cache), so the per-step estimate leaves it out
+        # The per-step estimate counts from the end of the last step that held a one-time cost: this invocation's
+        # first (the fused kernels compile at first use, ~30 s from an empty cache) and the first compiled one.
+        warm_until, warm_done = first_step, 0.0  # that step and the seconds into the run it ended at
         stopped = "max_steps"
         shares = TimeShare(cfg, budget, progress.time_share)
         synced = 0.0  # seconds into the budget, the mean over ranks: every rank computes the same learning rate
@@ -114,12 +117,17 @@ class Loop:
                     train = mean
                     progress.window = {"loss": 0.0, "steps": 0}
                     rate_time, rate_steps = time.monotonic(), 0
-                timed = progress.step - first_step - 1  # steps after the first, evaluations included
-                if not timed:
-                    first_done = elapsed
-                per_step = (elapsed - first_done) / timed if timed else elapsed
+                if progress.step == first_step + 1 or progress.step == self.model.compiled_at:
+                    warm_until, warm_done = progress.step, elapsed
+                if self.model.compiled_at is not None and progress.compiled_from is None:
+                    progress.compiled_from = self.model.compiled_at  # a resumed run compiles from its first step
+                timed = progress.step - warm_until  # steps after those, evaluations included
+                per_step = (elapsed - warm_done) / timed if timed else elapsed / (progress.step - first_step)
                 left = _time_left(cfg.max_steps - progress.step, per_step, budget - elapsed)
-                if not checked and timed and (timed >= BUDGET_CHECK_STEPS or elapsed >= budget / 10):
+                if self.model.undecided and timed >= BUDGET_CHECK_STEPS:
+                    self.model.decide(progress.step, left)  # compile = "auto", on the eager steps' pace
+                elif not checked and timed and not self.model.undecided and (
+                        timed >= BUDGET_CHECK_STEPS or elapsed >= budget / 10):
                     checked = True  # once, on an estimate of a few steps
                     short = budget_warning(cfg, progress.step, per_step, budget - elapsed)
                     if short and procs.main:
@@ -170,10 +178,9 @@ class Loop:
             if length < self.seq_len:
                 tokens = cut_sequences(tokens, length)
             last = micro == cfg.grad_accum - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
+            with contextlib.nullcontext() if last else self.model.no_sync():
                 with self.parallel.autocast():
-                    logits = self.model(tokens[:, :-1])
+                    logits = self.model(tokens[:, :-1], step)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
                     objective = (loss + self.core.aux_loss.float()) / cfg.grad_accum
                 self.parallel.scaler.scale(objective).backward()

@@ -91,7 +91,7 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
     with _state_fits(run_dir) if state is not None else contextlib.nullcontext():
         progress = checkpointer.restore(state)
-    model = parallel.compiled(model)  # last: compiling wraps the module the loop calls forward on
+    forward = parallel.training_forward(model, progress.compiled_from, progress.step + 1)  # last: it wraps model
     directory.open_log(progress.step)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
                            world=procs.world, align=data.meta.sample_length or 1)
@@ -99,6 +99,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     if procs.main:
         if say is not None:
             say(executor_line(run, procs.device))
+            if parallel.compile_note:
+                say(parallel.compile_note)
         sharded = " (sharded by FSDP2)" if parallel.sharded else ""
         m = run.model
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter model{sharded} "
@@ -111,12 +113,12 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
                               grad_accum=cfg.grad_accum, eval_tokens=cfg.eval_tokens, procs=procs,
                               autocast=parallel.autocast, write=directory.write)
         stop = StopRequest(echo if procs.main else None)
-        loop = Loop(cfg, run.model.seq_len, kind, model=model, core=core, optimizer=optimizer, sampler=sampler,
+        loop = Loop(cfg, run.model.seq_len, kind, model=forward, core=core, optimizer=optimizer, sampler=sampler,
                     parallel=parallel, progress=progress, directory=directory, validator=validator,
                     checkpointer=checkpointer, stop=stop)
         # Ctrl-C during the loop stops at the end of the step and saves. After the loop everything is saved,
         # so Ctrl-C during the final evaluation and sample interrupts at once (KeyboardInterrupt).
-        with stop.handling():
+        with stop.handling(), forward.reproducible():
             stopped = loop.run(resume)
         if stopped == "interrupted":
             raise Interrupted(run_dir, progress.step)
