@@ -36,7 +36,7 @@ HUGE = 2**62
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 POSITION_LIMIT = 2**62  # positions beyond this could overflow their differences
 OPS = ("band_forward", "band_backward", "ranges_forward", "ranges_backward", "rounds_forward", "rounds_backward",
-       "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks")
+       "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks", "route")
 INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels"}
 MASK_ARGS = {"allow", "tile_mask", "key_valid", "alone"}
 STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H, n_tiles, T, S)
@@ -172,6 +172,17 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
             return q.sum() + chosen.sum()
 
         yield f"select_blocks: {'bound' if bound else 'mean'}, top {top}", selection
+    from routeformer.executors.fused.routes import fused_route
+
+    r = torch.nn.functional.normalize(q.detach(), dim=-1)
+    centroids = torch.nn.functional.normalize(torch.randn(H, 5, D, dtype=q.dtype, generator=g), dim=-1)
+    for probes, bias, observe in ((1, None, False), (2, torch.randn(H, 5, dtype=q.dtype, generator=g), True)):
+
+        def route(probes=probes, bias=bias, observe=observe):
+            got = fused_route(r, centroids, bias, pad, probes, observe)
+            return q.sum() + got.probes.sum() + got.order.sum() + got.sums.sum()
+
+        yield f"route: {probes} probes, {'a bias' if bias is not None else 'no bias'}, observed: {observe}", route
 
 
 def record() -> list[Call]:
@@ -419,6 +430,22 @@ def _select(q, k, block, top, bound) -> None:
     _need(block >= 1 and top >= 1, "block, top >= 1")
 
 
+def _route(r, centroids, bias, key_valid, probes, observe) -> None:
+    _float(r, "r")
+    _rows_ok(r, "r")
+    B, H, N, D = r.shape
+    _float(centroids, "centroids", r.dtype)
+    _need(centroids.dim() == 3 and centroids.shape[0] == H and centroids.shape[2] == D and centroids.shape[1] >= 1,
+          "centroids (H, k >= 1, D)")
+    _need(centroids.is_contiguous(), "centroids contiguous")
+    k = centroids.shape[1]
+    if bias is not None:
+        _exact(bias, (H, k), "bias", r.dtype)
+    if key_valid is not None:
+        _valid_mask(key_valid, B, 1, N)
+    _need(1 <= probes <= k, "1 <= probes <= k")
+
+
 def _gelu(x) -> None:
     _float(x, "x")
 
@@ -430,7 +457,8 @@ def _gelu_backward(grad, x) -> None:
 
 CONTRACTS = {"band_forward": _band, "band_backward": _band_backward, "ranges_forward": _ranges,
              "ranges_backward": _ranges_backward, "rounds_forward": _rounds, "rounds_backward": _rounds_backward,
-             "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward, "select_blocks": _select}
+             "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward, "select_blocks": _select,
+             "route": _route}
 
 
 def violation(op: str, args: list) -> str | None:

@@ -140,6 +140,18 @@ class SphericalKMeans(nn.Module):
         if not self._ready and len(self._sample_parts) < MAX_SAMPLE_PARTS:
             self._keep_samples(r, valid)
 
+    @torch.no_grad()
+    def add_reduced(self, r: Tensor, sums: Tensor, counts: Tensor, valid: Tensor | None = None) -> None:
+        """``observe`` with the statistics reduced elsewhere (the fused router): sums (H, k, D) and counts (H, k) of
+        the real positions of r (B, H, N, D) (``valid`` (B, N)); r and valid are kept as samples until the first
+        update."""
+        if not self.counting():
+            return
+        self.pending_sums += sums.to(self.pending_sums.dtype)
+        self.pending_counts += counts.to(self.pending_counts.dtype)
+        if not self._ready and len(self._sample_parts) < MAX_SAMPLE_PARTS:
+            self._keep_samples(r.to(self.pending_sums.dtype), valid)
+
     def _keep_samples(self, r: Tensor, valid: Tensor | None) -> None:
         """Keep up to ``init_samples`` routing vectors per head of this forward, evenly spaced over its batch."""
         B, H, N, D = r.shape

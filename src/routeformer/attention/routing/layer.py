@@ -155,21 +155,22 @@ class RoutingAttention(HeadGroup):
         """(B, H, N, D) -> (B, H, N, D)."""
         inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
         scale, key_valid = inputs.scale, inputs.key_valid
-        routes = self.routing.routes(q, k, key_padding_mask, observe=True)
+        routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced)
         if self.dense:
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
             return self._dense(q, k, v, scale, key_valid, rel_pos, bias)
         if self.probing:
             return probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
                                            exclude_self=self.shared_qk, scale=scale, executor=self.executor,
-                                           key_valid=key_valid, rel_pos=rel_pos, gates=self._gates(routes))
+                                           key_valid=key_valid, rel_pos=rel_pos, gates=self._gates(routes),
+                                           sort=routes.sort)
         if self.balanced:
             members = balanced_members(routes.scores, self.window, key_padding_mask)
             return balanced_attention(q, k, v, members, routes.keys, exclude_self=self.shared_qk, scale=scale,
                                       key_valid=key_valid, rel_pos=rel_pos, backend=self.executor)
         return sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=self.causal,
                                        exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
-                                       rel_pos=rel_pos, backend=self.executor)
+                                       rel_pos=rel_pos, sort=routes.sort, backend=self.executor)
 
     def handover_bias(self, routes: Routes, dtype: torch.dtype) -> Tensor:
         """(B, H, N, N): 0 on the pairs routing scores (``routed_pairs``), -λ (``handover_penalty``) elsewhere."""

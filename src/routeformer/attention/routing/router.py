@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...checks import positive_int
+from ...executors.fused.routes import fused_route
 from ...executors.inputs import check_inputs
 from .kmeans import SphericalKMeans
 from .options import RoutingOptions
+from .sorted_window import ClusterOrder
 
 
 class Routes(NamedTuple):
@@ -43,12 +45,17 @@ class Routes(NamedTuple):
     probes: (B, H, N, p) long, the distinct clusters every query probes, best first. Unless routing is separate,
         ``probes[..., 0]`` is the position's own cluster ``keys``.
     vectors: (B, H, N, D) the queries' unit routing vectors, with their gradient (for the gates).
+    sort: the keys sorted by (cluster, position) (``ClusterOrder`` without ranks) where the fused router made it,
+        else None (the attention sorts).
+
+    ``scores`` is None where the fused router chose without them (``routes(..., need_scores=False)``).
     """
 
-    scores: Tensor
+    scores: Tensor | None
     keys: Tensor
     probes: Tensor
     vectors: Tensor
+    sort: ClusterOrder | None = None
 
 
 class Router(nn.Module):
@@ -167,13 +174,20 @@ class Router(nn.Module):
 
 
     def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None, *,
-               observe: bool = False) -> Routes:
+               observe: bool = False, need_scores: bool = True) -> Routes:
         """Route q, k (B, H, N, D): the clusters of the keys and the probes of the queries (``Routes``).
 
         ``observe`` (a training forward): in training mode add the k-means statistics of the real positions
         (``key_padding_mask`` (B, N), True = real) and the keys' cluster loads for the next ``update``, and set
-        ``commitment_loss``; in evaluation mode it observes nothing and sets ``commitment_loss`` to None."""
+        ``commitment_loss``; in evaluation mode it observes nothing and sets ``commitment_loss`` to None.
+        ``need_scores=False`` (causal routing): the scores may be left out, and where the fused CPU kernels take the
+        vectors (one vector per position) one kernel chooses the clusters, sorts the keys and reduces the statistics
+        (``executors.fused.routes``), without the (B, H, N, k) scores."""
         rq, rk = self.query_and_key_vectors(q, k)
+        if rq is rk and not need_scores:
+            routes = self._fused_routes(rq, key_padding_mask, observe)
+            if routes is not None:
+                return routes
         scores = self._biased(self.kmeans.scores(rq))  # (B, H, N, k)
         probes = self._best(scores)  # a query's first probe is its best cluster
         if rq is rk:
@@ -183,6 +197,22 @@ class Router(nn.Module):
         if observe:
             self._observe(rq, rk, probes[..., 0], keys, key_padding_mask)
         return Routes(scores, keys, probes, rq)
+
+    def _fused_routes(self, r: Tensor, key_padding_mask: Tensor | None, observe: bool) -> Routes | None:
+        """``routes`` by the fused kernel (one routing vector per position), or None where it does not take r."""
+        counting = observe and self.kmeans.counting()
+        got = fused_route(r, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
+        if got is None:
+            return None
+        keys = got.probes[..., 0]
+        if observe:
+            if counting:
+                self.kmeans.add_reduced(r.detach(), got.sums, got.weights, key_padding_mask)
+                if self.bias is not None:
+                    self.pending_load += got.weights.to(self.pending_load.dtype)  # the keys' loads: their counts
+            self.commitment_loss = (self.commitment * self.kmeans.commitment(r, keys, key_padding_mask)
+                                    if self.training else None)
+        return Routes(None, keys, got.probes, r, ClusterOrder(got.order, got.inverse, got.grouped, None, got.counts))
 
     def _observe(self, rq: Tensor, rk: Tensor, query_clusters: Tensor, keys: Tensor,
                  key_padding_mask: Tensor | None) -> None:

@@ -130,6 +130,15 @@ def _register() -> None:
         B, H, N, _ = q.shape
         return q.new_empty(B, H, N, min(top, N // block), dtype=torch.long)
 
+    @torch.library.register_fake(lib + "route")
+    def _(r, centroids, bias, key_valid, probes, observe):
+        B, H, N, D = r.shape
+        k = centroids.shape[1]
+        long = {"dtype": torch.long}
+        return (r.new_empty(B, H, N, probes, **long), r.new_empty(B, H, N, **long), r.new_empty(B, H, N, **long),
+                r.new_empty(B, H, N, **long), r.new_empty(B, H, k, **long),
+                r.new_empty((H, k, D) if observe else (0,)), r.new_empty((H, k) if observe else (0,)))
+
 
 
 def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None, output_mask: list[bool]):

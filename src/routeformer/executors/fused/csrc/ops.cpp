@@ -45,6 +45,9 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def("sigmoid_gelu(Tensor x) -> Tensor");
   m.def("sigmoid_gelu_backward(Tensor grad, Tensor x) -> Tensor");
   m.def("select_blocks(Tensor q, Tensor k, int block, int top, bool bound) -> Tensor");
+  m.def(
+      "route(Tensor r, Tensor centroids, Tensor? bias, Tensor? key_valid, int probes, bool observe) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
   m.def("vector_width() -> int", &routeformer::fused_vector_width);
 }
@@ -59,4 +62,5 @@ TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
   m.impl("sigmoid_gelu", &routeformer::fused_sigmoid_gelu);
   m.impl("sigmoid_gelu_backward", &routeformer::fused_sigmoid_gelu_backward);
   m.impl("select_blocks", &routeformer::fused_select_blocks);
+  m.impl("route", &routeformer::fused_route);
 }

@@ -1,6 +1,6 @@
 // The fused CPU operators, as ops.cpp registers them (``torch.ops.routeformer_fused.*``); each is defined in the
 // file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp, select.cpp
-// (block selection).
+// (block selection), route.cpp (the causal router's choice).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,6 +60,10 @@ at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
 
 at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
+    const at::Tensor& r, const at::Tensor& centroids, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& key_valid, int64_t probes, bool observe);
 
 bool fused_has_blas();
 

@@ -1,0 +1,170 @@
+"""The fused router (``routeformer_fused::route``, executors/fused/routes.py) against the PyTorch router it stands in
+for: the same probes, key clusters, sort by (cluster, position) and k-means statistics in float64; in float32 every
+pick within rounding of the best score; the same bits for every thread count; errors that name the argument; and a
+routing layer's training forward and gradients the same on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import rand_padding
+from routeformer.attention.routing import RoutingAttention
+from routeformer.attention.routing import router as router_module
+from routeformer.attention.routing.options import RoutingOptions
+from routeformer.attention.routing.router import Router
+from routeformer.attention.routing.sorted_window import sort_by_cluster
+from routeformer.executors.fused import available
+from routeformer.executors.fused.routes import fused_route
+
+pytestmark = pytest.mark.skipif(not available(), reason="the fused kernels are not built here")
+
+
+def _unit(*shape: int, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+
+
+def _scores(r, centroids, bias):
+    s = torch.einsum("bhnd,hkd->bhnk", r, centroids)
+    return s if bias is None else s + bias[:, None, :]
+
+
+def _best(s: torch.Tensor, p: int) -> torch.Tensor:
+    """The definition: p passes of argmax, each winner masked."""
+    s, found = s.clone(), []
+    for _ in range(p):
+        found.append(s.argmax(-1))
+        s.scatter_(-1, found[-1][..., None], float("-inf"))
+    return torch.stack(found, -1)
+
+
+CASES = [(1, 7, False, False, 1), (2, 16, True, True, 2), (3, 19, True, False, 37), (1, 128, False, True, 130)]
+
+
+@pytest.mark.parametrize("probes, k, with_bias, padded, N", CASES)
+def test_the_routes_are_the_definitions_in_float64(probes, k, with_bias, padded, N) -> None:
+    B, H, D = 2, 3, 12
+    r = _unit(B, H, N, D, seed=1)
+    centroids = _unit(H, k, D, seed=2)
+    bias = 0.05 * torch.randn(H, k, generator=torch.Generator().manual_seed(3), dtype=torch.float64) \
+        if with_bias else None
+    valid = rand_padding(B, N, seed=4) if padded else None
+    got = fused_route(r, centroids, bias, valid, probes, observe=True)
+    want = _best(_scores(r, centroids, bias), probes)
+    assert torch.equal(got.probes, want)
+    keys = want[..., 0]
+    sort = sort_by_cluster(keys, k)
+    for name in ("order", "inverse", "grouped", "counts"):
+        assert torch.equal(getattr(got, name), getattr(sort, name)), name
+    w = torch.ones(B, N, dtype=torch.float64) if valid is None else valid.double()
+    onehot = F.one_hot(keys, k).double() * w[:, None, :, None]  # (B, H, N, k)
+    torch.testing.assert_close(got.weights, onehot.sum((0, 2)), rtol=0, atol=0)
+    torch.testing.assert_close(got.sums, torch.einsum("bhnk,bhnd->hkd", onehot, r), rtol=1e-12, atol=1e-12)
+    unobserved = fused_route(r, centroids, bias, valid, probes, observe=False)
+    assert unobserved.sums.numel() == 0 and unobserved.weights.numel() == 0
+    assert torch.equal(unobserved.probes, got.probes) and torch.equal(unobserved.order, got.order)
+
+
+def test_float32_picks_are_within_rounding_of_the_best() -> None:
+    B, H, N, D, k, p = 2, 2, 300, 32, 16, 2
+    r = _unit(B, H, N, D, dtype=torch.float32, seed=5)
+    centroids = _unit(H, k, D, dtype=torch.float32, seed=6)
+    got = fused_route(r, centroids, None, None, p, observe=False)
+    exact = _scores(r.double(), centroids.double(), None)
+    want = _best(exact, p)
+    chosen = exact.gather(-1, got.probes)
+    best = exact.gather(-1, want)
+    assert (best - chosen).abs().max() < 1e-5  # a flip only where two scores tie to float32's rounding
+    assert (got.probes == want).double().mean() > 0.99
+    assert torch.equal(got.order, sort_by_cluster(got.probes[..., 0]).order)
+
+
+def test_the_same_bits_for_every_thread_count() -> None:
+    r = _unit(2, 2, 517, 24, dtype=torch.float32, seed=7)
+    centroids = _unit(2, 11, 24, dtype=torch.float32, seed=8)
+    bias = torch.randn(2, 11, generator=torch.Generator().manual_seed(9)) * 0.01
+    valid = rand_padding(2, 517, seed=10)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(fused_route(r, centroids, bias, valid, 3, observe=True))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_errors_name_the_argument() -> None:
+    r = _unit(1, 2, 8, 4)
+    centroids = _unit(2, 3, 4)
+    route = torch.ops.routeformer_fused.route
+    with pytest.raises(RuntimeError, match=r"route: probes \(4\) must be at most the number of clusters k \(3\)"):
+        route(r, centroids, None, None, 4, False)
+    with pytest.raises(RuntimeError, match=r"route: centroids must be \(H, k, D\)"):
+        route(r, centroids[:1], None, None, 1, False)
+    with pytest.raises(RuntimeError, match=r"route: centroids must be Double"):
+        route(r, centroids.float(), None, None, 1, False)
+    with pytest.raises(RuntimeError, match=r"route: bias must be \(H, k\)"):
+        route(r, centroids, torch.zeros(2, 4, dtype=torch.float64), None, 1, False)
+    with pytest.raises(RuntimeError, match=r"route: key_valid must be"):
+        route(r, centroids, None, torch.ones(1, 2, 8, dtype=torch.bool), 1, False)
+
+
+@pytest.mark.parametrize("probes, balance", [(1, 0.0), (2, 0.01)])
+def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: int, balance: float) -> None:
+    """Two training forwards and backwards of a causal routing layer (float64, padding, relative positions
+    absent), the fused router against PyTorch's: the same output, gradients, k-means statistics, loads and
+    commitment loss; and the centroids' first update (the seeding from the kept samples) the same."""
+    B, H, N, D = 2, 2, 40, 8
+    options = RoutingOptions(num_clusters=5, window=6, probes=probes, balance=balance)
+    layers = [RoutingAttention(H, D, options).double().train() for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = rand_padding(B, N, seed=12)
+    results = []
+    for fused, layer in zip((True, False), layers, strict=True):
+        if not fused:
+            monkeypatch.setattr(router_module, "fused_route", lambda *args: None)
+        outs = []
+        for _ in range(2):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = layer(x[0], x[0], x[2], key_padding_mask=pad)  # shared QK: k = q
+            loss = out.square().sum() + layer.routing.commitment_loss
+            loss.backward()
+            state = {name: b.clone() for name, b in layer.named_buffers()}
+            outs.append((out.detach(), [t.grad for t in x], layer.routing.commitment_loss.detach(), state))
+            layer.update()
+        results.append(outs)
+    for (o1, g1, c1, s1), (o2, g2, c2, s2) in zip(*results, strict=True):
+        torch.testing.assert_close(o1, o2, rtol=1e-12, atol=1e-12)
+        for a, b in zip(g1, g2, strict=True):
+            if a is None or b is None:
+                assert a is None and b is None
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(c1, c2, rtol=1e-12, atol=0)
+        assert s1.keys() == s2.keys()
+        for name in s1:
+            torch.testing.assert_close(s1[name], s2[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_the_fused_router_is_taken_where_the_kernels_take_the_vectors(monkeypatch) -> None:
+    """A causal forward on the CPU routes through the fused kernel (no (B, H, N, k) scores); the balanced
+    (non-causal) clusters, which read the scores, keep PyTorch's."""
+    calls = []
+    real = router_module.fused_route
+    monkeypatch.setattr(router_module, "fused_route", lambda *a: calls.append(1) or real(*a))
+    router = Router(2, 8, RoutingOptions(num_clusters=4, window=4, probes=1, balance=0.0)).double()
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    routes = router.routes(q, q, need_scores=False)
+    assert calls and routes.scores is None and routes.sort is not None
+    assert torch.equal(routes.sort.order, sort_by_cluster(routes.keys).order)
+    calls.clear()
+    full = router.routes(q, q)
+    assert not calls and full.scores is not None and full.sort is None and torch.equal(full.keys, routes.keys)
