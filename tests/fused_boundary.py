@@ -573,6 +573,11 @@ def _resized(x: Tensor, dim: int, size: int, g: torch.Generator) -> Tensor:
 def _given(call: Call, i: int) -> Tensor | None:
     """A harmless value for an optional argument the call leaves out (the same meaning where one exists)."""
     name = names(call.op)[i]
+    if call.op == "route":  # r (B, H, N, D), centroids (H, k, D)
+        r, centroids = _arg(call, "r"), _arg(call, "centroids")
+        if name == "bias":
+            return torch.zeros(centroids.shape[:2], dtype=r.dtype)
+        return torch.ones(r.shape[0], 1, r.shape[2], dtype=torch.bool) if name == "key_valid" else None
     q = _arg(call, "q")
     B, H, Nq = q.shape[:3]
     N = _arg(call, "v").shape[2]

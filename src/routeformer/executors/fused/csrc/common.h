@@ -445,6 +445,37 @@ inline std::pair<at::Tensor, at::Tensor> table_grads(const at::Tensor& partials,
 
 inline int64_t row_stride(int64_t columns) { return ((columns + 15) / 16) * 16 + 16; }  // off powers of two
 
+// The index of the greatest of s[0, n) above ``floor`` (the lowest of equal ones), ``none`` where none is above it;
+// without branches: the insertion's compare would mispredict about ln(n) times a row.
+template <typename T>
+inline int64_t first_max(const T* s, int64_t n, T floor, int64_t none) {
+  T top = floor;
+  int64_t at = none;
+  for (int64_t j = 0; j < n; j++) {
+    const bool better = s[j] > top;
+    top = better ? s[j] : top;
+    at = better ? j : at;
+  }
+  return at;
+}
+
+// Keep the ``t`` best (score, index) pairs seen so far in ``best`` / ``o`` (``kept`` of them, best first), offered v
+// at index j in increasing j: v displaces only a strictly smaller score, so of equal scores the lower index stays
+// first, as passes of max with each winner masked pick them (select.cpp's blocks, route.cpp's clusters).
+template <typename T>
+inline void keep_best(T v, int64_t j, int64_t t, int64_t& kept, T* best, int64_t* o) {
+  if (kept == t && !(v > best[t - 1])) return;
+  int64_t p = std::min(kept, t - 1);
+  while (p > 0 && v > best[p - 1]) {
+    best[p] = best[p - 1];
+    o[p] = o[p - 1];
+    p--;
+  }
+  best[p] = v;
+  o[p] = j;
+  kept = std::min(kept + 1, t);
+}
+
 // Forward of one block: softmax(q·kᵀ·scale + rel + bias, masked) · v (+ the relative value term) per row, with the
 // rows' results in ``out``. ``R`` (the rules) provides: elementwise(r) (whether row r needs a per-pair mask pass),
 // allowed(r, j), distance(r, j) and unit() (relative positions), has_bias / bias(r, j), and self(r) (the key index of

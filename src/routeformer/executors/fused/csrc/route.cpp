@@ -44,31 +44,12 @@ void cluster_scores(const T* r, int64_t r_stride, const T* mu, const T* bias, in
 // greater score displaces, so ties keep the lower cluster first.
 template <typename T>
 void best_clusters(const T* s, int64_t k, int64_t p, T* best, int64_t* o) {
-  if (p == 1) {  // without branches, as select.cpp's pick
-    T top = s[0];
-    int64_t at = 0;
-    for (int64_t c = 1; c < k; c++) {
-      const bool better = s[c] > top;
-      top = better ? s[c] : top;
-      at = better ? c : at;
-    }
-    o[0] = at;
+  if (p == 1) {  // a NaN score is never picked, and cluster 0 stands where no score is above -inf
+    o[0] = first_max(s, k, -std::numeric_limits<T>::infinity(), int64_t(0));
     return;
   }
   int64_t kept = 0;
-  for (int64_t c = 0; c < k; c++) {
-    const T v = s[c];
-    if (kept == p && !(v > best[p - 1])) continue;
-    int64_t i = std::min(kept, p - 1);
-    while (i > 0 && v > best[i - 1]) {
-      best[i] = best[i - 1];
-      o[i] = o[i - 1];
-      i--;
-    }
-    best[i] = v;
-    o[i] = c;
-    kept = std::min(kept + 1, p);
-  }
+  for (int64_t c = 0; c < k; c++) keep_best(s[c], c, p, kept, best, o);
 }
 
 }  // namespace

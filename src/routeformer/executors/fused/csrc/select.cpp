@@ -114,31 +114,13 @@ void scores(const T* q, int64_t q_stride, const T* lo, const T* w, int64_t strid
 // block first, as passes of max do; a NaN or -inf score is never picked.
 template <typename T>
 void pick(const T* s, int64_t n, int64_t t, T* best, int64_t* o) {
-  if (t == 1) {  // without branches: the insertion's compare mispredicts about ln(n) times a row
-    T top = -std::numeric_limits<T>::infinity();
-    int64_t at = kNone;
-    for (int64_t j = 0; j < n; j++) {
-      const bool better = s[j] > top;
-      top = better ? s[j] : top;
-      at = better ? j : at;
-    }
-    o[0] = at;
+  if (t == 1) {
+    o[0] = first_max(s, n, -std::numeric_limits<T>::infinity(), kNone);
     return;
   }
   int64_t kept = 0;
   for (int64_t j = 0; j < n; j++) {
-    const T v = s[j];
-    if (!(v > -std::numeric_limits<T>::infinity())) continue;
-    if (kept == t && !(v > best[t - 1])) continue;
-    int64_t p = std::min(kept, t - 1);
-    while (p > 0 && v > best[p - 1]) {
-      best[p] = best[p - 1];
-      o[p] = o[p - 1];
-      p--;
-    }
-    best[p] = v;
-    o[p] = j;
-    kept = std::min(kept + 1, t);
+    if (s[j] > -std::numeric_limits<T>::infinity()) keep_best(s[j], j, t, kept, best, o);
   }
 }
 
