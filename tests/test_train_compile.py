@@ -51,6 +51,7 @@ def test_no_compiler_for_inductor_is_found_and_named(tmp_path) -> None:
     assert "no C++ compiler" in out.stdout and "no-such-c++" in out.stdout, out.stdout
 
 
+@pytest.mark.slow  # three processes that import inductor (15 s); CI's slow line runs it beside the cache test
 def test_the_pin_keeps_inductors_choice_and_names_its_width() -> None:
     code = ("from torch._inductor import config, cpu_vec_isa as c; a = c.pick_vec_isa(); "
             "from routeformer.train.parallel import pin_inductor_isa as pin; pin(); b = c.pick_vec_isa(); "

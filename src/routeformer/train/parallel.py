@@ -67,7 +67,8 @@ def pin_inductor_isa() -> None:
     generated for AVX2 (loops of 8 floats) and reused by a process on AVX-512 is compiled there with 16-float vectors:
     its full-width stores run 8 floats past the buffers, a heap corruption ("malloc(): unaligned tcache chunk
     detected", met by tests/test_compile.py on this project's machine after a run of the AVX2 build); the other way
-    round, half of each vector goes unused. With the width in the configuration the two never share an entry."""
+    round, loops of 16 over vectors of 8 would leave elements unwritten (not examined). With the width in the
+    configuration the two never share an entry."""
     from torch._inductor import config, cpu_vec_isa
 
     if config.cpp.simdlen is None:
@@ -161,7 +162,6 @@ class Parallelism:
         return f"{self.procs.world} process(es){ddp} on {self.procs.device}, {self.precision}"
 
 
-
 class TrainingForward:
     """The training forward: ``model`` (B, N) tokens -> (B, N, V) logits, through its torch.compile form from the
     step ``start`` on (``mode`` "on"), never ("off"), or from the step after :meth:`decide` chose to ("auto").
@@ -218,10 +218,11 @@ class TrainingForward:
     @contextlib.contextmanager
     def reproducible(self) -> Iterator[None]:
         """Where this forward may be compiled on a CPU (``fixed_order``): PyTorch's deterministic algorithms while
-        the loop runs (warnings only; the setting before is restored after). Inductor then leaves index_add and
-        scatter_add (the k-means statistics) to ATen's kernels, which add in a fixed order, instead of generating
-        atomic adds across threads, whose order, and so the centroids' last bits, varies from run to run: a
-        resumed compiled run would not be the uninterrupted one (measured: it differed at the 20th step)."""
+        the loop runs (warnings only; the setting before is restored after). Inductor then leaves accumulating
+        index_put, index_add and scatter_add (the embedding's gradient, the k-means statistics where PyTorch adds
+        them) to ATen's kernels, which add in a fixed order, instead of generating atomic adds across threads, whose
+        order, and so the last bits, varies from run to run: a resumed compiled run would not be the uninterrupted
+        one (measured, before the fused router took the statistics: it differed at the 20th step)."""
         if self.mode == "off" or not self.fixed_order:
             yield
             return

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...checks import positive_int
-from ...executors.fused.routes import fused_route
+from ...executors.fused.routes import FusedRoutes, fused_route
 from ...executors.inputs import check_inputs
 from .kmeans import SphericalKMeans
 from .options import RoutingOptions
@@ -185,9 +185,10 @@ class Router(nn.Module):
         (``executors.fused.routes``), without the (B, H, N, k) scores."""
         rq, rk = self.query_and_key_vectors(q, k)
         if rq is rk and not need_scores:
-            routes = self._fused_routes(rq, key_padding_mask, observe)
-            if routes is not None:
-                return routes
+            counting = observe and self.kmeans.counting()
+            fused = fused_route(rq, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
+            if fused is not None:
+                return self._fused_routes(rq, fused, key_padding_mask, observe=observe, counting=counting)
         scores = self._biased(self.kmeans.scores(rq))  # (B, H, N, k)
         probes = self._best(scores)  # a query's first probe is its best cluster
         if rq is rk:
@@ -198,12 +199,10 @@ class Router(nn.Module):
             self._observe(rq, rk, probes[..., 0], keys, key_padding_mask)
         return Routes(scores, keys, probes, rq)
 
-    def _fused_routes(self, r: Tensor, key_padding_mask: Tensor | None, observe: bool) -> Routes | None:
-        """``routes`` by the fused kernel (one routing vector per position), or None where it does not take r."""
-        counting = observe and self.kmeans.counting()
-        got = fused_route(r, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
-        if got is None:
-            return None
+    def _fused_routes(self, r: Tensor, got: FusedRoutes, key_padding_mask: Tensor | None, *, observe: bool,
+                      counting: bool) -> Routes:
+        """``routes`` from the fused kernel's result ``got`` for the routing vectors r (one per position): the
+        statistics it reduced added (``counting``), the commitment loss set (``observe``)."""
         keys = got.probes[..., 0]
         if observe:
             if counting:
