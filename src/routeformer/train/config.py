@@ -40,8 +40,8 @@ class TrainConfig:
     max_steps, or the time budget when that stops the run first (``schedule.TimeShare``); set it to plan the decay
     in steps alone (a longer schedule than this invocation runs, to stop early and resume later). max_minutes
     bounds the wall time of each invocation (a resumed run gets its own budget). compile: ``torch.compile`` the
-    model training calls forward on (true, false, or "auto": on a CPU, in one process, for runs of
-    ``train.parallel.AUTO_COMPILE_STEPS`` steps or more, where the compilation pays for itself).
+    model training calls forward on (true, false, or "auto": on a CPU, in one process, after the run's first steps,
+    when the rest would take ``train.parallel.AUTO_COMPILE_MINUTES`` or longer eagerly, so that compiling pays).
     """
 
     data: str = "stdlib"
