@@ -23,13 +23,7 @@ def _pinned_isa() -> None:
     pin_inductor_isa()
 
 
-MISCOMPILED = pytest.mark.xfail(strict=True, reason="inductor's gradients of longformer's value path differ from "
-                                "eager mode's by up to 40% (torch 2.13, the fused kernels; train.parallel."
-                                "MISCOMPILED_KINDS keeps compile = 'auto' off for it)")
-
-
-@pytest.mark.parametrize("spec", ["local:2,routing:2", "full", "strided", "fixed",
-                                  pytest.param("longformer", marks=MISCOMPILED)])
+@pytest.mark.parametrize("spec", ["local:2,routing:2", "full", "strided", "fixed", "longformer"])
 def test_compiled_training_matches_eager(spec: str) -> None:
     torch.manual_seed(0)
     sections = {"local": {"window": 8}, "fixed": {"block": 16, "summary": 4},

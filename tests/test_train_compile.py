@@ -43,19 +43,6 @@ def test_auto_is_eager_off_one_cpu_process_and_explicit_values_hold(monkeypatch)
     assert compile_choice(TrainConfig(compile=True), CPU) == ("on", None)  # asked for: its error will say why
 
 
-def test_auto_leaves_a_miscompiled_kind_eager_and_true_warns(monkeypatch) -> None:
-    monkeypatch.setattr(parallel, "_no_inductor_compiler", lambda: None)
-    auto = Parallelism(CPU, TrainConfig())
-    forward = auto.training_forward(nn.Identity(), None, 1, ("local", "longformer"))
-    assert forward.compiled is None and not forward.undecided and auto.compile == "off"
-    assert auto.compile_note.startswith("model: eager (torch.compile's training of longformer heads")
-    asked = Parallelism(CPU, TrainConfig(compile=True))
-    forward = asked.training_forward(nn.Identity(), None, 1, ("longformer",))
-    assert forward.compiled is not None and asked.compile_note.startswith("warning: compiling as asked")
-    fine = Parallelism(CPU, TrainConfig())
-    assert fine.training_forward(nn.Identity(), None, 1, ("local", "routing")).undecided and fine.compile_note is None
-
-
 def test_no_compiler_for_inductor_is_found_and_named(tmp_path) -> None:
     code = "from routeformer.train.parallel import _no_inductor_compiler as f; print(f())"
     env = {**os.environ, "CXX": str(tmp_path / "no-such-c++")}

@@ -61,6 +61,10 @@ def longformer_attention(
     dilations = check_per_head("dilation", dilation, H)
     globals_ = check_positions("global_tokens", global_tokens, N)
     g = _index(globals_, q.device) if globals_ else None
+    if g is not None:  # (N,) whether a position is global, and its row among the global ones (0 elsewhere)
+        slot_of = dict(zip(globals_, range(len(globals_))))
+        is_global = torch.tensor([p in slot_of for p in range(N)]).to(q.device, non_blocking=True)
+        slot = _index([slot_of.get(p, 0) for p in range(N)], q.device)
     executor = get_executor(backend, q.device)
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
@@ -91,7 +95,10 @@ def longformer_attention(
                 these.with_(q=qd[:, :, g]), Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None),
                 rel=None if rel_pos is None else relative(rel_pos, Distances(delta=rows_delta)),
             )
-            out = out.index_copy(2, g, rows)
+            # Placed by a gather and a select, not ``out.index_copy(2, g, rows)``: inductor (CPU, torch 2.13) ran
+            # the scatter of index_copy's backward after a fused kernel that reads its result, so compiled models
+            # got wrong gradients (pytorch/pytorch#185509, fixed upstream by #185873; tests/test_compile.py).
+            out = torch.where(is_global[:, None], rows.index_select(2, slot), out)
         outs.append(out)
         order += heads
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]

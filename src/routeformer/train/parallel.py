@@ -32,11 +32,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 # 0.82x the eager one's time and compiling costs about 40 s (less with inductor's cache warm), which an 18% saving
 # pays back after about 4 minutes. Not measured with DDP, FSDP or on CUDA: eager there unless compile = true.
 AUTO_COMPILE_MINUTES = 5.0
-# Kinds whose compiled training is not eager mode's within rounding (tests/test_compile.py, torch 2.13, CPU): with
-# longformer heads inductor's gradients of the value path are off by up to 40% of the largest (eager, aot_eager and
-# the tiles executor agree; the fused kernels under inductor do not; not yet understood). "auto" leaves models with
-# them eager and says so; compile = true compiles them after a warning.
-MISCOMPILED_KINDS = ("longformer",)
 
 
 def compile_choice(cfg: TrainConfig, procs: Processes) -> tuple[str, str | None]:
@@ -126,20 +121,11 @@ class Parallelism:
         """``model`` compiled by torch.compile when the run compiles (``compile`` true), else ``model``."""
         return _compile(model) if self.compile == "on" else model
 
-    def training_forward(self, model: nn.Module, compiled_from: int | None, first_step: int,
-                         kinds: tuple[str, ...] = ()) -> TrainingForward:
+    def training_forward(self, model: nn.Module, compiled_from: int | None, first_step: int) -> TrainingForward:
         """What the loop calls forward on: ``model`` (the data-parallel form), compiled as the run says: from this
         invocation's first step ``first_step`` if the checkpoint's progress says the run compiled (``compiled_from``,
-        a resumed run), else from the run's second step (``compile`` true) or when "auto" decides. ``kinds``: the
-        model's attention kinds; with one of ``MISCOMPILED_KINDS`` "auto" stays eager (``compile_note`` says why)."""
+        a resumed run), else from the run's second step (``compile`` true) or when "auto" decides."""
         fixed = self.procs.device.type == "cpu"
-        bad = [kind for kind in kinds if kind in MISCOMPILED_KINDS]
-        if bad and self.compile != "off":
-            why = f"torch.compile's training of {', '.join(bad)} heads is not eager mode's (docs/training.md)"
-            if self.compile == "auto":
-                self.compile, self.compile_note = "off", f"model: eager ({why})"
-            else:
-                self.compile_note = f"warning: compiling as asked, but {why}"
         if self.compile == "off":
             return TrainingForward(model, "off")
         if compiled_from is not None:

@@ -91,8 +91,7 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
     with _state_fits(run_dir) if state is not None else contextlib.nullcontext():
         progress = checkpointer.restore(state)
-    kinds = tuple(sorted({group.kind.name for layer in run.model.head_groups() for group in layer}))
-    forward = parallel.training_forward(model, progress.compiled_from, progress.step + 1, kinds)  # last: it wraps
+    forward = parallel.training_forward(model, progress.compiled_from, progress.step + 1)  # last: it wraps model
     directory.open_log(progress.step)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
                            world=procs.world, align=data.meta.sample_length or 1)
