@@ -39,6 +39,7 @@ from ..executors.inputs import check_inputs
 from .kinds.base import HeadKind
 from .kinds.common import non_negative_int
 from .linear import FeatureHeads, compute_dtype, default_chunk, feature_attention
+from .performer_scan import performer_scan
 
 
 def default_features(head_dim: int) -> int:
@@ -98,8 +99,10 @@ def performer_attention(
     """Softmax attention estimated by FAVOR+ (module docstring). q, k, v: (B, H, N, D) -> (B, H, N, D).
 
     ``projection`` (H, m, D) gives the random features (``orthogonal_features``); without it, ``features`` rows
-    (default ``default_features(D)``) are drawn from ``generator``. Causal in chunks as ``linear_attention``:
-    O(N·(c + m)·D) time, O(N·D + (N/c)·m·D) memory per head; non-causal O(N·m·D). Padded keys
+    (default ``default_features(D)``) are drawn from ``generator``. Causal: a scan over chunks of ``chunk`` rows
+    with a recomputing backward (``performer_scan.py``), O(N·(c + m)·D) time, O(N·(D + m)) memory per head, autograd
+    keeping q, k, v and the output (a projection that asks for a gradient takes ``feature_attention``'s autograd
+    path, which keeps the (N, m) features and the (N/c, m, D) chunk states); non-causal O(N·m·D). Padded keys
     (``key_padding_mask`` False) leave the numerator and the denominator.
     """
     inputs = check_inputs(q, k, v, scale, key_padding_mask)
@@ -117,6 +120,8 @@ def performer_attention(
     chunk = default_chunk(projection.shape[1]) if chunk is None else positive_int("chunk", chunk)
     dtype = q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
+    if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
+        return performer_scan(q, k, v, projection.to(q.dtype), s, chunk, key_valid, performer_features).to(dtype)
     phi_q = performer_features(q, projection, s, query=True)
     phi_k = performer_features(k, projection, s, query=False)
     return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid).to(dtype)
