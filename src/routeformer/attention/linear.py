@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..executors.inputs import check_inputs
+from .feature_scan import feature_scan
 from .full import full_mask
 from .kernels import FEATURE_KERNELS, check_kernel, feature_dim, feature_map, kernel_scale, pairwise
 from .kinds.base import HeadGroup, HeadKind
@@ -112,6 +113,16 @@ def feature_attention(
     return out[:, :, :N]
 
 
+class EluFeatures:
+    """φ(x) = elu(x) + 1 with its derivative (``feature_scan.FeatureMap``): 1 where x > 0, else exp(x) = φ(x)."""
+
+    def __call__(self, x: Tensor, query: bool) -> Tensor:
+        return F.elu(x) + 1.0
+
+    def grad(self, x: Tensor, phi: Tensor, dphi: Tensor, query: bool) -> Tensor:
+        return dphi * torch.where(x > 0, 1.0, phi)
+
+
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -138,6 +149,8 @@ def linear_attention(
     chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else positive_int("chunk", chunk)
     dtype = q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
+    if causal and kernel == "elu":  # the scan keeps 4x q's bytes for the backward (feature_scan.py)
+        return feature_scan(q, k, v, EluFeatures(), chunk, key_valid).to(dtype)
     phi_q, phi_k = feature_map(kernel, q, s), feature_map(kernel, k, s)
     intra = (lambda qc, kc: pairwise(kernel, qc, kc, s)) if kernel == "poly2" else None
     out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra, q=q, k=k)

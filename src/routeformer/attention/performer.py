@@ -36,10 +36,10 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..executors.inputs import check_inputs
+from .feature_scan import feature_scan
 from .kinds.base import HeadKind
 from .kinds.common import non_negative_int
 from .linear import FeatureHeads, compute_dtype, default_chunk, feature_attention
-from .performer_scan import performer_scan
 
 
 def default_features(head_dim: int) -> int:
@@ -83,6 +83,27 @@ def performer_features(x: Tensor, projection: Tensor, scale: float, *, query: bo
     return (widened @ rows.transpose(-1, -2)).exp_()
 
 
+@dataclass(frozen=True)
+class PerformerFeatures:
+    """``performer_features`` of one projection with its derivative (``feature_scan.FeatureMap``). The shifts are
+    constants of each row (the query's cancels in num / den; the key's -|k'|²/2 is differentiated): with
+    dL = dφ ⊙ φ, dq = √s · dL W and dk = √s · (dL W - k' Σ_r dL_r). The projection W gets no gradient."""
+
+    projection: Tensor  # (H, m, D)
+    scale: float
+
+    def __call__(self, x: Tensor, query: bool) -> Tensor:
+        return performer_features(x, self.projection, self.scale, query=query)
+
+    def grad(self, x: Tensor, phi: Tensor, dphi: Tensor, query: bool) -> Tensor:
+        root = math.sqrt(self.scale)
+        dlogits = dphi * phi  # (B, H, c, m)
+        dx = dlogits @ self.projection.to(x.dtype)  # (B, H, c, D): d(w_r · x')
+        if not query:
+            dx -= (root * x) * dlogits.sum(-1, keepdim=True)
+        return dx * root
+
+
 def performer_attention(
     q: Tensor,
     k: Tensor,
@@ -100,7 +121,7 @@ def performer_attention(
 
     ``projection`` (H, m, D) gives the random features (``orthogonal_features``); without it, ``features`` rows
     (default ``default_features(D)``) are drawn from ``generator``. Causal: a scan over chunks of ``chunk`` rows
-    with a recomputing backward (``performer_scan.py``), O(N·(c + m)·D) time, O(N·(D + m)) memory per head, autograd
+    with a recomputing backward (``feature_scan.py``), O(N·(c + m)·D) time, O(N·(D + m)) memory per head, autograd
     keeping q, k, v and the output (a projection that asks for a gradient takes ``feature_attention``'s autograd
     path, which keeps the (N, m) features and the (N/c, m, D) chunk states); non-causal O(N·m·D). Padded keys
     (``key_padding_mask`` False) leave the numerator and the denominator.
@@ -121,7 +142,7 @@ def performer_attention(
     dtype = q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
     if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
-        return performer_scan(q, k, v, projection.to(q.dtype), s, chunk, key_valid, performer_features).to(dtype)
+        return feature_scan(q, k, v, PerformerFeatures(projection.to(q.dtype), s), chunk, key_valid).to(dtype)
     phi_q = performer_features(q, projection, s, query=True)
     phi_k = performer_features(k, projection, s, query=False)
     return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid).to(dtype)

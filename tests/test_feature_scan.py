@@ -1,0 +1,123 @@
+"""The causal scan with a recomputing backward (attention/feature_scan.py), Performer's and linear attention's
+feature maps, against autograd through ``feature_attention`` (the chunked form, itself tested against the quadratic
+definition in test_kinds.py), in float64: outputs, gradients, padded keys, any chunk, no leak, and what autograd
+keeps."""
+
+import pytest
+import torch
+
+from routeformer.attention.feature_scan import feature_scan
+from routeformer.attention.linear import EluFeatures, feature_attention, linear_attention
+from routeformer.attention.performer import (
+    PerformerFeatures,
+    orthogonal_features,
+    performer_attention,
+)
+
+B, H, N, D, M = 2, 3, 37, 8, 12
+SCALE = 0.3
+
+
+def _inputs(seed=0, dtype=torch.float64, shape=(B, H, N, D)):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_() for _ in range(3))
+    w = orthogonal_features(shape[1], M, shape[3], generator=gen).to(dtype)
+    valid = torch.rand(shape[0], 1, shape[2], generator=gen) > 0.3
+    return q, k, v, w, valid
+
+
+def _fmap(name, w):
+    return PerformerFeatures(w, SCALE) if name == "performer" else EluFeatures()
+
+
+def _autograd(q, k, v, fmap, chunk, valid):
+    return feature_attention(fmap(q, query=True), fmap(k, query=False), v, causal=True, chunk=chunk, key_valid=valid)
+
+
+def performer_scan(q, k, v, w, scale, chunk, valid):
+    return feature_scan(q, k, v, PerformerFeatures(w, scale), chunk, valid)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 37, 64])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("features", ["performer", "elu"])
+def test_scan_equals_autograd_float64(chunk, padded, features):
+    q, k, v, w, valid = _inputs()
+    valid = valid if padded else None
+    fmap = _fmap(features, w)
+    ref = _autograd(q, k, v, fmap, chunk, valid)
+    out = feature_scan(q, k, v, fmap, chunk, valid)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("features", ["performer", "elu"])
+def test_gradcheck(features):
+    q, k, v, w, valid = _inputs(1, shape=(1, 2, 13, 4))  # small: gradcheck perturbs every input element
+    fmap = _fmap(features, w)
+    assert torch.autograd.gradcheck(lambda a, b, c: feature_scan(a, b, c, fmap, 5, valid), (q, k, v), fast_mode=True)
+
+
+def test_float32_within_rounding_of_float64():
+    q, k, v, w, valid = _inputs(2)
+    ref = performer_scan(q, k, v, w, SCALE, 8, valid)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out = performer_scan(q32, k32, v32, w.float(), SCALE, 8, valid)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_no_leak_forward_or_backward():
+    """Outputs before t and the gradients reaching inputs before t from the outputs before t do not move when
+    everything after t is redrawn."""
+    q, k, v, w, _ = _inputs(3)
+    t = 20
+    q2, k2, v2 = (torch.cat([x.detach()[:, :, :t], torch.randn_like(x[:, :, t:]) * 3], 2).requires_grad_()
+                  for x in (q, k, v))
+    a = performer_scan(q, k, v, w, SCALE, 8, None)
+    b = performer_scan(q2, k2, v2, w, SCALE, 8, None)
+    assert torch.equal(a[:, :, :t], b[:, :, :t])
+    grad = torch.randn_like(a[:, :, :t])
+    ga = torch.autograd.grad(a[:, :, :t], (q, k, v), grad)
+    gb = torch.autograd.grad(b[:, :, :t], (q2, k2, v2), grad)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x[:, :, :t], y[:, :, :t], rtol=1e-12, atol=1e-13)
+        assert x[:, :, t:].abs().max() == 0 and y[:, :, t:].abs().max() == 0
+
+
+def _kept_bytes(fn) -> int:
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_performer_and_linear_attention_keep_at_most_five_q():
+    """The public functions take the scan: autograd keeps q, k, v, the output and a row of denominators (the issue's
+    goal: <= 5x q's bytes), where autograd through feature_attention keeps the (N, F) features and chunk states."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 512, 16, generator=gen).requires_grad_() for _ in range(3))
+    w = orthogonal_features(2, 44, 16, generator=gen)
+    q_bytes = q.numel() * q.element_size()
+    scan = _kept_bytes(lambda: performer_attention(q, k, v, projection=w))
+    chunked = _kept_bytes(lambda: performer_attention(q, k, v, projection=w.clone().requires_grad_()))
+    assert scan <= 5 * q_bytes < chunked
+    elu = _kept_bytes(lambda: linear_attention(q, k, v, kernel="elu"))
+    fmap = EluFeatures()
+    elu_chunked = _kept_bytes(lambda: _autograd(q, k, v, fmap, 64, None))
+    assert elu <= 5 * q_bytes < elu_chunked
+
+
+def test_projection_with_a_gradient_takes_autograd():
+    q, k, v, w, valid = _inputs(5)
+    w = w.clone().requires_grad_()
+    out = performer_attention(q, k, v, projection=w, scale=SCALE, chunk=8)
+    (gw,) = torch.autograd.grad(out.square().sum(), (w,))
+    assert gw.abs().max() > 0
+    torch.testing.assert_close(out, performer_scan(q, k, v, w.detach(), SCALE, 8, None))
