@@ -23,12 +23,13 @@ def _pinned_isa() -> None:
     pin_inductor_isa()
 
 
-@pytest.mark.parametrize("spec", ["local:2,routing:2", "full", "strided", "fixed", "longformer"])
+@pytest.mark.parametrize("spec", ["local:2,routing:2", "full", "strided", "fixed", "longformer", "performer", "linear"])
 def test_compiled_training_matches_eager(spec: str) -> None:
     torch.manual_seed(0)
     sections = {"local": {"window": 8}, "fixed": {"block": 16, "summary": 4},
                 "longformer": {"window": 8, "global_tokens": [0, 10]}}
-    config = TransformerConfig(vocab_size=50, dim=32, depth=2, heads=4, seq_len=64, rel_clip=8,
+    positions = "absolute" if spec in ("performer", "linear") else "relative"  # they take no relative terms
+    config = TransformerConfig(vocab_size=50, dim=32, depth=2, heads=4, seq_len=64, rel_clip=8, positions=positions,
                                attention=spec, options=sections_in_use(spec, sections))
     eager = TransformerLM(config).train()
     for p in eager.parameters():
