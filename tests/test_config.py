@@ -10,7 +10,7 @@ from routeformer import TransformerConfig
 from routeformer.attention.local import LocalOptions
 from routeformer.attention.routing.kind import RoutingOptions
 from routeformer.model import parse_attention
-from routeformer.model.config import MOVED, new_spelling
+from routeformer.model.legacy import MOVED, new_spelling
 
 
 def test_defaults_are_half_local_half_routing_and_derived_fields_resolved() -> None:

@@ -40,7 +40,7 @@ from ..attention.kinds import HeadGroup
 from ..checks import positive_int
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM
-from ..model.config import MOVED, old_spelling_error
+from ..model.legacy import MOVED, old_spelling_error
 from ..train.config import FIELDS, TrainConfig, parse_override, set_field
 from ..train.schedule import learning_rate
 from .measure import executor_lines, format_table, merge_fields, notes

@@ -23,7 +23,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..model import TransformerConfig
-from ..model.config import MOVED, old_spelling_error, refuse_old_spelling, sections
+from ..model.config import sections
+from ..model.legacy import MOVED, old_spelling_error, refuse_old_spelling
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEDULES = ("cosine", "inverse_sqrt", "constant")
