@@ -62,9 +62,11 @@ def longformer_attention(
     globals_ = check_positions("global_tokens", global_tokens, N)
     g = _index(globals_, q.device) if globals_ else None
     if g is not None:  # (N,) whether a position is global, and its row among the global ones (0 elsewhere)
-        slot_of = {p: i for i, p in enumerate(globals_)}
-        is_global = torch.tensor([p in slot_of for p in range(N)]).to(q.device, non_blocking=True)
-        slot = _index([slot_of.get(p, 0) for p in range(N)], q.device)
+        mask, slots = [False] * N, [0] * N  # on the host: a scatter in the graph is what the merge below avoids
+        for i, p in enumerate(globals_):
+            mask[p], slots[p] = True, i
+        is_global = torch.tensor(mask).to(q.device, non_blocking=True)
+        slot = _index(slots, q.device)
     executor = get_executor(backend, q.device)
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
