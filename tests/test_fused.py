@@ -17,8 +17,8 @@ from routeformer.attention import local_attention
 from routeformer.attention.lsh import lsh_attention, lsh_rotations
 from routeformer.bench.measure import kept_for_backward
 from routeformer.executors import get_executor
+from routeformer.executors.activation import sigmoid_gelu
 from routeformer.executors.fused import available
-from routeformer.executors.fused.activation import sigmoid_gelu
 from routeformer.executors.inputs import Inputs, relative
 from routeformer.executors.ranges import KeyOrder, Ranges
 from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling

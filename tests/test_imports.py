@@ -106,15 +106,66 @@ def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path: Path)
     assert cycles(import_graph(pkg)) == []
 
 
-LAYERS = ["routeformer.checks", "routeformer.executors", "routeformer.attention", "routeformer.model"]
+# The packages in layers, lowest first: a module imports from its own package or from a lower layer, never from a
+# higher one nor sideways (from another package of its own layer). "" is the package's own __init__.
+LAYERS = [
+    ("checks", "durable"),
+    ("executors", "data"),
+    ("attention",),
+    ("model",),
+    ("train", "testing", ""),
+    ("analysis", "bench"),
+    ("cli",),
+    ("__main__",),
+]
 
 
-def _layer(module: str) -> int | None:
-    return next((i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")), None)
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(package: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if package in names)
+
+
+def against_the_layers(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import (module, what it imports) that points up a layer or sideways to another package of its layer."""
+    return sorted((a, b) for a, deps in graph.items() for b in deps
+                  if _package(a) != _package(b) and _layer(_package(b)) >= _layer(_package(a)))
 
 
 def test_the_layers_import_downwards_only() -> None:
-    """checks < executors < attention < model: a module imports from its own layer or those below it."""
-    upward = [(a, b) for a, deps in import_graph(ROOT).items() for b in deps
-              if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
-    assert upward == []
+    """checks, durable < executors, data < attention < model < train, testing < analysis, bench < cli: every
+    package of the source is in a layer, and a module imports from its own package or those below."""
+    graph = import_graph(ROOT)
+    unplaced = sorted({_package(m) for m in graph} - {p for names in LAYERS for p in names})
+    assert unplaced == [], f"packages in no layer (add them to LAYERS): {unplaced}"
+    assert against_the_layers(graph) == []
+
+
+def test_the_layer_check_sees_an_upward_and_a_sideways_import() -> None:
+    graph = {"routeformer.train.loop": {"routeformer.bench.text", "routeformer.model.config"},
+             "routeformer.bench.text": {"routeformer.analysis.run", "routeformer.bench.measure"},
+             "routeformer.executors.ranges": {"routeformer.executors.tiles.op"}}
+    assert against_the_layers(graph) == [("routeformer.bench.text", "routeformer.analysis.run"),
+                                          ("routeformer.train.loop", "routeformer.bench.text")]
+
+
+BACKENDS = ("routeformer.executors.fused", "routeformer.executors.tiles", "routeformer.executors.flex")
+# The executor modules that reach the backends: the registry, and the activation's front end over its kernel.
+FRONTS = {"routeformer.executors.interface", "routeformer.executors.activation"}
+
+
+def test_a_backend_imports_no_other_backend_and_shared_modules_none() -> None:
+    """What the backends share lives in the neutral executor modules (rows, lse, inputs ...): a backend imports no
+    other backend, and the neutral modules none, but the registry and the activation's front end."""
+    graph = import_graph(ROOT)
+
+    def backend(module: str) -> str | None:
+        return next((b for b in BACKENDS if module == b or module.startswith(b + ".")), None)
+
+    crossing = sorted((a, b) for a, deps in graph.items() for b in deps
+                      if a.startswith("routeformer.executors") and backend(b) is not None
+                      and backend(a) != backend(b) and a not in FRONTS)
+    assert crossing == []

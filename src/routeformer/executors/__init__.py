@@ -9,11 +9,13 @@ matrix. This package is the lower layer: it imports nothing from the mechanisms.
 - ``tiling.py``: the values that describe a call (``Tiling``, ``KeyRestrictions``, ``Distances``).
 - ``lse.py``: the log-sum-exp conventions and ``merge_partials``.
 - ``ranges.py``: per-query key ranges as tiles of ``tiled``; ``lowering.py``: sequence orders and labels as tile
-  masks for executors that do not read them natively; ``rows.py``: row gathers.
+  masks for executors that do not read them natively; ``rows.py``: row gathers and row dot products.
+- ``activation.py``: the Sparse Transformer's GELU (fused where the kernels are built).
 - the backends: ``fused/`` (C++ CPU kernels, compiled at first use), ``tiles/`` (blocked PyTorch, everywhere),
   ``flex/`` (FlexAttention, for CUDA).
 """
 
+from .activation import sigmoid_gelu
 from .inputs import Inputs, check_inputs
 from .interface import (
     EXECUTORS,
@@ -51,4 +53,5 @@ __all__ = [
     "register_executor",
     "resolve_backend",
     "saw_key",
+    "sigmoid_gelu",
 ]

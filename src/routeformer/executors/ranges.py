@@ -26,8 +26,7 @@ from torch import Tensor
 from .inputs import Inputs, RelTerms
 from .lse import neg_inf, saw_key
 from .relative import RelativePositions
-from .rows import gather_rows, move_rows
-from .tiles.op import rowdot
+from .rows import gather_rows, move_rows, rowdot
 from .tiling import Distances, Tiling
 
 Tiled = Callable[..., tuple[Tensor, Tensor | None]]  # an executor's checked ``tiled`` operation (``interface.py``)

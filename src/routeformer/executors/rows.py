@@ -18,6 +18,13 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.reshape(B * H * N, D).index_select(0, (index + base).reshape(-1)).view(B, H, -1, D)
 
 
+def rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_d a[..., d] · b[..., d] for a, b (..., D) -> (...): batched (1, D)·(D, 1) matmuls, several times faster on
+    CPU than (a * b).sum(-1), which writes the product out first."""
+    D = a.shape[-1]
+    return torch.bmm(a.reshape(-1, 1, D), b.reshape(-1, D, 1)).view(a.shape[:-1])
+
+
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, back: Tensor, unreached: bool,  # type: ignore[override]

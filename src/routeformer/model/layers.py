@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
-from ..executors import Executor
-from ..executors.fused.activation import sigmoid_gelu
+from ..executors import Executor, sigmoid_gelu
 from .config import HeadGroupSpec, TransformerConfig
 
 

@@ -156,6 +156,12 @@ class TransformerLM(nn.Module):
         ``group``); call it after each ``optimizer.step()`` on every rank. Returns how many groups had one."""
         return sum(bool(g.after_optimizer_step(step, group)) for g in self.head_groups())
 
+    def replicated_state(self) -> dict[str, Tensor]:
+        """Every buffer the ranks of a parallel run must hold bit-identical (each head group's
+        ``replicated_state``: routing's k-means state), by its name in ``named_buffers``."""
+        return {f"{name}.{key}": buf for name, module in self.named_modules() if isinstance(module, HeadGroup)
+                for key, buf in module.replicated_state().items()}
+
     def new_cache(self, batch: int, max_len: int) -> ModelCache:
         """An empty decoding cache for up to ``max_len`` positions."""
         p = next(self.parameters())

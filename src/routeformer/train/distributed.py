@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..attention.routing.router import Router
+from ..model import TransformerLM
 
 
 @dataclass
@@ -91,20 +90,17 @@ def sum_all(values: list[float], procs: Processes) -> list[float]:
     return t.tolist()
 
 
-def routing_in_sync(model: nn.Module, procs: Processes) -> bool:
-    """Every rank holds bit-identical routing state: every buffer of every router (centroids, EMA sums and counts,
-    projections, the balancing bias and the warm-up count), pending statistics aside (each rank's own until the
-    next step all-reduces them)."""
+def routing_in_sync(model: TransformerLM, procs: Processes) -> bool:
+    """Every rank holds bit-identical routing state (``TransformerLM.replicated_state``: every buffer of every
+    router, centroids, EMA sums and counts, projections, the balancing bias and the warm-up count), pending
+    statistics aside (each rank's own until the next step all-reduces them)."""
     if not procs.distributed:
         return True
-    routers = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, Router))
     digest = hashlib.sha256()
-    for name, buf in sorted(model.named_buffers()):
-        routed = name.startswith(routers) or any(part in name for part in ("centroids", "ema_", "initialized"))
-        if routed and "pending" not in name:
-            digest.update(name.encode())
-            # the raw bytes, whatever the dtype (numpy has no bfloat16)
-            digest.update(buf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for name, buf in sorted(model.replicated_state().items()):
+        digest.update(name.encode())
+        # the raw bytes, whatever the dtype (numpy has no bfloat16)
+        digest.update(buf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     gathered: list[str | None] = [None] * procs.world
     dist.all_gather_object(gathered, digest.hexdigest())
     return len(set(gathered)) == 1

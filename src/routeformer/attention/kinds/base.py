@@ -127,6 +127,12 @@ class HeadGroup(nn.Module):
         taken, when the caller counts). Returns whether the group had anything to do (routing: the k-means step)."""
         return False
 
+    def replicated_state(self) -> dict[str, Tensor]:
+        """The buffers every rank must hold bit-identical while training in parallel (routing: the router's
+        centroids, EMA sums and counts, projections, balancing bias and warm-up count), by name within this group;
+        state a rank keeps to itself until the next all-reduce (pending statistics) is not in it."""
+        return {}
+
     # --- meaning, for tests and analysis ---------------------------------------------------------------------
     def reference_mask(self, q: Tensor, k: Tensor) -> Tensor | None:
         """The boolean mask (N, N), (h, N, N) or (B, h, N, N) of what each query attends to, or None when the kind

@@ -149,6 +149,9 @@ class RoutingAttention(HeadGroup):
         self.update(group)
         return True
 
+    def replicated_state(self) -> dict[str, Tensor]:
+        return {f"routing.{name}": buf for name, buf in self.routing.named_buffers() if "pending" not in name}
+
     # --- forward --------------------------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None, *,
                 scale: float | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
