@@ -78,7 +78,7 @@ PROFILE = r"""
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
-from routeformer.bench.attention import candidates, selected
+from routeformer.bench.attention import AttentionBench, candidates, selected
 n, dev = int(sys.argv[1]), torch.device(sys.argv[2])
 cuda = dev.type == "cuda"
 dtype = torch.bfloat16 if cuda else torch.float32
@@ -88,7 +88,8 @@ q, k, v, grad = (torch.randn(1, heads, n, head_dim, generator=gen).to(dev, dtype
 for t in (q, k, v):
     t.requires_grad_(True)
 sync = torch.cuda.synchronize if cuda else (lambda: None)
-for c in selected(candidates(n, heads, head_dim, window, dev, dtype), ["local", "routing"])[1:]:
+bench = AttentionBench(heads=heads, head_dim=head_dim, window=window, device=str(dev), dtype=dtype)
+for c in selected(candidates(n, bench), ["local", "routing"])[1:]:
     for _ in range(2):
         c.attend(q, k, v).backward(grad)
     sync()

@@ -249,10 +249,10 @@ def run_row(row: Row, plan: Plan) -> None:
     def note(line: str) -> None:  # the executor's line, as the command line prints it: on stderr
         print(line, file=sys.stderr, flush=True)
 
-    result = text.run([row.spec], seq_len=plan.seq_len, minutes=plan.minutes, steps=STEPS,
-                      num_clusters=plan.num_clusters, routing_window=plan.routing_window, data=plan.data_name,
-                      data_dir=str(plan.data_dir), out=str(out), overrides=plan.overrides(row.seed),
-                      echo=Echo(print, note))[0]
+    bench = text.TextBench(seq_len=plan.seq_len, minutes=plan.minutes, steps=STEPS, num_clusters=plan.num_clusters,
+                           routing_window=plan.routing_window, data=plan.data_name, data_dir=str(plan.data_dir),
+                           out=str(out), overrides=tuple(plan.overrides(row.seed)))
+    result = text.run([row.spec], bench, Echo(print, note))[0]
     row.steps, row.train_minutes, row.valid, row.unit, row.heads = (result["steps"], result["minutes"],
                                                                     result["valid"], result["unit"], result["heads"])
     if cuda:

@@ -26,7 +26,7 @@ from routeformer.analysis.patterns import cluster_stats, head_patterns
 from routeformer.cli import main
 from routeformer.model import TransformerConfig, TransformerLM
 from routeformer.train.distributed import Processes
-from routeformer.train.evaluation import evaluate
+from routeformer.train.evaluation import Scoring, evaluate
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIGS = {
@@ -72,12 +72,12 @@ def test_the_exact_row_reproduces_evaluate_and_the_model_comes_back_unchanged() 
     split = np.random.default_rng(0).integers(0, 40, 24 * 6 + 1)
     own, results = approximation_table(model, split, "bytes", methods_for(["ovo"], [1], True), batch=2,
                                        max_windows=None)
-    total, count = evaluate(model, split, 24, batch=2, procs=Processes(0, 1, 0, torch.device("cpu")))
+    total, count = evaluate(model, split, Scoring(24, 2), Processes(0, 1, 0, torch.device("cpu")))
     assert own == pytest.approx(total / count / math.log(2), rel=1e-12)
     exact, ovo1 = results
     assert exact.method == Method("exact") and exact.value == pytest.approx(own, rel=1e-5)
     assert exact.relative_error < 1e-5 and ovo1.value > own and ovo1.keys_per_query == pytest.approx(1.0)
-    again, _ = evaluate(model, split, 24, batch=2, procs=Processes(0, 1, 0, torch.device("cpu")))
+    again, _ = evaluate(model, split, Scoring(24, 2), Processes(0, 1, 0, torch.device("cpu")))
     assert again == total  # the hooks are gone
 
 
@@ -91,13 +91,13 @@ def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None
     monkeypatch.setattr(model, "forward", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real(x, *a, **kw))
     split = np.random.default_rng(0).integers(0, 40, 24 * 4 + 13)
     procs = Processes(0, 1, 0, torch.device("cpu"))
-    plain = evaluate(model, split, 24, batch=2, procs=procs)
+    plain = evaluate(model, split, Scoring(24, 2), procs)
     assert shapes == [(2, 24), (2, 24), (1, 12)], shapes
     shapes.clear()
     import routeformer.train.evaluation as evaluation
 
     monkeypatch.setattr(evaluation, "one_shape", lambda device: True)
-    fixed = evaluate(model, split, 24, batch=2, procs=procs)
+    fixed = evaluate(model, split, Scoring(24, 2), procs)
     assert shapes == [(2, 24)] * 3, shapes
     assert fixed[1] == plain[1] and fixed[0] == pytest.approx(plain[0], rel=1e-12)
 

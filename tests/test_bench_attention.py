@@ -11,10 +11,10 @@ import torch
 from helpers import routing_layer
 from routeformer.attention import full_attention
 from routeformer.attention.lsh import default_lsh_settings
-from routeformer.bench.attention import leaks, reformer_bucket_size, run
+from routeformer.bench.attention import AttentionBench, leaks, reformer_bucket_size, run
 from routeformer.bench.leak import causal_leak, leak_positions, verdict
 
-OURS = ["lsh", "linear", "linear-poly2", "performer", "full-elu", "full-poly2"]
+OURS = ("lsh", "linear", "linear-poly2", "performer", "full-elu", "full-poly2")
 PEERS = {"reformer-pytorch (peer)": "reformer_pytorch", "performer-pytorch (peer)": "performer_pytorch"}
 
 
@@ -64,7 +64,7 @@ def test_lsh_and_reformer_settings() -> None:
 @pytest.mark.parametrize("causal", [True, False])
 def test_new_rows_run_and_ours_do_not_leak(causal: bool) -> None:
     lines: list[str] = []
-    rows = run([64], heads=2, head_dim=8, window=16, repeats=1, causal=causal, only=OURS, echo=lines.append)
+    rows = run([64], AttentionBench(heads=2, head_dim=8, window=16, repeats=1, causal=causal, only=OURS), lines.append)
     names = [r["mechanism"] for r in rows]
     assert names[:len(OURS) + 1] == ["full", *OURS]
     for r in rows:
@@ -74,14 +74,14 @@ def test_new_rows_run_and_ours_do_not_leak(causal: bool) -> None:
     out = "\n".join(lines)
     assert ("causal leak at N=64" in out) == causal
     if causal:
-        for row in leaks(64, heads=2, head_dim=8, window=16, only=OURS):
+        for row in leaks(64, AttentionBench(heads=2, head_dim=8, window=16, only=OURS)):
             if "(peer)" not in row["mechanism"]:
                 assert row["leak"] is not None and row["leak"] < 1e-5, row
 
 
 def test_quadratic_kernel_rows_are_skipped_at_long_lengths() -> None:
-    rows = run([4100], heads=1, head_dim=4, window=8, repeats=1, only=["full-elu", "full-poly2", "linear-poly2"],
-               leak_n=0, echo=lambda _: None)
+    rows = run([4100], AttentionBench(heads=1, head_dim=4, window=8, repeats=1, leak_n=0,
+                                      only=("full-elu", "full-poly2", "linear-poly2")), lambda _: None)
     skipped = {r["mechanism"]: r["note"] for r in rows if r["note"]}
     assert set(skipped) == {"full-elu", "full-poly2", "linear-poly2"}
     assert all(r["fwd_s"] is None for r in rows if r["note"])
@@ -90,7 +90,8 @@ def test_quadratic_kernel_rows_are_skipped_at_long_lengths() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("reformer_pytorch") is None
                     or importlib.util.find_spec("performer_pytorch") is None, reason="peers not installed")
 def test_peers_leak_as_measured() -> None:
-    found = {r["mechanism"]: r for r in leaks(128, heads=2, head_dim=8, window=16, only=["lsh", "performer"])}
+    bench = AttentionBench(heads=2, head_dim=8, window=16, only=("lsh", "performer"))
+    found = {r["mechanism"]: r for r in leaks(128, bench)}
     for name in PEERS:
         assert found[name]["leak"] > 1e-3 and found[name]["note"] == "LEAKS", found[name]
     assert found["lsh"]["leak"] < 1e-5 and found["performer"]["leak"] == 0.0
@@ -99,14 +100,15 @@ def test_peers_leak_as_measured() -> None:
 def test_the_flex_backend_runs_the_executor_rows_and_they_do_not_leak() -> None:
     """``backend="flex"`` on CPU (FlexAttention's dense eager operator): the rows run, the header says which
     executor ran, and the measured causal leak of every pattern row is zero."""
-    executor_rows = ["local", "local+rel", "strided", "fixed", "longformer", "routing"]
+    executor_rows = ("local", "local+rel", "strided", "fixed", "longformer", "routing")
     lines: list[str] = []
-    rows = run([64], heads=2, head_dim=8, window=16, repeats=1, only=executor_rows, echo=lines.append,
-               backend="flex")
+    rows = run([64], AttentionBench(heads=2, head_dim=8, window=16, repeats=1, only=executor_rows, backend="flex"),
+               lines.append)
     assert [r["mechanism"] for r in rows if "(peer)" not in r["mechanism"]] == ["full", *executor_rows]
     assert all(r["fwd_bwd_s"] is not None for r in rows)
     assert "backend flex" in lines[0]
-    for row in leaks(64, heads=2, head_dim=8, window=16, only=executor_rows, backend="flex"):
+    bench = AttentionBench(heads=2, head_dim=8, window=16, only=executor_rows, backend="flex")
+    for row in leaks(64, bench):
         if "(peer)" not in row["mechanism"]:
             assert row["leak"] is not None and row["leak"] < 1e-6, row
 

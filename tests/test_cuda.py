@@ -343,9 +343,10 @@ def test_compiled_training_matches_eager(on_device: DeviceUnderTest) -> None:
 def test_the_benchmark_baselines_compute_what_they_stand_beside(on_device: DeviceUnderTest) -> None:
     """``bench attention``'s CUDA baselines: SDPA held to its FlashAttention and cuDNN backends equal ``full``,
     FlexAttention's own sliding window equals ``local`` (bfloat16). Elsewhere they are not offered."""
-    from routeformer.bench.attention import candidates
+    from routeformer.bench.attention import AttentionBench, candidates
 
-    found = {c.name: c for c in candidates(1024, 2, 64, 128, on_device.device, torch.bfloat16)}
+    bench = AttentionBench(heads=2, head_dim=64, window=128, device=str(on_device.device), dtype=torch.bfloat16)
+    found = {c.name: c for c in candidates(1024, bench)}
     pairs = {"sdpa-flash": "full", "sdpa-cudnn": "full", "flex-sliding (direct)": "local"}
     if not on_device.cuda:
         assert not set(pairs) & set(found)

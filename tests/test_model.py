@@ -409,7 +409,7 @@ def test_the_token_range_is_read_back_on_the_host_only(monkeypatch) -> None:
     import numpy as np
 
     from routeformer.train.distributed import Processes
-    from routeformer.train.evaluation import evaluate
+    from routeformer.train.evaluation import Scoring, evaluate
 
     model = randomised(tiny(), dtype=torch.float32)
     model._check_tokens(torch.full((1, 4), 23, device="meta"))  # reading a meta tensor's values would raise
@@ -420,7 +420,7 @@ def test_the_token_range_is_read_back_on_the_host_only(monkeypatch) -> None:
     data = np.arange(200) % 23
     data[150] = 23
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=23\), got values in \[0, 23\]"):
-        evaluate(model, data, 48, batch=2, procs=Processes(0, 1, 0, torch.device("cpu")))
+        evaluate(model, data, Scoring(48, 2), Processes(0, 1, 0, torch.device("cpu")))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=23\)"):
         model.generate(torch.tensor([3, 30]), 2)
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..model import TransformerLM
 from ..train.distributed import Processes
-from ..train.evaluation import evaluate, metric
+from ..train.evaluation import Scoring, evaluate, metric
 from .approximate import HeadApproximation, Method, approximate
 from .heads import HeadCall, hooked
 
@@ -58,7 +58,7 @@ def approximation_table(model: TransformerLM, tokens: np.ndarray, kind: str, met
     seq_len = model.config.seq_len
 
     def score() -> float:
-        total, count = evaluate(model, tokens, seq_len, batch=batch, procs=procs, max_windows=max_windows)
+        total, count = evaluate(model, tokens, Scoring(seq_len, batch, max_windows=max_windows), procs)
         return total / max(count, 1)
 
     own = metric(kind, score())

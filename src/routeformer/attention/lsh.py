@@ -43,7 +43,6 @@ per head, whatever its position.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +54,7 @@ from ..checks import positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_inputs
 from ..executors.tiling import KeyRestrictions, Tiling, shift_invariant_mask
+from ..lengths import sqrt_len
 from .decoding import attend_cached
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
@@ -65,7 +65,7 @@ from .routing.sorted_window import drop_own_key, sort_by_cluster, sorted_window_
 def default_lsh_settings(n: int) -> tuple[int, int]:
     """(buckets, window) for length n: buckets = round(sqrt(n)) rounded up to an even number (at least 2), window =
     n // buckets, the mean bucket size, so the cost is O(N^1.5) like routing's."""
-    buckets = max(2, round(math.sqrt(n)))
+    buckets = max(2, sqrt_len(n))
     buckets += buckets % 2
     return buckets, max(1, n // buckets)
 

@@ -15,7 +15,6 @@ column t, t - l, t - 2l, … and the last l + 1 positions, O((l + t/l)·D) (a1: 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from ..checks import check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.inputs import Inputs, check_inputs, relative
 from ..executors.relative import RelativePositions
+from ..lengths import sqrt_len
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .local import local_attention
@@ -114,7 +114,7 @@ class StridedOptions:
 
 
 def _complete(o: StridedOptions, config: Any) -> StridedOptions:
-    stride = max(1, round(math.sqrt(config.seq_len))) if o.stride is None else o.stride
+    stride = sqrt_len(config.seq_len) if o.stride is None else o.stride
     return StridedOptions(at_most_seq_len("stride", stride, config))
 
 

@@ -16,11 +16,13 @@ and cuDNN backends (``sdpa-flash``, ``sdpa-cudnn``) beside ``full``. ``--json FI
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,6 +46,7 @@ from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import default_features
 from ..attention.routing import RoutingOptions
 from ..executors import describe_backend, get_executor
+from ..lengths import sqrt_len
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import (
@@ -77,13 +80,43 @@ UNTRACKED = "memory not tracked: on CPU FlexAttention's operator refuses the tra
 TRAINING_CAP_BYTES = 8 * 2**30  # over this (or half the free memory) estimated, a row is timed forward only
 
 
-def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.device, dtype: torch.dtype,
-               causal: bool = True, backend: str = "auto") -> list[Candidate]:
+@dataclass(frozen=True)
+class AttentionBench:
+    """What ``bench attention`` measures: ``heads`` heads of ``head_dim`` on ``batch`` sequences, the local
+    mechanisms' ``window``, in ``dtype`` on ``device``, causal or not, the patterns on ``backend``'s executor;
+    ``only``: the mechanisms named (and the baseline; None: all); time the median of ``repeats``; the leak table
+    at N = ``leak_n`` (None: min(1024, the longest N); 0: none)."""
+
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    window: int = 256
+    repeats: int = 3
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    causal: bool = True
+    only: tuple[str, ...] | None = None
+    leak_n: int | None = None
+    backend: str = "auto"
+
+
+class PaperSizes(NamedTuple):
+    """The settings the papers suggest at one length, for the rows of ours and the peers'."""
+
+    clusters: int  # routing's k, round(√N)
+    routed: int  # routing's keys per query, N / k
+    buckets: int  # LSH's buckets per round
+    lsh_window: int
+    features: int  # Performer's m
+
+
+def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candidate]:
     """The mechanisms compared at sequence length n, with the settings the papers suggest for it; the first is the
-    baseline the others are measured against. ``backend``: the executor of the patterns that run on one."""
+    baseline the others are measured against. ``bench.backend``: the executor of the patterns that run on one."""
+    heads, head_dim, window, causal, backend = bench.heads, bench.head_dim, bench.window, bench.causal, bench.backend
+    device, dtype = torch.device(bench.device), bench.dtype
     ex = {"backend": backend}
-    stride = max(1, round(math.sqrt(n)))
-    clusters = max(1, round(math.sqrt(n)))
+    stride = clusters = sqrt_len(n)
     routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
     # the paper's rule: one cluster per query, no balancing bias
     paper = RoutingOptions(num_clusters=clusters, window=routed, probes=1, balance=0.0)
@@ -173,7 +206,7 @@ def candidates(n: int, heads: int, head_dim: int, window: int, device: torch.dev
     ]
     found[1:1] = _sdpa_backends(causal, device, full_pairs)
     found += _flex_sliding(window, causal, device)
-    found += _peers(n, window, causal, heads, head_dim, clusters, routed, buckets, lsh_window, features, device)
+    found += _peers(n, bench, PaperSizes(clusters, routed, buckets, lsh_window, features))
     return found
 
 
@@ -243,11 +276,12 @@ def _available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def _peers(n: int, window: int, causal: bool, heads: int, head_dim: int, clusters: int, routed: int,
-           buckets: int, lsh_window: int, features: int, device: torch.device) -> list[Candidate]:
+def _peers(n: int, bench: AttentionBench, sizes: PaperSizes) -> list[Candidate]:
     """lucidrains' ``local-attention``, ``routing-transformer``, ``reformer-pytorch`` and ``performer-pytorch``
     (PyPI), at our settings as far as their APIs allow, when installed; their attention cores on our (B, H, N, D)
     tensors (folded to (B·H, N, D) where they take 3-d inputs)."""
+    window, causal, heads, head_dim = bench.window, bench.causal, bench.heads, bench.head_dim
+    clusters, routed, lsh_window, device = sizes.clusters, sizes.routed, sizes.lsh_window, torch.device(bench.device)
     found = []
     try:
         from local_attention import LocalAttention
@@ -272,7 +306,7 @@ def _peers(n: int, window: int, causal: bool, heads: int, head_dim: int, cluster
         found.append(Candidate("routing-transformer (peer)", f"k={clusters}, window={routed}, shared QK",
                                lambda q, k, v: kmeans(q, q, v)[0], peer_of="routing"))
     found += _reformer_peer(n, causal, lsh_window)
-    found += _performer_peer(n, causal, heads, head_dim, features, device)
+    found += _performer_peer(n, causal, heads, head_dim, sizes.features, device)
     return found
 
 
@@ -334,41 +368,28 @@ def _unavailable(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     raise RuntimeError("not runnable at this length")
 
 
-def run(
-    ns: list[int],
-    *,
-    batch: int = 1,
-    heads: int = 8,
-    head_dim: int = 64,
-    window: int = 256,
-    repeats: int = 3,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    causal: bool = True,
-    only: list[str] | None = None,
-    leak_n: int | None = None,
-    backend: str = "auto",
-    echo: Callable[[str], None] = print,
-) -> list[dict]:
+def run(ns: list[int], bench: AttentionBench = AttentionBench(), echo: Callable[[str], None] = print) -> list[dict]:
     """Measure every candidate at every length; print one table per length (and, causal, the leak table of ``leaks`` at
-    N = ``leak_n``, default min(1024, max(ns)); 0 skips it); return the rows. ``echo``'s notes (``measure.Echo``): where
-    the line naming the executor ``backend`` runs as goes, once the mechanisms are chosen (the command line: stderr)."""
-    dev = torch.device(device)
+    N = ``bench.leak_n``, default min(1024, max(ns)); 0 skips it); return the rows. ``echo``'s notes
+    (``measure.Echo``): where the line naming the executor ``bench.backend`` runs as goes, once the mechanisms are
+    chosen (the command line: stderr)."""
+    b, dev = bench, torch.device(bench.device)
     results: list[dict] = []
-    first = selected(candidates(ns[0], heads, head_dim, window, dev, dtype, causal, backend), only)  # --only checked
+    first = selected(candidates(ns[0], b), b.only)  # --only checked
     say = notes(echo)
     if say is not None:
-        say(describe_backend(backend, dev, dtype))
-    matmul = rf.matmul_gflops(dev, dtype)
-    echo(f"# attention benchmark: B={batch}, H={heads}, D={head_dim}, {dtype}, {dev}, "
-         f"{'causal' if causal else 'non-causal'}, backend {measured_backend(backend, dev)}, "
-         f"threads={torch.get_num_threads()}, median of {repeats}; dense matmul (2048³) {matmul:.0f} GFLOP/s")
+        say(describe_backend(b.backend, dev, b.dtype))
+    matmul = rf.matmul_gflops(dev, b.dtype)
+    echo(f"# attention benchmark: B={b.batch}, H={b.heads}, D={b.head_dim}, {b.dtype}, {dev}, "
+         f"{'causal' if b.causal else 'non-causal'}, backend {measured_backend(b.backend, dev)}, "
+         f"threads={torch.get_num_threads()}, median of {b.repeats}; dense matmul (2048³) {matmul:.0f} GFLOP/s")
     for i, n in enumerate(ns):
-        cands = first if i == 0 else selected(candidates(n, heads, head_dim, window, dev, dtype, causal, backend), only)
+        cands = first if i == 0 else selected(candidates(n, b), b.only)
         gen = torch.Generator(device="cpu").manual_seed(n)
-        q, k, v, grad = (torch.randn(batch, heads, n, head_dim, generator=gen).to(dev, dtype) for _ in range(4))
-        track = memory_trackable(dev, backend)
-        results += [{"n": n, **row} for row in _measure(cands, (q, k, v, grad), repeats, dev, track, say)]
+        q, k, v, grad = (torch.randn(b.batch, b.heads, n, b.head_dim, generator=gen).to(dev, b.dtype)
+                         for _ in range(4))
+        track = memory_trackable(dev, b.backend)
+        results += [{"n": n, **row} for row in _measure(cands, (q, k, v, grad), b.repeats, dev, track, say)]
         echo("")
         echo(attention_table([r for r in results if r["n"] == n]))
         echo("")
@@ -376,11 +397,10 @@ def run(
     if len(ns) > 1:
         echo("")
         echo(memory_growth(results))
-    leak_n = min(1024, max(ns)) if leak_n is None else leak_n
-    if causal and leak_n:
+    leak_n = min(1024, max(ns)) if b.leak_n is None else b.leak_n
+    if b.causal and leak_n:
         echo("")
-        echo(leak_table(leaks(leak_n, heads=heads, head_dim=head_dim, window=window, device=dev, only=only,
-                              backend=backend)))
+        echo(leak_table(leaks(leak_n, b)))
     return results
 
 
@@ -398,15 +418,16 @@ def selected(every: list[Candidate], only: list[str] | None) -> list[Candidate]:
                         if only is None or c.name.split(" ")[0] in only or c.peer_of in only]
 
 
-def leaks(n: int, *, heads: int = 8, head_dim: int = 64, window: int = 256, device: torch.device | str = "cpu",
-          only: list[str] | None = None, seed: int = 0, backend: str = "auto") -> list[dict]:
+def leaks(n: int, bench: AttentionBench = AttentionBench(), seed: int = 0) -> list[dict]:
     """The causal leak (``leak.causal_leak``, float32, batch 1) of every causal candidate built for length n,
-    including the peers: one row per candidate with its settings, the largest change and the verdict."""
-    dev = torch.device(device)
+    including the peers: one row per candidate with its settings, the largest change and the verdict
+    (``bench``'s heads, head_dim, window, device, only and backend; its dtype, batch and causal aside)."""
+    b = dataclasses.replace(bench, dtype=torch.float32, causal=True)
+    dev = torch.device(b.device)
     rows = []
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, heads, n, head_dim, generator=gen).to(dev) for _ in range(3))
-    for c in selected(candidates(n, heads, head_dim, window, dev, torch.float32, True, backend), only):
+    q, k, v = (torch.randn(1, b.heads, n, b.head_dim, generator=gen).to(dev) for _ in range(3))
+    for c in selected(candidates(n, b), b.only):
         if c.skip:
             rows.append({"mechanism": c.name, "settings": c.settings, "leak": None, "note": c.skip})
             continue

@@ -16,12 +16,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import TransformerConfig, TransformerLM
+from ..model import TransformerConfig, TransformerLM, local_window
 from ..train.config import TrainConfig
 from ..train.loop import adamw
 from .measure import (
@@ -39,6 +40,25 @@ from .measure import (
 MODELS = ("full", "local", "local+routing")  # the default rows
 
 
+@dataclass(frozen=True)
+class ModelBench:
+    """What ``bench model`` compares: models of ``dim``, ``depth`` and ``heads`` that differ in their attention
+    (``attentions``: presets or specs of registered kinds, the first the baseline), the local heads' ``window`` (and
+    rel_clip), on ``backend``'s executor; trained on ``batch`` sequences, timed as the median of ``repeats``; decoding
+    timed over ``steps`` tokens; on ``device``."""
+
+    dim: int = 256
+    depth: int = 4
+    heads: int = 8
+    window: int = 256
+    batch: int = 1
+    repeats: int = 3
+    steps: int = 8
+    device: str = "cpu"
+    attentions: tuple[str, ...] = MODELS
+    backend: str = "auto"
+
+
 def _half_local(heads: int, other: str) -> str:
     return f"local:{heads - heads // 2},{other}:{heads // 2}"
 
@@ -54,17 +74,15 @@ PRESETS: dict[str, Callable[[int], dict]] = {
 }
 
 
-def model_configs(n: int, dim: int, depth: int, heads: int, window: int,
-                  attentions: tuple[str, ...] | list[str] = MODELS,
-                  backend: str = "auto") -> dict[str, TransformerConfig]:
-    """The models compared at length n, one per row name: a preset (``PRESETS``) or an attention spec of registered
-    kinds; the first is the baseline. ``backend``: ``TransformerConfig.backend`` of every model."""
-    window = min(window, n)  # the local and longformer heads', and rel_clip
-    common = {"vocab_size": 256, "dim": dim, "depth": depth, "heads": heads, "seq_len": n, "rel_clip": window,
-              "options": {"local": {"window": window}, "longformer": {"window": window}}, "backend": backend}
-    return {name: TransformerConfig(**merge_fields(common, PRESETS[name](heads) if name in PRESETS
+def model_configs(n: int, bench: ModelBench = ModelBench()) -> dict[str, TransformerConfig]:
+    """The models compared at length n, one per row name of ``bench.attentions``: a preset (``PRESETS``) or an
+    attention spec of registered kinds; the first is the baseline."""
+    b = bench
+    common = merge_fields({"vocab_size": 256, "dim": b.dim, "depth": b.depth, "heads": b.heads, "seq_len": n,
+                           "backend": b.backend}, local_window(min(b.window, n)))
+    return {name: TransformerConfig(**merge_fields(common, PRESETS[name](b.heads) if name in PRESETS
                                                    else {"attention": name}))
-            for name in attentions}
+            for name in b.attentions}
 
 
 def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], None]:
@@ -78,53 +96,51 @@ def train_step(model: TransformerLM, opt: torch.optim.Optimizer, tokens: torch.T
     return step
 
 
-def run(ns: list[int], positions: list[int], *, dim: int = 256, depth: int = 4, heads: int = 8, window: int = 256,
-        batch: int = 1, repeats: int = 3, steps: int = 8, device: str = "cpu",
-        attentions: tuple[str, ...] | list[str] = MODELS, backend: str = "auto",
+def run(ns: list[int], positions: list[int], bench: ModelBench = ModelBench(),
         echo: Callable[[str], None] = print) -> dict[str, list[dict]]:
     """Print the training and the generation tables for each attention spec; return their rows. ``echo``'s notes
     (``measure.Echo``): where the line naming the executor the models run on goes, once their configurations are checked
     (the command line: stderr)."""
-    dev = torch.device(device)
-    configs = {n: model_configs(n, dim, depth, heads, window, attentions, backend) for n in ns}  # checked first
+    b, dev = bench, torch.device(bench.device)
+    configs = {n: model_configs(n, bench) for n in ns}  # checked first
     say = notes(echo)
     if say is not None and ns:
         for line in executor_lines({name: config.describe_executor(dev) for name, config in configs[ns[0]].items()}):
             say(line)
-    echo(f"# model benchmark: dim={dim}, depth={depth}, heads={heads}, window={window}, batch={batch}, "
-         f"float32, {dev}, backend {measured_backend(backend, dev)}, threads={torch.get_num_threads()}, "
-         f"median of {repeats}")
+    echo(f"# model benchmark: dim={b.dim}, depth={b.depth}, heads={b.heads}, window={b.window}, batch={b.batch}, "
+         f"float32, {dev}, backend {measured_backend(b.backend, dev)}, threads={torch.get_num_threads()}, "
+         f"median of {b.repeats}")
     train_rows: list[dict] = []
     for n in ns:
         for i, (name, config) in enumerate(configs[n].items()):
             torch.manual_seed(0)
             model = TransformerLM(config).to(dev).train()
             opt = adamw(model, TrainConfig(lr=1e-4))  # the training loop's own optimizer (fused where it can be)
-            tokens = torch.randint(0, 256, (batch, n + 1), device=dev)
+            tokens = torch.randint(0, 256, (b.batch, n + 1), device=dev)
             step = train_step(model, opt, tokens)
-            seconds = median_time(step, repeats, dev)
+            seconds = median_time(step, b.repeats, dev)
             peak_bytes = None
-            if memory_trackable(dev, backend):
+            if memory_trackable(dev, b.backend):
                 with PeakMemory(dev) as peak:
                     step()
                 peak_bytes = peak.bytes
             train_rows.append({"n": n, "model": name, "baseline": i == 0,
                                "params": model.num_parameters(), "step_s": seconds,
-                               "tokens_per_s": batch * n / seconds, "bytes": peak_bytes,
+                               "tokens_per_s": b.batch * n / seconds, "bytes": peak_bytes,
                                "flops_per_token": model.flops_per_token(),
-                               "parts": breakdown(model, opt, tokens, repeats, dev)})
+                               "parts": breakdown(model, opt, tokens, b.repeats, dev)})
     echo("")
     echo(training_table(train_rows))
     echo("")
     echo(breakdown_table(train_rows))
 
     gen_rows: list[dict] = []
-    for name, config in model_configs(max(ns), dim, depth, heads, window, attentions, backend).items():
+    for name, config in model_configs(max(ns), bench).items():
         torch.manual_seed(0)
         model = TransformerLM(config).to(dev).eval()
         row: dict = {"model": name}
         for p in positions:
-            row[p] = _ms_per_token(model, p, steps, dev)
+            row[p] = _ms_per_token(model, p, b.steps, dev)
         gen_rows.append(row)
     echo("")
     echo(generation_table(gen_rows, positions))

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..attention.kinds import HeadGroup
 from ..checks import positive_int
 from ..data.recall import IGNORE, TASKS, RecallTask
-from ..model import TransformerConfig, TransformerLM
+from ..model import TransformerConfig, TransformerLM, local_window
 from ..model.legacy import MOVED, old_spelling_error
 from ..train.config import FIELDS, TrainConfig, parse_override, set_field
 from ..train.schedule import learning_rate
@@ -337,9 +337,8 @@ def run(tasks: Sequence[str], attentions: Sequence[str], settings: RecallSetting
         task = s.task(task_name)
         routing = {key: value for key, value in (("num_clusters", s.num_clusters), ("window", s.routing_window))
                    if value is not None}
-        base = dict(vocab_size=task.vocab_size, dim=s.dim, depth=s.depth, heads=s.heads, seq_len=s.seq_len,
-                    rel_clip=s.window, options={"local": {"window": s.window}, "longformer": {"window": s.window},
-                                                "routing": routing})
+        base = merge_fields(dict(vocab_size=task.vocab_size, dim=s.dim, depth=s.depth, heads=s.heads,
+                                 seq_len=s.seq_len, options={"routing": routing}), local_window(s.window))
         configs = [TransformerConfig(**merge_fields(base, attention_config(name, s.heads), extra or {}))
                    for name in attentions]
         plan = None

@@ -18,47 +18,66 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..attention.routing.kind import RoutingOptions, default_routing_window
-from ..model import TransformerLM
+from ..lengths import sqrt_len
+from ..model import TransformerLM, local_window
 from .measure import executor_lines, format_table, notes
 from .recall import attention_config
 
 
-def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, steps: int = 2000,
-        window: int | None = None, num_clusters: int | None = None, routing_window: int | None = None,
-        data: str = "stdlib", data_dir: str | None = None, out: str = "runs/bench-text",
-        overrides: list[str] | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+@dataclass(frozen=True)
+class TextBench:
+    """What ``bench text`` trains: every row at ``seq_len`` for at most ``steps`` steps (the cosine's length) and
+    ``minutes``; the local heads' ``window`` (and rel_clip; None: the configuration's), routing's ``num_clusters``
+    (None: round(√seq_len)) and ``routing_window`` (None: seq_len / k keys per query over the row's probes); on the
+    built-in data set ``data`` (kept in ``data_dir``); run directories under ``out``; ``overrides``: --set items of
+    the main job's configuration, for every row."""
+
+    seq_len: int = 1024
+    minutes: float = 4.0
+    steps: int = 2000
+    window: int | None = None
+    num_clusters: int | None = None
+    routing_window: int | None = None
+    data: str = "stdlib"
+    data_dir: str | None = None
+    out: str = "runs/bench-text"
+    overrides: tuple[str, ...] = ()
+
+
+def run(attentions: list[str], bench: TextBench = TextBench(), echo: Callable[[str], None] = print) -> list[dict]:
     """Train and score one model per attention; print the table row by row, then whole; return the rows. Every row's
     configuration is checked before the first trains. ``echo``'s notes (``measure.Echo``): where the line naming the
     executor the models run on goes (the command line: stderr)."""
     from ..data import prepare_builtin
     from ..train import executor_line, load_run_config, train
 
-    prepare_builtin(data, data_dir, echo)
-    base = load_run_config(None, list(overrides or [])).model
+    b, overrides = bench, list(bench.overrides)
+    seq_len, steps = b.seq_len, b.steps
+    prepare_builtin(b.data, b.data_dir, echo)
+    base = load_run_config(None, overrides).model
     # the cosine runs over --steps whatever the configuration plans (the main job's decay_steps is its own), unless
     # the overrides set decay_steps (0: over the time budget, for a machine whose speed no one knows yet)
-    settings = {"data": data, "data_dir": data_dir, "max_steps": steps, "max_minutes": minutes}
-    if not any(item.partition("=")[0].strip().removeprefix("train.") == "decay_steps" for item in overrides or []):
+    settings = {"data": b.data, "data_dir": b.data_dir, "max_steps": steps, "max_minutes": b.minutes}
+    if not any(item.partition("=")[0].strip().removeprefix("train.") == "decay_steps" for item in overrides):
         settings["decay_steps"] = steps
     planned = []  # (name, the --set items, its run configuration, its run directory)
     for name in attentions:
         fields = attention_config(name, base.heads)
         spec = fields.pop("attention")
         sets = [f"seq_len={seq_len}", f"attention={spec!r}"]
-        if window is not None:  # the local (and longformer) heads' window, and rel_clip unless the overrides set it
-            sets += [f"options.local.window={window}", f"options.longformer.window={window}"]
-            if not any(item.partition("=")[0].strip().removeprefix("model.") == "rel_clip"
-                       for item in overrides or []):
-                sets.append(f"rel_clip={window}")
+        if b.window is not None:  # the local window, and rel_clip unless the overrides set it
+            clip = not any(item.partition("=")[0].strip().removeprefix("model.") == "rel_clip" for item in overrides)
+            sets += _settings(local_window(b.window, rel_clip=clip))
         # The shipped configuration pins routing's k, window and warm-up length for its own seq_len (unused by
         # other kinds): keep seq_len / k keys per query over the row's probes, and the warm-up's share of seq_len.
-        k = num_clusters or max(1, round(seq_len ** 0.5))
+        k = b.num_clusters or sqrt_len(seq_len)
         routing = base.options.get("routing") or RoutingOptions()
         probes = _row_setting(fields, "probes", routing.probes)
-        window_ = routing_window or default_routing_window(seq_len, k, probes)
+        window_ = b.routing_window or default_routing_window(seq_len, k, probes)
         sets += [f"options.routing.num_clusters={k}", f"options.routing.window={window_}"]
         if routing.warmup_len is not None and _row_setting(fields, "warmup_len", None) is None:
             pieces = base.seq_len // routing.warmup_len
@@ -68,12 +87,11 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
                                  f"@options.routing.warmup_len=...)")
             sets.append(f"options.routing.warmup_len={seq_len // pieces}")
         # the row's own @field settings last: they override the bench's
-        sets += [f"{key}={_toml(value)}" for key, value in fields.items() if key != "options"]
-        sets += [f"options.{section}.{key}={_toml(value)}" for section, table in fields.get("options", {}).items()
-                 for key, value in table.items()]
-        run_config = load_run_config(None, list(overrides or []) + sets, settings)
+        sets += _settings(fields)
+        run_config = load_run_config(None, overrides + sets, settings)
         # one folder per (length, row): the README's runs at 256, 1024 and 2048 share --out
-        run_dir = Path(out) / f"{seq_len}-{name.replace('/', '-').replace(':', '').replace(',', '-').replace('+', '-')}"
+        folder = name.replace("/", "-").replace(":", "").replace(",", "-").replace("+", "-")
+        run_dir = Path(b.out) / f"{seq_len}-{folder}"
         planned.append((name, sets, run_config, run_dir))
     say = notes(echo)
     if say is not None:
@@ -82,7 +100,7 @@ def run(attentions: list[str], *, seq_len: int = 1024, minutes: float = 4.0, ste
     rows: list[dict] = []
     for name, sets, run_config, run_dir in planned:
         echo(f"# {name}: routeformer train --set {' --set '.join(sets)} --max-steps {steps} "
-             f"--max-minutes {minutes} --out {run_dir}")
+             f"--max-minutes {b.minutes} --out {run_dir}")
         result = train(run_config, run_dir, echo=lambda *_: None)
         model = run_config.model
         flops = TransformerLM(model).training_flops(result.step, run_config.train.batch_size * model.seq_len)
@@ -102,6 +120,13 @@ def table(rows: list[dict]) -> str:
                           "n/a" if r["valid"] is None or math.isnan(r["valid"]) else f"{r['valid']:.3f} {r['unit']}",
                           r["heads"]]
                          for r in rows])
+
+
+def _settings(fields: dict) -> list[str]:
+    """TransformerConfig fields (an ``options`` table section by section) as --set items."""
+    return ([f"{key}={_toml(value)}" for key, value in fields.items() if key != "options"]
+            + [f"options.{section}.{key}={_toml(value)}" for section, table in fields.get("options", {}).items()
+               for key, value in table.items()])
 
 
 def _row_setting(fields: dict, name: str, default):

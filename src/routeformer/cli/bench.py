@@ -168,9 +168,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "text":
         from ..bench import text
 
-        text.run(args.attention, seq_len=args.seq_len, minutes=args.minutes, steps=args.steps, window=args.window,
-                 num_clusters=args.num_clusters, routing_window=args.routing_window, data=args.data,
-                 data_dir=args.data_dir, out=args.out, overrides=text_overrides(args), echo=echo)
+        text.run(args.attention, text.TextBench(
+            seq_len=args.seq_len, minutes=args.minutes, steps=args.steps, window=args.window,
+            num_clusters=args.num_clusters, routing_window=args.routing_window, data=args.data, data_dir=args.data_dir,
+            out=args.out, overrides=tuple(text_overrides(args))), echo)
     elif args.suite == "recall":
         from ..bench import recall
 
@@ -179,22 +180,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         recall.run(args.tasks, args.attention, recall_settings(args), training, reference=recall_reference(args),
                    echo=echo)
     elif args.suite == "attention":
-        rows = attention.run(args.n, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
-                             repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
-                             causal=not args.non_causal, only=args.only, backend=args.backend, echo=echo)
+        rows = attention.run(args.n, attention_bench(args), echo)
         if args.json:
             _write_json(args.json, {"suite": "attention", "settings": {
                 key: getattr(args, key) for key in ("batch", "heads", "head_dim", "window", "repeats", "device",
                                                     "dtype", "non_causal", "backend")}, "rows": rows})
     elif args.suite == "model":
-        model.run(args.n, args.positions, dim=args.dim, depth=args.depth, heads=args.heads, window=args.window,
-                  batch=args.batch, repeats=args.repeats, device=args.device, attentions=args.models,
-                  backend=args.backend, echo=echo)
+        model.run(args.n, args.positions, model_bench(args), echo)
     else:
-        attention.run([1024, 4096, 16384], device=args.device, echo=echo)
+        attention.run([1024, 4096, 16384], attention.AttentionBench(device=args.device), echo)
         print()
-        model.run([1024, 4096, 8192], [1024, 4096, 16384], device=args.device, echo=echo)
+        model.run([1024, 4096, 8192], [1024, 4096, 16384], model.ModelBench(device=args.device), echo)
     return 0
+
+
+def attention_bench(args: argparse.Namespace):
+    """bench attention's settings (``bench.attention.AttentionBench``)."""
+    from ..bench.attention import AttentionBench
+
+    return AttentionBench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
+                          repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
+                          causal=not args.non_causal, only=None if args.only is None else tuple(args.only),
+                          backend=args.backend)
+
+
+def model_bench(args: argparse.Namespace):
+    """bench model's settings (``bench.model.ModelBench``)."""
+    from ..bench.model import ModelBench
+
+    return ModelBench(dim=args.dim, depth=args.depth, heads=args.heads, window=args.window, batch=args.batch,
+                      repeats=args.repeats, device=args.device, attentions=tuple(args.models),
+                      backend=args.backend)
 
 
 def recall_settings(args: argparse.Namespace):

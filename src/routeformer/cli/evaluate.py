@@ -28,7 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train import distributed
-    from ..train.evaluation import UNITS, context_policy, evaluate, metric
+    from ..train.evaluation import UNITS, Scoring, context_policy, evaluate, metric
     from ..train.runs import load_run, pick_device
 
     run_dir = Path(args.run_dir).expanduser()
@@ -46,7 +46,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
         if procs.main:
             note(model.config.describe_executor(procs.device))
-        total, count = evaluate(model, tokens, seq, batch=args.batch_size, procs=procs, stride=args.stride,
+        total, count = evaluate(model, tokens, Scoring(seq, args.batch_size, stride=args.stride), procs,
                                 progress=f"{args.split} split")
         if procs.main:
             mean = total / count

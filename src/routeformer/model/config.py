@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -13,10 +12,25 @@ from ..attention.kinds.base import HeadKind, Warmup
 from ..attention.registry import KINDS, default_attention, get_kind
 from ..checks import positive_int
 from ..executors import check_backend
+from ..lengths import sqrt_len
 from .legacy import migrate_saved, refuse_old_spelling
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
+# The kinds whose heads attend to a band of the last `window` positions: one number, the local window, sets each
+# one's window and the relative positions' clip that fits it (``local_window``). legacy.MOVED["window"] is another
+# thing: a record, frozen, of what the old flat `window` meant when saved files were written.
+LOCAL_BANDS = ("local", "longformer")
+
+
+def local_window(window: int, *, rel_clip: bool = True) -> dict[str, Any]:
+    """The TransformerConfig fields the local window sets, for the constructor (``bench.measure.merge_fields``
+    merges them section by section): {'options': {'local': {'window': w}, 'longformer': {'window': w}}, 'rel_clip':
+    w}; ``rel_clip=False`` leaves the clip out (a configuration that sets it itself)."""
+    fields: dict[str, Any] = {"options": {kind: {"window": window} for kind in LOCAL_BANDS}}
+    if rel_clip:
+        fields["rel_clip"] = window
+    return fields
 
 
 def sections() -> dict[str, HeadKind]:
@@ -143,7 +157,7 @@ class TransformerConfig:
             self.attention = default_attention(self.heads)
         self.layer_specs()  # validates the spec(s)
         if self.grid_width is None:
-            self.grid_width = max(1, round(math.sqrt(self.seq_len)))
+            self.grid_width = sqrt_len(self.seq_len)
         positive_int("grid_width", self.grid_width)
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")

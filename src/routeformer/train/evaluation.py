@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import eval_windows, window_batches
-from ..model import check_token_ids
+from ..model import TransformerLM, check_token_ids
+from .config import TrainConfig
 from .distributed import Processes, routing_in_sync, sum_all
+from .parallel import Parallelism
 
 UNITS = {"bytes": "bits per byte", "words": "perplexity", "images": "bits per dimension"}
 
@@ -31,18 +34,31 @@ def context_policy(seq_len: int, stride: int | None) -> str:
             f"{seq_len - stride} tokens of context)")
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """Which windows of a split are scored, and how many in one forward: windows of ``seq_len`` tokens every
+    ``stride`` (None: seq_len, non-overlapping; else the last ``stride`` predictions of each are scored), at most
+    ``max_windows`` of them evenly spaced and non-overlapping (None: all; the cheap estimate used during training),
+    ``batch`` windows at a time."""
+
+    seq_len: int
+    batch: int
+    stride: int | None = None
+    max_windows: int | None = None
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, *, batch: int, procs: Processes,
-             autocast: contextlib.AbstractContextManager | None = None, stride: int | None = None,
-             max_windows: int | None = None, progress: str | None = None) -> tuple[float, int]:
-    """(sum of NLL in nats, number of predictions) over the split, every prediction counted once, summed over
-    ranks (each rank takes every world-th batch of windows). ``max_windows`` keeps that many evenly spaced
-    non-overlapping windows (the cheap estimate used during training). ``progress``: the label of a progress
-    bar on stderr (windows scored, time left), shown by the main process. Where ``one_shape`` (CUDA) the last, short
-    batch is padded to the shape of the others with rows that score nothing (``_padded``)."""
+def evaluate(model: nn.Module, tokens: np.ndarray, scoring: Scoring, procs: Processes, *,
+             autocast: contextlib.AbstractContextManager | None = None,
+             progress: str | None = None) -> tuple[float, int]:
+    """(sum of NLL in nats, number of predictions) over the split's windows (``scoring``), every prediction counted
+    once, summed over ranks (each rank takes every world-th batch of windows). ``progress``: the label of a
+    progress bar on stderr (windows scored, time left), shown by the main process. Where ``one_shape`` (CUDA) the
+    last, short batch is padded to the shape of the others with rows that score nothing (``_padded``)."""
     from tqdm import tqdm
 
-    windows = eval_windows(len(tokens), seq_len, stride)
+    seq_len, batch, max_windows = scoring.seq_len, scoring.batch, scoring.max_windows
+    windows = eval_windows(len(tokens), seq_len, scoring.stride)
     if max_windows is not None and len(windows) > max_windows:
         pick = np.linspace(0, len(windows) - 1, max_windows).round().astype(int)
         windows = [(windows[i][0], 0) for i in pick]
@@ -111,13 +127,13 @@ class Validator:
     estimate every ``eval_every`` steps and the whole split at the end, each written as a row of metrics by
     ``write``."""
 
-    def __init__(self, core: nn.Module, tokens: np.ndarray, kind: str, seq_len: int, *, batch_size: int,
-                 grad_accum: int, eval_tokens: int, procs: Processes,
-                 autocast: Callable[[], contextlib.AbstractContextManager], write: Callable[[dict], None]) -> None:
+    def __init__(self, core: TransformerLM, tokens: np.ndarray, kind: str, cfg: TrainConfig, parallel: Parallelism,
+                 write: Callable[[dict], None]) -> None:
+        seq_len, procs = core.config.seq_len, parallel.procs
         self.core, self.tokens, self.kind, self.seq_len = core, tokens, kind, seq_len
-        self.procs, self.autocast, self.write = procs, autocast, write
-        self.max_windows = max(1, eval_tokens // seq_len)
-        micro = max(1, batch_size // max(1, procs.world * grad_accum))
+        self.procs, self.autocast, self.write = procs, parallel.autocast, write
+        self.max_windows = max(1, cfg.eval_tokens // seq_len)
+        micro = max(1, cfg.batch_size // max(1, procs.world * cfg.grad_accum))
         self.batch = 4 * micro  # no gradients to keep: larger batches than training's, for throughput
 
     def estimate(self, step: int) -> float:
@@ -138,6 +154,7 @@ class Validator:
         return mean
 
     def _mean(self, max_windows: int | None, progress: str | None = None) -> float:
-        total, count = evaluate(self.core, self.tokens, self.seq_len, batch=self.batch, procs=self.procs,
-                                autocast=self.autocast(), max_windows=max_windows, progress=progress)
+        scoring = Scoring(self.seq_len, self.batch, max_windows=max_windows)
+        total, count = evaluate(self.core, self.tokens, scoring, self.procs, autocast=self.autocast(),
+                                progress=progress)
         return total / max(count, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,18 +49,40 @@ def adamw(core: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-9, fused=fused or None)
 
 
-class Loop:
-    """Trains ``model`` (the forward of ``core``'s data-parallel form, compiled or not) with ``optimizer`` on the
-    batches of ``sampler`` from ``progress.step`` on."""
+@dataclass(frozen=True)
+class Parts:
+    """What a run trains: ``model`` (the forward of ``core``'s data-parallel form, compiled or not), ``core`` (the
+    unwrapped model), its ``optimizer``, and the ``sampler`` of its batches (its seq_len is the run's)."""
 
-    def __init__(self, cfg: TrainConfig, seq_len: int, kind: str, *, model: TrainingForward, core: TransformerLM,
-                 optimizer: torch.optim.Optimizer, sampler: BatchSampler, parallel: Parallelism,
-                 progress: Progress, directory: RunDirectory, validator: Validator, checkpointer: Checkpointer,
-                 stop: StopRequest) -> None:
-        self.cfg, self.seq_len, self.kind = cfg, seq_len, kind
-        self.model, self.core, self.optimizer, self.sampler = model, core, optimizer, sampler
-        self.parallel, self.procs, self.progress = parallel, parallel.procs, progress
-        self.directory, self.validator, self.checkpointer, self.stop = directory, validator, checkpointer, stop
+    model: TrainingForward
+    core: TransformerLM
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the loop works with: the processes and precision (``parallel``), the run directory, the validation
+    (its metric's kind is the run's), the checkpoints, and the stop request (Ctrl-C / SIGTERM)."""
+
+    parallel: Parallelism
+    directory: RunDirectory
+    validator: Validator
+    checkpointer: Checkpointer
+    stop: StopRequest
+
+
+class Loop:
+    """Trains ``parts.model`` with ``parts.optimizer`` on the batches of ``parts.sampler`` from ``progress.step``
+    on, validating, saving and stopping through ``services``."""
+
+    def __init__(self, cfg: TrainConfig, parts: Parts, services: Services, progress: Progress) -> None:
+        self.cfg, self.progress = cfg, progress
+        self.model, self.core, self.optimizer, self.sampler = parts.model, parts.core, parts.optimizer, parts.sampler
+        self.seq_len, self.kind = parts.sampler.seq_len, services.validator.kind
+        self.parallel, self.procs = services.parallel, services.parallel.procs
+        self.directory, self.validator = services.directory, services.validator
+        self.checkpointer, self.stop = services.checkpointer, services.stop
         self.lr = math.nan  # the learning rate of the last step
 
     def run(self, resume: bool) -> str:

@@ -28,7 +28,7 @@ from . import distributed
 from .checkpoint import CHECKPOINT, Checkpointer, first_line, load_checkpoint
 from .config import RunConfig
 from .evaluation import UNITS, Validator, metric
-from .loop import Loop, adamw, schedule_warnings
+from .loop import Loop, Parts, Services, adamw, schedule_warnings
 from .parallel import Parallelism, resolve_precision
 from .rundir import RunDirectory, new_run_dir
 from .runs import check_sample_layout
@@ -109,13 +109,10 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         for warning in schedule_warnings(cfg):
             echo(f"warning: {warning}")
     try:
-        validator = Validator(core, data.split("valid"), kind, run.model.seq_len, batch_size=cfg.batch_size,
-                              grad_accum=cfg.grad_accum, eval_tokens=cfg.eval_tokens, procs=procs,
-                              autocast=parallel.autocast, write=directory.write)
+        validator = Validator(core, data.split("valid"), kind, cfg, parallel, directory.write)
         stop = StopRequest(echo if procs.main else None)
-        loop = Loop(cfg, run.model.seq_len, kind, model=forward, core=core, optimizer=optimizer, sampler=sampler,
-                    parallel=parallel, progress=progress, directory=directory, validator=validator,
-                    checkpointer=checkpointer, stop=stop)
+        loop = Loop(cfg, Parts(forward, core, optimizer, sampler),
+                    Services(parallel, directory, validator, checkpointer, stop), progress)
         # Ctrl-C during the loop stops at the end of the step and saves. After the loop everything is saved,
         # so Ctrl-C during the final evaluation and sample interrupts at once (KeyboardInterrupt).
         with stop.handling(), forward.reproducible():

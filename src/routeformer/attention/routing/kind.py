@@ -4,9 +4,9 @@ heads themselves are ``RoutingAttention`` (``layer.py``)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
+from ...lengths import sqrt_len
 from ..kinds.base import HeadKind, Warmup
 from ..kinds.common import at_most_seq_len
 from .layer import RoutingAttention
@@ -14,7 +14,7 @@ from .options import RoutingOptions, default_routing_window
 
 
 def _complete(o: RoutingOptions, config: Any) -> RoutingOptions:
-    k = max(1, round(math.sqrt(config.seq_len))) if o.num_clusters is None else o.num_clusters
+    k = sqrt_len(config.seq_len) if o.num_clusters is None else o.num_clusters
     if k > config.seq_len:
         raise ValueError(f"num_clusters ({k}) is larger than seq_len ({config.seq_len})")
     if o.probes > k:
