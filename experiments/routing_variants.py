@@ -41,6 +41,7 @@ from routeformer.attention.kinds.base import Warmup
 from routeformer.attention.routing import RoutingAttention
 from routeformer.attention.routing.kind import KIND as ROUTING
 from routeformer.attention.routing.probes import probe_masks
+from routeformer.executors import Inputs
 
 DISTILL_WEIGHT = 1.0  # the weight of routing_ad's loss (--distill-weight)
 DISTILL_SHARPNESS = 10.0
@@ -151,7 +152,7 @@ class BlendedRouting(RoutingAttention):
             routed = super().forward(q, k, v, rel_pos)
         finally:
             self.routing._steps = steps
-        dense = self._dense(q, k, v, self.scale, None, rel_pos)
+        dense = self._dense(Inputs(q, k, v, self.scale), rel_pos)
         return (1 - a) * dense + a * routed
 
 

@@ -16,23 +16,16 @@ MOST = 8
 # arguments, causal, scale, the padding mask, rel_pos, backend, kernel), the routing internals that take the
 # tensors one by one, the benchmarks' and the training loop's constructors. Shrink it; never grow it.
 OVER = {
-    "attention/routing/sorted_window.py:sorted_window_attention": 13,
-    "attention/routing/probes.py:probed_window_attention": 13,
-    "attention/routing/probes.py:_dense": 12,
-    "attention/routing/balanced.py:_unselected_tiles": 11,
     "attention/lsh.py:lsh_attention": 11,
     "attention/longformer.py:longformer_attention": 11,
     "attention/fixed.py:fixed_attention": 11,
     "executors/fused/executor.py:fused_rounds": 10,
     "attention/strided.py:strided_attention": 10,
-    "attention/routing/balanced.py:balanced_attention": 10,
-    "attention/routing/balanced.py:_member_tiles": 10,
     "attention/performer.py:performer_attention": 10,
     "attention/local.py:local_attention": 10,
     "attention/kernels.py:kernel_attention": 10,
     "analysis/substitution.py:approximation_table": 10,
     "executors/fused/op.py:rounds": 9,
-    "attention/routing/cache.py:RoutingCache.step": 9,
     "attention/reference.py:reference_attention": 9,
     "attention/linear.py:feature_attention": 9,
     "attention/full.py:full_attention": 9,

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from helpers import compare_with_reference, make_router, rand_padding, rand_qkv, rand_rel, routing_layer
-from routeformer.attention.routing import Router, update_routing
+from routeformer.attention.routing import Router, RoutingOptions, update_routing
 from routeformer.attention.routing.sorted_window import sorted_window_attention, sorted_window_mask
-from routeformer.executors import merge_partials, neg_inf
+from routeformer.executors import Inputs, get_executor, merge_partials, neg_inf
+
+EXECUTOR = get_executor("auto", "cpu")
 
 
 @pytest.mark.parametrize("shared, separate", [(True, False), (False, False), (False, True)])
@@ -147,10 +149,11 @@ def test_sorted_window_lse_is_the_logsumexp_of_each_query_in_position_order(caus
     rel = rand_rel(D, 5) if extras == "relative" else None
     padding = rand_padding(B, N) if extras == "padding" else None
     valid = None if padding is None else padding[:, None, :]
-    out, lse = sorted_window_attention(q, k, v, clusters, window=w, causal=causal, exclude_self=False,
-                                       scale=D**-0.5, key_valid=valid, rel_pos=rel, need_lse=True)
-    assert torch.equal(out, sorted_window_attention(q, k, v, clusters, window=w, causal=causal, exclude_self=False,
-                                                    scale=D**-0.5, key_valid=valid, rel_pos=rel))
+    inputs, options = Inputs(q, k, v, D**-0.5, valid), RoutingOptions(window=w, shared_qk=False)
+    out, lse = sorted_window_attention(inputs, clusters, options, executor=EXECUTOR, causal=causal, rel_pos=rel,
+                                       need_lse=True)
+    assert torch.equal(out, sorted_window_attention(inputs, clusters, options, executor=EXECUTOR, causal=causal,
+                                                    rel_pos=rel))
     mask = sorted_window_mask(clusters, w, causal, False, valid)
     want = _scores(q, k, D**-0.5, rel).masked_fill(~mask, float("-inf")).logsumexp(-1)
     seen = mask.any(-1)
@@ -162,9 +165,10 @@ def test_sorted_window_lse_is_the_logsumexp_of_each_query_in_position_order(caus
 
 def _two_rounds(q, k, v, first, second, *, window, causal, exclude_self, key_padding_mask=None, rel_pos=None):
     valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
-    parts = [sorted_window_attention(q, k, v, c, window=window, causal=causal, exclude_self=exclude_self,
-                                     scale=q.shape[-1] ** -0.5, key_valid=valid, rel_pos=rel_pos, need_lse=True)
-             for c in (first, second)]
+    inputs = Inputs(q, k, v, q.shape[-1] ** -0.5, valid)
+    options = RoutingOptions(window=window, shared_qk=exclude_self)
+    parts = [sorted_window_attention(inputs, c, options, executor=EXECUTOR, causal=causal, rel_pos=rel_pos,
+                                     need_lse=True) for c in (first, second)]
     return merge_partials(parts)[0]
 
 

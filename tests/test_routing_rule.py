@@ -11,6 +11,7 @@ from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import KeyStore, RoutingAttention, RoutingCache, reference_attention
 from routeformer.attention.reference import reference_weights
+from routeformer.attention.routing import RoutingOptions
 from routeformer.attention.routing import probes as probes_module
 from routeformer.attention.routing.probes import probe_masks
 
@@ -214,7 +215,7 @@ def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
     cluster with no key at all: the tiles' R rows per stretch stay within two rows per entry (uncapped, one step
     of a model at N = 2048 took 24 GB), the rest goes through the gathered pass, and the output is the reference's."""
     from routeformer.attention.routing.probes import probed_window_attention, probed_window_mask
-    from routeformer.executors import get_executor, ranges
+    from routeformer.executors import Inputs, get_executor, ranges
 
     chosen = []
     tile_rows = ranges._tile_rows
@@ -227,8 +228,8 @@ def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
     clusters[..., :40] = 1  # cluster 1: the first 40 keys only
     probes = torch.stack([torch.ones_like(clusters), torch.full_like(clusters, 2)], -1)  # 1, and 2 (empty)
     probes[..., 40:, 0] = torch.where(torch.arange(N - 40) % 4 == 0, 0, 1)  # a few later queries probe cluster 0
-    out = probed_window_attention(q, k, v, clusters, probes, window=12, exclude_self=False, scale=D ** -0.5,
-                                  executor=get_executor("tiles"))
+    out = probed_window_attention(Inputs(q, k, v, D ** -0.5), clusters, probes,
+                                  RoutingOptions(window=12, shared_qk=False), executor=get_executor("tiles"))
     want = reference_attention(q, k, v, probed_window_mask(clusters, probes, 12, exclude_self=False))
     torch.testing.assert_close(out, want)
     R, groups, entries = chosen[0]
@@ -243,7 +244,7 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
     the ranges before attending, or (padding: ranges of padded keys only) after. Forward and gradients against the
     dense mask in float64."""
     from routeformer.attention.routing.probes import probed_window_attention, probed_window_mask
-    from routeformer.executors import get_executor
+    from routeformer.executors import Inputs, get_executor
 
     g = torch.Generator().manual_seed(5)
     B, H, N, D, k = 1, 2, 512, 8, 24
@@ -263,8 +264,8 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
     assert alone.sum() > 20, "the test needs queries that see only their own key"
     if not own_first:
         assert (alone & (probes != clusters[..., None]).all(-1)).any(), "... and some that do not probe their own"
-    out = probed_window_attention(q, q, v, clusters, probes, window=6, exclude_self=True, scale=D ** -0.5,
-                                  executor=get_executor("tiles"), key_valid=valid)
+    out = probed_window_attention(Inputs(q, q, v, D ** -0.5, valid), clusters, probes,
+                                  RoutingOptions(window=6, shared_qk=True), executor=get_executor("tiles"))
     want = reference_attention(q, q, v, mask)
     torch.testing.assert_close(out, want)
     grad = torch.randn_like(out)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...executors import Backend, get_executor, neg_inf
+from ...executors import Executor, neg_inf
 from ...executors.inputs import Inputs, RelTerms
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
+from .options import RoutingOptions
 from .sorted_window import drop_own_key, sort_by_cluster
 
 _BITS = 63  # cluster memberships packed 63 to an int64 word (bit 63 is the sign)
@@ -66,30 +67,21 @@ def balanced_mask(members: Tensor, clusters: Tensor, exclude_self: bool, key_val
     return allow
 
 
-def balanced_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    members: Tensor,
-    clusters: Tensor,
-    *,
-    exclude_self: bool,
-    scale: float,
-    key_valid: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
-    backend: Backend = "auto",
-) -> Tensor:
-    """Attention within balanced clusters. q, k, v (B, H, N, D); members (B, H, k, w); clusters (B, H, N) argmax.
-    ``backend``: the executor of the cluster tiles (``executors.get_executor``)."""
-    executor = get_executor(backend, q.device)
+def balanced_attention(inputs: Inputs, members: Tensor, clusters: Tensor, options: RoutingOptions, *,
+                       executor: Executor, rel_pos: RelativePositions | None = None) -> Tensor:
+    """Attention within balanced clusters: inputs, the checked q, k, v (B, H, N, D), scale and key validity;
+    members (B, H, k, w); clusters (B, H, N) argmax; ``options.shared_qk``: the own key left out unless alone. The
+    cluster tiles run on ``executor``."""
+    q, v = inputs.q, inputs.v
     B, H, N, D = q.shape
     member_of = _membership(members, N)  # (B, H, k, N)
     selected = member_of.any(2)  # (B, H, N)
-    valid = None if key_valid is None else key_valid.expand(B, H, N)
+    valid = None if inputs.key_valid is None else inputs.key_valid.expand(B, H, N)
+    inputs = inputs.with_(key_valid=valid)
 
     # Queries that are members: one (w, w) tile per cluster, merged over clusters per token.
-    out, lse = _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos, executor)
-    if exclude_self:  # nothing but itself: attend to itself
+    out, lse = _member_tiles(inputs, members, member_of, options.shared_qk, rel_pos, executor)
+    if options.shared_qk:  # nothing but itself: attend to itself
         alone = lse < neg_inf(q.dtype) / 2
         own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]  # the value term of distance 0
         if valid is not None:
@@ -98,10 +90,14 @@ def balanced_attention(
 
     # Queries in no cluster: the members of their nearest centroid's cluster (always run: whether any query is in
     # none would be a host read; with none, every tile is empty and its rows go to the dump slot).
-    return _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor)
+    return _unselected_tiles(out, inputs, (members, clusters, selected), rel_pos, executor)
 
 
-def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_pos, executor):
+def _member_tiles(inputs: Inputs, members: Tensor, member_of: Tensor, exclude_self: bool,
+                  rel_pos: RelativePositions | None, executor: Executor) -> tuple[Tensor, Tensor]:
+    """Every cluster's members against each other, one (w, w) tile per cluster, each pair counted in its first
+    common cluster; the partial results merged per token: (out (B, H, N, D), lse (B, H, N))."""
+    q, k, v, valid = inputs.q, inputs.k, inputs.v, inputs.key_valid  # valid: (B, H, N) or None
     B, H, N, D = q.shape
     kc, w = members.shape[2:]
     flat = members.reshape(B, H, kc * w)
@@ -117,7 +113,7 @@ def _member_tiles(q, k, v, members, member_of, exclude_self, scale, valid, rel_p
     if rel_pos is not None:
         delta = (members[..., None, :] - members[..., :, None]).view(B, H * kc, 1, w, w)
         rel = RelTerms(rel_pos, Distances(delta=delta))
-    o, lse = executor.tiled(Inputs(tiles(q), tiles(k), tiles(v), scale, kv),
+    o, lse = executor.tiled(Inputs(tiles(q), tiles(k), tiles(v), inputs.scale, kv),
                             Tiling.dense(w, tile_mask=first.view(B, H * kc, 1, w, w)), rel=rel, need_lse=True)
     return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
 
@@ -163,10 +159,15 @@ def unselected_tile_bound(n: int, num_clusters: int, w: int) -> int:
     return max(1, unselected // w + min(num_clusters, unselected))
 
 
-def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, rel_pos, executor):
-    """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members.
-    As many tiles as there can be (``unselected_tile_bound``), not as there are: their number is then no host read
-    of a device tensor, and the shapes, which FlexAttention compiles for, depend on the sizes alone."""
+def _unselected_tiles(out: Tensor, inputs: Inputs, clustering: tuple[Tensor, Tensor, Tensor],
+                      rel_pos: RelativePositions | None, executor: Executor) -> Tensor:
+    """Queries in no cluster, packed into tiles of w queries that share an argmax cluster, against its members,
+    written into ``out`` (B, H, N, D). ``clustering``: the members (B, H, k, w), every token's argmax cluster
+    (B, H, N) and whether it is a member of any (B, H, N). As many tiles as there can be
+    (``unselected_tile_bound``), not as there are: their number is then no host read of a device tensor, and the
+    shapes, which FlexAttention compiles for, depend on the sizes alone."""
+    q, k, v, valid = inputs.q, inputs.k, inputs.v, inputs.key_valid  # valid: (B, H, N) or None
+    members, clusters, selected = clustering
     B, H, N, D = q.shape
     kc, w = members.shape[2:]
     group = torch.where(selected, kc, clusters)  # unselected tokens by cluster; selected ones last (sentinel k)
@@ -194,7 +195,7 @@ def _unselected_tiles(out, q, k, v, members, clusters, selected, scale, valid, r
     rel = None
     if rel_pos is not None:
         rel = RelTerms(rel_pos, Distances(delta=(keys[..., None, :] - query[..., :, None]).view(B, H * total, 1, w, w)))
-    o, _ = executor.tiled(Inputs(qt, kt, vt, scale, kv), Tiling.dense(w), rel=rel)
+    o, _ = executor.tiled(Inputs(qt, kt, vt, inputs.scale, kv), Tiling.dense(w), rel=rel)
     dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
     dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))
     return dest[:, :, :N]

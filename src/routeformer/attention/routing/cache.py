@@ -8,6 +8,7 @@ route plus O(p · window · D) to attend over its p probed clusters, per head, w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,6 +17,15 @@ from ...checks import positive_int
 from ...executors.relative import RelativePositions
 from ..decoding import attend_cached
 from .sorted_window import ClusterOrder, drop_own_key
+
+
+class TokenRoute(NamedTuple):
+    """Where one decoded token goes: its key's cluster (B, H), the clusters its query probes (B, H, p), and their
+    gates (B, H, p) (each probe's softmax scaled by its gate instead of one softmax over the union) or None."""
+
+    key_cluster: Tensor
+    probes: Tensor
+    gates: Tensor | None = None
 
 
 @dataclass
@@ -77,11 +87,12 @@ class RoutingCache:
         self.counts.copy_(counts)
         self.length = n
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor, key_cluster: Tensor, probes: Tensor, *, scale: float,
-             exclude_self: bool, rel_pos: RelativePositions | None, gates: Tensor | None = None) -> Tensor:
-        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); key_cluster (B, H), the
-        buffer its key joins; probes (B, H, p), the buffers its query reads; gates (B, H, p) or None: each probe's
-        softmax scaled by its gate instead of one softmax over the union. The caller checks ``max_len``."""
+    def step(self, q: Tensor, k: Tensor, v: Tensor, route: TokenRoute, *, scale: float, exclude_self: bool,
+             rel_pos: RelativePositions | None) -> Tensor:
+        """Write the token at position ``length`` and return its output. q, k, v (B, H, D); ``route``: the buffer
+        its key joins, the buffers its query reads and their gates. ``exclude_self``: shared QK, the own key only
+        when alone. The caller checks ``max_len``."""
+        key_cluster, probes, gates = route
         B, H, D = q.shape
         if tuple(k.shape) != (B, H, D) or self.keys.shape[:2] != (B, H) or self.keys.shape[-1] != D:
             raise ValueError(f"decoding tensors of shape {tuple(q.shape)} do not fit a cache for "

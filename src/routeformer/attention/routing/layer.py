@@ -27,7 +27,7 @@ from ...executors.inputs import Inputs, relative
 from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
 from .balanced import balanced_attention, balanced_mask, balanced_members
-from .cache import RoutingCache
+from .cache import RoutingCache, TokenRoute
 from .options import RoutingOptions
 from .probes import probe_masks, probed_window_attention, probed_window_mask, routed_pairs
 from .router import Router, Routes, update_routing
@@ -157,37 +157,32 @@ class RoutingAttention(HeadGroup):
                 scale: float | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D)."""
         inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-        scale, key_valid = inputs.scale, inputs.key_valid
         routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced)
+        o, ex = self.options, self.executor
         if self.dense:
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
-            return self._dense(q, k, v, scale, key_valid, rel_pos, bias)
+            return self._dense(inputs, rel_pos, bias)
         if self.probing:
-            return probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
-                                           exclude_self=self.shared_qk, scale=scale, executor=self.executor,
-                                           key_valid=key_valid, rel_pos=rel_pos, gates=self._gates(routes),
-                                           sort=routes.sort)
+            return probed_window_attention(inputs, routes.keys, routes.probes, o, executor=ex, rel_pos=rel_pos,
+                                           gates=self._gates(routes), sort=routes.sort)
         if self.balanced:
             members = balanced_members(routes.scores, self.window, key_padding_mask)
-            return balanced_attention(q, k, v, members, routes.keys, exclude_self=self.shared_qk, scale=scale,
-                                      key_valid=key_valid, rel_pos=rel_pos, backend=self.executor)
-        return sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=self.causal,
-                                       exclude_self=self.shared_qk, scale=scale, key_valid=key_valid,
-                                       rel_pos=rel_pos, sort=routes.sort, backend=self.executor)
+            return balanced_attention(inputs, members, routes.keys, o, executor=ex, rel_pos=rel_pos)
+        return sorted_window_attention(inputs, routes.keys, o, executor=ex, causal=self.causal, rel_pos=rel_pos,
+                                       sort=routes.sort)
 
     def handover_bias(self, routes: Routes, dtype: torch.dtype) -> Tensor:
         """(B, H, N, N): 0 on the pairs routing scores (``routed_pairs``), -λ (``handover_penalty``) elsewhere."""
         routed = routed_pairs(routes.keys, routes.probes, self.window, self.num_clusters)
         return (~routed).to(dtype) * -self.handover_penalty()
 
-    def _dense(self, q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
-               rel_pos: RelativePositions | None, bias: Tensor | None = None) -> Tensor:
+    def _dense(self, inputs: Inputs, rel_pos: RelativePositions | None, bias: Tensor | None = None) -> Tensor:
         """The warm-up and the hand-over: causal attention to every earlier key (shared QK: not the own key, unless
         alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory. Causal as the offsets j - i <= 0
         (not a mask tensor: an executor reads the range from the tiling, with no host read of a device tensor)."""
-        n = q.shape[2]
+        n = inputs.q.shape[2]
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
-        out, _ = self.executor.tiled(Inputs(q, k, v, scale, key_valid), Tiling(block=n, offsets=(1 - n, 0)),
+        out, _ = self.executor.tiled(inputs, Tiling(block=n, offsets=(1 - n, 0)),
                                      restrict=restrict, rel=relative(rel_pos),
                                      bias=None if bias is None else bias[:, :, None])
         return out
@@ -327,19 +322,18 @@ class RoutingAttention(HeadGroup):
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
             sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both
             if self.probing:
-                out = probed_window_attention(q, k, v, routes.keys, routes.probes, window=self.window,
-                                              exclude_self=self.shared_qk, scale=scale, executor=self.executor,
+                out = probed_window_attention(inputs, routes.keys, routes.probes, self.options, executor=self.executor,
                                               rel_pos=rel_pos, gates=self._gates(routes), sort=sort)
             else:
-                out = sorted_window_attention(q, k, v, routes.keys, window=self.window, causal=True,
-                                              exclude_self=self.shared_qk, scale=scale, rel_pos=rel_pos, sort=sort,
-                                              backend=self.executor)
+                out = sorted_window_attention(inputs, routes.keys, self.options, executor=self.executor,
+                                              rel_pos=rel_pos, sort=sort)
             cache.fill(k, v, sort)
             return out
         gates = self._gates(routes)
-        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t], routes.keys[:, :, t], routes.probes[:, :, t],
-                           scale=scale, exclude_self=self.shared_qk, rel_pos=rel_pos,
-                           gates=None if gates is None else gates[:, :, t]) for t in range(n)]
+        outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t],
+                           TokenRoute(routes.keys[:, :, t], routes.probes[:, :, t],
+                                      None if gates is None else gates[:, :, t]),
+                           scale=scale, exclude_self=self.shared_qk, rel_pos=rel_pos) for t in range(n)]
         return torch.stack(outs, dim=2)
 
     def extra_repr(self) -> str:

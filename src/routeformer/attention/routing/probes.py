@@ -26,6 +26,7 @@ from ...executors.inputs import Inputs, relative
 from ...executors.ranges import KeyOrder, Ranges
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
+from .options import RoutingOptions
 from .sorted_window import ClusterOrder, sort_by_cluster
 
 # sequences up to this length run as one dense masked tile per head on executors without their own ranges (faster
@@ -54,26 +55,26 @@ def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: Cluste
     return lo, hi, sort
 
 
-def probed_window_attention(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor, *,
-                            window: int, exclude_self: bool, scale: float, executor: Executor,
-                            key_valid: Tensor | None = None, rel_pos: RelativePositions | None = None,
+def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor, options: RoutingOptions, *,
+                            executor: Executor, rel_pos: RelativePositions | None = None,
                             gates: Tensor | None = None, sort: ClusterOrder | None = None) -> Tensor:
-    """Query i attends to the last ``window`` keys j <= i of each cluster in ``probes[i]``.
+    """Query i attends to the last ``options.window`` keys j <= i of each cluster in ``probes[i]``.
 
-    q, k, v: (B, H, N, D); key_clusters: (B, H, N) long; probes: (B, H, N, p) long, distinct per query; key_valid:
-    (B, 1, N) or None; gates: optional (B, H, N, p): each probed cluster's softmax is scaled by its gate instead of
-    the union sharing one softmax -> (B, H, N, D). ``exclude_self``: shared QK (see the module).
+    inputs: the checked q, k, v (B, H, N, D), scale and key validity (B, 1, N) or None; key_clusters: (B, H, N)
+    long; probes: (B, H, N, p) long, distinct per query; gates: optional (B, H, N, p): each probed cluster's softmax
+    is scaled by its gate instead of the union sharing one softmax -> (B, H, N, D). ``options.shared_qk``: the own
+    key left out (see the module). ``sort``: the keys' ``sort_by_cluster`` when the caller has it.
     """
+    q, v, key_valid, window, exclude_self = inputs.q, inputs.v, inputs.key_valid, options.window, options.shared_qk
     B, H, N, D = q.shape
     p = probes.shape[-1]
     if N <= DENSE_UP_TO and not executor.runner(q).native_ranges:
-        return _dense(q, k, v, key_clusters, probes, window=window, exclude_self=exclude_self, scale=scale,
-                      executor=executor, key_valid=key_valid, rel_pos=rel_pos, gates=gates)
+        return _dense(inputs, key_clusters, probes, options, executor=executor, rel_pos=rel_pos, gates=gates)
     lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
     if exclude_self and key_valid is None:  # shared QK: a query that sees no other key sees its own
         hi = _own_key_when_alone(lo, hi, key_clusters, probes)
     pos = torch.arange(N, device=q.device).expand(B, H, N)
-    inputs, order = Inputs(q, k, v, scale, key_valid), KeyOrder(sort.order, sort.inverse)
+    order = KeyOrder(sort.order, sort.inverse)
     if gates is None:  # one softmax over the union of the probes' (disjoint) ranges
         merged, lse = executor.ranges(inputs, Ranges(lo, hi, window, p, query_pos=pos, key_pos=pos), order=order,
                                       rel_pos=rel_pos, need_lse=True)
@@ -107,22 +108,20 @@ def _own_key_when_alone(lo: Tensor, hi: Tensor, key_clusters: Tensor, probes: Te
     return hi + (own & alone[..., None]).view(B, H, N * p).long()
 
 
-def _dense(q: Tensor, k: Tensor, v: Tensor, key_clusters: Tensor, probes: Tensor, *, window: int,
-           exclude_self: bool, scale: float, executor: Executor, key_valid: Tensor | None,
+def _dense(inputs: Inputs, key_clusters: Tensor, probes: Tensor, options: RoutingOptions, *, executor: Executor,
            rel_pos: RelativePositions | None, gates: Tensor | None) -> Tensor:
     """Short sequences: one dense (N, N) tile per head under the exact mask (``_window_masks``), O(N²·(p + D))."""
-    N = q.shape[2]
+    q, N = inputs.q, inputs.q.shape[2]
     p = probes.shape[-1]
-    recent, probed = _window_masks(key_clusters, probes, window, key_valid)
+    recent, probed = _window_masks(key_clusters, probes, options.window, inputs.key_valid)
     union = recent & functools.reduce(torch.logical_or, probed)
     own = None
-    if exclude_self:  # the own key only where the union holds nothing else
+    if options.shared_qk:  # the own key only where the union holds nothing else
         eye = torch.eye(N, dtype=torch.bool, device=q.device)
         own = eye & (union & ~eye).any(-1, keepdim=True)
         union = union & ~own
     idx = torch.arange(N, device=q.device)
     rel = None if rel_pos is None else relative(rel_pos, Distances(delta=idx[None, :] - idx[:, None]))
-    inputs = Inputs(q, k, v, scale, key_valid)
 
     def attend(allow: Tensor) -> Tensor:
         out, _ = executor.tiled(inputs, Tiling.dense(N, tile_mask=allow[:, :, None]), rel=rel)

@@ -14,11 +14,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ...executors import Backend, get_executor
+from ...executors import Executor
 from ...executors.inputs import Inputs, relative
 from ...executors.relative import RelativePositions
 from ...executors.rows import move_rows
 from ...executors.tiling import Distances, KeyRestrictions
+from .options import RoutingOptions
 
 
 class ClusterOrder(NamedTuple):
@@ -66,28 +67,24 @@ def permute_seq(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
 
 
 def sorted_window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    inputs: Inputs,
     clusters: Tensor,
+    options: RoutingOptions,
     *,
-    window: int,
-    causal: bool,
-    exclude_self: bool,
-    scale: float,
-    key_valid: Tensor | None = None,
+    executor: Executor,
+    causal: bool = True,
     rel_pos: RelativePositions | None = None,
     sort: ClusterOrder | None = None,
     need_lse: bool = False,
-    backend: Backend = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Each query attends to the ``window`` nearest positions of its own cluster (only earlier ones when causal).
+    """Each query attends to the ``options.window`` nearest positions of its own cluster (only earlier ones when
+    causal); with ``options.shared_qk`` not to its own key unless it sees no other.
 
-    q, k, v: (B, H, N, D); clusters: (B, H, N) any integer groups (k-means clusters, hash buckets); key_valid:
-    (B, 1, N) or None -> (B, H, N, D). Causal: keys j <= i, the most recent ``window`` of the cluster; non-causal:
-    |rank_i - rank_j| < window within the cluster. ``sort``: ``sort_by_cluster(clusters)`` when the caller already
-    has it. Time O(N · window · D + N log N), memory O(N · window) per head. ``backend``: the executor that runs
-    the band (``executors.get_executor``).
+    inputs: the checked q, k, v (B, H, N, D), scale and key validity (B, 1, N) or None; clusters: (B, H, N) any
+    integer groups (k-means clusters, hash buckets) -> (B, H, N, D). Causal: keys j <= i, the most recent ``window``
+    of the cluster; non-causal: |rank_i - rank_j| < window within the cluster. ``sort``: ``sort_by_cluster(clusters)``
+    when the caller already has it. Time O(N · window · D + N log N), memory O(N · window) per head; the band runs
+    on ``executor``.
 
     ``need_lse``: return (out, lse) with lse (B, H, N) the log-sum-exp of each query's scores, in float32 or wider,
     in the original position order (``neg_inf(lse.dtype)`` for a query that sees no key), so that several rounds of
@@ -95,14 +92,15 @@ def sorted_window_attention(
     union of the rounds' keys: a key that k rounds share counts k times (its weight is raised by log k); it equals
     attention over the union of the masks (``sorted_window_mask``) when no two rounds share a (query, key) pair.
     """
-    B, H, N, D = q.shape
+    B, H, N, D = inputs.shape
+    key_valid = inputs.key_valid
     order, _, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
-    restrict = KeyRestrictions(groups=grouped, exclude_self=exclude_self)
+    restrict = KeyRestrictions(groups=grouped, exclude_self=options.shared_qk)
     rel = relative(rel_pos, Distances(positions=order))  # between the entries' own positions
     # the band runs over the sorted sequence (Tiling.order): the executor reads rows by index or permutes them
-    out, lse = get_executor(backend, q.device).band(Inputs(q, k, v, scale, valid), window=window, causal=causal,
-                                                    restrict=restrict, rel=rel, need_lse=need_lse, order=order)
+    out, lse = executor.band(inputs.with_(key_valid=valid), window=options.window, causal=causal, restrict=restrict,
+                             rel=rel, need_lse=need_lse, order=order)
     return (out, lse) if need_lse else out
 
 
