@@ -17,8 +17,6 @@ def _complete(o: RoutingOptions, config: Any) -> RoutingOptions:
     k = sqrt_len(config.seq_len) if o.num_clusters is None else o.num_clusters
     if k > config.seq_len:
         raise ValueError(f"num_clusters ({k}) is larger than seq_len ({config.seq_len})")
-    if o.probes > k:
-        raise ValueError(f"probes ({o.probes}) must be at most num_clusters ({k})")
     window = default_routing_window(config.seq_len, k, o.probes) if o.window is None else o.window
     at_most_seq_len("window", window, config)
     length = o.warmup_len

@@ -70,28 +70,40 @@ class SphericalKMeans(nn.Module):
     def __init__(self, heads: int, dim: int, num_clusters: int, decay: float = 0.999, eps: float = 1e-6,
                  init_iters: int = 10, init_samples: int = 4096) -> None:
         super().__init__()
-        self.heads = positive_int("heads", heads)
-        self.dim = positive_int("dim", dim)
-        self.num_clusters = positive_int("num_clusters", num_clusters)
+        heads, dim = positive_int("heads", heads), positive_int("dim", dim)
+        num_clusters = positive_int("num_clusters", num_clusters)
         if not 0.0 <= float(decay) < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         self.decay, self.eps = float(decay), float(eps)
         self.init_iters = int(init_iters)
         self.init_samples = positive_int("init_samples", init_samples)
         gen = torch.Generator().manual_seed(0)
-        start = nn.functional.normalize(torch.randn(self.heads, self.num_clusters, self.dim, generator=gen), dim=-1)
+        start = nn.functional.normalize(torch.randn(heads, num_clusters, dim, generator=gen), dim=-1)
         self.register_buffer("centroids", start)  # (H, k, D), unit norm
         self.register_buffer("ema_sums", start.clone())  # (H, k, D)
-        self.register_buffer("ema_counts", torch.ones(self.heads, self.num_clusters))  # (H, k)
+        self.register_buffer("ema_counts", torch.ones(heads, num_clusters))  # (H, k)
         self.register_buffer("initialized", torch.tensor(False))
         # Statistics observed since the last update; not saved with the model.
-        self.register_buffer("pending_sums", torch.zeros(self.heads, self.num_clusters, self.dim), persistent=False)
-        self.register_buffer("pending_counts", torch.zeros(self.heads, self.num_clusters), persistent=False)
+        self.register_buffer("pending_sums", torch.zeros(heads, num_clusters, dim), persistent=False)
+        self.register_buffer("pending_counts", torch.zeros(heads, num_clusters), persistent=False)
         # Samples for initialisation, one (H, m, D) part and its (m,) validity per training forward before the first
         # update. A python mirror of `initialized` lets the forward decide without reading a tensor (no graph break
         # under torch.compile).
         self._sample_parts: list[tuple[Tensor, Tensor]] = []
         self._ready = False
+
+    # H, D and k are the centroids' shape, kept nowhere else
+    @property
+    def heads(self) -> int:
+        return self.centroids.shape[0]
+
+    @property
+    def num_clusters(self) -> int:
+        return self.centroids.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.centroids.shape[2]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

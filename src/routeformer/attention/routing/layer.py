@@ -97,10 +97,41 @@ class RoutingAttention(HeadGroup):
                 raise ValueError(f"{', '.join(given)} apply to causal routing only (causal=True)")
         super().__init__(heads, head_dim)
         self.routing = Router(heads, head_dim, o, seed=seed, counted=bool(o.warmup or o.handover))
-        self.options = o
-        self.num_clusters, self.window, self.causal, self.balanced = o.num_clusters, o.window, causal, bool(balanced)
-        self.shared_qk, self.separate, self.probes = o.shared_qk, o.separate, o.probes
-        self.gate, self.warmup, self.handover = o.gate, o.warmup, o.handover
+        self.options = o  # every routing setting is read from here (the router holds the same value)
+        self.causal, self.balanced = causal, bool(balanced)
+
+    # --- the options, read where they are kept ----------------------------------------------------------------
+    @property
+    def num_clusters(self) -> int:
+        return self.options.num_clusters
+
+    @property
+    def window(self) -> int:
+        return self.options.window
+
+    @property
+    def probes(self) -> int:
+        return self.options.probes
+
+    @property
+    def shared_qk(self) -> bool:
+        return self.options.shared_qk
+
+    @property
+    def separate(self) -> bool:
+        return self.options.separate
+
+    @property
+    def gate(self) -> bool:
+        return self.options.gate
+
+    @property
+    def warmup(self) -> int:
+        return self.options.warmup
+
+    @property
+    def handover(self) -> int:
+        return self.options.handover
 
     # --- modes ----------------------------------------------------------------------------------------------
     @property

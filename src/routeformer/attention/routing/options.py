@@ -54,6 +54,8 @@ class RoutingOptions:
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         positive_int("probes", self.probes)
+        if self.num_clusters is not None and self.probes > self.num_clusters:
+            raise ValueError(f"probes ({self.probes}) must be at most num_clusters ({self.num_clusters})")
         for name in ("shared_qk", "separate", "gate"):
             boolean(name, getattr(self, name))
         if self.separate and self.shared_qk:

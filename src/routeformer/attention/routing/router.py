@@ -91,13 +91,7 @@ class Router(nn.Module):
             raise ValueError(f"options must be RoutingOptions with num_clusters given, got {options!r}")
         self.heads = positive_int("heads", heads)
         self.head_dim = positive_int("head_dim", head_dim)
-        self.num_clusters = options.num_clusters  # checked by RoutingOptions, as are the rest
-        self.probes = options.probes
-        if self.probes > self.num_clusters:
-            raise ValueError(f"probes ({self.probes}) must be at most num_clusters ({self.num_clusters})")
-        self.shared_qk, self.separate = options.shared_qk, options.separate
-        self.balance = float(options.balance)
-        self.commitment = float(options.commitment)
+        self.options = options  # checked by RoutingOptions (probes <= num_clusters included)
         self.kmeans = SphericalKMeans(heads, head_dim, self.num_clusters, decay=options.decay)
         gen = torch.Generator().manual_seed(seed)
         q, _ = torch.linalg.qr(torch.randn(self.heads, self.head_dim, self.head_dim, generator=gen))
@@ -110,6 +104,30 @@ class Router(nn.Module):
         self._steps = 0  # a python mirror of `steps`: a forward decides its mode without reading a tensor
         if counted:  # a warm-up reads how many updates there were; the count is saved with the model
             self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    @property
+    def num_clusters(self) -> int:
+        return self.options.num_clusters
+
+    @property
+    def probes(self) -> int:
+        return self.options.probes
+
+    @property
+    def shared_qk(self) -> bool:
+        return self.options.shared_qk
+
+    @property
+    def separate(self) -> bool:
+        return self.options.separate
+
+    @property
+    def balance(self) -> float:
+        return float(self.options.balance)
+
+    @property
+    def commitment(self) -> float:
+        return float(self.options.commitment)
 
     @property
     def updates(self) -> int:
