@@ -164,9 +164,17 @@ class FixedCache:
 class FixedHeads(HeadGroup):
     """part: 'merged' (A1 ∪ A2), 'a1' (the own block) or 'a2' (summary cells)."""
 
-    def __init__(self, heads: int, head_dim: int, block: int, summary: int, part: str) -> None:
+    def __init__(self, heads: int, head_dim: int, options: FixedOptions, part: str) -> None:
         super().__init__(heads, head_dim)
-        self.block, self.summary, self.part = block, summary, part
+        self.options, self.part = options, part
+
+    @property
+    def block(self) -> int:
+        return self.options.block
+
+    @property
+    def summary(self) -> int:
+        return self.options.summary
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
@@ -225,7 +233,7 @@ class FixedHeads(HeadGroup):
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
-    return HeadKind(name, lambda o, heads, head_dim, seed: FixedHeads(heads, head_dim, o.block, o.summary, part),
+    return HeadKind(name, lambda o, heads, head_dim, seed: FixedHeads(heads, head_dim, o, part),
                     keys_per_query=keys, option_type=FixedOptions, section="fixed", complete=_complete,
                     describe=lambda o: f"block={o.block}, summary={o.summary}",
                     summary=summary)

@@ -112,9 +112,13 @@ class KernelOptions:
 class FullHeads(HeadGroup):
     """Decoding keeps every position; a step reads the filled part, O(t·D)."""
 
-    def __init__(self, heads: int, head_dim: int, kernel: str = "exp") -> None:
+    def __init__(self, heads: int, head_dim: int, options: KernelOptions) -> None:
         super().__init__(heads, head_dim)
-        self.kernel = kernel
+        self.options = options
+
+    @property
+    def kernel(self) -> str:
+        return self.options.kernel
 
     def forward(self, q, k, v, rel_pos):
         return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.executor)
@@ -130,7 +134,7 @@ def describe_kernel(options: KernelOptions) -> str:
     return "-" if options.kernel == "exp" else f"kernel={options.kernel}"
 
 
-KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o.kernel),
+KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o),
                 keys_per_query=lambda options, n: (n + 1) / 2, option_type=KernelOptions,
                 relative_positions=exp_kernel, executor=exp_kernel, describe=describe_kernel,
                 summary="every earlier key")

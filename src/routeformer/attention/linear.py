@@ -220,10 +220,14 @@ class FeatureHeads(HeadGroup):
 
 
 class LinearHeads(FeatureHeads):
-    def __init__(self, heads: int, head_dim: int, kernel: str) -> None:
+    def __init__(self, heads: int, head_dim: int, options: LinearOptions) -> None:
         super().__init__(heads, head_dim)
-        self.kernel = kernel
-        self.num_features = feature_dim(kernel, head_dim)
+        self.options = options
+        self.num_features = feature_dim(options.kernel, head_dim)
+
+    @property
+    def kernel(self) -> str:
+        return self.options.kernel
 
     def forward(self, q, k, v, rel_pos):
         return linear_attention(q, k, v, causal=True, scale=self.kernel_scale, kernel=self.kernel)
@@ -250,7 +254,7 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
     return o.features + min(n, default_chunk(o.features)) / 2  # read + write the (F, D) state; the exact chunk
 
 
-KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o.kernel),
+KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o),
                 keys_per_query=_keys_per_query, option_type=LinearOptions, complete=_complete, relative_positions=False,
                 executor=False,
                 describe=lambda o: f"kernel={o.kernel}, F={o.features}",

@@ -86,10 +86,21 @@ class LocalOptions:
 class LocalHeads(HeadGroup):
     """Decoding keeps a ring buffer of exactly the window, O(window·D)."""
 
-    def __init__(self, heads: int, head_dim: int, window: int, kernel: str = "exp") -> None:
+    def __init__(self, heads: int, head_dim: int, options: LocalOptions) -> None:
         super().__init__(heads, head_dim)
-        self.window, self.kernel = window, kernel
-        self.band = window
+        self.options = options
+
+    @property
+    def window(self) -> int:
+        return self.options.window
+
+    @property
+    def band(self) -> int:  # type: ignore[override]
+        return self.options.window
+
+    @property
+    def kernel(self) -> str:
+        return self.options.kernel
 
     def forward(self, q, k, v, rel_pos):
         return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,
@@ -110,7 +121,7 @@ def _complete(o: LocalOptions, config: Any) -> LocalOptions:
     return o
 
 
-KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o.window, o.kernel),
+KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o),
                 keys_per_query=lambda o, n: min(o.window, n), option_type=LocalOptions, complete=_complete,
                 relative_positions=exp_kernel, executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),

@@ -189,15 +189,20 @@ class LongformerOptions:
 
 
 class LongformerHeads(HeadGroup):
-    def __init__(self, heads: int, head_dim: int, window: int, dilation: list[int], global_tokens: list[int]) -> None:
+    def __init__(self, heads: int, head_dim: int, options: LongformerOptions) -> None:
         super().__init__(heads, head_dim)
-        self.window, self.dilation, self.global_tokens = window, list(dilation), sorted(global_tokens)
+        self.options = options
+        self.dilation, self.global_tokens = list(options.dilations(heads)), sorted(options.global_tokens)
         self._is_global = set(self.global_tokens)
         d = torch.tensor(self.dilation, dtype=torch.long)[:, None]  # (h, 1): one dilation per head
         # Decoding index tensors, built once (they follow the module's device; not saved).
         self.register_buffer("_dilation", d, persistent=False)
-        self.register_buffer("_offsets", torch.arange(window) * d, persistent=False)  # (h, window): t - offset
+        self.register_buffer("_offsets", torch.arange(options.window) * d, persistent=False)  # (h, window): t - offset
         self.register_buffer("_globals", torch.tensor(self.global_tokens, dtype=torch.long), persistent=False)
+
+    @property
+    def window(self) -> int:
+        return self.options.window
 
     def _present(self, n: int) -> list[int]:
         return [g for g in self.global_tokens if g < n]  # a shorter sequence holds fewer of them
@@ -254,8 +259,7 @@ def _complete(o: LongformerOptions, config: Any) -> LongformerOptions:
 
 KIND = HeadKind(
     "longformer",
-    lambda o, heads, head_dim, seed: LongformerHeads(heads, head_dim, o.window, o.dilations(heads),
-                                                     list(o.global_tokens)),
+    lambda o, heads, head_dim, seed: LongformerHeads(heads, head_dim, o),
     keys_per_query=lambda o, n: min(o.window, n) + len(o.global_tokens),
     option_type=LongformerOptions,
     complete=_complete,

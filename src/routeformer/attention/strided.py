@@ -121,9 +121,13 @@ def _complete(o: StridedOptions, config: Any) -> StridedOptions:
 class StridedHeads(HeadGroup):
     """part: 'merged' (A1 ∪ A2), 'a1' (the last l + 1 positions) or 'a2' (every l-th position back)."""
 
-    def __init__(self, heads: int, head_dim: int, stride: int, part: str) -> None:
+    def __init__(self, heads: int, head_dim: int, options: StridedOptions, part: str) -> None:
         super().__init__(heads, head_dim)
-        self.stride, self.part = stride, part
+        self.options, self.part = options, part
+
+    @property
+    def stride(self) -> int:
+        return self.options.stride
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
@@ -156,7 +160,7 @@ class StridedHeads(HeadGroup):
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
-    return HeadKind(name, lambda o, heads, head_dim, seed: StridedHeads(heads, head_dim, o.stride, part),
+    return HeadKind(name, lambda o, heads, head_dim, seed: StridedHeads(heads, head_dim, o, part),
                     keys_per_query=keys, option_type=StridedOptions, section="strided", complete=_complete,
                     describe=lambda o: f"stride={o.stride}", summary=summary)
 
