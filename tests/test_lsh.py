@@ -207,8 +207,8 @@ def test_decoding_cost_is_flat(monkeypatch) -> None:
     tokens = torch.randint(0, 32, (1, 60), generator=torch.Generator().manual_seed(0))
     seen = []
     attend = lsh_kind.attend_cached
-    monkeypatch.setattr(lsh_kind, "attend_cached", lambda q, keys, *a, **kw: seen.append(keys.shape[2])
-                        or attend(q, keys, *a, **kw))
+    monkeypatch.setattr(lsh_kind, "attend_cached", lambda q, cached, *a, **kw: seen.append(cached.keys.shape[2])
+                        or attend(q, cached, *a, **kw))
     cache = model.new_cache(1, 60)
     (group_cache,) = cache.layers[0]
     sizes = [t.numel() for t in (group_cache.rings.keys, group_cache.rings.values, group_cache.rings.positions)]

@@ -156,9 +156,9 @@ def test_a_decoding_step_reads_what_its_query_needs_not_the_whole_cache(spec: st
 
     scored: list[tuple[int, int]] = []  # (query position, keys scored)
 
-    def spy(q, keys, values, key_pos, t, **kw):
-        scored.append((t, keys.shape[2]))
-        return attend_cached(q, keys, values, key_pos, t, **kw)
+    def spy(q, cached, t, **kw):
+        scored.append((t, cached.keys.shape[2]))
+        return attend_cached(q, cached, t, **kw)
 
     monkeypatch.setattr(heads, "attend_cached", spy)
     model = randomised(tiny(spec, depth=1), dtype=torch.float32)

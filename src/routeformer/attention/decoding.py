@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from ..executors.relative import RelativePositions
 
 
+class Cached(NamedTuple):
+    """What a cache kept for a query: keys, values (B, H, M, D) and their positions, (M,) or (B, H, M)."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+
+
 def attend_cached(
     q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    key_pos: Tensor,
+    cached: Cached,
     t: int,
     *,
     scale: float,
@@ -22,10 +30,11 @@ def attend_cached(
 ) -> Tensor:
     """Attention of the query at position ``t`` to cached keys.
 
-    q: (B, H, D); keys, values: (B, H, M, D); key_pos: positions of the keys, (M,) or (B, H, M); allowed: optional
+    q: (B, H, D); cached: the keys, values (B, H, M, D) and their positions (M,) or (B, H, M); allowed: optional
     bool mask broadcastable to (B, H, M); bias: optional additive score term broadcastable to (B, H, M). Returns
     (B, H, D); zeros when no key is allowed. O(M · D) per head.
     """
+    keys, values, key_pos = cached
     qs = q.to(keys.dtype) * scale
     scores = torch.einsum("bhd,bhmd->bhm", qs, keys)
     if rel_pos is not None:

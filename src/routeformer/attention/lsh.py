@@ -55,7 +55,7 @@ from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_inputs
 from ..executors.tiling import KeyRestrictions, Tiling, shift_invariant_mask
 from ..lengths import sqrt_len
-from .decoding import attend_cached
+from .decoding import Cached, attend_cached
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .routing.cache import RoutingCache
@@ -298,7 +298,7 @@ class LSHCache:
                            -1)
         allow = (pos >= 0) & ~torch.zeros_like(repeat).scatter(-1, by, repeat)
         allow = drop_own_key(allow, pos == t)
-        return attend_cached(q, keys, values, pos, t, scale=scale, allowed=allow)
+        return attend_cached(q, Cached(keys, values, pos), t, scale=scale, allowed=allow)
 
 
 class LSHHeads(HeadGroup):

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ...executors import Executor, get_executor
 from ...executors.relative import RelativePositions
-from ..decoding import attend_cached
+from ..decoding import Cached, attend_cached
 from ..kernels import attend_cached_kernel, kernel_scale
 from ..reference import reference_attention, reference_scores, reference_weights
 
@@ -67,10 +67,10 @@ class KeyStore:
         self.positions[slots] = positions
         self.count += n
 
-    def filled(self) -> tuple[Tensor, Tensor, Tensor]:
+    def filled(self) -> Cached:
         """Keys, values (B, H, m, D) and positions (m,) of the filled slots (views, no copy)."""
         m = min(self.count, self.capacity)
-        return self.keys[:, :, :m], self.values[:, :, :m], self.positions[:m]
+        return Cached(self.keys[:, :, :m], self.values[:, :, :m], self.positions[:m])
 
 
 class HeadGroup(nn.Module):
@@ -213,8 +213,8 @@ class HeadGroup(nn.Module):
         if self.kernel != "exp":  # the config allows no relative positions (nor a bias) with another kernel
             return attend_cached_kernel(q, keys, values, self.kernel, kernel_scale(self.kernel, self.kernel_scale,
                                                                                    self.head_dim), allowed)
-        return attend_cached(q, keys, values, positions, t, scale=self.scale, allowed=allowed, rel_pos=rel_pos,
-                             bias=bias)
+        return attend_cached(q, Cached(keys, values, positions), t, scale=self.scale, allowed=allowed,
+                             rel_pos=rel_pos, bias=bias)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache, start: int,
                rel_pos: RelativePositions | None) -> Tensor:

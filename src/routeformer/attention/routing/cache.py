@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ...checks import positive_int
 from ...executors.relative import RelativePositions
-from ..decoding import attend_cached
+from ..decoding import Cached, attend_cached
 from .sorted_window import ClusterOrder, drop_own_key
 
 
@@ -115,8 +115,8 @@ class RoutingCache:
         if exclude_self:
             allow = drop_own_key(allow, pos == t)
         if gates is None:
-            return attend_cached(q, keys, values, pos, t, scale=scale, allowed=allow, rel_pos=rel_pos)
-        parts = [attend_cached(q, keys[:, :, s], values[:, :, s], pos[:, :, s], t, scale=scale,
+            return attend_cached(q, Cached(keys, values, pos), t, scale=scale, allowed=allow, rel_pos=rel_pos)
+        parts = [attend_cached(q, Cached(keys[:, :, s], values[:, :, s], pos[:, :, s]), t, scale=scale,
                                allowed=allow[:, :, s], rel_pos=rel_pos) * gates[:, :, i, None].to(q.dtype)
                  for i, s in enumerate(slice(j * window, (j + 1) * window) for j in range(p))]
         return sum(parts)
