@@ -28,7 +28,7 @@ from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
 from .balanced import balanced_attention, balanced_mask, balanced_members
 from .cache import RoutingCache, TokenRoute
-from .options import RoutingOptions
+from .options import RoutingOptions, read_option
 from .probes import probe_masks, probed_window_attention, probed_window_mask, routed_pairs
 from .router import Router, Routes, update_routing
 from .sorted_window import drop_own_key, sort_by_cluster, sorted_window_attention, sorted_window_mask
@@ -101,37 +101,14 @@ class RoutingAttention(HeadGroup):
         self.causal, self.balanced = causal, bool(balanced)
 
     # --- the options, read where they are kept ----------------------------------------------------------------
-    @property
-    def num_clusters(self) -> int:
-        return self.options.num_clusters
-
-    @property
-    def window(self) -> int:
-        return self.options.window
-
-    @property
-    def probes(self) -> int:
-        return self.options.probes
-
-    @property
-    def shared_qk(self) -> bool:
-        return self.options.shared_qk
-
-    @property
-    def separate(self) -> bool:
-        return self.options.separate
-
-    @property
-    def gate(self) -> bool:
-        return self.options.gate
-
-    @property
-    def warmup(self) -> int:
-        return self.options.warmup
-
-    @property
-    def handover(self) -> int:
-        return self.options.handover
+    num_clusters = read_option("num_clusters")
+    window = read_option("window")
+    probes = read_option("probes")
+    shared_qk = read_option("shared_qk")
+    separate = read_option("separate")
+    gate = read_option("gate")
+    warmup = read_option("warmup")
+    handover = read_option("handover")
 
     # --- modes ----------------------------------------------------------------------------------------------
     @property

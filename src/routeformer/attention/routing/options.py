@@ -72,6 +72,12 @@ class RoutingOptions:
         non_negative_int("handover", self.handover)
 
 
+def read_option(name: str) -> property:
+    """A read-only attribute that reads ``self.options.<name>``: a routing setting is kept once, in the
+    ``RoutingOptions`` a layer or router was given, and read from there."""
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``")
+
+
 def default_routing_window(seq_len: int, num_clusters: int, probes: int) -> int:
     """Keys per probed cluster so that a routing query scores about seq_len / k keys over its probes."""
     return max(1, seq_len // (num_clusters * probes))

@@ -31,7 +31,7 @@ from ...checks import positive_int
 from ...executors.fused.routes import FusedRoutes, fused_route
 from ...executors.inputs import check_inputs
 from .kmeans import SphericalKMeans
-from .options import RoutingOptions
+from .options import RoutingOptions, read_option
 from .sorted_window import ClusterOrder
 
 
@@ -105,29 +105,12 @@ class Router(nn.Module):
         if counted:  # a warm-up reads how many updates there were; the count is saved with the model
             self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
-    @property
-    def num_clusters(self) -> int:
-        return self.options.num_clusters
-
-    @property
-    def probes(self) -> int:
-        return self.options.probes
-
-    @property
-    def shared_qk(self) -> bool:
-        return self.options.shared_qk
-
-    @property
-    def separate(self) -> bool:
-        return self.options.separate
-
-    @property
-    def balance(self) -> float:
-        return float(self.options.balance)
-
-    @property
-    def commitment(self) -> float:
-        return float(self.options.commitment)
+    num_clusters = read_option("num_clusters")
+    probes = read_option("probes")
+    shared_qk = read_option("shared_qk")
+    separate = read_option("separate")
+    balance = read_option("balance")
+    commitment = read_option("commitment")
 
     @property
     def updates(self) -> int:
