@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from routeformer.executors.fused.geometry import BandGeometry, RangesGeometry, RoundsGeometry
+
 HERE = Path(__file__).resolve().parent
 HUGE = 2**62
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -40,7 +42,10 @@ OPS = ("band_forward", "band_backward", "ranges_forward", "ranges_backward", "ro
 INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels"}
 MASK_ARGS = {"allow", "tile_mask", "key_valid", "alone"}
 STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H, n_tiles, T, S)
-SEMANTIC_FREE = {("band", 11), ("ranges", 1), ("ranges", 2)}  # rows_per_block, span_cap: the blocking alone
+# geometry fields that change the blocking alone (the results within rounding), by operator
+SEMANTIC_FREE = {("band", "rows_per_block"), ("ranges", "rows_per_block"), ("ranges", "span_cap"),
+                 ("rounds", "rows_per_block")}
+GEOMETRIES = {"band": BandGeometry, "ranges": RangesGeometry, "rounds": RoundsGeometry}
 
 
 @dataclass
@@ -256,9 +261,11 @@ def _positions(x: Tensor, what: str) -> None:
     _need(bool((x.abs() <= POSITION_LIMIT).all()) and bool((x != INT64_MIN).all()), f"{what} within 2^62")
 
 
-def _int_list(x, n: int, what: str) -> list[int]:
-    _need(isinstance(x, list) and len(x) == n, f"{what} holds {n} integers")
-    return x
+def _geometry(x, cls) -> dict[str, int]:
+    """An operator's int list by its fields' names (``fused/geometry.py``, checked against the C++ struct's)."""
+    names = cls.names()
+    _need(isinstance(x, list) and len(x) == len(names), f"geometry holds {len(names)} integers")
+    return dict(zip(names, x, strict=True))
 
 
 def _tables(key, value, K: int, D: int, dtype: torch.dtype) -> bool:
@@ -301,8 +308,10 @@ def _band(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, 
           positions, bias) -> tuple:
     B, H, Nq, Nk, D = _qkv(q, k, v)
     _need(math.isfinite(scale), "scale finite")
-    g = _int_list(geometry, 13, "geometry")
-    block, back, ahead, rows, single, has_off, lo, hi, own, unit, K, rpb, from_order = g
+    g = _geometry(geometry, BandGeometry)
+    block, back, ahead, rows, single, has_off, lo, hi, own, unit, K, rpb, from_order = (
+        g["block"], g["back"], g["ahead"], g["rows"], g["single"], g["has_offsets"], g["off_lo"], g["off_hi"],
+        g["exclude_self"], g["unit"], g["max_distance"], g["rows_per_block"], g["positions_from_order"])
     _need(block >= 1 and back >= 0 and ahead >= 0 and rows >= 0 and unit >= 0 and K >= 0 and rpb >= 1,
           "geometry ranges")
     _need(all(f in (0, 1) for f in (single, has_off, own, from_order)), "geometry flags")
@@ -357,12 +366,13 @@ def _band_backward(grad_out, grad_lse, q, k, v, out, lse, alone, *rest) -> None:
         _exact(alone, (B, H, Nq), "alone", torch.bool)
 
 
-def _ranges(q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table,
+def _ranges(q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos, key_table,
             value_table) -> tuple:
     B, H, Nq, N, D = _qkv(q, k, v)
     _need(math.isfinite(scale), "scale finite")
-    merge, rpb, cap, K = _int_list(setup, 4, "setup")
-    _need(merge >= 1 and rpb >= 1 and cap >= 1 and K >= 0, "setup ranges")
+    g = _geometry(geometry, RangesGeometry)
+    merge, rpb, cap, K = g["merge"], g["rows_per_block"], g["span_cap"], g["max_distance"]
+    _need(merge >= 1 and rpb >= 1 and cap >= 1 and K >= 0, "geometry ranges")
     _need(_fits(Nq, merge), "merge overflows")
     M = Nq * merge
     _exact(lo, (B, H, M), "lo", torch.long)
@@ -389,7 +399,7 @@ def _ranges_backward(grad_out, grad_lse, q, k, v, out, lse, *rest) -> None:
     _grads(grad_out, out, lse, grad_lse, B, H, Nq, D, q.dtype)
 
 
-def _rounds(q, k, v, order, groups, labels, key_valid, setup, scale) -> tuple:
+def _rounds(q, k, v, order, groups, labels, key_valid, geometry, scale) -> tuple:
     _float(q, "q")
     _rows_ok(q, "q")
     for x, what in ((k, "k"), (v, "v")):
@@ -400,8 +410,9 @@ def _rounds(q, k, v, order, groups, labels, key_valid, setup, scale) -> tuple:
         _need(x.shape == q.shape, f"{what}'s shape")
     B, H, N, D = q.shape
     _need(math.isfinite(scale), "scale finite")
-    window, rpb, causal = _int_list(setup, 3, "setup")
-    _need(window >= 1 and rpb >= 1 and causal in (0, 1), "setup ranges")
+    g = _geometry(geometry, RoundsGeometry)
+    window, rpb, causal = g["window"], g["rows_per_block"], g["causal"]
+    _need(window >= 1 and rpb >= 1 and causal in (0, 1), "geometry ranges")
     _need(isinstance(order, Tensor) and order.dim() == 4 and order.shape[2] >= 1, "order (B, H, R, N)")
     shape = (B, H, order.shape[2], N)
     for x, what in ((order, "order"), (groups, "groups"), (labels, "labels")):
@@ -624,7 +635,9 @@ def apply(call: Call, spec: dict) -> tuple[list, bool]:
         old = x[spec["at"]]
         x[spec["at"]] = spec["value"]
         args[i] = x
-        same = (call.op.split("_")[0], spec["at"]) in SEMANTIC_FREE or old == spec["value"]
+        kind = call.op.split("_")[0]
+        field = GEOMETRIES[kind].names()[spec["at"]] if kind in GEOMETRIES else None
+        same = (kind, field) in SEMANTIC_FREE or old == spec["value"]
     elif kind == "toggle":
         args[i] = not x
     elif kind == "int":

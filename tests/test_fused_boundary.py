@@ -177,6 +177,42 @@ def test_band_forward_names_the_argument(case: str) -> None:
         OPS.band_forward(*args)
 
 
+def test_a_geometry_names_its_fields() -> None:
+    """A list of the wrong length names every field; a flag out of 0, 1 names its field."""
+    args = _band_call()
+    args[3] = args[3][:12]
+    with pytest.raises(RuntimeError, match=r"band_forward: geometry must hold 13 integers \(block, back, ahead, rows, "
+                                           r"single, .*, positions_from_order\), got 12"):
+        OPS.band_forward(*args)
+    args[3] = _band_call()[3]
+    args[3][8] = 2
+    with pytest.raises(RuntimeError, match=r"band_forward: geometry\[8\] \(exclude_self\) must be 0 or 1, got 2"):
+        OPS.band_forward(*args)
+
+
+def test_the_geometries_agree_across_the_boundary(monkeypatch) -> None:
+    """Each dataclass of ``fused/geometry.py`` lists the C++ struct's fields in its order; a field moved on one side
+    only is an error naming both lists when the library loads."""
+    from routeformer.executors.fused import geometry
+
+    for which, cls in geometry.GEOMETRIES.items():
+        assert tuple(OPS.geometry_fields(which)) == cls.names()
+    with pytest.raises(RuntimeError, match="geometry_fields: which must be band, ranges or rounds, got tiles"):
+        OPS.geometry_fields("tiles")
+
+    @dataclasses.dataclass(frozen=True)
+    class Moved(geometry._Geometry):
+        window: int
+        causal: bool
+        rows_per_block: int
+
+    monkeypatch.setitem(geometry.GEOMETRIES, "rounds", Moved)
+    with pytest.raises(RuntimeError, match=r"rounds geometry has the fields \['window', 'rows_per_block', "
+                                           r"'causal'\] but fused/geometry.py's Moved has \['window', 'causal', "
+                                           r"'rows_per_block'\]"):
+        geometry.check_fields()
+
+
 def test_ranges_and_rounds_and_gelu_name_the_argument() -> None:
     q, k, v = rand_qkv(1, 2, 8, 4, grad=False)
     lo = torch.zeros(1, 2, 8, dtype=torch.long)
@@ -189,7 +225,7 @@ def test_ranges_and_rounds_and_gelu_name_the_argument() -> None:
                            None)
     order = torch.arange(8).expand(1, 2, 1, 8).contiguous()
     groups = torch.zeros(1, 2, 1, 8, dtype=torch.long)
-    with pytest.raises(RuntimeError, match=r"rounds_forward: setup\[0\] \(window\) must be >= 1, got 0"):
+    with pytest.raises(RuntimeError, match=r"rounds_forward: geometry\[0\] \(window\) must be >= 1, got 0"):
         OPS.rounds_forward(q, None, v, order, groups, groups, None, [0, 16, 1], 0.5)
     with pytest.raises(RuntimeError, match=r"rounds_forward: groups must be non-decreasing"):
         OPS.rounds_forward(q, None, v, order, order.flip(-1).contiguous(), groups, None, [2, 16, 1], 0.5)

@@ -17,6 +17,7 @@ from ..ranges import KeyOrder, Ranges
 from ..relative import RelativePositions
 from ..tiling import KeyRestrictions, Tiling
 from .build import KERNELS
+from .geometry import BandGeometry, RangesGeometry, RoundsGeometry
 from .op import band, ranges, register, rounds
 
 DTYPES = (torch.float32, torch.float64)
@@ -68,12 +69,14 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
         else:
             positions = _per_head(distances.positions, (B, H, Nk), "Distances.positions")
     width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
-    geometry = [tiling.block, tiling.back, tiling.ahead, tiling.rows or 0, int(single),
-                int(tiling.offsets is not None), lo, hi, int(exclude_self), unit,
-                0 if rel_pos is None else rel_pos.max_distance, rows_per_block(width), int(from_order)]
+    geometry = BandGeometry(
+        block=tiling.block, back=tiling.back, ahead=tiling.ahead, rows=tiling.rows or 0, single=single,
+        has_offsets=tiling.offsets is not None, off_lo=lo, off_hi=hi, exclude_self=exclude_self, unit=unit,
+        max_distance=0 if rel_pos is None else rel_pos.max_distance, rows_per_block=rows_per_block(width),
+        positions_from_order=from_order)
     order = _per_head(tiling.order, (B, H, Nk), "Tiling.order")
     out, lse, _ = band(
-        _rows(q), _rows(k), _rows(v), geometry, float(scale),
+        _rows(q), _rows(k), _rows(v), geometry.ints(), float(scale),
         None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask, _valid(key_valid, B, H, Nk),
         _per_head(groups, (B, H, Nk), "KeyRestrictions.groups"), order, key_table, value_table, delta,
         positions, None if bias is None else bias.to(q.dtype))
@@ -89,16 +92,17 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
     lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
     key_order = None if order is None else order.order
-    R = rows or rows_per_block(width)
+    per_block = rows or rows_per_block(width)
     key_table = value_table = None
     if rel_pos is not None:
         key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
-    setup = [merge, R, width + (stretch or R), 0 if rel_pos is None else rel_pos.max_distance]
+    geometry = RangesGeometry(merge=merge, rows_per_block=per_block, span_cap=width + (stretch or per_block),
+                              max_distance=0 if rel_pos is None else rel_pos.max_distance)
     B, H, Nq, _ = q.shape
     N, M = k.shape[2], lo.shape[-1]
     out, lse = ranges(
         _rows(q), _rows(k), _rows(v), _per_head(lo, (B, H, M), "Ranges.lo"), _per_head(hi, (B, H, M), "Ranges.hi"),
-        setup, float(scale), _per_head(key_order, (B, H, N), "KeyOrder.order"), _valid(key_valid, B, H, N),
+        geometry.ints(), float(scale), _per_head(key_order, (B, H, N), "KeyOrder.order"), _valid(key_valid, B, H, N),
         _per_head(query_pos, (B, H, Nq), "Ranges.query_pos"), _per_head(key_pos, (B, H, N), "Ranges.key_pos"),
         key_table, value_table)
     return out, (lse if need_lse else None)
@@ -110,10 +114,10 @@ def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: 
     index, the pairs earlier rounds hold left out, the rounds merged and the own key added inside the kernels. k
     None: the keys are scale · q / |q|, made inside the kernel (no keys tensor); else k's rows times ``scale``.
     order, groups, labels: (B, H, R, N), the rounds' sorted positions, buckets and labels (by position)."""
-    setup = [window, rows_per_block(window), int(causal)]
+    geometry = RoundsGeometry(window=window, rows_per_block=rows_per_block(window), causal=causal)
     out, _, _ = rounds(_rows(q), None if k is None else _rows(k), _rows(v), order.to(torch.long).contiguous(),
                        groups.to(torch.long).contiguous(), labels.to(torch.long).contiguous(),
-                       None if key_valid is None else key_valid.contiguous(), setup, float(scale))
+                       None if key_valid is None else key_valid.contiguous(), geometry.ints(), float(scale))
     return out
 
 

@@ -19,9 +19,12 @@ import threading
 import torch
 from torch import Tensor
 
+from .geometry import BandGeometry, check_fields
+
 _OPTIONAL_BAND = ("allow", "tile_mask", "key_valid", "groups", "order", "key_table", "value_table", "delta",
                   "positions", "bias")
 _OPTIONAL_RANGES = ("key_order", "key_valid", "query_pos", "key_pos", "key_table", "value_table")
+_EXCLUDE_SELF = BandGeometry.index("exclude_self")  # band_forward returns alone (B, H, Nq) under it, else empty
 _registered = threading.Lock()
 _done: list[bool] = []
 
@@ -31,10 +34,12 @@ def ops():
 
 
 def register() -> None:
-    """Fake implementations and autograd of the loaded operators (once per process)."""
+    """Fake implementations and autograd of the loaded operators (once per process), after checking that the
+    library's geometries have the fields of ``geometry.py``'s."""
     with _registered:
         if _done:
             return
+        check_fields()
         _register()
         _done.append(True)
 
@@ -87,7 +92,7 @@ def _register() -> None:
     def _(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, key_table, value_table, delta,
           positions, bias):
         B, H, Nq, D = q.shape
-        alone = q.new_empty((B, H, Nq) if geometry[8] else (0,), dtype=torch.bool)
+        alone = q.new_empty((B, H, Nq) if geometry[_EXCLUDE_SELF] else (0,), dtype=torch.bool)
         return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq), alone
 
     @torch.library.register_fake(lib + "band_backward")
@@ -96,22 +101,22 @@ def _register() -> None:
         return _grad_shapes(q, k, key_table, output_mask)
 
     @torch.library.register_fake(lib + "ranges_forward")
-    def _(q, k, v, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos, key_table, value_table):
+    def _(q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos, key_table, value_table):
         B, H, Nq, D = q.shape
         return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq)
 
     @torch.library.register_fake(lib + "ranges_backward")
-    def _(grad_out, grad_lse, q, k, v, out, lse, lo, hi, setup, scale, key_order, key_valid, query_pos, key_pos,
+    def _(grad_out, grad_lse, q, k, v, out, lse, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos,
           key_table, value_table, output_mask):
         return _grad_shapes(q, k, key_table, output_mask)
 
     @torch.library.register_fake(lib + "rounds_forward")
-    def _(q, k, v, order, groups, labels, key_valid, setup, scale):
+    def _(q, k, v, order, groups, labels, key_valid, geometry, scale):
         B, H, N, D = q.shape
         return q.new_empty(B, H, N, D), q.new_empty(B, H, N), q.new_empty(B, H, N, dtype=torch.bool)
 
     @torch.library.register_fake(lib + "rounds_backward")
-    def _(grad_out, q, k, v, out, lse, alone, order, groups, labels, key_valid, setup, scale, output_mask):
+    def _(grad_out, q, k, v, out, lse, alone, order, groups, labels, key_valid, geometry, scale, output_mask):
         need_q, need_k, need_v = output_mask
         return (q.new_empty(q.shape if need_q else (0,)),
                 q.new_empty(0) if k is None or not need_k else k.new_empty(k.shape),
@@ -193,9 +198,9 @@ class _Band(torch.autograd.Function):
 
 class _Ranges(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lo, hi, setup, scale, *optional):  # type: ignore[override]
-        out, lse = ops().ranges_forward(q, k, v, lo, hi, setup, scale, *optional)
-        ctx.setup, ctx.scale = setup, scale
+    def forward(ctx, q, k, v, lo, hi, geometry, scale, *optional):  # type: ignore[override]
+        out, lse = ops().ranges_forward(q, k, v, lo, hi, geometry, scale, *optional)
+        ctx.geometry, ctx.scale = geometry, scale
         ctx.save_for_backward(q, k, v, out, lse, lo, hi, *optional)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -205,7 +210,7 @@ class _Ranges(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse, lo, hi, *optional = ctx.saved_tensors
         dq, dk, dv, dkey, dvalue = ops().ranges_backward(_zeros_like_or_none(grad_out, out), _contiguous(grad_lse),
-                                                         q, k, v, out, lse, lo, hi, ctx.setup, ctx.scale, *optional,
+                                                         q, k, v, out, lse, lo, hi, ctx.geometry, ctx.scale, *optional,
                                                          _output_mask(ctx, 7, _OPTIONAL_RANGES))
         return (*_grads(ctx, dq, dk, dv), None, None, None, None,
                 *_optional_grads(ctx, 7, _OPTIONAL_RANGES, optional, dkey, dvalue))
@@ -213,9 +218,9 @@ class _Ranges(torch.autograd.Function):
 
 class _Rounds(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, order, groups, labels, key_valid, setup, scale):  # type: ignore[override]
-        out, lse, alone = ops().rounds_forward(q, k, v, order, groups, labels, key_valid, setup, scale)
-        ctx.setup, ctx.scale = setup, scale
+    def forward(ctx, q, k, v, order, groups, labels, key_valid, geometry, scale):  # type: ignore[override]
+        out, lse, alone = ops().rounds_forward(q, k, v, order, groups, labels, key_valid, geometry, scale)
+        ctx.geometry, ctx.scale = geometry, scale
         ctx.save_for_backward(q, k, v, out, lse, alone, order, groups, labels, key_valid)
         ctx.mark_non_differentiable(lse, alone)
         ctx.set_materialize_grads(False)
@@ -226,7 +231,7 @@ class _Rounds(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_alone):  # type: ignore[override]
         q, k, v, out, lse, alone, order, groups, labels, key_valid = ctx.saved_tensors
         dq, dk, dv = ops().rounds_backward(_zeros_like_or_none(grad_out, out), q, k, v, out, lse, alone, order,
-                                           groups, labels, key_valid, ctx.setup, ctx.scale,
+                                           groups, labels, key_valid, ctx.geometry, ctx.scale,
                                            list(ctx.needs_input_grad[:3]))
         dq, dk, dv = _grads(ctx, dq, dk, dv)
         return dq, None if k is None else dk, dv, None, None, None, None, None, None
@@ -266,17 +271,17 @@ def band(q: Tensor, k: Tensor, v: Tensor, geometry: list[int], scale: float,
     return _Band.apply(*_distinct(q, k, v, geometry, scale, *optional))
 
 
-def ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, setup: list[int], scale: float,
+def ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, geometry: list[int], scale: float,
            *optional: Tensor | None) -> tuple[Tensor, Tensor]:
     """``ranges_forward`` with its gradient: (out, lse); the optional tensors in ``_OPTIONAL_RANGES`` order."""
-    return _Ranges.apply(*_distinct(q, k, v, lo, hi, setup, scale, *optional))
+    return _Ranges.apply(*_distinct(q, k, v, lo, hi, geometry, scale, *optional))
 
 
 def rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor,
-           key_valid: Tensor | None, setup: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
+           key_valid: Tensor | None, geometry: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``rounds_forward`` with its gradient: (out, lse, alone); lse and alone take none. k None: the keys are
     scale · q / |q| (shared-QK unit keys), made inside the kernel."""
-    return _Rounds.apply(*_distinct(q, k, v, order, groups, labels, key_valid, setup, scale))
+    return _Rounds.apply(*_distinct(q, k, v, order, groups, labels, key_valid, geometry, scale))
 
 
 def sigmoid_gelu(x: Tensor) -> Tensor:

@@ -83,13 +83,20 @@ struct QKV {
   int64_t B, H, Nq, N, D;
 };
 
-inline QKV qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// k null: the keys are made from q's own rows (LSH's shared-QK keys), and v must be (B, H, Nq, D) like q.
+inline QKV qkv(const char* op, const at::Tensor& q, const at::Tensor* k, const at::Tensor& v) {
   floating(op, q, "q");
   rows(op, q, "q", q.scalar_type());
-  rows(op, k, "k", q.scalar_type());
+  if (k == nullptr) {
+    rows(op, v, "v", q.scalar_type());
+    const QKV s{q.size(0), q.size(1), q.size(2), q.size(2), q.size(3)};
+    shape(op, v, "v", "(B, H, N, D) like q", {s.B, s.H, s.N, s.D});
+    return s;
+  }
+  rows(op, *k, "k", q.scalar_type());
   rows(op, v, "v", q.scalar_type());
-  const QKV s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  shape(op, k, "k", "(B, H, N, D) with q's B, H, D", {s.B, s.H, s.N, s.D});
+  const QKV s{q.size(0), q.size(1), q.size(2), k->size(2), q.size(3)};
+  shape(op, *k, "k", "(B, H, N, D) with q's B, H, D", {s.B, s.H, s.N, s.D});
   shape(op, v, "v", "(B, H, N, D) like k", {s.B, s.H, s.N, s.D});
   return s;
 }
@@ -100,15 +107,6 @@ inline void finite(const char* op, double x, const char* name) {
 
 inline void at_least(const char* op, int64_t x, int64_t low, const char* name) {
   RF_CHECK(x >= low, op, name, " must be >= ", low, ", got ", x);
-}
-
-inline bool flag(const char* op, int64_t x, const char* name) {
-  RF_CHECK(x == 0 || x == 1, op, name, " must be 0 or 1, got ", x);
-  return x == 1;
-}
-
-inline void length(const char* op, at::IntArrayRef list, size_t n, const char* name) {
-  RF_CHECK(list.size() == n, op, name, " must hold ", n, " integers, got ", list.size());
 }
 
 // a · b, refused where it overflows int64 (int lists can hold anything)
@@ -211,6 +209,36 @@ inline void grads(const char* op, const at::Tensor& grad_out, const std::optiona
   shape(op, out, "out", "(B, H, Nq, D)", rows4);
   flat(op, lse, "lse", want, "(B, H, Nq)", rows3);
   if (grad_lse.has_value()) flat(op, *grad_lse, "grad_lse", want, "(B, H, Nq)", rows3);
+}
+
+// What every attention operator reads alike, checked alike: q, k (null: keys made from q's rows), v; a finite scale;
+// its geometry list, each field by name (``Geometry::parse``, geometry.h); key validity (B, 1 or H, N).
+template <typename Geometry>
+struct Attention {
+  QKV s;
+  Geometry g;
+};
+
+template <typename Geometry>
+inline Attention<Geometry> attention(const char* op, const at::Tensor& q, const at::Tensor* k, const at::Tensor& v,
+                                     at::IntArrayRef geometry, double scale,
+                                     const std::optional<at::Tensor>& key_valid) {
+  const QKV s = qkv(op, q, k, v);
+  finite(op, scale, "scale");
+  const Geometry g = Geometry::parse(op, geometry);
+  checks::key_valid(op, key_valid, s.B, s.H, s.N);
+  return {s, g};
+}
+
+// A backward's own arguments: the gradients against the forward's outputs, and ``alone`` (bool; (B, H, Nq) where
+// ``read``: the rows that saw only their own key, read per query row).
+inline void backward(const char* op, const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                     const at::Tensor& out, const at::Tensor& lse, const at::Tensor* alone, bool read, const QKV& s,
+                     at::ScalarType want) {
+  grads(op, grad_out, grad_lse, out, lse, s, want);
+  if (alone == nullptr) return;
+  dtype(op, *alone, "alone", at::kBool);
+  if (read) flat(op, *alone, "alone", at::kBool, "(B, H, Nq)", {s.B, s.H, s.Nq});
 }
 
 }  // namespace checks

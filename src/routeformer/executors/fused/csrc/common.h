@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
@@ -26,6 +27,9 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 // BLAS of the PyTorch build (MKL or OpenBLAS export these Fortran symbols); weak, so that a build without them still
@@ -306,14 +310,60 @@ inline std::pair<const T*, int64_t> load_rows(const T* base, int64_t stride, con
   return {out, D};
 }
 
+// The rules of a kernel: which (row, key) pairs inside a row's interval are kept, how far apart a pair is for
+// relative positions, its additive bias and the row's own key. A rules type is a value the blocks below are
+// templated over (each kernel's pair loops inline its rules: no virtual call per pair); ``RequireRules`` names
+// every member it must have, so a rules type missing one fails to compile with a message naming that member:
+//   bool elementwise(int64_t r) const    whether row r needs the per-pair mask pass (allowed) at all
+//   bool allowed(int64_t r, int64_t j) const    whether row r keeps key j (read only where elementwise(r))
+//   int64_t distance(int64_t r, int64_t j) const    the pair's relative distance (read only with tables)
+//   int64_t unit() const    1: distance(r, j) = j - qseq[r] (read affinely: ``RelChunk``), else per pair
+//   has_bias (a bool member, static constexpr where fixed), T bias(int64_t r, int64_t j) const
+//   int64_t self(int64_t r) const    the key index of row r's own key when it is excluded unless alone, else -1
+// (The detection idiom, not a C++20 concept: it compiles under whichever -std cpp_extension passes, C++17 included.)
+namespace rules {
+#define RF_RULES_MEMBER(NAME, EXPR)                                                  \
+  template <typename Rules, typename = void>                                         \
+  struct NAME : std::false_type {};                                                  \
+  template <typename Rules>                                                          \
+  struct NAME<Rules, std::void_t<decltype(EXPR)>> : std::true_type {};
+RF_RULES_MEMBER(provides_elementwise, bool(std::declval<const Rules&>().elementwise(int64_t())))
+RF_RULES_MEMBER(provides_allowed, bool(std::declval<const Rules&>().allowed(int64_t(), int64_t())))
+RF_RULES_MEMBER(provides_distance, int64_t(std::declval<const Rules&>().distance(int64_t(), int64_t())))
+RF_RULES_MEMBER(provides_unit, int64_t(std::declval<const Rules&>().unit()))
+RF_RULES_MEMBER(provides_has_bias, bool(std::declval<const Rules&>().has_bias))
+RF_RULES_MEMBER(provides_bias, std::declval<const Rules&>().bias(int64_t(), int64_t()))
+RF_RULES_MEMBER(provides_self, int64_t(std::declval<const Rules&>().self(int64_t())))
+#undef RF_RULES_MEMBER
+}  // namespace rules
+
+template <typename T, typename Rules>
+struct RequireRules {
+  static_assert(rules::provides_elementwise<Rules>::value,
+                "a rules type needs bool elementwise(int64_t row) const: whether the row needs the per-pair mask");
+  static_assert(rules::provides_allowed<Rules>::value,
+                "a rules type needs bool allowed(int64_t row, int64_t key) const: whether the row keeps the key");
+  static_assert(rules::provides_distance<Rules>::value,
+                "a rules type needs int64_t distance(int64_t row, int64_t key) const: the pair's relative distance");
+  static_assert(rules::provides_unit<Rules>::value,
+                "a rules type needs int64_t unit() const: 1 when distance(r, j) = j - qseq[r], else 0");
+  static_assert(rules::provides_has_bias<Rules>::value,
+                "a rules type needs a bool has_bias member: whether bias(r, j) is added");
+  static_assert(rules::provides_bias<Rules>::value,
+                "a rules type needs T bias(int64_t row, int64_t key) const: the pair's additive bias");
+  static_assert(rules::provides_self<Rules>::value,
+                "a rules type needs int64_t self(int64_t row) const: the row's own key when excluded, else -1");
+  static constexpr bool ok = true;
+};
+
 // The relative-position table rows of one chunk's pairs. Unit distances (key - query index, a sliding window's) are
 // affine in the key index between the clipping points, so a row's pairs read and write a contiguous stretch of table
 // rows (two constant ends where clipped): vector passes, no per-pair index. Other distances (per tile entry, between
 // positions) store each pair's table row in ``idx`` ((n, LD) int32). Either way only the table rows [u0, u0 + U) the
 // chunk uses are multiplied.
-template <typename T, typename R>
+template <typename T, typename Rules>
 struct RelChunk {
-  const R& rules;
+  const Rules& rules;
   const Rel<T>& rel;
   const Rows& rows;
   int64_t c0, c1;
@@ -322,7 +372,7 @@ struct RelChunk {
   int64_t u0 = 0, U = 0;
   bool direct = false;  // irregular distances spread over many table rows: per-pair products, not (n, U) ones
 
-  RelChunk(const R& rules_, const Rel<T>& rel_, const Rows& rows_, int64_t c0_, int64_t c1_, int32_t* idx_)
+  RelChunk(const Rules& rules_, const Rel<T>& rel_, const Rows& rows_, int64_t c0_, int64_t c1_, int32_t* idx_)
       : rules(rules_), rel(rel_), rows(rows_), c0(c0_), c1(c1_), affine(rules_.unit() == 1), idx(idx_) {
     if (!rel.on()) return;
     int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
@@ -421,8 +471,8 @@ inline void add_key_rows(const T* src, int64_t nc, int64_t D, const int64_t* ord
 // The per-pair terms of row r's scores on local columns [a, e) of a chunk starting at key c0: the relative key
 // term (from the table columns after the chunk's own nc when ``ext``, else per pair when direct), the bias, and
 // the per-pair masks (a masked pair's score becomes -inf). ``qrow``: the row's query.
-template <typename T, typename R>
-inline void add_pair_terms(const R& rules, const RelChunk<T, R>& rc, const Rel<T>& rel, const Head<T>& h,
+template <typename T, typename Rules>
+inline void add_pair_terms(const Rules& rules, const RelChunk<T, Rules>& rc, const Rel<T>& rel, const Head<T>& h,
                            const T* qrow, int64_t r, T* row, int64_t a, int64_t e, int64_t c0, int64_t nc, bool ext) {
   if (ext) rc.gather_add(r, row, a, e, row + nc);
   if (rc.direct) {
@@ -477,17 +527,16 @@ inline void keep_best(T v, int64_t j, int64_t t, int64_t& kept, T* best, int64_t
 }
 
 // Forward of one block: softmax(q·kᵀ·scale + rel + bias, masked) · v (+ the relative value term) per row, with the
-// rows' results in ``out``. ``R`` (the rules) provides: elementwise(r) (whether row r needs a per-pair mask pass),
-// allowed(r, j), distance(r, j) and unit() (relative positions), has_bias / bias(r, j), and self(r) (the key index of
-// a row's own key when the own key is excluded unless alone, else -1).
+// rows' results in ``out``, under ``rules`` (``RequireRules`` lists what they provide).
 //
 // With relative positions on a stretch of U table rows, the rows ride along in the products: scores and q·a^K come
 // out of one (n, nc + U) product, the value term and p·v out of one (n, D) product over nc + U columns (the
 // probabilities summed per table row after the chunk's own). Irregular distances over many table rows instead take
 // per-pair products (``RelChunk::direct``).
-template <typename T, typename R>
-void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Rows& rows, Work<T>& w,
+template <typename T, typename Rules>
+void forward_block(const Head<T>& h, const Rel<T>& rel, const Rules& rules, const Rows& rows, Work<T>& w,
                    BlockOut<T> out) {
+  static_assert(RequireRules<T, Rules>::ok);
   const int64_t n = rows.n, D = h.D;
   if (n == 0) return;
   int64_t kmin = std::numeric_limits<int64_t>::max(), kmax = std::numeric_limits<int64_t>::min();
@@ -513,7 +562,7 @@ void forward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Ro
     int32_t* idx = rel.on() && rules.unit() != 1 ? w.idx.get(n * LD) : nullptr;
     for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
       const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
-      const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
+      const RelChunk<T, Rules> rc(rules, rel, rows, c0, c1, idx);
       const bool ext = rel.on() && rc.U > 0 && !rc.direct;  // the table rows ride along in the products
       const int64_t U = ext ? rc.U : 0, u0 = rc.u0, W = nc + U;
       const int64_t ld = ext ? row_stride(W) : LD;
@@ -607,10 +656,11 @@ struct Needs {
 // (``lse[r]``), delta = dout·out - dlse, whether the row saw only its own key (``alone``), and dout rows (gathered
 // like q). Adds the key gradients into ``g`` and returns the rows' query gradient in w.dq (n, D), scaled. With the
 // table rows riding along (see ``forward_block``), five products per chunk whatever the relative terms.
-template <typename T, typename R>
-void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const Rows& rows, const T* dout_base,
+template <typename T, typename Rules>
+void backward_block(const Head<T>& h, const Rel<T>& rel, const Rules& rules, const Rows& rows, const T* dout_base,
                     int64_t dout_stride, const T* lse, const T* delta, const uint8_t* alone, Work<T>& w,
                     const Grads<T>& g) {
+  static_assert(RequireRules<T, Rules>::ok);
   const int64_t n = rows.n, D = h.D;
   T* dq = w.dq.get(n * D);
   std::fill(dq, dq + n * D, T(0));
@@ -628,7 +678,7 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
   const T minus_inf = -std::numeric_limits<T>::infinity();
   for (int64_t c0 = kmin; c0 < kmax; c0 += KC) {
     const int64_t c1 = std::min(c0 + KC, kmax), nc = c1 - c0;
-    const RelChunk<T, R> rc(rules, rel, rows, c0, c1, idx);
+    const RelChunk<T, Rules> rc(rules, rel, rows, c0, c1, idx);
     const bool ext = rel.on() && rc.U > 0 && !rc.direct;
     const int64_t U = ext ? rc.U : 0, u0 = rc.u0, W = nc + U;
     const int64_t ld = ext ? row_stride(W) : LD;
@@ -711,5 +761,263 @@ void backward_block(const Head<T>& h, const Rel<T>& rel, const R& rules, const R
   }
   scale_row(dq, n * D, h.scale);
 }
+
+// ---- the operators' drivers -------------------------------------------------------------------------------------
+//
+// band.cpp, ranges.cpp and rounds.cpp differ in how they cut a head's query rows into blocks, in their rules, and in
+// where a block's results go; everything else is here. Each describes its blocking as a *layout*, a type with:
+//   Rel<T> rel; int64_t D    the relative tables (or none) and the head size
+//   Plan plan(int64_t bh) const    a head's blocks (``Plan::blocks()`` of them), made once per head and direction
+//   void block(int64_t bh, const Plan&, int64_t b, BlockRows& s, F&& f) const    fills block b's rows into ``s``
+//       (with each row's forward slot) and calls f(head, rules) with the block's Head<T> and rules
+// A forward writes each block row's (out, lse) to its slot; where several slots belong to one query row (ranges'
+// entries, LSH's rounds), ``merge_slots`` merges them. A backward takes heads in parallel and each head's blocks in
+// order (a head's key gradients are its own: no atomics, the same sums whatever the thread count).
+
+// Key validity (B, 1 or H, N) bool as the kernels read it (checks::key_valid): one (batch, head)'s keys by key row.
+struct KeyValid {
+  const bool* p = nullptr;
+  int64_t heads = 1, H = 1, N = 0;
+  static KeyValid of(const std::optional<at::Tensor>& t, int64_t H) {
+    KeyValid k;
+    if (!t.has_value()) return k;
+    k.p = t->data_ptr<bool>();
+    k.heads = t->size(1);
+    k.H = H;
+    k.N = t->size(2);
+    return k;
+  }
+  // head bh's row of validity (a head dimension of 1 stands for all), or null where every key is valid
+  const bool* of_head(int64_t bh) const {
+    if (p == nullptr) return nullptr;
+    const int64_t b = bh / H, h = bh % H;
+    return p + (b * heads + (heads == 1 ? 0 : h)) * N;
+  }
+};
+
+// q, k, v's rows (B, H, N, D), last dimension contiguous, by their strides: one (batch, head) as a ``Head``.
+template <typename T>
+struct Heads {
+  const T *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];  // strides of batch, head, row
+  int64_t H, D;
+  Heads(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_)
+      : q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()), H(q_.size(1)), D(q_.size(3)) {
+    for (int d = 0; d < 3; d++) {
+      qs[d] = q_.stride(d);
+      ks[d] = k_.stride(d);
+      vs[d] = v_.stride(d);
+    }
+  }
+  // head bh with the key order (null: the identity), the score scale and the keys' row scales (null: 1)
+  Head<T> head(int64_t bh, const int64_t* key_order, T scale, const T* key_scale = nullptr) const {
+    const int64_t b = bh / H, h = bh % H;
+    return Head<T>{q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2], v + b * vs[0] + h * vs[1],
+                   vs[2], key_order, D, scale, key_scale};
+  }
+  const T* q_row(int64_t bh, int64_t i) const { return q + (bh / H) * qs[0] + (bh % H) * qs[1] + i * qs[2]; }
+  const T* v_row(int64_t bh, int64_t i) const { return v + (bh / H) * vs[0] + (bh % H) * vs[1] + i * vs[2]; }
+};
+
+// One block's rows as a layout fills them: the sequence index, query row and key interval of each row, its forward
+// slot (where its out and lse go), and the ``Rows`` view the blocks read.
+struct BlockRows {
+  std::vector<int64_t> seq, qrow, a, e, slot;
+  Rows rows;
+  void resize(int64_t n) {
+    seq.resize(n);
+    qrow.resize(n);
+    a.resize(n);
+    e.resize(n);
+    slot.resize(n);
+  }
+  // the view; ``seq_is_qrow``: a row's sequence index is its query row (ranges' entries), else ``seq``
+  void bind(int64_t n, bool seq_is_qrow, bool contiguous) {
+    rows.n = n;
+    rows.qrow = qrow.data();
+    rows.qseq = seq_is_qrow ? qrow.data() : seq.data();
+    rows.a = a.data();
+    rows.e = e.data();
+    rows.contiguous = contiguous;
+  }
+};
+
+// Where a forward's block rows go: (slots, D) out, (slots) lse, and (slots) alone, or null where no row can be alone.
+template <typename T>
+struct Slots {
+  T* out;
+  T* lse;
+  bool* alone = nullptr;
+};
+
+// Every block of every head, in parallel over the blocks of all heads laid end to end; the heads' plans first, in
+// parallel over heads.
+template <typename T, typename Layout>
+void forward_blocks(const Layout& layout, int64_t BH, Slots<T> to) {
+  using Plan = decltype(layout.plan(int64_t()));
+  const int64_t D = layout.D;
+  std::vector<Plan> plans(BH);
+  at::parallel_for(0, BH, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t bh = h0; bh < h1; bh++) plans[bh] = layout.plan(bh);
+  });
+  std::vector<int64_t> first(BH + 1, 0);
+  for (int64_t bh = 0; bh < BH; bh++) first[bh + 1] = first[bh] + plans[bh].blocks();
+  at::parallel_for(0, first[BH], 1, [&](int64_t x0, int64_t x1) {
+    Work<T> w;
+    BlockRows s;
+    Buffer<T> ob, lb;
+    Buffer<uint8_t> ab;
+    int64_t bh = std::upper_bound(first.begin(), first.end(), x0) - first.begin() - 1;
+    for (int64_t x = x0; x < x1; x++) {
+      while (x >= first[bh + 1]) bh++;
+      layout.block(bh, plans[bh], x - first[bh], s, [&](const Head<T>& head, const auto& rules) {
+        const int64_t n = s.rows.n;
+        BlockOut<T> bo{ob.get(n * D), lb.get(n), to.alone == nullptr ? nullptr : ab.get(n)};
+        forward_block(head, layout.rel, rules, s.rows, w, bo);
+        for (int64_t r = 0; r < n; r++) {
+          const int64_t at = s.slot[r];
+          std::memcpy(to.out + at * D, bo.o + r * D, D * sizeof(T));
+          to.lse[at] = bo.lse[r];
+          if (to.alone != nullptr) to.alone[at] = bo.alone[r];
+        }
+      });
+    }
+  });
+}
+
+// The (out, lse) of ``count`` slots of one query row (slot t at index part(t); lse = neg_inf: the slot saw
+// nothing) merged through the log-sum-exp into one softmax over their disjoint keys: orow and the returned lse
+// (zeros and neg_inf when no slot saw anything).
+template <typename T, typename Part>
+inline T merge_row(int64_t count, Part part, const T* slot_out, const T* slot_lse, int64_t D, T* orow) {
+  T top = neg_inf<T>();
+  for (int64_t t = 0; t < count; t++) top = std::max(top, slot_lse[part(t)]);
+  std::fill(orow, orow + D, T(0));
+  if (top == neg_inf<T>()) return neg_inf<T>();
+  T total = 0;
+  for (int64_t t = 0; t < count; t++) {
+    const int64_t at = part(t);
+    if (slot_lse[at] == neg_inf<T>()) continue;
+    const T wt = std::exp(slot_lse[at] - top);
+    total += wt;
+    axpy(orow, slot_out + at * D, D, wt);
+  }
+  scale_row(orow, D, T(1) / total);
+  return top + std::log(total);
+}
+
+// Every query row i < n merged from its slots part(i, t), t < count, into out and lse; ``unseen(i, orow)`` for each
+// row no slot showed anything (orow zeros, lse neg_inf).
+template <typename T, typename Part, typename Unseen>
+void merge_slots(int64_t n, int64_t count, Part part, const T* slot_out, const T* slot_lse, int64_t D, T* out,
+                 T* lse, Unseen unseen) {
+  at::parallel_for(0, n, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      T* orow = out + i * D;
+      lse[i] = merge_row(count, [&](int64_t t) { return part(i, t); }, slot_out, slot_lse, D, orow);
+      if (lse[i] == neg_inf<T>()) unseen(i, orow);
+    }
+  });
+}
+
+// What a backward reads and writes, by query row of all heads (BH · Nq rows; dout and out contiguous): the
+// gradients dq (null: not needed; ``dq_once``: each query row is in one block, so its rows are stored, else added),
+// dk, dv (null: not needed) and the tables' per-head partials (2, BH, L, D) (null without tables or not needed).
+template <typename T>
+struct BackwardIO {
+  const T* dout;
+  const T* out;
+  const T* lse;
+  const T* dlse;         // null: no lse gradient
+  const bool* alone;     // null: no row was alone
+  T* dq;
+  bool dq_once;
+  T* dk;
+  T* dv;
+  T* dkey;               // (BH, L, D): head bh's rows at bh · L · D
+  T* dvalue;
+  int64_t Nq, Nk, L;
+};
+
+// Every head's blocks in order, heads in parallel; ``finish(bh, grads)`` after a head's last block.
+template <typename T, typename Layout, typename Finish>
+void backward_blocks(const Layout& layout, int64_t BH, const BackwardIO<T>& io, Finish finish) {
+  const int64_t D = layout.D, Nq = io.Nq, Nk = io.Nk;
+  at::parallel_for(0, BH, 1, [&](int64_t h0, int64_t h1) {
+    Work<T> w;
+    BlockRows s;
+    Buffer<T> lb, db, dlt;
+    Buffer<uint8_t> ab;
+    for (int64_t bh = h0; bh < h1; bh++) {
+      const int64_t row0 = bh * Nq;
+      T* delta = dlt.get(Nq);  // dout·out - dlse per query row
+      for (int64_t i = 0; i < Nq; i++)
+        delta[i] = dot(io.dout + (row0 + i) * D, io.out + (row0 + i) * D, D) -
+                   (io.dlse == nullptr ? T(0) : io.dlse[row0 + i]);
+      const Grads<T> g{io.dk == nullptr ? nullptr : io.dk + bh * Nk * D,
+                       io.dv == nullptr ? nullptr : io.dv + bh * Nk * D,
+                       io.dkey == nullptr ? nullptr : io.dkey + bh * io.L * D,
+                       io.dvalue == nullptr ? nullptr : io.dvalue + bh * io.L * D, io.dq != nullptr};
+      const auto plan = layout.plan(bh);
+      for (int64_t b = 0, nb = plan.blocks(); b < nb; b++) {
+        layout.block(bh, plan, b, s, [&](const Head<T>& head, const auto& rules) {
+          const int64_t n = s.rows.n;
+          const int64_t* qrow = s.rows.qrow;
+          T* lr = lb.get(n);
+          T* dr = db.get(n);
+          uint8_t* al = ab.get(n);
+          for (int64_t r = 0; r < n; r++) {
+            lr[r] = io.lse[row0 + qrow[r]];
+            dr[r] = delta[qrow[r]];
+            al[r] = io.alone == nullptr ? 0 : io.alone[row0 + qrow[r]];
+          }
+          backward_block(head, layout.rel, rules, s.rows, io.dout + row0 * D, D, lr, dr, al, w, g);
+          if (io.dq == nullptr) return;
+          for (int64_t r = 0; r < n; r++) {
+            T* to = io.dq + (row0 + qrow[r]) * D;
+            if (io.dq_once) std::memcpy(to, w.dq.ptr + r * D, D * sizeof(T));
+            else axpy(to, w.dq.ptr + r * D, D, T(1));
+          }
+        });
+      }
+      finish(bh, g);
+    }
+  });
+}
+
+// A backward's outputs: dq, dk, dv (empty where not needed) and the tables' per-head partials (2, BH, L, D), summed
+// in head order at the end (``table_grads``). dq is zeroed unless each query row is stored once.
+struct GradTensors {
+  at::Tensor dq, dk, dv, tables;
+  Needs need;
+  bool dq_once, has_tables;
+  int64_t BH, Nq, Nk, D, L;
+  GradTensors(const at::Tensor& q, int64_t Nk_, Needs need_, const std::optional<at::Tensor>& key_table,
+              bool dq_once_)
+      : need(need_), dq_once(dq_once_), has_tables(key_table.has_value()), BH(q.size(0) * q.size(1)),
+        Nq(q.size(2)), Nk(Nk_), D(q.size(3)), L(key_table.has_value() ? key_table->size(0) : 0) {
+    const int64_t B = q.size(0), H = q.size(1);
+    const std::vector<int64_t> q_shape = need.q ? std::vector<int64_t>{B, H, Nq, D} : std::vector<int64_t>{0};
+    dq = dq_once ? at::empty(q_shape, q.options()) : at::zeros(q_shape, q.options());
+    dk = at::zeros(need.k ? at::IntArrayRef{B, H, Nk, D} : at::IntArrayRef{0}, q.options());
+    dv = at::zeros(need.v ? at::IntArrayRef{B, H, Nk, D} : at::IntArrayRef{0}, q.options());
+    tables = at::zeros({2, BH, std::max<int64_t>(L, 1), D}, q.options());
+  }
+  // the backward's view: dout and out contiguous (B, H, Nq, D), lse and dlse (B, H, Nq), alone (B, H, Nq) or null
+  template <typename T>
+  BackwardIO<T> io(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                   const std::optional<at::Tensor>& dlse, const bool* alone) {
+    return BackwardIO<T>{dout.data_ptr<T>(), out.data_ptr<T>(), lse.data_ptr<T>(),
+                         dlse.has_value() ? dlse->data_ptr<T>() : nullptr, alone,
+                         need.q ? dq.data_ptr<T>() : nullptr, dq_once,
+                         need.k ? dk.data_ptr<T>() : nullptr, need.v ? dv.data_ptr<T>() : nullptr,
+                         has_tables && need.k ? tables.data_ptr<T>() : nullptr,
+                         has_tables && need.v ? tables.data_ptr<T>() + BH * L * D : nullptr, Nq, Nk, L};
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> result() const {
+    auto [dkey, dvalue] = table_grads(tables, has_tables);
+    return {dq, dk, dv, dkey, dvalue};
+  }
+};
 
 }  // namespace routeformer

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "geometry.h"
 #include "ops.h"
 
 namespace routeformer {
@@ -13,6 +14,15 @@ bool fused_has_blas() { return has_blas(); }
 // The float lanes of at::vec in this build (16 under AVX512, 8 under AVX2 and DEFAULT's 32-byte emulation, 4 with
 // NEON): what the build's CPU_CAPABILITY defines selected.
 int64_t fused_vector_width() { return at::vec::Vectorized<float>::size(); }
+
+// The field names of an operator's geometry ("band", "ranges" or "rounds"), in the list's order: Python compares them
+// with its dataclasses' once when the library loads (``fused/geometry.py``).
+std::vector<std::string> fused_geometry_fields(c10::string_view which) {
+  if (which == "band") return BandGeometry::names();
+  if (which == "ranges") return RangesGeometry::names();
+  if (which == "rounds") return RoundsGeometry::names();
+  TORCH_CHECK(false, "routeformer_fused.geometry_fields: which must be band, ranges or rounds, got ", which);
+}
 
 }  // namespace routeformer
 
@@ -27,20 +37,20 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "Tensor? groups, Tensor? order, Tensor? key_table, Tensor? value_table, Tensor? delta, "
       "Tensor? positions, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "ranges_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int[] setup, float scale, "
+      "ranges_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int[] geometry, float scale, "
       "Tensor? key_order, Tensor? key_valid, Tensor? query_pos, Tensor? key_pos, Tensor? key_table, "
       "Tensor? value_table) -> (Tensor, Tensor)");
   m.def(
       "ranges_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor lo, Tensor hi, int[] setup, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
+      "Tensor lo, Tensor hi, int[] geometry, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
       "Tensor? key_pos, Tensor? key_table, Tensor? value_table, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "rounds_forward(Tensor q, Tensor? k, Tensor v, Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, "
-      "int[] setup, float scale) -> (Tensor, Tensor, Tensor)");
+      "int[] geometry, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "rounds_backward(Tensor grad_out, Tensor q, Tensor? k, Tensor v, Tensor out, Tensor lse, Tensor alone, "
-      "Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, int[] setup, float scale, "
+      "Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, int[] geometry, float scale, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   m.def("sigmoid_gelu(Tensor x) -> Tensor");
   m.def("sigmoid_gelu_backward(Tensor grad, Tensor x) -> Tensor");
@@ -50,6 +60,7 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
   m.def("vector_width() -> int", &routeformer::fused_vector_width);
+  m.def("geometry_fields(str which) -> str[]", &routeformer::fused_geometry_fields);
 }
 
 TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {

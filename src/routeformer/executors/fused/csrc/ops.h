@@ -7,7 +7,9 @@
 
 #include <array>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace routeformer {
 
@@ -15,9 +17,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_band_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef geometry, double scale,
     const std::optional<at::Tensor>& allow, const std::optional<at::Tensor>& tile_mask,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& groups,
-    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& key_table, const std::optional<at::Tensor>& value_table,
-    const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& positions,
-    const std::optional<at::Tensor>& bias);
+    const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& key_table,
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& delta,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& bias);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_band_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
@@ -32,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ban
 
 std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo, const at::Tensor& hi,
-    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
+    at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table);
@@ -40,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ranges_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lo, const at::Tensor& hi,
-    at::IntArrayRef setup, double scale, const std::optional<at::Tensor>& key_order,
+    at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
     const std::optional<at::Tensor>& value_table, std::array<bool, 3> output_mask);
@@ -48,13 +50,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
     const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,
     const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
-    at::IntArrayRef setup, double scale);
+    at::IntArrayRef geometry, double scale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& alone, const at::Tensor& order,
     const at::Tensor& groups, const at::Tensor& labels, const std::optional<at::Tensor>& key_valid,
-    at::IntArrayRef setup, double scale, std::array<bool, 3> output_mask);
+    at::IntArrayRef geometry, double scale, std::array<bool, 3> output_mask);
+
+std::vector<std::string> fused_geometry_fields(c10::string_view which);
 
 at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
