@@ -22,7 +22,7 @@ from routeformer.executors import get_executor
 from routeformer.executors.fused.executor import fused_rounds
 from routeformer.executors.inputs import Inputs, RelTerms
 from routeformer.executors.ranges import KeyOrder, Ranges
-from routeformer.executors.tiling import Distances, KeyRestrictions, Tiling
+from routeformer.executors.tiling import Distances, HashRounds, KeyRestrictions, Tiling
 
 FUSED, TILES = get_executor("fused"), get_executor("tiles")
 OPS = torch.ops.routeformer_fused
@@ -355,11 +355,11 @@ def test_malformed_lsh_rounds_are_errors() -> None:
     order = torch.arange(N).expand(B, H, 2, N)
     groups = torch.zeros(B, H, 2, N, dtype=torch.long)
     with pytest.raises(RuntimeError, match="rounds_forward: order must hold a permutation"):
-        fused_rounds(q, None, v, order * 2, groups, groups, window=3, causal=True, scale=0.5)
+        fused_rounds(q, None, v, HashRounds(order * 2, groups, groups), window=3, causal=True, scale=0.5)
     with pytest.raises(RuntimeError, match=r"rounds_forward: labels must be \(B, H, R, N\)"):
-        fused_rounds(q, None, v, order, groups, groups[:1], window=3, causal=True, scale=0.5)
+        fused_rounds(q, None, v, HashRounds(order, groups, groups[:1]), window=3, causal=True, scale=0.5)
     with pytest.raises(RuntimeError, match=r"rounds_forward: key_valid must be \(B, 1 or H, N\)"):
-        fused_rounds(q, None, v, order, groups, groups, window=3, causal=True, scale=0.5,
+        fused_rounds(q, None, v, HashRounds(order, groups, groups), window=3, causal=True, scale=0.5,
                      key_valid=torch.ones(1, 1, N, dtype=torch.bool))
 
 

@@ -53,7 +53,7 @@ from torch import Tensor
 from ..checks import positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_inputs
-from ..executors.tiling import KeyRestrictions, Tiling, shift_invariant_mask
+from ..executors.tiling import HashRounds, KeyRestrictions, Tiling, shift_invariant_mask
 from ..lengths import sqrt_len
 from .decoding import Cached, attend_cached
 from .kinds.base import HeadGroup, HeadKind
@@ -179,7 +179,7 @@ def lsh_attention(
     labels = hashes * (N + window) + inverse  # (B, H, R, N) by position
     rounds = executor.runner(q).rounds_run
     if rounds is not None:  # the executor runs the rounds, their merge, the unit keys and the own key itself
-        return rounds(q, None, v, order, grouped, labels, window=window, causal=causal, scale=scale,
+        return rounds(q, None, v, HashRounds(order, grouped, labels), window=window, causal=causal, scale=scale,
                       key_valid=key_valid)
     keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
     parts = []

@@ -23,6 +23,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+class HashRounds(NamedTuple):
+    """LSH's rounds, for an executor that runs them all at once (``Executor.rounds_run``), each (B, H, R, N): every
+    round's positions in sorted (bucket, position) order, the bucket of each sorted entry, and every position's
+    label (bucket · (N + window) + sorted index: two positions share a round's window when their labels there differ
+    by less than the window)."""
+
+    order: Tensor
+    groups: Tensor
+    labels: Tensor
+
+
 class KeyRestrictions(NamedTuple):
     """Per-entry labels of a self-attention sequence (as many keys as queries) that narrow what the tiling allows.
     Routing's band over its cluster-sorted sequence uses them; so may any self-attention over a reordered or

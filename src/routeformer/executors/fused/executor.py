@@ -15,7 +15,7 @@ from torch import Tensor
 from ..inputs import Inputs, RelTerms
 from ..ranges import KeyOrder, Ranges
 from ..relative import RelativePositions
-from ..tiling import KeyRestrictions, Tiling
+from ..tiling import HashRounds, KeyRestrictions, Tiling
 from .build import KERNELS
 from .geometry import BandGeometry, RangesGeometry, RoundsGeometry
 from .op import band, ranges, register, rounds
@@ -108,15 +108,15 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
     return out, (lse if need_lse else None)
 
 
-def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor, *,
-                 window: int, causal: bool, scale: float, key_valid: Tensor | None = None) -> Tensor:
+def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, hashed: HashRounds, *, window: int, causal: bool,
+                 scale: float, key_valid: Tensor | None = None) -> Tensor:
     """The fused executor's LSH rounds (``lsh.lsh_attention`` documents them): every round's sorted window read by
     index, the pairs earlier rounds hold left out, the rounds merged and the own key added inside the kernels. k
     None: the keys are scale · q / |q|, made inside the kernel (no keys tensor); else k's rows times ``scale``.
-    order, groups, labels: (B, H, R, N), the rounds' sorted positions, buckets and labels (by position)."""
+    ``hashed``: the rounds' sorted positions, buckets and labels (by position), each (B, H, R, N)."""
     geometry = RoundsGeometry(window=window, rows_per_block=rows_per_block(window), causal=causal)
-    out, _, _ = rounds(_rows(q), None if k is None else _rows(k), _rows(v), order.to(torch.long).contiguous(),
-                       groups.to(torch.long).contiguous(), labels.to(torch.long).contiguous(),
+    out, _, _ = rounds(_rows(q), None if k is None else _rows(k), _rows(v),
+                       HashRounds(*(x.to(torch.long).contiguous() for x in hashed)),
                        None if key_valid is None else key_valid.contiguous(), geometry.ints(), float(scale))
     return out
 

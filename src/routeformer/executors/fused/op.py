@@ -277,11 +277,12 @@ def ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, geometry: li
     return _Ranges.apply(*_distinct(q, k, v, lo, hi, geometry, scale, *optional))
 
 
-def rounds(q: Tensor, k: Tensor | None, v: Tensor, order: Tensor, groups: Tensor, labels: Tensor,
-           key_valid: Tensor | None, geometry: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def rounds(q: Tensor, k: Tensor | None, v: Tensor, hashed: tuple[Tensor, Tensor, Tensor], key_valid: Tensor | None,
+           geometry: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``rounds_forward`` with its gradient: (out, lse, alone); lse and alone take none. k None: the keys are
-    scale · q / |q| (shared-QK unit keys), made inside the kernel."""
-    return _Rounds.apply(*_distinct(q, k, v, order, groups, labels, key_valid, geometry, scale))
+    scale · q / |q| (shared-QK unit keys), made inside the kernel. ``hashed``: the rounds' order, groups and labels
+    (``HashRounds``)."""
+    return _Rounds.apply(*_distinct(q, k, v, *hashed, key_valid, geometry, scale))
 
 
 def sigmoid_gelu(x: Tensor) -> Tensor:
