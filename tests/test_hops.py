@@ -74,3 +74,54 @@ def test_four_hops_from_the_model_to_the_executor(name: str) -> None:
     assert attention, f"{name}: no call into the executors seen"
     deepest = max(attention, key=len)
     assert len(deepest) <= MOST, f"{name}: {len(deepest)} hops: {' > '.join(deepest)}"
+
+
+# Frames from TransformerLM.forward to the fused operator's autograd Function (the frame that calls torch.ops), the
+# model's and the executor's together. Issue 44 asks for 6; the band kinds take 9 today (Block, MixedAttention, the
+# heads, the mechanism's function, Executor.band, Executor.tiled, fused_tiled, op.band, _Band.forward). A ratchet:
+# lower it when a frame goes, never raise it.
+MOST_TO_OPERATOR = 9
+
+
+def operator_calls(model: TransformerLM, tokens: torch.Tensor) -> list[list[str]]:
+    """For every call of a fused attention operator's autograd Function during ``model(tokens)``: the package frames
+    from below ``TransformerLM.forward`` down to it, outermost first (the feed-forward's activation left out)."""
+    found: list[list[str]] = []
+
+    def package(frame) -> str:
+        return frame.f_globals.get("__name__", "")
+
+    def profile(frame, event, arg):
+        if event != "call" or package(frame) != "routeformer.executors.fused.op" or frame.f_code.co_name != "forward":
+            return
+        chain, f = [], frame
+        while f is not None and not (f.f_code.co_name == "forward" and package(f) == "routeformer.model.transformer"):
+            if package(f).startswith("routeformer."):
+                chain.append(f"{package(f)}.{f.f_code.co_qualname}")
+            f = f.f_back
+        if f is not None and not any("FeedForward" in name for name in chain):
+            found.append(chain[::-1])
+
+    sys.setprofile(profile)
+    try:
+        model(tokens)
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_the_frames_down_to_the_fused_operator_do_not_grow(name: str) -> None:
+    from routeformer.executors.fused import available
+
+    if not available():
+        pytest.skip("the fused kernels are not built here")
+    model = _model(name)
+    model.train()
+    calls = operator_calls(model, torch.randint(0, 32, (1, 256)))
+    if not any(g.kind.runs_on_executor(g.options) for layer in model.config.head_groups() for g in layer):
+        assert calls == []  # linear and Performer heads compute their own way
+        return
+    assert calls, f"{name}: no fused operator reached"
+    deepest = max(calls, key=len)
+    assert len(deepest) <= MOST_TO_OPERATOR, f"{name}: {len(deepest)} frames: {' > '.join(deepest)}"
