@@ -27,7 +27,6 @@ OVER = {
     "attention/reference.py:reference_attention": 9,
     "attention/linear.py:feature_attention": 9,
     "attention/full.py:full_attention": 9,
-    "analysis/run.py:routing": 9,
 }
 OPERATOR = ("custom_op", "register_fake", "register_kernel", "register_autograd")
 

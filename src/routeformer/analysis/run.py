@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -199,9 +200,16 @@ def local_window_of(model) -> int | None:
     return max(bands, default=None)
 
 
-def routing(target: Target, *, baseline: str | Path | None = None, windows: int = 16, batch: int = 4,
-            top: int = 100, context: int = 8, local_window: int | None = None, checkpoint: str = "best",
-            data_dir: str | None = None) -> list[Path]:
+class Baseline(NamedTuple):
+    """A run to compare with: its directory, which of its weights, and where its data lives (None: its own)."""
+
+    directory: str | Path
+    checkpoint: str = "best"
+    data_dir: str | None = None
+
+
+def routing(target: Target, baseline: Baseline | None = None, *, windows: int = 16, batch: int = 4,
+            top: int = 100, context: int = 8, local_window: int | None = None) -> list[Path]:
     """What the routing heads of ``target`` use (``routing.routing_use``) and, given a ``baseline`` run on the same
     data and length, where the model's per-token loss beats it (``routing.loss_by_recurrence``)."""
     from ..train.sampling import decode
@@ -218,10 +226,11 @@ def routing(target: Target, *, baseline: str | Path | None = None, windows: int 
         raise ValueError(f"{target.label}: the model has no routing heads ({model.config.describe_heads()})")
     other = None
     if baseline is not None:
-        base_dir = Path(baseline).expanduser()
+        base_dir = Path(baseline.directory).expanduser()
         if not base_dir.is_dir():
             raise FileNotFoundError(f"--baseline {base_dir} does not exist: give a run directory")
-        other, _, data, _ = load_run(base_dir, checkpoint, data_dir, next(model.parameters()).device)
+        other, _, data, _ = load_run(base_dir, baseline.checkpoint, baseline.data_dir,
+                                     next(model.parameters()).device)
         other.eval()
         if data.meta.name != target.data.meta.name or other.config.seq_len != n:
             raise ValueError(f"--baseline {base_dir}: trained on {data.meta.name!r} at seq_len "

@@ -101,8 +101,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         files = run.patterns(target, layer=args.layer, head=args.head, text=text, length=args.length,
                              batches=args.batches, batch=args.batch_size)
     else:  # routing
-        files = run.routing(target, baseline=args.baseline, windows=args.windows, batch=args.batch_size, top=args.top,
-                            context=args.context, local_window=args.local_window, checkpoint=args.checkpoint,
-                            data_dir=args.data_dir)
+        baseline = None if args.baseline is None else run.Baseline(args.baseline, args.checkpoint, args.data_dir)
+        files = run.routing(target, baseline, windows=args.windows, batch=args.batch_size, top=args.top,
+                            context=args.context, local_window=args.local_window)
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
