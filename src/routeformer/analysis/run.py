@@ -253,7 +253,7 @@ def routing(target: Target, baseline: Baseline | None = None, *, windows: int = 
     written = []
     if other is not None:
         rows = study.loss_by_recurrence(model, other, chosen, use.edges, context=context)
-        table += (f"\n\nPer-token loss against the baseline {Path(baseline).name} on the same windows, by the "
+        table += (f"\n\nPer-token loss against the baseline {base_dir.name} on the same windows, by the "
                   f"distance to the previous occurrence of the last {context} tokens in the window\n"
                   + study.format_recurrence(rows, context, "bits"))
         csv = target.out / "routing-recurrence.csv"
@@ -263,7 +263,7 @@ def routing(target: Target, baseline: Baseline | None = None, *, windows: int = 
         png = target.out / "routing-recurrence.png"
         from .figures import plot_recurrence
 
-        if plot_recurrence(rows, png, f"{target.label} against {Path(baseline).name}"):
+        if plot_recurrence(rows, png, f"{target.label} against {base_dir.name}"):
             written.append(png)
     print(table)
     text = target.out / "routing.txt"
