@@ -205,6 +205,80 @@ def test_the_simplex_projection_is_the_nearest_point_of_the_simplex() -> None:
     assert ((x - p).norm(dim=-1)[:, None] <= (x[:, None] - others).norm(dim=-1) + 1e-12).all()
 
 
+def test_the_projection_of_columns_from_any_threshold_is_the_sorted_projection() -> None:
+    """The fits project with Newton's method on the threshold, warm-started from the last iteration's: from any
+    start (below, above, or beyond every entry) it lands on ``project_simplex``'s point, ties and one-entry
+    columns included."""
+    from routeformer.analysis.approximate import _project_columns
+
+    gen = torch.Generator().manual_seed(0)
+    for t in (1, 2, 5, 16):
+        x = torch.randn(t, 300, generator=gen, dtype=torch.float64) * torch.rand(300, generator=gen,
+                                                                                 dtype=torch.float64) * 4
+        x[:, :20] = 0.5  # ties
+        expect = project_simplex(x.T).T
+        for guess in (torch.full((300,), -math.inf, dtype=torch.float64), torch.randn(300, generator=gen,
+                      dtype=torch.float64) * 3, x.amax(0) + 1):
+            p, theta = _project_columns(x, guess.clone())
+            torch.testing.assert_close(p, expect, rtol=0, atol=1e-12)
+            torch.testing.assert_close(p, (x - theta).clamp_min(0))
+
+
+def _literal_fit(u, o, start, iterations, valid):
+    """The refit as first written: rows first, a sort per projection (``project_simplex``), ``where`` per step."""
+    gram = u @ u.transpose(-1, -2)
+    linear = (u @ o[..., None])[..., 0]
+    lipschitz = gram.abs().sum(-1).amax(-1, keepdim=True).clamp_min(1e-12)
+    excluded = torch.finfo(start.dtype).min / (4 * start.shape[-1])
+    w = best = start
+    best_value = ((gram @ w[..., None])[..., 0] * w).sum(-1) - 2 * (linear * w).sum(-1)
+    for _ in range(iterations):
+        step = w - ((gram @ w[..., None])[..., 0] - linear) / lipschitz
+        w = project_simplex(step.masked_fill(~valid, excluded)) * valid
+        value = ((gram @ w[..., None])[..., 0] * w).sum(-1) - 2 * (linear * w).sum(-1)
+        best = torch.where((value < best_value)[..., None], w, best)
+        best_value = torch.minimum(value, best_value)
+    return torch.where(valid.any(-1, keepdim=True), best, start)
+
+
+def test_the_refits_follow_the_literal_projected_gradient() -> None:
+    """``_simplex_fit`` (rows last, Newton projections) against the literal loop in float64: the same iterates up
+    to rounding (late iterates whose objectives tie within rounding may swap as the best, hence 1e-7), the same
+    distance to o; excluded entries stay 0 and rows with nothing to fit keep their start."""
+    from routeformer.analysis.approximate import _simplex_fit
+
+    gen = torch.Generator().manual_seed(1)
+    R, t, D = 300, 6, 8
+    u = torch.randn(R, t, D, generator=gen, dtype=torch.float64)
+    o = torch.randn(R, D, generator=gen, dtype=torch.float64) * 0.3 + u[:, 0] * 0.5
+    valid = torch.rand(R, t, generator=gen) > 0.3
+    valid[:10] = False
+    start = (valid / valid.sum(-1, keepdim=True).clamp_min(1)).double()
+    w = _simplex_fit(u, o, start, 60, valid=valid)
+    assert torch.equal(w[:10], start[:10]) and (w[~valid] == 0).all() and (w >= 0).all()
+    torch.testing.assert_close(w[10:].sum(-1), torch.ones(R - 10, dtype=torch.float64))
+    literal = _literal_fit(u, o, start, 60, valid)
+    torch.testing.assert_close(w, literal, rtol=0, atol=1e-7)
+
+    def error(w):
+        return ((w[..., None] * u).sum(-2) - o).norm(dim=-1)
+
+    torch.testing.assert_close(error(w), error(literal), rtol=1e-12, atol=0)
+
+
+def test_optimal_v_aware_keeps_alpha_on_rows_that_see_at_most_r_keys() -> None:
+    """Those rows are not fitted (α is feasible, so exact): bit for bit α, and the fitted rows are the same as when
+    every row is fitted."""
+    call, alpha, values, o = _head()
+    count = call.allowed.sum(-1)
+    for r in (2, 4, 6):
+        w = ova_weights(alpha, o, values, r, allowed=call.allowed)
+        few = count <= r
+        assert few.any() and (~few).any()
+        assert torch.equal(w[few], alpha[few])
+        assert int((w > 0).sum(-1).max()) <= r
+
+
 def test_oblivious_sliding_and_lsh_keep_the_keys_they_say() -> None:
     call, alpha, values, o = _head(name="full-elu")
     ovo = approximate(call, Method("ovo", 3)).weights

@@ -23,6 +23,7 @@ routed ones for a routing head), so a causal model never scores with a later key
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -184,9 +185,14 @@ def ova_weights(alpha: Tensor, o: Tensor, values: PairValues, r: int, iterations
     if r == 1:
         best = single
     else:
+        # A row whose query sees at most r keys keeps α (feasible, hence exact), so only the others are fitted: all
+        # of a routing head's rows at r >= its window, and the first r rows of every causal head.
+        rows = count[..., 0] > r  # (B, h, N)
+        if not bool(rows.any()):
+            return alpha
         ovo = top_r(alpha, r)
-        candidates = [ovo, _refit_support(ovo, o, values, iterations), _greedy(single, o, values, allowed, r,
-                                                                               iterations)]
+        candidates = [ovo, _refit_support(ovo, o, values, iterations, rows),
+                      _greedy(single, o, values, allowed, r, iterations, rows)]
         best = _pick_nearest(candidates, o, values)
     return torch.where(count <= r, alpha, best)
 
@@ -207,28 +213,60 @@ def _support(w: Tensor, size: int) -> tuple[Tensor, Tensor]:
     return idx, top
 
 
-def _refit_support(w: Tensor, o: Tensor, values: PairValues, iterations: int) -> Tensor:
-    """The weights on w's non-zero keys that bring the output nearest o (projected gradient from w)."""
-    size = int((w > 0).sum(-1).max())
+def _refit_support(w: Tensor, o: Tensor, values: PairValues, iterations: int, rows: Tensor) -> Tensor:
+    """The weights on w's non-zero keys that bring the output nearest o (projected gradient from w), on ``rows``
+    (B, h, N) bool; the other rows keep w."""
+    size = int((w > 0).sum(-1).max())  # over every row, as the fit's width (and so its rounding) depends on it
     idx, start = _support(w, max(size, 1))  # rows with fewer keys get zero-weight entries: kept at zero
-    fitted = _simplex_fit(values.gather(idx), o, start, iterations, valid=start > 0)
+    valid = start > 0
+    rows = rows & valid.any(-1)  # a row without weight has nothing to refit
+    fitted = start.clone()
+    fitted[rows] = _simplex_fit(values.gather(idx)[rows], o[rows], start[rows], iterations, valid=valid[rows])
     return torch.zeros_like(w).scatter(-1, idx, fitted)
 
 
-def _greedy(single: Tensor, o: Tensor, values: PairValues, allowed: Tensor, r: int, iterations: int) -> Tensor:
+def _greedy(single: Tensor, o: Tensor, values: PairValues, allowed: Tensor, r: int, iterations: int,
+            rows: Tensor) -> Tensor:
     """Fully-corrective Frank-Wolfe from one vertex: r - 1 times add the key whose value most decreases the
-    distance to o along the gradient, then refit every weight on the support."""
-    idx, weights = _support(single, 1)  # (B, h, N, 1)
-    u = values.gather(idx)  # (B, h, N, t, D): the support's values
-    for _ in range(r - 1):
-        x = (weights[..., None] * u).sum(-2)  # current point (B, h, N, D)
-        scores = values.dots(x - o).masked_fill(~allowed, float("inf"))
+    distance to o along the gradient, then refit every weight on the support. Only ``rows`` (B, h, N) bool are
+    fitted (the others come back without weight; ``ova_weights`` keeps α there).
+
+    The support of the R fitted rows lives in slots of preallocated (r, R, ...) tensors, rows last as
+    ``_fit_columns`` takes them: a step adds its key's value, one row and column of the Gram matrix and one entry
+    of u · o, instead of gathering every value and rebuilding the Gram matrix."""
+    idx, _ = _support(single, 1)  # (B, h, N, 1): the OVA-1 key
+    target = o[rows]  # (R, D)
+    R, D = target.shape
+    u = o.new_empty(r, R, D)  # the support's values u_b
+    gram = o.new_empty(r, r, R)  # u_a · u_b (symmetric: gram[b] is column b)
+    linear = o.new_empty(r, R)  # u_b · o
+    weights = o.new_zeros(r, R)
+    weights[0] = 1.0
+
+    def add(slot: int, key: Tensor) -> None:  # key (B, h, N, 1) into ``slot``
+        u[slot] = values.gather(key)[rows][:, 0]
+        dots = (u[:slot + 1] * u[slot]).sum(-1)  # (slot + 1, R)
+        gram[slot, :slot + 1] = dots
+        gram[:slot + 1, slot] = dots
+        linear[slot] = (u[slot] * target).sum(-1)
+
+    add(0, idx)
+    gradient = torch.zeros_like(o)  # x - o on the fitted rows, 0 elsewhere (their keys are never used)
+    for t in range(1, r):
+        x = weights[0, :, None] * u[0]  # the current point (R, D)
+        for b in range(1, t):
+            x.addcmul_(weights[b, :, None], u[b])
+        gradient[rows] = x - target
+        scores = values.dots(gradient).masked_fill(~allowed, float("inf"))
         scores = scores.scatter(-1, idx, float("inf"))  # keys already in the support
         new = scores.argmin(-1, keepdim=True)
         new = torch.where(torch.isinf(scores.gather(-1, new)), idx[..., :1], new)  # no key left: repeat one
-        idx, u = torch.cat([idx, new], -1), torch.cat([u, values.gather(new)], -2)
-        weights = _simplex_fit(u, o, torch.cat([weights, torch.zeros_like(new, dtype=o.dtype)], -1), iterations)
-    return torch.zeros_like(single).scatter_add(-1, idx, weights)
+        idx = torch.cat([idx, new], -1)
+        add(t, new)
+        weights[:t + 1] = _fit_columns(gram[:t + 1, :t + 1], linear[:t + 1], weights[:t + 1], iterations)
+    full = o.new_zeros(*rows.shape, r)
+    full[rows] = weights.T
+    return torch.zeros_like(single).scatter_add(-1, idx, full)
 
 
 def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Tensor | None = None) -> Tensor:
@@ -236,28 +274,85 @@ def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Te
     with L >= the largest eigenvalue of the Gram matrix (its largest absolute row sum, Gershgorin), keeping the best
     iterate. Entries where ``valid`` is False stay 0 (a row with none keeps ``start``). u (..., t, D), o (..., D),
     start and valid (..., t) -> (..., t)."""
-    gram = u @ u.transpose(-1, -2)  # (..., t, t)
-    linear = (u @ o[..., None])[..., 0]  # (..., t)
-    lipschitz = gram.abs().sum(-1).amax(-1, keepdim=True).clamp_min(1e-12)
-    excluded = torch.finfo(start.dtype).min / (4 * start.shape[-1])  # sorts last; their sums stay finite
+    shape, t = start.shape, start.shape[-1]
+    u, o, start = u.reshape(-1, t, u.shape[-1]), o.reshape(-1, o.shape[-1]), start.reshape(-1, t)
+    gram = u @ u.transpose(-1, -2)  # (R, t, t)
+    linear = (u @ o[..., None])[..., 0]  # (R, t)
+    excluded = None
+    if valid is not None:
+        valid = valid.reshape(-1, t)
+        # sorts below every valid entry, and its sums stay finite; added, it swamps the step (|step| << its ulp)
+        excluded = (~valid).T.to(start.dtype) * (torch.finfo(start.dtype).min / (4 * t))
+    best = _fit_columns(gram.permute(2, 1, 0), linear.T, start.T, iterations, excluded).T
+    if valid is not None:
+        best = torch.where(valid.any(-1, keepdim=True), best, start)
+    return best.reshape(shape)
 
-    def objective(gw: Tensor, w: Tensor) -> Tensor:  # |u w - o|² - |o|², given gw = gram w
-        return (gw * w).sum(-1) - 2 * (linear * w).sum(-1)
 
-    # gram w serves both the objective at w and the next step's gradient: one small batched product per iteration
-    w = best = start
-    gw = (gram @ w[..., None])[..., 0]
-    best_value = objective(gw, start)
+def _fit_columns(gram: Tensor, linear: Tensor, start: Tensor, iterations: int,
+                 excluded: Tensor | None = None) -> Tensor:
+    """``_simplex_fit`` on R rows laid out last: gram (t, t, R) with gram[b] the Gram matrix's column b, linear
+    u_b · o (t, R), start (t, R) -> (t, R); ``excluded`` (t, R): a huge negative number where an entry must stay 0,
+    else 0.
+
+    Rows last because the rows are many (B·h·N) and the support small (t <= r): every operation is then one
+    vectorised pass over R contiguous numbers per entry, with no sort and no bool tensor (PyTorch's comparisons
+    into bool and ``where`` cost ten times an addition at this size), so the 60 iterations' few dozen operations
+    stay cheap."""
+    gram, linear, w = gram.contiguous(), linear.contiguous(), start.contiguous()
+    lipschitz = gram.abs().sum(0).amax(0).clamp_min(1e-12)  # (R,)
+
+    def gram_times(w: Tensor) -> Tensor:  # (t, R): Σ_b gram[:, b] w_b, one multiply-add per column
+        out = gram[0] * w[0]
+        for b in range(1, len(w)):
+            out.addcmul_(gram[b], w[b])
+        return out
+
+    def objective(gw: Tensor, w: Tensor) -> Tensor:  # |u w - o|² - |o|², given gw = gram w: (R,)
+        return (gw * w).sum(0) - 2 * (linear * w).sum(0)
+
+    # gram w serves both the objective at w and the next step's gradient
+    gw = gram_times(w)
+    best, best_value = w, objective(gw, w)
+    theta = torch.full_like(lipschitz, -math.inf)  # the projection's threshold, carried to the next iteration
     for _ in range(iterations):
-        grad = gw - linear
-        step = w - grad / lipschitz
-        w = project_simplex(step) if valid is None else project_simplex(step.masked_fill(~valid, excluded)) * valid
-        gw = (gram @ w[..., None])[..., 0]
+        step = w - (gw - linear) / lipschitz
+        if excluded is not None:
+            step = step + excluded
+        w, theta = _project_columns(step, theta)
+        gw = gram_times(w)
         value = objective(gw, w)
-        better = value < best_value
-        best = torch.where(better[..., None], w, best)
-        best_value = torch.where(better, value, best_value)
-    return best if valid is None else torch.where(valid.any(-1, keepdim=True), best, start)
+        best = torch.lerp(best, w, (value < best_value).to(w.dtype))  # weight 0 or 1: exactly best or w
+        best_value = torch.minimum(value, best_value)
+    return best
+
+
+def _project_columns(x: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
+    """``project_simplex`` of each column of x (t, R), and the thresholds θ (R,) with projection max(x - θ, 0).
+
+    θ is the root of Σ_t max(x_t - θ, 0) = 1, found by Newton's method (Michelot's: θ = (Σ of the entries above
+    θ - 1) / their count) from ``theta``, the previous iteration's root, clamped into [max x - 1, max x - 1/t],
+    which holds the root and keeps an entry above θ. From above the root, one step lands at or below it; from
+    below, each step drops the entries under θ and the count only falls, so it stops when the count stops
+    changing (at most t + 2 steps). After the first two steps an entry once dropped stays dropped, which rounding
+    could otherwise undo (and cycle). Near convergence the previous root is a step or two away: a projection costs
+    a few passes over x instead of a sort of every row."""
+    t = x.shape[0]
+    top = x.amax(0)
+    theta = torch.minimum(torch.maximum(theta, top - 1), top - 1 / t)
+    count = None
+    kept = torch.empty_like(x)  # 1.0 where an entry is above θ (compared into floats: bool tensors are slow here)
+    for step in range(t + 3):
+        above = (x - theta).clamp_min_(0)
+        if step >= 2:  # below the root from the second step on: the entries above it only shrink
+            above *= kept
+        total = above.sum(0)
+        new = torch.gt(above, 0, out=kept).sum(0)
+        theta = theta + (total - 1) / new
+        if count is not None and torch.equal(new, count):
+            break
+        count = new
+    return (x - theta).clamp_min_(0), theta
 
 
 def project_simplex(x: Tensor) -> Tensor:
