@@ -337,6 +337,34 @@ def test_random_features_approach_the_exact_weights_as_features_grow(name) -> No
         approximate(capture(tiny("full-elu"), x)[0], Method("features", 8))
 
 
+@pytest.mark.parametrize("clip", [3, 40])
+def test_relative_feature_scores_are_the_features_of_every_pairs_key(clip) -> None:
+    """The diagonals-and-corners computation against φ(q_i) · φ(k_j + a^K_ij) with each pair's key built, in
+    float64, with both corners (clip 3 < N) and none (clip 40 >= N); with ``seen`` only the wanted pairs."""
+    from routeformer.analysis.approximate import relative_feature_scores
+    from routeformer.attention.performer import orthogonal_features, performer_features
+    from routeformer.executors.relative import RelativePositions
+
+    gen = torch.Generator().manual_seed(2)
+    B, h, N, D, m, scale = 2, 3, 17, 8, 5, 0.3
+    torch.manual_seed(0)
+    rel_pos = RelativePositions(D, clip, init_std=0.5).double()
+    q, k = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    projection = orthogonal_features(h, m, D, generator=gen, dtype=torch.float64)
+    phi_q = performer_features(q, projection, scale, query=True)
+    pos = torch.arange(N)
+    a_key, _ = rel_pos.tables(pos[None, :] - pos[:, None], torch.float64)  # (N, N, D)
+    keys = (k[:, :, None] + a_key.detach()).flatten(2, 3)  # (B, h, N·N, D): each pair's own key
+    phi_k = performer_features(keys, projection, scale, query=False).view(B, h, N, N, m)
+    literal = torch.einsum("bhim,bhijm->bhij", phi_q, phi_k)
+    with torch.no_grad():
+        torch.testing.assert_close(relative_feature_scores(phi_q, k, projection, scale, rel_pos), literal,
+                                   rtol=1e-12, atol=0)
+        seen = torch.rand(N, N, generator=gen) > 0.7
+        some = relative_feature_scores(phi_q, k, projection, scale, rel_pos, seen=seen)
+    torch.testing.assert_close(some[..., seen], literal[..., seen], rtol=1e-12, atol=0)
+
+
 def test_methods_refuse_bad_settings() -> None:
     for bad in (dict(name="ovo", r=0), dict(name="ova", r=-2), dict(name="ovo"), dict(name="exact", r=3),
                 dict(name="best", r=2)):

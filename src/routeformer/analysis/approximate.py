@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import orthogonal_features, performer_features
+from ..executors.relative import RelativePositions
 from .heads import HeadCall, PairValues
 
 METHODS = ("exact", "ovo", "ova", "sliding", "lsh", "features")
@@ -132,16 +133,16 @@ def lsh_keep(call: HeadCall, r: int, rounds: int, seed: int) -> Tensor:
     return keep | (empty & last_r(allowed, 1))
 
 
-def feature_weights(call: HeadCall, m: int, seed: int, chunk: int = 16) -> Tensor:
+def feature_weights(call: HeadCall, m: int, seed: int) -> Tensor:
     """Performer's estimate of the softmax weights with m orthogonal random features, normalised over the allowed
-    keys. With relative positions each pair's key is k_j + a^K_ij, so the key features are per pair (computed
-    ``chunk`` queries at a time)."""
+    keys. With relative positions each pair's key is k_j + a^K_ij, so the key features are per pair
+    (``relative_feature_scores``)."""
     group = call.group
     if group.kernel != "exp":
         raise ValueError(f"random features estimate the exponential kernel only; layer {call.layer}'s "
                          f"{call.kind} heads use kernel {group.kernel!r}")
     q, k = call.q, group.reference_keys(call.q, call.k)
-    B, h, N, D = q.shape
+    h, D = q.shape[1], q.shape[-1]
     gen = torch.Generator().manual_seed(seed)
     projection = orthogonal_features(h, m, D, generator=gen, device=q.device, dtype=q.dtype)
     phi_q = performer_features(q, projection, group.scale, query=True)  # (B, h, N, m)
@@ -149,16 +150,62 @@ def feature_weights(call: HeadCall, m: int, seed: int, chunk: int = 16) -> Tenso
         phi_k = performer_features(k, projection, group.scale, query=False)
         weights = phi_q @ phi_k.transpose(-1, -2)
     else:
-        pos = torch.arange(N, device=q.device)
-        rows = []
-        for start in range(0, N, chunk):
-            i = pos[start:start + chunk]
-            a_key, _ = call.rel_pos.tables(pos[None, :] - i[:, None], q.dtype)  # (c, N, D)
-            keys = (k[:, :, None] + a_key).flatten(2, 3)  # (B, h, c·N, D)
-            phi = performer_features(keys, projection, group.scale, query=False).view(B, h, len(i), N, m)
-            rows.append(torch.einsum("bhcm,bhcnm->bhcn", phi_q[:, :, start:start + chunk], phi))
-        weights = torch.cat(rows, 2)
+        weights = relative_feature_scores(phi_q, k, projection, group.scale, call.rel_pos,
+                                          seen=call.allowed.flatten(0, 1).any(0))
     return renormalise(weights * call.allowed)
+
+
+def relative_feature_scores(phi_q: Tensor, k: Tensor, projection: Tensor, scale: float, rel_pos: RelativePositions,
+                            seen: Tensor | None = None) -> Tensor:
+    """Σ_r φ_r(q_i) φ_r(k_j + a^K_ij) for every pair (i, j): phi_q (B, h, N, m) the queries' features, k (B, h, N, D)
+    the keys, projection (h, m, D) -> (B, h, N, N), with φ of keys as ``performer_features(..., query=False)``.
+    ``seen`` (N, N) bool: the pairs wanted (default all); the others may come back 0.
+
+    a^K_ij = a_d depends on d = clip(j - i) only: one value per diagonal j - i = d inside the clip distance, and
+    one for each corner beyond. The key features' exponent at x = √s (k_j + a_d),
+    w_r·x - |w_r|²/2 - ln(m)/2 - |x|²/2, splits into a term of j (the features' exponent of √s k_j), a term of
+    (d, r) (√s w_r·a_d) and a term of (j, d) (-s k_j·a_d - s|a_d|²/2), each a small product: a diagonal's features
+    are then two additions and one exp per entry instead of the widened (D + 2)-long product of every pair's own
+    key, and only the diagonals with a wanted pair are computed (a causal head's half, a local head's band). A
+    corner's keys k_j + a_{±clip} are the same for every query: one matrix product."""
+    B, h, N, m = phi_q.shape
+    clip = rel_pos.max_distance
+    root = math.sqrt(scale)
+    w = projection.to(k.dtype)  # (h, m, D)
+    x = k * root  # (B, h, N, D)
+    table = rel_pos.key.detach().to(k.dtype) * root  # (2·clip + 1, D): √s a_d in row d + clip
+    # performer_features' key exponent of √s k_j (B, h, N, m), the position's part (h, 2·clip + 1, m) and the
+    # cross term (B, h, N, 2·clip + 1): their sum is the exponent of √s (k_j + a_d)
+    own = (x @ w.transpose(-1, -2) - 0.5 * w.square().sum(-1)[:, None, :]
+           - 0.5 * x.square().sum(-1, keepdim=True) - 0.5 * math.log(m))
+    position = (table @ w.transpose(-1, -2))[None, :, None]  # (1, h, 1, 2·clip + 1, m)
+    cross = -(x @ table.T) - 0.5 * table.square().sum(-1)
+
+    def exponent(keys: slice, row: int) -> Tensor:  # of the keys k_j + a_d, j in ``keys``, d in ``row``: (B, h, n, m)
+        return own[:, :, keys] + position[:, :, :, row] + cross[:, :, keys, row, None]
+
+    pos = torch.arange(N, device=k.device)
+    offsets = pos[None, :] - pos[:, None]  # (N, N): j - i
+    used = torch.zeros(2 * N - 1, dtype=torch.bool, device=k.device)  # the offsets j - i + N - 1 of wanted pairs
+    used[(offsets if seen is None else offsets[seen]).flatten() + N - 1] = True
+    used = used.tolist()
+    scores = phi_q.new_zeros(B, h, N, N)
+    inner = min(clip, N)
+    for d in range(1 - inner, inner):  # the diagonals j - i = d with their own a_d
+        if used[d + N - 1]:
+            lo, hi = max(0, -d), min(N, N - d)  # its queries i; their keys are i + d
+            features = exponent(slice(lo + d, hi + d), d + clip).exp_()
+            scores.diagonal(d, -2, -1).copy_((phi_q[:, :, lo:hi] * features).sum(-1))
+    # the corners: j - i <= -clip (a_{-clip}) and j - i >= clip (a_clip), one key per j in each; their blocks also
+    # hold diagonals' pairs, which the triangle adds 0 to
+    if clip < N:
+        if any(used[:N - clip]):  # queries i >= clip, keys j <= i - clip
+            phi_k = exponent(slice(0, N - clip), 0).exp_()
+            scores[:, :, clip:, :N - clip] += (phi_q[:, :, clip:] @ phi_k.transpose(-1, -2)).tril()
+        if any(used[N - 1 + clip:]):  # queries i < N - clip, keys j >= i + clip
+            phi_k = exponent(slice(clip, N), 2 * clip).exp_()
+            scores[:, :, :N - clip, clip:] += (phi_q[:, :, :N - clip] @ phi_k.transpose(-1, -2)).triu()
+    return scores
 
 
 # --- optimal-v-aware-r ---------------------------------------------------------------------------------------------
