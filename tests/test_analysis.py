@@ -81,6 +81,30 @@ def test_the_exact_row_reproduces_evaluate_and_the_model_comes_back_unchanged() 
     assert again == total  # the hooks are gone
 
 
+def test_the_first_layers_calls_are_shared_between_methods_and_change_nothing(monkeypatch) -> None:
+    """Each method's evaluation meets the first substituted layer with the same inputs: its calls are answered by
+    the first method's (``_FirstLayer``), with the very results of computing them afresh."""
+    import routeformer.analysis.substitution as substitution
+
+    model = tiny().float()
+    split = np.random.default_rng(0).integers(0, 40, 24 * 6 + 1)  # 6 windows: 3 batches of 2
+    methods = methods_for(["ovo", "features"], [3], True)
+    share, hits = substitution._FirstLayer.share, []
+
+    def counted(self, call):
+        kept = share(self, call)
+        hits.append(kept is not call)
+        return kept
+
+    for layers in (None, [1]):
+        hits.clear()
+        monkeypatch.setattr(substitution._FirstLayer, "share", counted)
+        shared = approximation_table(model, split, "bytes", methods, batch=2, layers=layers)
+        assert sum(hits) == (len(methods) - 1) * 3 * 2  # every method after the first: 3 batches, 2 head groups
+        monkeypatch.setattr(substitution._FirstLayer, "share", lambda self, call: call)
+        assert approximation_table(model, split, "bytes", methods, batch=2, layers=layers) == shared
+
+
 def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None:
     """``one_shape`` (on CUDA, where kernels compile per shape): the last, short batch (here 1 window of a
     split's 5, the last of them shorter than seq_len) is padded to the others' shape with rows that score nothing;
