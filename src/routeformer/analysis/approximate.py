@@ -186,9 +186,9 @@ def relative_feature_scores(phi_q: Tensor, k: Tensor, projection: Tensor, scale:
 
     pos = torch.arange(N, device=k.device)
     offsets = pos[None, :] - pos[:, None]  # (N, N): j - i
-    used = torch.zeros(2 * N - 1, dtype=torch.bool, device=k.device)  # the offsets j - i + N - 1 of wanted pairs
-    used[(offsets if seen is None else offsets[seen]).flatten() + N - 1] = True
-    used = used.tolist()
+    wanted = torch.zeros(2 * N - 1, dtype=torch.bool, device=k.device)  # the offsets j - i + N - 1 of wanted pairs
+    wanted[(offsets if seen is None else offsets[seen]).flatten() + N - 1] = True
+    used: list[bool] = wanted.tolist()
     scores = phi_q.new_zeros(B, h, N, N)
     inner = min(clip, N)
     for d in range(1 - inner, inner):  # the diagonals j - i = d with their own a_d

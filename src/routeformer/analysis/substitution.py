@@ -57,7 +57,8 @@ class _FirstLayer:
     ``--all-windows``."""
 
     def __init__(self, layer: int, budget: int = 2**24) -> None:
-        self.layer, self.budget, self.calls = layer, budget, []
+        self.layer, self.budget = layer, budget
+        self.calls: list[HeadCall] = []
 
     def share(self, call: HeadCall) -> HeadCall:
         if call.layer != self.layer:
