@@ -81,6 +81,30 @@ def test_the_exact_row_reproduces_evaluate_and_the_model_comes_back_unchanged() 
     assert again == total  # the hooks are gone
 
 
+def test_the_first_layers_calls_are_shared_between_methods_and_change_nothing(monkeypatch) -> None:
+    """Each method's evaluation meets the first substituted layer with the same inputs: its calls are answered by
+    the first method's (``_FirstLayer``), with the very results of computing them afresh."""
+    import routeformer.analysis.substitution as substitution
+
+    model = tiny().float()
+    split = np.random.default_rng(0).integers(0, 40, 24 * 6 + 1)  # 6 windows: 3 batches of 2
+    methods = methods_for(["ovo", "features"], [3], True)
+    share, hits = substitution._FirstLayer.share, []
+
+    def counted(self, call):
+        kept = share(self, call)
+        hits.append(kept is not call)
+        return kept
+
+    for layers in (None, [1]):
+        hits.clear()
+        monkeypatch.setattr(substitution._FirstLayer, "share", counted)
+        shared = approximation_table(model, split, "bytes", methods, batch=2, layers=layers)
+        assert sum(hits) == (len(methods) - 1) * 3 * 2  # every method after the first: 3 batches, 2 head groups
+        monkeypatch.setattr(substitution._FirstLayer, "share", lambda self, call: call)
+        assert approximation_table(model, split, "bytes", methods, batch=2, layers=layers) == shared
+
+
 def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None:
     """``one_shape`` (on CUDA, where kernels compile per shape): the last, short batch (here 1 window of a
     split's 5, the last of them shorter than seq_len) is padded to the others' shape with rows that score nothing;
@@ -205,6 +229,80 @@ def test_the_simplex_projection_is_the_nearest_point_of_the_simplex() -> None:
     assert ((x - p).norm(dim=-1)[:, None] <= (x[:, None] - others).norm(dim=-1) + 1e-12).all()
 
 
+def test_the_projection_of_columns_from_any_threshold_is_the_sorted_projection() -> None:
+    """The fits project with Newton's method on the threshold, warm-started from the last iteration's: from any
+    start (below, above, or beyond every entry) it lands on ``project_simplex``'s point, ties and one-entry
+    columns included."""
+    from routeformer.analysis.approximate import _project_columns
+
+    gen = torch.Generator().manual_seed(0)
+    for t in (1, 2, 5, 16):
+        x = torch.randn(t, 300, generator=gen, dtype=torch.float64) * torch.rand(300, generator=gen,
+                                                                                 dtype=torch.float64) * 4
+        x[:, :20] = 0.5  # ties
+        expect = project_simplex(x.T).T
+        for guess in (torch.full((300,), -math.inf, dtype=torch.float64), torch.randn(300, generator=gen,
+                      dtype=torch.float64) * 3, x.amax(0) + 1):
+            p, theta = _project_columns(x, guess.clone())
+            torch.testing.assert_close(p, expect, rtol=0, atol=1e-12)
+            torch.testing.assert_close(p, (x - theta).clamp_min(0))
+
+
+def _literal_fit(u, o, start, iterations, valid):
+    """The refit as first written: rows first, a sort per projection (``project_simplex``), ``where`` per step."""
+    gram = u @ u.transpose(-1, -2)
+    linear = (u @ o[..., None])[..., 0]
+    lipschitz = gram.abs().sum(-1).amax(-1, keepdim=True).clamp_min(1e-12)
+    excluded = torch.finfo(start.dtype).min / (4 * start.shape[-1])
+    w = best = start
+    best_value = ((gram @ w[..., None])[..., 0] * w).sum(-1) - 2 * (linear * w).sum(-1)
+    for _ in range(iterations):
+        step = w - ((gram @ w[..., None])[..., 0] - linear) / lipschitz
+        w = project_simplex(step.masked_fill(~valid, excluded)) * valid
+        value = ((gram @ w[..., None])[..., 0] * w).sum(-1) - 2 * (linear * w).sum(-1)
+        best = torch.where((value < best_value)[..., None], w, best)
+        best_value = torch.minimum(value, best_value)
+    return torch.where(valid.any(-1, keepdim=True), best, start)
+
+
+def test_the_refits_follow_the_literal_projected_gradient() -> None:
+    """``_simplex_fit`` (rows last, Newton projections) against the literal loop in float64: the same iterates up
+    to rounding (late iterates whose objectives tie within rounding may swap as the best, hence 1e-7), the same
+    distance to o; excluded entries stay 0 and rows with nothing to fit keep their start."""
+    from routeformer.analysis.approximate import _simplex_fit
+
+    gen = torch.Generator().manual_seed(1)
+    R, t, D = 300, 6, 8
+    u = torch.randn(R, t, D, generator=gen, dtype=torch.float64)
+    o = torch.randn(R, D, generator=gen, dtype=torch.float64) * 0.3 + u[:, 0] * 0.5
+    valid = torch.rand(R, t, generator=gen) > 0.3
+    valid[:10] = False
+    start = (valid / valid.sum(-1, keepdim=True).clamp_min(1)).double()
+    w = _simplex_fit(u, o, start, 60, valid=valid)
+    assert torch.equal(w[:10], start[:10]) and (w[~valid] == 0).all() and (w >= 0).all()
+    torch.testing.assert_close(w[10:].sum(-1), torch.ones(R - 10, dtype=torch.float64))
+    literal = _literal_fit(u, o, start, 60, valid)
+    torch.testing.assert_close(w, literal, rtol=0, atol=1e-7)
+
+    def error(w):
+        return ((w[..., None] * u).sum(-2) - o).norm(dim=-1)
+
+    torch.testing.assert_close(error(w), error(literal), rtol=1e-12, atol=0)
+
+
+def test_optimal_v_aware_keeps_alpha_on_rows_that_see_at_most_r_keys() -> None:
+    """Those rows are not fitted (α is feasible, so exact): bit for bit α, and the fitted rows are the same as when
+    every row is fitted."""
+    call, alpha, values, o = _head()
+    count = call.allowed.sum(-1)
+    for r in (2, 4, 6):
+        w = ova_weights(alpha, o, values, r, allowed=call.allowed)
+        few = count <= r
+        assert few.any() and (~few).any()
+        assert torch.equal(w[few], alpha[few])
+        assert int((w > 0).sum(-1).max()) <= r
+
+
 def test_oblivious_sliding_and_lsh_keep_the_keys_they_say() -> None:
     call, alpha, values, o = _head(name="full-elu")
     ovo = approximate(call, Method("ovo", 3)).weights
@@ -261,6 +359,34 @@ def test_random_features_approach_the_exact_weights_as_features_grow(name) -> No
         assert errors[1] < 0.25 * errors[0], call.kind
     with pytest.raises(ValueError, match="exponential kernel only"):
         approximate(capture(tiny("full-elu"), x)[0], Method("features", 8))
+
+
+@pytest.mark.parametrize("clip", [3, 40])
+def test_relative_feature_scores_are_the_features_of_every_pairs_key(clip) -> None:
+    """The diagonals-and-corners computation against φ(q_i) · φ(k_j + a^K_ij) with each pair's key built, in
+    float64, with both corners (clip 3 < N) and none (clip 40 >= N); with ``seen`` only the wanted pairs."""
+    from routeformer.analysis.approximate import relative_feature_scores
+    from routeformer.attention.performer import orthogonal_features, performer_features
+    from routeformer.executors.relative import RelativePositions
+
+    gen = torch.Generator().manual_seed(2)
+    B, h, N, D, m, scale = 2, 3, 17, 8, 5, 0.3
+    torch.manual_seed(0)
+    rel_pos = RelativePositions(D, clip, init_std=0.5).double()
+    q, k = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    projection = orthogonal_features(h, m, D, generator=gen, dtype=torch.float64)
+    phi_q = performer_features(q, projection, scale, query=True)
+    pos = torch.arange(N)
+    a_key, _ = rel_pos.tables(pos[None, :] - pos[:, None], torch.float64)  # (N, N, D)
+    keys = (k[:, :, None] + a_key.detach()).flatten(2, 3)  # (B, h, N·N, D): each pair's own key
+    phi_k = performer_features(keys, projection, scale, query=False).view(B, h, N, N, m)
+    literal = torch.einsum("bhim,bhijm->bhij", phi_q, phi_k)
+    with torch.no_grad():
+        torch.testing.assert_close(relative_feature_scores(phi_q, k, projection, scale, rel_pos), literal,
+                                   rtol=1e-12, atol=0)
+        seen = torch.rand(N, N, generator=gen) > 0.7
+        some = relative_feature_scores(phi_q, k, projection, scale, rel_pos, seen=seen)
+    torch.testing.assert_close(some[..., seen], literal[..., seen], rtol=1e-12, atol=0)
 
 
 def test_methods_refuse_bad_settings() -> None:

@@ -23,6 +23,7 @@ routed ones for a routing head), so a causal model never scores with a later key
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.performer import orthogonal_features, performer_features
+from ..executors.relative import RelativePositions
 from .heads import HeadCall, PairValues
 
 METHODS = ("exact", "ovo", "ova", "sliding", "lsh", "features")
@@ -131,16 +133,16 @@ def lsh_keep(call: HeadCall, r: int, rounds: int, seed: int) -> Tensor:
     return keep | (empty & last_r(allowed, 1))
 
 
-def feature_weights(call: HeadCall, m: int, seed: int, chunk: int = 16) -> Tensor:
+def feature_weights(call: HeadCall, m: int, seed: int) -> Tensor:
     """Performer's estimate of the softmax weights with m orthogonal random features, normalised over the allowed
-    keys. With relative positions each pair's key is k_j + a^K_ij, so the key features are per pair (computed
-    ``chunk`` queries at a time)."""
+    keys. With relative positions each pair's key is k_j + a^K_ij, so the key features are per pair
+    (``relative_feature_scores``)."""
     group = call.group
     if group.kernel != "exp":
         raise ValueError(f"random features estimate the exponential kernel only; layer {call.layer}'s "
                          f"{call.kind} heads use kernel {group.kernel!r}")
     q, k = call.q, group.reference_keys(call.q, call.k)
-    B, h, N, D = q.shape
+    h, D = q.shape[1], q.shape[-1]
     gen = torch.Generator().manual_seed(seed)
     projection = orthogonal_features(h, m, D, generator=gen, device=q.device, dtype=q.dtype)
     phi_q = performer_features(q, projection, group.scale, query=True)  # (B, h, N, m)
@@ -148,16 +150,62 @@ def feature_weights(call: HeadCall, m: int, seed: int, chunk: int = 16) -> Tenso
         phi_k = performer_features(k, projection, group.scale, query=False)
         weights = phi_q @ phi_k.transpose(-1, -2)
     else:
-        pos = torch.arange(N, device=q.device)
-        rows = []
-        for start in range(0, N, chunk):
-            i = pos[start:start + chunk]
-            a_key, _ = call.rel_pos.tables(pos[None, :] - i[:, None], q.dtype)  # (c, N, D)
-            keys = (k[:, :, None] + a_key).flatten(2, 3)  # (B, h, c·N, D)
-            phi = performer_features(keys, projection, group.scale, query=False).view(B, h, len(i), N, m)
-            rows.append(torch.einsum("bhcm,bhcnm->bhcn", phi_q[:, :, start:start + chunk], phi))
-        weights = torch.cat(rows, 2)
+        weights = relative_feature_scores(phi_q, k, projection, group.scale, call.rel_pos,
+                                          seen=call.allowed.flatten(0, 1).any(0))
     return renormalise(weights * call.allowed)
+
+
+def relative_feature_scores(phi_q: Tensor, k: Tensor, projection: Tensor, scale: float, rel_pos: RelativePositions,
+                            seen: Tensor | None = None) -> Tensor:
+    """Σ_r φ_r(q_i) φ_r(k_j + a^K_ij) for every pair (i, j): phi_q (B, h, N, m) the queries' features, k (B, h, N, D)
+    the keys, projection (h, m, D) -> (B, h, N, N), with φ of keys as ``performer_features(..., query=False)``.
+    ``seen`` (N, N) bool: the pairs wanted (default all); the others may come back 0.
+
+    a^K_ij = a_d depends on d = clip(j - i) only: one value per diagonal j - i = d inside the clip distance, and
+    one for each corner beyond. The key features' exponent at x = √s (k_j + a_d),
+    w_r·x - |w_r|²/2 - ln(m)/2 - |x|²/2, splits into a term of j (the features' exponent of √s k_j), a term of
+    (d, r) (√s w_r·a_d) and a term of (j, d) (-s k_j·a_d - s|a_d|²/2), each a small product: a diagonal's features
+    are then two additions and one exp per entry instead of the widened (D + 2)-long product of every pair's own
+    key, and only the diagonals with a wanted pair are computed (a causal head's half, a local head's band). A
+    corner's keys k_j + a_{±clip} are the same for every query: one matrix product."""
+    B, h, N, m = phi_q.shape
+    clip = rel_pos.max_distance
+    root = math.sqrt(scale)
+    w = projection.to(k.dtype)  # (h, m, D)
+    x = k * root  # (B, h, N, D)
+    table = rel_pos.key.detach().to(k.dtype) * root  # (2·clip + 1, D): √s a_d in row d + clip
+    # performer_features' key exponent of √s k_j (B, h, N, m), the position's part (h, 2·clip + 1, m) and the
+    # cross term (B, h, N, 2·clip + 1): their sum is the exponent of √s (k_j + a_d)
+    own = (x @ w.transpose(-1, -2) - 0.5 * w.square().sum(-1)[:, None, :]
+           - 0.5 * x.square().sum(-1, keepdim=True) - 0.5 * math.log(m))
+    position = (table @ w.transpose(-1, -2))[None, :, None]  # (1, h, 1, 2·clip + 1, m)
+    cross = -(x @ table.T) - 0.5 * table.square().sum(-1)
+
+    def exponent(keys: slice, row: int) -> Tensor:  # of the keys k_j + a_d, j in ``keys``, d in ``row``: (B, h, n, m)
+        return own[:, :, keys] + position[:, :, :, row] + cross[:, :, keys, row, None]
+
+    pos = torch.arange(N, device=k.device)
+    offsets = pos[None, :] - pos[:, None]  # (N, N): j - i
+    wanted = torch.zeros(2 * N - 1, dtype=torch.bool, device=k.device)  # the offsets j - i + N - 1 of wanted pairs
+    wanted[(offsets if seen is None else offsets[seen]).flatten() + N - 1] = True
+    used: list[bool] = wanted.tolist()
+    scores = phi_q.new_zeros(B, h, N, N)
+    inner = min(clip, N)
+    for d in range(1 - inner, inner):  # the diagonals j - i = d with their own a_d
+        if used[d + N - 1]:
+            lo, hi = max(0, -d), min(N, N - d)  # its queries i; their keys are i + d
+            features = exponent(slice(lo + d, hi + d), d + clip).exp_()
+            scores.diagonal(d, -2, -1).copy_((phi_q[:, :, lo:hi] * features).sum(-1))
+    # the corners: j - i <= -clip (a_{-clip}) and j - i >= clip (a_clip), one key per j in each; their blocks also
+    # hold diagonals' pairs, which the triangle adds 0 to
+    if clip < N:
+        if any(used[:N - clip]):  # queries i >= clip, keys j <= i - clip
+            phi_k = exponent(slice(0, N - clip), 0).exp_()
+            scores[:, :, clip:, :N - clip] += (phi_q[:, :, clip:] @ phi_k.transpose(-1, -2)).tril()
+        if any(used[N - 1 + clip:]):  # queries i < N - clip, keys j >= i + clip
+            phi_k = exponent(slice(clip, N), 2 * clip).exp_()
+            scores[:, :, :N - clip, clip:] += (phi_q[:, :, :N - clip] @ phi_k.transpose(-1, -2)).triu()
+    return scores
 
 
 # --- optimal-v-aware-r ---------------------------------------------------------------------------------------------
@@ -178,15 +226,23 @@ def ova_weights(alpha: Tensor, o: Tensor, values: PairValues, r: int, iterations
     count = allowed.sum(-1, keepdim=True)  # (B, h, N, 1)
     if r > D:
         return alpha
+    # +inf on the keys a query may not use, 0 elsewhere: added to a score it excludes the key, as masked_fill would,
+    # at a tenth of the cost per greedy step (masked_fill with a (B, h, N, N) mask is slow on the CPU)
+    blocked = torch.zeros_like(alpha).masked_fill_(~allowed, float("inf"))
     norms = values.square_norms()
-    nearest = (norms - 2 * values.dots(o)).masked_fill(~allowed, float("inf")).argmin(-1, keepdim=True)
+    nearest = (norms - 2 * values.dots(o) + blocked).argmin(-1, keepdim=True)
     single = torch.zeros_like(alpha).scatter(-1, nearest, 1.0) * (count > 0)
     if r == 1:
         best = single
     else:
+        # A row whose query sees at most r keys keeps α (feasible, hence exact), so only the others are fitted: all
+        # of a routing head's rows at r >= its window, and the first r rows of every causal head.
+        rows = count[..., 0] > r  # (B, h, N)
+        if not bool(rows.any()):
+            return alpha
         ovo = top_r(alpha, r)
-        candidates = [ovo, _refit_support(ovo, o, values, iterations), _greedy(single, o, values, allowed, r,
-                                                                               iterations)]
+        candidates = [ovo, _refit_support(ovo, o, values, iterations, rows),
+                      _greedy(single, o, values, blocked, r, iterations, rows)]
         best = _pick_nearest(candidates, o, values)
     return torch.where(count <= r, alpha, best)
 
@@ -207,28 +263,61 @@ def _support(w: Tensor, size: int) -> tuple[Tensor, Tensor]:
     return idx, top
 
 
-def _refit_support(w: Tensor, o: Tensor, values: PairValues, iterations: int) -> Tensor:
-    """The weights on w's non-zero keys that bring the output nearest o (projected gradient from w)."""
-    size = int((w > 0).sum(-1).max())
+def _refit_support(w: Tensor, o: Tensor, values: PairValues, iterations: int, rows: Tensor) -> Tensor:
+    """The weights on w's non-zero keys that bring the output nearest o (projected gradient from w), on ``rows``
+    (B, h, N) bool; the other rows keep w."""
+    size = int((w > 0).sum(-1).max())  # over every row, as the fit's width (and so its rounding) depends on it
     idx, start = _support(w, max(size, 1))  # rows with fewer keys get zero-weight entries: kept at zero
-    fitted = _simplex_fit(values.gather(idx), o, start, iterations, valid=start > 0)
+    valid = start > 0
+    rows = rows & valid.any(-1)  # a row without weight has nothing to refit
+    fitted = start.clone()
+    fitted[rows] = _simplex_fit(values.gather(idx)[rows], o[rows], start[rows], iterations, valid=valid[rows])
     return torch.zeros_like(w).scatter(-1, idx, fitted)
 
 
-def _greedy(single: Tensor, o: Tensor, values: PairValues, allowed: Tensor, r: int, iterations: int) -> Tensor:
+def _greedy(single: Tensor, o: Tensor, values: PairValues, blocked: Tensor, r: int, iterations: int,
+            rows: Tensor) -> Tensor:
     """Fully-corrective Frank-Wolfe from one vertex: r - 1 times add the key whose value most decreases the
-    distance to o along the gradient, then refit every weight on the support."""
-    idx, weights = _support(single, 1)  # (B, h, N, 1)
-    u = values.gather(idx)  # (B, h, N, t, D): the support's values
-    for _ in range(r - 1):
-        x = (weights[..., None] * u).sum(-2)  # current point (B, h, N, D)
-        scores = values.dots(x - o).masked_fill(~allowed, float("inf"))
-        scores = scores.scatter(-1, idx, float("inf"))  # keys already in the support
+    distance to o along the gradient, then refit every weight on the support. ``blocked`` (B, h, N, N): +inf on
+    the keys a query may not use, else 0. Only ``rows`` (B, h, N) bool are fitted (the others come back without
+    weight; ``ova_weights`` keeps α there).
+
+    The support of the R fitted rows lives in slots of preallocated (r, R, ...) tensors, rows last as
+    ``_fit_columns`` takes them: a step adds its key's value, one row and column of the Gram matrix and one entry
+    of u · o, instead of gathering every value and rebuilding the Gram matrix."""
+    idx, _ = _support(single, 1)  # (B, h, N, 1): the OVA-1 key
+    target = o[rows]  # (R, D)
+    R, D = target.shape
+    u = o.new_empty(r, R, D)  # the support's values u_b
+    gram = o.new_empty(r, r, R)  # u_a · u_b (symmetric: gram[b] is column b)
+    linear = o.new_empty(r, R)  # u_b · o
+    weights = o.new_zeros(r, R)
+    weights[0] = 1.0
+
+    def add(slot: int, key: Tensor) -> None:  # key (B, h, N, 1) into ``slot``
+        u[slot] = values.gather(key)[rows][:, 0]
+        dots = (u[:slot + 1] * u[slot]).sum(-1)  # (slot + 1, R)
+        gram[slot, :slot + 1] = dots
+        gram[:slot + 1, slot] = dots
+        linear[slot] = (u[slot] * target).sum(-1)
+
+    add(0, idx)
+    gradient = torch.zeros_like(o)  # x - o on the fitted rows, 0 elsewhere (their keys are never used)
+    for t in range(1, r):
+        x = weights[0, :, None] * u[0]  # the current point (R, D)
+        for b in range(1, t):
+            x.addcmul_(weights[b, :, None], u[b])
+        gradient[rows] = x - target
+        scores = values.dots(gradient).add_(blocked)
+        scores.scatter_(-1, idx, float("inf"))  # keys already in the support
         new = scores.argmin(-1, keepdim=True)
         new = torch.where(torch.isinf(scores.gather(-1, new)), idx[..., :1], new)  # no key left: repeat one
-        idx, u = torch.cat([idx, new], -1), torch.cat([u, values.gather(new)], -2)
-        weights = _simplex_fit(u, o, torch.cat([weights, torch.zeros_like(new, dtype=o.dtype)], -1), iterations)
-    return torch.zeros_like(single).scatter_add(-1, idx, weights)
+        idx = torch.cat([idx, new], -1)
+        add(t, new)
+        weights[:t + 1] = _fit_columns(gram[:t + 1, :t + 1], linear[:t + 1], weights[:t + 1], iterations)
+    full = o.new_zeros(*rows.shape, r)
+    full[rows] = weights.T
+    return torch.zeros_like(single).scatter_add(-1, idx, full)
 
 
 def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Tensor | None = None) -> Tensor:
@@ -236,28 +325,85 @@ def _simplex_fit(u: Tensor, o: Tensor, start: Tensor, iterations: int, valid: Te
     with L >= the largest eigenvalue of the Gram matrix (its largest absolute row sum, Gershgorin), keeping the best
     iterate. Entries where ``valid`` is False stay 0 (a row with none keeps ``start``). u (..., t, D), o (..., D),
     start and valid (..., t) -> (..., t)."""
-    gram = u @ u.transpose(-1, -2)  # (..., t, t)
-    linear = (u @ o[..., None])[..., 0]  # (..., t)
-    lipschitz = gram.abs().sum(-1).amax(-1, keepdim=True).clamp_min(1e-12)
-    excluded = torch.finfo(start.dtype).min / (4 * start.shape[-1])  # sorts last; their sums stay finite
+    shape, t = start.shape, start.shape[-1]
+    u, o, start = u.reshape(-1, t, u.shape[-1]), o.reshape(-1, o.shape[-1]), start.reshape(-1, t)
+    gram = u @ u.transpose(-1, -2)  # (R, t, t)
+    linear = (u @ o[..., None])[..., 0]  # (R, t)
+    excluded = None
+    if valid is not None:
+        valid = valid.reshape(-1, t)
+        # sorts below every valid entry, and its sums stay finite; added, it swamps the step (|step| << its ulp)
+        excluded = (~valid).T.to(start.dtype) * (torch.finfo(start.dtype).min / (4 * t))
+    best = _fit_columns(gram.permute(2, 1, 0), linear.T, start.T, iterations, excluded).T
+    if valid is not None:
+        best = torch.where(valid.any(-1, keepdim=True), best, start)
+    return best.reshape(shape)
 
-    def objective(gw: Tensor, w: Tensor) -> Tensor:  # |u w - o|² - |o|², given gw = gram w
-        return (gw * w).sum(-1) - 2 * (linear * w).sum(-1)
 
-    # gram w serves both the objective at w and the next step's gradient: one small batched product per iteration
-    w = best = start
-    gw = (gram @ w[..., None])[..., 0]
-    best_value = objective(gw, start)
+def _fit_columns(gram: Tensor, linear: Tensor, start: Tensor, iterations: int,
+                 excluded: Tensor | None = None) -> Tensor:
+    """``_simplex_fit`` on R rows laid out last: gram (t, t, R) with gram[b] the Gram matrix's column b, linear
+    u_b · o (t, R), start (t, R) -> (t, R); ``excluded`` (t, R): a huge negative number where an entry must stay 0,
+    else 0.
+
+    Rows last because the rows are many (B·h·N) and the support small (t <= r): every operation is then one
+    vectorised pass over R contiguous numbers per entry, with no sort and no bool tensor (PyTorch's comparisons
+    into bool and ``where`` cost ten times an addition at this size), so the 60 iterations' few dozen operations
+    stay cheap."""
+    gram, linear, w = gram.contiguous(), linear.contiguous(), start.contiguous()
+    lipschitz = gram.abs().sum(0).amax(0).clamp_min(1e-12)  # (R,)
+
+    def gram_times(w: Tensor) -> Tensor:  # (t, R): Σ_b gram[:, b] w_b, one multiply-add per column
+        out = gram[0] * w[0]
+        for b in range(1, len(w)):
+            out.addcmul_(gram[b], w[b])
+        return out
+
+    def objective(gw: Tensor, w: Tensor) -> Tensor:  # |u w - o|² - |o|², given gw = gram w: (R,)
+        return (gw * w).sum(0) - 2 * (linear * w).sum(0)
+
+    # gram w serves both the objective at w and the next step's gradient
+    gw = gram_times(w)
+    best, best_value = w, objective(gw, w)
+    theta = torch.full_like(lipschitz, -math.inf)  # the projection's threshold, carried to the next iteration
     for _ in range(iterations):
-        grad = gw - linear
-        step = w - grad / lipschitz
-        w = project_simplex(step) if valid is None else project_simplex(step.masked_fill(~valid, excluded)) * valid
-        gw = (gram @ w[..., None])[..., 0]
+        step = w - (gw - linear) / lipschitz
+        if excluded is not None:
+            step = step + excluded
+        w, theta = _project_columns(step, theta)
+        gw = gram_times(w)
         value = objective(gw, w)
-        better = value < best_value
-        best = torch.where(better[..., None], w, best)
-        best_value = torch.where(better, value, best_value)
-    return best if valid is None else torch.where(valid.any(-1, keepdim=True), best, start)
+        best = torch.lerp(best, w, (value < best_value).to(w.dtype))  # weight 0 or 1: exactly best or w
+        best_value = torch.minimum(value, best_value)
+    return best
+
+
+def _project_columns(x: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
+    """``project_simplex`` of each column of x (t, R), and the thresholds θ (R,) with projection max(x - θ, 0).
+
+    θ is the root of Σ_t max(x_t - θ, 0) = 1, found by Newton's method (Michelot's: θ = (Σ of the entries above
+    θ - 1) / their count) from ``theta``, the previous iteration's root, clamped into [max x - 1, max x - 1/t],
+    which holds the root and keeps an entry above θ. From above the root, one step lands at or below it; from
+    below, each step drops the entries under θ and the count only falls, so it stops when the count stops
+    changing (at most t + 2 steps). After the first two steps an entry once dropped stays dropped, which rounding
+    could otherwise undo (and cycle). Near convergence the previous root is a step or two away: a projection costs
+    a few passes over x instead of a sort of every row."""
+    t = x.shape[0]
+    top = x.amax(0)
+    theta = torch.minimum(torch.maximum(theta, top - 1), top - 1 / t)
+    count = None
+    kept = torch.empty_like(x)  # 1.0 where an entry is above θ (compared into floats: bool tensors are slow here)
+    for step in range(t + 3):
+        above = (x - theta).clamp_min_(0)
+        if step >= 2:  # below the root from the second step on: the entries above it only shrink
+            above *= kept
+        total = above.sum(0)
+        new = torch.gt(above, 0, out=kept).sum(0)
+        theta = theta + (total - 1) / new
+        if count is not None and torch.equal(new, count):
+            break
+        count = new
+    return (x - theta).clamp_min_(0), theta
 
 
 def project_simplex(x: Tensor) -> Tensor:
