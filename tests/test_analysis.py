@@ -13,6 +13,7 @@ from helpers import tiny_model_toml, tiny_text_data
 from routeformer.analysis import (
     Method,
     PairValues,
+    Substitute,
     approximate,
     approximation_table,
     capture,
@@ -99,10 +100,10 @@ def test_the_first_layers_calls_are_shared_between_methods_and_change_nothing(mo
     for layers in (None, [1]):
         hits.clear()
         monkeypatch.setattr(substitution._FirstLayer, "share", counted)
-        shared = approximation_table(model, split, "bytes", methods, batch=2, layers=layers)
+        shared = approximation_table(model, split, "bytes", methods, batch=2, how=Substitute(layers))
         assert sum(hits) == (len(methods) - 1) * 3 * 2  # every method after the first: 3 batches, 2 head groups
         monkeypatch.setattr(substitution._FirstLayer, "share", lambda self, call: call)
-        assert approximation_table(model, split, "bytes", methods, batch=2, layers=layers) == shared
+        assert approximation_table(model, split, "bytes", methods, batch=2, how=Substitute(layers)) == shared
 
 
 def test_evaluation_in_batches_of_one_shape_scores_the_same(monkeypatch) -> None:

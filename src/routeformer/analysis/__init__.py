@@ -3,7 +3,7 @@
 
 from .approximate import METHODS, HeadApproximation, Method, approximate, ova_weights, project_simplex
 from .heads import HeadCall, PairValues, capture, check_layers, hooked
-from .substitution import ApproximationResult, approximation_table, methods_for
+from .substitution import ApproximationResult, Substitute, approximation_table, methods_for
 
 __all__ = [
     "METHODS",
@@ -12,6 +12,7 @@ __all__ = [
     "HeadCall",
     "Method",
     "PairValues",
+    "Substitute",
     "approximate",
     "approximation_table",
     "capture",

@@ -21,7 +21,7 @@ from .divergence import format_divergences, head_divergences, write_divergence_c
 from .figures import plot_approximations, plot_cluster_sizes, plot_divergences, plot_patterns
 from .heads import check_layers
 from .patterns import cluster_stats, format_cluster_stats, head_patterns
-from .substitution import approximation_table, format_table, methods_for, write_csv
+from .substitution import Substitute, approximation_table, format_table, methods_for, write_csv
 
 
 @dataclass
@@ -121,8 +121,8 @@ def approximations(target: Target, *, methods: list[str], rs: list[int], layers:
         bar.update()
 
     try:
-        own, results = approximation_table(model, target.tokens, target.kind, chosen, layers=layers, batch=batch,
-                                           max_windows=windows, lsh_rounds=lsh_rounds, seed=seed,
+        own, results = approximation_table(model, target.tokens, target.kind, chosen, batch=batch,
+                                           max_windows=windows, how=Substitute(layers, lsh_rounds, seed),
                                            progress=progress)
     finally:
         bar.close()

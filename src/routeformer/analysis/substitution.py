@@ -74,13 +74,24 @@ class _FirstLayer:
         return call
 
 
+@dataclass(frozen=True)
+class Substitute:
+    """Where and how the heads' outputs are replaced: the layers (None: every one), LSH's rounds and the seed of
+    the methods that draw (LSH's rotations, random features)."""
+
+    layers: list[int] | None = None
+    lsh_rounds: int = 1
+    seed: int = 0
+
+
 def approximation_table(model: TransformerLM, tokens: np.ndarray, kind: str, methods: list[Method], *,
-                        layers: list[int] | None = None, batch: int = 8, max_windows: int | None = 32,
-                        lsh_rounds: int = 1, seed: int = 0,
+                        batch: int = 8, max_windows: int | None = 32, how: Substitute = Substitute(),
                         progress: Callable[[str], None] | None = None) -> tuple[float, list[ApproximationResult]]:
     """(the model's own metric on the windows, one result per method). Windows: ``max_windows`` evenly spaced
     non-overlapping windows of seq_len tokens of ``tokens`` (None: all of them), the windows ``evaluate`` scores.
-    ``kind`` is the data's kind ('bytes', 'words', 'images'), which names the metric."""
+    ``kind`` is the data's kind ('bytes', 'words', 'images'), which names the metric; ``how``: the layers replaced
+    and the methods' settings."""
+    layers = how.layers
     procs = Processes(0, 1, 0, next(model.parameters()).device)  # one process, on the model's device
     seq_len = model.config.seq_len
 
@@ -95,7 +106,7 @@ def approximation_table(model: TransformerLM, tokens: np.ndarray, kind: str, met
         tally = _Tally()
 
         def replace(call: HeadCall, _own, method=method, tally=tally) -> Tensor:
-            approx = approximate(first.share(call), method, lsh_rounds=lsh_rounds, seed=seed)
+            approx = approximate(first.share(call), method, lsh_rounds=how.lsh_rounds, seed=how.seed)
             tally.add(approx)
             return approx.output.to(call.v.dtype)
 
