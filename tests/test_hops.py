@@ -25,21 +25,23 @@ def _model(name: str) -> TransformerLM:
     return TransformerLM(config)
 
 
-def executor_calls(model: TransformerLM, tokens: torch.Tensor) -> list[list[str]]:
-    """For every call from outside ``routeformer.executors`` into it during ``model(tokens)``: the package frames
-    between ``TransformerLM.forward`` and the call, outermost first."""
+def _chains(model: TransformerLM, tokens: torch.Tensor, hit, *, nested_in: str | None = None,
+            with_hit: bool = False) -> list[list[str]]:
+    """For every call that ``hit(frame)`` accepts during ``model(tokens)``: the package frames between
+    ``TransformerLM.forward`` and the call (the called frame too when ``with_hit``), outermost first. A call made
+    from inside the package ``nested_in`` is left out (a custom operator's body called back through torch)."""
     found: list[list[str]] = []
 
     def package(frame) -> str:
         return frame.f_globals.get("__name__", "")
 
     def profile(frame, event, arg):
-        if event != "call" or not package(frame).startswith("routeformer.executors"):
+        if event != "call" or not hit(frame):
             return
-        chain, f = [], frame.f_back
+        chain, f = [], frame if with_hit else frame.f_back
         while f is not None and not (f.f_code.co_name == "forward" and package(f) == "routeformer.model.transformer"):
-            if package(f).startswith("routeformer.executors"):
-                return  # inside the executor already (a custom operator's body is called back through torch)
+            if f is not frame and nested_in is not None and package(f).startswith(nested_in):
+                return
             if package(f).startswith("routeformer."):
                 chain.append(f"{package(f)}.{f.f_code.co_qualname}")
             f = f.f_back
@@ -52,6 +54,13 @@ def executor_calls(model: TransformerLM, tokens: torch.Tensor) -> list[list[str]
     finally:
         sys.setprofile(None)
     return found
+
+
+def executor_calls(model: TransformerLM, tokens: torch.Tensor) -> list[list[str]]:
+    """For every call from outside ``routeformer.executors`` into it during ``model(tokens)``: the package frames
+    between ``TransformerLM.forward`` and the call, outermost first."""
+    return _chains(model, tokens, lambda f: f.f_globals.get("__name__", "").startswith("routeformer.executors"),
+                   nested_in="routeformer.executors")
 
 
 def test_the_count_sees_every_frame() -> None:
@@ -86,28 +95,10 @@ MOST_TO_OPERATOR = 9
 def operator_calls(model: TransformerLM, tokens: torch.Tensor) -> list[list[str]]:
     """For every call of a fused attention operator's autograd Function during ``model(tokens)``: the package frames
     from below ``TransformerLM.forward`` down to it, outermost first (the feed-forward's activation left out)."""
-    found: list[list[str]] = []
+    def hit(frame) -> bool:
+        return frame.f_globals.get("__name__") == "routeformer.executors.fused.op" and frame.f_code.co_name == "forward"
 
-    def package(frame) -> str:
-        return frame.f_globals.get("__name__", "")
-
-    def profile(frame, event, arg):
-        if event != "call" or package(frame) != "routeformer.executors.fused.op" or frame.f_code.co_name != "forward":
-            return
-        chain, f = [], frame
-        while f is not None and not (f.f_code.co_name == "forward" and package(f) == "routeformer.model.transformer"):
-            if package(f).startswith("routeformer."):
-                chain.append(f"{package(f)}.{f.f_code.co_qualname}")
-            f = f.f_back
-        if f is not None and not any("FeedForward" in name for name in chain):
-            found.append(chain[::-1])
-
-    sys.setprofile(profile)
-    try:
-        model(tokens)
-    finally:
-        sys.setprofile(None)
-    return found
+    return [c for c in _chains(model, tokens, hit, with_hit=True) if not any("FeedForward" in name for name in c)]
 
 
 @pytest.mark.parametrize("name", list(KINDS))
