@@ -40,7 +40,7 @@ from ..attention.kinds import HeadGroup
 from ..checks import positive_int
 from ..data.recall import IGNORE, TASKS, RecallTask
 from ..model import TransformerConfig, TransformerLM, local_window
-from ..model.legacy import MOVED, old_spelling_error
+from ..model.config import refuse_old_spelling
 from ..train.config import FIELDS, TrainConfig, parse_override, set_field
 from ..train.schedule import learning_rate
 from .measure import executor_lines, format_table, merge_fields, notes
@@ -226,8 +226,7 @@ def attention_config(name: str, heads: int) -> dict:
     for item in settings:
         key, _, text = item.partition("=")
         key = key.strip()
-        if key in MOVED:
-            raise old_spelling_error(key, f"{name!r}: '@{item}': ", f"@options.{{section}}.{{key}}={text.strip()}")
+        refuse_old_spelling({key: text}, f"{name!r}: '@{item}': ", f"@options.{{section}}.{{key}}={text.strip()}")
         if key not in FIELDS["model"] and not key.startswith("options."):
             raise ValueError(f"{name!r}: '@{item}' sets no model config field; valid fields: "
                              f"{', '.join(sorted(FIELDS['model']))}, options.<section>.<field>")

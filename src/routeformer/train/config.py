@@ -4,7 +4,7 @@
 ``model.key`` / ``train.key``, or a kind's option ``options.<section>.<field>`` (``options.routing.window``; the
 [model.options.<section>] tables of the file); ``value`` is read as TOML (``3e-4``, ``true``, ``"local:4,routing:4"``,
 ``[1, 2]``), and a bare word is read as a string. Unknown keys are an error that lists the valid ones. The old flat
-names of kinds' settings (``window``, ``routing_window``, ...: ``MOVED``) are an error that names their
+names of kinds' settings (``window``, ``routing_window``, ...: ``model.legacy.MOVED``) are an error that names their
 ``options.<section>.<field>``, in a configuration file and in ``--set``; only a run directory's saved config.toml is
 read with them (``read_run_config`` migrates it).
 """
@@ -23,8 +23,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..model import TransformerConfig
-from ..model.config import sections
-from ..model.legacy import MOVED, old_spelling_error, refuse_old_spelling
+from ..model.config import refuse_old_spelling, sections
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEDULES = ("cosine", "inverse_sqrt", "constant")
@@ -187,8 +186,8 @@ def parse_override(item: str) -> tuple[str, str, object]:
         table, name = "model", path
     else:
         table, _, name = key.rpartition(".")
-        if table in ("", "model") and name in MOVED:
-            raise old_spelling_error(name, f"--set {key}: ", f"--set options.{{section}}.{{key}}={text.strip()}")
+        if table in ("", "model"):
+            refuse_old_spelling({name: text}, f"--set {key}: ", f"--set options.{{section}}.{{key}}={text.strip()}")
         if table:
             if table not in FIELDS or name not in FIELDS[table]:
                 raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
