@@ -31,7 +31,7 @@ def test_the_window_fan_out_is_written_once() -> None:
     assert _written(FAN_OUT, {"model/config.py", "model/legacy.py"}) == []
 
 
-def test_the_checks_see_a_copy(tmp_path: Path) -> None:
+def test_the_checks_see_a_copy() -> None:
     assert SQRT.search("k = max(1, round(math.sqrt(n)))") and SQRT.search("k = round(seq_len ** 0.5)")
     assert FAN_OUT.search('sets += [f"options.longformer.window={w}"]')
     assert FAN_OUT.search('options={"longformer": {"window": 8}}')
