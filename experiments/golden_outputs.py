@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from routeformer.attention import RelativePositions
+from routeformer.attention import Inputs, LSHOptions, RelativePositions
 from routeformer.attention.lsh import lsh_attention
 from routeformer.attention.registry import KINDS, PATTERNS
 from routeformer.attention.routing import RoutingAttention, RoutingOptions
@@ -60,14 +60,14 @@ def patterns(results: dict, backend: str) -> None:
                     if rel is not None:
                         torch.manual_seed(3)
                         rp = RelativePositions(8, rel).to(dtype)
-                    out = PATTERNS[name].attend(q, k, v, causal=causal, key_padding_mask=pad, rel_pos=rp,
-                                                backend=backend, **params)
+                    out = PATTERNS[name].run(Inputs.of(q, k, v, key_padding_mask=pad), backend, causal=causal,
+                                             rel=rp, **params)
                     leaves = [q, k, v] + ([rp.key, rp.value] if rp is not None else [])
                     key = f"pattern/{name}/causal={causal}/rel={rel}/{dtype}"
                     results[key] = [out.detach(), *_grads(out, leaves)]
         for causal in (True, False):
             q, _, v = _inputs(1, (2, 4, 300, 16), dtype)
-            out = lsh_attention(q, v, buckets=8, rounds=2, window=24, causal=causal, backend=backend)
+            out = lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=8, rounds=2, window=24), backend, causal=causal)
             results[f"lsh/causal={causal}/{dtype}"] = [out.detach(), *_grads(out, [q, v])]
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from routeformer.attention import FixedOptions, LocalOptions, LongformerOptions, LSHOptions
 from routeformer.executors.fused.geometry import BandGeometry, RangesGeometry, RoundsGeometry
 
 HERE = Path(__file__).resolve().parent
@@ -118,12 +119,14 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
     rel = rand_rel(D, 3)
     pad = rand_padding(B, N, seed=2)
     g = torch.Generator().manual_seed(5)
-    yield "local causal, relative, padding", lambda: local_attention(q, k, v, 4, True, rel_pos=rel,
-                                                                     key_padding_mask=pad, backend="fused")
-    yield "local non-causal, float32", lambda: local_attention(q32, k32, v32, 3, False, backend="fused")
-    yield "fixed (block diagonal, summary keys)", lambda: fixed_attention(q, k, v, 4, 1, backend="fused")
-    yield "longformer, global token, relative", lambda: longformer_attention(q, k, v, 3, 1, [0], rel_pos=rel,
-                                                                             backend="fused")
+    yield "local causal, relative, padding", lambda: local_attention(Inputs.of(q, k, v, key_padding_mask=pad),
+                                                                     LocalOptions(4), "fused", causal=True, rel=rel)
+    yield "local non-causal, float32", lambda: local_attention(Inputs.of(q32, k32, v32), LocalOptions(3), "fused",
+                                                               causal=False)
+    yield "fixed (block diagonal, summary keys)", lambda: fixed_attention(Inputs.of(q, k, v), FixedOptions(4, 1),
+                                                                          "fused")
+    yield "longformer, global token, relative", lambda: longformer_attention(
+        Inputs.of(q, k, v), LongformerOptions(window=3, dilation=1, global_tokens=[0]), "fused", rel=rel)
     routing = routing_layer(H, D, num_clusters=3, window=4, probes=1, backend="fused").double()
     yield "routing, sorted window", lambda: routing(q, q, v, rel)
     order = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N)
@@ -138,10 +141,10 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
         return out.sum() + lse.sum()
 
     yield "routing, probed ranges (merge 2, key order, relative, padding, lse)", ranges
-    yield "lsh causal, padding", lambda: lsh_attention(q, v, buckets=4, rounds=2, window=3, key_padding_mask=pad,
-                                                       backend="fused")
-    yield "lsh non-causal", lambda: lsh_attention(q, v, buckets=2, rounds=2, window=2, causal=False,
-                                                  backend="fused")
+    yield "lsh causal, padding", lambda: lsh_attention(Inputs.of(q, q, v, key_padding_mask=pad),
+                                                       LSHOptions(buckets=4, rounds=2, window=3), "fused")
+    yield "lsh non-causal", lambda: lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=2, rounds=2, window=2),
+                                                  "fused", causal=False)
     Nk, block, rows = 11, 4, 3
     mask = torch.rand(B, 1, 3, rows, 2 * block, generator=g) > 0.3
     delta = torch.randint(-4, 5, (1, H, 3, rows, 2 * block), generator=g)

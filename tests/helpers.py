@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from routeformer.attention import KINDS, RelativePositions, reference_attention
+from routeformer.attention import KINDS, Inputs, RelativePositions, reference_attention
 from routeformer.executors import resolve_backend
 
 SANITIZE = "ROUTEFORMER_TEST_SANITIZE"  # "1": the fused kernels' sanitizer build (conftest.py, test_sanitizer.py)
@@ -55,7 +55,7 @@ def compare_with_reference(attend, mask: Tensor, q, k, v, *, key_padding_mask=No
                            rtol: float = 1e-10, atol: float = 1e-10) -> None:
     """Forward and gradients (q, k, v, relative tables) of ``attend`` equal the dense reference's."""
     out = attend(q, k, v, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
-    ref = reference_attention(q, k, v, mask, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
+    ref = reference_attention(Inputs.of(q, k, v, key_padding_mask=key_padding_mask), mask, rel=rel_pos)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
@@ -68,6 +68,15 @@ def compare_with_reference(attend, mask: Tensor, q, k, v, *, key_padding_mask=No
         b = torch.zeros_like(a) if b is None else b
         assert torch.isfinite(a).all(), f"non-finite gradient of {name}"
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def pattern_call(pattern, executor="auto", *, causal: bool = True, **params):
+    """A pattern's fast function (``registry.Pattern.run``) under its mask builder's ``params``, called as
+    ``attend(q, k, v, key_padding_mask=None, rel_pos=None)`` (``compare_with_reference``, ``leaks``)."""
+    def attend(q, k, v, key_padding_mask=None, rel_pos=None):
+        return pattern.run(Inputs.of(q, k, v, key_padding_mask=key_padding_mask), executor, causal=causal,
+                           rel=rel_pos, **params)
+    return attend
 
 
 def future_changed(q, k, v, t: int, seed: int = 1):

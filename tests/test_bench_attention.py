@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import routing_layer
-from routeformer.attention import full_attention
+from routeformer.attention import Inputs, full_attention
 from routeformer.attention.lsh import default_lsh_settings
 from routeformer.bench.attention import AttentionBench, leaks, reformer_bucket_size, run
 from routeformer.bench.leak import causal_leak, leak_positions, verdict
@@ -24,17 +24,17 @@ def _qkv(n: int = 64, heads: int = 2, head_dim: int = 8) -> tuple[torch.Tensor, 
 
 
 def test_causal_leak_is_zero_for_causal_full_attention() -> None:
-    assert causal_leak(lambda q, k, v: full_attention(q, k, v, causal=True), *_qkv()) == 0.0
+    assert causal_leak(lambda q, k, v: full_attention(Inputs.of(q, k, v), causal=True), *_qkv()) == 0.0
 
 
 def test_causal_leak_is_clearly_non_zero_for_non_causal_attention() -> None:
-    leak = causal_leak(lambda q, k, v: full_attention(q, k, v, causal=False), *_qkv())
+    leak = causal_leak(lambda q, k, v: full_attention(Inputs.of(q, k, v), causal=False), *_qkv())
     assert leak > 0.1 and verdict(leak) == "LEAKS"
 
 
 def test_causal_leak_sees_a_leak_at_the_first_position_only() -> None:
     def first_sees_last(q, k, v):  # causal, except that position 0 also adds the last value
-        out = full_attention(q, k, v, causal=True).clone()
+        out = full_attention(Inputs.of(q, k, v), causal=True).clone()
         out[..., 0, :] += v[..., -1, :]
         return out
 
@@ -44,7 +44,7 @@ def test_causal_leak_sees_a_leak_at_the_first_position_only() -> None:
 
 def test_causal_leak_draws_the_same_random_numbers_in_every_call() -> None:
     def noisy(q, k, v):  # randomness inside the call is not a leak
-        return full_attention(q, k, v, causal=True) + torch.randn(())
+        return full_attention(Inputs.of(q, k, v), causal=True) + torch.randn(())
 
     assert causal_leak(noisy, *_qkv()) == 0.0
 

@@ -50,11 +50,11 @@ RESOLVE = """
 import warnings
 warnings.simplefilter("always")
 import torch
-from routeformer.attention import local_attention
+from routeformer.attention import Inputs, LocalOptions, local_attention
 from routeformer.executors import resolve_backend
 q = torch.randn(1, 2, 40, 8)
 for _ in range(3):
-    local_attention(q, q, q, 5)  # the default: fused, or tiles with one warning
+    local_attention(Inputs.of(q, q, q), LocalOptions(5))  # the default: fused, or tiles with one warning
 print("RESOLVED", resolve_backend("auto", "cpu"))
 """
 

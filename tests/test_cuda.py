@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 
 from helpers import DeviceUnderTest, rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig, TransformerLM
-from routeformer.attention import KINDS, lsh_attention, reference_attention
+from routeformer.attention import KINDS, Inputs, LSHOptions, lsh_attention, reference_attention
 from routeformer.attention.lsh import default_lsh_settings, lsh_mask, lsh_rotations
 from routeformer.executors import resolve_backend
 
@@ -169,7 +169,7 @@ def _against_definition(layer, dut: DeviceUnderTest, rel: bool, what: str, seed:
     with torch.no_grad():
         mask = layer.reference_mask(q, q).cpu()
         bias = layer.reference_bias(q, q)
-    want = reference_attention(q64, q64, v64, mask, rel_pos=rel64,
+    want = reference_attention(Inputs.of(q64, q64, v64), mask, rel=rel64,
                                bias=None if bias is None else bias.to("cpu", torch.float64))
     _compare(out, want, [q, v, *_rel_leaves(rel_dev)], [q64, v64, *_rel_leaves(rel64)], what)
 
@@ -210,10 +210,11 @@ def test_lsh_matches_its_definition(on_device: DeviceUnderTest) -> None:
     rotations = lsh_rotations(2, HEAD_DIM, buckets, 2)
     kw = {"buckets": buckets, "rounds": 2, "window": window, "causal": True}
     (q, _, v), (q64, _, v64) = _qkv(on_device)
-    out = lsh_attention(q, v, **kw, rotations=rotations.to(on_device.device), backend=on_device.backend)
+    out = lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets, 2, window), on_device.backend,
+                        rotations=rotations.to(on_device.device))
     with torch.no_grad():
         mask = lsh_mask(q, **kw, rotations=rotations.to(on_device.device)).cpu()
-    want = reference_attention(q64, F.normalize(q64, dim=-1), v64, mask)
+    want = reference_attention(Inputs.of(q64, F.normalize(q64, dim=-1), v64), mask)
     _compare(out, want, [q, v], [q64, v64], "lsh")
 
 

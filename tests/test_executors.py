@@ -9,7 +9,15 @@ import torch
 
 from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig
-from routeformer.attention import fixed_attention, local_attention, longformer_attention
+from routeformer.attention import (
+    FixedOptions,
+    Inputs,
+    LocalOptions,
+    LongformerOptions,
+    fixed_attention,
+    local_attention,
+    longformer_attention,
+)
 from routeformer.executors import (
     EXECUTORS,
     FEATURES,
@@ -19,7 +27,7 @@ from routeformer.executors import (
     register_executor,
     resolve_backend,
 )
-from routeformer.executors.inputs import Inputs, RelTerms, relative
+from routeformer.executors.inputs import RelTerms, relative
 from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 
@@ -33,7 +41,7 @@ def test_auto_is_flex_on_cuda_and_fused_on_the_cpu_and_unknown_names_are_listed(
         get_executor("triton")
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
-        local_attention(q, k, v, 3, backend="cuda")
+        local_attention(Inputs.of(q, k, v), LocalOptions(3), "cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
         routing_layer(1, 4, 2, 3, backend="triton")
 
@@ -87,13 +95,14 @@ def test_patterns_call_the_executor_their_backend_names() -> None:
     q, k, v = rand_qkv(1, 2, 40, 8, grad=False)
     routing = routing_layer(2, 8, 3, 6).double()
     routing.executor = get_executor("tiles")
-    want = [local_attention(q, k, v, 5, backend="tiles"), fixed_attention(q, k, v, 8, 2, backend="tiles"),
-            longformer_attention(q, k, v, 4, 1, [0], backend="tiles"), routing(q, q, v)]
+    x = Inputs.of(q, k, v)
+    want = [local_attention(x, LocalOptions(5), "tiles"), fixed_attention(x, FixedOptions(8, 2), "tiles"),
+            longformer_attention(x, LongformerOptions(4, 1, [0]), "tiles"), routing(q, q, v)]
     register_executor("spy", spy)
     try:
         routing.executor = spy
-        got = [local_attention(q, k, v, 5, backend="spy"), fixed_attention(q, k, v, 8, 2, backend="spy"),
-               longformer_attention(q, k, v, 4, 1, [0], backend="spy"), routing(q, q, v)]
+        got = [local_attention(x, LocalOptions(5), "spy"), fixed_attention(x, FixedOptions(8, 2), "spy"),
+               longformer_attention(x, LongformerOptions(4, 1, [0]), "spy"), routing(q, q, v)]
     finally:
         del EXECUTORS["spy"]
     assert len(calls) >= 4
@@ -119,9 +128,9 @@ def test_the_config_backend_reaches_every_executor_head_and_is_checked() -> None
 
 def test_kernels_without_a_fused_path_refuse_the_flex_backend() -> None:
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
-    with pytest.raises(ValueError, match="backend='flex' has no path for kernel='poly2'"):
-        local_attention(q, k, v, 3, kernel="poly2", backend="flex")
-    local_attention(q, k, v, 3, kernel="poly2", backend="tiles")  # the one implementation
+    with pytest.raises(ValueError, match="executor='flex' has no path for kernel='poly2'"):
+        local_attention(Inputs.of(q, k, v), LocalOptions(3, kernel="poly2"), "flex")
+    local_attention(Inputs.of(q, k, v), LocalOptions(3, kernel="poly2"), "tiles")  # the one implementation
 
 
 def _dense_reference(q, k, v, tiling: Tiling, bias, scale):
@@ -206,7 +215,7 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
         plain.band(Inputs(q, k, v, 1.0), window=3, causal=True,
                    restrict=KeyRestrictions(groups=torch.zeros(1, 2, 16, dtype=torch.long), exclude_self=True))
     out, _ = plain.band(Inputs(q, k, v, 1.0), window=3, causal=True)  # what it supports runs
-    assert torch.equal(out, local_attention(q, k, v, 3, scale=1.0, backend="tiles"))
+    assert torch.equal(out, local_attention(Inputs.of(q, k, v, scale=1.0), LocalOptions(3), "tiles"))
 
 
 def test_a_row_left_empty_by_the_range_of_the_last_block_is_zero_with_lse_neg_inf() -> None:
@@ -223,6 +232,6 @@ def test_a_row_left_empty_by_the_range_of_the_last_block_is_zero_with_lse_neg_in
     i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
     dense = (i // 4 == j // 4) & allow[i % 4, j % 4]
     assert not dense[6].any() and dense[2].any()
-    ref = reference_attention(q, k, v, dense, scale=0.5)
+    ref = reference_attention(Inputs.of(q, k, v, scale=0.5), dense)
     assert torch.equal(out[:, :, 6], torch.zeros_like(out[:, :, 6])) and (lse[:, :, 6] == neg_inf(lse.dtype)).all()
     assert (out - ref).abs().max() < 1e-12

@@ -6,6 +6,7 @@ keeps."""
 import pytest
 import torch
 
+from routeformer.attention import Inputs, LinearOptions
 from routeformer.attention.feature_scan import feature_scan
 from routeformer.attention.linear import EluFeatures, feature_attention, linear_attention
 from routeformer.attention.performer import (
@@ -105,10 +106,10 @@ def test_performer_and_linear_attention_keep_at_most_five_q():
     q, k, v = (torch.randn(1, 2, 512, 16, generator=gen).requires_grad_() for _ in range(3))
     w = orthogonal_features(2, 44, 16, generator=gen)
     q_bytes = q.numel() * q.element_size()
-    scan = _kept_bytes(lambda: performer_attention(q, k, v, projection=w))
-    chunked = _kept_bytes(lambda: performer_attention(q, k, v, projection=w.clone().requires_grad_()))
+    scan = _kept_bytes(lambda: performer_attention(Inputs.of(q, k, v), projection=w))
+    chunked = _kept_bytes(lambda: performer_attention(Inputs.of(q, k, v), projection=w.clone().requires_grad_()))
     assert scan <= 5 * q_bytes < chunked
-    elu = _kept_bytes(lambda: linear_attention(q, k, v, kernel="elu"))
+    elu = _kept_bytes(lambda: linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="elu")))
     fmap = EluFeatures()
     elu_chunked = _kept_bytes(lambda: _autograd(q, k, v, fmap, 64, None))
     assert elu <= 5 * q_bytes < elu_chunked
@@ -117,7 +118,7 @@ def test_performer_and_linear_attention_keep_at_most_five_q():
 def test_projection_with_a_gradient_takes_autograd():
     q, k, v, w, valid = _inputs(5)
     w = w.clone().requires_grad_()
-    out = performer_attention(q, k, v, projection=w, scale=SCALE, chunk=8)
+    out = performer_attention(Inputs.of(q, k, v, scale=SCALE), projection=w, chunk=8)
     (gw,) = torch.autograd.grad(out.square().sum(), (w,))
     assert gw.abs().max() > 0
     torch.testing.assert_close(out, performer_scan(q, k, v, w.detach(), SCALE, 8, None))

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel, routing_layer
+from helpers import compare_with_reference, pattern_call, rand_padding, rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig, TransformerLM
-from routeformer.attention import PATTERNS, reference_attention
+from routeformer.attention import PATTERNS, Inputs, reference_attention
 from routeformer.attention.reference import reference_scores
 from routeformer.attention.routing.probes import probe_masks
 from routeformer.attention.routing.sorted_window import drop_own_key
 from routeformer.executors import KeyRestrictions, Tiling, flex, get_executor, neg_inf
 from routeformer.executors.flex import blocks
-from routeformer.executors.inputs import Inputs, relative
+from routeformer.executors.inputs import relative
 from routeformer.executors.tiling import Distances
 
 BLOCK = (16, 8)
@@ -68,8 +68,8 @@ def test_block_masks_hold_exactly_the_blocks_with_allowed_pairs(monkeypatch, nam
     the comparisons with the reference: the block structure is checked here against the rule itself."""
     seen = _recorded(monkeypatch)
     q, k, v = rand_qkv(2, 2, 101, 8, grad=False)
-    PATTERNS[name].attend(q, k, v, causal=causal, **params, rel_pos=rand_rel(8, 9),
-                          key_padding_mask=rand_padding(2, 101) if padding else None, backend="flex")
+    PATTERNS[name].run(Inputs.of(q, k, v, key_padding_mask=rand_padding(2, 101) if padding else None), "flex",
+                       causal=causal, rel=rand_rel(8, 9), **params)
     _check(seen)
 
 
@@ -109,9 +109,8 @@ def test_relative_values_when_every_key_of_a_piece_is_beyond_the_clip(causal: bo
     q, k, v = rand_qkv(2, 2, 60, 8)
     rel = rand_rel(8, 4)
     mask = PATTERNS["strided"].build_mask(60, 2, causal, stride=7)
-    compare_with_reference(lambda *x, **kw: PATTERNS["strided"].attend(*x, stride=7, causal=causal, backend="flex",
-                                                                       **kw),
-                           mask, q, k, v, key_padding_mask=rand_padding(2, 60), rel_pos=rel)
+    compare_with_reference(pattern_call(PATTERNS["strided"], "flex", causal=causal, stride=7), mask, q, k, v,
+                           key_padding_mask=rand_padding(2, 60), rel_pos=rel)
 
 
 def test_static_block_masks_are_cached_and_data_masks_are_not(monkeypatch) -> None:
@@ -121,10 +120,10 @@ def test_static_block_masks_are_cached_and_data_masks_are_not(monkeypatch) -> No
     blocks._CACHE.clear()
     q, k, v = rand_qkv(1, 2, 70, 8, grad=False)
     for _ in range(2):
-        PATTERNS["local"].attend(q, k, v, window=9, backend="flex")
+        PATTERNS["local"].run(Inputs.of(q, k, v), "flex", window=9)
     assert len(built) == 1 and built[0] is not None  # built once, under a key
     for _ in range(2):
-        PATTERNS["local"].attend(q, k, v, window=9, key_padding_mask=rand_padding(1, 70), backend="flex")
+        PATTERNS["local"].run(Inputs.of(q, k, v, key_padding_mask=rand_padding(1, 70)), "flex", window=9)
     assert built[1:] == [None, None]
 
 
@@ -160,7 +159,7 @@ def test_a_bias_is_added_wherever_flex_recomputes_scores(rel: bool, frame: str, 
         Inputs(q, k, v, scale), Tiling.dense(n, allow=allow), rel=relative(rel_pos, distances), bias=bias[:, :, None],
         restrict=KeyRestrictions(exclude_self=True) if exclude_self else None, need_lse=True)
     mask = drop_own_key(allow, torch.eye(n, dtype=torch.bool)) if exclude_self else allow
-    ref = reference_attention(q, k, v, mask, scale=scale, rel_pos=rel_pos, bias=bias)
+    ref = reference_attention(Inputs.of(q, k, v, scale=scale), mask, rel=rel_pos, bias=bias)
     scores = reference_scores(q, k, scale, rel_pos=rel_pos, bias=bias).masked_fill(~mask, float("-inf"))
     ref_lse = torch.where(mask.any(-1), scores.logsumexp(-1), neg_inf(lse.dtype))
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -191,7 +190,7 @@ def test_routing_warms_up_and_hands_over_on_flex() -> None:
             routed = probe_masks(layer.routing.route_keys(q, q), layer.routing.probe(q, q), 5).any(2)
             bias = (~routed).double() * -16.0 * step / 2
         out = layer(q, q, v, rel_pos=rel)
-        want = reference_attention(q, q, v, mask, rel_pos=rel, bias=bias)
+        want = reference_attention(Inputs.of(q, q, v), mask, rel=rel, bias=bias)
         torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
         leaves = (q, v, rel.key, rel.value)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step), dtype=out.dtype)
@@ -199,8 +198,8 @@ def test_routing_warms_up_and_hands_over_on_flex() -> None:
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
         layer.update()
     assert not layer.dense
-    torch.testing.assert_close(layer(q, q, v, rel_pos=rel), reference_attention(q, q, v, layer.routing_mask(q, q),
-                                                                                rel_pos=rel))
+    torch.testing.assert_close(layer(q, q, v, rel_pos=rel), reference_attention(Inputs.of(q, q, v),
+                                                                                layer.routing_mask(q, q), rel=rel))
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 5000])
@@ -213,9 +212,8 @@ def test_the_value_pass_at_a_window_of_hundreds(monkeypatch, causal: bool, clip:
     monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
     q, k, v = rand_qkv(1, 2, 700, 8)
     mask = PATTERNS["local"].build_mask(700, 2, causal, window=300)
-    compare_with_reference(lambda *x, **kw: PATTERNS["local"].attend(*x, window=300, causal=causal, backend="flex",
-                                                                     **kw),
-                           mask, q, k, v, key_padding_mask=rand_padding(1, 700), rel_pos=rand_rel(8, clip))
+    compare_with_reference(pattern_call(PATTERNS["local"], "flex", causal=causal, window=300), mask, q, k, v,
+                           key_padding_mask=rand_padding(1, 700), rel_pos=rand_rel(8, clip))
 
 
 def test_the_value_pass_runs_as_many_operators_at_any_window(monkeypatch) -> None:
@@ -245,7 +243,7 @@ def test_the_value_pass_runs_as_many_operators_at_any_window(monkeypatch) -> Non
     monkeypatch.setattr(flex.ops, "value_term", counted)
     for window in (130, 300):
         q, k, v = rand_qkv(1, 2, 700, 8)
-        PATTERNS["local"].attend(q, k, v, window=window, causal=True, rel_pos=rand_rel(8, 400), backend="flex")
+        PATTERNS["local"].run(Inputs.of(q, k, v), "flex", rel=rand_rel(8, 400), window=window)
     assert len(counts) == 2 and counts[0] == counts[1], counts
 
 
@@ -283,7 +281,7 @@ def test_cuda_flex_kernels_agree_with_tiles(name: str, params: dict, dtype, rel:
     rel_pos = rand_rel(64, 32, dtype=torch.float32).cuda() if rel else None
 
     def run(backend: str, q, k, v, rel_pos):
-        out = PATTERNS[name].attend(q, k, v, causal=True, rel_pos=rel_pos, **params, backend=backend)
+        out = PATTERNS[name].run(Inputs.of(q, k, v), backend, rel=rel_pos, **params)
         return (out, *torch.autograd.grad(out.float().square().sum(), [q, k, v]))
 
     tiles, flex = run("tiles", q, k, v, rel_pos), run("flex", q, k, v, rel_pos)

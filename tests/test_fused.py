@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from helpers import rand_padding, rand_qkv, rand_rel, routing_layer
-from routeformer.attention import local_attention
+from routeformer.attention import Inputs, LocalOptions, LSHOptions, local_attention
 from routeformer.attention.lsh import lsh_attention, lsh_rotations
 from routeformer.bench.measure import kept_for_backward
 from routeformer.executors import get_executor
 from routeformer.executors.activation import sigmoid_gelu
 from routeformer.executors.fused import available
-from routeformer.executors.inputs import Inputs, relative
+from routeformer.executors.inputs import relative
 from routeformer.executors.ranges import KeyOrder, Ranges
 from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
 
@@ -113,10 +113,10 @@ def _thread_cases():
     rel = rand_rel(D, 40, dtype=torch.float32)
     layer = routing_layer(H, D, 6, 20, probes=2, balance=0.01)
     return (q, k, v), {
-        "local+rel": lambda q, k, v: local_attention(q, k, v, 50, rel_pos=rel, backend="fused"),
+        "local+rel": lambda q, k, v: local_attention(Inputs.of(q, k, v), LocalOptions(50), "fused", rel=rel),
         "routing, two probes": lambda q, k, v: layer(q, q, v),
-        "lsh": lambda q, k, v: lsh_attention(q, v, buckets=8, rounds=2, window=30,
-                                             rotations=lsh_rotations(H, D, 8, 2), backend="fused"),
+        "lsh": lambda q, k, v: lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=8, rounds=2, window=30), "fused",
+                                             rotations=lsh_rotations(H, D, 8, 2)),
     }, rel
 
 
@@ -147,8 +147,8 @@ def test_a_local_call_keeps_o_of_n_d_for_its_backward() -> None:
     probabilities: O(N · window))."""
     q, k, v = rand_qkv(1, 4, 2048, 32, dtype=torch.float32)
     bytes_q = q.numel() * 4
-    fused = kept_for_backward(lambda: local_attention(q, k, v, 256, backend="fused"))
-    tiles = kept_for_backward(lambda: local_attention(q, k, v, 256, backend="tiles"))
+    fused = kept_for_backward(lambda: local_attention(Inputs.of(q, k, v), LocalOptions(256), "fused"))
+    tiles = kept_for_backward(lambda: local_attention(Inputs.of(q, k, v), LocalOptions(256), "tiles"))
     assert fused <= 5 * bytes_q < tiles
 
 
@@ -157,7 +157,7 @@ def test_compiles_into_one_graph_forward_and_backward() -> None:
     rel = rand_rel(8, 6, dtype=torch.float32)
 
     def f(q, k, v):
-        return local_attention(q, k, v, 7, rel_pos=rel, backend="fused")
+        return local_attention(Inputs.of(q, k, v), LocalOptions(7), "fused", rel=rel)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     out, ref = compiled(q, k, v), f(q, k, v)
@@ -184,11 +184,11 @@ def _double_backward_cases():
     order = torch.randperm(40).expand(1, 2, 40).contiguous()
     hi = torch.arange(1, 41).expand(1, 2, 40).contiguous()
     return (q, k, v), {
-        "band": lambda q, k, v: local_attention(q, k, v, 5, backend="fused"),
+        "band": lambda q, k, v: local_attention(Inputs.of(q, k, v), LocalOptions(5), "fused"),
         "ranges": lambda q, k, v: FUSED.ranges(Inputs(q, k, v, 0.3), Ranges((hi - 6).clamp_min(0), hi, 6, 1),
                                                order=KeyOrder(order, order.argsort(-1)))[0],
-        "LSH rounds": lambda q, k, v: lsh_attention(q, v, buckets=4, rounds=2, window=6,
-                                                    rotations=lsh_rotations(2, 8, 4, 2), backend="fused"),
+        "LSH rounds": lambda q, k, v: lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=4, rounds=2, window=6),
+                                                    "fused", rotations=lsh_rotations(2, 8, 4, 2)),
         "sigmoid GELU": lambda q, k, v: sigmoid_gelu(q),
     }
 

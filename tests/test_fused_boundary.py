@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 import fused_boundary as fb
 from helpers import rand_qkv, rand_rel
-from routeformer.attention import local_attention, reference_attention
+from routeformer.attention import Inputs, LocalOptions, LSHOptions, local_attention, reference_attention
 from routeformer.attention.lsh import lsh_attention
 from routeformer.executors import get_executor
 from routeformer.executors.fused.executor import fused_rounds
-from routeformer.executors.inputs import Inputs, RelTerms
+from routeformer.executors.inputs import RelTerms
 from routeformer.executors.ranges import KeyOrder, Ranges
 from routeformer.executors.tiling import Distances, HashRounds, KeyRestrictions, Tiling
 
@@ -266,7 +266,7 @@ def test_an_order_and_groups_for_one_batch_entry_stand_for_every_entry() -> None
     allow = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 4) & (groups[0][:, :, None] == groups[0][:, None])
     allow = allow & ~own | own & ~(allow & ~own).any(-1, keepdim=True)  # (H, N, N) in sorted order
     inverse = order[0, 0].argsort()
-    ref = reference_attention(q, k, v, allow[:, inverse][:, :, inverse], 0.5, rel_pos=rel)
+    ref = reference_attention(Inputs.of(q, k, v, scale=0.5), allow[:, inverse][:, :, inverse], rel=rel)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -348,10 +348,11 @@ def test_malformed_lsh_rounds_are_errors() -> None:
     """lsh_attention checks its own arguments; the rounds operator behind it refuses rounds that do not fit."""
     B, H, N, D = 2, 2, 12, 4
     q, _, v = rand_qkv(B, H, N, D, grad=False)
-    with pytest.raises(ValueError, match="q and v must have the same shape"):
-        lsh_attention(q, v[:, :, :5], buckets=4, rounds=2, window=3, backend="fused")
+    with pytest.raises(ValueError, match="q, k and v must have the same shape"):
+        lsh_attention(Inputs.of(q, q, v[:, :, :5]), LSHOptions(buckets=4, rounds=2, window=3), "fused")
     with pytest.raises(ValueError, match="rotations must have shape"):
-        lsh_attention(q, v, buckets=4, rounds=2, window=3, rotations=torch.randn(H, 2, D, 3), backend="fused")
+        lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=4, rounds=2, window=3), "fused",
+                      rotations=torch.randn(H, 2, D, 3))
     order = torch.arange(N).expand(B, H, 2, N)
     groups = torch.zeros(B, H, 2, N, dtype=torch.long)
     with pytest.raises(RuntimeError, match="rounds_forward: order must hold a permutation"):
@@ -370,6 +371,6 @@ def test_rows_that_overlap_or_are_strided_are_copied_by_the_front_end() -> None:
     q0, k0, v0 = rand_qkv(B, H, N, 2 * D, grad=False)
     q = q0[:, :, :1, :D].expand(B, H, N, D)
     k, v = k0[..., ::2], v0[..., 1::2]
-    torch.testing.assert_close(local_attention(q, k, v, 4, backend="fused"), local_attention(q, k, v, 4,
-                                                                                               backend="tiles"),
+    torch.testing.assert_close(local_attention(Inputs.of(q, k, v), LocalOptions(4), "fused"),
+                               local_attention(Inputs.of(q, k, v), LocalOptions(4), "tiles"),
                                rtol=1e-10, atol=1e-10)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helpers import rand_rel
-from routeformer.attention import local_attention, reference_attention
+from routeformer.attention import LocalOptions, LSHOptions, local_attention, reference_attention
 from routeformer.attention.local import local_mask
 from routeformer.attention.lsh import lsh_attention, lsh_mask, lsh_rotations
 from routeformer.executors import Inputs, get_executor
@@ -100,7 +100,7 @@ def test_the_plain_definition_is_reference_attention() -> None:
     allow = mask & padding[:, None, None, :]
     i = torch.arange(N)
     got = dense(q, k, v, allow, 8**-0.5, rel, i[None, :] - i[:, None])
-    want = reference_attention(q, k, v, mask, key_padding_mask=padding, rel_pos=rel)
+    want = reference_attention(Inputs.of(q, k, v, key_padding_mask=padding), mask, rel=rel)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -164,12 +164,13 @@ def check_band(N: int, window: int, causal: bool, *, B: int = 2, H: int = 1, rel
     leaves32, leaves64 = float32_leaves(q, k, v), float64_leaves(q, k, v)
     extra32 = [rel32.key, rel32.value] if rel32 is not None else []
     extra64 = [rel64.key, rel64.value] if rel64 is not None else []
-    got = local_attention(*leaves32, window, causal, rel_pos=rel32, key_padding_mask=valid, backend="fused")
+    got = local_attention(Inputs.of(*leaves32, key_padding_mask=valid), LocalOptions(window), "fused", causal=causal,
+                          rel=rel32)
     window_mask = local_mask(N, window, causal)
     assert window_mask.sum(-1).max() > KC, "rows' intervals must be longer than one chunk"
     allow = window_mask & valid[:, None, None, :]
     if rel64 is None:
-        want = reference_attention(*leaves64, window_mask, key_padding_mask=valid)
+        want = reference_attention(Inputs.of(*leaves64, key_padding_mask=valid), window_mask)
     else:
         i = torch.arange(N)
         want = dense(*leaves64, allow, D**-0.5, rel64, i[None, :] - i[:, None])
@@ -262,10 +263,11 @@ def check_lsh(N: int, window: int, causal: bool, *, buckets: int = 4, B: int = 2
     rot = lsh_rotations(H, D, buckets, 2, seed=seed)
     kw = dict(buckets=buckets, rounds=2, window=window, causal=causal, key_padding_mask=valid, rotations=rot)
     (q32, v32), (q64, v64) = float32_leaves(q, v), float64_leaves(q, v)
-    got = lsh_attention(q32, v32, **kw, backend="fused")
+    got = lsh_attention(Inputs.of(q32, q32, v32, key_padding_mask=valid), LSHOptions(buckets, 2, window), "fused",
+                        causal=causal, rotations=rot)
     mask = lsh_mask(q32.detach(), **kw)  # hashed in float32, as the call above: the same buckets
     assert lsh_mask(q32.detach(), **{**kw, "key_padding_mask": None}).sum(-1).max() > KC
-    want = reference_attention(q64, F.normalize(q64, dim=-1), v64, mask)
+    want = reference_attention(Inputs.of(q64, F.normalize(q64, dim=-1), v64), mask)
     compare(got, want, [q32, v32], [q64, v64], ["q", "v"], seed=seed)
 
 
@@ -286,7 +288,8 @@ def _band_run(B, H, N, seed):
     q, k, v = qkv(B, H, N, seed)
     rel = tables(rand_rel(D, 300, seed=seed))[0]
     leaves = float32_leaves(q, k, v)
-    out = local_attention(*leaves, 600, False, rel_pos=rel, key_padding_mask=padding(B, N, seed), backend="fused")
+    out = local_attention(Inputs.of(*leaves, key_padding_mask=padding(B, N, seed)), LocalOptions(600), "fused",
+                          causal=False, rel=rel)
     return out, leaves + [rel.key, rel.value]
 
 
@@ -305,8 +308,9 @@ def _ranges_run(B, H, N, seed):
 def _lsh_run(B, H, N, seed):
     q, _, v = qkv(B, H, N, seed)
     leaves = float32_leaves(q, v)
-    out = lsh_attention(*leaves, buckets=2, rounds=2, window=600, key_padding_mask=padding(B, N, seed),
-                        rotations=lsh_rotations(H, D, 2, 2, seed=seed), backend="fused")
+    q, v = leaves
+    out = lsh_attention(Inputs.of(q, q, v, key_padding_mask=padding(B, N, seed)), LSHOptions(2, 2, 600), "fused",
+                        rotations=lsh_rotations(H, D, 2, 2, seed=seed))
     return out, leaves
 
 

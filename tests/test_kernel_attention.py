@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from helpers import leaks
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import (
+    Inputs,
+    KernelOptions,
+    LinearOptions,
+    LocalOptions,
+    PerformerOptions,
     RelativePositions,
     full_attention,
     kernel_attention,
@@ -92,14 +97,14 @@ def test_the_dense_reference_takes_the_kernel(kernel) -> None:
     valid = torch.rand(B, N, generator=torch.Generator().manual_seed(6)) > 0.25
     mask = causal_mask(N, 7)
     scale = None if kernel == "elu" else 0.3
-    got = reference_attention(q, k, v, mask[0, 0], scale, key_padding_mask=valid, kernel=kernel)
+    got = reference_attention(Inputs.of(q, k, v, scale=scale, key_padding_mask=valid), mask[0, 0], kernel=kernel)
     want = quadratic(kernel, q, k, v, mask & valid[:, None, None, :], 1.0 if scale is None else scale)
     assert (got - want).abs().max() <= 1e-13
     step = attend_cached_kernel(q[:, :, -1], k, v, kernel, 1.0 if scale is None else scale, allowed=valid[:, None])
     assert (step - quadratic(kernel, q, k, v, causal_mask(N, None, True, valid),
                              1.0 if scale is None else scale)[:, :, -1]).abs().max() <= 1e-13
     with pytest.raises(ValueError, match="relative positions are defined for the exponential kernel only"):
-        reference_attention(q, k, v, mask[0, 0], kernel=kernel, rel_pos=RelativePositions(D, 4).double())
+        reference_attention(Inputs.of(q, k, v), mask[0, 0], rel=RelativePositions(D, 4).double(), kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel", ["poly2", "elu"])
@@ -110,16 +115,17 @@ def test_kernel_attention_is_the_quadratic_definition(kernel, causal, window) ->
     scale = None if kernel == "elu" else D ** -0.5
     mask = causal_mask(N, window, causal, valid)
     assert_close_with_grads(
-        lambda q, k, v: kernel_attention(q, k, v, kernel, causal, scale, window=window, key_padding_mask=valid,
-                                         block=8),
+        lambda q, k, v: kernel_attention(Inputs.of(q, k, v, scale=scale, key_padding_mask=valid), kernel,
+                                         causal=causal, window=window, block=8),
         lambda q, k, v: quadratic(kernel, q, k, v, mask, 1.0 if scale is None else scale), q, k, v)
 
 
 def test_full_and_local_take_the_kernel() -> None:
     q, k, v = qkv()
-    assert torch.equal(full_attention(q, k, v, kernel="poly2"), kernel_attention(q, k, v, "poly2"))
-    assert torch.equal(local_attention(q, k, v, 5, kernel="elu"), kernel_attention(q, k, v, "elu", window=5))
-    assert torch.equal(full_attention(q, k, v, kernel="exp"), full_attention(q, k, v))
+    x = Inputs.of(q, k, v)
+    assert torch.equal(full_attention(x, KernelOptions(kernel="poly2")), kernel_attention(x, "poly2"))
+    assert torch.equal(local_attention(x, LocalOptions(5, kernel="elu")), kernel_attention(x, "elu", window=5))
+    assert torch.equal(full_attention(x, KernelOptions(kernel="exp")), full_attention(x))
 
 
 # --- linear attention -------------------------------------------------------------------------------------------
@@ -133,15 +139,17 @@ def test_linear_attention_equals_the_quadratic_definition(kernel, causal, chunk)
     mask = causal_mask(N, None, causal, valid)
     scale = 1.0 if kernel == "elu" else D ** -0.5
     assert_close_with_grads(
-        lambda q, k, v: linear_attention(q, k, v, causal, kernel=kernel, key_padding_mask=valid, chunk=chunk),
+        lambda q, k, v: linear_attention(Inputs.of(q, k, v, key_padding_mask=valid), LinearOptions(kernel=kernel),
+                                         causal=causal, chunk=chunk),
         lambda q, k, v: quadratic(kernel, q, k, v, mask, scale), q, k, v, tol=1e-11)
 
 
 @pytest.mark.parametrize("attend", [
-    lambda q, k, v: linear_attention(q, k, v, kernel="elu", chunk=8),
-    lambda q, k, v: linear_attention(q, k, v, kernel="poly2", chunk=8),
-    lambda q, k, v: performer_attention(q, k, v, features=16, generator=torch.Generator().manual_seed(0), chunk=8),
-    lambda q, k, v: kernel_attention(q, k, v, "poly2", window=6, block=8),
+    lambda q, k, v: linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="elu"), chunk=8),
+    lambda q, k, v: linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="poly2"), chunk=8),
+    lambda q, k, v: performer_attention(Inputs.of(q, k, v), PerformerOptions(features=16),
+                                        generator=torch.Generator().manual_seed(0), chunk=8),
+    lambda q, k, v: kernel_attention(Inputs.of(q, k, v), "poly2", window=6, block=8),
 ], ids=["linear-elu", "linear-poly2", "performer", "local-poly2"])
 def test_no_leak_from_later_positions(attend) -> None:
     q, k, v = qkv()
@@ -151,14 +159,14 @@ def test_no_leak_from_later_positions(attend) -> None:
 
 def test_linear_attention_in_float32_and_half_precision() -> None:
     q, k, v = qkv()
-    want = linear_attention(q, k, v, kernel="elu", chunk=8)
-    got32 = linear_attention(q.float(), k.float(), v.float(), kernel="elu", chunk=8)
+    want = linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="elu"), chunk=8)
+    got32 = linear_attention(Inputs.of(q.float(), k.float(), v.float()), LinearOptions(kernel="elu"), chunk=8)
     assert (got32.double() - want).abs().max() < 1e-5
     for dtype in (torch.float16, torch.bfloat16):
         big = [x.to(dtype) * 8 for x in (q, k, v)]  # (1 + q·k/√D)² summed over keys overflows fp16 if computed there
-        out = linear_attention(*big, kernel="poly2", chunk=8)
+        out = linear_attention(Inputs.of(*big), LinearOptions("poly2"), chunk=8)
         assert out.dtype == dtype and torch.isfinite(out).all()
-        ref = linear_attention(*(x.double() for x in big), kernel="poly2", chunk=8)
+        ref = linear_attention(Inputs.of(*(x.double() for x in big)), LinearOptions("poly2"), chunk=8)
         assert (out.double() - ref).abs().max() / ref.abs().max() < 2e-2
 
 
@@ -174,7 +182,8 @@ def test_linear_decoding_state_is_flat_and_reproduces_the_forward() -> None:
         outs.append(state.read(phi(q[:, :, t:t + 1])))
         shapes.add((tuple(state.kv.shape), tuple(state.norm.shape)))
     assert shapes == {((B, H, D, D), (B, H, D))}  # the same size at every position
-    assert (torch.cat(outs, 2) - linear_attention(q, k, v, kernel="elu", chunk=8)).abs().max() < 1e-12
+    assert (torch.cat(outs, 2) - linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="elu"),
+                                                  chunk=8)).abs().max() < 1e-12
 
 
 # --- Performer --------------------------------------------------------------------------------------------------
@@ -201,18 +210,19 @@ def test_performer_chunks_equal_its_quadratic_form() -> None:
         weights = weights * causal_mask(N, None, True, valid)
         return (weights @ v) / weights.sum(-1, keepdim=True).clamp_min(1e-300)
 
-    assert_close_with_grads(lambda q, k, v: performer_attention(q, k, v, projection=w, chunk=8,
-                                                                key_padding_mask=valid),
+    assert_close_with_grads(lambda q, k, v: performer_attention(Inputs.of(q, k, v, key_padding_mask=valid),
+                                                                projection=w, chunk=8),
                             quadratic_form, q, k, v, tol=1e-11)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_performer_converges_to_softmax_attention_as_features_grow(causal) -> None:
     q, k, v = qkv(n=64, d=8, spread=0.6)
-    exact = full_attention(q, k, v, causal=causal)
+    exact = full_attention(Inputs.of(q, k, v), causal=causal)
     errors = []
     for m in (8, 64, 512, 4096):
-        draws = [performer_attention(q, k, v, causal, generator=torch.Generator().manual_seed(s), features=m)
+        draws = [performer_attention(Inputs.of(q, k, v), PerformerOptions(features=m), causal=causal,
+                                     generator=torch.Generator().manual_seed(s))
                  for s in range(4)]
         errors.append(sum(((o - exact).norm() / exact.norm()).item() for o in draws) / len(draws))
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
@@ -224,12 +234,12 @@ def test_performer_ignores_padded_keys_and_stays_finite_in_half_precision() -> N
     valid = torch.ones(B, N, dtype=torch.bool)
     valid[:, 5::4] = False
     w = orthogonal_features(H, 16, D, generator=torch.Generator().manual_seed(2))
-    out = performer_attention(q, k, v, projection=w, key_padding_mask=valid)
+    out = performer_attention(Inputs.of(q, k, v, key_padding_mask=valid), projection=w)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 5::4], v2[:, :, 5::4] = 1e3, 1e3
-    assert torch.equal(out, performer_attention(q, k2, v2, projection=w, key_padding_mask=valid))
+    assert torch.equal(out, performer_attention(Inputs.of(q, k2, v2, key_padding_mask=valid), projection=w))
     for dtype in (torch.float16, torch.bfloat16):
-        half = performer_attention(*(x.to(dtype) * 6 for x in (q, k, v)), projection=w)
+        half = performer_attention(Inputs.of(*(x.to(dtype) * 6 for x in (q, k, v))), projection=w)
         assert half.dtype == dtype and torch.isfinite(half).all()
 
 
@@ -292,14 +302,18 @@ def test_the_kernel_is_each_kinds_own_option() -> None:
 def test_function_errors_are_one_line() -> None:
     q, k, v = qkv()
     cases = [
-        (lambda: full_attention(q, k, v, kernel="rbf"), "kernel must be one of"),
-        (lambda: linear_attention(q, k, v, kernel="exp"), "kernel must be one of 'poly2', 'elu'"),
-        (lambda: linear_attention(q, k, v, kernel="elu", scale=0.5), "elu kernel .* has no scale"),
-        (lambda: linear_attention(q, k, v, chunk=0), "chunk must be a positive integer"),
-        (lambda: performer_attention(q, k, v, projection=torch.randn(H, 4, D + 1)), "projection must have shape"),
-        (lambda: performer_attention(q, k, v, features=-3), "features must be a positive integer"),
-        (lambda: kernel_attention(q, k, v, "exp"), "kernel must be one of 'poly2', 'elu'"),
-        (lambda: linear_attention(q, k[:, :, :5], v), "same shape"),
+        (lambda: full_attention(Inputs.of(q, k, v), KernelOptions(kernel="rbf")), "kernel must be one of"),
+        (lambda: linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="exp")),
+         "kernel='exp': linear heads need kernel='elu' or 'poly2'"),
+        (lambda: linear_attention(Inputs.of(q, k, v, scale=0.5), LinearOptions(kernel="elu")),
+         "elu kernel .* has no scale"),
+        (lambda: linear_attention(Inputs.of(q, k, v), chunk=0), "chunk must be a positive integer"),
+        (lambda: performer_attention(Inputs.of(q, k, v), projection=torch.randn(H, 4, D + 1)),
+         "projection must have shape"),
+        (lambda: performer_attention(Inputs.of(q, k, v), PerformerOptions(features=-3)),
+         "features must be a positive integer"),
+        (lambda: kernel_attention(Inputs.of(q, k, v), "exp"), "kernel must be one of 'poly2', 'elu'"),
+        (lambda: linear_attention(Inputs.of(q, k[:, :, :5], v)), "same shape"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message) as info:
@@ -308,10 +322,10 @@ def test_function_errors_are_one_line() -> None:
 
 
 @pytest.mark.parametrize("attend", [
-    lambda q, k, v: linear_attention(q, k, v, kernel="elu", chunk=8),
-    lambda q, k, v: linear_attention(q, k, v, kernel="poly2", chunk=8),
-    lambda q, k, v: performer_attention(q, k, v, projection=torch.ones(H, 8, D), chunk=8),
-    lambda q, k, v: kernel_attention(q, k, v, "elu", block=16),
+    lambda q, k, v: linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="elu"), chunk=8),
+    lambda q, k, v: linear_attention(Inputs.of(q, k, v), LinearOptions(kernel="poly2"), chunk=8),
+    lambda q, k, v: performer_attention(Inputs.of(q, k, v), projection=torch.ones(H, 8, D), chunk=8),
+    lambda q, k, v: kernel_attention(Inputs.of(q, k, v), "elu", block=16),
 ], ids=["linear-elu", "linear-poly2", "performer", "kernel-elu"])
 def test_no_graph_breaks_under_compile(attend) -> None:
     q, k, v = qkv(dtype=torch.float32)

@@ -16,6 +16,8 @@ from routeformer.attention import (
     KINDS,
     HeadGroup,
     HeadKind,
+    Inputs,
+    LocalOptions,
     full_attention,
     get_kind,
     local_attention,
@@ -80,10 +82,10 @@ class BandHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         if self.fault == "leak":  # sees the future
-            return local_attention(q, k, v, self.width, causal=False, rel_pos=rel_pos)
+            return local_attention(Inputs.of(q, k, v), LocalOptions(self.width), causal=False, rel=rel_pos)
         if self.fault == "skew":  # a different pattern than its mask says
-            return full_attention(q, k, v, causal=True, rel_pos=rel_pos)
-        return local_attention(q, k, v, self.width, causal=True, rel_pos=rel_pos)
+            return full_attention(Inputs.of(q, k, v), causal=True, rel=rel_pos)
+        return local_attention(Inputs.of(q, k, v), LocalOptions(self.width), causal=True, rel=rel_pos)
 
     def reference_mask(self, q, k):  # "leak" describes itself truly: only the leak check can catch it
         return local_mask(q.shape[2], self.width, causal=self.fault != "leak", device=q.device)

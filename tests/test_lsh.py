@@ -10,17 +10,23 @@ import torch.nn.functional as F
 
 from helpers import leaks, rand_padding, rand_qkv
 from routeformer import TransformerConfig, TransformerLM
-from routeformer.attention import get_kind, lsh_attention, reference_attention
+from routeformer.attention import Inputs, LSHOptions, get_kind, lsh_attention, reference_attention
 from routeformer.attention import lsh as lsh_kind
 from routeformer.attention.lsh import lsh_hash, lsh_mask, lsh_rotations
 from routeformer.attention.routing.sorted_window import sorted_window_mask
 from routeformer.testing import check_kind
 
+
+def lsh(q, v, *, key_padding_mask=None, scale=None, causal=True, rotations=None, seed=0, backend="auto", **options):
+    """lsh_attention on (q as the keys, v) with the keyword arguments ``lsh_mask`` takes (the options' fields loose)."""
+    return lsh_attention(Inputs.of(q, q, v, scale=scale, key_padding_mask=key_padding_mask), LSHOptions(**options),
+                         backend, causal=causal, rotations=rotations, seed=seed)
+
 B, H, D = 2, 2, 8
 
 
 def _reference(q, v, mask, scale=None):
-    return reference_attention(q, F.normalize(q, dim=-1), v, mask, scale=scale)
+    return reference_attention(Inputs.of(q, F.normalize(q, dim=-1), v, scale=scale), mask)
 
 
 def _rounds_holding(q, *, buckets, rounds, window, causal, rotations=None, seed=0):
@@ -45,7 +51,7 @@ def test_matches_the_reference_over_the_union_of_rounds_counting_shared_keys_onc
     padding = rand_padding(B, N) if padded else None
     kw = {"buckets": buckets, "rounds": rounds, "window": window, "causal": causal, "key_padding_mask": padding}
     mask = lsh_mask(q, **kw)
-    out = lsh_attention(q, v, **kw, backend=backend)
+    out = lsh(q, v, **kw, backend=backend)
     ref = _reference(q, v, mask)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(out)
@@ -66,8 +72,8 @@ def test_matches_the_reference_over_the_union_of_rounds_counting_shared_keys_onc
 def test_gradcheck_on_a_tiny_problem(backend: str) -> None:
     q, _, v = rand_qkv(1, 1, 9, 4, seed=3)
     rot = lsh_rotations(1, 4, 2, 2, seed=1)
-    assert torch.autograd.gradcheck(lambda q_, v_: lsh_attention(q_, v_, buckets=2, rounds=2, window=3,
-                                                                 rotations=rot, backend=backend), (q, v))
+    assert torch.autograd.gradcheck(lambda q_, v_: lsh_attention(Inputs.of(q_, q_, v_), LSHOptions(2, 2, 3), backend,
+                                                                 rotations=rot), (q, v))
 
 
 @pytest.mark.parametrize("backend", ["fused", "tiles"])
@@ -79,14 +85,14 @@ def test_no_causal_leak(padded: bool, backend: str) -> None:
     rot = lsh_rotations(H, D, 4, 3, seed=2)
 
     def attend(q_, k_, v_):  # k is ignored: the keys are the normalised queries
-        return lsh_attention(q_, v_, buckets=4, rounds=3, window=4, rotations=rot, key_padding_mask=padding,
-                             backend=backend)
+        return lsh_attention(Inputs.of(q_, q_, v_, key_padding_mask=padding), LSHOptions(4, 3, 4), backend,
+                             rotations=rot)
 
     for t in (0, 7, 19, 33):
         assert not leaks(attend, q, q, v, t, atol=1e-12)
     # The non-causal rule does see the future: the check has teeth.
-    assert leaks(lambda q_, k_, v_: lsh_attention(q_, v_, buckets=4, rounds=3, window=4, rotations=rot,
-                                                   causal=False), q, q, v, 10, atol=1e-6)
+    assert leaks(lambda q_, k_, v_: lsh_attention(Inputs.of(q_, q_, v_), LSHOptions(buckets=4, rounds=3, window=4),
+                                                  causal=False, rotations=rot), q, q, v, 10, atol=1e-6)
 
 
 def test_own_key_only_when_nothing_else_is_visible() -> None:
@@ -98,10 +104,11 @@ def test_own_key_only_when_nothing_else_is_visible() -> None:
     others = (mask & ~torch.eye(N, dtype=torch.bool)).any(-1)
     assert torch.equal(diag, ~others)  # self exactly when alone
     assert diag.any() and (~diag).any() and diag[..., 0].all()  # position 0 is always alone
-    out = lsh_attention(q, v, **kw)
+    out = lsh(q, v, **kw)
     torch.testing.assert_close(out[diag], v[diag], rtol=0, atol=1e-15)  # softmax over the one self key
     # window=1 keeps only the own key in every round: the output is v.
-    torch.testing.assert_close(lsh_attention(q, v, buckets=4, rounds=3, window=1), v, rtol=0, atol=1e-15)
+    torch.testing.assert_close(lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=4, rounds=3, window=1)), v, rtol=0,
+                               atol=1e-15)
 
 
 def test_padded_keys_are_never_attended() -> None:
@@ -111,10 +118,10 @@ def test_padded_keys_are_never_attended() -> None:
     kw = {"buckets": 4, "rounds": 2, "window": 6, "key_padding_mask": padding}
     mask = lsh_mask(q, **kw)
     assert not (mask & ~padding[:, None, None, :]).any()
-    out = lsh_attention(q, v, **kw)
+    out = lsh(q, v, **kw)
     assert torch.equal(out[~mask.any(-1)], torch.zeros_like(out[~mask.any(-1)]))  # nothing visible: zeros
     changed = torch.where(padding[:, None, :, None], v, 100 * torch.randn_like(v))  # new values at padded keys
-    torch.testing.assert_close(lsh_attention(q, changed, **kw), out, rtol=0, atol=1e-13)
+    torch.testing.assert_close(lsh(q, changed, **kw), out, rtol=0, atol=1e-13)
 
 
 def test_float32_close_to_float64_and_bfloat16_finite() -> None:
@@ -123,11 +130,11 @@ def test_float32_close_to_float64_and_bfloat16_finite() -> None:
     rot = lsh_rotations(H, D, 6, 2, seed=3)
     kw = {"buckets": 6, "rounds": 2, "window": 5, "rotations": rot}
     assert torch.equal(lsh_hash(q, rot), lsh_hash(q.double(), rot))  # the same buckets
-    out = lsh_attention(q, v, **kw)
+    out = lsh(q, v, **kw)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), lsh_attention(q.double(), v.double(), **kw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), lsh(q.double(), v.double(), **kw), rtol=1e-5, atol=1e-5)
     qb, vb = q.bfloat16().requires_grad_(), v.bfloat16().requires_grad_()
-    outb = lsh_attention(qb, vb, **kw)
+    outb = lsh(qb, vb, **kw)
     outb.float().square().sum().backward()
     assert outb.dtype == torch.bfloat16 and torch.isfinite(outb).all()
     assert torch.isfinite(qb.grad).all() and torch.isfinite(vb.grad).all()
@@ -143,11 +150,11 @@ def test_hash_buckets_and_rotations() -> None:
     assert torch.equal(hashes, lsh_hash(3 * q, rot))  # angular: the scale does not matter
     # rotations=None draws them from the seed.
     kw = {"buckets": 6, "rounds": 3, "window": 4}
-    assert torch.equal(lsh_attention(q, q, **kw, seed=4), lsh_attention(q, q, **kw, rotations=rot))
+    assert torch.equal(lsh(q, q, **kw, seed=4), lsh(q, q, **kw, rotations=rot))
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"buckets": 5}, "buckets must be a positive even integer"),
+    ({"buckets": 5}, "buckets must be even"),
     ({"buckets": 0}, "buckets must be a positive integer"),
     ({"rounds": 0}, "rounds must be a positive integer"),
     ({"window": 0}, "window must be a positive integer"),
@@ -160,9 +167,11 @@ def test_argument_errors_name_the_argument(kwargs: dict, message: str) -> None:
     q = torch.randn(B, H, 10, D)
     args = {"buckets": 4, "rounds": 2, "window": 3, **kwargs}
     with pytest.raises(ValueError, match=message):
-        lsh_attention(q, q, **args)
-    with pytest.raises(ValueError, match="q and v must have the same shape"):
-        lsh_attention(q, q[:, :, :5], buckets=4, rounds=2, window=3)
+        lsh(q, q, **args)
+    with pytest.raises(ValueError, match="shares queries and keys"):  # the keys are the queries: k must be q
+        lsh_attention(Inputs.of(q, q.clone(), q), LSHOptions(buckets=4, rounds=2, window=3))
+    with pytest.raises(ValueError, match="q, k and v must have the same shape"):
+        lsh_attention(Inputs.of(q, q, q[:, :, :5]), LSHOptions(buckets=4, rounds=2, window=3))
 
 
 def test_the_kind_passes_the_generic_checks() -> None:
@@ -240,13 +249,16 @@ def test_compiles_without_graph_breaks() -> None:
     (checked by hand: slow here). rotations=None creates a torch.Generator, which dynamo cannot trace: one break."""
     q, _, v = rand_qkv(1, 2, 24, 8, dtype=torch.float32, seed=11)
     rot = lsh_rotations(2, 8, 4, 2)
-    kw = {"buckets": 4, "rounds": 2, "window": 5, "rotations": rot}
-    explained = torch._dynamo.explain(lambda a, b: lsh_attention(a, b, **kw))(q, v)
+
+    def attend(a, b):
+        return lsh_attention(Inputs.of(a, a, b), LSHOptions(buckets=4, rounds=2, window=5), rotations=rot)
+
+    explained = torch._dynamo.explain(attend)(q, v)
     assert explained.graph_break_count == 0
     torch._dynamo.reset()
-    compiled = torch.compile(lsh_attention, fullgraph=True, backend="aot_eager")
-    out = compiled(q, v, **kw)
-    ref = lsh_attention(q, v, **kw)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    out = compiled(q, v)
+    ref = attend(q, v)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
                                rtol=1e-5, atol=1e-5)

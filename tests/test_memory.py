@@ -7,6 +7,11 @@ import torch
 
 from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer.attention import (
+    FixedOptions,
+    Inputs,
+    LocalOptions,
+    LongformerOptions,
+    StridedOptions,
     fixed_attention,
     full_attention,
     local_attention,
@@ -29,13 +34,15 @@ def _peak_forward(attend) -> int:
 
 
 @pytest.mark.parametrize("name, attend", [
-    ("local", lambda q, k, v: local_attention(q, k, v, 256)),
-    ("local+relative", lambda q, k, v: local_attention(q, k, v, 256, rel_pos=rand_rel(64, 256, dtype=torch.float32))),
-    ("strided", lambda q, k, v: strided_attention(q, k, v, 128)),
-    ("strided split", lambda q, k, v: strided_attention(q.expand(1, 2, N, 64), k.expand(1, 2, N, 64),
-                                                        v.expand(1, 2, N, 64), 128, merged=False)),
-    ("fixed", lambda q, k, v: fixed_attention(q, k, v, 128, 8)),
-    ("longformer", lambda q, k, v: longformer_attention(q, k, v, 256, 2, [0, 5000], causal=True)),
+    ("local", lambda q, k, v: local_attention(Inputs.of(q, k, v), LocalOptions(256))),
+    ("local+relative", lambda q, k, v: local_attention(Inputs.of(q, k, v), LocalOptions(256),
+                                                       rel=rand_rel(64, 256, dtype=torch.float32))),
+    ("strided", lambda q, k, v: strided_attention(Inputs.of(q, k, v), StridedOptions(stride=128))),
+    ("strided split", lambda q, k, v: strided_attention(Inputs.of(*(x.expand(1, 2, N, 64) for x in (q, k, v))),
+                                                        StridedOptions(stride=128), merged=False)),
+    ("fixed", lambda q, k, v: fixed_attention(Inputs.of(q, k, v), FixedOptions(block=128, summary=8))),
+    ("longformer", lambda q, k, v: longformer_attention(Inputs.of(q, k, v), LongformerOptions(256, 2, [0, 5000]),
+                                                        causal=True)),
     ("routing causal", lambda q, k, v: routing_layer(heads=1, head_dim=64, num_clusters=128, window=128)(q, q, v)),
     ("routing balanced", lambda q, k, v: routing_layer(heads=1, head_dim=64, num_clusters=128, window=128,
                                                           causal=False, balanced=True)(q, q, v)),
@@ -53,7 +60,7 @@ def test_the_meter_sees_a_score_matrix() -> None:
     peaks = {}
     for backend in ("tiles", "fused"):
         with PeakMemory("cpu") as peak:
-            full_attention(q, k, v, rel_pos=rand_rel(16, 8, dtype=torch.float32), backend=backend)
+            full_attention(Inputs.of(q, k, v), None, backend, rel=rand_rel(16, 8, dtype=torch.float32))
         peaks[backend] = peak.bytes
     assert peaks["tiles"] >= 4 * n * n
     assert peaks["fused"] < 4 * n * n / 8

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import compare_with_reference, rand_padding, rand_qkv, rand_rel
-from routeformer.attention import PATTERNS, full_attention, full_mask, reference_attention
+from helpers import compare_with_reference, pattern_call, rand_padding, rand_qkv, rand_rel
+from routeformer.attention import PATTERNS, Inputs, full_attention, full_mask, reference_attention
 
 
 @st.composite
@@ -47,10 +47,8 @@ def _run(name: str, p: dict, backend: str = "tiles") -> None:
     padding = rand_padding(p["B"], p["N"], seed=p["seed"]) if p["padding"] else None
     mask = pattern.build_mask(p["N"], p["H"], p["causal"], **p["params"])
 
-    def attend(q, k, v, **kw):
-        return pattern.attend(q, k, v, causal=p["causal"], **p["params"], backend=backend, **kw)
-
-    compare_with_reference(attend, mask, q, k, v, key_padding_mask=padding, rel_pos=rel)
+    compare_with_reference(pattern_call(pattern, backend, causal=p["causal"], **p["params"]), mask, q, k, v,
+                           key_padding_mask=padding, rel_pos=rel)
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
@@ -111,10 +109,10 @@ def test_bfloat16_error_within_twice_the_reference_rounding(name: str, params: d
     pattern = PATTERNS[name]
     q, k, v = rand_qkv(2, 4, 97, 32, seed=3, grad=False)
     mask = pattern.build_mask(97, 4, causal, **params)
-    exact = reference_attention(q, k, v, mask)
+    exact = reference_attention(Inputs.of(q, k, v), mask)
     q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
-    ref16 = reference_attention(q16, k16, v16, mask)
-    fast16 = pattern.attend(q16, k16, v16, causal=causal, **params)
+    ref16 = reference_attention(Inputs.of(q16, k16, v16), mask)
+    fast16 = pattern.run(Inputs.of(q16, k16, v16), causal=causal, **params)
     assert fast16.dtype == torch.bfloat16
     assert _max_err(fast16, exact) <= 2 * _max_err(ref16, exact)
 
@@ -129,10 +127,10 @@ def test_float16_error_within_twice_the_reference_rounding(name: str) -> None:
     q, k, v = rand_qkv(1, 2, 40, 16, grad=False)
     padding = rand_padding(1, 40)
     mask = pattern.build_mask(40, 2, True, **params)
-    exact = reference_attention(q, k, v, mask, key_padding_mask=padding)
+    exact = reference_attention(Inputs.of(q, k, v, key_padding_mask=padding), mask)
     q16, k16, v16 = (x.half() for x in (q, k, v))
-    ref16 = reference_attention(q16, k16, v16, mask, key_padding_mask=padding)
-    out = pattern.attend(q16, k16, v16, causal=True, key_padding_mask=padding, **params)
+    ref16 = reference_attention(Inputs.of(q16, k16, v16, key_padding_mask=padding), mask)
+    out = pattern.run(Inputs.of(q16, k16, v16, key_padding_mask=padding), causal=True, **params)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     assert _max_err(out, exact) <= 2 * _max_err(ref16, exact)
 
@@ -149,10 +147,10 @@ def test_float16_relative_full_attention_keeps_rows_without_keys_zero(causal: bo
     padding[:, :4] = False  # a leading padded span: causal rows 0-3 see no key
     padding[1] = False  # a sequence without any key
     mask = full_mask(N, causal, heads=2)
-    exact = reference_attention(q, k, v, mask, key_padding_mask=padding, rel_pos=rel)
+    exact = reference_attention(Inputs.of(q, k, v, key_padding_mask=padding), mask, rel=rel)
     q16, k16, v16 = (x.half() for x in (q, k, v))
-    ref16 = reference_attention(q16, k16, v16, mask, key_padding_mask=padding, rel_pos=rel16)
-    out = full_attention(q16, k16, v16, causal=causal, key_padding_mask=padding, rel_pos=rel16)
+    ref16 = reference_attention(Inputs.of(q16, k16, v16, key_padding_mask=padding), mask, rel=rel16)
+    out = full_attention(Inputs.of(q16, k16, v16, key_padding_mask=padding), causal=causal, rel=rel16)
     no_key = ~(mask & padding[:, None, None, :]).any(-1)  # (B, H, N)
     assert no_key.any() and (~no_key).any()
     assert out.dtype == torch.float16 and torch.all(out[no_key] == 0)
@@ -173,8 +171,8 @@ def test_non_contiguous_inputs(name: str, params: dict, causal: bool) -> None:
     q, k, v = (torch.randn(2, 37, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
     assert not q.is_contiguous()
     rel = rand_rel(8, 6)
-    got = pattern.attend(q, k, v, causal=causal, rel_pos=rel, **params)
-    want = pattern.attend(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, rel_pos=rel, **params)
+    got = pattern.run(Inputs.of(q, k, v), causal=causal, rel=rel, **params)
+    want = pattern.run(Inputs.of(q.contiguous(), k.contiguous(), v.contiguous()), causal=causal, rel=rel, **params)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got, reference_attention(q, k, v, pattern.build_mask(37, 4, causal, **params),
-                                                        rel_pos=rel))
+    mask = pattern.build_mask(37, 4, causal, **params)
+    torch.testing.assert_close(got, reference_attention(Inputs.of(q, k, v), mask, rel=rel))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import compare_with_reference, leaks, rand_padding, rand_qkv, rand_rel, routing_layer
-from routeformer.attention import RoutingAttention, full_attention, reference_attention
+from routeformer.attention import Inputs, RoutingAttention, full_attention, reference_attention
 from routeformer.attention.routing import probes as probes_module
 
 
@@ -181,13 +181,13 @@ def test_non_causal_routing_does_see_the_future() -> None:
 def test_one_cluster_and_a_window_covering_everything_is_full_attention(causal: bool, balanced: bool) -> None:
     layer = make_layer(2, 8, 1, 64, causal=causal, balanced=balanced, shared_qk=False)
     q, k, v = rand_qkv(2, 2, 50, 8, grad=False)
-    torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=causal))
+    torch.testing.assert_close(layer(q, k, v), full_attention(Inputs.of(q, k, v), causal=causal))
 
 
 def test_separate_routing_with_one_cluster_and_a_window_of_every_key_is_full_attention() -> None:
     layer = make_layer(2, 8, 1, 50, causal=True, shared_qk=False, separate=True)
     q, k, v = rand_qkv(2, 2, 50, 8, grad=False)
-    torch.testing.assert_close(layer(q, k, v), full_attention(q, k, v, causal=True))
+    torch.testing.assert_close(layer(q, k, v), full_attention(Inputs.of(q, k, v), causal=True))
 
 
 def test_balanced_tokens_in_several_clusters_and_in_none_are_both_exercised() -> None:
@@ -319,4 +319,4 @@ def test_non_contiguous_inputs(causal: bool, balanced: bool) -> None:
     got = layer(q, k, v, rel_pos=rel)
     torch.testing.assert_close(got, layer(q.contiguous(), k.contiguous(), v.contiguous(), rel_pos=rel), rtol=0,
                                atol=1e-12)
-    torch.testing.assert_close(got, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
+    torch.testing.assert_close(got, reference_attention(Inputs.of(q, k, v), layer.routing_mask(q, k), rel=rel))

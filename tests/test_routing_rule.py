@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from helpers import rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig, TransformerLM
-from routeformer.attention import KeyStore, RoutingAttention, RoutingCache, reference_attention
+from routeformer.attention import Inputs, KeyStore, RoutingAttention, RoutingCache, reference_attention
 from routeformer.attention.reference import reference_weights
 from routeformer.attention.routing import RoutingOptions
 from routeformer.attention.routing import probes as probes_module
@@ -43,14 +43,14 @@ def test_gates_weigh_each_probed_cluster_by_the_query_softmax_over_its_centroids
     if shared:
         eye = torch.eye(N, dtype=torch.bool)
         masks = masks & ~(eye & (masks.any(2) & ~eye).any(-1, keepdim=True))[:, :, None]
-    want = sum(gates.gather(-1, probes)[..., t, None] * reference_attention(q, k, v, masks[:, :, t], rel_pos=rel)
+    want = sum(gates.gather(-1, probes)[..., t, None] * reference_attention(Inputs.of(q, k, v), masks[:, :, t], rel=rel)
                for t in range(3))
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
     # The gates are a path for the gradient into the routing: q's gradient changes when they are held constant.
     (grad,) = torch.autograd.grad(out.square().sum(), q)
     held = want.detach() - sum(
         (gates.gather(-1, probes)[..., t, None] - gates.gather(-1, probes)[..., t, None].detach())
-        * reference_attention(q, k, v, masks[:, :, t], rel_pos=rel) for t in range(3))
+        * reference_attention(Inputs.of(q, k, v), masks[:, :, t], rel=rel) for t in range(3))
     assert not torch.allclose(grad, torch.autograd.grad(held.square().sum(), q)[0])
 
 
@@ -59,7 +59,7 @@ def _dense(q, k, v, shared, rel=None):
     allow = torch.ones(n, n, dtype=torch.bool).tril()
     if shared:  # not the own key, unless it is the only one (position 0)
         allow = allow & ~(torch.eye(n, dtype=torch.bool) & (torch.arange(n) > 0)[:, None])
-    return reference_attention(q, k, v, allow, rel_pos=rel)
+    return reference_attention(Inputs.of(q, k, v), allow, rel=rel)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -83,7 +83,7 @@ def test_the_warm_up_attends_densely_for_its_steps_and_the_routing_learns_all_al
         assert not torch.equal(bias, layer.routing.bias)
     assert not layer.warming_up
     routed = layer(q, k, v, rel_pos=rel)
-    torch.testing.assert_close(routed, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
+    torch.testing.assert_close(routed, reference_attention(Inputs.of(q, k, v), layer.routing_mask(q, k), rel=rel))
     assert not torch.allclose(routed, _dense(q, k, v, shared, rel))
     # The count is model state: a layer loaded from it routes at once.
     fresh = routing_layer(2, 8, 4, 5, causal=True, shared_qk=shared, balance=0.01, probes=2, warmup=3).double()
@@ -230,7 +230,7 @@ def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
     probes[..., 40:, 0] = torch.where(torch.arange(N - 40) % 4 == 0, 0, 1)  # a few later queries probe cluster 0
     out = probed_window_attention(Inputs(q, k, v, D ** -0.5), clusters, probes,
                                   RoutingOptions(window=12, shared_qk=False), executor=get_executor("tiles"))
-    want = reference_attention(q, k, v, probed_window_mask(clusters, probes, 12, exclude_self=False))
+    want = reference_attention(Inputs.of(q, k, v), probed_window_mask(clusters, probes, 12, exclude_self=False))
     torch.testing.assert_close(out, want)
     R, groups, entries = chosen[0]
     assert groups * R <= 2 * entries + 8 * groups  # crowded: without the cap R would be ~ the crowded group's count
@@ -266,7 +266,7 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
         assert (alone & (probes != clusters[..., None]).all(-1)).any(), "... and some that do not probe their own"
     out = probed_window_attention(Inputs(q, q, v, D ** -0.5, valid), clusters, probes,
                                   RoutingOptions(window=6, shared_qk=True), executor=get_executor("tiles"))
-    want = reference_attention(q, q, v, mask)
+    want = reference_attention(Inputs.of(q, q, v), mask)
     torch.testing.assert_close(out, want)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, v), grad)
@@ -299,7 +299,7 @@ def test_the_hand_over_penalises_the_unrouted_keys_more_each_step_then_routes(sh
         allow = torch.ones(n, n, dtype=torch.bool).tril()
         if shared:
             allow = allow & ~(torch.eye(n, dtype=torch.bool) & (torch.arange(n) > 0)[:, None])
-        want = reference_attention(q, k, v, allow, rel_pos=rel, bias=_handover_bias(layer, q, k, step))
+        want = reference_attention(Inputs.of(q, k, v), allow, rel=rel, bias=_handover_bias(layer, q, k, step))
         out = layer(q, k, v, rel_pos=rel)
         torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(torch.autograd.grad(out.square().sum(), q)[0],
@@ -308,7 +308,7 @@ def test_the_hand_over_penalises_the_unrouted_keys_more_each_step_then_routes(sh
         layer.update()
     assert not layer.handing_over and not layer.dense
     routed = layer(q, k, v, rel_pos=rel).detach()
-    torch.testing.assert_close(routed, reference_attention(q, k, v, layer.routing_mask(q, k), rel_pos=rel))
+    torch.testing.assert_close(routed, reference_attention(Inputs.of(q, k, v), layer.routing_mask(q, k), rel=rel))
     assert outs == pytest.approx([16 / 3, 32 / 3, 16])  # growing linearly to 16 nats at the last step
 
 
@@ -372,7 +372,7 @@ def test_the_heads_reference_and_weights_carry_the_hand_over_penalty() -> None:
     out = group(q, q, v, rel)
     torch.testing.assert_close(group.reference(q, q, v, rel), out, rtol=1e-10, atol=1e-10)
     weights = group.reference_weights(q, q, rel).detach()
-    plain = reference_attention(q, q, v, group.reference_mask(q, q), rel_pos=rel)
+    plain = reference_attention(Inputs.of(q, q, v), group.reference_mask(q, q), rel=rel)
     assert not torch.allclose(plain, out)
     routed = probe_masks(group.routing.route_keys(q, q), group.routing.probe(q, q), 5).any(2)
     dense = reference_weights(q, q, group.reference_mask(q, q), rel_pos=rel).detach()  # no penalty

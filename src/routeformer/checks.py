@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -103,6 +104,15 @@ def check_per_head(name: str, value: int | Sequence[int] | Tensor, heads: int) -
             raise ValueError(f"{name} must give one value per head ({heads}), got {len(value)}: {list(value)}")
         return [positive_int(f"{name}[{h}]", x) for h, x in enumerate(value)]
     return [positive_int(name, value)] * heads
+
+
+def check_options(name: str, value: object, kind: type) -> Any:
+    """``value`` when it is a ``kind`` (a mechanism's options dataclass, checked when it was made); otherwise a
+    ValueError naming the argument and the type it needs."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} must be a {kind.__name__} (e.g. {kind.__name__}()), got {type(value).__name__}: "
+                         f"{value!r}")
+    return value
 
 
 def check_split_heads(heads: int) -> int:

@@ -3,27 +3,40 @@
 definition (``reference``), and the registry of head kinds a model is
 built from (``registry.KINDS``; ``register_kind`` adds one; ``kinds/`` holds their base classes).
 
-Every function takes and returns (B, H, N, D) tensors, like ``torch.nn.functional.scaled_dot_product_attention``.
+Every function takes one checked ``Inputs`` value (``Inputs.of(q, k, v, scale=..., key_padding_mask=...)``, q, k, v
+(B, H, N, D)), the mechanism's options value whole (``LocalOptions(window=64)``, the same one a model's config holds)
+and an executor, and returns (B, H, N, D), like ``torch.nn.functional.scaled_dot_product_attention``:
+``local_attention(Inputs.of(q, k, v), LocalOptions(window=64), causal=True, rel=None)``.
 """
 
 from ..executors import EXECUTORS, Executor, check_backend, get_executor, register_executor, resolve_backend
+from ..executors.inputs import Inputs
 from ..executors.relative import RelativePositions
-from .fixed import fixed_attention, fixed_mask
-from .full import full_attention, full_mask
+from .fixed import FixedOptions, fixed_attention, fixed_mask
+from .full import KernelOptions, full_attention, full_mask
 from .kernels import KERNELS, kernel_attention
 from .kinds import HeadGroup, HeadKind, KeyStore
-from .linear import linear_attention
-from .local import local_attention, local_mask
-from .longformer import longformer_attention, longformer_mask
-from .lsh import lsh_attention
-from .performer import orthogonal_features, performer_attention
+from .linear import LinearOptions, linear_attention
+from .local import LocalOptions, local_attention, local_mask
+from .longformer import LongformerOptions, longformer_attention, longformer_mask
+from .lsh import LSHOptions, lsh_attention
+from .performer import PerformerOptions, orthogonal_features, performer_attention
 from .reference import reference_attention, reference_weights
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
 from .routing import Router, RoutingAttention, RoutingCache, RoutingOptions, SphericalKMeans, update_routing
-from .strided import strided_attention, strided_mask
+from .strided import StridedOptions, strided_attention, strided_mask
 
 __all__ = [
     "EXECUTORS",
+    "FixedOptions",
+    "Inputs",
+    "KernelOptions",
+    "LinearOptions",
+    "LocalOptions",
+    "LongformerOptions",
+    "LSHOptions",
+    "PerformerOptions",
+    "StridedOptions",
     "Executor",
     "KERNELS",
     "KINDS",

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import check_split_heads, positive_int
+from ..checks import check_options, check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
-from ..executors.inputs import Inputs, check_inputs, relative
+from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind, KeyStore
 from .kinds.common import at_most_seq_len
@@ -30,38 +30,32 @@ from .masks import _grid, _split
 
 
 def fixed_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    block: int,
-    summary: int,
+    inputs: Inputs,
+    options: FixedOptions,
+    executor: Backend = "auto",
+    *,
     causal: bool = True,
     merged: bool = True,
-    scale: float | None = None,
-    *,
-    key_padding_mask: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
-    backend: Backend = "auto",
+    rel: RelativePositions | None = None,
 ) -> Tensor:
-    """Fixed attention with l = block, c = summary (Child et al. 2019).
+    """Fixed attention with l = ``options.block``, c = ``options.summary`` (Child et al. 2019).
 
     A1(i) = {j : floor(j / l) = floor(i / l)}, A2(i) = {j : j mod l >= l - c}, both intersected with j <= i when
     causal. ``merged=True``: every head attends to A1 ∪ A2; ``merged=False``: the first half of the heads to A1,
     the second half to A2.
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). A1 is a block-diagonal tiling; A2 gathers the N·c/l summary keys once
-    and attends to them (merged heads: those of other blocks only, so no key counts twice), the two combined
-    through their log-sum-exp. O(N · (l + N·c/l) · D) time, O(N · (l + N·c/l)) memory.
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
-    ``"tiles"``, ``"flex"``).
+    ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D). A1 is a block-diagonal tiling;
+    A2 gathers the N·c/l summary keys once and attends to them (merged heads: those of other blocks only, so no key
+    counts twice), the two combined through their log-sum-exp. O(N · (l + N·c/l) · D) time, O(N · (l + N·c/l))
+    memory. ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the
+    CPU; ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
-    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    options = check_options("options", options, FixedOptions)
+    block, summary = options.block, options.summary
+    q = inputs.q
     B, H, N, D = inputs.shape
-    block, summary = positive_int("block", block), positive_int("summary", summary)
-    if summary > block:
-        raise ValueError(f"summary must be at most block, got summary={summary} > block={block}")
-    executor = get_executor(backend, q.device)
-    rel = relative(rel_pos)
+    executor = get_executor(executor, q.device)
+    rel = check_rel(rel, q)
     # A2 without a summary cell before N (the sequence ends first) is attention to no key
     cells, allow = summary_keys(N, block, summary, other_blocks=merged, causal=causal, device=q.device)
     if merged:
@@ -178,8 +172,7 @@ class FixedHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
-            return fixed_attention(q, k, v, self.block, self.summary, causal=True, rel_pos=rel_pos,
-                                   backend=self.executor)
+            return fixed_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
         if self.part == "a1":
             return self.executor.block_diagonal(Inputs(q, k, v, self.scale), self.block, causal=True,
                                                 rel=relative(rel_pos))[0]

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_options
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import check_inputs, relative
+from ..executors.inputs import Inputs, check_rel
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
@@ -26,54 +27,53 @@ from .masks import _grid, _per_head
 
 
 def full_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool = True,
-    scale: float | None = None,
+    inputs: Inputs,
+    options: KernelOptions | None = None,
+    executor: Backend = "auto",
     *,
-    key_padding_mask: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
-    kernel: str = "exp",
-    backend: Backend = "auto",
+    causal: bool = True,
+    rel: RelativePositions | None = None,
 ) -> Tensor:
     """Dense softmax attention over every key (j <= i when causal).
 
-    ``kernel``: 'exp' (softmax, below), or 'poly2' / 'elu', which normalise those kernels instead
-    (``kernels.kernel_attention``: O(N²·D) in blocks; no relative positions; elu takes no scale).
+    ``inputs``: ``Inputs.of(q, k, v, scale=..., key_padding_mask=...)``, q, k, v (B, H, N, D) -> (B, H, N, D).
+    ``options.kernel`` (default ``KernelOptions()``, 'exp'): 'exp' (softmax, below), or 'poly2' / 'elu', which
+    normalise those kernels instead (``kernels.kernel_attention``: O(N²·D) in blocks; no relative positions; elu
+    takes no scale). ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels
+    on the CPU; ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). Runs through ``scaled_dot_product_attention`` (fused kernels where the
-    backend has them). With ``rel_pos`` the scores are explicit, O(N²) memory: keys farther than the clipping
-    distance k all share the table rows of distance ±k, so attention splits exactly into a band of |i - j| <= k
-    (the relative terms computed on the band) and the far keys, whose relative terms are one constant per query
-    on the scores and one vector on the outputs; the two merge through their log-sum-exp. O(N²·D) time.
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
-    ``"tiles"``, ``"flex"``).
+    Runs through ``scaled_dot_product_attention`` (fused kernels where the backend has them). With ``rel`` the
+    scores are explicit, O(N²) memory: keys farther than the clipping distance k all share the table rows of
+    distance ±k, so attention splits exactly into a band of |i - j| <= k (the relative terms computed on the band)
+    and the far keys, whose relative terms are one constant per query on the scores and one vector on the outputs;
+    the two merge through their log-sum-exp. O(N²·D) time.
     """
-    if check_kernel("kernel", kernel) != "exp":
-        check_kernel_backend(kernel, backend)
-        return kernel_attention(q, k, v, kernel, causal, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos)
-    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    options = KernelOptions() if options is None else check_options("options", options, KernelOptions)
+    if options.kernel != "exp":
+        check_kernel_backend(options.kernel, executor)
+        return kernel_attention(inputs, options.kernel, causal=causal, rel=rel)
+    terms = check_rel(rel, inputs.q)
+    q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
     scale, key_valid = inputs.scale, inputs.key_valid
-    executor = get_executor(backend, q.device)
-    if rel_pos is not None:
-        if rel_pos.max_distance + 1 < N:
+    executor = get_executor(executor, q.device)
+    if rel is not None:
+        if rel.max_distance + 1 < N:
             # clipped at k < N - 1: the band |i - j| <= k with the relative terms, and the far keys (j < i - k, and
             # j > i + k when non-causal) with the constant terms of distance ∓k
-            clip = rel_pos.max_distance
-            parts = [executor.band(inputs, window=clip + 1, causal=causal, rel=relative(rel_pos), need_lse=True)]
+            clip = rel.max_distance
+            parts = [executor.band(inputs, window=clip + 1, causal=causal, rel=terms, need_lse=True)]
             # the far keys of one dense tile, as key - query offsets: no (N, N) mask for an executor that reads them
             sides = [(-1, (-(N - 1), -clip - 1))] + ([] if causal else [(1, (clip + 1, N - 1))])
             for sign, offsets in sides:
                 out, lse = executor.tiled(inputs, Tiling(block=N, offsets=offsets), need_lse=True)
-                a_key, a_value = rel_pos.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
+                a_key, a_value = rel.tables(sign * clip, q.dtype)  # (D,) each: the table's first or last row
                 shift = (q @ a_key) * scale  # (B, H, N): q_i · a^K of every far key, one constant per query
                 has_key = saw_key(lse)  # rows without a far key have lse = neg_inf exactly, whatever q's dtype
                 out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (weights sum to 1)
                 parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows: neg_inf
             return merge_partials(parts)[0]
-        return executor.block_diagonal(inputs, N, causal=causal, rel=relative(rel_pos))[0]
+        return executor.block_diagonal(inputs, N, causal=causal, rel=terms)[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allow = key_valid[:, :, None, :]  # (B, 1, 1, N)
@@ -121,7 +121,7 @@ class FullHeads(HeadGroup):
         return self.options.kernel
 
     def forward(self, q, k, v, rel_pos):
-        return full_attention(q, k, v, causal=True, rel_pos=rel_pos, kernel=self.kernel, backend=self.executor)
+        return full_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..checks import check_scale, positive_int
 from ..executors import check_backend
-from ..executors.inputs import check_inputs
+from ..executors.inputs import Inputs
 
 KERNELS = ("exp", "poly2", "elu")
 FEATURE_KERNELS = ("poly2", "elu")  # the kernels with a finite feature map
@@ -38,14 +38,14 @@ def check_kernel(name: str, kernel: object, allowed: tuple[str, ...] = KERNELS) 
     return kernel  # type: ignore[return-value]
 
 
-def check_kernel_backend(kernel: str, backend) -> None:
+def check_kernel_backend(kernel: str, executor) -> None:
     """The poly2 and elu kernels have one implementation (blocked PyTorch, what the tiles executor and the fused one,
-    which hands it what its kernels do not run, stand for): ``backend`` (a name or an executor) must be "auto",
+    which hands it what its kernels do not run, stand for): ``executor`` (a name or an executor) must be "auto",
     "tiles" or "fused"; "flex" is refused rather than ignored (FlexAttention normalises with exp)."""
-    name = getattr(check_backend(backend), "name", backend)
+    name = getattr(check_backend(executor), "name", executor)
     if name not in ("auto", "tiles", "fused"):
-        raise ValueError(f"backend={backend!r} has no path for kernel={kernel!r}: the poly2 and elu kernels run as "
-                         f"blocked PyTorch only; use backend='auto' or 'tiles'")
+        raise ValueError(f"executor={executor!r} has no path for kernel={kernel!r}: the poly2 and elu kernels run as "
+                         f"blocked PyTorch only; use executor='auto' or 'tiles'")
 
 
 def kernel_scale(kernel: str, scale: float | None, head_dim: int) -> float:
@@ -91,32 +91,29 @@ def feature_map(kernel: str, x: Tensor, scale: float) -> Tensor:
 
 
 def kernel_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    inputs: Inputs,
     kernel: str,
-    causal: bool = True,
-    scale: float | None = None,
     *,
+    causal: bool = True,
     window: int | None = None,
-    key_padding_mask: Tensor | None = None,
-    rel_pos: object | None = None,
+    rel: object | None = None,
     block: int = 256,
 ) -> Tensor:
     """Exact attention under ``kernel`` ('poly2' or 'elu'): o_i = Σ_j K(q_i, k_j) v_j / Σ_j K(q_i, k_j).
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). Keys j of query i: j <= i when causal (all when not); with ``window``,
+    ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D); elu takes no scale (an
+    ``Inputs.of(..., scale=s)`` is refused). Keys j of query i: j <= i when causal (all when not); with ``window``,
     only i - window < j (and |i - j| < window when non-causal), as ``local_attention``. Rows with no key (every
     key padded) or a zero sum output zeros. Computed in blocks of ``block`` queries, in float32 for half inputs:
     O(N²·D) time (O(N·(window + block)·D) with a window), O(block·N) extra memory.
     """
-    inputs = check_inputs(q, k, v, None, key_padding_mask)
+    q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
     check_kernel("kernel", kernel, FEATURE_KERNELS)
-    if rel_pos is not None:
-        raise ValueError(f"rel_pos: relative positions are defined for the exponential kernel only, not {kernel!r}")
-    s = kernel_scale(kernel, scale, D)
+    if rel is not None:
+        raise ValueError(f"rel: relative positions are defined for the exponential kernel only, not {kernel!r}")
+    s = kernel_scale(kernel, inputs.scale if inputs.scale_given else None, D)
     block = positive_int("block", block)
     if window is not None:
         window = positive_int("window", window)

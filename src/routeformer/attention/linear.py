@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import positive_int
-from ..executors.inputs import check_inputs
+from ..checks import check_options, positive_int
+from ..executors.inputs import Inputs
 from .feature_scan import feature_scan
 from .full import full_mask
-from .kernels import FEATURE_KERNELS, check_kernel, feature_dim, feature_map, kernel_scale, pairwise
+from .kernels import FEATURE_KERNELS, feature_dim, feature_map, kernel_scale, pairwise
 from .kinds.base import HeadGroup, HeadKind
 
 
@@ -64,16 +64,15 @@ def feature_attention(
     causal: bool,
     chunk: int,
     key_valid: Tensor | None = None,
-    intra: Callable[[Tensor, Tensor], Tensor] | None = None,
-    q: Tensor | None = None,
-    k: Tensor | None = None,
+    intra: Callable[[Callable[[Tensor], Tensor]], Tensor] | None = None,
 ) -> Tensor:
     """o_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over j <= i (causal) or all j.
 
     phi_q, phi_k: (B, H, N, F); v: (B, H, N, D); key_valid: (B, 1, N) bool or None (padded keys get φ = 0, so they
-    leave the numerator and the denominator). ``intra(q_c, k_c)`` -> (B, H, C, c, c) computes the within-chunk
-    weights from the raw q, k chunks when that is cheaper than through features (poly2: c·c·D instead of c·c·F);
-    by default they are φ(q)·φ(k). Returns (B, H, N, D) in the dtype of the inputs.
+    leave the numerator and the denominator). ``intra(chunks)`` -> (B, H, C, c, c) computes the within-chunk
+    weights from the raw q, k it holds, cut by ``chunks`` ((B, H, N, X) -> (B, H, C, c, X)), when that is cheaper
+    than through features (poly2: c·c·D instead of c·c·F); by default they are φ(q)·φ(k). Returns (B, H, N, D) in
+    the dtype of the inputs.
     """
     if key_valid is not None:
         phi_k = phi_k * key_valid[..., None].to(phi_k.dtype)
@@ -99,9 +98,7 @@ def feature_attention(
     before = F.pad(per_chunk.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
     num = fq @ before  # (B, H, C, c, D + 1)
     if intra is not None:
-        if q is None or k is None:
-            raise ValueError("feature_attention: intra needs the raw q and k it is computed from")
-        weights = intra(chunks(q), chunks(k))
+        weights = intra(chunks)
         if key_valid is not None:
             weights = weights * chunks(key_valid[..., None].to(weights.dtype)).transpose(-1, -2)  # (B, 1, C, 1, c)
     else:
@@ -124,36 +121,34 @@ class EluFeatures:
 
 
 def linear_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool = True,
-    scale: float | None = None,
+    inputs: Inputs,
+    options: LinearOptions | None = None,
     *,
-    kernel: str = "elu",
-    key_padding_mask: Tensor | None = None,
+    causal: bool = True,
     chunk: int | None = None,
 ) -> Tensor:
-    """Full attention under the ``elu`` or ``poly2`` kernel (``kernels.py``) in linear time.
+    """Full attention under ``options.kernel``, 'elu' (default) or 'poly2' (``kernels.py``), in linear time.
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D); equal to ``kernel_attention(q, k, v, kernel)`` (the quadratic form) up
-    to rounding. Non-causal O(N·F·D); causal in chunks of ``chunk`` (default ``default_chunk(F)``), O(N·(c + F)·D)
-    time and O(N·D + (N/c)·F·D) memory per head. F = D for elu, 1 + D + D(D+1)/2 for poly2. ``scale``: poly2's s
-    (default 1/√D); elu has none. Half-precision inputs are computed in float32 and returned in their dtype.
+    ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D); equal to
+    ``kernel_attention(inputs, kernel)`` (the quadratic form) up to rounding. Non-causal O(N·F·D); causal in chunks
+    of ``chunk`` (default ``default_chunk(F)``), O(N·(c + F)·D) time and O(N·D + (N/c)·F·D) memory per head.
+    F = D for elu, 1 + D + D(D+1)/2 for poly2. The scale: poly2's s (default 1/√D); elu has none (a given one is
+    refused). Half-precision inputs are computed in float32 and returned in their dtype.
     """
-    inputs = check_inputs(q, k, v, None, key_padding_mask)
+    options = LinearOptions() if options is None else check_options("options", options, LinearOptions)
+    kernel = options.kernel
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
-    check_kernel("kernel", kernel, FEATURE_KERNELS)
-    s = kernel_scale(kernel, scale, D)
+    _check_features(options, D)
+    s = kernel_scale(kernel, inputs.scale if inputs.scale_given else None, D)
     chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else positive_int("chunk", chunk)
-    dtype = q.dtype
-    q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
+    dtype = inputs.q.dtype
+    q, k, v = (x.to(compute_dtype(dtype)) for x in (inputs.q, inputs.k, inputs.v))
     if causal and kernel == "elu":  # the scan keeps 4x q's bytes for the backward (feature_scan.py)
         return feature_scan(q, k, v, EluFeatures(), chunk, key_valid).to(dtype)
     phi_q, phi_k = feature_map(kernel, q, s), feature_map(kernel, k, s)
-    intra = (lambda qc, kc: pairwise(kernel, qc, kc, s)) if kernel == "poly2" else None
-    out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra, q=q, k=k)
+    intra = (lambda chunks: pairwise(kernel, chunks(q), chunks(k), s)) if kernel == "poly2" else None
+    out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra)
     return out.to(dtype)
 
 
@@ -230,7 +225,8 @@ class LinearHeads(FeatureHeads):
         return self.options.kernel
 
     def forward(self, q, k, v, rel_pos):
-        return linear_attention(q, k, v, causal=True, scale=self.kernel_scale, kernel=self.kernel)
+        # poly2 heads score at self.scale, elu heads at none
+        return linear_attention(Inputs(q, k, v, self.scale, scale_given=self.kernel != "elu"), self.options)
 
     def reference_mask(self, q, k):  # the meaning: full causal attention under the kernel (the base reference)
         return full_mask(q.shape[2], device=q.device)
@@ -242,12 +238,17 @@ class LinearHeads(FeatureHeads):
         return f"heads={self.heads}, kernel={self.kernel}, features={self.num_features}"
 
 
-def _complete(o: LinearOptions, config: Any) -> LinearOptions:
-    features = feature_dim(o.kernel, config.head_dim)
+def _check_features(o: LinearOptions, head_dim: int) -> int:
+    """F of ``o.kernel`` at ``head_dim``: ``o.features`` must be it or None."""
+    features = feature_dim(o.kernel, head_dim)
     if o.features not in (None, features):
         raise ValueError(f"features ({o.features}) follows from the kernel and head_dim (F = {features} for "
-                         f"{o.kernel!r} at head_dim {config.head_dim}); leave it out")
-    return LinearOptions(o.kernel, features)
+                         f"{o.kernel!r} at head_dim {head_dim}); leave it out")
+    return features
+
+
+def _complete(o: LinearOptions, config: Any) -> LinearOptions:
+    return LinearOptions(o.kernel, _check_features(o, config.head_dim))
 
 
 def _keys_per_query(o: LinearOptions, n: int) -> float:

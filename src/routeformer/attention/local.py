@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import Tensor
 
-from ..checks import positive_int
+from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import check_inputs, relative
+from ..executors.inputs import Inputs, check_rel
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
@@ -24,36 +24,32 @@ from .masks import _grid, _per_head
 
 
 def local_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: int,
-    causal: bool = True,
-    scale: float | None = None,
-    rel_pos: RelativePositions | None = None,
+    inputs: Inputs,
+    options: LocalOptions,
+    executor: Backend = "auto",
     *,
-    key_padding_mask: Tensor | None = None,
-    kernel: str = "exp",
-    backend: Backend = "auto",
+    causal: bool = True,
+    rel: RelativePositions | None = None,
 ) -> Tensor:
-    """Sliding-window attention: causal, query i sees i - window < j <= i; non-causal, |i - j| < window.
+    """Sliding-window attention of ``options.window`` keys: causal, query i sees i - window < j <= i; non-causal,
+    |i - j| < window.
 
-    ``kernel``: 'exp' (softmax), or 'poly2' / 'elu' (``kernels.kernel_attention``, blocks of 256 queries; no
-    relative positions; one implementation: ``backend`` "flex" is refused). ``backend``: the executor
-    (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``, ``"tiles"``, ``"flex"``).
+    ``inputs``: ``Inputs.of(q, k, v, scale=..., key_padding_mask=...)``, q, k, v (B, H, N, D) -> (B, H, N, D).
+    ``options.kernel``: 'exp' (softmax), or 'poly2' / 'elu' (``kernels.kernel_attention``, blocks of 256 queries;
+    no relative positions; one implementation: ``executor`` "flex" is refused). ``executor``: a name or an
+    ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``, ``"tiles"``,
+    ``"flex"``). ``rel``: Shaw et al.'s relative-position tables, or None.
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). The sequence is cut into blocks of ``window`` queries (half a window
-    from 128 up); each block attends to its own keys and those of the blocks before it that the window reaches
-    (and after it when non-causal) under a static mask. O(N · window · D) time, O(N · window) memory, relative
-    positions included; any N.
+    The sequence is cut into blocks of ``window`` queries (half a window from 128 up); each block attends to its
+    own keys and those of the blocks before it that the window reaches (and after it when non-causal) under a
+    static mask. O(N · window · D) time, O(N · window) memory, relative positions included; any N.
     """
-    if check_kernel("kernel", kernel) != "exp":
-        check_kernel_backend(kernel, backend)
-        return kernel_attention(q, k, v, kernel, causal, scale, window=positive_int("window", window),
-                                key_padding_mask=key_padding_mask, rel_pos=rel_pos)
-    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-    window = positive_int("window", window)
-    out, _ = get_executor(backend, q.device).band(inputs, window=window, causal=causal, rel=relative(rel_pos))
+    options = check_options("options", options, LocalOptions)
+    if options.kernel != "exp":
+        check_kernel_backend(options.kernel, executor)
+        return kernel_attention(inputs, options.kernel, causal=causal, window=options.window, rel=rel)
+    terms = check_rel(rel, inputs.q)
+    out, _ = get_executor(executor, inputs.q.device).band(inputs, window=options.window, causal=causal, rel=terms)
     return out
 
 
@@ -103,8 +99,7 @@ class LocalHeads(HeadGroup):
         return self.options.kernel
 
     def forward(self, q, k, v, rel_pos):
-        return local_attention(q, k, v, self.window, causal=True, rel_pos=rel_pos, kernel=self.kernel,
-                               backend=self.executor)
+        return local_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)

@@ -12,6 +12,7 @@ global query attends to every earlier position, O(t·D)).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import check_per_head, check_positions, positive_int
+from ..checks import check_options, check_per_head, check_positions, positive_int
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.grid import columns_key_valid, from_columns, to_columns
-from ..executors.inputs import Inputs, check_inputs, relative
+from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
 from .kinds.base import HeadGroup, HeadKind
@@ -31,35 +32,33 @@ from .masks import _grid
 
 
 def longformer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: int,
-    dilation: int | Sequence[int] | Tensor = 1,
-    global_tokens: Sequence[int] | Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
+    inputs: Inputs,
+    options: LongformerOptions,
+    executor: Backend = "auto",
     *,
-    key_padding_mask: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
-    backend: Backend = "auto",
+    causal: bool = False,
+    rel: RelativePositions | None = None,
 ) -> Tensor:
-    """Query i attends to j = i + m · dilation for |m| < window (m <= 0 when causal); a global position attends
-    to every position and every position attends to it (only earlier ones when causal).
+    """Query i attends to j = i + m · dilation for |m| < ``options.window`` (m <= 0 when causal); a global
+    position (``options.global_tokens``, each < N) attends to every position and every position attends to it
+    (only earlier ones when causal).
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). ``dilation`` is an int or one per head. The dilated window is a band
-    along the columns of the sequence viewed as a grid of ``dilation`` columns; global keys outside a query's band
-    are merged in through their log-sum-exp; global query rows are recomputed densely and replace the band rows.
-    O(N · (window + G) · D) time for G global tokens.
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
-    ``"tiles"``, ``"flex"``).
+    ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D). ``options.dilation`` is an int
+    or one per head. The dilated window is a band along the columns of the sequence viewed as a grid of
+    ``dilation`` columns; global keys outside a query's band are merged in through their log-sum-exp; global query
+    rows are recomputed densely and replace the band rows. O(N · (window + G) · D) time for G global tokens.
+    ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU;
+    ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
-    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    options = check_options("options", options, LongformerOptions)
+    q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
     scale, key_valid = inputs.scale, inputs.key_valid
-    window = positive_int("window", window)
-    dilations = check_per_head("dilation", dilation, H)
-    globals_ = check_positions("global_tokens", global_tokens, N)
+    window = options.window
+    dilations = check_per_head("dilation", options.dilation, H)
+    globals_ = check_positions("global_tokens", options.global_tokens, N)
+    rel_pos = rel
+    check_rel(rel, q)
     g = _index(globals_, q.device) if globals_ else None
     if g is not None:  # (N,) whether a position is global, and its row among the global ones (0 elsewhere)
         mask, slots = [False] * N, [0] * N  # on the host: a scatter in the graph is what the merge below avoids
@@ -67,7 +66,7 @@ def longformer_attention(
             mask[p], slots[p] = True, i
         is_global = torch.tensor(mask).to(q.device, non_blocking=True)
         slot = _index(slots, q.device)
-    executor = get_executor(backend, q.device)
+    executor = get_executor(executor, q.device)
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
         heads = [h for h in range(H) if dilations[h] == d]
@@ -171,6 +170,10 @@ class LongformerOptions:
 
     def __post_init__(self) -> None:
         positive_int("window", self.window)
+        for name in ("dilation", "global_tokens"):  # a functional caller's tensor of them
+            value = getattr(self, name)
+            if isinstance(value, Tensor):
+                object.__setattr__(self, name, value.tolist() if value.dim() else value.item())
         if isinstance(self.dilation, (list, tuple)):
             object.__setattr__(self, "dilation", tuple(positive_int(f"dilation[{i}]", d)
                                                        for i, d in enumerate(self.dilation)))
@@ -209,8 +212,9 @@ class LongformerHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         present = self._present(q.shape[2])
-        return longformer_attention(q, k, v, self.window, self.dilation, present or None, causal=True,
-                                    rel_pos=rel_pos, backend=self.executor)
+        options = self.options if len(present) == len(self.global_tokens) else \
+            dataclasses.replace(self.options, global_tokens=tuple(present))
+        return longformer_attention(self.inputs(q, k, v), options, self.executor, causal=True, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return longformer_mask(q.shape[2], self.window, self.dilation, self._present(q.shape[2]), causal=True,

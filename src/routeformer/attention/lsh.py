@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import positive_int
+from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_inputs
 from ..executors.tiling import HashRounds, KeyRestrictions, Tiling, shift_invariant_mask
@@ -105,9 +105,9 @@ def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool 
     """The boolean (B, H, N, N) mask of ``lsh_attention`` with the same arguments, from its definition (O(N²)):
     the union over rounds of ``sorted_window_mask`` of each round's buckets, less padded keys, less the query's
     own key unless it is the only key left."""
-    buckets, rounds = _check(q, q, buckets, rounds, window)
-    inputs = check_inputs(q, q, q, None, key_padding_mask)
-    hashes, valid = _hashes(q, inputs, buckets, rounds, rotations, seed), inputs.key_valid
+    buckets, rounds, window = complete_lsh(LSHOptions(buckets, rounds, window), q.shape[2])
+    valid = check_inputs(q, q, q, None, key_padding_mask).key_valid
+    hashes = _hashes(q, buckets, rounds, rotations, seed)
     allow = torch.zeros(*hashes.shape[:2], hashes.shape[-1], hashes.shape[-1], dtype=torch.bool, device=q.device)
     for r in range(hashes.shape[2]):
         allow = allow | sorted_window_mask(hashes[:, :, r], window, causal, exclude_self=False)
@@ -117,47 +117,46 @@ def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool 
 
 
 def lsh_attention(
-    q: Tensor,
-    v: Tensor,
+    inputs: Inputs,
+    options: LSHOptions,
+    executor: Backend = "auto",
     *,
-    buckets: int,
-    rounds: int,
-    window: int,
     causal: bool = True,
-    scale: float | None = None,
-    key_padding_mask: Tensor | None = None,
     rotations: Tensor | None = None,
     seed: int = 0,
-    backend: Backend = "auto",
 ) -> Tensor:
     """LSH attention with shared QK: softmax(q_i · k_j · scale) over the union of the rounds' windows, with the
     keys k_j = q_j / |q_j| (the queries normalised to unit length, as in Reformer).
 
     Args:
-        q, v: (B, H, N, D) queries (also the keys, normalised) and values.
-        buckets: hash buckets per round, a positive even integer.
-        rounds: hash rounds; a query sees the union of its windows over them, each key once.
-        window: per round, the entries of the query's bucket it sees: causal, the last ``window`` positions
-            j <= i of the bucket (i itself included, then dropped unless it is the only key); non-causal, those
-            less than ``window`` places from i in the bucket's order.
+        inputs: ``Inputs.of(q, q, v, scale=..., key_padding_mask=...)``: q (B, H, N, D) the queries, given as the
+            keys too (the keys are the queries, normalised), v (B, H, N, D) the values; padded keys are never
+            attended.
+        options: ``LSHOptions``: ``buckets`` hash buckets per round, a positive even integer (None:
+            ``default_lsh_settings(N)``); ``rounds`` hash rounds (a query sees the union of its windows over them,
+            each key once); ``window`` per round, the entries of the query's bucket it sees (None: N // buckets):
+            causal, the last ``window`` positions j <= i of the bucket (i itself included, then dropped unless it
+            is the only key); non-causal, those less than ``window`` places from i in the bucket's order.
+        executor: the executor that runs each round's band (a name or an ``Executor``).
         causal: see only positions <= i (leak-free: what i sees depends only on positions <= i).
-        scale: score scale, None for 1/sqrt(D).
-        key_padding_mask: (B, N) bool, True = a real key; padded keys are never attended.
         rotations: (H, rounds, D, buckets/2) random rotations of the hash; None draws them with ``lsh_rotations``
             from ``seed``.
-        backend: the executor that runs each round's band (``executors.get_executor``).
 
     Returns:
         (B, H, N, D) in the dtype of q; zeros for a query that sees no key (only possible with padding). Exact
-        (float64 in, float64 throughout) against ``reference_attention(q, q/|q|, v, lsh_mask(...))``.
+        (float64 in, float64 throughout) against ``reference_attention(Inputs.of(q, q/|q|, v), lsh_mask(...))``.
         Time O(rounds · N · window · D + rounds² · N · window + rounds · N · D · buckets/2), memory per head
         O(N · (D + rounds)) kept for the backward on the fused executor (the probabilities recomputed), O(rounds · N
         · window) on the tiles executor (each round's probabilities; the masks of one round at a time).
     """
-    buckets, rounds = _check(q, v, buckets, rounds, window)
-    inputs = check_inputs(q, q, v, scale, key_padding_mask)
-    hashes, valid, scale = _hashes(q, inputs, buckets, rounds, rotations, seed), inputs.key_valid, inputs.scale
-    executor = get_executor(backend, q.device)
+    options = check_options("options", options, LSHOptions)
+    q, v = inputs.q, inputs.v
+    if inputs.k is not q:
+        raise ValueError("lsh_attention shares queries and keys (the keys are the unit queries): pass "
+                         "Inputs.of(q, q, v, ...), the queries as the keys")
+    buckets, rounds, window = complete_lsh(options, q.shape[2])
+    hashes, valid, scale = _hashes(q, buckets, rounds, rotations, seed), inputs.key_valid, inputs.scale
+    executor = get_executor(executor, q.device)
     B, H, N, D = q.shape
     R = hashes.shape[2]
     band = Tiling.band(window, N, causal)
@@ -202,22 +201,19 @@ def lsh_attention(
 def _check_buckets(buckets: object) -> int:
     buckets = positive_int("buckets", buckets)
     if buckets % 2:
-        raise ValueError(f"buckets must be a positive even integer (argmax over [xR; -xR]), got {buckets}")
+        raise ValueError(f"buckets must be even (a hash is the argmax over [xR; -xR]), got {buckets}")
     return buckets
 
 
-def _check(q: Tensor, v: Tensor, buckets: int, rounds: int, window: int) -> tuple[int, int]:
-    """Validate the LSH arguments before the inputs (``check_inputs``, by the caller); -> (buckets, rounds)."""
-    buckets = _check_buckets(buckets)
-    rounds = positive_int("rounds", rounds)
-    positive_int("window", window)
-    if isinstance(q, Tensor) and isinstance(v, Tensor) and q.shape != v.shape:
-        raise ValueError(f"q and v must have the same shape (B, H, N, D), got q {tuple(q.shape)}, "
-                         f"v {tuple(v.shape)}")
-    return buckets, rounds
+def complete_lsh(options: LSHOptions, n: int) -> tuple[int, int, int]:
+    """(buckets, rounds, window) of ``options`` for sequences of ``n``: buckets None -> ``default_lsh_settings(n)``,
+    window None -> n // buckets (at least 1); the model's config fills them in the same way from seq_len."""
+    buckets = default_lsh_settings(n)[0] if options.buckets is None else options.buckets
+    window = max(1, n // buckets) if options.window is None else options.window
+    return buckets, options.rounds, window
 
 
-def _hashes(q: Tensor, inputs: Inputs, buckets: int, rounds: int, rotations: Tensor | None, seed: int) -> Tensor:
+def _hashes(q: Tensor, buckets: int, rounds: int, rotations: Tensor | None, seed: int) -> Tensor:
     """(B, H, rounds, N) buckets of the checked queries, under ``rotations`` (default: drawn from ``seed``)."""
     _, H, _, D = q.shape
     if rotations is None:
@@ -242,9 +238,7 @@ class LSHOptions:
 
     def __post_init__(self) -> None:
         if self.buckets is not None:
-            positive_int("buckets", self.buckets)
-            if self.buckets % 2:
-                raise ValueError(f"buckets must be even (a hash is the argmax over [xR; -xR]), got {self.buckets}")
+            _check_buckets(self.buckets)
         positive_int("rounds", self.rounds)
         if self.window is not None:
             positive_int("window", self.window)
@@ -311,17 +305,14 @@ class LSHHeads(HeadGroup):
         self.register_buffer("rotations", lsh_rotations(heads, head_dim, options.buckets, options.rounds,
                                                         seed=seed))
 
-    def _kwargs(self) -> dict:
-        o = self.options
-        return {"buckets": o.buckets, "rounds": o.rounds, "window": o.window, "rotations": self.rotations}
-
     def forward(self, q, k, v, rel_pos):
         if rel_pos is not None:
             raise ValueError("lsh heads do not support relative positions")
-        return lsh_attention(q, v, causal=True, scale=self.scale, backend=self.executor, **self._kwargs())
+        return lsh_attention(Inputs(q, q, v, self.scale), self.options, self.executor, rotations=self.rotations)
 
     def reference_mask(self, q, k):
-        return lsh_mask(q, causal=True, **self._kwargs())
+        o = self.options
+        return lsh_mask(q, buckets=o.buckets, rounds=o.rounds, window=o.window, rotations=self.rotations)
 
     def reference_keys(self, q, k):  # shared QK: the keys are the unit queries
         return F.normalize(q, dim=-1)
@@ -346,9 +337,9 @@ class LSHHeads(HeadGroup):
 
 
 def _complete(o: LSHOptions, config: Any) -> LSHOptions:
-    buckets = default_lsh_settings(config.seq_len)[0] if o.buckets is None else o.buckets
-    window = max(1, config.seq_len // buckets) if o.window is None else at_most_seq_len("window", o.window, config)
-    return LSHOptions(buckets, o.rounds, window)
+    if o.window is not None:
+        at_most_seq_len("window", o.window, config)
+    return LSHOptions(*complete_lsh(o, config.seq_len))
 
 
 def _keys_per_query(o: LSHOptions, n: int) -> float:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..checks import positive_int
 from ..executors.fused.selection import fused_select_blocks
-from ..executors.inputs import check_inputs
+from ..executors.inputs import check_rel
 from ..executors.relative import RelativePositions
 from .blocks import (
     BlockCache,
@@ -106,8 +106,9 @@ class MobaHeads(BlockHeads):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         if self.warming_up:
-            return full_attention(q, k, v, causal=True, rel_pos=rel_pos, backend=self.executor)
-        inputs = check_inputs(q, k, v, None, None, rel_pos)
+            return full_attention(self.inputs(q, k, v), None, self.executor, rel=rel_pos)
+        inputs = self.inputs(q, k, v)
+        check_rel(rel_pos, q)
         with torch.no_grad():  # the selection is discrete: the loss reaches it only through the attention
             chosen = self.select(q, k)
         out, _ = selected_attention(inputs, chosen, self.block, self.executor, rel_pos)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import positive_int
-from ..executors.inputs import check_inputs, relative
+from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.relative import RelativePositions
 from .blocks import (
     NONE,
@@ -112,8 +112,9 @@ class NsaHeads(BlockHeads):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         if self.warming_up:
-            return full_attention(q, k, v, causal=True, rel_pos=rel_pos, backend=self.executor)
-        inputs = check_inputs(q, k, v, None, None, rel_pos)
+            return full_attention(self.inputs(q, k, v), None, self.executor, rel=rel_pos)
+        inputs = self.inputs(q, k, v)
+        check_rel(rel_pos, q)
         n, b = q.shape[2], self.block
         whole = n // b * b
         ck, cv = self.summarise(k[:, :, :whole], v[:, :, :whole])  # (B, h, N // block, D)
@@ -136,7 +137,7 @@ class NsaHeads(BlockHeads):
         n, b = q.shape[2], self.block
         i = torch.arange(n, device=q.device)
         if self.warming_up:
-            return reference_attention(q, k, v, i[None, :] <= i[:, None], rel_pos=rel_pos)
+            return reference_attention(Inputs.of(q, k, v), i[None, :] <= i[:, None], rel=rel_pos)
         j = torch.arange(n // b, device=q.device)  # the complete blocks
         offset = i[None, :] - j[:, None] * b  # (blocks, N): key position - block start
         inside = (offset >= 0) & (offset < b)
@@ -158,8 +159,8 @@ class NsaHeads(BlockHeads):
         higher = ((s[..., None, :] > s[..., :, None]) & allowed[:, None, :]).sum(-1)  # candidates scoring above
         picked = allowed & (higher < self.top)  # (B, h, N, blocks)
         chosen = torch.where(picked, j, NONE)  # every picked block, in the form ``selected_mask`` reads
-        out_sel = reference_attention(q, k, v, selected_mask(chosen, b), rel_pos=rel_pos)
-        out_win = reference_attention(q, k, v, local_mask(n, self.window, device=q.device), rel_pos=rel_pos)
+        out_sel = reference_attention(Inputs.of(q, k, v), selected_mask(chosen, b), rel=rel_pos)
+        out_win = reference_attention(Inputs.of(q, k, v), local_mask(n, self.window, device=q.device), rel=rel_pos)
 
         g = torch.sigmoid(q @ self.gate_weight.to(q.dtype) + self.gate_bias.to(q.dtype)[:, None, :])
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import positive_int
-from ..executors.inputs import check_inputs
+from ..checks import check_options, positive_int
+from ..executors.inputs import Inputs
 from .feature_scan import feature_scan
 from .kinds.base import HeadKind
 from .kinds.common import non_negative_int
@@ -105,35 +105,35 @@ class PerformerFeatures:
 
 
 def performer_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool = True,
-    scale: float | None = None,
+    inputs: Inputs,
+    options: PerformerOptions | None = None,
     *,
+    causal: bool = True,
     projection: Tensor | None = None,
-    features: int | None = None,
     generator: torch.Generator | None = None,
-    key_padding_mask: Tensor | None = None,
     chunk: int | None = None,
 ) -> Tensor:
-    """Softmax attention estimated by FAVOR+ (module docstring). q, k, v: (B, H, N, D) -> (B, H, N, D).
+    """Softmax attention estimated by FAVOR+ (module docstring). ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v
+    (B, H, N, D) -> (B, H, N, D).
 
-    ``projection`` (H, m, D) gives the random features (``orthogonal_features``); without it, ``features`` rows
-    (default ``default_features(D)``) are drawn from ``generator``. Causal: a scan over chunks of ``chunk`` rows
-    with a recomputing backward (``feature_scan.py``), O(N·(c + m)·D) time, O(N·(D + m)) memory per head, autograd
-    keeping q, k, v and the output (a projection that asks for a gradient takes ``feature_attention``'s autograd
-    path, which keeps the (N, m) features and the (N/c, m, D) chunk states); non-causal O(N·m·D). Padded keys
-    (``key_padding_mask`` False) leave the numerator and the denominator.
+    ``projection`` (H, m, D) gives the random features (``orthogonal_features``); without it, ``options.features``
+    rows (default ``default_features(D)``) are drawn from ``generator`` (``options.redraw_every`` is the heads'
+    business, not read here). Causal: a scan over chunks of ``chunk`` rows with a recomputing backward
+    (``feature_scan.py``), O(N·(c + m)·D) time, O(N·(D + m)) memory per head, autograd keeping q, k, v and the
+    output (a projection that asks for a gradient takes ``feature_attention``'s autograd path, which keeps the
+    (N, m) features and the (N/c, m, D) chunk states); non-causal O(N·m·D). Padded keys (the inputs' key padding
+    mask) leave the numerator and the denominator.
     """
-    inputs = check_inputs(q, k, v, scale, key_padding_mask)
+    options = PerformerOptions() if options is None else check_options("options", options, PerformerOptions)
+    features = options.features
+    q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
     s, key_valid = inputs.scale, inputs.key_valid
     if projection is None:
-        m = default_features(D) if features is None else positive_int("features", features)
+        m = default_features(D) if features is None else features
         projection = orthogonal_features(H, m, D, generator=generator, device=q.device)
     elif features is not None:
-        raise ValueError("give either projection or features, not both")
+        raise ValueError("give either projection or options.features, not both")
     elif not isinstance(projection, Tensor) or projection.dim() != 3 or projection.shape[0] != H \
             or projection.shape[2] != D:
         raise ValueError(f"projection must have shape (H, m, D) = ({H}, m, {D}), got "
@@ -192,7 +192,7 @@ class PerformerHeads(FeatureHeads):
         return False
 
     def forward(self, q, k, v, rel_pos):
-        return performer_attention(q, k, v, causal=True, scale=self.scale, projection=self.projection)
+        return performer_attention(Inputs(q, k, v, self.scale), projection=self.projection)
 
     def features(self, x, query):
         return performer_features(x, self.projection, self.scale, query=query)

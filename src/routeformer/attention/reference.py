@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_scale
-from ..executors.inputs import check_inputs
+from ..executors.inputs import Inputs, check_inputs, check_rel
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, kernel_scale, pairwise
 
@@ -79,40 +79,41 @@ def normalise_scores(scores: Tensor, allowed: Tensor, kernel: str = "exp") -> Te
 
 
 def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    inputs: Inputs,
     mask: Tensor,
-    scale: float | None = None,
     *,
-    key_padding_mask: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
+    rel: RelativePositions | None = None,
     kernel: str = "exp",
     bias: Tensor | None = None,
 ) -> Tensor:
     """Dense masked attention: softmax, or with ``kernel`` 'poly2' / 'elu' the generalised form
-    o_i = Σ_j K(q_i, k_j) v_j / Σ_j K(q_i, k_j) over the allowed j (``kernels.py``; no ``rel_pos``, no scale for elu).
+    o_i = Σ_j K(q_i, k_j) v_j / Σ_j K(q_i, k_j) over the allowed j (``kernels.py``; no ``rel``, no scale for elu).
 
     Args:
-        q, k, v: (B, H, N, D).
+        inputs: ``Inputs.of(q, k, v, scale=..., key_padding_mask=...)``: q, k, v (B, H, N, D); the scale (None:
+            1/sqrt(D)); a (B, N) key padding mask, True = a real key, False removes key j from every query.
         mask: bool, (N, N), (H, N, N) or (B, H, N, N); ``mask[..., i, j]`` True means query i may attend to key j.
-        scale: score scale, ``None`` means 1/sqrt(D).
-        key_padding_mask: optional bool (B, N), True = a real key; False removes key j from every query.
-        rel_pos: optional relative position tables; adds q_i·a^K_ij to the scores and Σ_j α_ij a^V_ij to
+        rel: optional relative position tables; adds q_i·a^K_ij to the scores and Σ_j α_ij a^V_ij to
             the outputs, with a^K_ij, a^V_ij materialised as (N, N, D) tensors.
         bias: optional additive score term broadcastable to (B, H, N, N) (exponential kernel only).
 
     Returns:
         (B, H, N, D). A query row with no allowed key outputs zeros. Computes in the dtype of q (float64 in,
-        float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel_pos``). The weights alone are
+        float64 throughout). O(N²·D) time and memory (O(N²·D) extra with ``rel``). The weights alone are
         ``reference_weights``.
     """
-    check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-    probs = reference_weights(q, k, mask, scale, key_padding_mask=key_padding_mask, rel_pos=rel_pos, kernel=kernel,
-                              bias=bias)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    check_rel(rel, q)
+    valid = inputs.key_valid
+    if valid is not None and valid.shape[1] != 1:
+        raise ValueError(f"reference_attention takes one key validity per batch row (B, 1, N), as Inputs.of makes "
+                         f"it, got {tuple(valid.shape)}")
+    padding = None if valid is None else valid[:, 0]  # (B, N)
+    probs = reference_weights(q, k, mask, inputs.scale if inputs.scale_given else None, key_padding_mask=padding,
+                              rel_pos=rel, kernel=kernel, bias=bias)
     out = probs @ v  # (B, H, N, D)
-    if rel_pos is not None:
-        _, a_value = _literal_tables(rel_pos, q.shape[2], q)
+    if rel is not None:
+        _, a_value = _literal_tables(rel, q.shape[2], q)
         out = out + torch.einsum("bhij,ijd->bhid", probs, a_value)  # Σ_j α_ij a^V_ijd
     return out
 

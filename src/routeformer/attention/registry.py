@@ -14,6 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import Tensor
+
+from ..executors import Backend
+from ..executors.inputs import Inputs
+from ..executors.relative import RelativePositions
 from . import fixed, full, linear, local, longformer, lsh, moba, nsa, performer, strided
 from .kinds.base import HeadKind
 from .routing import kind as routing
@@ -64,16 +69,24 @@ def default_attention(heads: int) -> str:
 
 @dataclass(frozen=True)
 class Pattern:
-    """A fixed sparsity pattern: its fast function and its mask builder, which take the same parameters.
+    """A fixed sparsity pattern: its fast function, its mask builder and its options type.
 
-    ``attend(q, k, v, **params, causal=..., key_padding_mask=..., rel_pos=...)`` and
-    ``mask(n, **params, causal=..., heads=...)`` describe the same attention; the tests hold the first to
-    ``reference_attention`` fed with the second.
+    ``mask(n, **params, causal=..., heads=...)`` and ``run(inputs, executor, causal=..., rel=..., **params)`` (the
+    fast function under ``options(**params)``) describe the same attention; the tests hold the second to
+    ``reference_attention`` under the first.
     """
 
     name: str
-    attend: Callable
+    attend: Callable  # attend(inputs, options, executor, *, causal, rel[, merged])
     mask: Callable
+    options: type
+
+    def run(self, inputs: Inputs, executor: Backend = "auto", *, causal: bool = True,
+            rel: RelativePositions | None = None, **params) -> Tensor:
+        """The fast function on ``inputs`` (B, H, N, D) under the mask builder's ``params``: those of the options
+        type make its options, ``merged`` (strided, fixed) is passed on."""
+        merged = {"merged": params.pop("merged")} if "merged" in params else {}
+        return self.attend(inputs, self.options(**params), executor, causal=causal, rel=rel, **merged)
 
     def build_mask(self, n: int, heads: int, causal: bool, **params):
         """(H, N, N) mask of this pattern (every mask builder returns one when given ``heads``)."""
@@ -83,11 +96,12 @@ class Pattern:
 PATTERNS: dict[str, Pattern] = {
     p.name: p
     for p in [
-        Pattern("full", full.full_attention, full.full_mask),
-        Pattern("local", local.local_attention, local.local_mask),
-        Pattern("strided", strided.strided_attention, strided.strided_mask),
-        Pattern("fixed", fixed.fixed_attention, fixed.fixed_mask),
-        Pattern("longformer", longformer.longformer_attention, longformer.longformer_mask),
+        Pattern("full", full.full_attention, full.full_mask, full.KernelOptions),
+        Pattern("local", local.local_attention, local.local_mask, local.LocalOptions),
+        Pattern("strided", strided.strided_attention, strided.strided_mask, strided.StridedOptions),
+        Pattern("fixed", fixed.fixed_attention, fixed.fixed_mask, fixed.FixedOptions),
+        Pattern("longformer", longformer.longformer_attention, longformer.longformer_mask,
+                longformer.LongformerOptions),
     ]
 }
 

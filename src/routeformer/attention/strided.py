@@ -21,48 +21,44 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import check_split_heads, positive_int
+from ..checks import check_options, check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
-from ..executors.inputs import Inputs, check_inputs, relative
+from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.relative import RelativePositions
 from ..lengths import sqrt_len
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
-from .local import local_attention
+from .local import LocalOptions, local_attention
 from .masks import _grid, _split
 
 
 def strided_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    stride: int,
+    inputs: Inputs,
+    options: StridedOptions,
+    executor: Backend = "auto",
+    *,
     causal: bool = True,
     merged: bool = True,
-    scale: float | None = None,
-    *,
-    key_padding_mask: Tensor | None = None,
-    rel_pos: RelativePositions | None = None,
-    backend: Backend = "auto",
+    rel: RelativePositions | None = None,
 ) -> Tensor:
-    """Strided attention with l = stride (Child et al. 2019).
+    """Strided attention with l = ``options.stride`` (Child et al. 2019; None: round(sqrt(N))).
 
     Causal: A1(i) = {j : max(0, i - l) <= j <= i}, A2(i) = {j <= i : (i - j) mod l = 0}; non-causal: |i - j| <= l
     and every j with (i - j) mod l = 0. ``merged=True``: every head attends to A1 ∪ A2; ``merged=False``: the first
     half of the heads to A1, the second half to A2.
 
-    q, k, v: (B, H, N, D) -> (B, H, N, D). A1 is a band (blocks of l); A2 is attention along the columns of the
-    sequence viewed as an (N / l, l) grid (the transpose trick); merged heads combine the two exactly through their
-    log-sum-exp, with A2 restricted to rows two or more apart so no key counts twice.
-    O(N · (l + N / l) · D) time, O(N · (l + N / l)) memory: O(N^1.5 · D) for l ≈ sqrt(N).
-    ``backend``: the executor (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU; ``"fused"``,
-    ``"tiles"``, ``"flex"``).
+    ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D). A1 is a band (blocks of l); A2 is
+    attention along the columns of the sequence viewed as an (N / l, l) grid (the transpose trick); merged heads
+    combine the two exactly through their log-sum-exp, with A2 restricted to rows two or more apart so no key counts
+    twice. O(N · (l + N / l) · D) time, O(N · (l + N / l)) memory: O(N^1.5 · D) for l ≈ sqrt(N).
+    ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU;
+    ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
-    inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+    options = check_options("options", options, StridedOptions)
     B, H, N, D = inputs.shape
-    stride = positive_int("stride", stride)
-    executor = get_executor(backend, q.device)
-    rel = relative(rel_pos)
+    stride = sqrt_len(N) if options.stride is None else options.stride
+    executor = get_executor(executor, inputs.q.device)
+    rel = check_rel(rel, inputs.q)
     if merged:
         parts = [
             executor.band(inputs, window=stride + 1, causal=causal, rel=rel, need_lse=True),
@@ -131,9 +127,9 @@ class StridedHeads(HeadGroup):
 
     def forward(self, q, k, v, rel_pos):
         if self.part == "merged":
-            return strided_attention(q, k, v, self.stride, causal=True, rel_pos=rel_pos, backend=self.executor)
+            return strided_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
         if self.part == "a1":
-            return local_attention(q, k, v, self.stride + 1, causal=True, rel_pos=rel_pos, backend=self.executor)
+            return local_attention(self.inputs(q, k, v), LocalOptions(self.stride + 1), self.executor, rel=rel_pos)
         return self.executor.columns(Inputs(q, k, v, self.scale), self.stride, causal=True, gap=0,
                                      rel=relative(rel_pos))[0]
 

@@ -28,8 +28,16 @@ import torch
 from torch import Tensor
 
 from ..attention import (
+    FixedOptions,
+    Inputs,
+    KernelOptions,
+    LinearOptions,
+    LocalOptions,
+    LongformerOptions,
+    LSHOptions,
     RelativePositions,
     RoutingAttention,
+    StridedOptions,
     fixed_attention,
     full_attention,
     linear_attention,
@@ -115,7 +123,6 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
     baseline the others are measured against. ``bench.backend``: the executor of the patterns that run on one."""
     heads, head_dim, window, causal, backend = bench.heads, bench.head_dim, bench.window, bench.causal, bench.backend
     device, dtype = torch.device(bench.device), bench.dtype
-    ex = {"backend": backend}
     stride = clusters = sqrt_len(n)
     routed = n // clusters  # window = N / k: clusters of the size the paper's balanced routing would give
     # the paper's rule: one cluster per query, no balancing bias
@@ -162,23 +169,28 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
 
     full_pairs, local_pairs = pairs(rf.pairs_full), pairs(lambda m: rf.pairs_local(m, window))
     found = [
-        Candidate("full", "SDPA", lambda q, k, v: full_attention(q, k, v, causal=causal), useful=full_pairs),
-        Candidate("local", f"window={window}", lambda q, k, v: local_attention(q, k, v, window, causal=causal, **ex),
+        Candidate("full", "SDPA", lambda q, k, v: full_attention(Inputs.of(q, k, v), causal=causal),
+                  useful=full_pairs),
+        Candidate("local", f"window={window}",
+                  lambda q, k, v: local_attention(Inputs.of(q, k, v), LocalOptions(window), backend, causal=causal),
                   useful=local_pairs),
         Candidate("local+rel", f"window={window}, clip={window}",
-                  lambda q, k, v: local_attention(q, k, v, window, causal=causal, rel_pos=rel, **ex),
+                  lambda q, k, v: local_attention(Inputs.of(q, k, v), LocalOptions(window), backend, causal=causal,
+                                                  rel=rel),
                   useful=local_pairs),
         Candidate("strided", f"stride={stride}, merged",
-                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, **ex),
+                  lambda q, k, v: strided_attention(Inputs.of(q, k, v), StridedOptions(stride), backend, causal=causal),
                   useful=pairs(lambda m: rf.pairs_strided(m, stride, merged=True))),
         Candidate("strided-split", f"stride={stride}, split",
-                  lambda q, k, v: strided_attention(q, k, v, stride, causal=causal, merged=False, **ex),
+                  lambda q, k, v: strided_attention(Inputs.of(q, k, v), StridedOptions(stride), backend, causal=causal,
+                                                    merged=False),
                   useful=pairs(lambda m: rf.pairs_strided(m, stride, merged=False))),
         Candidate("fixed", "block=128, summary=8, merged",
-                  lambda q, k, v: fixed_attention(q, k, v, 128, 8, causal=causal, **ex),
+                  lambda q, k, v: fixed_attention(Inputs.of(q, k, v), FixedOptions(128, 8), backend, causal=causal),
                   useful=pairs(lambda m: rf.pairs_fixed(m, 128, 8))),
         Candidate("longformer", f"window={window}, dilation 1|2, global [0]",
-                  lambda q, k, v: longformer_attention(q, k, v, window, dilation, [0], causal=causal, **ex),
+                  lambda q, k, v: longformer_attention(Inputs.of(q, k, v), LongformerOptions(window, dilation, (0,)),
+                                                       backend, causal=causal),
                   useful=pairs(lambda m: rf.pairs_longformer(m, window, dilation, [0]))),
         Candidate("routing", f"k={clusters}, window={routed}, shared QK",
                   lambda q, k, v: routing(q, q, v), useful=routed_work(routing)),
@@ -186,22 +198,26 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
                   lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only",
                   useful=routed_work(probing) if probing is not None else None),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
-                  lambda q, k, v: lsh_attention(q, v, buckets=buckets, rounds=2, window=lsh_window, causal=causal,
-                                                rotations=rotations, **ex), useful=hashed_work if causal else None),
+                  lambda q, k, v: lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets, 2, lsh_window), backend,
+                                                causal=causal, rotations=rotations),
+                  useful=hashed_work if causal else None),
         Candidate("linear", f"elu, F={head_dim}, chunk={default_chunk(head_dim)}",
-                  lambda q, k, v: linear_attention(q, k, v, causal=causal),
+                  lambda q, k, v: linear_attention(Inputs.of(q, k, v), causal=causal),
                   useful=lambda q: rf.feature_flops(head_dim, q)),
         Candidate("linear-poly2", f"(1+s·q·k)², F={poly2}, chunk={default_chunk(poly2)}",
-                  lambda q, k, v: linear_attention(q, k, v, causal=causal, kernel="poly2"), skip=too_many_features,
+                  lambda q, k, v: linear_attention(Inputs.of(q, k, v), LinearOptions("poly2"), causal=causal),
+                  skip=too_many_features,
                   useful=lambda q: rf.feature_flops(poly2, q)),
         Candidate("performer", f"m={features}, orthogonal per head, drawn once, chunk={default_chunk(features)}",
-                  lambda q, k, v: performer_attention(q, k, v, causal=causal, projection=projection),
+                  lambda q, k, v: performer_attention(Inputs.of(q, k, v), causal=causal, projection=projection),
                   useful=lambda q: rf.feature_flops(features, q, projection=True)),
         Candidate("full-elu", "exact elu kernel, O(N²) blocks",
-                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="elu"), skip=quadratic,
+                  lambda q, k, v: full_attention(Inputs.of(q, k, v), KernelOptions("elu"), causal=causal),
+                  skip=quadratic,
                   useful=full_pairs),
         Candidate("full-poly2", "exact (1+s·q·k)², O(N²) blocks",
-                  lambda q, k, v: full_attention(q, k, v, causal=causal, kernel="poly2"), skip=quadratic,
+                  lambda q, k, v: full_attention(Inputs.of(q, k, v), KernelOptions("poly2"), causal=causal),
+                  skip=quadratic,
                   useful=full_pairs),
     ]
     found[1:1] = _sdpa_backends(causal, device, full_pairs)

@@ -27,6 +27,15 @@ class Inputs:
     v: Tensor
     scale: float
     key_valid: Tensor | None = None
+    scale_given: bool = False  # whether the caller chose the scale (a kernel without one, elu, refuses it)
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
+           key_padding_mask: Tensor | None = None) -> Inputs:
+        """The checked inputs of an attention call, for the public functions (``local_attention(Inputs.of(q, k, v),
+        LocalOptions(window=64))``): q (B, H, N, D), k and v the same shape, ``scale`` (None: 1/sqrt(D)) and a
+        (B, N) key padding mask (True = a real key). Every error names the argument and the shape it needs."""
+        return check_inputs(q, k, v, scale, key_padding_mask)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -39,7 +48,7 @@ class Inputs:
         valid = self.key_valid
         if valid is not None and valid.shape[1] > 1:
             valid = valid[:, start:stop]
-        return Inputs(self.q[:, start:stop], self.k[:, start:stop], self.v[:, start:stop], self.scale, valid)
+        return self.with_(q=self.q[:, start:stop], k=self.k[:, start:stop], v=self.v[:, start:stop], key_valid=valid)
 
     def with_(self, **changes) -> Inputs:
         """The same inputs with some fields replaced (the heads of a split, the columns of a grid, ...)."""
@@ -78,8 +87,16 @@ def check_inputs(
     B, H, N, D = check_qkv(q, k, v)
     resolved = check_scale(scale, D)
     mask = check_key_padding_mask(key_padding_mask, B, N, q.device)
-    if rel_pos is not None:
-        if not isinstance(rel_pos, RelativePositions):
-            raise ValueError(f"rel_pos must be a RelativePositions module or None, got {type(rel_pos).__name__}")
-        rel_pos.check(q)
-    return Inputs(q, k, v, resolved, None if mask is None else mask[:, None, :])
+    check_rel(rel_pos, q)
+    return Inputs(q, k, v, resolved, None if mask is None else mask[:, None, :], scale_given=scale is not None)
+
+
+def check_rel(rel: RelativePositions | None, q: Tensor) -> RelTerms | None:
+    """Check relative-position tables against the queries (B, H, N, D) they score; the call's ``RelTerms`` (at
+    ``INDEX``), or None without tables."""
+    if rel is None:
+        return None
+    if not isinstance(rel, RelativePositions):
+        raise ValueError(f"rel must be a RelativePositions module or None, got {type(rel).__name__}")
+    rel.check(q)
+    return relative(rel)

@@ -2,8 +2,8 @@
 
 A pattern (``local``, ``strided``, ``fixed``, ``longformer``, ``full``, ``routing``) says which keys each query
 sees and builds that from a few pieces; an executor computes the pieces without an N×N matrix. Every pattern
-function takes ``backend`` (a name or an ``Executor``) and calls ``get_executor(backend, q.device)`` once; below it
-only ``Executor`` values travel. A model resolves ``TransformerConfig.backend`` when it is built (``"auto"``: at its
+function takes its executor (a name or an ``Executor``) and calls ``get_executor(executor, q.device)`` once; below
+it only ``Executor`` values travel. A model resolves ``TransformerConfig.backend`` when it is built (``"auto"``: at its
 first forward, for that device; only the CPU's builds the fused kernels) and hands the executor to its head groups
 (``TransformerLM``), and again at its first forward on another device:
 

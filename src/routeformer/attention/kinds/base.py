@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...executors import Executor, get_executor
+from ...checks import check_scale
+from ...executors import Executor, Inputs, get_executor
 from ...executors.relative import RelativePositions
 from ..decoding import Cached, attend_cached
 from ..kernels import attend_cached_kernel, kernel_scale
@@ -118,6 +119,12 @@ class HeadGroup(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         raise NotImplementedError
 
+    def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> Inputs:
+        """The call value of the heads' public function: q, k, v (B, h, N, D) from the layer (well formed: no
+        check), at the scale a public function's ``Inputs.of`` resolves (1/sqrt(D), which ``self.scale`` may
+        differ from in the last bit)."""
+        return Inputs(q, k, v, check_scale(None, self.head_dim))
+
     def aux_loss(self) -> Tensor | None:
         """A loss term of the last training forward to add to the model's (routing: the commitment loss)."""
         return None
@@ -150,8 +157,8 @@ class HeadGroup(nn.Module):
         mask = self.reference_mask(q, k)
         if mask is None:
             raise NotImplementedError(f"{type(self).__name__} defines neither reference_mask nor reference")
-        return reference_attention(q, self.reference_keys(q, k), v, mask, scale=self.kernel_scale, rel_pos=rel_pos,
-                                   kernel=self.kernel, bias=self.reference_bias(q, k))
+        inputs = Inputs.of(q, self.reference_keys(q, k), v, scale=self.kernel_scale)
+        return reference_attention(inputs, mask, rel=rel_pos, kernel=self.kernel, bias=self.reference_bias(q, k))
 
     def reference_keys(self, q: Tensor, k: Tensor) -> Tensor:
         """The keys the heads score against (B, h, N, D): ``k``, unless the kind derives them (LSH: unit queries)."""

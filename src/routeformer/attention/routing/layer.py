@@ -239,8 +239,8 @@ class RoutingAttention(HeadGroup):
                 eye = torch.eye(q.shape[2], dtype=torch.bool, device=q.device)
                 masks = masks & ~(eye & (masks.any(2) & ~eye).any(-1, keepdim=True))[:, :, None]
             gates = self._gates(routes)
-            return sum(gates[:, :, :, t, None] * reference_attention(q, k, v, masks[:, :, t], scale=self.scale,
-                                                                     rel_pos=rel_pos)
+            inputs = Inputs.of(q, k, v, scale=self.scale)
+            return sum(gates[:, :, :, t, None] * reference_attention(inputs, masks[:, :, t], rel=rel_pos)
                        for t in range(self.probes))
         return super().reference(q, k, v, rel_pos)
 
