@@ -18,7 +18,8 @@ from ..relative import RelativePositions
 from ..tiling import HashRounds, KeyRestrictions, Tiling
 from .build import KERNELS
 from .geometry import BandGeometry, RangesGeometry, RoundsGeometry
-from .op import band, ranges, register, rounds
+from .op import Band, Rounds, distinct, register
+from .op import Ranges as RangesOp
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -75,11 +76,11 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
         max_distance=0 if rel_pos is None else rel_pos.max_distance, rows_per_block=rows_per_block(width),
         positions_from_order=from_order)
     order = _per_head(tiling.order, (B, H, Nk), "Tiling.order")
-    out, lse, _ = band(
+    out, lse, _ = Band.apply(*distinct(
         _rows(q), _rows(k), _rows(v), geometry.ints(), float(scale),
         None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask, _valid(key_valid, B, H, Nk),
         _per_head(groups, (B, H, Nk), "KeyRestrictions.groups"), order, key_table, value_table, delta,
-        positions, None if bias is None else bias.to(q.dtype))
+        positions, None if bias is None else bias.to(q.dtype)))
     return out, (lse if need_lse else None)
 
 
@@ -100,11 +101,11 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
                               max_distance=0 if rel_pos is None else rel_pos.max_distance)
     B, H, Nq, _ = q.shape
     N, M = k.shape[2], lo.shape[-1]
-    out, lse = ranges(
+    out, lse = RangesOp.apply(*distinct(
         _rows(q), _rows(k), _rows(v), _per_head(lo, (B, H, M), "Ranges.lo"), _per_head(hi, (B, H, M), "Ranges.hi"),
         geometry.ints(), float(scale), _per_head(key_order, (B, H, N), "KeyOrder.order"), _valid(key_valid, B, H, N),
         _per_head(query_pos, (B, H, Nq), "Ranges.query_pos"), _per_head(key_pos, (B, H, N), "Ranges.key_pos"),
-        key_table, value_table)
+        key_table, value_table))
     return out, (lse if need_lse else None)
 
 
@@ -115,9 +116,10 @@ def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, hashed: HashRounds, *, 
     None: the keys are scale · q / |q|, made inside the kernel (no keys tensor); else k's rows times ``scale``.
     ``hashed``: the rounds' sorted positions, buckets and labels (by position), each (B, H, R, N)."""
     geometry = RoundsGeometry(window=window, rows_per_block=rows_per_block(window), causal=causal)
-    out, _, _ = rounds(_rows(q), None if k is None else _rows(k), _rows(v),
-                       HashRounds(*(x.to(torch.long).contiguous() for x in hashed)),
-                       None if key_valid is None else key_valid.contiguous(), geometry.ints(), float(scale))
+    order, groups, labels = (x.to(torch.long).contiguous() for x in hashed)
+    out, _, _ = Rounds.apply(*distinct(_rows(q), None if k is None else _rows(k), _rows(v), order, groups, labels,
+                                       None if key_valid is None else key_valid.contiguous(), geometry.ints(),
+                                       float(scale)))
     return out
 
 

@@ -1,6 +1,6 @@
 """The fused operators' Python side: fake implementations (so ``torch.compile`` traces models through them),
-registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``band``, ``ranges``,
-``rounds``, ``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument handling per
+registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``Band``, ``Ranges``,
+``Rounds``, ``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument handling per
 call, a tenth of a small attention call.
 
 ``routeformer_fused::band_forward`` returns (out, lse, alone): out (B, H, Nq, D) in the queries' own order, lse
@@ -176,7 +176,11 @@ def _optional_grads(ctx, first_optional: int, names: tuple[str, ...], optional: 
             for name, x, need in zip(names, optional, needs, strict=True)]
 
 
-class _Band(torch.autograd.Function):
+class Band(torch.autograd.Function):
+    """``band_forward`` with its gradient: ``Band.apply(*distinct(q, k, v, geometry, scale, *optional))`` ->
+    (out, lse, alone); the optional tensors in ``_OPTIONAL_BAND`` order. Called by the fused executor itself (no
+    wrapper in between: one frame less from the model to the kernel)."""
+
     @staticmethod
     def forward(ctx, q, k, v, geometry, scale, *optional):  # type: ignore[override]
         out, lse, alone = ops().band_forward(q, k, v, geometry, scale, *optional)
@@ -196,7 +200,10 @@ class _Band(torch.autograd.Function):
         return (*_grads(ctx, dq, dk, dv), None, None, *_optional_grads(ctx, 5, _OPTIONAL_BAND, optional, dkey, dvalue))
 
 
-class _Ranges(torch.autograd.Function):
+class Ranges(torch.autograd.Function):
+    """``ranges_forward`` with its gradient: ``Ranges.apply(*distinct(q, k, v, lo, hi, geometry, scale,
+    *optional))`` -> (out, lse); the optional tensors in ``_OPTIONAL_RANGES`` order."""
+
     @staticmethod
     def forward(ctx, q, k, v, lo, hi, geometry, scale, *optional):  # type: ignore[override]
         out, lse = ops().ranges_forward(q, k, v, lo, hi, geometry, scale, *optional)
@@ -216,7 +223,11 @@ class _Ranges(torch.autograd.Function):
                 *_optional_grads(ctx, 7, _OPTIONAL_RANGES, optional, dkey, dvalue))
 
 
-class _Rounds(torch.autograd.Function):
+class Rounds(torch.autograd.Function):
+    """``rounds_forward`` with its gradient: ``Rounds.apply(*distinct(q, k, v, order, groups, labels, key_valid,
+    geometry, scale))`` -> (out, lse, alone); lse and alone take none. k None: the keys are scale · q / |q|
+    (shared-QK unit keys), made inside the kernel; order, groups and labels are the rounds' (``HashRounds``)."""
+
     @staticmethod
     def forward(ctx, q, k, v, order, groups, labels, key_valid, geometry, scale):  # type: ignore[override]
         out, lse, alone = ops().rounds_forward(q, k, v, order, groups, labels, key_valid, geometry, scale)
@@ -250,7 +261,7 @@ class _SigmoidGelu(torch.autograd.Function):
         return ops().sigmoid_gelu_backward(grad, x)
 
 
-def _distinct(*args):
+def distinct(*args):
     """The arguments with every repeated tensor (k is q under shared QK, positions is the order) given as a view of
     itself: torch.compile does not trace an autograd.Function that takes one tensor twice; a view's gradient flows
     back to the tensor as usual."""
@@ -263,26 +274,6 @@ def _distinct(*args):
             seen.append(a)
         out.append(a)
     return out
-
-
-def band(q: Tensor, k: Tensor, v: Tensor, geometry: list[int], scale: float,
-         *optional: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``band_forward`` with its gradient: (out, lse, alone); the optional tensors in ``_OPTIONAL_BAND`` order."""
-    return _Band.apply(*_distinct(q, k, v, geometry, scale, *optional))
-
-
-def ranges(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, geometry: list[int], scale: float,
-           *optional: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``ranges_forward`` with its gradient: (out, lse); the optional tensors in ``_OPTIONAL_RANGES`` order."""
-    return _Ranges.apply(*_distinct(q, k, v, lo, hi, geometry, scale, *optional))
-
-
-def rounds(q: Tensor, k: Tensor | None, v: Tensor, hashed: tuple[Tensor, Tensor, Tensor], key_valid: Tensor | None,
-           geometry: list[int], scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``rounds_forward`` with its gradient: (out, lse, alone); lse and alone take none. k None: the keys are
-    scale · q / |q| (shared-QK unit keys), made inside the kernel. ``hashed``: the rounds' order, groups and labels
-    (``HashRounds``)."""
-    return _Rounds.apply(*_distinct(q, k, v, *hashed, key_valid, geometry, scale))
 
 
 def sigmoid_gelu(x: Tensor) -> Tensor:
