@@ -102,7 +102,8 @@ def lsh_hash(x: Tensor, rotations: Tensor) -> Tensor:
 
 def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool = True,
              key_padding_mask: Tensor | None = None, rotations: Tensor | None = None, seed: int = 0) -> Tensor:
-    """The boolean (B, H, N, N) mask of ``lsh_attention`` with the same arguments, from its definition (O(N²)):
+    """The boolean (B, H, N, N) mask of ``lsh_attention`` under ``LSHOptions(buckets, rounds, window)`` with the same
+    causal, padding, rotations and seed, from its definition (O(N²)):
     the union over rounds of ``sorted_window_mask`` of each round's buckets, less padded keys, less the query's
     own key unless it is the only key left."""
     buckets, rounds, window = complete_lsh(LSHOptions(buckets, rounds, window), q.shape[2])

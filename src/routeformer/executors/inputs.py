@@ -48,7 +48,8 @@ class Inputs:
         valid = self.key_valid
         if valid is not None and valid.shape[1] > 1:
             valid = valid[:, start:stop]
-        return self.with_(q=self.q[:, start:stop], k=self.k[:, start:stop], v=self.v[:, start:stop], key_valid=valid)
+        return Inputs(self.q[:, start:stop], self.k[:, start:stop], self.v[:, start:stop], self.scale, valid,
+                      self.scale_given)
 
     def with_(self, **changes) -> Inputs:
         """The same inputs with some fields replaced (the heads of a split, the columns of a grid, ...)."""
