@@ -21,6 +21,7 @@ from routeformer.attention import (
 from routeformer.executors import (
     EXECUTORS,
     FEATURES,
+    Band,
     Executor,
     describe_backend,
     get_executor,
@@ -75,9 +76,9 @@ def test_register_refuses_duplicates_and_incomplete_executors() -> None:
     with pytest.raises(ValueError, match="already registered"):
         register_executor("tiles", get_executor())
     with pytest.raises(ValueError, match="must be an Executor with a callable run"):
-        register_executor("partial", dataclasses.replace(get_executor(), run=None))
+        register_executor("partial", dataclasses.replace(get_executor("tiles"), run=None))
     with pytest.raises(ValueError, match=r"names unknown features \['gather'\]"):
-        register_executor("partial", Executor("partial", get_executor().run, frozenset({"rows", "gather"})))
+        register_executor("partial", Executor("partial", get_executor("tiles").run, frozenset({"rows", "gather"})))
     assert "partial" not in EXECUTORS
 
 
@@ -212,9 +213,9 @@ def test_an_executor_refuses_what_it_does_not_support_and_names_who_does() -> No
     plain = Executor("plain", get_executor("tiles").run, frozenset({"tile_mask"}))
     with pytest.raises(ValueError, match="the 'plain' executor does not support groups, exclude_self; 'fused', "
                                          "'tiles' and 'flex' do"):
-        plain.band(Inputs(q, k, v, 1.0), window=3, causal=True,
-                   restrict=KeyRestrictions(groups=torch.zeros(1, 2, 16, dtype=torch.long), exclude_self=True))
-    out, _ = plain.band(Inputs(q, k, v, 1.0), window=3, causal=True)  # what it supports runs
+        plain.tiled(Inputs(q, k, v, 1.0), Band(3, causal=True),
+                    restrict=KeyRestrictions(groups=torch.zeros(1, 2, 16, dtype=torch.long), exclude_self=True))
+    out, _ = plain.tiled(Inputs(q, k, v, 1.0), Band(3, causal=True))  # what it supports runs
     assert torch.equal(out, local_attention(Inputs.of(q, k, v, scale=1.0), LocalOptions(3), "tiles"))
 
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..checks import check_options, check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.pieces import BlockDiagonal, Subset
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind, KeyStore
 from .kinds.common import at_most_seq_len
@@ -59,13 +60,13 @@ def fixed_attention(
     # A2 without a summary cell before N (the sequence ends first) is attention to no key
     cells, allow = summary_keys(N, block, summary, other_blocks=merged, causal=causal, device=q.device)
     if merged:
-        parts = [executor.block_diagonal(inputs, block, causal=causal, rel=rel, need_lse=True)]
+        parts = [executor.tiled(inputs, BlockDiagonal(block, causal), rel=rel, need_lse=True)]
         if cells.numel():
-            parts.append(executor.subset(inputs, cells, allow, rel=rel, need_lse=True))
+            parts.append(executor.tiled(inputs, Subset(cells, allow), rel=rel, need_lse=True))
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = executor.block_diagonal(inputs.head_range(0, half), block, causal=causal, rel=rel)
-    a2 = (executor.subset(inputs.head_range(half, H), cells, allow, rel=rel)[0] if cells.numel()
+    a1, _ = executor.tiled(inputs.head_range(0, half), BlockDiagonal(block, causal), rel=rel)
+    a2 = (executor.tiled(inputs.head_range(half, H), Subset(cells, allow), rel=rel)[0] if cells.numel()
           else q.new_zeros(B, H - half, N, D))
     return torch.cat([a1, a2], dim=1)
 
@@ -174,13 +175,13 @@ class FixedHeads(HeadGroup):
         if self.part == "merged":
             return fixed_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
         if self.part == "a1":
-            return self.executor.block_diagonal(Inputs(q, k, v, self.scale), self.block, causal=True,
-                                                rel=relative(rel_pos))[0]
+            return self.executor.tiled(Inputs(q, k, v, self.scale), BlockDiagonal(self.block, True),
+                                       rel=relative(rel_pos))[0]
         cells, allow = summary_keys(q.shape[2], self.block, self.summary, other_blocks=False, causal=True,
                                     device=q.device)
         if not cells.numel():
             return torch.zeros_like(q)
-        return self.executor.subset(Inputs(q, k, v, self.scale), cells, allow, rel=relative(rel_pos))[0]
+        return self.executor.tiled(Inputs(q, k, v, self.scale), Subset(cells, allow), rel=relative(rel_pos))[0]
 
     def reference_mask(self, q, k):
         a1, a2 = fixed_mask(q.shape[2], self.block, self.summary, merged=False, heads=2, device=q.device)

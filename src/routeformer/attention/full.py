@@ -18,6 +18,7 @@ from torch import Tensor
 from ..checks import check_options
 from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_rel
+from ..executors.pieces import Band, BlockDiagonal
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
@@ -62,7 +63,7 @@ def full_attention(
             # clipped at k < N - 1: the band |i - j| <= k with the relative terms, and the far keys (j < i - k, and
             # j > i + k when non-causal) with the constant terms of distance ∓k
             clip = rel.max_distance
-            parts = [executor.band(inputs, window=clip + 1, causal=causal, rel=terms, need_lse=True)]
+            parts = [executor.tiled(inputs, Band(clip + 1, causal), rel=terms, need_lse=True)]
             # the far keys of one dense tile, as key - query offsets: no (N, N) mask for an executor that reads them
             sides = [(-1, (-(N - 1), -clip - 1))] + ([] if causal else [(1, (clip + 1, N - 1))])
             for sign, offsets in sides:
@@ -73,7 +74,7 @@ def full_attention(
                 out = out + a_value * has_key[..., None]  # Σ_j α_ij a^V over far keys = a^V (weights sum to 1)
                 parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows: neg_inf
             return merge_partials(parts)[0]
-        return executor.block_diagonal(inputs, N, causal=causal, rel=terms)[0]
+        return executor.tiled(inputs, BlockDiagonal(N, causal), rel=terms)[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allow = key_valid[:, :, None, :]  # (B, 1, 1, N)

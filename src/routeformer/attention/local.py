@@ -16,6 +16,7 @@ from torch import Tensor
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
 from ..executors.inputs import Inputs, check_rel
+from ..executors.pieces import Band
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
@@ -49,7 +50,7 @@ def local_attention(
         check_kernel_backend(options.kernel, executor)
         return kernel_attention(inputs, options.kernel, causal=causal, window=options.window, rel=rel)
     terms = check_rel(rel, inputs.q)
-    out, _ = get_executor(executor, inputs.q.device).band(inputs, window=options.window, causal=causal, rel=terms)
+    out, _ = get_executor(executor, inputs.q.device).tiled(inputs, Band(options.window, causal), rel=terms)
     return out
 
 

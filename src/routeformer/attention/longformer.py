@@ -24,6 +24,7 @@ from ..checks import check_options, check_per_head, check_positions, positive_in
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.grid import columns_key_valid, from_columns, to_columns
 from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.pieces import Band, Subset
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
 from .kinds.base import HeadGroup, HeadKind
@@ -77,8 +78,8 @@ def longformer_attention(
         # the dilated band: a band along the columns of the sequence seen as a grid of d columns
         qc, kc, vc = to_columns(qd, d), to_columns(kd, d), to_columns(vd, d)  # (B·d, h, N/d, D)
         grid = Inputs(qc, kc, vc, scale, columns_key_valid(key_valid, B, N, d, q.device))
-        band, band_lse = executor.band(grid, window=window, causal=causal, rel=relative(rel_pos, Distances(unit=d)),
-                                       need_lse=g is not None)
+        band, band_lse = executor.tiled(grid, Band(window, causal), rel=relative(rel_pos, Distances(unit=d)),
+                                        need_lse=g is not None)
         out = from_columns(band, d, N)
         if g is not None:
             pos = torch.arange(N, device=q.device)
@@ -88,7 +89,7 @@ def longformer_attention(
             in_band = (diff % d == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
             allow = ~in_band & (diff <= 0) if causal else ~in_band
             these = Inputs(qd, kd, vd, scale, key_valid)
-            glob, glob_lse = executor.subset(these, g, allow, rel=relative(rel_pos), need_lse=True)
+            glob, glob_lse = executor.tiled(these, Subset(g, allow), rel=relative(rel_pos), need_lse=True)
             out, _ = merge_partials([(out, from_columns(band_lse, d, N)), (glob, glob_lse)])
             # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
             rows_delta = pos[None, :] - g[:, None]  # (G, N)

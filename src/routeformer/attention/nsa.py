@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ..checks import positive_int
 from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.pieces import Band
 from ..executors.relative import RelativePositions
 from .blocks import (
     NONE,
@@ -124,7 +125,7 @@ class NsaHeads(BlockHeads):
         with torch.no_grad():  # the selection is discrete: chosen by the compressed attention's scores
             chosen = select_blocks(scores.detach(), b, self.top)
         out_sel, _ = selected_attention(inputs, chosen, b, self.executor, rel_pos)
-        out_win, _ = self.executor.band(inputs, window=self.window, causal=True, rel=relative(rel_pos))
+        out_win, _ = self.executor.tiled(inputs, Band(self.window, True), rel=relative(rel_pos))
         g = self.gates(q)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from ..checks import check_options, check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.pieces import Band, Columns
 from ..executors.relative import RelativePositions
 from ..lengths import sqrt_len
 from .kinds.base import HeadGroup, HeadKind
@@ -61,13 +62,13 @@ def strided_attention(
     rel = check_rel(rel, inputs.q)
     if merged:
         parts = [
-            executor.band(inputs, window=stride + 1, causal=causal, rel=rel, need_lse=True),
-            executor.columns(inputs, stride, causal=causal, gap=2, rel=rel, need_lse=True),
+            executor.tiled(inputs, Band(stride + 1, causal), rel=rel, need_lse=True),
+            executor.tiled(inputs, Columns(stride, causal, gap=2), rel=rel, need_lse=True),
         ]
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = executor.band(inputs.head_range(0, half), window=stride + 1, causal=causal, rel=rel)
-    a2, _ = executor.columns(inputs.head_range(half, H), stride, causal=causal, gap=0, rel=rel)
+    a1, _ = executor.tiled(inputs.head_range(0, half), Band(stride + 1, causal), rel=rel)
+    a2, _ = executor.tiled(inputs.head_range(half, H), Columns(stride, causal, gap=0), rel=rel)
     return torch.cat([a1, a2], dim=1)
 
 
@@ -130,8 +131,8 @@ class StridedHeads(HeadGroup):
             return strided_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
         if self.part == "a1":
             return local_attention(self.inputs(q, k, v), LocalOptions(self.stride + 1), self.executor, rel=rel_pos)
-        return self.executor.columns(Inputs(q, k, v, self.scale), self.stride, causal=True, gap=0,
-                                     rel=relative(rel_pos))[0]
+        return self.executor.tiled(Inputs(q, k, v, self.scale), Columns(self.stride, True, gap=0),
+                                   rel=relative(rel_pos))[0]
 
     def reference_mask(self, q, k):
         a1, a2 = strided_mask(q.shape[2], self.stride, merged=False, heads=2, device=q.device)

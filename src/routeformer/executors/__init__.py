@@ -3,8 +3,10 @@
 The mechanisms (``routeformer.attention``) say which keys each query sees; an executor computes it without an N×N
 matrix. This package is the lower layer: it imports nothing from the mechanisms.
 
-- ``interface.py``: ``Executor`` (one operation, ``tiled``, and the pieces built on it: band, block diagonal, key
-  subsets, ranges), the ``FEATURES`` an executor declares, the registry (``EXECUTORS``, ``get_executor``).
+- ``base.py``: ``Executor`` (one operation, ``tiled``, over a piece; ``ranges`` built on it), the ``FEATURES`` an
+  executor declares, the registry ``EXECUTORS``; ``interface.py``: the backends registered, names resolved
+  (``get_executor``); ``pieces.py``: the pieces ``tiled`` takes besides a ``Tiling`` (band, block diagonal, key
+  subset, grid columns).
 - ``inputs.py``: the checked inputs value; ``relative.py``: the relative-position tables.
 - ``tiling.py``: the values that describe a call (``Tiling``, ``KeyRestrictions``, ``Distances``).
 - ``lse.py``: the log-sum-exp conventions and ``merge_partials``.
@@ -29,10 +31,14 @@ from .interface import (
     resolve_backend,
 )
 from .lse import lse_dtype, merge_partials, neg_inf, saw_key
+from .pieces import Band, BlockDiagonal, Columns, Subset
 from .relative import RelativePositions
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
 __all__ = [
+    "Band",
+    "BlockDiagonal",
+    "Columns",
     "EXECUTORS",
     "FEATURES",
     "INDEX",
@@ -42,6 +48,7 @@ __all__ = [
     "Inputs",
     "KeyRestrictions",
     "RelativePositions",
+    "Subset",
     "Tiling",
     "check_backend",
     "check_inputs",

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ...executors import Executor
 from ...executors.inputs import Inputs, relative
+from ...executors.pieces import Band
 from ...executors.relative import RelativePositions
 from ...executors.rows import move_rows
 from ...executors.tiling import Distances, KeyRestrictions
@@ -99,8 +100,8 @@ def sorted_window_attention(
     restrict = KeyRestrictions(groups=grouped, exclude_self=options.shared_qk)
     rel = relative(rel_pos, Distances(positions=order))  # between the entries' own positions
     # the band runs over the sorted sequence (Tiling.order): the executor reads rows by index or permutes them
-    out, lse = executor.band(inputs.with_(key_valid=valid), window=options.window, causal=causal, restrict=restrict,
-                             rel=rel, need_lse=need_lse, order=order)
+    out, lse = executor.tiled(inputs.with_(key_valid=valid), Band(options.window, causal, order), restrict=restrict,
+                              rel=rel, need_lse=need_lse)
     return (out, lse) if need_lse else out
 
 

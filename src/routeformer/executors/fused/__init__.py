@@ -3,7 +3,7 @@
 end (``executor.py``)."""
 
 from .build import ENV_SWITCH, KERNELS, BuildStatus, FusedKernelRequired, FusedKernelUnavailable, KernelBuild
-from .executor import available, fused_ranges, fused_tiled
+from .executor import FusedExecutor, available
 
 __all__ = ["ENV_SWITCH", "KERNELS", "BuildStatus", "FusedKernelRequired", "FusedKernelUnavailable", "KernelBuild",
-           "available", "fused_ranges", "fused_tiled"]
+           "FusedExecutor", "available"]
