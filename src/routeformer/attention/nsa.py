@@ -13,7 +13,7 @@ Heads. The keys are cut into blocks of ``block`` (the blocks of the selection).
 2. selected: the ``top`` blocks whose compressed keys score highest (q · ck_j: NSA selects by the compressed
    attention's scores; no gradient through the choice), and its own block up to itself, one softmax (relative
    positions apply), through the executor's ``ranges`` (``blocks.selected_attention``): O(N · (top + 1) · block · D).
-3. window: the last ``window`` keys (``Executor.band``; relative positions apply): O(N · window · D).
+3. window: the last ``window`` keys (a ``Band`` on the executor; relative positions apply): O(N · window · D).
 
 The gates g = sigmoid(q · W_g + b_g) (W_g (heads, D, 3) and b_g (heads, 3), zero at first: every gate 0.5) mix them,
 out = g_cmp · out_cmp + g_sel · out_sel + g_win · out_win. The loss reaches a and c through out_cmp, the gates, and

@@ -1,5 +1,5 @@
 """The flex executor's one operation, ``tiled``, with the tiled executor's signature and results
-(``executors.Executor`` builds the band, block diagonal and key subsets from it).
+(the band, block diagonal, key subsets and columns come to it as tilings, ``executors.pieces``).
 
 It turns its arguments into one ``FlexPattern`` and runs ``attend``: one FlexAttention call (plus, with
 relative positions, the banded value pass and, for two-sided patterns with clipped distances, a second call for the
