@@ -77,6 +77,8 @@ def test_register_refuses_duplicates_and_incomplete_executors() -> None:
         register_executor("tiles", get_executor())
     with pytest.raises(ValueError, match="must be an Executor with a callable run"):
         register_executor("partial", dataclasses.replace(get_executor("tiles"), run=None))
+    with pytest.raises(ValueError, match="must be an Executor, got object"):
+        register_executor("partial", object())
     with pytest.raises(ValueError, match=r"names unknown features \['gather'\]"):
         register_executor("partial", Executor("partial", get_executor("tiles").run, frozenset({"rows", "gather"})))
     assert "partial" not in EXECUTORS

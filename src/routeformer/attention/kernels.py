@@ -113,7 +113,7 @@ def kernel_attention(
     check_kernel("kernel", kernel, FEATURE_KERNELS)
     if rel is not None:
         raise ValueError(f"rel: relative positions are defined for the exponential kernel only, not {kernel!r}")
-    s = kernel_scale(kernel, inputs.scale if inputs.scale_given else None, D)
+    s = kernel_scale(kernel, inputs.chosen_scale, D)
     block = positive_int("block", block)
     if window is not None:
         window = positive_int("window", window)

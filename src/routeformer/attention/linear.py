@@ -140,7 +140,7 @@ def linear_attention(
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
     _check_features(options, D)
-    s = kernel_scale(kernel, inputs.scale if inputs.scale_given else None, D)
+    s = kernel_scale(kernel, inputs.chosen_scale, D)
     chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else positive_int("chunk", chunk)
     dtype = inputs.q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (inputs.q, inputs.k, inputs.v))

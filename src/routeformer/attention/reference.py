@@ -109,7 +109,7 @@ def reference_attention(
         raise ValueError(f"reference_attention takes one key validity per batch row (B, 1, N), as Inputs.of makes "
                          f"it, got {tuple(valid.shape)}")
     padding = None if valid is None else valid[:, 0]  # (B, N)
-    probs = reference_weights(q, k, mask, inputs.scale if inputs.scale_given else None, key_padding_mask=padding,
+    probs = reference_weights(q, k, mask, inputs.chosen_scale, key_padding_mask=padding,
                               rel_pos=rel, kernel=kernel, bias=bias)
     out = probs @ v  # (B, H, N, D)
     if rel is not None:

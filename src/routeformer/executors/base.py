@@ -62,6 +62,11 @@ class Executor:
     rounds_run: Callable | None = None
     delegate: Callable[[Tensor], Executor | None] | None = None
 
+    def __post_init__(self) -> None:
+        if not callable(self.run) and type(self).tiled is Executor.tiled:
+            raise ValueError(f"attention executor {self.name!r} must be an Executor with a callable run (or of a "
+                             f"class that computes tiled itself)")
+
     def runner(self, q: Tensor) -> Executor:
         """The executor that computes a call on queries ``q``: this one, or the one it delegates to."""
         other = None if self.delegate is None else self.delegate(q)

@@ -38,6 +38,12 @@ class Inputs:
         return check_inputs(q, k, v, scale, key_padding_mask)
 
     @property
+    def chosen_scale(self) -> float | None:
+        """The scale the caller chose, or None when it is the default 1/sqrt(D) (a kernel without a scale, elu,
+        refuses a chosen one; poly2 reads None as its own default)."""
+        return self.scale if self.scale_given else None
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         """(B, H, N, D) of the queries."""
         B, H, N, D = self.q.shape

@@ -121,10 +121,8 @@ def register_executor(name: str, executor: Executor, *, replace: bool = False) -
     """Make ``executor`` available as ``name``; an existing name is replaced only with ``replace=True``."""
     if name in EXECUTORS and not replace:
         raise ValueError(f"attention executor {name!r} is already registered; pass replace=True to replace it")
-    computes = isinstance(executor, Executor) and (callable(executor.run) or type(executor).tiled is not Executor.tiled)
-    if not computes:
-        raise ValueError(f"attention executor {name!r} must be an Executor with a callable run (or of a class that "
-                         f"computes tiled itself)")
+    if not isinstance(executor, Executor):  # an Executor has a run or computes tiled itself (Executor.__post_init__)
+        raise ValueError(f"attention executor {name!r} must be an Executor, got {type(executor).__name__}")
     unknown = sorted(set(executor.supports) - set(FEATURES))
     if unknown:
         raise ValueError(f"attention executor {name!r} names unknown features {unknown}; known: {', '.join(FEATURES)}")

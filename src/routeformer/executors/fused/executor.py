@@ -15,7 +15,7 @@ from torch import Tensor
 from ..base import Executor
 from ..inputs import Inputs, RelTerms
 from ..pieces import Piece, finish
-from ..ranges import KeyOrder, Ranges, broadcast_ranges, check_ranges, range_attention
+from ..ranges import KeyOrder, Ranges, broadcast_ranges, check_ranges
 from ..relative import RelativePositions
 from ..tiling import HashRounds, KeyRestrictions
 from .build import KERNELS
@@ -102,11 +102,10 @@ class FusedExecutor(Executor):
         entry's range tested and its keys gathered by index inside the kernel, blocks of ``rows`` entries (default
         from the width) spanning at most width + ``stretch`` keys (default: ``rows``). The order's inverse is not
         needed: no permuted copy is made."""
+        if self.runner(inputs.q) is not self:  # the delegate's way (tiles of ``tiled``)
+            return super().ranges(inputs, spans, order=order, rel_pos=rel_pos, need_lse=need_lse)
         check_ranges(inputs.q, spans, rel_pos)
         spans, order = broadcast_ranges(inputs, spans, order)
-        runner = self.runner(inputs.q)
-        if runner is not self:  # the delegate computes them from tiles
-            return range_attention(runner.tiled, inputs, spans, order=order, rel_pos=rel_pos, need_lse=need_lse)
         q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
         lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
         key_order = None if order is None else order.order
