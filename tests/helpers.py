@@ -228,3 +228,45 @@ def device_under_test() -> DeviceUnderTest:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"{TEST_DEVICE}={name!r}: there are {torch.cuda.device_count()} CUDA devices")
     return DeviceUnderTest(device, "auto", 2048, 2048)
+
+
+def _listed(num: torch.Tensor, idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """(B, H, rows, n_blocks) bool: the first num[..., r] entries of idx's row r (a BlockMask's table, any width)."""
+    first = torch.arange(idx.shape[-1]) < num[..., None]
+    table = torch.zeros(*idx.shape[:-1], n_blocks, dtype=torch.long)
+    return table.scatter_add_(-1, idx.long(), first.long()) > 0
+
+
+def _rule_blocks(mask_mod, B: int, H: int, N: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some, every) (B, H, nb, nb): the blocks with an allowed pair, and those whose every pair is allowed and in
+    range (whole blocks), from ``mask_mod`` evaluated on every pair."""
+    nb = -(-N // block)
+    i = torch.arange(nb * block).view(1, 1, -1, 1)
+    j = torch.arange(nb * block).view(1, 1, 1, -1)
+    b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+    allowed = (mask_mod(b, h, i, j) & (i < N) & (j < N)).expand(B, H, -1, -1)
+    grid = allowed.reshape(B, H, nb, block, nb, block)
+    return grid.any(-1).any(-2), grid.all(-1).all(-2)
+
+
+def check_interval_tables(mask_mod, mask, shape: tuple[int, int, int], block: int, exact: bool) -> None:
+    """A square-block ``BlockMask`` of N queries and keys (``flex.blocks.interval_block_mask``) against its rule,
+    kv-major and q-major: the full blocks exactly those whose every pair ``mask_mod`` allows; the listed ones
+    (partial or full) every block with an allowed pair, and no other where ``exact``; int32 tables, contiguous."""
+    B, H, N = shape
+    nb = -(-N // block)
+    some, every = _rule_blocks(mask_mod, B, H, N, block)
+    for num, idx, full_num, full_idx, transpose in (
+            (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, False),
+            (mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices, True)):
+        assert idx.shape == full_idx.shape and idx.shape[:3] == (B, H, nb) and idx.is_contiguous()
+        assert num.dtype == idx.dtype == torch.int32
+        partial, full = _listed(num, idx, nb), _listed(full_num, full_idx, nb)
+        if transpose:
+            partial, full = partial.transpose(-1, -2), full.transpose(-1, -2)
+        assert not (partial & full).any()
+        assert torch.equal(full, every)
+        listed = partial | full
+        assert not (some & ~listed).any(), "a block holding an allowed pair is missing"
+        if exact:
+            assert torch.equal(listed, some)

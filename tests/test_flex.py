@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import compare_with_reference, pattern_call, rand_padding, rand_qkv, rand_rel, routing_layer
+from helpers import (
+    check_interval_tables,
+    compare_with_reference,
+    pattern_call,
+    rand_padding,
+    rand_qkv,
+    rand_rel,
+    routing_layer,
+)
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import PATTERNS, Inputs, reference_attention
 from routeformer.attention.reference import reference_scores
@@ -75,12 +83,21 @@ def test_block_masks_hold_exactly_the_blocks_with_allowed_pairs(monkeypatch, nam
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_routing_block_masks_are_per_head_and_exact(monkeypatch, causal: bool) -> None:
-    seen = _recorded(monkeypatch)
+    """The sorted window's block tables (one interval per query: ``flex/windows.py``, test_flex_windows) in a
+    routing layer with relative positions: per head, and holding exactly the blocks of the rule."""
+    seen = []
+    build = blocks.interval_block_mask
+    monkeypatch.setattr(blocks, "BLOCK", 16)
+    monkeypatch.setattr(blocks, "interval_block_mask",
+                        lambda lo, hi, reach, mask_mod, **kw: seen.append((mask_mod, build(lo, hi, reach, mask_mod,
+                                                                                           **kw))) or seen[-1][1])
     layer = routing_layer(3, 8, 4, 7, causal=causal, balanced=False, backend="flex").double()
     q, _, v = rand_qkv(2, 3, 97, 8, grad=False)
     layer(q, q, v, rel_pos=rand_rel(8, 5))
-    assert all(p.per_head for p, *_ in seen)
-    _check(seen)
+    (mask_mod, mask), = seen
+    assert mask.kv_indices.shape[:2] == (2, 3)
+    # shared QK: the own key trimmed from a causal window's intervals; a two-sided one's rule leaves the diagonal out
+    check_interval_tables(mask_mod, mask, (2, 3, 97), 16, exact=causal)
 
 
 def _listed(num: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from .interface import (
     resolve_backend,
 )
 from .lse import lse_dtype, merge_partials, neg_inf, saw_key
-from .pieces import Band, BlockDiagonal, Columns, Subset
+from .pieces import Band, BlockDiagonal, Columns, SortedWindow, Subset
 from .relative import RelativePositions
 from .tiling import INDEX, Distances, KeyRestrictions, Tiling
 
@@ -48,6 +48,7 @@ __all__ = [
     "Inputs",
     "KeyRestrictions",
     "RelativePositions",
+    "SortedWindow",
     "Subset",
     "Tiling",
     "check_backend",

@@ -52,7 +52,10 @@ class Executor:
     and the arguments checked; see ``tiled`` for their meaning. ``ranges_run`` (the arguments of ``ranges``) and
     ``rounds_run`` (LSH's rounds, ``lsh.lsh_attention``) are its own ways of computing those, where it has them.
     ``delegate(q)`` names the executor that takes a call on queries q instead of this one (None: this one): the
-    fused one's is the tiles executor for what its kernels do not take.
+    fused one's is the tiles executor for what its kernels do not take. ``pieces_run``: (piece type, run) pairs,
+    the pieces this executor computes in a way of its own instead of the tiling they lay out (the flex executor's
+    ``SortedWindow``: block tables from its intervals); ``run(inputs, piece, *, restrict, rel, bias, need_lse)``
+    gets the call once it is checked, with the restrictions as laid out.
     """
 
     name: str
@@ -61,6 +64,7 @@ class Executor:
     ranges_run: Callable | None = None
     rounds_run: Callable | None = None
     delegate: Callable[[Tensor], Executor | None] | None = None
+    pieces_run: tuple[tuple[type, Callable], ...] = ()
 
     def __post_init__(self) -> None:
         if not callable(self.run) and type(self).tiled is Executor.tiled:
@@ -102,25 +106,32 @@ class Executor:
         if runner is not self:
             return runner.tiled(inputs, piece, restrict=restrict, rel=rel, bias=bias, need_lse=need_lse)
         laid = self.checked(inputs, piece, restrict, rel, bias)
+        own = self.piece_run(piece)
+        if own is not None:  # this executor's own way with the piece, the call checked as laid out
+            return own(inputs, piece, restrict=laid.restrict, rel=rel, bias=bias, need_lse=need_lse)
         if laid.tiling.order is not None and "order" not in self.supports:  # the permuted sequence, and back
-            out, lse = in_order(self.tiled, laid.inputs, laid.tiling, restrict=restrict, rel=laid.rel, bias=bias,
-                                need_lse=need_lse)
+            out, lse = in_order(self.tiled, laid.inputs, laid.tiling, restrict=laid.restrict, rel=laid.rel,
+                                bias=bias, need_lse=need_lse)
         else:
-            tiling, restrict = self.supported(laid.tiling, restrict, laid.rel, bias)
+            tiling, restrict = self.supported(laid.tiling, laid.restrict, laid.rel, bias)
             out, lse = self.run(laid.inputs, tiling, restrict=restrict, rel=laid.rel, bias=bias, need_lse=need_lse)
         return finish(piece, inputs, out, lse)
+
+    def piece_run(self, piece: Piece) -> Callable | None:
+        """This executor's own way of computing ``piece`` (``pieces_run``), or None: then it is laid out."""
+        return next((run for kind, run in self.pieces_run if isinstance(piece, kind)), None)
 
     def checked(self, inputs: Inputs, piece: Piece, restrict: KeyRestrictions | None, rel: RelTerms | None,
                 bias: Tensor | None) -> Laid:
         """``piece`` laid out on ``inputs``, its tiling checked against them (and the bias): what ``tiled`` runs."""
-        laid = lay(piece, inputs, rel)
+        laid = lay(piece, inputs, rel, restrict)
         if bias is not None:
             if not isinstance(bias, Tensor) or not bias.is_floating_point():
                 raise ValueError(f"bias must be a floating tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
             if bias.requires_grad:
                 raise ValueError("bias takes no gradient: pass it detached")
         q, k = laid.inputs.q, laid.inputs.k
-        laid.tiling.check(q.shape[2], k.shape[2], restrict, None if laid.rel is None else laid.rel.distances,
+        laid.tiling.check(q.shape[2], k.shape[2], laid.restrict, None if laid.rel is None else laid.rel.distances,
                           heads=tuple(q.shape[:2]))
         return laid
 

@@ -43,6 +43,7 @@ from torch import Tensor
 from . import flex
 from .base import EXECUTORS, FEATURES, Executor
 from .fused import executor as fused
+from .pieces import SortedWindow
 from .tiles import tiled_attention
 
 
@@ -57,7 +58,9 @@ EXECUTORS.update({
     "fused": fused.FusedExecutor("fused", supports=frozenset(FEATURES) - {"labels"}, rounds_run=fused.fused_rounds,
                                  delegate=_unless_fused_takes),
     "tiles": Executor("tiles", tiled_attention),
-    "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges),
+    # routing's sorted window from its intervals (block tables a few key blocks wide)
+    "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,
+                     pieces_run=((SortedWindow, flex.sorted_window),)),
 })
 
 

@@ -20,15 +20,27 @@ from .tiling import KeyRestrictions, Tiling
 def in_order(tiled: Callable, inputs: Inputs, tiling: Tiling, **values) -> tuple[Tensor, Tensor | None]:
     """``tiled(inputs, tiling, **values)`` for a tiling with ``order``: q, k, v permuted (one copy each; k is q's
     copy when k is q), the tiling run on them without its order, out and lse put back in the original order."""
+    ordered, inverse = to_order(inputs, tiling.order)
+    out, lse = tiled(ordered, dataclasses.replace(tiling, order=None), **values)
+    return from_order(out, lse, tiling.order, inverse)
+
+
+def to_order(inputs: Inputs, order: Tensor) -> tuple[Inputs, Tensor]:
+    """(q[order], k[order], v[order] as inputs, the inverse permutation): one copy each, k q's copy when k is q; the
+    key validity is left as it is (a call with an order gives it in that order already)."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    order = tiling.order.to(torch.long)
+    order = order.to(torch.long)
     inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                                .expand_as(order))
     qs, vs = move_rows(q, order, inverse, unreached=False), move_rows(v, order, inverse, unreached=False)
     ks = qs if k is q else move_rows(k, order, inverse, unreached=False)
-    out, lse = tiled(inputs.with_(q=qs, k=ks, v=vs), dataclasses.replace(tiling, order=None), **values)
-    out = move_rows(out, inverse, order, unreached=False)
-    return out, None if lse is None else lse.gather(-1, inverse)
+    return inputs.with_(q=qs, k=ks, v=vs), inverse
+
+
+def from_order(out: Tensor, lse: Tensor | None, order: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A call's out (B, H, N, D) and lse (B, H, N) or None, computed in ``order``, put back in the original order."""
+    out = move_rows(out, inverse, order.to(torch.long), unreached=False)
+    return out, None if lse is None else lse.gather(-1, inverse.expand(lse.shape))
 
 
 def labels_as_mask(tiling: Tiling, restrict: KeyRestrictions) -> tuple[Tiling, KeyRestrictions]:

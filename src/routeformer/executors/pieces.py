@@ -17,16 +17,17 @@ from torch import Tensor
 
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import Inputs, RelTerms
-from .tiling import Distances, Tiling
+from .tiling import Distances, KeyRestrictions, Tiling
 
 
 class Laid(NamedTuple):
-    """One piece's call as ``tiled`` computes it: the inputs (gathered, or the grid's), the tiling and the relative
-    terms at the piece's distances."""
+    """One piece's call as ``tiled`` computes it: the inputs (gathered, or the grid's), the tiling, the relative
+    terms at the piece's distances and the key restrictions (the caller's, and the piece's own groups)."""
 
     inputs: Inputs
     tiling: Tiling
     rel: RelTerms | None
+    restrict: KeyRestrictions | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,11 +40,11 @@ class Band:
     causal: bool
     order: Tensor | None = None
 
-    def lay(self, inputs: Inputs, rel: RelTerms | None) -> Laid:
+    def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         tiling = Tiling.band(self.window, inputs.q.shape[2], self.causal)
         if self.order is not None:
             tiling = dataclasses.replace(tiling, order=self.order)
-        return Laid(inputs, tiling, rel)
+        return Laid(inputs, tiling, rel, restrict)
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,12 @@ class BlockDiagonal:
     block: int
     causal: bool
 
-    def lay(self, inputs: Inputs, rel: RelTerms | None) -> Laid:
+    def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         size = min(self.block, inputs.q.shape[2])
         # causal as the offsets j - i <= 0 within a block, not a mask tensor: read by executors from the tiling,
         # with no host read of a device tensor (flex's relative value pass enumerates those offsets)
-        return Laid(inputs, Tiling(block=size, offsets=(1 - size, 0)) if self.causal else Tiling(block=size), rel)
+        tiling = Tiling(block=size, offsets=(1 - size, 0)) if self.causal else Tiling(block=size)
+        return Laid(inputs, tiling, rel, restrict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,14 +72,14 @@ class Subset:
     key_idx: Tensor
     allow: Tensor | None
 
-    def lay(self, inputs: Inputs, rel: RelTerms | None) -> Laid:
+    def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         q, key_valid, idx = inputs.q, inputs.key_valid, self.key_idx
         N = q.shape[2]
         if rel is not None:
             rel = rel.at(Distances(delta=idx[None, :] - torch.arange(N, device=q.device)[:, None]))
         gathered = inputs.with_(k=inputs.k[:, :, idx], v=inputs.v[:, :, idx],
                                 key_valid=None if key_valid is None else key_valid[:, :, idx])
-        return Laid(gathered, Tiling.dense(N, allow=self.allow), rel)
+        return Laid(gathered, Tiling.dense(N, allow=self.allow), rel, restrict)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class Columns:
     causal: bool
     gap: int
 
-    def lay(self, inputs: Inputs, rel: RelTerms | None) -> Laid:
+    def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         q, width = inputs.q, self.width
         B, _, N, _ = q.shape
         r = torch.arange(-(-N // width), device=q.device)
@@ -102,19 +104,69 @@ class Columns:
             allow = offset.abs() >= self.gap if self.gap else None
         grid = Inputs(to_columns(q, width), to_columns(inputs.k, width), to_columns(inputs.v, width),  # (B·w, H, R, D)
                       inputs.scale, columns_key_valid(inputs.key_valid, B, N, width, q.device))
-        return Laid(grid, Tiling.dense(r.shape[0], allow=allow), None if rel is None else rel.at(Distances(unit=width)))
+        return Laid(grid, Tiling.dense(r.shape[0], allow=allow), None if rel is None else rel.at(Distances(unit=width)),
+                    restrict)
 
     def finish(self, inputs: Inputs, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
         N = inputs.q.shape[2]
         return from_columns(out, self.width, N), None if lse is None else from_columns(lse, self.width, N)
 
 
-Piece = Tiling | Band | BlockDiagonal | Subset | Columns
+@dataclass(frozen=True, eq=False)
+class SortedWindow:
+    """The band of ``window`` over a sequence sorted by (group, position), within each group: routing's clusters
+    (and any grouping sorted alike). The sequence is q[order], k[order], v[order]; ``grouped`` (B, H, N) is the
+    group of each sorted entry, non-decreasing along it (``sort_by_cluster`` makes it so), so that every group is
+    one run. Sorted entry s sees the sorted keys t of its own run with s - window < t <= s when causal, |s - t| <
+    window else.
+
+    Every executor can run it as the band with ``order`` and ``groups=grouped`` (``lay``). Read as ``intervals``,
+    entry s's keys are the one interval [lo_s, hi_s] of sorted indices, both bounds non-decreasing in s: a block of
+    queries then sees at most ``ceil((window - 1) / block)`` key blocks before its own (as many after when not
+    causal), which lets an executor build its block tables that narrow, by a fixed number of operations whatever N
+    is (the flex executor). Time O(N · window · D), memory O(N · window).
+    """
+
+    window: int
+    causal: bool
+    order: Tensor
+    grouped: Tensor
+
+    def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
+        if restrict is not None and restrict.groups is not None:
+            raise ValueError("a SortedWindow's groups are its own (grouped): pass no KeyRestrictions.groups")
+        tiling = dataclasses.replace(Tiling.band(self.window, inputs.q.shape[2], self.causal), order=self.order)
+        restrict = KeyRestrictions(groups=self.grouped) if restrict is None else restrict._replace(groups=self.grouped)
+        return Laid(inputs, tiling, rel, restrict)
+
+    def intervals(self, own_key: bool = True) -> tuple[Tensor, Tensor]:
+        """(lo, hi), each shaped as ``grouped``: sorted entry s sees the sorted keys lo_s <= t <= hi_s (inclusive),
+        both non-decreasing in s. ``own_key=False`` (causal only): without the entry's own key where an earlier
+        one is in its window (shared QK with every key real: a query sees its own key only when alone), hi_s =
+        s - 1 then. A fixed number of operations on (B, H, N) integers, whatever N is."""
+        g = self.grouped
+        n = g.shape[-1]
+        s = torch.arange(n, device=g.device)
+        change = g[..., 1:] != g[..., :-1]  # (B, H, N - 1): a run ends between s and s + 1
+        starts = torch.nn.functional.pad(change, (1, 0), value=True)  # s begins a run
+        lo = torch.where(starts, s, 0).cummax(-1).values.clamp_min(s - self.window + 1)
+        if self.causal:
+            hi = s.expand_as(g)
+            return (lo, hi) if own_key else (lo, hi - (lo < s).long())
+        if not own_key:
+            raise ValueError("SortedWindow.intervals(own_key=False) is causal only: leaving the own key out of a "
+                             "two-sided window splits its interval")
+        ends = torch.nn.functional.pad(change, (0, 1), value=True)  # s ends a run
+        last = torch.where(ends, s, n).flip(-1).cummin(-1).values.flip(-1)
+        return lo, last.clamp_max(s + self.window - 1)
 
 
-def lay(piece: Piece, inputs: Inputs, rel: RelTerms | None) -> Laid:
+Piece = Tiling | Band | BlockDiagonal | Subset | Columns | SortedWindow
+
+
+def lay(piece: Piece, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
     """``piece``'s call: a tiling as it is, any other piece laid out by itself."""
-    return Laid(inputs, piece, rel) if isinstance(piece, Tiling) else piece.lay(inputs, rel)
+    return Laid(inputs, piece, rel, restrict) if isinstance(piece, Tiling) else piece.lay(inputs, rel, restrict)
 
 
 def finish(piece: Piece, inputs: Inputs, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:

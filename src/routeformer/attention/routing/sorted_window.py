@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ...executors import Executor
 from ...executors.inputs import Inputs, relative
-from ...executors.pieces import Band
+from ...executors.pieces import SortedWindow
 from ...executors.relative import RelativePositions
 from ...executors.rows import move_rows
 from ...executors.tiling import Distances, KeyRestrictions
@@ -97,11 +97,12 @@ def sorted_window_attention(
     key_valid = inputs.key_valid
     order, _, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
-    restrict = KeyRestrictions(groups=grouped, exclude_self=options.shared_qk)
+    restrict = KeyRestrictions(exclude_self=options.shared_qk)
     rel = relative(rel_pos, Distances(positions=order))  # between the entries' own positions
-    # the band runs over the sorted sequence (Tiling.order): the executor reads rows by index or permutes them
-    out, lse = executor.tiled(inputs.with_(key_valid=valid), Band(options.window, causal, order), restrict=restrict,
-                              rel=rel, need_lse=need_lse)
+    # the band over the sorted sequence within each cluster: the executor reads rows by index or permutes them, and
+    # may read each entry's keys as one interval of the sorted order (``SortedWindow``)
+    out, lse = executor.tiled(inputs.with_(key_valid=valid), SortedWindow(options.window, causal, order, grouped),
+                              restrict=restrict, rel=rel, need_lse=need_lse)
     return (out, lse) if need_lse else out
 
 

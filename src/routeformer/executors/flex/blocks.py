@@ -12,6 +12,7 @@ their ``cache_key`` and sizes; routing's masks, which change with every batch, a
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -98,3 +99,113 @@ def _ordered(chosen: torch.Tensor, cand: torch.Tensor, nk_blocks: int) -> tuple[
     idx = keyed.sort(-1).values.clamp(max=nk_blocks - 1)
     idx = torch.nn.functional.pad(idx, (0, nk_blocks - width))  # FlexAttention wants one column per key block
     return chosen.sum(-1).to(torch.int32), idx.to(torch.int32).contiguous()
+
+
+def interval_block_mask(lo: Tensor, hi: Tensor, reach: tuple[int, int], mask_mod, *, diagonal: bool = True,
+                        key_blocks_whole: Tensor | None = None, block: int = BLOCK):
+    """The ``BlockMask`` of rows whose keys are one interval each, [lo_i, hi_i] (inclusive), both bounds
+    non-decreasing in i (``SortedWindow.intervals``): lo, hi (B, H, N) (B or H may be 1), N queries and N keys;
+    ``reach`` = (back, ahead): query block b's keys lie in key blocks b - back … b + ahead.
+
+    Every table is C = back + 1 + ahead columns wide, kv-major (the forward) and q-major (the backward; key block c
+    is seen by query blocks c - ahead … c + back), built here rather than transposed from an (nqb, nkb) table, by a
+    fixed number of operations on (B, H, N / block, C) integers whatever N is (the geometry that depends on the
+    sizes alone is made once per size and device, ``_grid``). Since the bounds never decrease (and every interval
+    holds a key, and consecutive rows' intervals leave no whole block between them, as a window's never do), query
+    block b touches key block c exactly when c's first key <= hi of b's last row and c's last key >= lo of b's
+    first row (a block listed so may still hold no allowed pair where the rule also tests the keys' validity or
+    leaves the diagonal out: ``mask_mod`` decides there), and holds every pair of it when lo of its last row <= c's
+    first key and c's last key <= hi of its first row. A block is full only when whole (``block`` rows and keys),
+    apart from the diagonal block when ``diagonal`` is False (the rule leaves out a row's own key there), and when
+    ``key_blocks_whole`` (B, H, nkb) bool says every key of it passes the rule's other tests (key validity)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, H, N = lo.shape
+    grid = _grid(N, block, reach, diagonal, lo.device)
+    nb = grid.ends.shape[0] // 2
+    lo_ends, hi_ends = lo.index_select(-1, grid.ends), hi.index_select(-1, grid.ends)  # (B, H, 2 nb): first rows, last
+    kv = _tables(lo_ends[..., None], hi_ends[..., None], grid.kv, key_blocks_whole, nb)  # each query block's own
+    q = _tables(lo_ends[..., grid.q.rows], hi_ends[..., grid.q.rows], grid.q, key_blocks_whole, nb)
+    return BlockMask(seq_lengths=(N, N), kv_num_blocks=kv[0], kv_indices=kv[1], full_kv_num_blocks=kv[2],
+                     full_kv_indices=kv[3], q_num_blocks=q[0], q_indices=q[1], full_q_num_blocks=q[2],
+                     full_q_indices=q[3], BLOCK_SIZE=(block, block), mask_mod=mask_mod)
+
+
+class _Pairs(NamedTuple):
+    """An (nb, C) grid of (query block, key block) pairs and what the sizes alone say of them: ``rows`` (nb, C) the
+    query block of each pair, as an index into the ends (B, H, 2 nb) of first rows then last rows, shifted by nb
+    for the last; ``k0``, ``k1`` the key block's first and last key; ``inside`` both blocks exist; ``whole`` both
+    hold ``block`` positions (and are not the diagonal where that is left out); ``kb`` the key block (clamped);
+    ``listed`` the block a table lists for the pair, int32."""
+
+    rows: Tensor
+    k0: Tensor
+    k1: Tensor
+    inside: Tensor
+    whole: Tensor
+    kb: Tensor
+    listed: Tensor
+
+
+class _Grid(NamedTuple):
+    ends: Tensor  # (2 nb,): every query block's first row, then every last row
+    kv: _Pairs
+    q: _Pairs
+
+
+_GRIDS: OrderedDict = OrderedDict()
+
+
+def _grid(n: int, block: int, reach: tuple[int, int], diagonal: bool, device: torch.device) -> _Grid:
+    """The size-only geometry of ``interval_block_mask``, made once per (n, block, reach, diagonal, device) (the
+    last 16 kept): no operation of its own at later calls."""
+    key = (n, block, reach, diagonal, str(device))
+    if key in _GRIDS:
+        _GRIDS.move_to_end(key)
+        return _GRIDS[key]
+    nb = -(-n // block)
+    back, ahead = reach
+    blocks = torch.arange(nb, device=device)
+    first, last = blocks * block, (blocks * block + block - 1).clamp(max=n - 1)
+    columns = torch.arange(back + 1 + ahead, device=device)
+
+    def pairs(qb: Tensor, kb: Tensor, listed: Tensor) -> _Pairs:
+        qb, kb = torch.broadcast_tensors(qb, kb)
+        inside = (qb >= 0) & (qb < nb) & (kb >= 0) & (kb < nb)
+        qc, kc = qb.clamp(0, nb - 1), kb.clamp(0, nb - 1)
+        k0, k1 = first[kc], last[kc]
+        whole = (k1 - k0 + 1 == block) & (last[qc] - first[qc] + 1 == block)
+        if not diagonal:
+            whole = whole & (qc != kc)
+        return _Pairs(torch.stack([qc, qc + nb]), k0, k1, inside, whole, kc, listed.expand_as(qb).to(torch.int32))
+
+    rows = blocks[:, None]
+    kb = rows - back + columns
+    qb = rows - ahead + columns
+    grid = _Grid(torch.cat([first, last]), pairs(rows, kb, kb), pairs(qb, rows, qb))
+    _GRIDS[key] = grid
+    if len(_GRIDS) > 16:
+        _GRIDS.popitem(last=False)
+    return grid
+
+
+def _tables(lo: Tensor, hi: Tensor, pairs: _Pairs, key_blocks_whole: Tensor | None,
+            nb: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(partial count, partial indices, full count, full indices) of the pairs' grid, from the bounds ``lo``, ``hi``
+    at every query block's first and last rows (B, H, 2 nb, 1) or, gathered for the pairs, (B, H, 2, nb, C)."""
+    if lo.dim() == 4:  # (B, H, 2 nb, 1): one query block per row of the grid
+        lo_first, lo_last, hi_first, hi_last = lo[:, :, :nb], lo[:, :, nb:], hi[:, :, :nb], hi[:, :, nb:]
+    else:  # (B, H, 2, nb, C)
+        lo_first, lo_last, hi_first, hi_last = lo[:, :, 0], lo[:, :, 1], hi[:, :, 0], hi[:, :, 1]
+    some = pairs.inside & (pairs.k0 <= hi_last) & (pairs.k1 >= lo_first)  # (B, H, nb, C)
+    full = some & pairs.whole & (lo_last <= pairs.k0) & (pairs.k1 <= hi_first)
+    if key_blocks_whole is not None:
+        full = full & key_blocks_whole[..., pairs.kb]
+    return (*_compact(some & ~full, pairs.listed, nb), *_compact(full, pairs.listed, nb))
+
+
+def _compact(chosen: Tensor, listed: Tensor, n_blocks: int) -> tuple[Tensor, Tensor]:
+    """(count (B, H, nb) int32, indices (B, H, nb, C) int32 contiguous): the blocks ``listed`` (nb, C) int32,
+    ascending along C, where ``chosen``, first and in order (after them: the last block, never read)."""
+    keyed = torch.where(chosen, listed, n_blocks)  # unchosen sort last
+    return chosen.sum(-1, dtype=torch.int32), keyed.sort(-1).values.clamp_max(n_blocks - 1)

@@ -62,7 +62,7 @@ class FusedExecutor(Executor):
         if runner is not self:
             return runner.tiled(inputs, piece, restrict=restrict, rel=rel, bias=bias, need_lse=need_lse)
         laid = self.checked(inputs, piece, restrict, rel, bias)
-        tiling, restrict = self.supported(laid.tiling, restrict, laid.rel, bias)
+        tiling, restrict = self.supported(laid.tiling, laid.restrict, laid.rel, bias)
         q, k, v, scale, key_valid = laid.inputs.q, laid.inputs.k, laid.inputs.v, laid.inputs.scale, \
             laid.inputs.key_valid
         rel_pos, distances = (None, None) if laid.rel is None else (laid.rel.tables, laid.rel.distances)

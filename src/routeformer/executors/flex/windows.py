@@ -1,0 +1,86 @@
+"""The sorted window (``pieces.SortedWindow``: routing's paper rule) on FlexAttention, from one key interval per
+query.
+
+In the sequence sorted by (cluster, position) the keys a query sees are one interval [lo_s, hi_s] of sorted
+indices whose bounds never decrease (``SortedWindow.intervals``). So the rule inside the kernel (``mask_mod``) is two
+comparisons against per-row bounds, and the ``BlockMask`` is C = ceil((window - 1) / 128) + 1 key blocks wide (twice
+the reach + 1 when not causal), built from the bounds of each block's first and last rows by a fixed number of
+operations whatever N is (``blocks.interval_block_mask``), kv-major and q-major. Laid out as a band restricted to
+groups instead, the generic builder evaluates the rule on every candidate pair, in chunks: ~870 operators for a
+forward at N = 65,536 (issue 56), its time bound by launching them.
+
+Shared QK: with every key real, the own key is left out of the interval itself wherever an earlier key is in the
+window (hi_s = s - 1), so no pass follows the kernel; with padding, which keys are real decides whether a query is
+alone, so the rule leaves the diagonal out and the executor's own-key fallback (``ops.attend``) runs after.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..inputs import Inputs, RelTerms
+from ..lowering import from_order, to_order
+from ..pieces import SortedWindow
+from ..tiling import KeyRestrictions
+from . import blocks
+from .ops import attend
+from .pattern import FlexPattern, lookup, positions_delta
+
+
+@torch.compiler.disable  # under a compiled model: see ops.py's docstring
+def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestrictions | None, rel: RelTerms | None,
+                  bias: Tensor | None, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """The flex executor's ``SortedWindow`` (``Executor.tiled`` documents the arguments and checked them, the
+    restrictions as laid out: ``groups`` is the piece's ``grouped``). Time O(N · (window + 128) · D) in the kernel,
+    O(N · window / 128) for the block tables."""
+    if bias is not None:
+        raise ValueError("the flex executor's SortedWindow takes no bias")
+    if rel is not None and rel.distances.positions is None:
+        raise ValueError("relative distances in a SortedWindow are between positions (Distances.positions: the "
+                         "sorted entries' own)")
+    exclude_self = restrict is not None and restrict.exclude_self
+    ordered, inverse = to_order(inputs, piece.order)
+    q, k, v, valid = ordered.q, ordered.k, ordered.v, ordered.key_valid
+    B, H, N, _ = q.shape
+    # Shared QK, every key real: the own key out of the interval itself. With padding: the diagonal out in the
+    # rule, and the fallback after the kernel gives a query that saw no real key its own.
+    trimmed = exclude_self and valid is None and piece.causal
+    fallback = exclude_self and not trimmed
+    lo, hi = piece.intervals(own_key=not trimmed)
+
+    def within(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        ic = i.clamp(max=N - 1)  # the kernel evaluates the last block's padding too
+        ok = (lookup(lo, b, h, ic) <= j) & (j <= lookup(hi, b, h, ic)) & (i < N) & (j < N)
+        return ok if valid is None else ok & lookup(valid, b, h, j.clamp(max=N - 1))
+
+    def without_own(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return within(b, h, i, j) & (i != j)
+
+    block = blocks.BLOCK
+    reach = math.ceil((piece.window - 1) / block)
+    span = piece.window - 1
+
+    def key_reach(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:  # the band's, for the generic builder
+        return first - span, last + (0 if piece.causal else span)
+
+    pattern = FlexPattern(
+        nq=N, nk=N, allowed=without_own if fallback else within, reach=key_reach, per_head=True, cache_key=None,
+        delta=None if rel is None else positions_delta(rel.distances.positions, N),
+        frame=("offsets", -span, 0 if piece.causal else span, True, None), one_sided=piece.causal,
+        exclude_self=fallback, own=within if fallback else None)
+    whole = None
+    if valid is not None:  # a key block with a padded key is never full: the rule must test its keys
+        nb = -(-N // block)
+        whole = F.pad(valid, (0, nb * block - N), value=True).view(*valid.shape[:2], nb, block).all(-1)
+    mask = blocks.interval_block_mask(lo, hi, (reach, 0 if piece.causal else reach), pattern.allowed,
+                                      diagonal=not fallback, key_blocks_whole=whole, block=block)
+    out, lse = attend(pattern, q, k, v, scale=ordered.scale, rel_pos=None if rel is None else rel.tables,
+                      need_lse=need_lse or fallback, mask=mask)
+    return from_order(out, lse if need_lse else None, piece.order, inverse)
+
+
+__all__ = ["sorted_window"]
