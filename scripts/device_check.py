@@ -4,6 +4,8 @@
     python scripts/device_check.py OUT --part check         # on one CUDA GPU: tests and training, under 9 minutes
     python scripts/device_check.py OUT --part bench         # on one CUDA GPU: the attention benchmark, under 9
     python scripts/device_check.py OUT --part cpu           # the README's test suite on the GPU machine's host
+    python scripts/device_check.py OUT --part routing       # on one CUDA GPU: routing's kernels tested, then timed
+                                                            # at 16k, 64k and 256k and profiled at 64k (issue 56)
     python scripts/device_check.py OUT                      # all three parts, one after the other (~25 minutes)
     python scripts/device_check.py OUT --toy --device cpu   # every step at toy sizes on the CPU (CI)
 
@@ -21,7 +23,9 @@ tail of its output:
 4. ddp, fsdp: a one-process ``torchrun`` training a few steps (NCCL on CUDA, gloo on the CPU), with DDP and with
    FSDP2 (``--fsdp``), as a user would start it;
 5. profile (part bench): ``torch.profiler`` of local and routing forward+backward at 16k, the costliest operators;
-6. suite (part cpu; not at toy sizes): the README's test command on the host's CPU, the failures named.
+6. suite (part cpu; not at toy sizes): the README's test command on the host's CPU, the failures named;
+7. routing-tests (part routing): the flex router's Triton kernels against PyTorch's router and routing's device
+   tests, before the part's benchmark at 16k, 64k and 256k and its profile at 64k.
 
 A failing step never stops the check, and the report is rewritten after every step, so an interrupted check keeps
 what it measured. Exit status: 0 when every step passed, 1 when one failed or ran out of time, 2 for a usage error.
@@ -160,7 +164,12 @@ def python(*args: str) -> list[str]:
 
 PARTS = {"check": ("versions", "env", "prepare", "tests", "train", "ddp", "fsdp"),
          "bench": ("versions", "env", "bench", "profile"),  # bench: the benchmark's steps, one per length
-         "cpu": ("versions", "env", "suite")}  # the default test suite on the GPU machine's host processor
+         "cpu": ("versions", "env", "suite"),  # the default test suite on the GPU machine's host processor
+         # routing at GPU speed (issue 56): its kernels' tests on the device, the benchmark at 16k, 64k and 256k,
+         # the profile at 64k
+         "routing": ("versions", "routing", "bench", "profile")}
+ROUTING_LENGTHS = (16384, 65536, 262144)
+ROUTING_ROWS = ["local", "routing", "routing-p2", "sdpa-cudnn"]  # beside full and FlexAttention's sliding window
 
 
 def plan(mode: Mode, part: str = "all") -> list[Step]:
@@ -183,10 +192,14 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
              python("-m", "routeformer", "prepare", *source, "--data-dir", str(out / "data")), 15),
         test_step(mode),
     ]
-    for n in (256, 512) if toy else (16384, 65536):
-        steps.append(bench_step(mode, n))
-    steps.append(Step("profile", f"torch.profiler of local and routing forward+backward at N={PROFILE_N[toy]}: "
-                      "the operators that take the time", python("-c", PROFILE, str(PROFILE_N[toy]), mode.device),
+    routing = part == "routing"
+    if routing:
+        steps.append(routing_test_step(mode))
+    for n in (256, 512) if toy else (ROUTING_LENGTHS if routing else (16384, 65536)):
+        steps.append(bench_step(mode, n, routing))
+    profile_n = 65536 if routing and not toy else PROFILE_N[toy]
+    steps.append(Step("profile", f"torch.profiler of local and routing forward+backward at N={profile_n}: "
+                      "the operators that take the time", python("-c", PROFILE, str(profile_n), mode.device),
                       60, parse=parse_profile))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
@@ -226,6 +239,24 @@ def test_step(mode: Mode) -> Step:
                 600 if not mode.cuda else 180, env={"ROUTEFORMER_TEST_DEVICE": mode.device}, parse=parse_tests)
 
 
+def routing_test_step(mode: Mode) -> Step:
+    """Routing's device path before it is timed: the flex router's Triton kernels against PyTorch's router on the
+    device, and the device tests of routing (compiled FlexAttention on the interval block tables against float64 on
+    the CPU, training, decoding, no host synchronisation)."""
+    argv = python("-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-v", "-rfE", "--junitxml",
+                  str(mode.out / "routing-tests.xml"), "tests/test_flex_router.py", "tests/test_cuda.py", "-k",
+                  "router or routing or kernels or sync or compilation")
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        argv += ["-n", "8" if mode.cuda else "2"]
+    env = {"ROUTEFORMER_TEST_DEVICE": mode.device, **({} if mode.cuda else {"TRITON_INTERPRET": "1"})}
+    return Step("routing-tests", f"the flex router's kernels and routing's device tests on {mode.device}", argv,
+                120 if mode.cuda else 300, env=env, parse=parse_tests)
+
+
 def suite_step(mode: Mode) -> Step:
     """The README's test command (the project's pytest options: not slow) on the host's CPU, the GPU hidden as on a
     CPU machine, 8 workers of 2 threads (16 workers of 16 threads each crawled through a third of it in 200 s on
@@ -236,16 +267,22 @@ def suite_step(mode: Mode) -> Step:
                 parse=lambda output, out: parse_junit(out / "suite.xml"))
 
 
-def bench_step(mode: Mode, n: int) -> Step:
+def bench_step(mode: Mode, n: int, routing: bool = False) -> Step:
+    """``routeformer bench attention`` at N = n; ``routing``: the routing part's rows and limits (three lengths in
+    the part's 9 minutes)."""
     dtype = "bfloat16" if mode.cuda else "float32"  # SDPA's flash and cuDNN backends take half precision only
     json_path = mode.out / f"bench-{n}.json"
     size = ["--heads", "2", "--head-dim", "16", "--window", "32", "--repeats", "1"] if mode.toy else ["--repeats", "3"]
+    rows = ROUTING_ROWS if routing else BENCH_ROWS
+    if routing:
+        limit = 90 if n <= 16384 else (110 if n <= 65536 else 140)
+    else:
+        limit = 200 if n <= 16384 else 240
     return Step(f"bench-{n}", f"routeformer bench attention at N={n}, {dtype}",
                 python("-m", "routeformer", "bench", "attention", "--device", mode.device, "--dtype", dtype,
-                       "--n", str(n), *size, "--only", *(BENCH_ROWS if mode.cuda else BENCH_ROWS[:4]),
+                       "--n", str(n), *size, "--only", *(rows if mode.cuda else rows[:3]),
                        "--json", str(json_path)),
-                120 if mode.toy else (200 if n <= 16384 else 240),
-                parse=lambda output, out: parse_bench(json_path))
+                120 if mode.toy else limit, parse=lambda output, out: parse_bench(json_path))
 
 
 def train_settings(mode: Mode, seq_len: int) -> list[str]:
@@ -496,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--toy", action="store_true", help="toy sizes (with --device cpu: CI, a few minutes)")
     parser.add_argument("--part", choices=["all", *PARTS], default="all",
                         help="check: versions, tests, training, torchrun; bench: versions, the attention benchmark "
-                             "at 16k and 64k; all (default): both")
+                             "at 16k and 64k; cpu: the README's test suite on the host; routing: routing's kernels "
+                             "tested, the benchmark at 16k, 64k and 256k, the profile at 64k; all (default): check, "
+                             "bench and cpu")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.toy:
         parser.error("--device cpu runs the toy sizes only (add --toy): the full sizes are GPU sizes")

@@ -95,8 +95,15 @@ def test_usage_errors(dc, tmp_path: Path, capsys) -> None:
 def test_each_part_of_the_gpu_check_fits_nine_minutes_and_together_they_run_every_step(dc, tmp_path: Path) -> None:
     """A GPU is lent for 15 minutes, its start-up included: each part's limits add up to under 9 minutes."""
     gpu, toy = (dc.plan(dc.Mode(device, device == "cpu", tmp_path)) for device in ("cuda", "cpu"))
-    parts = {part: dc.plan(dc.Mode("cuda", False, tmp_path), part) for part in ("check", "bench", "cpu")}
+    parts = {part: dc.plan(dc.Mode("cuda", False, tmp_path), part) for part in ("check", "bench", "cpu", "routing")}
     assert all(sum(s.limit_s for s in steps) <= 540 for steps in parts.values())
+    assert [s.name for s in parts["routing"]] == ["versions", "routing-tests", "bench-16384", "bench-65536",
+                                                  "bench-262144", "profile"]
+    routing = {s.name: s for s in parts["routing"]}
+    assert routing["routing-tests"].env == {"ROUTEFORMER_TEST_DEVICE": "cuda"}  # the kernels compiled, not interpreted
+    assert "tests/test_flex_router.py" in routing["routing-tests"].argv
+    assert routing["profile"].argv[-2:] == ["65536", "cuda"]
+    assert {"local", "routing", "routing-p2", "sdpa-cudnn"} <= set(routing["bench-262144"].argv)
     assert [s.name for s in parts["check"]] == ["versions", "env", "prepare", "tests", "train", "ddp", "fsdp"]
     assert [s.name for s in parts["bench"]] == ["versions", "env", "bench-16384", "bench-65536", "profile"]
     assert [s.name for s in parts["cpu"]] == ["versions", "env", "suite"]

@@ -5,16 +5,18 @@ routing layer's training forward and gradients the same on both paths."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers import rand_padding
 from routeformer.attention.routing import RoutingAttention
-from routeformer.attention.routing import router as router_module
 from routeformer.attention.routing.options import RoutingOptions
 from routeformer.attention.routing.router import Router
 from routeformer.attention.routing.sorted_window import sort_by_cluster
+from routeformer.executors import get_executor
 from routeformer.executors.fused import available
 from routeformer.executors.fused.routes import fused_route
 
@@ -96,7 +98,7 @@ def test_the_same_bits_for_every_thread_count() -> None:
         torch.set_num_threads(threads)
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
-            assert torch.equal(a, b)
+            assert (a is None and b is None) or torch.equal(a, b)  # the cosine: None from this kernel
 
 
 def test_errors_name_the_argument() -> None:
@@ -128,9 +130,9 @@ def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: in
     q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
     pad = rand_padding(B, N, seed=12)
     results = []
-    for fused, layer in zip((True, False), layers, strict=True):
-        if not fused:
-            monkeypatch.setattr(router_module, "fused_route", lambda *args: None)
+    fused = get_executor("fused")
+    for executor, layer in zip((fused, dataclasses.replace(fused, route_run=None)), layers, strict=True):
+        layer.executor = executor  # the same attention, routed by the kernel and by PyTorch's operators
         outs = []
         for _ in range(2):
             x = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -154,17 +156,21 @@ def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: in
             torch.testing.assert_close(s1[name], s2[name], rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_the_fused_router_is_taken_where_the_kernels_take_the_vectors(monkeypatch) -> None:
-    """A causal forward on the CPU routes through the fused kernel (no (B, H, N, k) scores); the balanced
-    (non-causal) clusters, which read the scores, keep PyTorch's."""
+def test_the_fused_router_is_taken_where_the_kernels_take_the_vectors() -> None:
+    """A causal forward on the CPU's executor routes through its fused kernel (no (B, H, N, k) scores); the
+    balanced (non-causal) clusters, which read the scores, keep PyTorch's, and so does the tiles executor, which
+    has no router of its own (``backend="tiles"`` runs no C++)."""
     calls = []
-    real = router_module.fused_route
-    monkeypatch.setattr(router_module, "fused_route", lambda *a: calls.append(1) or real(*a))
+    fused = get_executor("fused")
+    counted = dataclasses.replace(fused, route_run=lambda *a: calls.append(1) or fused_route(*a))
     router = Router(2, 8, RoutingOptions(num_clusters=4, window=4, probes=1, balance=0.0)).double()
     q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
-    routes = router.routes(q, q, need_scores=False)
+    routes = router.routes(q, q, need_scores=False, executor=counted)
     assert calls and routes.scores is None and routes.sort is not None
     assert torch.equal(routes.sort.order, sort_by_cluster(routes.keys).order)
     calls.clear()
-    full = router.routes(q, q)
+    full = router.routes(q, q, executor=counted)
     assert not calls and full.scores is not None and full.sort is None and torch.equal(full.keys, routes.keys)
+    assert get_executor("tiles").route_run is None
+    by_tiles = router.routes(q, q, need_scores=False, executor=get_executor("tiles"))
+    assert by_tiles.sort is None and torch.equal(by_tiles.keys, routes.keys)

@@ -4,6 +4,8 @@ the selection against its definition written out with loops, every executor agai
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import get_kind
 from routeformer.attention.blocks import NONE, block_bounds, block_means, block_scores, select_blocks, selected_mask
 from routeformer.attention.moba import MobaHeads, MobaOptions, keys_per_query
-from routeformer.executors import get_executor
+from routeformer.executors import EXECUTORS, get_executor
 from routeformer.executors.fused.selection import fused_select_blocks
 from routeformer.testing import check_kind
 
@@ -38,18 +40,21 @@ def _selection_by_loops(q, k, block: int, top: int, score: str) -> list:
     return out
 
 
-def _selection_by(path: str, monkeypatch) -> None:
-    """MobaHeads.select on one path: the fused CPU kernel (which must take the call) or PyTorch's operators."""
-    import routeformer.attention.moba as moba
+def _select_with(select_run, monkeypatch) -> None:
+    """The CPU's executor (``fused``, what ``auto`` resolves to) with another ``select_run``."""
+    monkeypatch.setitem(EXECUTORS, "fused", dataclasses.replace(EXECUTORS["fused"], select_run=select_run))
 
-    real = moba.fused_select_blocks
+
+def _selection_by(path: str, monkeypatch) -> None:
+    """MobaHeads.select on one path: the fused CPU kernel (the executor's select_run, which must take the call) or
+    PyTorch's operators (an executor without one)."""
 
     def fused(*args, **kwargs):
-        chosen = real(*args, **kwargs)
+        chosen = fused_select_blocks(*args, **kwargs)
         assert chosen is not None, "the fused kernel did not take the call"
         return chosen
 
-    monkeypatch.setattr(moba, "fused_select_blocks", fused if path == "fused" else lambda *args, **kwargs: None)
+    _select_with(fused if path == "fused" else None, monkeypatch)
 
 
 @pytest.mark.parametrize("path", ["fused", "pytorch"])
@@ -103,9 +108,7 @@ def test_a_broken_selection_is_caught(path: str, monkeypatch) -> None:
     _selection_by(path, monkeypatch)
     check_kind("moba", seq_len=40, options={"moba": {"block": 5, "top_k": 2}}, rel_clip=8)
     if path == "fused":
-        real = moba.fused_select_blocks
-        monkeypatch.setattr(moba, "fused_select_blocks", lambda q, k, block, top, bound: real(-q, k, block, top,
-                                                                                               bound))
+        _select_with(lambda q, k, block, top, bound: fused_select_blocks(-q, k, block, top, bound), monkeypatch)
     else:
         monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None: select_blocks(
             -scores, block, top, pos))

@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from ..checks import positive_int
-from ..executors.fused.selection import fused_select_blocks
 from ..executors.inputs import check_rel
 from ..executors.relative import RelativePositions
 from .blocks import (
@@ -98,8 +97,9 @@ class MobaHeads(BlockHeads):
 
     def select(self, q: Tensor, k: Tensor) -> Tensor:
         """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones)."""
-        chosen = fused_select_blocks(q, k, self.block, self.top_k, bound=self.score == "bound")
-        if chosen is not None:  # the fused CPU kernel: no (B, h, N, N // block) scores
+        select_run = self.executor.runner(q).select_run
+        chosen = None if select_run is None else select_run(q, k, self.block, self.top_k, self.score == "bound")
+        if chosen is not None:  # the executor's kernel (the fused CPU one): no (B, h, N, N // block) scores
             return chosen
         scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
         return select_blocks(scores, self.block, self.top_k)

@@ -43,6 +43,8 @@ from torch import Tensor
 from . import flex
 from .base import EXECUTORS, FEATURES, Executor
 from .fused import executor as fused
+from .fused.routes import fused_route
+from .fused.selection import fused_select_blocks
 from .pieces import SortedWindow
 from .tiles import tiled_attention
 
@@ -56,11 +58,11 @@ def _unless_fused_takes(q: Tensor) -> Executor | None:
 EXECUTORS.update({
     # LSH's labelled pairs run in its own rounds operator there; a tiling's labels are lowered to a tile mask
     "fused": fused.FusedExecutor("fused", supports=frozenset(FEATURES) - {"labels"}, rounds_run=fused.fused_rounds,
-                                 delegate=_unless_fused_takes),
+                                 delegate=_unless_fused_takes, route_run=fused_route, select_run=fused_select_blocks),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,
-                     pieces_run=((SortedWindow, flex.sorted_window),)),
+                     pieces_run=((SortedWindow, flex.sorted_window),), route_run=flex.flex_route),
 })
 
 

@@ -165,7 +165,8 @@ class RoutingAttention(HeadGroup):
                 scale: float | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D)."""
         inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
-        routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced)
+        routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced,
+                                     executor=self.executor)
         o, ex = self.options, self.executor
         if self.dense:
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None

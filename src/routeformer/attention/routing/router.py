@@ -20,6 +20,7 @@ clusters. Another way of grouping positions (hash buckets) can reuse that attent
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -28,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...checks import positive_int
-from ...executors.fused.routes import FusedRoutes, fused_route
+from ...executors.base import Executor
 from ...executors.inputs import check_inputs
+from ...executors.routes import Routed
 from .kmeans import SphericalKMeans
 from .options import RoutingOptions, read_option
 from .sorted_window import ClusterOrder
@@ -136,7 +138,7 @@ class Router(nn.Module):
         """Unit routing vectors of the queries and of the keys, (B, H, N, D) each, in float32 or wider whatever the
         input dtype or autocast state; one tensor twice unless routing is separate."""
         acc = torch.promote_types(q.dtype, torch.float32)
-        with torch.autocast(q.device.type, enabled=False):
+        with _autocast_off(q.device):
             proj = self.projection.to(acc)
             x = F.normalize(q.to(acc), dim=-1)
             if self.separate:
@@ -175,21 +177,23 @@ class Router(nn.Module):
 
 
     def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None, *,
-               observe: bool = False, need_scores: bool = True) -> Routes:
+               observe: bool = False, need_scores: bool = True, executor: Executor | None = None) -> Routes:
         """Route q, k (B, H, N, D): the clusters of the keys and the probes of the queries (``Routes``).
 
         ``observe`` (a training forward): in training mode add the k-means statistics of the real positions
         (``key_padding_mask`` (B, N), True = real) and the keys' cluster loads for the next ``update``, and set
         ``commitment_loss``; in evaluation mode it observes nothing and sets ``commitment_loss`` to None.
-        ``need_scores=False`` (causal routing): the scores may be left out, and where the fused CPU kernels take the
-        vectors (one vector per position) one kernel chooses the clusters, sorts the keys and reduces the statistics
-        (``executors.fused.routes``), without the (B, H, N, k) scores."""
+        ``need_scores=False`` (causal routing): the scores may be left out, and where the ``executor``'s router
+        takes the vectors (one vector per position: ``Executor.route_run``, the fused CPU kernel or the flex
+        executor's Triton kernels on CUDA) it chooses the clusters, sorts the keys and reduces the statistics
+        without the (B, H, N, k) scores; else PyTorch's operators here, the definition."""
         rq, rk = self.query_and_key_vectors(q, k)
-        if rq is rk and not need_scores:
+        route_run = None if executor is None else executor.runner(q).route_run
+        if rq is rk and not need_scores and route_run is not None:
             counting = observe and self.kmeans.counting()
-            fused = fused_route(rq, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
-            if fused is not None:
-                return self._fused_routes(rq, fused, key_padding_mask, observe=observe, counting=counting)
+            got = route_run(rq, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
+            if got is not None:
+                return self._kernel_routes(rq, got, key_padding_mask, observe=observe, counting=counting)
         scores = self._biased(self.kmeans.scores(rq))  # (B, H, N, k)
         probes = self._best(scores)  # a query's first probe is its best cluster
         if rq is rk:
@@ -200,18 +204,24 @@ class Router(nn.Module):
             self._observe(rq, rk, probes[..., 0], keys, key_padding_mask)
         return Routes(scores, keys, probes, rq)
 
-    def _fused_routes(self, r: Tensor, got: FusedRoutes, key_padding_mask: Tensor | None, *, observe: bool,
-                      counting: bool) -> Routes:
-        """``routes`` from the fused kernel's result ``got`` for the routing vectors r (one per position): the
-        statistics it reduced added (``counting``), the commitment loss set (``observe``)."""
+    def _kernel_routes(self, r: Tensor, got: Routed, key_padding_mask: Tensor | None, *, observe: bool,
+                       counting: bool) -> Routes:
+        """``routes`` from an executor's router's result ``got`` for the routing vectors r (one per position): the
+        statistics it reduced added (``counting``), the commitment loss set (``observe``): from the cosines where
+        the kernels gave them (``commitment_from_cosine``), else from the centroids."""
         keys = got.probes[..., 0]
         if observe:
             if counting:
                 self.kmeans.add_reduced(r.detach(), got.sums, got.weights, key_padding_mask)
                 if self.bias is not None:
                     self.pending_load += got.weights.to(self.pending_load.dtype)  # the keys' loads: their counts
-            self.commitment_loss = (self.commitment * self.kmeans.commitment(r, keys, key_padding_mask)
-                                    if self.training else None)
+            if not self.training:
+                self.commitment_loss = None
+            elif got.cosine is None:
+                self.commitment_loss = self.commitment * self.kmeans.commitment(r, keys, key_padding_mask)
+            else:
+                self.commitment_loss = self.commitment * commitment_from_cosine(
+                    r, self.kmeans.centroids, keys, got.cosine, key_padding_mask)
         return Routes(None, keys, got.probes, r, ClusterOrder(got.order, got.inverse, got.grouped, None, got.counts))
 
     def _observe(self, rq: Tensor, rk: Tensor, query_clusters: Tensor, keys: Tensor,
@@ -274,6 +284,12 @@ class Router(nn.Module):
                 f"balance={self.balance}")
 
 
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device`` (the routing vectors are float32 or wider whatever the model computes in); the
+    ``meta`` device, which shapes and counts a forward without computing it, has no autocast to turn off."""
+    return contextlib.nullcontext() if device.type == "meta" else torch.autocast(device.type, enabled=False)
+
+
 def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Apply the k-means (and bias) step of every router inside ``module``, and of any k-means module outside a
     router; returns how many were updated.
@@ -286,3 +302,40 @@ def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) ->
     for layer in [*routers, *loose]:
         layer.update(group)
     return len(routers) + len(loose)
+
+
+def commitment_from_cosine(r: Tensor, centroids: Tensor, clusters: Tensor, cosine: Tensor,
+                           key_padding_mask: Tensor | None = None) -> Tensor:
+    """The commitment term mean ||r - sg(μ_c)||² (``SphericalKMeans.commitment``) from each unit vector's cosine to
+    its centroid, 2 - 2 cos: r (B, H, N, D), centroids (H, k, D), clusters (B, H, N), cosine (B, H, N) (the router
+    kernel's, without the bias), the mean over the real positions (``key_padding_mask`` (B, N)). Its backward is
+    analytic, -2 w μ_c / Σw, with no (B, H, N, D) difference kept: it differs from the gradient of ||r - μ_c||² by
+    a multiple of r, which the normalisation r comes from takes out (r = normalise(·) · W_R, W_R orthonormal), so
+    what reaches q and k is the same."""
+    return _Commitment.apply(r, centroids.detach(), clusters, cosine.detach(), key_padding_mask)
+
+
+class _Commitment(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, centroids, clusters, cosine, key_padding_mask):  # type: ignore[override]
+        err = 2.0 - 2.0 * cosine.to(torch.promote_types(cosine.dtype, torch.float32))  # (B, H, N)
+        if key_padding_mask is None:
+            weight, total = None, err.numel()
+            loss = err.mean()
+        else:
+            weight = key_padding_mask[:, None, :].to(err.dtype)  # (B, 1, N)
+            total = (weight.sum() * err.shape[1]).clamp_min(1.0)
+            loss = (err * weight).sum() / total
+        ctx.save_for_backward(centroids, clusters, weight)
+        ctx.total, ctx.r_dtype = total, r.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        centroids, clusters, weight = ctx.saved_tensors
+        H = centroids.shape[0]
+        mu = centroids[torch.arange(H, device=clusters.device)[None, :, None], clusters]  # (B, H, N, D)
+        scale = grad * (-2.0) / ctx.total
+        if weight is not None:
+            scale = scale * weight[..., None]
+        return (mu * scale).to(ctx.r_dtype), None, None, None, None

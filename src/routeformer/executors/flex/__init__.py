@@ -8,12 +8,15 @@
 - ``ranges.py``: ``ranges`` (multi-probe routing): every (query, range) entry one row of one call, the block mask
   from the ranges on the device, shapes fixed by N.
 - ``ops.py``: ``tiled``, the executor's one operation, with the tiled executor's signature (``tiling.Tiling``).
+- ``router.py`` (kernels in ``router_kernels.py``): the causal router in Triton on CUDA, one custom operator,
+  no (N, k) scores.
 - ``windows.py``: the sorted window (routing's paper rule) from one key interval per query: block tables a few
   key blocks wide, built by a fixed number of operations.
 """
 
 from .ops import tiled
 from .ranges import flex_ranges
+from .router import flex_route
 from .windows import sorted_window
 
-__all__ = ["flex_ranges", "sorted_window", "tiled"]
+__all__ = ["flex_ranges", "flex_route", "sorted_window", "tiled"]

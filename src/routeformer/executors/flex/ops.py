@@ -28,17 +28,15 @@ from .relative import Terms, key_scores, own_score, score_mod, value_term
 
 
 def attend(pattern: FlexPattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-           rel_pos: RelativePositions | None, need_lse: bool, bias: Rule | None = None,
-           mask=None) -> tuple[Tensor, Tensor | None]:
+           rel_pos: RelativePositions | None, need_lse: bool, bias: Rule | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention of q (B, H, Nq, D) to k, v (B, H, Nk, D) under ``pattern`` -> (out, lse or None); ``bias``:
-    (b, h, i, j) -> an additive score term; ``mask``: the pattern's ``BlockMask`` where the caller built it
-    (default: from the pattern's reach, ``blocks.block_mask``). The kernel's ``score_mod`` adds the relative key
-    term and the bias; the passes that recompute scores outside the kernel (the relative value term, the own-key
-    fallback) add both too."""
+    (b, h, i, j) -> an additive score term. The ``BlockMask`` is the pattern's own where it has one, else built
+    from its reach (``blocks.block_mask``). The kernel's ``score_mod`` adds the relative key term and the bias; the
+    passes that recompute scores outside the kernel (the relative value term, the own-key fallback) add both too."""
     B, H = q.shape[:2]
     qa = None if rel_pos is None else key_scores(q, rel_pos, scale)
     mod = None if qa is None and bias is None else score_mod(qa, pattern.delta, rel_pos, pattern.nq, bias)
-    mask = block_mask(pattern, B, H, q.device) if mask is None else mask
+    mask = block_mask(pattern, B, H, q.device) if pattern.block_mask is None else pattern.block_mask
     out, lse = flex_call(q, k, v, block_mask=mask, scale=scale, score_mod=mod)
     if rel_pos is not None:
         out = out + value_term(pattern, q, k, lse, Terms(qa, rel_pos, bias), scale,

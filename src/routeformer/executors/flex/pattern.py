@@ -34,6 +34,8 @@ class FlexPattern:
     (every key, one tile). one_sided: no allowed pair has delta > 0.
     exclude_self: a query's own key only when it sees no other (applied after the call).
     own: the rule without ``exclude_self`` at (i, i), for that fallback.
+    block_mask: the call's ``BlockMask`` where the caller built it from what it knows of the rule (the sorted
+    window's intervals, ``windows.py``); None: built from ``reach`` (``blocks.block_mask``).
     """
 
     nq: int
@@ -47,6 +49,7 @@ class FlexPattern:
     one_sided: bool = False
     exclude_self: bool = False
     own: Rule | None = None
+    block_mask: object | None = None
 
 
 def lookup(x: Tensor, b: Tensor, h: Tensor, *rest: Tensor) -> Tensor:

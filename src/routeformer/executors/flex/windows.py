@@ -67,19 +67,20 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
     def key_reach(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:  # the band's, for the generic builder
         return first - span, last + (0 if piece.causal else span)
 
-    pattern = FlexPattern(
-        nq=N, nk=N, allowed=without_own if fallback else within, reach=key_reach, per_head=True, cache_key=None,
-        delta=None if rel is None else positions_delta(rel.distances.positions, N),
-        frame=("offsets", -span, 0 if piece.causal else span, True, None), one_sided=piece.causal,
-        exclude_self=fallback, own=within if fallback else None)
+    allowed = without_own if fallback else within
     whole = None
     if valid is not None:  # a key block with a padded key is never full: the rule must test its keys
         nb = -(-N // block)
         whole = F.pad(valid, (0, nb * block - N), value=True).view(*valid.shape[:2], nb, block).all(-1)
-    mask = blocks.interval_block_mask(lo, hi, (reach, 0 if piece.causal else reach), pattern.allowed,
+    mask = blocks.interval_block_mask(lo, hi, (reach, 0 if piece.causal else reach), allowed,
                                       diagonal=not fallback, key_blocks_whole=whole, block=block)
+    pattern = FlexPattern(
+        nq=N, nk=N, allowed=allowed, reach=key_reach, per_head=True, cache_key=None,
+        delta=None if rel is None else positions_delta(rel.distances.positions, N),
+        frame=("offsets", -span, 0 if piece.causal else span, True, None), one_sided=piece.causal,
+        exclude_self=fallback, own=within if fallback else None, block_mask=mask)
     out, lse = attend(pattern, q, k, v, scale=ordered.scale, rel_pos=None if rel is None else rel.tables,
-                      need_lse=need_lse or fallback, mask=mask)
+                      need_lse=need_lse or fallback)
     return from_order(out, lse if need_lse else None, piece.order, inverse)
 
 

@@ -1,34 +1,20 @@
-"""The causal router's discrete part as one fused CPU kernel where the kernels are built (float32 and float64 on the
-CPU), else ``None`` and the caller takes PyTorch's operators (``attention.routing.router``): the same clusters (the
-scores summed in another order: a near-tie may fall the other way), the same sort, the same statistics."""
+"""The fused executor's router (``Executor.route_run``): the causal router's discrete part as one fused CPU kernel
+where the kernels are built (float32 and float64 on the CPU), else ``None`` and the caller takes PyTorch's operators
+(``attention.routing.router``): the same clusters (the scores summed in another order: a near-tie may fall the other
+way), the same sort, the same statistics (``executors.routes.Routed``, without the cosine)."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from ..routes import Routed
 from . import op
 from .executor import takes
 
 
-class FusedRoutes(NamedTuple):
-    """probes (B, H, N, p) long, best first (``probes[..., 0]`` the key's own cluster); order, inverse, grouped
-    (B, H, N) long: the sort by (cluster, position) and each sorted entry's cluster; counts (B, H, k) long, the cluster
-    sizes; sums (H, k, D) and weights (H, k): the k-means statistics of the real positions (empty unless observed)."""
-
-    probes: Tensor
-    order: Tensor
-    inverse: Tensor
-    grouped: Tensor
-    counts: Tensor
-    sums: Tensor
-    weights: Tensor
-
-
 def fused_route(r: Tensor, centroids: Tensor, bias: Tensor | None, key_padding_mask: Tensor | None, probes: int,
-                observe: bool) -> FusedRoutes | None:
+                observe: bool) -> Routed | None:
     """Route the unit routing vectors r (B, H, N, D) to the centroids (H, k, D) plus the bias (H, k): each position's
     ``probes`` best clusters, the counting sort by (cluster, position), and with ``observe`` the statistics of the
     positions ``key_padding_mask`` (B, N; True = real) keeps. O(N · k · D) time, O(N · p) memory per head, no
@@ -38,6 +24,5 @@ def fused_route(r: Tensor, centroids: Tensor, bias: Tensor | None, key_padding_m
         return None
     valid = None if key_padding_mask is None else key_padding_mask[:, None, :].to(torch.bool).contiguous()
     with torch.no_grad():
-        return FusedRoutes(*op.ops().route(r.detach(), centroids.to(r.dtype).contiguous(),
-                                           None if bias is None else bias.to(r.dtype).contiguous(), valid, probes,
-                                           observe))
+        return Routed(*op.ops().route(r.detach(), centroids.to(r.dtype).contiguous(),
+                                      None if bias is None else bias.to(r.dtype).contiguous(), valid, probes, observe))

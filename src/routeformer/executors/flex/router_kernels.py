@@ -1,0 +1,96 @@
+"""The router's Triton kernels (``router.py`` launches them): imported only where Triton is (CUDA builds of PyTorch
+carry it; ``pip install routeformer[triton]`` on a CPU, where ``TRITON_INTERPRET=1`` runs them on CPU tensors for
+the tests).
+
+- ``choose``: each position's ``P`` best clusters by cosine + bias, never writing the (N, k) scores: a block of
+  rows against the centroids a chunk of clusters at a time, a running best per row, ``P`` passes (a pass leaves
+  out the clusters the earlier ones chose); the best cluster's cosine (without the bias) for the commitment term;
+  the clusters' sizes counted with integer atomics (exact whatever their order).
+- ``reduce``: the k-means statistics as a segmented reduction over the sorted order, one program per (cluster,
+  head) summing its run of every batch entry in a fixed order: the same bits at every launch (no float atomics).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def choose(R, C, BIAS, PROBES, COSINE, COUNTS, N, H, K, D,
+           HAS_BIAS: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """R (B·H, N, D) unit routing vectors, C (H, K, D) centroids, BIAS (H, K) -> PROBES (B·H, N, P) int64 best
+    first (ties to the lower index, as argmax), COSINE (B·H, N) float32 the best cluster's cosine, COUNTS (B·H, K)
+    int32 += the rows whose best cluster each is. Grid (cdiv(N, BLOCK_N), B·H)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(R + (bh * N + rows[:, None]) * D + d[None, :], mask=in_rows[:, None] & (d[None, :] < D), other=0.0)
+    chosen = tl.full((BLOCK_N, P_PAD), -1, tl.int32)
+    slots = tl.arange(0, P_PAD)
+    first_best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    first_arg = tl.zeros((BLOCK_N,), tl.int32)
+    for t in tl.static_range(P):
+        best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        arg = tl.zeros((BLOCK_N,), tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            in_cols = cols < K
+            c = tl.load(C + (h * K + cols[None, :]) * D + d[:, None], mask=(d[:, None] < D) & in_cols[None, :],
+                        other=0.0)  # (BLOCK_D, BLOCK_K)
+            s = tl.dot(x, c, input_precision="ieee")  # (BLOCK_N, BLOCK_K) cosines
+            if HAS_BIAS:
+                s += tl.load(BIAS + h * K + cols, mask=in_cols, other=0.0)[None, :]
+            s = tl.where(in_cols[None, :], s, float("-inf"))
+            if t > 0:  # leave out the clusters the earlier passes chose
+                taken = tl.max((cols[None, :, None] == chosen[:, None, :]).to(tl.int32), axis=2) > 0
+                s = tl.where(taken, float("-inf"), s)
+            m = tl.max(s, axis=1)
+            a = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32) + k0
+            better = m > best  # ties keep the earlier chunk's lower index
+            best = tl.where(better, m, best)
+            arg = tl.where(better, a, arg)
+        chosen = tl.where(slots[None, :] == t, arg[:, None], chosen)
+        tl.store(PROBES + (bh * N + rows) * P + t, arg.to(tl.int64), mask=in_rows)
+        if t == 0:
+            first_best = best
+            first_arg = arg
+    cosine = first_best
+    if HAS_BIAS:
+        cosine -= tl.load(BIAS + h * K + first_arg, mask=in_rows, other=0.0)
+    tl.store(COSINE + bh * N + rows, cosine, mask=in_rows)
+    tl.atomic_add(COUNTS + bh * K + first_arg, tl.full((BLOCK_N,), 1, tl.int32), mask=in_rows)
+
+
+@triton.jit
+def reduce(R, ORDER, STARTS, COUNTS, VALID, SUMS, WEIGHTS, B, H, N, K, D,
+           HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """SUMS (H, K, D) and WEIGHTS (H, K) float32: the routing vectors R (B·H, N, D) of each cluster's real
+    positions (VALID (B, N) bool, or every one), summed over its run [STARTS, STARTS + COUNTS) of the sorted order
+    ORDER (B·H, N) in every batch entry, in a fixed order. Grid (K, H)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    total = tl.zeros((BLOCK_D,), tl.float32)
+    weight = tl.zeros((BLOCK_N,), tl.float32)
+    for b in range(0, B):
+        bh = (b * H + h).to(tl.int64)
+        start = tl.load(STARTS + bh * K + c)
+        count = tl.load(COUNTS + bh * K + c)
+        for i0 in range(0, count, BLOCK_N):
+            i = i0 + tl.arange(0, BLOCK_N)
+            inside = i < count
+            pos = tl.load(ORDER + bh * N + start + i, mask=inside, other=0)
+            w = inside.to(tl.float32)
+            if HAS_VALID:
+                w *= tl.load(VALID + b * N + pos, mask=inside, other=0).to(tl.float32)
+            x = tl.load(R + (bh * N + pos[:, None]) * D + d[None, :], mask=inside[:, None] & (d[None, :] < D),
+                        other=0.0)
+            total += tl.sum(x * w[:, None], axis=0)
+            weight += w
+    tl.store(SUMS + (h * K + c) * D + d, total, mask=d < D)
+    tl.store(WEIGHTS + h * K + c, tl.sum(weight, axis=0))

@@ -1,0 +1,27 @@
+"""What an executor's router returns (``Executor.route_run``): the causal router's discrete part computed by a
+backend's kernels, without the (B, H, N, k) scores: the fused CPU kernel (``fused/routes.py``) and the flex
+executor's Triton kernels on CUDA (``flex/router.py``). Executors without one (tiles) leave routing to PyTorch's
+operators (``attention.routing.router``), the definition the kernels are tested against."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class Routed(NamedTuple):
+    """probes (B, H, N, p) long, best first (``probes[..., 0]`` the key's own cluster); order, inverse, grouped
+    (B, H, N) long: the sort by (cluster, position) and each sorted entry's cluster; counts (B, H, k) long, the
+    cluster sizes; sums (H, k, D) and weights (H, k): the k-means statistics of the real positions (empty unless
+    observed); cosine (B, H, N) float32: each position's cosine to its own cluster's centroid, without the bias
+    (the commitment term's, ``1 - cosine`` = half the squared distance), where the kernels give it (else None)."""
+
+    probes: Tensor
+    order: Tensor
+    inverse: Tensor
+    grouped: Tensor
+    counts: Tensor
+    sums: Tensor
+    weights: Tensor
+    cosine: Tensor | None = None

@@ -1,0 +1,226 @@
+"""The flex executor's router (``executors/flex/router.py``: Triton kernels behind ``routeformer_flex::route``)
+against the PyTorch router it stands in for, and a whole routing forward and backward counted on the ``meta``
+device.
+
+The kernels run on CUDA tensors where there is a GPU, else on CPU tensors under Triton's interpreter, which must be
+on before Triton is first imported (a jit function reads it when it is made): CI's own line, ``TRITON_INTERPRET=1
+python -m pytest -n 0 tests/test_flex_router.py``, with the ``triton`` extra installed (slow: small sizes). Without
+either those tests skip; the operator count and the commitment term need no Triton and run in the default suite."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import rand_padding
+from routeformer.attention.routing import RoutingAttention, RoutingOptions
+from routeformer.attention.routing.router import commitment_from_cosine
+from routeformer.attention.routing.sorted_window import sort_by_cluster
+from routeformer.executors import get_executor
+from routeformer.executors.flex import ops as flex_ops
+from routeformer.executors.flex import router as flex_router
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+kernels = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (CUDA or INTERPRETED),
+    reason="the router's Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before Triton is "
+           "imported (TRITON_INTERPRET=1 python -m pytest -n 0 tests/test_flex_router.py; the triton extra)")
+
+
+def _unit(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1).float()
+
+
+CASES = [  # B, H, N, D, k, probes, bias, padding
+    (1, 2, 100, 8, 5, 1, False, False),  # D and k below a block; N not a multiple of one
+    (2, 2, 130, 16, 40, 2, True, True),  # two chunks of clusters, two probes
+    (1, 3, 64, 32, 33, 3, True, False),
+]
+
+
+@kernels
+@pytest.mark.parametrize("B, H, N, D, k, probes, bias, padding", CASES)
+def test_the_kernels_route_as_pytorch( B: int, H: int, N: int, D: int, k: int, probes: int, bias: bool,
+                                      padding: bool) -> None:
+    """float32 against float64 PyTorch: every pick within rounding of the best score at its rank (a near tie may
+    fall the other way), the picks distinct; the best cluster's cosine; the counts, the stable sort by (cluster,
+    position) and its inverse of the kernel's own picks exactly; the statistics of the real positions within
+    rounding."""
+    device = DEVICE
+    r = _unit(B, H, N, D, seed=1)
+    centroids = _unit(H, k, D, seed=2)
+    b = torch.randn(H, k, generator=torch.Generator().manual_seed(3)) * 0.05 if bias else None
+    valid = rand_padding(B, N, seed=4) if padding else None
+    got = flex_router.launch(r.to(device), centroids.to(device), None if b is None else b.to(device),
+                             None if valid is None else valid.to(device), probes, True)
+    chosen, order, inverse, grouped, counts, sums, weights, cosine = (x.cpu() for x in got)
+    scores = torch.einsum("bhnd,hkd->bhnk", r.double(), centroids.double())
+    biased = scores + (0 if b is None else b.double()[:, None, :])
+    best = biased.sort(-1, descending=True).values[..., :probes]
+    picked = biased.gather(-1, chosen)
+    assert chosen.dtype == torch.long and chosen.shape == (B, H, N, probes)
+    assert (picked - best).abs().max() < 1e-5  # each rank's pick scores the rank's best, up to float32 rounding
+    assert all(chosen[..., s].ne(chosen[..., t]).all() for s in range(probes) for t in range(s))
+    torch.testing.assert_close(cosine.double(), scores.gather(-1, chosen[..., :1])[..., 0], rtol=0, atol=1e-5)
+    keys = chosen[..., 0]
+    torch.testing.assert_close(counts, F.one_hot(keys, k).sum(2))
+    want = sort_by_cluster(keys)
+    assert torch.equal(order, want.order) and torch.equal(inverse, want.inverse) and torch.equal(grouped, want.grouped)
+    weight = torch.ones(B, N) if valid is None else valid.double()
+    flat = (torch.arange(H)[None, :, None] * k + keys).reshape(-1)
+    w = weight[:, None, :].expand(B, H, N).reshape(-1).double()
+    want_sums = torch.zeros(H * k, D, dtype=torch.float64).index_add_(0, flat, r.double().reshape(-1, D) * w[:, None])
+    want_weights = torch.zeros(H * k, dtype=torch.float64).index_add_(0, flat, w)
+    torch.testing.assert_close(sums.double(), want_sums.view(H, k, D), rtol=0, atol=1e-4)
+    torch.testing.assert_close(weights.double(), want_weights.view(H, k), rtol=0, atol=0)
+
+
+@kernels
+def test_the_same_bits_at_every_launch_and_nothing_without_observe() -> None:
+    device = DEVICE
+    r, centroids = _unit(2, 2, 150, 16, seed=5).to(device), _unit(2, 20, 16, seed=6).to(device)
+    valid = rand_padding(2, 150, seed=7).to(device)
+    first, second = (flex_router.launch(r, centroids, None, valid, 2, True) for _ in range(2))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    quiet = flex_router.launch(r, centroids, None, valid, 2, False)
+    assert quiet[5].numel() == 0 and quiet[6].numel() == 0
+    for a, b in zip(first[:5], quiet[:5], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_commitment_from_the_cosine_is_the_centroid_distance_with_its_gradient_at_q() -> None:
+    """mean (2 - 2 cos) equals mean ||r - μ_c||² for unit vectors, and its analytic backward gives q the gradient
+    autograd gives it through the distance (they differ at r by a multiple of r, which the normalisation drops)."""
+    B, H, N, D, k = 2, 3, 20, 8, 5
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    proj = torch.linalg.qr(torch.randn(H, D, D, generator=g, dtype=torch.float64))[0]
+    centroids = F.normalize(torch.randn(H, k, D, generator=g, dtype=torch.float64), dim=-1)
+    valid = rand_padding(B, N, seed=9)
+    grads, losses = [], []
+    for analytic in (True, False):
+        r = torch.einsum("bhnd,hde->bhne", F.normalize(q, dim=-1), proj)
+        keys = torch.einsum("bhnd,hkd->bhnk", r, centroids).argmax(-1)
+        mu = centroids[torch.arange(H)[None, :, None], keys]
+        if analytic:
+            loss = commitment_from_cosine(r, centroids, keys, (r * mu).sum(-1).detach(), valid)
+        else:
+            err = (r - mu).square().sum(-1)
+            weight = valid[:, None, :].double().expand_as(err)
+            loss = (err * weight).sum() / weight.sum()
+        losses.append(loss.detach())
+        grads.append(torch.autograd.grad(loss, q)[0])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+
+
+class _Count(TorchDispatchMode):
+    """Operators dispatched (views aside) and the largest tensor any of them writes."""
+
+    VIEWS = frozenset({"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "detach", "slice", "select", "t",
+                       "transpose", "permute", "alias", "as_strided", "unfold", "lift_fresh", "split", "unbind"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS:
+            self.ops[name] += 1
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    self.largest = max(self.largest, x.numel())
+        return out
+
+
+def _stub_flex(q, k, v, *, block_mask, scale, score_mod=None):
+    """FlexAttention's call as one differentiable stand-in of its shapes (on the GPU: one compiled kernel)."""
+    return q * scale + v, q.float().sum(-1)
+
+
+def _routing_step(N: int, monkeypatch) -> _Count:
+    """One training forward and backward of a causal routing layer with the paper's rule (k = sqrt(N) clusters,
+    window N / k, shared QK, 8 heads of 64) on the flex executor, on the ``meta`` device, bfloat16 as on a GPU."""
+    monkeypatch.setattr(flex_ops, "flex_call", _stub_flex)
+    k = round(math.sqrt(N))
+    layer = RoutingAttention(8, 64, RoutingOptions(num_clusters=k, window=N // k, probes=1, balance=0.0))
+    layer = layer.to("meta").train()
+    layer.executor = get_executor("flex")
+    q = torch.empty(1, 8, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.empty(1, 8, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):  # the second step is counted: the first also makes what the sizes alone decide, once
+        with _Count() as count:
+            out = layer(q, q, v)
+            (out.float().sum() + layer.commitment_loss).backward()
+    return count
+
+
+def test_a_routing_step_takes_as_many_operators_at_any_length(monkeypatch) -> None:
+    """The paper's rule on the flex executor at 65,536 and 262,144 positions: the same operators, at most 150 (the
+    router one custom operator, the block tables a fixed number), none writing the (B, H, N, k) scores."""
+    if not hasattr(torch.ops.routeformer_flex, "route"):
+        pytest.skip("the flex router's operator is not registered")
+    small, large = _routing_step(65536, monkeypatch), _routing_step(262144, monkeypatch)
+    assert small.ops == large.ops
+    assert large.ops["route"] == 1
+    assert sum(large.ops.values()) <= 150, large.ops
+    assert large.largest < 8 * 262144 * 512  # B · H · N · k at k = 512
+
+
+@kernels
+@pytest.mark.parametrize("probes, balance", [(1, 0.0), (2, 0.01)])
+def test_a_routing_layer_trains_the_same_on_the_kernels(probes: int, balance: float) -> None:
+    """Two training steps of a causal routing layer on the flex executor (float32, padding), routed by the kernels
+    and by PyTorch's operators: the same output, gradients, commitment loss and state after each update (the
+    centroids' seeding included)."""
+    import dataclasses
+
+    from routeformer.executors.routes import Routed
+
+    B, H, N, D = 2, 2, 40, 8
+    options = RoutingOptions(num_clusters=5, window=6, probes=probes, balance=balance)
+    layers = [RoutingAttention(H, D, options).train().to(DEVICE) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    flex = get_executor("flex")
+    kernel_route = dataclasses.replace(flex, route_run=lambda *a: Routed(*flex_router.launch(
+        a[0].contiguous(), a[1].float().contiguous(), None if a[2] is None else a[2].float().contiguous(),
+        None if a[3] is None else a[3].contiguous(), a[4], a[5])))
+    layers[0].executor, layers[1].executor = kernel_route, dataclasses.replace(flex, route_run=None)
+    g = torch.Generator().manual_seed(11)
+    q, v = (torch.randn(B, H, N, D, generator=g).to(DEVICE) for _ in range(2))
+    pad = rand_padding(B, N, seed=12).to(DEVICE)
+    results = []
+    for layer in layers:
+        steps = []
+        for _ in range(2):
+            x = [t.clone().requires_grad_() for t in (q, v)]
+            out = layer(x[0], x[0], x[1], key_padding_mask=pad)
+            (out.square().sum() + layer.routing.commitment_loss).backward()
+            steps.append((out.detach(), [t.grad for t in x], layer.routing.commitment_loss.detach()))
+            layer.update()
+            steps.append({name: b.clone() for name, b in layer.named_buffers()})
+        results.append(steps)
+    for a, b in zip(*results, strict=True):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for name in a:
+                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+        else:
+            torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+            for x, y in zip(a[1], b[1], strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-6)
