@@ -241,7 +241,7 @@ def ova_weights(alpha: Tensor, o: Tensor, values: PairValues, r: int, iterations
         if not bool(rows.any()):
             return alpha
         ovo = top_r(alpha, r)
-        candidates = [ovo, _refit_support(ovo, o, values, iterations, rows),
+        candidates = [ovo, _refit_support(ovo, o, values, iterations, rows, r),
                       _greedy(single, o, values, blocked, r, iterations, rows)]
         best = _pick_nearest(candidates, o, values)
     return torch.where(count <= r, alpha, best)
@@ -263,10 +263,11 @@ def _support(w: Tensor, size: int) -> tuple[Tensor, Tensor]:
     return idx, top
 
 
-def _refit_support(w: Tensor, o: Tensor, values: PairValues, iterations: int, rows: Tensor) -> Tensor:
-    """The weights on w's non-zero keys that bring the output nearest o (projected gradient from w), on ``rows``
-    (B, h, N) bool; the other rows keep w."""
-    size = int((w > 0).sum(-1).max())  # over every row, as the fit's width (and so its rounding) depends on it
+def _refit_support(w: Tensor, o: Tensor, values: PairValues, iterations: int, rows: Tensor, size: int) -> Tensor:
+    """The weights on w's non-zero keys (at most ``size`` a row) that bring the output nearest o (projected gradient
+    from w), on ``rows`` (B, h, N) bool; the other rows keep w. ``size`` is the fit's width whatever the rows hold:
+    its rounding depends on it, and a width read off the rows would let a later query's keys change an earlier
+    query's rounding (a causal analysis must not)."""
     idx, start = _support(w, max(size, 1))  # rows with fewer keys get zero-weight entries: kept at zero
     valid = start > 0
     rows = rows & valid.any(-1)  # a row without weight has nothing to refit
@@ -351,7 +352,7 @@ def _fit_columns(gram: Tensor, linear: Tensor, start: Tensor, iterations: int,
     into bool and ``where`` cost ten times an addition at this size), so the 60 iterations' few dozen operations
     stay cheap."""
     gram, linear, w = gram.contiguous(), linear.contiguous(), start.contiguous()
-    lipschitz = gram.abs().sum(0).amax(0).clamp_min(1e-12)  # (R,)
+    lipschitz = _rows_sum(gram.abs()).amax(0).clamp_min(1e-12)  # (R,)
 
     def gram_times(w: Tensor) -> Tensor:  # (t, R): Σ_b gram[:, b] w_b, one multiply-add per column
         out = gram[0] * w[0]
@@ -360,7 +361,7 @@ def _fit_columns(gram: Tensor, linear: Tensor, start: Tensor, iterations: int,
         return out
 
     def objective(gw: Tensor, w: Tensor) -> Tensor:  # |u w - o|² - |o|², given gw = gram w: (R,)
-        return (gw * w).sum(0) - 2 * (linear * w).sum(0)
+        return _rows_sum(gw * w) - 2 * _rows_sum(linear * w)
 
     # gram w serves both the objective at w and the next step's gradient
     gw = gram_times(w)
@@ -378,6 +379,17 @@ def _fit_columns(gram: Tensor, linear: Tensor, start: Tensor, iterations: int,
     return best
 
 
+def _rows_sum(x: Tensor) -> Tensor:
+    """x (t, ...) summed over its first dimension one row after the other: each column's sum in the same order
+    whatever the number of columns and its place among them (``sum(0)`` vectorises across columns, and a column in
+    a vector's tail is added in another order: the columns are the rows of every query, so a later query's keys
+    would change an earlier query's rounding, which a causal analysis must not)."""
+    out = x[0].clone()
+    for row in x[1:]:
+        out.add_(row)
+    return out
+
+
 def _project_columns(x: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
     """``project_simplex`` of each column of x (t, R), and the thresholds θ (R,) with projection max(x - θ, 0).
 
@@ -393,15 +405,19 @@ def _project_columns(x: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
     theta = torch.minimum(torch.maximum(theta, top - 1), top - 1 / t)
     count = None
     kept = torch.empty_like(x)  # 1.0 where an entry is above θ (compared into floats: bool tensors are slow here)
+    moving = torch.ones_like(theta)  # 1.0 for the columns still taking steps: each stops by its own count, so
+    # that a column's steps (and rounding) never depend on the other columns (the other queries)
     for step in range(t + 3):
         above = (x - theta).clamp_min_(0)
         if step >= 2:  # below the root from the second step on: the entries above it only shrink
             above *= kept
-        total = above.sum(0)
-        new = torch.gt(above, 0, out=kept).sum(0)
-        theta = theta + (total - 1) / new
-        if count is not None and torch.equal(new, count):
-            break
+        total = _rows_sum(above)
+        new = torch.gt(above, 0, out=kept).sum(0)  # whole numbers: exact in any order
+        theta = theta + moving * ((total - 1) / new)
+        if count is not None:
+            moving = moving * torch.ne(new, count).to(moving.dtype)  # its count stopped changing: done
+            if not bool(moving.any()):
+                break
         count = new
     return (x - theta).clamp_min_(0), theta
 
