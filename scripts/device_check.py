@@ -170,6 +170,7 @@ PARTS = {"check": ("versions", "env", "prepare", "tests", "train", "ddp", "fsdp"
          "routing": ("versions", "routing", "bench", "profile")}
 ROUTING_LENGTHS = (16384, 65536, 262144)
 ROUTING_ROWS = ["local", "routing", "routing-p2", "sdpa-cudnn"]  # beside full and FlexAttention's sliding window
+GOAL_ROWS = {65536: ["lsh", "moba"]}  # the routing part's rows at the length their goals name (<= 3x local at 64k)
 
 
 def plan(mode: Mode, part: str = "all") -> list[Step]:
@@ -200,7 +201,7 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
     profile_n = 65536 if routing and not toy else PROFILE_N[toy]
     steps.append(Step("profile", f"torch.profiler of local and routing forward+backward at N={profile_n}: "
                       "the operators that take the time", python("-c", PROFILE, str(profile_n), mode.device),
-                      60, parse=parse_profile))
+                      40 if routing and not toy else 60, parse=parse_profile))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
                                                                  "seq_len 4096, bfloat16, 1 minute of "
@@ -273,9 +274,9 @@ def bench_step(mode: Mode, n: int, routing: bool = False) -> Step:
     dtype = "bfloat16" if mode.cuda else "float32"  # SDPA's flash and cuDNN backends take half precision only
     json_path = mode.out / f"bench-{n}.json"
     size = ["--heads", "2", "--head-dim", "16", "--window", "32", "--repeats", "1"] if mode.toy else ["--repeats", "3"]
-    rows = ROUTING_ROWS if routing else BENCH_ROWS
+    rows = ROUTING_ROWS + GOAL_ROWS.get(n, []) if routing else BENCH_ROWS
     if routing:
-        limit = 90 if n <= 16384 else (110 if n <= 65536 else 140)
+        limit = 80 if n <= 16384 else (150 if n <= 65536 else 130)
     else:
         limit = 200 if n <= 16384 else 240
     return Step(f"bench-{n}", f"routeformer bench attention at N={n}, {dtype}",

@@ -249,10 +249,12 @@ def _rule_blocks(mask_mod, B: int, H: int, N: int, block: int) -> tuple[torch.Te
     return grid.any(-1).any(-2), grid.all(-1).all(-2)
 
 
-def check_interval_tables(mask_mod, mask, shape: tuple[int, int, int], block: int, exact: bool) -> None:
+def check_interval_tables(mask_mod, mask, shape: tuple[int, int, int], block: int, exact: bool,
+                          full: bool = True) -> None:
     """A square-block ``BlockMask`` of N queries and keys (``flex.blocks.interval_block_mask``) against its rule,
-    kv-major and q-major: the full blocks exactly those whose every pair ``mask_mod`` allows; the listed ones
-    (partial or full) every block with an allowed pair, and no other where ``exact``; int32 tables, contiguous."""
+    kv-major and q-major: the full blocks exactly those whose every pair ``mask_mod`` allows (``full=False``: none
+    listed full); the listed ones (partial or full) every block with an allowed pair, and no other where ``exact``;
+    int32 tables, contiguous."""
     B, H, N = shape
     nb = -(-N // block)
     some, every = _rule_blocks(mask_mod, B, H, N, block)
@@ -261,12 +263,12 @@ def check_interval_tables(mask_mod, mask, shape: tuple[int, int, int], block: in
             (mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices, True)):
         assert idx.shape == full_idx.shape and idx.shape[:3] == (B, H, nb) and idx.is_contiguous()
         assert num.dtype == idx.dtype == torch.int32
-        partial, full = _listed(num, idx, nb), _listed(full_num, full_idx, nb)
+        partial, full_blocks = _listed(num, idx, nb), _listed(full_num, full_idx, nb)
         if transpose:
-            partial, full = partial.transpose(-1, -2), full.transpose(-1, -2)
-        assert not (partial & full).any()
-        assert torch.equal(full, every)
-        listed = partial | full
+            partial, full_blocks = partial.transpose(-1, -2), full_blocks.transpose(-1, -2)
+        assert not (partial & full_blocks).any()
+        assert torch.equal(full_blocks, every if full else torch.zeros_like(every))
+        listed = partial | full_blocks
         assert not (some & ~listed).any(), "a block holding an allowed pair is missing"
         if exact:
             assert torch.equal(listed, some)

@@ -104,6 +104,7 @@ def test_each_part_of_the_gpu_check_fits_nine_minutes_and_together_they_run_ever
     assert "tests/test_flex_router.py" in routing["routing-tests"].argv
     assert routing["profile"].argv[-2:] == ["65536", "cuda"]
     assert {"local", "routing", "routing-p2", "sdpa-cudnn"} <= set(routing["bench-262144"].argv)
+    assert {"lsh", "moba"} <= set(routing["bench-65536"].argv) and "moba" not in routing["bench-262144"].argv
     assert [s.name for s in parts["check"]] == ["versions", "env", "prepare", "tests", "train", "ddp", "fsdp"]
     assert [s.name for s in parts["bench"]] == ["versions", "env", "bench-16384", "bench-65536", "profile"]
     assert [s.name for s in parts["cpu"]] == ["versions", "env", "suite"]

@@ -149,7 +149,7 @@ class _Count(TorchDispatchMode):
 
 def _stub_flex(q, k, v, *, block_mask, scale, score_mod=None):
     """FlexAttention's call as one differentiable stand-in of its shapes (on the GPU: one compiled kernel)."""
-    return q * scale + v, q.float().sum(-1)
+    return q * scale + v.mean(2, keepdim=True), q.float().sum(-1)
 
 
 def _routing_step(N: int, monkeypatch) -> _Count:
@@ -224,3 +224,73 @@ def test_a_routing_layer_trains_the_same_on_the_kernels(probes: int, balance: fl
             for x, y in zip(a[1], b[1], strict=True):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-6)
+
+
+@kernels
+@pytest.mark.parametrize("N, block, top, score", [(100, 7, 3, "mean"), (130, 4, 2, "bound"), (64, 16, 5, "mean"),
+                                                  (50, 60, 2, "bound")])  # 5 > some rows' candidates; no block
+def test_the_selection_kernel_picks_as_pytorch(N: int, block: int, top: int, score: str) -> None:
+    """MoBA's block selection (``flex/selection.py``) in float32 against ``select_blocks`` over ``block_scores`` in
+    float64: at every rank a pick scoring that rank's best (within rounding), -1 exactly where the query has fewer
+    complete earlier blocks, the picks distinct; no (N, N / block) scores written (the kernel's output is the
+    picks)."""
+    from routeformer.attention.blocks import NONE, block_bounds, block_means, block_scores, select_blocks
+    from routeformer.executors.flex import selection
+
+    B, H, D = 2, 2, 8
+    g = torch.Generator().manual_seed(N)
+    q, k = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
+    nb = N // block
+    keys = k[:, :, : nb * block].view(B, H, nb, block, D)
+    if score == "bound":
+        lo, hi = keys.amin(3), keys.amax(3)
+        scoring, summary = torch.cat([q.clamp(min=0), q], -1), torch.cat([hi - lo, lo], -1)
+    else:
+        scoring, summary = q, keys.mean(3)
+    got = selection.launch(scoring.contiguous().to(DEVICE), summary.contiguous().to(DEVICE), block, top).cpu()
+    summaries = block_means(k.double(), block) if score == "mean" else block_bounds(k.double(), block)
+    scores = block_scores(q.double(), (summaries,) if score == "mean" else summaries, score)
+    want = select_blocks(scores, block, top)
+    assert got.shape == want.shape == (B, H, N, top) and got.dtype == torch.long
+    assert torch.equal(got == NONE, want == NONE)
+    if nb == 0:  # no complete block: nothing to pick
+        return
+    real = want != NONE
+    picked = scores.gather(-1, got.clamp_min(0))
+    best = scores.gather(-1, want.clamp_min(0))
+    assert ((picked - best).abs() < 1e-5)[real].all()
+    assert (got[real] < (torch.arange(N) // block)[None, None, :, None].expand_as(got)[real]).all()
+    assert all(((got[..., s] != got[..., t]) | (got[..., s] == NONE)).all() for s in range(top) for t in range(s))
+
+
+@kernels
+def test_a_moba_model_selects_the_same_on_the_kernel() -> None:
+    """MoBA heads on the flex executor with the kernel as its ``select_run`` and with PyTorch's selection: the same
+    output and gradients (float32)."""
+    import dataclasses
+
+    from routeformer.attention.moba import MobaHeads, MobaOptions
+    from routeformer.executors.flex import selection
+
+    def kernel_select(q, k, block, top, bound):  # the executor's select_run, launched on any device
+        B, H, N, D = k.shape
+        nb = N // block
+        keys = k[:, :, : nb * block].float().view(B, H, nb, block, D)
+        if bound:
+            lo, hi = keys.amin(3), keys.amax(3)
+            scoring, summary = torch.cat([q.float().clamp(min=0), q.float()], -1), torch.cat([hi - lo, lo], -1)
+        else:
+            scoring, summary = q.float(), keys.mean(3)
+        return selection.launch(scoring.contiguous(), summary.contiguous(), block, top)
+
+    flex = get_executor("flex")
+    results = []
+    for select_run in (kernel_select, None):
+        heads = MobaHeads(2, 8, MobaOptions(block=6, top_k=2, score="bound")).to(DEVICE)
+        heads.executor = dataclasses.replace(flex, select_run=select_run)
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 2, 60, 8, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+        out = heads(q, k, v, None)
+        results.append((out.detach(), *torch.autograd.grad(out.square().sum(), [q, k, v])))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

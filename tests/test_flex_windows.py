@@ -45,7 +45,7 @@ def test_intervals_are_the_sorted_window_of_the_definition(causal: bool, own_key
     with every key real), and both bounds never decrease."""
     clusters = _clusters(2, 3, 150, 9, seed=window)
     sort = sort_by_cluster(clusters)
-    lo, hi = SortedWindow(window, causal, sort.order, sort.grouped).intervals(own_key)
+    lo, hi = SortedWindow(window, causal, sort.order, sort.grouped).intervals(own_when_alone=not own_key)
     t = torch.arange(150)
     got = (lo[..., :, None] <= t) & (t <= hi[..., :, None])
     want = _sorted(sorted_window_mask(clusters, window, causal, exclude_self=not own_key), sort.order)
@@ -56,7 +56,7 @@ def test_intervals_are_the_sorted_window_of_the_definition(causal: bool, own_key
 def test_a_two_sided_window_cannot_leave_the_own_key_out_of_its_interval() -> None:
     sort = sort_by_cluster(_clusters(1, 1, 20, 3, seed=0))
     with pytest.raises(ValueError, match="causal only"):
-        SortedWindow(4, False, sort.order, sort.grouped).intervals(own_key=False)
+        SortedWindow(4, False, sort.order, sort.grouped).intervals(own_when_alone=True)
 
 
 def _recorded(monkeypatch) -> list:
@@ -165,7 +165,7 @@ def _table_build(N: int, causal: bool, padding: bool) -> _Count:
     counts = []
     for _ in range(2):  # the first call also makes the geometry the sizes alone decide (once per size)
         with _Count() as count:
-            lo, hi = piece.intervals(own_key=not causal)
+            lo, hi = piece.intervals(own_when_alone=causal)
             blocks.interval_block_mask(lo, hi, (reach, 0 if causal else reach), lambda b, h, i, j: i >= j,
                                        diagonal=not causal, key_blocks_whole=whole)
         counts.append(count)
@@ -193,3 +193,26 @@ def test_the_flex_sorted_window_reads_nothing_on_the_host() -> None:
                                             restrict=KeyRestrictions(exclude_self=True))
         out.sum().backward()
     assert not reads.found, reads.report()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lsh_rounds_leave_out_the_own_key_and_the_pairs_earlier_rounds_hold(monkeypatch, causal: bool) -> None:
+    """A round of LSH on the flex executor (``own_key=False``, earlier rounds' labels): the tables list every block
+    with an allowed pair and none as full (the labels may leave out any pair), and the rule never allows the
+    diagonal nor a pair whose labels are within the window."""
+    seen = _recorded(monkeypatch)
+    B, H, N, D, window = 1, 2, 150, 4, 9
+    sort = sort_by_cluster(_clusters(B, H, N, 5, seed=4))
+    labels = torch.randint(0, 40, (B, H, 2, N), generator=torch.Generator().manual_seed(5))
+    q, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    get_executor("flex").tiled(Inputs(q, q, v, 0.5), SortedWindow(window, causal, sort.order, sort.grouped,
+                                                                  own_key=False),
+                               restrict=KeyRestrictions(labels=labels, label_window=3))
+    (mask_mod, mask, _), = seen
+    i, j = torch.arange(N).view(1, 1, N, 1), torch.arange(N).view(1, 1, 1, N)
+    allowed = mask_mod(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(H).view(1, H, 1, 1), i, j)
+    assert not allowed.diagonal(dim1=-2, dim2=-1).any()
+    near = ((labels[..., :, None] - labels[..., None, :]).abs() < 3).any(2)  # (B, H, N, N)
+    assert not (allowed & near).any() and allowed.any()
+    assert not mask.full_kv_num_blocks.any() and not mask.full_q_num_blocks.any()
+    check_interval_tables(mask_mod, mask, (B, H, N), SMALL, exact=False, full=False)

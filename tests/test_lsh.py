@@ -37,7 +37,7 @@ def _rounds_holding(q, *, buckets, rounds, window, causal, rotations=None, seed=
                for r in range(rounds))
 
 
-@pytest.mark.parametrize("backend", ["fused", "tiles"])
+@pytest.mark.parametrize("backend", ["fused", "tiles", "flex"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("N, buckets, rounds, window, padded", [
     (37, 4, 3, 5, False),
@@ -76,7 +76,7 @@ def test_gradcheck_on_a_tiny_problem(backend: str) -> None:
                                                                  rotations=rot), (q, v))
 
 
-@pytest.mark.parametrize("backend", ["fused", "tiles"])
+@pytest.mark.parametrize("backend", ["fused", "tiles", "flex"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_no_causal_leak(padded: bool, backend: str) -> None:
     N = 40

@@ -42,7 +42,6 @@ per head, whatever its position.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +52,8 @@ from torch import Tensor
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_inputs
-from ..executors.tiling import HashRounds, KeyRestrictions, Tiling, shift_invariant_mask
+from ..executors.pieces import SortedWindow
+from ..executors.tiling import HashRounds, KeyRestrictions
 from ..lengths import sqrt_len
 from .decoding import Cached, attend_cached
 from .kinds.base import HeadGroup, HeadKind
@@ -160,15 +160,6 @@ def lsh_attention(
     executor = get_executor(executor, q.device)
     B, H, N, D = q.shape
     R = hashes.shape[2]
-    band = Tiling.band(window, N, causal)
-    lo, hi = band.offsets
-    # Each round's band without the query's own key: it comes back below, for queries that see nothing else.
-    if causal and window > 1:
-        tiling = Tiling(block=band.block, back=band.back, offsets=(lo, -1))
-    else:
-        tiling = Tiling(block=band.block, back=band.back, ahead=band.ahead, allow=shift_invariant_mask(
-            band.block, band.back, band.ahead, lambda d: (d >= lo) & (d <= hi) & (d != 0), device=q.device))
-
     # Per round, the sequence sorted by (bucket, position).
     order, inverse, grouped = sort_by_cluster(hashes.reshape(B, H * R, N))[:3]  # (B, H·R, N)
     order, inverse, grouped = (x.view(B, H, R, N) for x in (order, inverse, grouped))
@@ -184,14 +175,15 @@ def lsh_attention(
     keys = F.normalize(q, dim=-1) * scale  # once for every round, the score scale folded in
     parts = []
     for r in range(R):
-        # the round's band over its sorted order (Tiling.order); a pair an earlier round holds is left to it (its
-        # labels, in this round's order): the rounds' key sets are disjoint, the merge exact
+        # the round's window over its sorted order, within the bucket, without the query's own key (it comes back
+        # below, for queries that see nothing else); a pair an earlier round holds is left to it (its labels, in
+        # this round's order): the rounds' key sets are disjoint, the merge exact
         at = order[:, :, r]
         earlier = None if r == 0 else labels[:, :, :r].gather(-1, at[:, :, None].expand(B, H, r, N))
         parts.append(executor.tiled(
             Inputs(q, keys, v, 1.0, None if key_valid is None else key_valid.gather(-1, at)),
-            dataclasses.replace(tiling, order=at), need_lse=True,
-            restrict=KeyRestrictions(groups=grouped[:, :, r], labels=earlier, label_window=window if r else 0),
+            SortedWindow(window, causal, at, grouped[:, :, r], own_key=False), need_lse=True,
+            restrict=KeyRestrictions(labels=earlier, label_window=window if r else 0),
         ))
     out, lse = merge_partials(parts)
     # The own key: only when no other key is visible in any round (and it is not padding).

@@ -211,14 +211,17 @@ ROUTING = {
 
 
 def attention_config(name: str, heads: int) -> dict:
-    """Config fields of a row: 'full', 'local', 'local+routing' (half and half) or any attention spec, optionally
-    followed by '/shared', '/joint' or '/separate' (how routing heads route; default: the config's default) and by
-    '@field=value' settings of the model config (values read as TOML), e.g.
-    'local+routing@options.routing.probes=1'."""
+    """Config fields of a row: 'full', 'local', 'A+B' (two kinds, half the heads each: 'local+routing',
+    'local+moba', ...) or any attention spec, optionally followed by '/shared', '/joint' or '/separate' (how routing
+    heads route; default: the config's default) and by '@field=value' settings of the model config (values read as
+    TOML), e.g. 'local+routing@options.routing.probes=1'."""
     head, *settings = name.split("@")
     spec, _, routing = head.partition("/")
     half = heads // 2
-    fields: dict = {"attention": {"local+routing": f"local:{heads - half},routing:{half}"}.get(spec, spec)}
+    pair = spec.split("+")
+    if len(pair) == 2 and ":" not in spec and "," not in spec:
+        spec = f"{pair[0]}:{heads - half},{pair[1]}:{half}"
+    fields: dict = {"attention": spec}
     if routing:
         if routing not in ROUTING:
             raise ValueError(f"unknown routing variant {routing!r} in {name!r}; choose from {', '.join(ROUTING)}")

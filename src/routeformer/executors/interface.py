@@ -62,7 +62,8 @@ EXECUTORS.update({
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,
-                     pieces_run=((SortedWindow, flex.sorted_window),), route_run=flex.flex_route),
+                     pieces_run=((SortedWindow, flex.sorted_window),), route_run=flex.flex_route,
+                     select_run=flex.flex_select_blocks),
 })
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import Inputs, RelTerms
-from .tiling import Distances, KeyRestrictions, Tiling
+from .tiling import Distances, KeyRestrictions, Tiling, shift_invariant_mask
 
 
 class Laid(NamedTuple):
@@ -114,11 +114,11 @@ class Columns:
 
 @dataclass(frozen=True, eq=False)
 class SortedWindow:
-    """The band of ``window`` over a sequence sorted by (group, position), within each group: routing's clusters
-    (and any grouping sorted alike). The sequence is q[order], k[order], v[order]; ``grouped`` (B, H, N) is the
-    group of each sorted entry, non-decreasing along it (``sort_by_cluster`` makes it so), so that every group is
-    one run. Sorted entry s sees the sorted keys t of its own run with s - window < t <= s when causal, |s - t| <
-    window else.
+    """The band of ``window`` over a sequence sorted by (group, position), within each group: routing's clusters,
+    LSH's buckets. The sequence is q[order], k[order], v[order]; ``grouped`` (B, H, N) is the group of each sorted
+    entry, non-decreasing along it (``sort_by_cluster`` makes it so), so that every group is one run. Sorted entry s
+    sees the sorted keys t of its own run with s - window < t <= s when causal, |s - t| < window else;
+    ``own_key=False``: never t = s (LSH's rounds, whose merge gives a query its own key when it saw no other).
 
     Every executor can run it as the band with ``order`` and ``groups=grouped`` (``lay``). Read as ``intervals``,
     entry s's keys are the one interval [lo_s, hi_s] of sorted indices, both bounds non-decreasing in s: a block of
@@ -131,19 +131,34 @@ class SortedWindow:
     causal: bool
     order: Tensor
     grouped: Tensor
+    own_key: bool = True
 
     def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         if restrict is not None and restrict.groups is not None:
             raise ValueError("a SortedWindow's groups are its own (grouped): pass no KeyRestrictions.groups")
-        tiling = dataclasses.replace(Tiling.band(self.window, inputs.q.shape[2], self.causal), order=self.order)
+        if not self.own_key and restrict is not None and restrict.exclude_self:
+            raise ValueError("a SortedWindow without its own key (own_key=False) takes no exclude_self")
+        band = Tiling.band(self.window, inputs.q.shape[2], self.causal)
+        if self.own_key:
+            tiling = band
+        elif self.causal and self.window > 1:  # the band's offsets stop before the own key
+            tiling = Tiling(block=band.block, back=band.back, offsets=(band.offsets[0], -1))
+        else:
+            lo, hi = band.offsets
+            tiling = Tiling(block=band.block, back=band.back, ahead=band.ahead, allow=shift_invariant_mask(
+                band.block, band.back, band.ahead, lambda d: (d >= lo) & (d <= hi) & (d != 0),
+                device=inputs.q.device))
+        tiling = dataclasses.replace(tiling, order=self.order)
         restrict = KeyRestrictions(groups=self.grouped) if restrict is None else restrict._replace(groups=self.grouped)
         return Laid(inputs, tiling, rel, restrict)
 
-    def intervals(self, own_key: bool = True) -> tuple[Tensor, Tensor]:
+    def intervals(self, own_when_alone: bool = False) -> tuple[Tensor, Tensor]:
         """(lo, hi), each shaped as ``grouped``: sorted entry s sees the sorted keys lo_s <= t <= hi_s (inclusive),
-        both non-decreasing in s. ``own_key=False`` (causal only): without the entry's own key where an earlier
-        one is in its window (shared QK with every key real: a query sees its own key only when alone), hi_s =
-        s - 1 then. A fixed number of operations on (B, H, N) integers, whatever N is."""
+        both non-decreasing in s; causal without its own key (``own_key=False``) hi_s = s - 1, an interval that may
+        be empty (two-sided: the own key lies inside, for the caller's rule to leave out). ``own_when_alone``
+        (causal only): without the entry's own key where an earlier one is in its window, hi_s = s - 1 there (shared
+        QK with every key real: a query sees its own key only when alone). A fixed number of operations on
+        (B, H, N) integers, whatever N is."""
         g = self.grouped
         n = g.shape[-1]
         s = torch.arange(n, device=g.device)
@@ -151,11 +166,12 @@ class SortedWindow:
         starts = torch.nn.functional.pad(change, (1, 0), value=True)  # s begins a run
         lo = torch.where(starts, s, 0).cummax(-1).values.clamp_min(s - self.window + 1)
         if self.causal:
-            hi = s.expand_as(g)
-            return (lo, hi) if own_key else (lo, hi - (lo < s).long())
-        if not own_key:
-            raise ValueError("SortedWindow.intervals(own_key=False) is causal only: leaving the own key out of a "
-                             "two-sided window splits its interval")
+            if not self.own_key:
+                return lo, (s - 1).expand_as(g)
+            return (lo, s - (lo < s).long()) if own_when_alone else (lo, s.expand_as(g))
+        if own_when_alone:
+            raise ValueError("SortedWindow.intervals(own_when_alone=True) is causal only: leaving the own key out "
+                             "of a two-sided window splits its interval")
         ends = torch.nn.functional.pad(change, (0, 1), value=True)  # s ends a run
         last = torch.where(ends, s, n).flip(-1).cummin(-1).values.flip(-1)
         return lo, last.clamp_max(s + self.window - 1)

@@ -8,8 +8,8 @@
 - ``ranges.py``: ``ranges`` (multi-probe routing): every (query, range) entry one row of one call, the block mask
   from the ranges on the device, shapes fixed by N.
 - ``ops.py``: ``tiled``, the executor's one operation, with the tiled executor's signature (``tiling.Tiling``).
-- ``router.py`` (kernels in ``router_kernels.py``): the causal router in Triton on CUDA, one custom operator,
-  no (N, k) scores.
+- ``router.py``, ``selection.py`` (their Triton kernels in ``kernels.py``): the causal router and MoBA's
+  block selection on CUDA, one custom operator each, no (N, k) or (N, N / block) scores.
 - ``windows.py``: the sorted window (routing's paper rule) from one key interval per query: block tables a few
   key blocks wide, built by a fixed number of operations.
 """
@@ -17,6 +17,7 @@
 from .ops import tiled
 from .ranges import flex_ranges
 from .router import flex_route
+from .selection import flex_select_blocks
 from .windows import sorted_window
 
-__all__ = ["flex_ranges", "flex_route", "sorted_window", "tiled"]
+__all__ = ["flex_ranges", "flex_route", "flex_select_blocks", "sorted_window", "tiled"]

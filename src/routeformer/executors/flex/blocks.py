@@ -4,9 +4,10 @@ A query block [q0, q1] may only see keys in the pattern's ``reach(q0, q1)``; the
 candidates (a few per query block for a band: O(N · reach) work, not O(N²)). The exact rule is evaluated on the
 candidates alone (in chunks of query blocks, so at most about 2^24 pairs at once): a candidate where no pair is
 allowed is dropped, one where every pair is allowed is a *full* block (the kernel skips ``mask_mod`` there), the
-rest are partial. Everything is tensor operations (the reach on the host, the rule on the queries' device),
-with no Python loop per block or step and no device-to-host read. Static patterns (no data masks) are cached by
-their ``cache_key`` and sizes; routing's masks, which change with every batch, are built per call.
+rest are partial. Everything is tensor operations (the reach's width on the host, the tables and the rule on the
+queries' device), with no Python loop per block or step, no device-to-host read and no host-to-device copy.
+Static patterns (no data masks) are cached by their ``cache_key`` and sizes; data masks (padding, groups) are
+built per call. Routing's and LSH's sorted windows build theirs from their intervals (``interval_block_mask``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,10 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
 
     bq, bk = block
     nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
-    cand, in_reach = _candidates(pattern, bq, bk)
-    width = cand.shape[1]
-    # non_blocking: a blocking copy to CUDA ends in a stream synchronisation (PyTorch's memcpy_and_sync); from
-    # pageable host memory the copy is staged before the call returns, so the host tensors may go at once
-    cand, in_reach = cand.to(device, non_blocking=True), in_reach.to(device, non_blocking=True)
+    width = _candidates(pattern, bq, bk, torch.device("cpu"))[0].shape[1]  # C, read off host tensors
+    # the tables on the device itself, from the same arithmetic: no copy from host memory (from pageable memory a
+    # copy to CUDA may synchronise the stream)
+    cand, in_reach = _candidates(pattern, bq, bk, device, width)
 
     b = torch.arange(B, device=device).view(B, 1, 1, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1, 1, 1)
@@ -76,19 +76,21 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
                                     mask_mod=pattern.allowed, seq_lengths=(pattern.nq, pattern.nk))
 
 
-def _candidates(pattern: FlexPattern, bq: int, bk: int) -> tuple[Tensor, Tensor]:
-    """(cand, in_reach) (nqb, C) on the host: the key blocks each query block's reach covers (clamped to the last
-    block) and whether each is within it. The reach is arithmetic on block numbers, tensors on the host made here:
-    reading the width C is a host read of a host tensor, never a wait for the device, and C depends only on the
-    pattern's reach and sizes (not on the data), so the block mask's shapes do too."""
+def _candidates(pattern: FlexPattern, bq: int, bk: int, device: torch.device,
+                width: int | None = None) -> tuple[Tensor, Tensor]:
+    """(cand, in_reach) (nqb, C) on ``device``: the key blocks each query block's reach covers (clamped to the last
+    block) and whether each is within it. The reach is arithmetic on block numbers. ``width`` None: C is read off
+    the result, which must then be on the host (a host read of a host tensor, never a wait for the device); C
+    depends only on the pattern's reach and sizes (not on the data), so the block mask's shapes do too."""
     nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
-    first = torch.arange(nq_blocks) * bq
+    first = torch.arange(nq_blocks, device=device) * bq
     last = (first + bq - 1).clamp(max=pattern.nq - 1)
     lo, hi = pattern.reach(first, last)
     lo_block = lo.clamp(0, pattern.nk - 1) // bk  # (nqb,)
     hi_block = hi.clamp(0, pattern.nk - 1) // bk
-    width = int((hi_block - lo_block).max()) + 1  # candidates per query block
-    cand = lo_block[:, None] + torch.arange(width)  # (nqb, C)
+    if width is None:
+        width = int((hi_block - lo_block).max()) + 1  # candidates per query block
+    cand = lo_block[:, None] + torch.arange(width, device=device)  # (nqb, C)
     return cand.clamp(max=nk_blocks - 1), cand <= hi_block[:, None]
 
 

@@ -1,6 +1,6 @@
-"""The router's Triton kernels (``router.py`` launches them): imported only where Triton is (CUDA builds of PyTorch
-carry it; ``pip install routeformer[triton]`` on a CPU, where ``TRITON_INTERPRET=1`` runs them on CPU tensors for
-the tests).
+"""The flex executor's Triton kernels (``router.py`` and ``selection.py`` launch them): imported only where Triton is
+(CUDA builds of PyTorch carry it; ``pip install routeformer[triton]`` on a CPU, where ``TRITON_INTERPRET=1`` runs
+them on CPU tensors for the tests).
 
 - ``choose``: each position's ``P`` best clusters by cosine + bias, never writing the (N, k) scores: a block of
   rows against the centroids a chunk of clusters at a time, a running best per row, ``P`` passes (a pass leaves
@@ -8,6 +8,8 @@ the tests).
   the clusters' sizes counted with integer atomics (exact whatever their order).
 - ``reduce``: the k-means statistics as a segmented reduction over the sorted order, one program per (cluster,
   head) summing its run of every batch entry in a fixed order: the same bits at every launch (no float atomics).
+- ``select``: MoBA's block selection: each query's ``TOP`` best complete blocks before its own by a score that
+  is a product of the query's and the block's summary vectors, never writing the (N, N / block) scores.
 """
 
 from __future__ import annotations
@@ -94,3 +96,42 @@ def reduce(R, ORDER, STARTS, COUNTS, VALID, SUMS, WEIGHTS, B, H, N, K, D,
             weight += w
     tl.store(SUMS + (h * K + c) * D + d, total, mask=d < D)
     tl.store(WEIGHTS + h * K + c, tl.sum(weight, axis=0))
+
+
+@triton.jit
+def select(Q, S, CHOSEN, N, NB, D, BLOCK,
+           TOP: tl.constexpr, TOP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """Q (B·H, N, D) the queries as they score (MoBA's q; Quest's bound: [q⁺, q]), S (B·H, NB, D) the blocks'
+    summaries (the mean keys; [hi - lo, lo]) -> CHOSEN (B·H, N, TOP) int64: the TOP best blocks j < i // BLOCK of
+    query i by Q_i · S_j, best first (ties to the lower index), -1 where it has fewer. Grid (cdiv(N, BLOCK_N),
+    B·H)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    limit = rows // BLOCK  # the blocks before the row's own
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(Q + (bh * N + rows[:, None]) * D + d[None, :], mask=in_rows[:, None] & (d[None, :] < D), other=0.0)
+    stop = tl.minimum(NB, (tl.minimum(pid * BLOCK_N + BLOCK_N, N) - 1) // BLOCK)  # no row here sees a later block
+    chosen = tl.full((BLOCK_N, TOP_PAD), -1, tl.int32)
+    slots = tl.arange(0, TOP_PAD)
+    for t in tl.static_range(TOP):
+        best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        arg = tl.full((BLOCK_N,), -1, tl.int32)
+        for k0 in range(0, stop, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            summary = tl.load(S + (bh * NB + cols[None, :]) * D + d[:, None], mask=(d[:, None] < D) &
+                              (cols[None, :] < NB), other=0.0)  # (BLOCK_D, BLOCK_K)
+            s = tl.dot(x, summary, input_precision="ieee")
+            s = tl.where(cols[None, :] < limit[:, None], s, float("-inf"))
+            if t > 0:
+                taken = tl.max((cols[None, :, None] == chosen[:, None, :]).to(tl.int32), axis=2) > 0
+                s = tl.where(taken, float("-inf"), s)
+            m = tl.max(s, axis=1)
+            a = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32) + k0
+            better = m > best
+            best = tl.where(better, m, best)
+            arg = tl.where(better, a, arg)
+        chosen = tl.where(slots[None, :] == t, arg[:, None], chosen)
+        tl.store(CHOSEN + (bh * N + rows) * TOP + t, arg.to(tl.int64), mask=in_rows)

@@ -27,7 +27,8 @@ class FlexPattern:
     query block (1-D tensors) -> (lo, hi), the key indices that block may see lie in [lo, hi]. per_head: the rule
     depends on b or h (data masks), so block masks are per (B, H) and never cached. cache_key: identifies a static
     rule for the block-mask cache (None: do not cache). delta: (b, h, i, j) -> relative distance, or None.
-    reach and cache_key are read on the host (``blocks.py``): reach gets CPU tensors.
+    reach and cache_key are read on the host (``blocks.py``): reach is arithmetic, given CPU tensors for the
+    tables' width and the queries' device's for the tables.
     frame: how the relative value pass enumerates each query's keys (``relative.value_term``):
     ``("offsets", lo, hi, complete, unit)`` (keys j = i + t for t in [lo, hi]; ``complete=False``: only those, the
     rest being beyond the clip; ``unit``: the distance is unit · t, or None: ``delta`` gives it) or ``("all",)``

@@ -2,9 +2,9 @@
 ``routeformer_flex::route``, with the fused CPU router's contract (``executors.routes.Routed``) and no (N, k)
 scores tensor.
 
-One call: ``router_kernels.choose`` (each position's p best clusters by cosine + bias, the best one's cosine, the
+One call: ``kernels.choose`` (each position's p best clusters by cosine + bias, the best one's cosine, the
 clusters' sizes), ``torch.sort`` of the int64 clusters (stable: the order by (cluster, position)) and its inverse,
-and with ``observe`` ``router_kernels.reduce`` (the k-means statistics of the real positions, one program per
+and with ``observe`` ``kernels.reduce`` (the k-means statistics of the real positions, one program per
 (cluster, head) over its runs of the sorted order, in a fixed order: deterministic, no float atomics). The
 operator has a fake implementation, so ``torch.compile`` traces through it and a count of operators on the ``meta``
 device sees one. Time O(N · k · D) per head for the choice, O(N · D) for the statistics; memory O(N · p).
@@ -46,7 +46,7 @@ def launch(r: Tensor, centroids: Tensor, bias: Tensor | None, valid: Tensor | No
     and centroids (H, k, D) float32, contiguous; bias (H, k) or None; valid (B, N) bool or None ->
     (probes (B, H, N, p), order, inverse, grouped (B, H, N), counts (B, H, k), all int64; sums (H, k, D) and
     weights (H, k) float32, or empty without ``observe``; cosine (B, H, N) float32)."""
-    from . import router_kernels as kernels
+    from . import kernels
 
     B, H, N, D = r.shape
     k = centroids.shape[1]

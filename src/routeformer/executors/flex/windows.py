@@ -11,7 +11,9 @@ forward at N = 65,536 (issue 56), its time bound by launching them.
 
 Shared QK: with every key real, the own key is left out of the interval itself wherever an earlier key is in the
 window (hi_s = s - 1), so no pass follows the kernel; with padding, which keys are real decides whether a query is
-alone, so the rule leaves the diagonal out and the executor's own-key fallback (``ops.attend``) runs after.
+alone, so the rule leaves the diagonal out and the executor's own-key fallback (``ops.attend``) runs after. LSH's
+rounds (``own_key=False``, and the pairs earlier rounds hold as ``KeyRestrictions.labels``): the labels are two
+more comparisons per earlier round in the rule, and no block is full.
 """
 
 from __future__ import annotations
@@ -46,19 +48,30 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
     ordered, inverse = to_order(inputs, piece.order)
     q, k, v, valid = ordered.q, ordered.k, ordered.v, ordered.key_valid
     B, H, N, _ = q.shape
-    # Shared QK, every key real: the own key out of the interval itself. With padding: the diagonal out in the
-    # rule, and the fallback after the kernel gives a query that saw no real key its own.
+    # Shared QK, every key real: the own key out of the interval itself. With padding (or two-sided): the diagonal
+    # out in the rule, and the fallback after the kernel gives a query that saw no real key its own. Without its
+    # own key at all (LSH's rounds): out of a causal interval, out of a two-sided one by the rule.
     trimmed = exclude_self and valid is None and piece.causal
     fallback = exclude_self and not trimmed
-    lo, hi = piece.intervals(own_key=not trimmed)
+    lo, hi = piece.intervals(own_when_alone=trimmed)
+    no_diagonal = fallback or (not piece.own_key and not piece.causal)
+    held = [] if restrict is None or restrict.labels is None else \
+        [restrict.labels[:, :, x].contiguous() for x in range(restrict.labels.shape[2])]
+    label_window = 0 if restrict is None else restrict.label_window
 
     def within(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         ic = i.clamp(max=N - 1)  # the kernel evaluates the last block's padding too
         ok = (lookup(lo, b, h, ic) <= j) & (j <= lookup(hi, b, h, ic)) & (i < N) & (j < N)
         return ok if valid is None else ok & lookup(valid, b, h, j.clamp(max=N - 1))
 
-    def without_own(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return within(b, h, i, j) & (i != j)
+    def allowed(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        ok = within(b, h, i, j)
+        if no_diagonal:
+            ok = ok & (i != j)
+        ic, jc = i.clamp(max=N - 1), j.clamp(max=N - 1)
+        for labels in held:  # a pair an earlier call holds (LSH's earlier rounds) is left to it
+            ok = ok & ((lookup(labels, b, h, ic) - lookup(labels, b, h, jc)).abs() >= label_window)
+        return ok
 
     block = blocks.BLOCK
     reach = math.ceil((piece.window - 1) / block)
@@ -67,13 +80,14 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
     def key_reach(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:  # the band's, for the generic builder
         return first - span, last + (0 if piece.causal else span)
 
-    allowed = without_own if fallback else within
     whole = None
-    if valid is not None:  # a key block with a padded key is never full: the rule must test its keys
+    if held:  # the labels may leave out a pair anywhere: no block is full, the rule tests every one
+        whole = torch.zeros(1, 1, -(-N // block), dtype=torch.bool, device=q.device)
+    elif valid is not None:  # a key block with a padded key is never full: the rule must test its keys
         nb = -(-N // block)
         whole = F.pad(valid, (0, nb * block - N), value=True).view(*valid.shape[:2], nb, block).all(-1)
     mask = blocks.interval_block_mask(lo, hi, (reach, 0 if piece.causal else reach), allowed,
-                                      diagonal=not fallback, key_blocks_whole=whole, block=block)
+                                      diagonal=not no_diagonal, key_blocks_whole=whole, block=block)
     pattern = FlexPattern(
         nq=N, nk=N, allowed=allowed, reach=key_reach, per_head=True, cache_key=None,
         delta=None if rel is None else positions_delta(rel.distances.positions, N),
