@@ -27,7 +27,10 @@ minutes (default 8.5) from the start is skipped and reported as such, so the who
 holds as done, with the same settings, are kept as they are and not run again; a report of other settings is
 refused, naming them. The summary gives each row's mean over the seeds done, its difference from ``local`` and
 from ``control`` with the seed spread beside it, and the verdict: routing below the control by more than the
-spread.
+spread. Then, unless ``--no-analyze``, where the gain comes from: for each seed whose routing row and control
+trained in this call, ``routeformer analyze RUN routing --baseline CONTROL`` into OUT/analysis-seedS (the keys the
+routing heads use beyond the local window, by distance; both models' per-token loss by the distance to the
+previous occurrence of the context: a table, a CSV and a figure).
 
 Data: ``--data DIR``, a prepared data set's folder (``routeformer prepare pg19 --from BOOKS`` makes
 ``~/.cache/routeformer/pg19``); else ``sympy``, the installed SymPy's long source files (a dependency of torch, so
@@ -56,6 +59,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -73,6 +77,7 @@ SIZES = {  # seq_len, the steps of a row (budget tokens), the minutes of a row (
 LABELS = ("local", "control", "local+routing", "local+moba", "full")
 clock = time.monotonic  # the run's clock (a test's stand-in advances it)
 FIRST_OVERHEAD_S = 45.0  # a row's seconds beyond its training minutes (set-up, final evaluation) before one is seen
+ANALYSIS_MINUTES = 1.0  # what one seed's analysis may take (planned; measured on a GPU: not yet)
 # The settings a resumed report must share with this run for its rows to stand beside this run's.
 RESUMED_SETTINGS = ("seq_len", "budget", "steps_per_row", "minutes_per_row", "dtype", "num_clusters",
                     "routing_window", "sets", "specs")
@@ -144,6 +149,18 @@ class Row:
     unit: str | None = None
     heads: str | None = None
     note: str = ""
+    run_dir: str | None = None  # where it trained (in the work folder: not carried by --resume)
+
+
+@dataclass
+class Analysis:
+    """``routeformer analyze RUN routing --baseline CONTROL`` of one seed's routing row against its control."""
+
+    seed: int
+    status: str = "planned"  # done | failed | skipped
+    out: str = ""
+    seconds: float | None = None
+    note: str = ""
 
 
 def plan_rows(seeds: list[int], specs: dict[str, str]) -> list[Row]:
@@ -176,7 +193,7 @@ def resumed(path: Path, rows: list[Row], settings_: dict) -> int:
         kept = done.get((row.label, row.seed))
         if kept is not None:
             for name, value in kept.items():
-                if hasattr(row, name):
+                if hasattr(row, name) and name != "run_dir":  # its run directory stayed on the other machine
                     setattr(row, name, value)
             row.note = (row.note + "; " if row.note else "") + f"from {path.name} ({earlier['machine'].get('commit')})"
             taken += 1
@@ -238,8 +255,44 @@ def main(argv: list[str] | None = None) -> int:
         if row.status == "done":
             overheads.append(max(0.0, row.wall_s - plan.minutes * 60))
         write_report(plan.out, report)
+    if args.analyze:
+        report["analyses"] = analyse(rows, plan, start, lambda: write_report(plan.out, report))
     print(render_markdown(report))
-    return 1 if any(r.status == "failed" for r in rows) else 0  # the report says which and why
+    failed = any(r.status == "failed" for r in rows) or any(a.status == "failed" for a in report.get("analyses", []))
+    return 1 if failed else 0  # the report says which and why
+
+
+def analyse(rows: list[Row], plan: Plan, start: float, written: Callable[[], None]) -> list[Analysis]:
+    """Where routing's gain comes from (issue 57, item 2): for every seed whose routing row and control both
+    trained in this call, ``routeformer analyze`` of the routing run against the control (the keys the routing
+    heads use beyond the local window, by distance; the per-token loss of both by the distance to the previous
+    occurrence of the context: a table, a CSV and a figure) into OUT/analysis-seedS, when it fits ``--total``."""
+    from routeformer.cli import main as routeformer
+
+    found = {(r.label, r.seed): r for r in rows if r.status == "done" and r.run_dir and Path(r.run_dir).is_dir()}
+    analyses = []
+    for seed in sorted({r.seed for r in rows}):
+        routed, control = found.get(("local+routing", seed)), found.get(("control", seed))
+        if routed is None or control is None:
+            continue
+        job = Analysis(seed, out=str(plan.out / f"analysis-seed{seed}"))
+        analyses.append(job)
+        if not fits(clock() - start, ANALYSIS_MINUTES, 0, plan.total):
+            job.status, job.note = "skipped", f"would end past --total {plan.total:g} min"
+            continue
+        began = clock()
+        argv = ["analyze", routed.run_dir, "routing", "--baseline", control.run_dir, "--out", job.out, "--device",
+                plan.device, "--windows", "2" if plan.seq_len <= 1024 else "16", "--data-dir", str(plan.data_dir)]
+        try:
+            code = routeformer(argv)
+            job.status = "done" if code == 0 else "failed"
+            job.note = "" if code == 0 else f"exit {code}"
+        except Exception as err:  # an analysis that fails must not lose the rows' report
+            traceback.print_exc()
+            job.status, job.note = "failed", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        job.seconds = clock() - began
+        written()
+    return analyses
 
 
 def _stop(signum, frame) -> None:
@@ -267,6 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "from the start (default 8.5; --toy 10)")
     parser.add_argument("--resume", metavar="REPORT", help="a previous run's report.json: its done rows (same "
                         "settings) are kept, not run again")
+    parser.add_argument("--no-analyze", dest="analyze", action="store_false",
+                        help="skip the analysis of each seed's routing run against its control (OUT/analysis-seedS)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], metavar="SEED",
                         help="seeds, run one after the other (default 0 1)")
     parser.add_argument("--work", metavar="DIR", help="where the data and the run directories go (default: a new "
@@ -334,6 +389,8 @@ def run_row(row: Row, plan: Plan) -> None:
     result = text.run([row.spec], bench, Echo(print, note))[0]
     row.steps, row.train_minutes, row.valid, row.unit, row.heads = (result["steps"], result["minutes"],
                                                                     result["valid"], result["unit"], result["heads"])
+    trained = [d for d in out.iterdir() if (d / "metrics.jsonl").is_file()]
+    row.run_dir = str(trained[0]) if len(trained) == 1 else None
     if plan.budget == "tokens" and row.steps < plan.steps:
         row.note = f"cut by the {plan.minutes:g}-minute cap at {row.steps} of {plan.steps} steps: not at equal tokens"
     if cuda:
@@ -468,6 +525,12 @@ def render_markdown(report: dict) -> str:
                      f"| {_cell(r.wall_s, '.0f')} | {_cell(r.tokens_per_s, ',.0f')} | {_cell(r.first_log_s, '.1f')} "
                      f"| {_cell(r.peak_gib, '.2f')} | {_cell(r.valid, '.3f')} | {r.note.replace('|', '/')} |")
     lines += ["", "## Summary", ""] + [f"- {line}" for line in summary(report["rows"])]
+    analyses = report.get("analyses", [])
+    if analyses:
+        lines += ["", "## Where the gain comes from", "",
+                  "`routeformer analyze RUN routing --baseline CONTROL` of each seed's routing run against its control:",
+                  ""] + [f"- seed {a.seed}: {a.status}" + (f", {a.seconds:.0f} s" if a.seconds is not None else "")
+                         + f": `{a.out}`" + (f" ({a.note})" if a.note else "") for a in analyses]
     return "\n".join(lines) + "\n"
 
 
@@ -478,7 +541,8 @@ def _cell(value, spec: str) -> str:
 def write_report(out: Path, report: dict) -> None:
     """report.json and report.md, each replaced whole (a temporary file renamed): an interruption leaves the last
     complete version."""
-    data = {**report, "rows": [asdict(r) for r in report["rows"]], "summary": summary(report["rows"])}
+    data = {**report, "rows": [asdict(r) for r in report["rows"]], "summary": summary(report["rows"]),
+            "analyses": [asdict(a) for a in report.get("analyses", [])]}
     for name, body in (("report.json", json.dumps(data, indent=2) + "\n"), ("report.md", render_markdown(report))):
         tmp = out / f".{name}.tmp"
         tmp.write_text(body)

@@ -145,7 +145,7 @@ def test_a_resumed_report_keeps_its_done_rows_and_refuses_other_settings(script,
 
     def row_stand_in(row, plan) -> None:
         ran.append((row.label, row.seed))
-        row.valid, row.steps = 2.0, 12
+        row.valid, row.steps, row.run_dir = 2.0, 12, str(tmp_path / "elsewhere")
 
     monkeypatch.setattr(script, "run_row", row_stand_in)
     first = tmp_path / "first"
@@ -162,6 +162,8 @@ def test_a_resumed_report_keeps_its_done_rows_and_refuses_other_settings(script,
     rows = _report(second)["rows"]
     assert all(r["status"] == "done" for r in rows)
     assert rows[0]["note"].startswith("from report.json") and rows[0]["valid"] == 2.0
+    assert rows[0]["run_dir"] is None and rows[5]["run_dir"]  # a resumed row's run directory is not here
+    assert _report(second)["analyses"] == []  # no run directory to analyse: the stand-ins wrote none
     code = script.main([str(tmp_path / "third"), "--toy", "--device", "cpu", "--budget", "time", "--resume",
                         str(first / "report.json"), *work])
     assert code == 2
