@@ -528,7 +528,8 @@ def render_markdown(report: dict) -> str:
     analyses = report.get("analyses", [])
     if analyses:
         lines += ["", "## Where the gain comes from", "",
-                  "`routeformer analyze RUN routing --baseline CONTROL` of each seed's routing run against its control:",
+                  "`routeformer analyze RUN routing --baseline CONTROL` of each seed's routing run against its "
+                  "control:",
                   ""] + [f"- seed {a.seed}: {a.status}" + (f", {a.seconds:.0f} s" if a.seconds is not None else "")
                          + f": `{a.out}`" + (f" ({a.note})" if a.note else "") for a in analyses]
     return "\n".join(lines) + "\n"
