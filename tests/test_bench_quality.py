@@ -144,3 +144,22 @@ def test_bench_text_device_and_dtype_reach_every_row(tmp_path, capsys) -> None:
         assert main([*base, "--out", str(tmp_path / "both"), flag, value, "--set", f"{key}={value}"]) == 2
         assert f"{flag} {value} and --set {key}=... both set the rows' {key}" in capsys.readouterr().err
     assert not (tmp_path / "both").exists()
+
+
+def test_bench_recall_writes_its_rows_as_json_on_the_device_it_is_given(tmp_path, capsys) -> None:
+    """--json keeps the rows (each seed's accuracy, the ratio to the reference) and the settings, the device among
+    them; the rows are those the table prints."""
+    import json
+
+    path = tmp_path / "recall.json"
+    assert main(["bench", "recall", "--tasks", "passkey", "--attention", "local", "--seq-len", "48", "--gap", "12",
+                 "--window", "4", "--dim", "16", "--steps", "2", "--batch", "2", "--eval", "4", "--seeds", "0", "1",
+                 "--device", "cpu", "--json", str(path)]) == 0
+    written = json.loads(path.read_text())
+    assert written["suite"] == "recall" and written["settings"]["device"] == "cpu"
+    assert written["settings"]["tasks"] == ["passkey"] and written["settings"]["seeds"] == [0, 1]
+    assert [r["attention"] for r in written["rows"]] == ["reference: full (curriculum 1 at 12, seeds 0 1)", "local"]
+    local = written["rows"][1]
+    assert len(local["seeds"]) == 2 and local["accuracy"] == sum(local["seeds"]) / 2
+    assert local["vs_ref"] is None or isinstance(local["vs_ref"], float)
+    assert ", cpu, threads=" in capsys.readouterr().out  # the header names the device

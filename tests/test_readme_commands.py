@@ -162,7 +162,7 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
         assert main(toy) == 0, f"README command failed at toy size: routeformer {' '.join(toy)}"
 
 
-DEVICE_OPTION = ("evaluate", "sample", "analyze", "bench attention", "bench model", "bench all")
+DEVICE_OPTION = ("evaluate", "sample", "analyze", "bench attention", "bench model", "bench recall", "bench all")
 
 
 def _on_the_cpu(argv: list[str]) -> list[str]:

@@ -86,13 +86,14 @@ class RecallSettings:
 class Training:
     """How every model trains and is scored: ``steps`` optimiser steps of ``batch`` sequences at peak learning rate
     ``lr`` (warm-up, cosine), then ``eval_sequences`` held-out sequences; once per seed of ``seeds`` (the model's
-    initialisation; the batches are the same for every seed)."""
+    initialisation; the batches are the same for every seed), on ``device``."""
 
     steps: int = 800
     batch: int = 32
     lr: float = 1e-3
     eval_sequences: int = 512
     seeds: tuple[int, ...] = (0,)
+    device: str = "cpu"  # where the models train and are scored (the batches are made on the CPU, then moved)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seeds", tuple(self.seeds))
@@ -256,19 +257,22 @@ def train(model: TransformerLM, task: RecallTask | Callable[[int], RecallTask], 
     schedule = TrainConfig(lr=lr, min_lr=0.0, warmup_steps=min(warmup, steps), max_steps=steps)  # warm-up, cosine
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: learning_rate(s + 1, schedule) / lr)
     model.train()
+    device = next(model.parameters()).device
     start = time.perf_counter()
     seq_len = model.config.seq_len
     for step in range(steps):
         n = model.config.train_len(step) if curriculum is None else curriculum.length_at(model.config, step)
         b = at(n).make(batch * seq_len // n, step)
-        logits = model(b.tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE)
+        logits = model(b.tokens.to(device))
+        loss = F.cross_entropy(logits.flatten(0, 1), b.targets.to(device).flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
         (loss + model.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         model.after_optimizer_step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the steps' time, not their launches'
     return (time.perf_counter() - start) / steps
 
 
@@ -291,6 +295,7 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
     """Accuracy on held-out batches, and what the head groups that report it (``HeadGroup.reach``: routing)
     reached (absent when none does)."""
     model.eval()
+    device = next(model.parameters()).device
     seen: list[tuple[HeadGroup, torch.Tensor, torch.Tensor]] = []
     hooks = [g.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[1])))
              for g in model.head_groups() if type(g).reach is not HeadGroup.reach]
@@ -300,12 +305,13 @@ def evaluate(model: TransformerLM, task: RecallTask, *, sequences: int, batch: i
         for i in range(-(-sequences // batch)):
             b = task.make(min(batch, sequences - i * batch), EVAL_SEED + i)
             seen.clear()
-            logits = model(b.tokens)
-            scored = b.targets != IGNORE
-            correct += int((logits.argmax(-1)[scored] == b.targets[scored]).sum())
+            targets = b.targets.to(device)
+            logits = model(b.tokens.to(device))
+            scored = targets != IGNORE
+            correct += int((logits.argmax(-1)[scored] == targets[scored]).sum())
             total += int(scored.sum())
             rows, cols = scored.nonzero(as_tuple=True)
-            src = b.sources[rows, cols]
+            src = b.sources.to(device)[rows, cols]
             for group, q, k in seen:
                 for key, value in group.reach(q, k, rows, cols, src).items():
                     reached.setdefault(key, []).append(value)
@@ -363,13 +369,14 @@ def run(tasks: Sequence[str], attentions: Sequence[str], settings: RecallSetting
         for b in built.values():  # the reference runs on an executor too (named by its spec)
             if b.reference is not None:
                 named.setdefault(b.reference.spec, b.reference.config)
-        for line in executor_lines({name: config.describe_executor("cpu") for name, config in named.items()}):
+        for line in executor_lines({name: config.describe_executor(training.device)
+                                    for name, config in named.items()}):
             say(line)
     t = training
     echo(f"# recall benchmark: N={s.seq_len}, gap>{s.gap}, mqar/one_hop facts={s.facts}, depth={s.depth}, "
          f"dim={s.dim}, heads={s.heads}, window={s.window}, steps={t.steps}, batch={t.batch}, lr={t.lr}, "
          f"seeds={' '.join(map(str, t.seeds))}, reference={_describe(reference, t)}, "
-         f"threads={torch.get_num_threads()}")
+         f"{t.device}, threads={torch.get_num_threads()}")
     rows: list[dict] = []
     warnings: list[str] = []
     for task_name in tasks:
@@ -433,7 +440,7 @@ def _train_row(name: str, config: TransformerConfig, built: _Built, training: Tr
     results, times = [], []
     for seed in seeds:
         torch.manual_seed(seed)
-        model = TransformerLM(config)
+        model = TransformerLM(config).to(training.device)
         times.append(train(model, built.tasks_at, steps=steps, batch=training.batch, lr=training.lr,
                            curriculum=curriculum))
         results.append(evaluate(model, built.task, sequences=training.eval_sequences))

@@ -127,6 +127,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     rec.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="SEED",
                      help="model initialisation seeds: every row trains once per seed and reports the mean "
                      "(default 0)")
+    add_device(rec, bench=True)
+    rec.add_argument("--json", metavar="FILE", help="also write the rows to FILE as JSON (the settings and, per row, "
+                     "task, attention, accuracy, each seed's, its ratio to the reference)")
 
     txt = suites.add_parser(
         "text",
@@ -176,9 +179,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench import recall
 
         training = recall.Training(steps=args.steps, batch=args.batch, lr=args.lr, eval_sequences=args.eval,
-                                   seeds=args.seeds)
-        recall.run(args.tasks, args.attention, recall_settings(args), training, reference=recall_reference(args),
-                   echo=echo)
+                                   seeds=args.seeds, device=args.device)
+        rows = recall.run(args.tasks, args.attention, recall_settings(args), training,
+                          reference=recall_reference(args), echo=echo)
+        if args.json:
+            _write_json(args.json, {"suite": "recall", "settings": {key: getattr(args, key) for key in (
+                "tasks", "attention", "reference", "reference_steps", "seq_len", "gap", "facts", "depth", "dim",
+                "heads", "window", "steps", "batch", "lr", "eval", "seeds", "device")}, "rows": rows})
     elif args.suite == "attention":
         rows = attention.run(args.n, attention_bench(args), echo)
         if args.json:
