@@ -64,6 +64,8 @@ def test_the_routes_are_the_definitions_in_float64(probes, k, with_bias, padded,
     onehot = F.one_hot(keys, k).double() * w[:, None, :, None]  # (B, H, N, k)
     torch.testing.assert_close(got.weights, onehot.sum((0, 2)), rtol=0, atol=0)
     torch.testing.assert_close(got.sums, torch.einsum("bhnk,bhnd->hkd", onehot, r), rtol=1e-12, atol=1e-12)
+    cosines = torch.einsum("bhnd,hkd->bhnk", r, centroids).gather(-1, keys[..., None])[..., 0]  # without the bias
+    torch.testing.assert_close(got.cosine, cosines, rtol=1e-12, atol=1e-12)
     unobserved = fused_route(r, centroids, bias, valid, probes, observe=False)
     assert unobserved.sums.numel() == 0 and unobserved.weights.numel() == 0
     assert torch.equal(unobserved.probes, got.probes) and torch.equal(unobserved.order, got.order)

@@ -14,8 +14,9 @@ class Routed(NamedTuple):
     """probes (B, H, N, p) long, best first (``probes[..., 0]`` the key's own cluster); order, inverse, grouped
     (B, H, N) long: the sort by (cluster, position) and each sorted entry's cluster; counts (B, H, k) long, the
     cluster sizes; sums (H, k, D) and weights (H, k): the k-means statistics of the real positions (empty unless
-    observed); cosine (B, H, N) float32: each position's cosine to its own cluster's centroid, without the bias
-    (the commitment term's, ``1 - cosine`` = half the squared distance), where the kernels give it (else None)."""
+    observed); cosine (B, H, N) in r's dtype: each position's cosine to its own cluster's centroid, without the
+    bias (the commitment term's, ``1 - cosine`` = half the squared distance), where the kernels give it (else
+    None)."""
 
     probes: Tensor
     order: Tensor

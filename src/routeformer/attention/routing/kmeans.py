@@ -123,11 +123,13 @@ class SphericalKMeans(nn.Module):
         return self.scores(r).argmax(-1)
 
     def commitment(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None) -> Tensor:
-        """Mean over positions of ||r - sg(μ_c)||² (scalar), the commitment term; ``valid`` (B, N) excludes padding."""
+        """Mean over positions of ||r - sg(μ_c)||² (scalar), the commitment term, for unit r and μ_c as 2 - 2 r · μ_c
+        (the form the routers' kernels give it from their cosines: ``router.commitment_from_cosine``, so that every
+        path computes the same loss); ``valid`` (B, N) excludes padding."""
         H = self.heads
         mu = self.centroids.detach()[torch.arange(H, device=r.device)[None, :, None], clusters]  # (B, H, N, D)
         acc = torch.promote_types(r.dtype, torch.float32)
-        err = (r.to(acc) - mu.to(acc)).square().sum(-1)  # (B, H, N)
+        err = 2.0 - 2.0 * (r.to(acc) * mu.to(acc)).sum(-1)  # (B, H, N)
         if valid is None:
             return err.mean()
         weight = valid[:, None, :].to(err.dtype).expand_as(err)

@@ -142,7 +142,8 @@ def _register() -> None:
         long = {"dtype": torch.long}
         return (r.new_empty(B, H, N, probes, **long), r.new_empty(B, H, N, **long), r.new_empty(B, H, N, **long),
                 r.new_empty(B, H, N, **long), r.new_empty(B, H, k, **long),
-                r.new_empty((H, k, D) if observe else (0,)), r.new_empty((H, k) if observe else (0,)))
+                r.new_empty((H, k, D) if observe else (0,)), r.new_empty((H, k) if observe else (0,)),
+                r.new_empty(B, H, N))
 
 
 

@@ -1,7 +1,8 @@
 """The fused executor's router (``Executor.route_run``): the causal router's discrete part as one fused CPU kernel
 where the kernels are built (float32 and float64 on the CPU), else ``None`` and the caller takes PyTorch's operators
 (``attention.routing.router``): the same clusters (the scores summed in another order: a near-tie may fall the other
-way), the same sort, the same statistics (``executors.routes.Routed``, without the cosine)."""
+way), the same sort, the same statistics, and each position's cosine to its own centroid
+(``executors.routes.Routed``)."""
 
 from __future__ import annotations
 

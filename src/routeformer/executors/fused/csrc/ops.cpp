@@ -57,7 +57,7 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def("select_blocks(Tensor q, Tensor k, int block, int top, bool bound) -> Tensor");
   m.def(
       "route(Tensor r, Tensor centroids, Tensor? bias, Tensor? key_valid, int probes, bool observe) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
   m.def("vector_width() -> int", &routeformer::fused_vector_width);
   m.def("geometry_fields(str which) -> str[]", &routeformer::fused_geometry_fields);

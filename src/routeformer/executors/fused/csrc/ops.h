@@ -65,7 +65,7 @@ at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor&
 
 at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
     const at::Tensor& r, const at::Tensor& centroids, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& key_valid, int64_t probes, bool observe);
 

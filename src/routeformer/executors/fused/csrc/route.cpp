@@ -8,8 +8,9 @@
 // adds the statistics with index_add: at N = 16384, k = 128 four temporaries of N · k per head and an N log N sort.
 // Here a position's scores live on the stack (clusters in the vector lanes, four positions per pass, as the block
 // selection of select.cpp), the sort is two passes over N, and the statistics are reduced per head in the order
-// (b, n), so the result is the same for every thread count. Forward only: the choice is discrete; the commitment
-// loss, which has a gradient, stays with PyTorch (router.py).
+// (b, n), so the result is the same for every thread count. Forward only: the choice is discrete. The commitment
+// loss, which has a gradient, is PyTorch's from each position's cosine to its own centroid, which this pass returns
+// (the best score less the bias: router.py's commitment_from_cosine, whose backward is analytic).
 #include "checks.h"
 #include "common.h"
 #include "ops.h"
@@ -54,7 +55,7 @@ void best_clusters(const T* s, int64_t k, int64_t p, T* best, int64_t* o) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
     const at::Tensor& r, const at::Tensor& centroids, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& key_valid, int64_t probes, bool observe) {
   const char* op = "route";
@@ -77,7 +78,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   auto counts = at::zeros({B, H, k}, longs);
   auto sums = at::zeros(observe ? at::IntArrayRef{H, k, D} : at::IntArrayRef{0}, r.options());
   auto weights = at::zeros(observe ? at::IntArrayRef{H, k} : at::IntArrayRef{0}, r.options());
-  if (B * H * N == 0) return {chosen, order, inverse, grouped, counts, sums, weights};
+  auto cosine = at::empty({B, H, N}, r.options());
+  if (B * H * N == 0) return {chosen, order, inverse, grouped, counts, sums, weights, cosine};
   AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "routeformer_route", [&] {
     using T = scalar_t;
     using Vec = at::vec::Vectorized<T>;
@@ -94,6 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
     const T* rp = r.data_ptr<T>();
     int64_t* out = chosen.data_ptr<int64_t>();
+    T* cos = cosine.data_ptr<T>();
     const int64_t rows_per_task = 64;  // positions of one (b, h) a task scores
     const int64_t tasks_per_row = (N + rows_per_task - 1) / rows_per_task;
     at::parallel_for(0, B * H * tasks_per_row, 1, [&](int64_t t0, int64_t t1) {
@@ -104,16 +107,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         const T* base = rp + (x / H) * r.stride(0) + h * r.stride(1);
         const T* m = mu.data() + h * D * stride;
         const T* bh = bias.has_value() ? b.data() + h * stride : nullptr;
+        // the picks of position n from its scores sc, and its cosine to its own (first) cluster: the score less
+        // the bias
+        auto pick = [&](const T* sc, int64_t n) {
+          int64_t* o = out + (x * N + n) * probes;
+          best_clusters(sc, k, probes, best.data(), o);
+          cos[x * N + n] = sc[o[0]] - (bh ? bh[o[0]] : T(0));
+        };
         int64_t i = first;
         for (; i + 4 <= last; i += 4) {
           cluster_scores<T, 4>(base + i * r.stride(2), r.stride(2), m, bh, stride, D, s.data());
-          for (int j = 0; j < 4; j++) {
-            best_clusters(s.data() + j * stride, k, probes, best.data(), out + (x * N + i + j) * probes);
-          }
+          for (int j = 0; j < 4; j++) pick(s.data() + j * stride, i + j);
         }
         for (; i < last; i++) {
           cluster_scores<T, 1>(base + i * r.stride(2), r.stride(2), m, bh, stride, D, s.data());
-          best_clusters(s.data(), k, probes, best.data(), out + (x * N + i) * probes);
+          pick(s.data(), i);
         }
       }
     });
@@ -164,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       }
     });
   });
-  return {chosen, order, inverse, grouped, counts, sums, weights};
+  return {chosen, order, inverse, grouped, counts, sums, weights, cosine};
 }
 
 }  // namespace routeformer
