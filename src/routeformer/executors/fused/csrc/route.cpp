@@ -41,16 +41,28 @@ void cluster_scores(const T* r, int64_t r_stride, const T* mu, const T* bias, in
   }
 }
 
-// The ``p`` best of s[0, k), best first, into ``o``, as passes of argmax with each winner masked do: a strictly
-// greater score displaces, so ties keep the lower cluster first.
+// The ``p`` best of s[0, k), best first, into ``o``: p passes of argmax (``first_max``, branchless), each winner
+// masked to -inf and put back after (``saved``: p values), so ties keep the lower cluster first. A pass that finds no
+// score above -inf (NaN or -inf scores only) takes the lowest cluster not chosen yet, as keeping the p best in one
+// pass of insertions would (and cluster 0 for one probe). Keeping the p best by insertion in one pass mispredicts
+// its compares: with two probes it took 35.6 ms of a 16k training step against 21.0 for one (docs/benchmarks.md).
 template <typename T>
-void best_clusters(const T* s, int64_t k, int64_t p, T* best, int64_t* o) {
-  if (p == 1) {  // a NaN score is never picked, and cluster 0 stands where no score is above -inf
-    o[0] = first_max(s, k, -std::numeric_limits<T>::infinity(), int64_t(0));
-    return;
+void best_clusters(T* s, int64_t k, int64_t p, T* saved, int64_t* o) {
+  const T floor = -std::numeric_limits<T>::infinity();
+  for (int64_t t = 0; t < p; t++) {
+    int64_t at = first_max(s, k, floor, int64_t(-1));
+    if (at < 0) {  // the lowest cluster not chosen yet
+      at = 0;
+      for (bool taken = true; taken; at += taken ? 1 : 0) {
+        taken = false;
+        for (int64_t u = 0; u < t; u++) taken = taken || o[u] == at;
+      }
+    }
+    o[t] = at;
+    saved[t] = s[at];
+    s[at] = floor;
   }
-  int64_t kept = 0;
-  for (int64_t c = 0; c < k; c++) keep_best(s[c], c, p, kept, best, o);
+  for (int64_t t = p - 1; t >= 0; t--) s[o[t]] = saved[t];
 }
 
 }  // namespace
@@ -109,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         const T* bh = bias.has_value() ? b.data() + h * stride : nullptr;
         // the picks of position n from its scores sc, and its cosine to its own (first) cluster: the score less
         // the bias
-        auto pick = [&](const T* sc, int64_t n) {
+        auto pick = [&](T* sc, int64_t n) {
           int64_t* o = out + (x * N + n) * probes;
           best_clusters(sc, k, probes, best.data(), o);
           cos[x * N + n] = sc[o[0]] - (bh ? bh[o[0]] : T(0));
