@@ -4,6 +4,7 @@ the device tests run on (``device_under_test``)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from routeformer.attention import KINDS, Inputs, RelativePositions, reference_attention
 from routeformer.executors import resolve_backend
@@ -272,3 +274,27 @@ def check_interval_tables(mask_mod, mask, shape: tuple[int, int, int], block: in
         assert not (some & ~listed).any(), "a block holding an allowed pair is missing"
         if exact:
             assert torch.equal(listed, some)
+
+
+class OperatorCount(TorchDispatchMode):
+    """A dispatch mode counting the operators dispatched, views aside (``ops``: name -> calls), and the largest
+    tensor any of the counted ones returns (``largest``, elements): on the ``meta`` device it counts a forward's
+    kernel launches and their sizes without computing anything."""
+
+    VIEWS = frozenset({"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "detach", "slice", "select", "t",
+                       "transpose", "permute", "alias", "as_strided", "unfold", "lift_fresh", "split", "unbind"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS:
+            self.ops[name] += 1
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    self.largest = max(self.largest, x.numel())
+        return out

@@ -9,7 +9,6 @@ either those tests skip; the operator count and the commitment term need no Trit
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import math
 import os
@@ -17,9 +16,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import rand_padding
+from helpers import OperatorCount, rand_padding
 from routeformer.attention.routing import RoutingAttention, RoutingOptions
 from routeformer.attention.routing.router import commitment_from_cosine
 from routeformer.attention.routing.sorted_window import sort_by_cluster
@@ -125,34 +123,12 @@ def test_the_commitment_from_the_cosine_is_the_centroid_distance_with_its_gradie
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
 
 
-class _Count(TorchDispatchMode):
-    """Operators dispatched (views aside) and the largest tensor any of them writes."""
-
-    VIEWS = frozenset({"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "detach", "slice", "select", "t",
-                       "transpose", "permute", "alias", "as_strided", "unfold", "lift_fresh", "split", "unbind"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name not in self.VIEWS:
-            self.ops[name] += 1
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor):
-                    self.largest = max(self.largest, x.numel())
-        return out
-
-
 def _stub_flex(q, k, v, *, block_mask, scale, score_mod=None):
     """FlexAttention's call as one differentiable stand-in of its shapes (on the GPU: one compiled kernel)."""
     return q * scale + v.mean(2, keepdim=True), q.float().sum(-1)
 
 
-def _routing_step(N: int, monkeypatch) -> _Count:
+def _routing_step(N: int, monkeypatch) -> object:
     """One training forward and backward of a causal routing layer with the paper's rule (k = sqrt(N) clusters,
     window N / k, shared QK, 8 heads of 64) on the flex executor, on the ``meta`` device, bfloat16 as on a GPU."""
     monkeypatch.setattr(flex_ops, "flex_call", _stub_flex)
@@ -163,7 +139,7 @@ def _routing_step(N: int, monkeypatch) -> _Count:
     q = torch.empty(1, 8, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     v = torch.empty(1, 8, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     for _ in range(2):  # the second step is counted: the first also makes what the sizes alone decide, once
-        with _Count() as count:
+        with OperatorCount() as count:
             out = layer(q, q, v)
             (out.float().sum() + layer.commitment_loss).backward()
     return count

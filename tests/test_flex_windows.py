@@ -6,14 +6,12 @@ test_model (parametrised by backend), and against the tiles executor below."""
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import check_interval_tables, rand_padding, rand_rel
+from helpers import OperatorCount, check_interval_tables, rand_padding, rand_rel
 from routeformer.attention.routing.sorted_window import sort_by_cluster, sorted_window_mask
 from routeformer.executors import Inputs, KeyRestrictions, SortedWindow, get_executor
 from routeformer.executors.flex import blocks
@@ -131,29 +129,7 @@ def test_flex_sorted_window_equals_the_tiles_executor(causal: bool, shared: bool
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-class _Count(TorchDispatchMode):
-    """Counts the operators dispatched, views aside, and the largest tensor any of them returns."""
-
-    VIEWS = frozenset({"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "detach", "slice", "select", "t",
-                       "transpose", "permute", "alias", "as_strided", "unfold", "lift_fresh"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name not in self.VIEWS:
-            self.ops[name] += 1
-        for x in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(x, torch.Tensor):
-                self.largest = max(self.largest, x.numel())
-        return out
-
-
-def _table_build(N: int, causal: bool, padding: bool) -> _Count:
+def _table_build(N: int, causal: bool, padding: bool) -> object:
     """The interval block mask of a routing sorted window at N (k = sqrt(N) clusters, window N / k, 8 heads) on
     the meta device."""
     k = round(N ** 0.5)
@@ -164,7 +140,7 @@ def _table_build(N: int, causal: bool, padding: bool) -> _Count:
     reach = -(-(piece.window - 1) // 128)
     counts = []
     for _ in range(2):  # the first call also makes the geometry the sizes alone decide (once per size)
-        with _Count() as count:
+        with OperatorCount() as count:
             lo, hi = piece.intervals(own_when_alone=causal)
             blocks.interval_block_mask(lo, hi, (reach, 0 if causal else reach), lambda b, h, i, j: i >= j,
                                        diagonal=not causal, key_blocks_whole=whole)

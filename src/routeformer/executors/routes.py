@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 
@@ -26,3 +27,14 @@ class Routed(NamedTuple):
     sums: Tensor
     weights: Tensor
     cosine: Tensor | None = None
+
+
+def routed_like(r: Tensor, centroids: Tensor, probes: int, observe: bool) -> tuple[Tensor, ...]:
+    """Empty tensors of a router operator's outputs (``Routed``'s fields in order) for routing vectors r (B, H, N, D)
+    and centroids (H, k, D): the fake implementation both routers' operators register (shapes only)."""
+    B, H, N, D = r.shape
+    k = centroids.shape[1]
+    long = {"dtype": torch.long}
+    return (r.new_empty(B, H, N, probes, **long), r.new_empty(B, H, N, **long), r.new_empty(B, H, N, **long),
+            r.new_empty(B, H, N, **long), r.new_empty(B, H, k, **long),
+            r.new_empty((H, k, D) if observe else (0,)), r.new_empty((H, k) if observe else (0,)), r.new_empty(B, H, N))

@@ -17,7 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ..routes import Routed
+from ..routes import Routed, routed_like
 
 BLOCK_N = 64  # rows of routing vectors per program of ``choose``
 BLOCK_K = 32  # clusters scored at once
@@ -94,13 +94,7 @@ def _route(r: Tensor, centroids: Tensor, bias: Tensor | None, valid: Tensor | No
 
 @_route.register_fake
 def _(r, centroids, bias, valid, probes, observe):
-    B, H, N, D = r.shape
-    k = centroids.shape[1]
-    long = {"dtype": torch.long}
-    return (r.new_empty(B, H, N, probes, **long), r.new_empty(B, H, N, **long), r.new_empty(B, H, N, **long),
-            r.new_empty(B, H, N, **long), r.new_empty(B, H, k, **long),
-            r.new_empty((H, k, D) if observe else (0,)), r.new_empty((H, k) if observe else (0,)),
-            r.new_empty(B, H, N, dtype=torch.float32))
+    return routed_like(r, centroids, probes, observe)
 
 
 __all__ = ["flex_route", "launch"]

@@ -19,6 +19,7 @@ import threading
 import torch
 from torch import Tensor
 
+from ..routes import routed_like
 from .geometry import BandGeometry, check_fields
 
 _OPTIONAL_BAND = ("allow", "tile_mask", "key_valid", "groups", "order", "key_table", "value_table", "delta",
@@ -137,13 +138,7 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "route")
     def _(r, centroids, bias, key_valid, probes, observe):
-        B, H, N, D = r.shape
-        k = centroids.shape[1]
-        long = {"dtype": torch.long}
-        return (r.new_empty(B, H, N, probes, **long), r.new_empty(B, H, N, **long), r.new_empty(B, H, N, **long),
-                r.new_empty(B, H, N, **long), r.new_empty(B, H, k, **long),
-                r.new_empty((H, k, D) if observe else (0,)), r.new_empty((H, k) if observe else (0,)),
-                r.new_empty(B, H, N))
+        return routed_like(r, centroids, probes, observe)
 
 
 
