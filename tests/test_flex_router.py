@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from helpers import OperatorCount, rand_padding
 from routeformer.attention.routing import RoutingAttention, RoutingOptions
-from routeformer.attention.routing.router import commitment_from_cosine
 from routeformer.attention.routing.sorted_window import sort_by_cluster
 from routeformer.executors import get_executor
 from routeformer.executors.flex import ops as flex_ops
@@ -95,32 +94,6 @@ def test_the_same_bits_at_every_launch_and_nothing_without_observe() -> None:
     assert quiet[5].numel() == 0 and quiet[6].numel() == 0
     for a, b in zip(first[:5], quiet[:5], strict=True):
         assert torch.equal(a, b)
-
-
-def test_the_commitment_from_the_cosine_is_the_centroid_distance_with_its_gradient_at_q() -> None:
-    """mean (2 - 2 cos) equals mean ||r - μ_c||² for unit vectors, and its analytic backward gives q the gradient
-    autograd gives it through the distance (they differ at r by a multiple of r, which the normalisation drops)."""
-    B, H, N, D, k = 2, 3, 20, 8, 5
-    g = torch.Generator().manual_seed(8)
-    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64, requires_grad=True)
-    proj = torch.linalg.qr(torch.randn(H, D, D, generator=g, dtype=torch.float64))[0]
-    centroids = F.normalize(torch.randn(H, k, D, generator=g, dtype=torch.float64), dim=-1)
-    valid = rand_padding(B, N, seed=9)
-    grads, losses = [], []
-    for analytic in (True, False):
-        r = torch.einsum("bhnd,hde->bhne", F.normalize(q, dim=-1), proj)
-        keys = torch.einsum("bhnd,hkd->bhnk", r, centroids).argmax(-1)
-        mu = centroids[torch.arange(H)[None, :, None], keys]
-        if analytic:
-            loss = commitment_from_cosine(r, centroids, keys, (r * mu).sum(-1).detach(), valid)
-        else:
-            err = (r - mu).square().sum(-1)
-            weight = valid[:, None, :].double().expand_as(err)
-            loss = (err * weight).sum() / weight.sum()
-        losses.append(loss.detach())
-        grads.append(torch.autograd.grad(loss, q)[0])
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
 
 
 def _stub_flex(q, k, v, *, block_mask, scale, score_mod=None):

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from helpers import rand_qkv, routing_layer
+from helpers import rand_padding, rand_qkv, routing_layer
 from routeformer.attention import RoutingAttention, SphericalKMeans, update_routing
 
 
@@ -171,3 +171,34 @@ def test_two_gloo_processes_keep_centroids_and_bias_bit_identical(tmp_path) -> N
     single.update()
     torch.testing.assert_close(single.routing.kmeans.centroids, a["routing.kmeans.centroids"], rtol=1e-6, atol=1e-6)
     assert torch.equal(single.routing.bias, a["routing.bias"])
+
+
+def test_the_commitment_is_the_centroid_distance_with_its_gradient_at_q() -> None:
+    """mean (2 - 2 cos) over the real positions equals mean ||r - μ_c||² for unit vectors, whether the cosines are
+    given (a router kernel's) or computed, and its analytic backward gives q the gradient autograd gives it through
+    the distance (they differ at r by a multiple of r, which the normalisation drops)."""
+    B, H, N, D, k = 2, 3, 20, 8, 5
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    proj = torch.linalg.qr(torch.randn(H, D, D, generator=g, dtype=torch.float64))[0]
+    km = SphericalKMeans(H, D, k).double()
+    km.centroids.copy_(F.normalize(torch.randn(H, k, D, generator=g, dtype=torch.float64), dim=-1))
+    valid = rand_padding(B, N, seed=9)
+    grads, losses = [], []
+    for way in ("given", "computed", "distance"):
+        r = torch.einsum("bhnd,hde->bhne", F.normalize(q, dim=-1), proj)
+        keys = torch.einsum("bhnd,hkd->bhnk", r, km.centroids).argmax(-1)
+        mu = km.centroids[torch.arange(H)[None, :, None], keys]
+        if way == "given":
+            loss = km.commitment(r, keys, valid, (r * mu).sum(-1).detach())
+        elif way == "computed":
+            loss = km.commitment(r, keys, valid)
+        else:
+            err = (r - mu).square().sum(-1)
+            weight = valid[:, None, :].double().expand_as(err)
+            loss = (err * weight).sum() / weight.sum()
+        losses.append(loss.detach())
+        grads.append(torch.autograd.grad(loss, q)[0])
+    for i in (0, 1):
+        torch.testing.assert_close(losses[i], losses[2], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grads[i], grads[2], rtol=1e-9, atol=1e-12)

@@ -86,7 +86,6 @@ class Candidate:
 # Not run beyond this length: full-elu / full-poly2 (unfused O(N²) kernel attention) and linear-poly2 (F = 2145
 # features at D = 64: 13 s forward+backward and 2.4 GiB at N = 4096 on 2 CPU threads, 0.11× full, ~4× both at 16k).
 KERNEL_ATTENTION_MAX_N = 4096
-MOBA_TOP = 3  # MoBA's blocks per query in the benchmark (MobaOptions' default)
 UNTRACKED = "memory not tracked: on CPU FlexAttention's operator refuses the tracker's dispatch mode"
 TRAINING_CAP_BYTES = 8 * 2**30  # over this (or half the free memory) estimated, a row is timed forward only
 
@@ -139,11 +138,12 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
         options = RoutingOptions(num_clusters=clusters, window=probed, probes=min(2, clusters), balance=0.01)
         probing = RoutingAttention(heads, head_dim, options).to(device).train()
         probing.executor = get_executor(backend, device)
-    # MoBA at the block that gives routing's cost (top 3 of blocks of 2 √N / 3), causal only
-    moba_block = default_block(n, MOBA_TOP)
+    # MoBA as MobaOptions makes it, at the block that gives routing's cost (top_k blocks of 2 √N / top_k); causal
+    moba_options = MobaOptions()
+    moba_block = default_block(n, moba_options.top_k)
     moba = None
     if causal:
-        moba = MobaHeads(heads, head_dim, MobaOptions(block=moba_block, top_k=MOBA_TOP)).to(device)
+        moba = MobaHeads(heads, head_dim, dataclasses.replace(moba_options, block=moba_block)).to(device)
         moba.executor = get_executor(backend, device)
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
@@ -208,7 +208,8 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
         Candidate("routing-p2", f"k={clusters}, 2 probes × window={probed}, bias, shared QK",
                   lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only",
                   useful=routed_work(probing) if probing is not None else None),
-        Candidate("moba", f"block={moba_block}, top {MOBA_TOP} by the mean key", lambda q, k, v: moba(q, k, v, None),
+        Candidate("moba", f"block={moba_block}, top {moba_options.top_k} by the {moba_options.score} key",
+                  lambda q, k, v: moba(q, k, v, None),
                   skip=None if causal else "causal only"),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
                   lambda q, k, v: lsh_attention(Inputs.of(q, q, v), lsh, backend, causal=causal, rotations=rotations),

@@ -16,8 +16,7 @@ class Routed(NamedTuple):
     (B, H, N) long: the sort by (cluster, position) and each sorted entry's cluster; counts (B, H, k) long, the
     cluster sizes; sums (H, k, D) and weights (H, k): the k-means statistics of the real positions (empty unless
     observed); cosine (B, H, N) in r's dtype: each position's cosine to its own cluster's centroid, without the
-    bias (the commitment term's, ``1 - cosine`` = half the squared distance), where the kernels give it (else
-    None)."""
+    bias (the commitment term's, ``SphericalKMeans.commitment``)."""
 
     probes: Tensor
     order: Tensor
@@ -26,7 +25,7 @@ class Routed(NamedTuple):
     counts: Tensor
     sums: Tensor
     weights: Tensor
-    cosine: Tensor | None = None
+    cosine: Tensor
 
 
 def routed_like(r: Tensor, centroids: Tensor, probes: int, observe: bool) -> tuple[Tensor, ...]:

@@ -122,18 +122,23 @@ class SphericalKMeans(nn.Module):
         """Nearest centroid (largest cosine) of each unit routing vector: r (B, H, N, D) -> (B, H, N) long."""
         return self.scores(r).argmax(-1)
 
-    def commitment(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None) -> Tensor:
-        """Mean over positions of ||r - sg(μ_c)||² (scalar), the commitment term, for unit r and μ_c as 2 - 2 r · μ_c
-        (the form the routers' kernels give it from their cosines: ``router.commitment_from_cosine``, so that every
-        path computes the same loss); ``valid`` (B, N) excludes padding."""
-        H = self.heads
-        mu = self.centroids.detach()[torch.arange(H, device=r.device)[None, :, None], clusters]  # (B, H, N, D)
-        acc = torch.promote_types(r.dtype, torch.float32)
-        err = 2.0 - 2.0 * (r.to(acc) * mu.to(acc)).sum(-1)  # (B, H, N)
-        if valid is None:
-            return err.mean()
-        weight = valid[:, None, :].to(err.dtype).expand_as(err)
-        return (err * weight).sum() / weight.sum().clamp_min(1.0)
+    def commitment(self, r: Tensor, clusters: Tensor, valid: Tensor | None = None,
+                   cosine: Tensor | None = None) -> Tensor:
+        """Mean over positions of ||r - sg(μ_c)||² (scalar), the commitment term, for unit r and μ_c as 2 - 2 cos(r,
+        μ_c); ``valid`` (B, N) excludes padding. ``cosine`` (B, H, N): each vector's cosine to its centroid where a
+        router's kernel gave it (``executors.routes.Routed``), else r · μ_c here. One form for every router: on a
+        float32-orthonormal W_R, ||r - μ||² and 2 - 2 cos differ by ~1e-7 relative, and the paths would disagree.
+
+        The backward is analytic, -2 w μ_c / Σw at r, with no (B, H, N, D) difference kept: it differs from the
+        gradient of ||r - μ_c||² by a multiple of r, which the normalisation r comes from takes out (r =
+        normalise(·) · W_R, W_R orthonormal), so what reaches q and k is the same."""
+        if cosine is None:
+            with torch.no_grad():
+                H = self.heads
+                mu = self.centroids[torch.arange(H, device=r.device)[None, :, None], clusters]  # (B, H, N, D)
+                acc = torch.promote_types(r.dtype, torch.float32)
+                cosine = (r.to(acc) * mu.to(acc)).sum(-1)
+        return _Commitment.apply(r, self.centroids.detach(), clusters, cosine.detach(), valid)
 
     def counting(self) -> bool:
         """Whether a forward now counts towards the next update: training mode, and not a recomputation."""
@@ -277,3 +282,31 @@ def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
         filled = onehot.sum(1)[..., None] > 0
         centroids = torch.where(filled, nn.functional.normalize(sums, dim=-1), centroids)
     return centroids
+
+
+class _Commitment(torch.autograd.Function):
+    """``SphericalKMeans.commitment``: the loss from the cosines, its gradient at r from the centroids."""
+
+    @staticmethod
+    def forward(ctx, r, centroids, clusters, cosine, valid):  # type: ignore[override]
+        err = 2.0 - 2.0 * cosine.to(torch.promote_types(cosine.dtype, torch.float32))  # (B, H, N)
+        if valid is None:
+            weight, total = None, err.numel()
+            loss = err.mean()
+        else:
+            weight = valid[:, None, :].to(err.dtype)  # (B, 1, N)
+            total = (weight.sum() * err.shape[1]).clamp_min(1.0)
+            loss = (err * weight).sum() / total
+        ctx.save_for_backward(centroids, clusters, weight)
+        ctx.total, ctx.r_dtype = total, r.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        centroids, clusters, weight = ctx.saved_tensors
+        H = centroids.shape[0]
+        mu = centroids[torch.arange(H, device=clusters.device)[None, :, None], clusters]  # (B, H, N, D)
+        scale = grad * (-2.0) / ctx.total
+        if weight is not None:
+            scale = scale * weight[..., None]
+        return (mu * scale).to(ctx.r_dtype), None, None, None, None

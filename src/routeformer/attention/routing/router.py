@@ -207,21 +207,15 @@ class Router(nn.Module):
     def _kernel_routes(self, r: Tensor, got: Routed, key_padding_mask: Tensor | None, *, observe: bool,
                        counting: bool) -> Routes:
         """``routes`` from an executor's router's result ``got`` for the routing vectors r (one per position): the
-        statistics it reduced added (``counting``), the commitment loss set (``observe``): from the cosines where
-        the kernels gave them (``commitment_from_cosine``), else from the centroids."""
+        statistics it reduced added (``counting``), the commitment loss set from its cosines (``observe``)."""
         keys = got.probes[..., 0]
         if observe:
             if counting:
                 self.kmeans.add_reduced(r.detach(), got.sums, got.weights, key_padding_mask)
                 if self.bias is not None:
                     self.pending_load += got.weights.to(self.pending_load.dtype)  # the keys' loads: their counts
-            if not self.training:
-                self.commitment_loss = None
-            elif got.cosine is None:
-                self.commitment_loss = self.commitment * self.kmeans.commitment(r, keys, key_padding_mask)
-            else:
-                self.commitment_loss = self.commitment * commitment_from_cosine(
-                    r, self.kmeans.centroids, keys, got.cosine, key_padding_mask)
+            self.commitment_loss = (self.commitment * self.kmeans.commitment(r, keys, key_padding_mask, got.cosine)
+                                    if self.training else None)
         return Routes(None, keys, got.probes, r, ClusterOrder(got.order, got.inverse, got.grouped, None, got.counts))
 
     def _observe(self, rq: Tensor, rk: Tensor, query_clusters: Tensor, keys: Tensor,
@@ -303,39 +297,3 @@ def update_routing(module: nn.Module, group: dist.ProcessGroup | None = None) ->
         layer.update(group)
     return len(routers) + len(loose)
 
-
-def commitment_from_cosine(r: Tensor, centroids: Tensor, clusters: Tensor, cosine: Tensor,
-                           key_padding_mask: Tensor | None = None) -> Tensor:
-    """The commitment term mean ||r - sg(μ_c)||² (``SphericalKMeans.commitment``) from each unit vector's cosine to
-    its centroid, 2 - 2 cos: r (B, H, N, D), centroids (H, k, D), clusters (B, H, N), cosine (B, H, N) (the router
-    kernel's, without the bias), the mean over the real positions (``key_padding_mask`` (B, N)). Its backward is
-    analytic, -2 w μ_c / Σw, with no (B, H, N, D) difference kept: it differs from the gradient of ||r - μ_c||² by
-    a multiple of r, which the normalisation r comes from takes out (r = normalise(·) · W_R, W_R orthonormal), so
-    what reaches q and k is the same."""
-    return _Commitment.apply(r, centroids.detach(), clusters, cosine.detach(), key_padding_mask)
-
-
-class _Commitment(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, r, centroids, clusters, cosine, key_padding_mask):  # type: ignore[override]
-        err = 2.0 - 2.0 * cosine.to(torch.promote_types(cosine.dtype, torch.float32))  # (B, H, N)
-        if key_padding_mask is None:
-            weight, total = None, err.numel()
-            loss = err.mean()
-        else:
-            weight = key_padding_mask[:, None, :].to(err.dtype)  # (B, 1, N)
-            total = (weight.sum() * err.shape[1]).clamp_min(1.0)
-            loss = (err * weight).sum() / total
-        ctx.save_for_backward(centroids, clusters, weight)
-        ctx.total, ctx.r_dtype = total, r.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        centroids, clusters, weight = ctx.saved_tensors
-        H = centroids.shape[0]
-        mu = centroids[torch.arange(H, device=clusters.device)[None, :, None], clusters]  # (B, H, N, D)
-        scale = grad * (-2.0) / ctx.total
-        if weight is not None:
-            scale = scale * weight[..., None]
-        return (mu * scale).to(ctx.r_dtype), None, None, None, None

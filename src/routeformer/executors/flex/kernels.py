@@ -18,6 +18,31 @@ import triton
 import triton.language as tl
 
 
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (Triton's block shapes are powers of two)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_dim(d: int) -> int:
+    """The block of a row's d features: a power of two, at least 16 (``tl.dot``'s least)."""
+    return max(16, next_pow2(d))
+
+
+@triton.jit
+def _better(s, cols, k0, chosen, best, arg, EXCLUDE: tl.constexpr):
+    """A chunk's scores s (BLOCK_N, BLOCK_K) of columns ``cols`` (k0 ...) merged into each row's running best
+    (``best``, ``arg``): the chunk's argmax (ties to the lower column) where it beats the best so far (ties keep
+    the earlier chunk); ``EXCLUDE``: the columns ``chosen`` (BLOCK_N, P_PAD) holds are left out (earlier passes'
+    picks)."""
+    if EXCLUDE:
+        taken = tl.max((cols[None, :, None] == chosen[:, None, :]).to(tl.int32), axis=2) > 0
+        s = tl.where(taken, float("-inf"), s)
+    m = tl.max(s, axis=1)
+    a = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32) + k0
+    better = m > best
+    return tl.where(better, m, best), tl.where(better, a, arg)
+
+
 @triton.jit
 def choose(R, C, BIAS, PROBES, COSINE, COUNTS, N, H, K, D,
            HAS_BIAS: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -48,14 +73,7 @@ def choose(R, C, BIAS, PROBES, COSINE, COUNTS, N, H, K, D,
             if HAS_BIAS:
                 s += tl.load(BIAS + h * K + cols, mask=in_cols, other=0.0)[None, :]
             s = tl.where(in_cols[None, :], s, float("-inf"))
-            if t > 0:  # leave out the clusters the earlier passes chose
-                taken = tl.max((cols[None, :, None] == chosen[:, None, :]).to(tl.int32), axis=2) > 0
-                s = tl.where(taken, float("-inf"), s)
-            m = tl.max(s, axis=1)
-            a = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32) + k0
-            better = m > best  # ties keep the earlier chunk's lower index
-            best = tl.where(better, m, best)
-            arg = tl.where(better, a, arg)
+            best, arg = _better(s, cols, k0, chosen, best, arg, t > 0)  # t > 0: the earlier passes' picks left out
         chosen = tl.where(slots[None, :] == t, arg[:, None], chosen)
         tl.store(PROBES + (bh * N + rows) * P + t, arg.to(tl.int64), mask=in_rows)
         if t == 0:
@@ -125,13 +143,6 @@ def select(Q, S, CHOSEN, N, NB, D, BLOCK,
                               (cols[None, :] < NB), other=0.0)  # (BLOCK_D, BLOCK_K)
             s = tl.dot(x, summary, input_precision="ieee")
             s = tl.where(cols[None, :] < limit[:, None], s, float("-inf"))
-            if t > 0:
-                taken = tl.max((cols[None, :, None] == chosen[:, None, :]).to(tl.int32), axis=2) > 0
-                s = tl.where(taken, float("-inf"), s)
-            m = tl.max(s, axis=1)
-            a = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32) + k0
-            better = m > best
-            best = tl.where(better, m, best)
-            arg = tl.where(better, a, arg)
+            best, arg = _better(s, cols, k0, chosen, best, arg, t > 0)
         chosen = tl.where(slots[None, :] == t, arg[:, None], chosen)
         tl.store(CHOSEN + (bh * N + rows) * TOP + t, arg.to(tl.int64), mask=in_rows)

@@ -12,8 +12,6 @@ device sees one. Time O(N · k · D) per head for the choice, O(N · D) for the 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -54,13 +52,13 @@ def launch(r: Tensor, centroids: Tensor, bias: Tensor | None, valid: Tensor | No
     chosen = torch.empty(B, H, N, probes, dtype=torch.long, device=dev)
     cosine = torch.empty(B, H, N, dtype=torch.float32, device=dev)
     counts = torch.zeros(B, H, k, dtype=torch.int32, device=dev)
-    block_d = max(16, _pow2(D))
+    block_d = kernels.block_dim(D)
     grid = (-(-N // BLOCK_N), B * H)
     kernels.choose[grid](r, centroids, centroids if bias is None else bias, chosen, cosine, counts, N, H, k, D,
-                         HAS_BIAS=bias is not None, P=probes, P_PAD=_pow2(probes), BLOCK_N=BLOCK_N,
+                         HAS_BIAS=bias is not None, P=probes, P_PAD=kernels.next_pow2(probes), BLOCK_N=BLOCK_N,
                          BLOCK_K=BLOCK_K, BLOCK_D=block_d)
     grouped, order = torch.sort(chosen[..., 0], dim=-1, stable=True)  # by (cluster, position)
-    inverse = torch.empty_like(order).scatter_(-1, order, _positions(N, dev).expand(B, H, N))
+    inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=dev).expand(B, H, N))
     if observe:
         sums = torch.empty(H, k, D, dtype=torch.float32, device=dev)
         weights = torch.empty(H, k, dtype=torch.float32, device=dev)
@@ -70,20 +68,6 @@ def launch(r: Tensor, centroids: Tensor, bias: Tensor | None, valid: Tensor | No
     else:
         sums, weights = r.new_empty(0), r.new_empty(0)
     return chosen, order, inverse, grouped, counts.long(), sums, weights, cosine
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@functools.cache
-def _positions_cached(n: int, device: str) -> Tensor:
-    return torch.arange(n, device=device)
-
-
-def _positions(n: int, device: torch.device) -> Tensor:
-    """0 … n - 1 on ``device``, made once per (n, device)."""
-    return _positions_cached(n, str(device))
 
 
 @torch.library.custom_op("routeformer_flex::route", mutates_args=(), device_types="cuda")

@@ -45,8 +45,8 @@ def launch(scoring: Tensor, summary: Tensor, block: int, top: int) -> Tensor:
     nb = summary.shape[2]
     chosen = torch.empty(B, H, N, top, dtype=torch.long, device=scoring.device)
     kernels.select[(-(-N // BLOCK_N), B * H)](scoring, summary, chosen, N, nb, D, block, TOP=top,
-                                              TOP_PAD=1 << max(0, (top - 1).bit_length()), BLOCK_N=BLOCK_N,
-                                              BLOCK_K=BLOCK_K, BLOCK_D=max(16, 1 << max(0, (D - 1).bit_length())))
+                                              TOP_PAD=kernels.next_pow2(top), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                              BLOCK_D=kernels.block_dim(D))
     return chosen
 
 

@@ -74,6 +74,7 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
         return ok
 
     block = blocks.BLOCK
+    nb = -(-N // block)
     reach = math.ceil((piece.window - 1) / block)
     span = piece.window - 1
 
@@ -82,9 +83,8 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
 
     whole = None
     if held:  # the labels may leave out a pair anywhere: no block is full, the rule tests every one
-        whole = torch.zeros(1, 1, -(-N // block), dtype=torch.bool, device=q.device)
+        whole = torch.zeros(1, 1, nb, dtype=torch.bool, device=q.device)
     elif valid is not None:  # a key block with a padded key is never full: the rule must test its keys
-        nb = -(-N // block)
         whole = F.pad(valid, (0, nb * block - N), value=True).view(*valid.shape[:2], nb, block).all(-1)
     mask = blocks.interval_block_mask(lo, hi, (reach, 0 if piece.causal else reach), allowed,
                                       diagonal=not no_diagonal, key_blocks_whole=whole, block=block)

@@ -511,7 +511,7 @@ inline int64_t first_max(const T* s, int64_t n, T floor, int64_t none) {
 
 // Keep the ``t`` best (score, index) pairs seen so far in ``best`` / ``o`` (``kept`` of them, best first), offered v
 // at index j in increasing j: v displaces only a strictly smaller score, so of equal scores the lower index stays
-// first, as passes of max with each winner masked pick them (select.cpp's blocks, route.cpp's clusters).
+// first, as passes of max with each winner masked pick them (select.cpp's blocks).
 template <typename T>
 inline void keep_best(T v, int64_t j, int64_t t, int64_t& kept, T* best, int64_t* o) {
   if (kept == t && !(v > best[t - 1])) return;

@@ -10,7 +10,7 @@
 // selection of select.cpp), the sort is two passes over N, and the statistics are reduced per head in the order
 // (b, n), so the result is the same for every thread count. Forward only: the choice is discrete. The commitment
 // loss, which has a gradient, is PyTorch's from each position's cosine to its own centroid, which this pass returns
-// (the best score less the bias: router.py's commitment_from_cosine, whose backward is analytic).
+// (the best score less the bias: kmeans.py's SphericalKMeans.commitment, whose backward is analytic).
 #include "checks.h"
 #include "common.h"
 #include "ops.h"
@@ -112,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const int64_t rows_per_task = 64;  // positions of one (b, h) a task scores
     const int64_t tasks_per_row = (N + rows_per_task - 1) / rows_per_task;
     at::parallel_for(0, B * H * tasks_per_row, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<T> s(4 * stride), best(probes);
+      std::vector<T> s(4 * stride), saved(probes);
       for (int64_t t = t0; t < t1; t++) {
         const int64_t x = t / tasks_per_row, first = (t % tasks_per_row) * rows_per_task;
         const int64_t last = std::min(N, first + rows_per_task), h = x % H;
@@ -123,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         // the bias
         auto pick = [&](T* sc, int64_t n) {
           int64_t* o = out + (x * N + n) * probes;
-          best_clusters(sc, k, probes, best.data(), o);
+          best_clusters(sc, k, probes, saved.data(), o);
           cos[x * N + n] = sc[o[0]] - (bh ? bh[o[0]] : T(0));
         };
         int64_t i = first;
