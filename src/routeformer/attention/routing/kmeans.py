@@ -129,9 +129,8 @@ class SphericalKMeans(nn.Module):
         router's kernel gave it (``executors.routes.Routed``), else r · μ_c here. One form for every router: on a
         float32-orthonormal W_R, ||r - μ||² and 2 - 2 cos differ by ~1e-7 relative, and the paths would disagree.
 
-        The backward is analytic, -2 w μ_c / Σw at r, with no (B, H, N, D) difference kept: it differs from the
-        gradient of ||r - μ_c||² by a multiple of r, which the normalisation r comes from takes out (r =
-        normalise(·) · W_R, W_R orthonormal), so what reaches q and k is the same."""
+        The gradient at r is the squared distance's, 2 (r - μ_c) w / Σw, bit for bit as autograd gives it for that
+        form: the forward keeps no (B, H, N, D) difference (a kernel's cosines make it a (B, H, N) pass)."""
         if cosine is None:
             with torch.no_grad():
                 H = self.heads
@@ -285,7 +284,10 @@ def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
 
 
 class _Commitment(torch.autograd.Function):
-    """``SphericalKMeans.commitment``: the loss from the cosines, its gradient at r from the centroids."""
+    """``SphericalKMeans.commitment``: the loss from the cosines; its gradient at r the squared distance's,
+    2 (r - μ_c) w / Σw, computed in the order autograd computes it for ``((r - μ_c) ** 2).sum(-1)`` and its mean, so
+    that a run's steps keep their bits whichever form gave the loss (a saved run resumes bit for bit:
+    tests/test_saved_runs.py). The difference r - μ_c is made in the backward only."""
 
     @staticmethod
     def forward(ctx, r, centroids, clusters, cosine, valid):  # type: ignore[override]
@@ -297,16 +299,18 @@ class _Commitment(torch.autograd.Function):
             weight = valid[:, None, :].to(err.dtype)  # (B, 1, N)
             total = (weight.sum() * err.shape[1]).clamp_min(1.0)
             loss = (err * weight).sum() / total
-        ctx.save_for_backward(centroids, clusters, weight)
-        ctx.total, ctx.r_dtype = total, r.dtype
+        ctx.save_for_backward(r, centroids, clusters, weight)
+        ctx.total = total
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        centroids, clusters, weight = ctx.saved_tensors
+        r, centroids, clusters, weight = ctx.saved_tensors
         H = centroids.shape[0]
         mu = centroids[torch.arange(H, device=clusters.device)[None, :, None], clusters]  # (B, H, N, D)
-        scale = grad * (-2.0) / ctx.total
+        acc = torch.promote_types(r.dtype, torch.float32)
+        diff = r.to(acc) - mu.to(acc)
+        per_position = grad / ctx.total  # the mean's (or the weighted sum's) backward
         if weight is not None:
-            scale = scale * weight[..., None]
-        return (mu * scale).to(ctx.r_dtype), None, None, None, None
+            per_position = per_position * weight  # (B, 1, N): 0 on padding
+        return ((2 * diff) * per_position[..., None]).to(r.dtype), None, None, None, None

@@ -10,7 +10,7 @@
 // selection of select.cpp), the sort is two passes over N, and the statistics are reduced per head in the order
 // (b, n), so the result is the same for every thread count. Forward only: the choice is discrete. The commitment
 // loss, which has a gradient, is PyTorch's from each position's cosine to its own centroid, which this pass returns
-// (the best score less the bias: kmeans.py's SphericalKMeans.commitment, whose backward is analytic).
+// (the best score less the bias: kmeans.py's SphericalKMeans.commitment).
 #include "checks.h"
 #include "common.h"
 #include "ops.h"
