@@ -39,7 +39,8 @@ HUGE = 2**62
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 POSITION_LIMIT = 2**62  # positions beyond this could overflow their differences
 OPS = ("band_forward", "band_backward", "ranges_forward", "ranges_backward", "rounds_forward", "rounds_backward",
-       "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks", "route")
+       "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks", "route", "feature_scan_forward",
+       "feature_scan_backward")
 INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels"}
 MASK_ARGS = {"allow", "tile_mask", "key_valid", "alone"}
 STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H, n_tiles, T, S)
@@ -47,6 +48,8 @@ STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H
 SEMANTIC_FREE = {("band", "rows_per_block"), ("ranges", "rows_per_block"), ("ranges", "span_cap"),
                  ("rounds", "rows_per_block")}
 GEOMETRIES = {"band": BandGeometry, "ranges": RangesGeometry, "rounds": RoundsGeometry}
+# int arguments that change the blocking alone (the results within rounding) while they are at least 1
+BLOCKING_INTS = {("feature_scan_forward", "chunk"), ("feature_scan_backward", "chunk")}
 
 
 @dataclass
@@ -191,6 +194,15 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
             return q.sum() + got.probes.sum() + got.order.sum() + got.sums.sum()
 
         yield f"route: {probes} probes, {'a bias' if bias is not None else 'no bias'}, observed: {observe}", route
+    from routeformer.attention import LinearOptions
+    from routeformer.attention.linear import linear_attention
+    from routeformer.attention.performer import orthogonal_features, performer_attention
+
+    yield "feature scan: elu, padding, chunks of 4", lambda: linear_attention(
+        Inputs.of(q, k, v, key_padding_mask=pad), LinearOptions("elu"), "fused", chunk=4)
+    w = orthogonal_features(H, 6, D, generator=g)
+    yield "feature scan: performer, float32, chunks of 5", lambda: performer_attention(
+        Inputs.of(q32, k32, v32, scale=0.7), None, "fused", projection=w, chunk=5)
 
 
 def record() -> list[Call]:
@@ -460,6 +472,31 @@ def _route(r, centroids, bias, key_valid, probes, observe) -> None:
     _need(1 <= probes <= k, "1 <= probes <= k")
 
 
+def _feature_scan(q, k, v, key_valid, projection, chunk, scale) -> tuple:
+    _float(q, "q")
+    for x, what in ((q, "q"), (k, "k"), (v, "v")):
+        _float(x, what, q.dtype)
+        _need(x.dim() == 4, f"{what} 4-D")
+        _exact(x, tuple(q.shape), what, q.dtype)
+    B, H, N, D = q.shape
+    if key_valid is not None:
+        _valid_mask(key_valid, B, H, N)
+    _need(chunk >= 1, "chunk >= 1")
+    _need(math.isfinite(scale), "scale finite")
+    if projection is not None:
+        _need(isinstance(projection, Tensor) and projection.dim() == 3, "projection 3-D")
+        _exact(projection, (H, projection.shape[1], D), "projection", q.dtype)
+        _need(projection.shape[1] >= 1 and scale > 0, "m >= 1, scale > 0")
+    return B, H, N, D
+
+
+def _feature_scan_backward(grad_out, q, k, v, out, den, key_valid, projection, chunk, scale) -> None:
+    B, H, N, D = _feature_scan(q, k, v, key_valid, projection, chunk, scale)
+    _exact(grad_out, (B, H, N, D), "grad_out", q.dtype)
+    _exact(out, (B, H, N, D), "out", q.dtype)
+    _exact(den, (B, H, N), "den", q.dtype)
+
+
 def _gelu(x) -> None:
     _float(x, "x")
 
@@ -472,7 +509,8 @@ def _gelu_backward(grad, x) -> None:
 CONTRACTS = {"band_forward": _band, "band_backward": _band_backward, "ranges_forward": _ranges,
              "ranges_backward": _ranges_backward, "rounds_forward": _rounds, "rounds_backward": _rounds_backward,
              "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward, "select_blocks": _select,
-             "route": _route}
+             "route": _route, "feature_scan_forward": _feature_scan,
+             "feature_scan_backward": _feature_scan_backward}
 
 
 def violation(op: str, args: list) -> str | None:
@@ -611,6 +649,8 @@ def _given(call: Call, i: int) -> Tensor | None:
         return torch.zeros(1, 1, 1, 1, 1, dtype=q.dtype)
     if name == "delta":
         return torch.zeros(1, 1, 1, 1, 1, dtype=torch.long)
+    if name == "projection":
+        return torch.randn(H, 3, q.shape[3], dtype=q.dtype, generator=torch.Generator().manual_seed(3))
     if name in ("key_table", "value_table"):
         return torch.randn(3, q.shape[3], dtype=q.dtype)
     if name == "k":
@@ -645,7 +685,7 @@ def apply(call: Call, spec: dict) -> tuple[list, bool]:
         args[i] = not x
     elif kind == "int":
         args[i] = spec["value"]
-        same = spec["value"] == x
+        same = spec["value"] == x or ((call.op, names(call.op)[i]) in BLOCKING_INTS and spec["value"] >= 1)
     elif kind == "length":
         args[i] = list(x) + [0] if spec["by"] > 0 else list(x)[:-1]
     elif kind == "flip":

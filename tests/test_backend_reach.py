@@ -20,8 +20,9 @@ SPECS = {  # a model spec per built-in kind that runs on an executor, with the s
     "full": "full", "local": "local", "routing": "local:2,routing:2", "strided_a1": "strided_a1:2,strided_a2:2",
     "strided_a2": "strided_a1:2,strided_a2:2", "strided": "strided", "fixed_a1": "fixed_a1:2,fixed_a2:2",
     "fixed_a2": "fixed_a1:2,fixed_a2:2", "fixed": "fixed", "longformer": "longformer", "lsh": "lsh",
-    "moba": "local:2,moba:2", "nsa": "nsa",
+    "moba": "local:2,moba:2", "nsa": "nsa", "linear": "linear", "performer": "performer",
 }
+ABSOLUTE = {"lsh", "linear", "performer"}  # kinds without relative positions
 PROBED = {"probes": 2, "balance": 0.01}  # options.routing: the default rule; the paper's rule runs too
 
 
@@ -29,7 +30,7 @@ def _refuse(name: str) -> Executor:
     def refuse(*args, **kwargs):
         raise AssertionError(f"a path reached the {name!r} executor instead of the configured one")
 
-    return Executor(name, refuse)
+    return Executor(name, refuse, route_run=refuse, select_run=refuse, scan_run=refuse)
 
 
 @pytest.fixture
@@ -40,7 +41,11 @@ def recording(monkeypatch) -> list[str]:
         calls.append("tiled")
         return tiled_attention(*args, **kwargs)
 
-    table = {"recording": Executor("recording", tiled), "tiles": _refuse("tiles"), "flex": _refuse("flex")}
+    def scan(*args, **kwargs):  # the feature scan's kernels: recorded, then left to the PyTorch scan
+        calls.append("scan")
+
+    table = {"recording": Executor("recording", tiled, scan_run=scan), "tiles": _refuse("tiles"),
+             "flex": _refuse("flex")}
     monkeypatch.setattr(executors, "EXECUTORS", table)
     return calls
 
@@ -62,7 +67,7 @@ def test_every_path_reaches_the_configured_executor(name: str, rule: dict, recor
                 "nsa": {"block": 16, "top": 2, "window": 6}}
     config = TransformerConfig(vocab_size=23, dim=32, depth=1, heads=4, seq_len=300, attention=spec, rel_clip=6,
                                grid_width=5, options=sections_in_use(spec, sections), backend="recording",
-                               positions="absolute" if spec == "lsh" else "relative")
+                               positions="absolute" if spec in ABSOLUTE else "relative")
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
     # resolved once, when the model is built: the heads hold the executor itself, not a name to look up per call

@@ -98,7 +98,10 @@ def test_the_banner_says_tiles_where_the_fused_kernel_does_not_run() -> None:
     local = TransformerConfig(dim=32, heads=2, depth=1, attention="local", options={"local": {"window": 8}})
     assert local.describe_executor("cpu") == describe_backend("auto", "cpu")
     linear = TransformerConfig(dim=32, heads=2, depth=1, attention="linear", positions="absolute")
-    assert linear.describe_executor("cpu") == "attention: no executor (the linear heads compute their own way)"
+    assert linear.describe_executor("cpu") == describe_backend("auto", "cpu")  # elu's scan: the executor's kernels
+    poly2 = TransformerConfig(dim=32, heads=2, depth=1, attention="linear", positions="absolute",
+                              options={"linear": {"kernel": "poly2"}})
+    assert poly2.describe_executor("cpu") == "attention: no executor (the linear heads compute their own way)"
 
 
 def _env(*args: str, **env: str) -> tuple[dict[str, str], subprocess.CompletedProcess]:

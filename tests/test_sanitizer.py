@@ -3,8 +3,9 @@
 and under ``ROUTEFORMER_SANITIZE`` the products as plain loops and scratch of exactly the size asked for, so that no
 access hides inside BLAS or a rounded-up allocation), and the fused-kernel tests run against that build in a process
 of their own: ``tests/test_fused.py`` (the build's tests are ``tests/test_build.py``), the fused cases of
-``tests/test_ranges.py``, ``tests/test_lsh.py`` and the default-suite part of ``tests/test_fused_coverage.py``
-(less its thread-count tests on six heads: those on one head run the same code).
+``tests/test_ranges.py``, ``tests/test_lsh.py``, the fused feature scan's (``tests/test_fused_scan.py``) and the
+default-suite part of ``tests/test_fused_coverage.py`` (less its thread-count tests on six heads: those on one head
+run the same code).
 
 That process has the sanitizers' runtimes preloaded (``LD_PRELOAD``: ASan must be the first library loaded, before
 torch), ``ROUTEFORMER_TEST_SANITIZE=1`` (``conftest.py`` puts the sanitized build in place of the kernels, under a name
@@ -111,7 +112,8 @@ def test_the_fused_kernels_under_address_and_undefined_behaviour_sanitizers() ->
     build: KernelBuild = sanitized(KERNELS)
     # -s: a report goes to stderr as it is written (pytest's capture would swallow one that aborts the process)
     args = ["-m", "pytest", "-n", "0", "-q", "-s", "tests/test_fused.py", "tests/test_ranges.py",
-            "tests/test_lsh.py", "tests/test_fused_coverage.py", "-k", "not tiles and not flex",
+            "tests/test_lsh.py", "tests/test_fused_coverage.py", "tests/test_fused_scan.py",
+            "-k", "not tiles and not flex",
             *[f"--deselect=tests/{name}" for name in SLOWEST]]
     run = sanitized_run(args, timeout=3000)
     output = run.stdout + run.stderr

@@ -133,6 +133,7 @@ def feature_scan(q: Tensor, k: Tensor, v: Tensor, fmap: FeatureMap, chunk: int,
 
     q, k, v: (B, H, N, D) in the compute dtype; ``fmap`` the feature map with its derivative (no gradient for its
     own parameters); key_valid (B, 1, N) bool or None. Returns (B, H, N, D). O(N·(c + F)·D) time forward and
-    backward; autograd keeps q, k, v, the output and (B, H, N) denominators.
+    backward; autograd keeps q, k, v, the output and (B, H, N) denominators. The definition that an executor's
+    kernels (``Executor.scan_run``: the fused one's on the CPU) stand in for: the mechanisms ask the executor first.
     """
     return _FeatureScan.apply(q, k, v, fmap, chunk, key_valid)

@@ -35,7 +35,9 @@ import torch
 from torch import Tensor
 
 from ..checks import check_options, positive_int
+from ..executors import Backend, get_executor
 from ..executors.inputs import Inputs
+from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .kinds.base import HeadKind
 from .kinds.common import non_negative_int
@@ -107,6 +109,7 @@ class PerformerFeatures:
 def performer_attention(
     inputs: Inputs,
     options: PerformerOptions | None = None,
+    executor: Backend = "auto",
     *,
     causal: bool = True,
     projection: Tensor | None = None,
@@ -119,9 +122,10 @@ def performer_attention(
     ``projection`` (H, m, D) gives the random features (``orthogonal_features``); without it, ``options.features``
     rows (default ``default_features(D)``) are drawn from ``generator`` (``options.redraw_every`` is the heads'
     business, not read here). Causal: a scan over chunks of ``chunk`` rows with a recomputing backward
-    (``feature_scan.py``), O(N·(c + m)·D) time, O(N·(D + m)) memory per head, autograd keeping q, k, v and the
-    output (a projection that asks for a gradient takes ``feature_attention``'s autograd path, which keeps the
-    (N, m) features and the (N/c, m, D) chunk states); non-causal O(N·m·D). Padded keys (the inputs' key padding
+    (``feature_scan.py``, on the ``executor``'s scan kernels where it has them), O(N·(c + m)·D) time,
+    O(N·(D + m)) memory per head, autograd keeping q, k, v and the output (a projection that asks for a gradient
+    takes ``feature_attention``'s autograd path, which keeps the (N, m) features and the (N/c, m, D) chunk states);
+    non-causal O(N·m·D). Padded keys (the inputs' key padding
     mask) leave the numerator and the denominator.
     """
     options = PerformerOptions() if options is None else check_options("options", options, PerformerOptions)
@@ -142,7 +146,12 @@ def performer_attention(
     dtype = q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
     if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
-        return feature_scan(q, k, v, PerformerFeatures(projection.to(q.dtype), s), chunk, key_valid).to(dtype)
+        projection = projection.to(q.dtype)
+        run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
+        out = None if run is None else run(q, k, v, FeatureKernel(projection, s), chunk, key_valid)
+        if out is None:
+            out = feature_scan(q, k, v, PerformerFeatures(projection, s), chunk, key_valid)
+        return out.to(dtype)
     phi_q = performer_features(q, projection, s, query=True)
     phi_k = performer_features(k, projection, s, query=False)
     return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid).to(dtype)
@@ -192,7 +201,7 @@ class PerformerHeads(FeatureHeads):
         return False
 
     def forward(self, q, k, v, rel_pos):
-        return performer_attention(Inputs(q, k, v, self.scale), projection=self.projection)
+        return performer_attention(Inputs(q, k, v, self.scale), None, self.executor, projection=self.projection)
 
     def features(self, x, query):
         return performer_features(x, self.projection, self.scale, query=query)
@@ -212,6 +221,6 @@ def _complete(o: PerformerOptions, config: Any) -> PerformerOptions:
 
 KIND = HeadKind("performer", lambda o, heads, head_dim, seed: PerformerHeads(heads, head_dim, o, seed),
                 keys_per_query=lambda o, n: 1.5 * o.features + min(n, default_chunk(o.features)) / 2,
-                option_type=PerformerOptions, complete=_complete, relative_positions=False, executor=False,
+                option_type=PerformerOptions, complete=_complete, relative_positions=False,
                 describe=lambda o: f"m={o.features}" + (f", redraw every {o.redraw_every}" if o.redraw_every else ""),
                 summary="softmax estimated by positive orthogonal random features, in linear time")

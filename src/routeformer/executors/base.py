@@ -57,12 +57,13 @@ class Executor:
     ``SortedWindow``: block tables from its intervals); ``run(inputs, piece, *, restrict, rel, bias, need_lse)``
     gets the call once it is checked, with the restrictions as laid out.
 
-    Besides attention, the discrete steps around it where a backend has kernels for them: ``route_run(r,
-    centroids, bias, key_padding_mask, probes, observe)`` the causal router's (``routes.Routed``, e.g.
+    Besides attention over a piece, the steps where a backend has kernels of its own: ``route_run(r, centroids,
+    bias, key_padding_mask, probes, observe)`` the causal router's (``routes.Routed``, e.g.
     ``fused.routes.fused_route``), ``select_run(q, k, block, top, bound)`` block selection's
-    (``fused.selection.fused_select_blocks``); either may return None for a call it does not take, and an executor
-    without them (tiles) leaves both to PyTorch's operators in the mechanism, the definition. Read them through
-    ``runner(q)``: the executor that computes a call on q.
+    (``fused.selection.fused_select_blocks``), ``scan_run(q, k, v, kernel, chunk, key_valid)`` causal attention
+    through a ``tiling.FeatureKernel``'s features (``fused.scan.fused_feature_scan``); each may return None for a
+    call it does not take, and an executor without them (tiles) leaves them to PyTorch's operators in the
+    mechanism, the definition. Read them through ``runner(q)``: the executor that computes a call on q.
     """
 
     name: str
@@ -74,6 +75,7 @@ class Executor:
     pieces_run: tuple[tuple[type, Callable], ...] = ()
     route_run: Callable | None = None
     select_run: Callable | None = None
+    scan_run: Callable | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.run) and type(self).tiled is Executor.tiled:

@@ -44,6 +44,7 @@ from . import flex
 from .base import EXECUTORS, FEATURES, Executor
 from .fused import executor as fused
 from .fused.routes import fused_route
+from .fused.scan import fused_feature_scan
 from .fused.selection import fused_select_blocks
 from .pieces import SortedWindow
 from .tiles import tiled_attention
@@ -58,7 +59,8 @@ def _unless_fused_takes(q: Tensor) -> Executor | None:
 EXECUTORS.update({
     # LSH's labelled pairs run in its own rounds operator there; a tiling's labels are lowered to a tile mask
     "fused": fused.FusedExecutor("fused", supports=frozenset(FEATURES) - {"labels"}, rounds_run=fused.fused_rounds,
-                                 delegate=_unless_fused_takes, route_run=fused_route, select_run=fused_select_blocks),
+                                 delegate=_unless_fused_takes, route_run=fused_route, select_run=fused_select_blocks,
+                                 scan_run=fused_feature_scan),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,

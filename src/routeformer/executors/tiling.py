@@ -23,6 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+@dataclass(frozen=True, eq=False)
+class FeatureKernel:
+    """A feature map an executor's scan may compute in kernels of its own (``Executor.scan_run``): φ(x) = elu(x) + 1
+    (``projection`` None), or Performer's positive random features of ``projection`` (H, m, D) at the scale
+    ``scale``, with the leak-free shifts of ``attention/performer.py`` (no gradient for the projection)."""
+
+    projection: Tensor | None = None
+    scale: float = 1.0
+
+
 class HashRounds(NamedTuple):
     """LSH's rounds, for an executor that runs them all at once (``Executor.rounds_run``), each (B, H, R, N): every
     round's positions in sorted (bucket, position) order, the bucket of each sorted entry, and every position's

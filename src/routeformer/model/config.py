@@ -178,8 +178,8 @@ class TransformerConfig:
         groups = [g for layer in self.head_groups() for g in layer]
         if self.backend != "auto" and not any(g.kind.runs_on_executor(g.options) for g in groups):
             raise ValueError(f"backend={self.backend!r} would change nothing: no head of this model runs on an "
-                             f"attention executor (linear, Performer and the poly2 / elu kernels compute "
-                             f"their own way); leave backend='auto'")
+                             f"attention executor (poly2 linear heads and the poly2 / elu kernel heads "
+                             f"compute their own way); leave backend='auto'")
         for group in groups:
             if self.positions == "relative" and not group.kind.supports_relative(group.options):
                 raise ValueError(f"positions='relative': {group.kind.name} heads do not support relative positions "

@@ -1,7 +1,7 @@
 """The fused operators' Python side: fake implementations (so ``torch.compile`` traces models through them),
 registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``Band``, ``Ranges``,
-``Rounds``, ``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument handling per
-call, a tenth of a small attention call.
+``Rounds``, ``FeatureScan``, ``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument
+handling per call, a tenth of a small attention call.
 
 ``routeformer_fused::band_forward`` returns (out, lse, alone): out (B, H, Nq, D) in the queries' own order, lse
 (B, H, Nq) in the queries' dtype, and alone (B, H, Nq) bool (the rows that saw only their own key under
@@ -140,6 +140,14 @@ def _register() -> None:
     def _(r, centroids, bias, key_valid, probes, observe):
         return routed_like(r, centroids, probes, observe)
 
+    @torch.library.register_fake(lib + "feature_scan_forward")
+    def _(q, k, v, key_valid, projection, chunk, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3])
+
+    @torch.library.register_fake(lib + "feature_scan_backward")
+    def _(grad_out, q, k, v, out, den, key_valid, projection, chunk, scale):
+        return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
 
 
 def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None, output_mask: list[bool]):
@@ -242,6 +250,26 @@ class Rounds(torch.autograd.Function):
                                            list(ctx.needs_input_grad[:3]))
         dq, dk, dv = _grads(ctx, dq, dk, dv)
         return dq, None if k is None else dk, dv, None, None, None, None, None, None
+
+
+class FeatureScan(torch.autograd.Function):
+    """Causal attention through features (``fused.scan``): (q, k, v, key_valid, projection, chunk, scale) -> out;
+    the backward recomputes the features from q, k, v, the output and the denominators."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_valid, projection, chunk, scale):  # type: ignore[override]
+        out, den = ops().feature_scan_forward(q, k, v, key_valid, projection, chunk, scale)
+        ctx.chunk, ctx.scale = chunk, scale
+        ctx.save_for_backward(q, k, v, out, den, key_valid, projection)
+        return out
+
+    @staticmethod
+    @once_differentiable("feature scan")
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, den, key_valid, projection = ctx.saved_tensors
+        dq, dk, dv = ops().feature_scan_backward(grad_out.contiguous(), q, k, v, out, den, key_valid, projection,
+                                                 ctx.chunk, ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 class _SigmoidGelu(torch.autograd.Function):

@@ -58,6 +58,12 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def(
       "route(Tensor r, Tensor centroids, Tensor? bias, Tensor? key_valid, int probes, bool observe) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "feature_scan_forward(Tensor q, Tensor k, Tensor v, Tensor? key_valid, Tensor? projection, int chunk, "
+      "float scale) -> (Tensor, Tensor)");
+  m.def(
+      "feature_scan_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+      "Tensor? key_valid, Tensor? projection, int chunk, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
   m.def("vector_width() -> int", &routeformer::fused_vector_width);
   m.def("geometry_fields(str which) -> str[]", &routeformer::fused_geometry_fields);
@@ -74,4 +80,6 @@ TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
   m.impl("sigmoid_gelu_backward", &routeformer::fused_sigmoid_gelu_backward);
   m.impl("select_blocks", &routeformer::fused_select_blocks);
   m.impl("route", &routeformer::fused_route);
+  m.impl("feature_scan_forward", &routeformer::fused_feature_scan_forward);
+  m.impl("feature_scan_backward", &routeformer::fused_feature_scan_backward);
 }

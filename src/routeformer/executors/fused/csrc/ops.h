@@ -1,6 +1,6 @@
 // The fused CPU operators, as ops.cpp registers them (``torch.ops.routeformer_fused.*``); each is defined in the
 // file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp, select.cpp
-// (block selection), route.cpp (the causal router's choice).
+// (block selection), route.cpp (the causal router's choice), scan.cpp (causal attention through features).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -68,6 +68,17 @@ at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
     const at::Tensor& r, const at::Tensor& centroids, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& key_valid, int64_t probes, bool observe);
+
+std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v,
+                                                              const std::optional<at::Tensor>& key_valid,
+                                                              const std::optional<at::Tensor>& projection,
+                                                              int64_t chunk, double scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_feature_scan_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& den, const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& projection,
+    int64_t chunk, double scale);
 
 bool fused_has_blas();
 
