@@ -51,7 +51,7 @@ def recording(monkeypatch) -> list[str]:
 
 
 def test_every_kind_on_an_executor_is_covered() -> None:
-    on_executor = {name for name, kind in KINDS.items() if kind.executor is True or callable(kind.executor)}
+    on_executor = {name for name, kind in KINDS.items() if kind.on_executor is True or callable(kind.on_executor)}
     assert on_executor <= set(SPECS), f"add a spec for {sorted(on_executor - set(SPECS))}"
 
 

@@ -125,6 +125,7 @@ def _builder(build: KernelBuild) -> str:
     return BUILD.format(namespace=build.prefix, source=str(build.sources[0]), root=str(build.root))
 
 
+@pytest.mark.slow  # a build of its own, 20-40 s: CI's slow line runs it
 def test_parallel_builders_compile_once_and_a_killed_build_does_not_block_the_next(tmp_path: Path) -> None:
     """Two processes at once: one compiles, the other waits on the lock and loads its library. Then a build killed
     half-way (its lock dies with it, its private folder stays): the next process builds and loads, in bounded
@@ -174,6 +175,7 @@ def test_a_failed_compilation_is_remembered_with_its_log(tmp_path: Path, monkeyp
     assert "compiling the test library" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a build of its own, 20-40 s: CI's slow line runs it
 def test_a_failed_build_falls_back_to_the_next_lower_capability_with_one_warning(tmp_path: Path) -> None:
     chain = build_chain()
     if len(chain) < 2:
@@ -241,6 +243,7 @@ def test_import_works_without_fcntl() -> None:
     assert run.returncode == 0 and "IMPORTED" in run.stdout, run.stderr
 
 
+@pytest.mark.slow  # a build of its own, 20-40 s: CI's slow line runs it
 def test_compile_only_checks_a_capability_without_loading_it(tmp_path: Path) -> None:
     good = _tiny(tmp_path, "routeformer_test_compile_only")
     bad = _tiny(tmp_path, "routeformer_test_compile_only_bad", TINY.replace("x.mul(2)", "x * undefined_name"))

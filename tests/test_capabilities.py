@@ -62,11 +62,9 @@ print("LOADED", status.loaded, status.wanted, torch.ops.routeformer_fused.vector
 """
 
 
-@X86_ONLY
-@pytest.mark.parametrize("cap", CAPABILITIES)
-def test_every_capability_builds_and_runs_the_fused_executor_tests(cap: str, tmp_path: Path) -> None:
-    if not runnable(cap):
-        pytest.skip(f"this processor cannot run {cap}: test_every_capability_compiles checks its build")
+def _build_and_load(cap: str) -> dict[str, str]:
+    """Build ``cap``'s kernels as required (``ROUTEFORMER_FUSED=1``) in a process of its own, load them and check
+    the capability and vector width it reports; the environment that runs it."""
     env = _env(ATEN_CPU_CAPABILITY=cap.lower(), ROUTEFORMER_FUSED="1")
     check = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, cwd=REPO,
                            timeout=600)
@@ -74,8 +72,28 @@ def test_every_capability_builds_and_runs_the_fused_executor_tests(cap: str, tmp
     assert f"LOADED {cap} {cap} {LANES[cap]}" in check.stdout
     if cap == "AVX512":
         assert _has_512_bit_code(KERNELS.folder(cap) / f"{KERNELS.name(cap)}.so")
+    return env
+
+
+@X86_ONLY
+@pytest.mark.parametrize("cap", CAPABILITIES)
+def test_every_capability_builds_and_loads(cap: str) -> None:
+    if not runnable(cap):
+        pytest.skip(f"this processor cannot run {cap}: test_every_capability_compiles checks its build")
+    _build_and_load(cap)
+
+
+# Slow (CI's slow line runs it): the fused executor's tests again under each capability other than the dispatched
+# one (whose build the rest of the suite runs them on), about 100 s of a worker each on 2 cores.
+@pytest.mark.slow
+@X86_ONLY
+@pytest.mark.parametrize("cap", CAPABILITIES)
+def test_every_capability_runs_the_fused_executor_tests(cap: str) -> None:
+    if not runnable(cap):
+        pytest.skip(f"this processor cannot run {cap}: test_every_capability_compiles checks its build")
     if cap == torch.backends.cpu.get_cpu_capability():
-        return  # the rest of the suite runs the fused executor's tests on this one
+        pytest.skip("the rest of the suite runs the fused executor's tests on the dispatched build")
+    env = _build_and_load(cap)
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *FUSED_TESTS],
                            capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
@@ -87,7 +105,7 @@ def test_every_capability_builds_and_runs_the_fused_executor_tests(cap: str, tmp
 def test_every_capability_compiles(cap: str, tmp_path: Path) -> None:
     """Where the processor cannot run a capability, its build is still compiled (objects only, never loaded)."""
     if runnable(cap):
-        pytest.skip(f"{cap} runs here: test_every_capability_builds_and_runs_the_fused_executor_tests builds it")
+        pytest.skip(f"{cap} runs here: test_every_capability_builds_and_loads builds it")
     result = compile_only(KERNELS, cap, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     if cap == "AVX512":

@@ -364,14 +364,14 @@ def test_pg19_reads_books_in_blocks_and_takes_other_bytes_as_they_are(tmp_path, 
     (root / "train" / "90007.txt").write_bytes(latin)  # not in metadata.csv either
     monkeypatch.setattr(pg19, "BLOCK", 64)
     sizes: list[int] = []
-    real = pg19._stream
+    real = pg19._book_bytes
 
     def recording(books, stats, progress):
         for chunk in real(books, stats, progress):
             sizes.append(len(chunk))
             yield chunk
 
-    monkeypatch.setattr(pg19, "_stream", recording)
+    monkeypatch.setattr(pg19, "_book_bytes", recording)
     with pytest.warns(UserWarning) as caught:
         meta = prepare("pg19", tmp_path / "data", str(root))
     messages = [str(w.message) for w in caught]
@@ -418,7 +418,7 @@ def test_an_interrupted_pg19_prepare_leaves_nothing_that_looks_complete(tmp_path
     """Ctrl-C while the valid split is written (train.bin already whole): no data set, no staging folder."""
     from routeformer.data import pg19
 
-    real = pg19._stream
+    real = pg19._book_bytes
 
     def interrupted(books, stats, progress):
         stream = real(books, stats, progress)
@@ -427,14 +427,14 @@ def test_an_interrupted_pg19_prepare_leaves_nothing_that_looks_complete(tmp_path
             raise KeyboardInterrupt
         yield from stream
 
-    monkeypatch.setattr(pg19, "_stream", interrupted)
+    monkeypatch.setattr(pg19, "_book_bytes", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))
     assert list((tmp_path / "data").iterdir()) == []
     with pytest.raises(DataError, match="is not prepared"):
         Dataset.open("pg19", tmp_path / "data")
     # killed outright instead (no cleanup ran): the staging folder keeps a partial file; the next prepare drops it
-    monkeypatch.setattr(pg19, "_stream", real)
+    monkeypatch.setattr(pg19, "_book_bytes", real)
     (tmp_path / "data" / ".pg19.staging").mkdir()
     (tmp_path / "data" / ".pg19.staging" / ".train.bin.99999.tmp").write_bytes(b"partial" * 100)
     prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))

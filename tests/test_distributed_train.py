@@ -92,6 +92,7 @@ def test_one_process_under_torchrun_runs_in_a_process_group(single: Path, mode: 
     _same_curve(single / "one", out)
 
 
+@pytest.mark.slow  # two torchrun launches and a resume, about 30 s: CI's slow line runs it
 def test_a_sharded_run_resumes_on_the_same_curve(single: Path) -> None:
     out = single / "fsdp_resumed"
     _torchrun(single, "--config", str(single / "two.toml"), "--data-dir", str(single / "data"), "--out", str(out),

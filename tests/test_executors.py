@@ -125,8 +125,8 @@ def test_the_config_backend_reaches_every_executor_head_and_is_checked() -> None
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         TransformerConfig(dim=32, heads=4, seq_len=32, options={"local": {"window": 4}}, rel_clip=4, backend="fast")
     with pytest.raises(ValueError, match="backend='flex' would change nothing"):
-        TransformerConfig(dim=32, heads=4, seq_len=32, attention="linear", options={"linear": {"kernel": "elu"}},
-                          positions="none", backend="flex")
+        TransformerConfig(dim=32, heads=4, seq_len=32, attention="linear", options={"linear": {"kernel": "poly2"}},
+                          positions="none", backend="flex")  # elu's heads run on the executor's scan: not poly2's
 
 
 def test_kernels_without_a_fused_path_refuse_the_flex_backend() -> None:

@@ -226,7 +226,7 @@ def test_the_value_pass_at_a_window_of_hundreds(monkeypatch, causal: bool, clip:
     their scores), in one chunk and in many: local attention against the dense float64 reference, forward and
     gradients, with the clip nearer than the window (only the near keys enumerated, the far mass from the
     log-sum-exp; two-sided: the right side's second call) and beyond it (every offset enumerated)."""
-    monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
+    monkeypatch.setattr(flex.score_terms, "_CHUNK", chunk)
     q, k, v = rand_qkv(1, 2, 700, 8)
     mask = PATTERNS["local"].build_mask(700, 2, causal, window=300)
     compare_with_reference(pattern_call(PATTERNS["local"], "flex", causal=causal, window=300), mask, q, k, v,
@@ -247,7 +247,7 @@ def test_the_value_pass_runs_as_many_operators_at_any_window(monkeypatch) -> Non
             self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    real = flex.relative.value_term
+    real = flex.score_terms.value_term
     counts = []
 
     def counted(pattern, q, k, lse, *rest):
@@ -268,7 +268,7 @@ def test_the_value_pass_runs_as_many_operators_at_any_window(monkeypatch) -> Non
 def test_the_value_pass_reads_distances_between_positions_at_a_window_of_hundreds(monkeypatch, chunk: int) -> None:
     """The sorted window (distances between the entries' original positions, one table row per pair): routing's
     layer at a window of 200 against the reference over its mask, forward and gradients."""
-    monkeypatch.setattr(flex.relative, "_CHUNK", chunk)
+    monkeypatch.setattr(flex.score_terms, "_CHUNK", chunk)
     layer = routing_layer(2, 8, 2, 200, causal=False, balanced=False, backend="flex").double()
     q, k, v = rand_qkv(1, 2, 500, 8)
     compare_with_reference(lambda *x, **kw: layer(*x, **kw), layer.routing_mask(q, k), q, k, v,

@@ -455,7 +455,7 @@ def test_the_fused_tile_operator_is_consistent_for_torch_compile() -> None:
     v = torch.randn(1 * 2 * 3 * 4 + 4, 8, generator=g, requires_grad=True)
     table = torch.randn(4, 8, generator=g, requires_grad=True)
     args = (qt, k, v, [6, 4, 1], None, table, table.clone().detach().requires_grad_(), 1, True)
-    torch.library.opcheck(tiles._tile_attention, args)
+    torch.library.opcheck(tiles.tile_attention, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from helpers import rand_qkv, rand_rel
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import nsa
-from routeformer.attention.blocks import NONE, candidates, select_blocks, selected_mask
+from routeformer.attention.blocks import NONE, candidate_blocks, select_blocks, selected_mask
 from routeformer.attention.moba import default_block
 from routeformer.attention.nsa import NsaHeads, NsaOptions
 from routeformer.attention.registry import get_kind
@@ -102,7 +102,7 @@ def test_the_definitions_selection_is_select_blocks() -> None:
     path's ``select_blocks`` give the same pattern under ``selected_mask``."""
     n, block, top = 43, 5, 2
     scores = torch.randn(2, 3, n, n // block, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    allowed = candidates(torch.arange(n), n // block, block)
+    allowed = candidate_blocks(torch.arange(n), n // block, block)
     higher = ((scores[..., None, :] > scores[..., :, None]) & allowed[:, None, :]).sum(-1)
     chosen = torch.where(allowed & (higher < top), torch.arange(n // block), NONE)
     assert torch.equal(selected_mask(chosen, block), selected_mask(select_blocks(scores, block, top), block))
@@ -118,7 +118,8 @@ def test_a_selection_of_the_lowest_scores_is_caught(monkeypatch) -> None:
 
 def test_a_compressed_branch_that_sees_its_own_block_is_caught(monkeypatch) -> None:
     """Compressed attention to the query's own block (complete or not) is a leak: the leak check sees it."""
-    monkeypatch.setattr(nsa, "candidates", lambda pos, blocks, block: candidates(pos + block, blocks, block))
+    monkeypatch.setattr(nsa, "candidate_blocks",
+                        lambda pos, blocks, block: candidate_blocks(pos + block, blocks, block))
     with pytest.raises(AssertionError, match="nsa heads fail the (reference|leak) check"):
         check_kind("nsa", seq_len=40, rel_clip=8, options={"nsa": SMALL})
 

@@ -72,7 +72,7 @@ def block_scores(q: Tensor, summary: tuple[Tensor, ...], score: str) -> Tensor:
     return torch.einsum("bhnd,bhmd->bhnm", torch.cat([q.clamp(min=0), q], -1), torch.cat([hi - lo, lo], -1))
 
 
-def candidates(query_pos: Tensor, blocks: int, block: int) -> Tensor:
+def candidate_blocks(query_pos: Tensor, blocks: int, block: int) -> Tensor:
     """(Nq, blocks) bool: whether the query at position i (``query_pos`` (Nq,)) may select block j, i.e.
     j < i // block (complete, and before its own)."""
     return torch.arange(blocks, device=query_pos.device)[None, :] < (query_pos // block)[:, None]
@@ -84,7 +84,7 @@ def select_blocks(scores: Tensor, block: int, top: int, query_pos: Tensor | None
     Returns (B, H, Nq, top) long. O(Nq · nb) per head."""
     B, H, Nq, nb = scores.shape
     pos = torch.arange(Nq, device=scores.device) if query_pos is None else query_pos
-    allowed = candidates(pos, nb, block)  # (Nq, nb)
+    allowed = candidate_blocks(pos, nb, block)  # (Nq, nb)
     chosen = torch.full((B, H, Nq, top), NONE, dtype=torch.long, device=scores.device)
     if nb == 0:
         return chosen
@@ -284,6 +284,6 @@ def selection_keys(block: int, top: int, n: int, summaries: int = 1) -> float:
 
 
 __all__ = ["NONE", "BlockCache", "BlockHeads", "allowed_keys", "block_bounds", "block_means", "block_scores",
-           "candidates", "complete_block", "complete_blocks", "default_block", "dense_warmup",
+           "candidate_blocks", "complete_block", "complete_blocks", "default_block", "dense_warmup",
            "describe_warmup", "select_blocks", "selected_attention", "selected_mask", "selected_ranges",
            "selection_keys", "warmup_length"]

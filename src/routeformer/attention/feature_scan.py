@@ -40,7 +40,7 @@ class FeatureMap(Protocol):
         ...
 
 
-def _chunks(n: int, chunk: int) -> list[slice]:
+def _chunk_slices(n: int, chunk: int) -> list[slice]:
     return [slice(start, min(start + chunk, n)) for start in range(0, n, chunk)]
 
 
@@ -61,7 +61,7 @@ class _FeatureScan(torch.autograd.Function):
         out = torch.empty_like(v)
         den = q.new_empty(B, H, N)
         state = None  # Σ φ(k) [v, 1]ᵀ over the chunks before: (B, H, F, D + 1)
-        for rows in _chunks(N, chunk):
+        for rows in _chunk_slices(N, chunk):
             fq = fmap(q[:, :, rows], query=True)  # (B, H, c, F)
             fk = _keys(fmap, k, key_valid, rows)
             vc = _with_ones(v[:, :, rows])
@@ -90,7 +90,7 @@ class _FeatureScan(torch.autograd.Function):
         dden = torch.where(keyed, -(dout * out).sum(-1) * inv, 0.0)
         g = torch.cat([dout * inv[..., None], dden[..., None]], -1)  # (B, H, N, D + 1)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        spans = _chunks(q.shape[2], chunk)
+        spans = _chunk_slices(q.shape[2], chunk)
         # In order, the states before each chunk ((N/c)·F·(D + 1) floats, for this pass only: for Performer at
         # c = 128, m = 266, D = 64 a third of the (N, m) features' bytes); then in reverse, everything else with each
         # chunk's features computed once.

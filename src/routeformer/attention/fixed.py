@@ -27,7 +27,7 @@ from ..executors.pieces import BlockDiagonal, Subset
 from ..executors.relative import RelativePositions
 from .kinds.base import HeadGroup, HeadKind, KeyStore
 from .kinds.common import at_most_seq_len
-from .masks import _grid, _split
+from .masks import index_grid, split_mask
 
 
 def fixed_attention(
@@ -113,12 +113,12 @@ def fixed_mask(
     l, c = positive_int("block", block), positive_int("summary", summary)
     if c > l:
         raise ValueError(f"summary must be at most block, got summary={c} > block={l}")
-    i, j = _grid(n, device)
+    i, j = index_grid(n, device)
     a1 = (j // l) == (i // l)
     a2 = (j % l) >= (l - c)
     if causal:
         a1, a2 = a1 & (j <= i), a2 & (j <= i)
-    return _split(a1, a2, merged, heads)
+    return split_mask(a1, a2, merged, heads)
 
 
 # --- the head kinds: how a model uses it ---

@@ -24,7 +24,7 @@ from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import exp_kernel
-from .masks import _grid, _per_head
+from .masks import index_grid, per_head_mask
 
 
 def full_attention(
@@ -92,8 +92,8 @@ def full_attention(
 
 def full_mask(n: int, causal: bool = True, heads: int | None = None, *, device=None) -> Tensor:
     """Every key (j <= i when causal)."""
-    i, j = _grid(n, device)
-    return _per_head((j <= i) if causal else torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=device),
+    i, j = index_grid(n, device)
+    return per_head_mask((j <= i) if causal else torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=device),
                      heads)
 
 
@@ -137,5 +137,5 @@ def describe_kernel(options: KernelOptions) -> str:
 
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o),
                 keys_per_query=lambda options, n: (n + 1) / 2, option_type=KernelOptions,
-                relative_positions=exp_kernel, executor=exp_kernel, describe=describe_kernel,
+                relative_positions=exp_kernel, on_executor=exp_kernel, describe=describe_kernel,
                 summary="every earlier key")

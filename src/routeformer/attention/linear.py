@@ -44,13 +44,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_chunk(features: int) -> int:
-    """c: the largest power of two at most F/4, clamped to [64, 512]. A power of two divides the usual lengths (no
-    padded copies); c trades the exact (c, c) part, c·(F + D) work per query, against the state's F·D per query
-    and the per-chunk states, (N/c)·F·D memory; the cap bounds the (c, c) part for large F (poly2). Measured with
-    the fused scan (2 threads, H = 8, D = 64, fwd+bwd at N = 8192, medians of 3 alternated): elu (F = 64) c = 32
-    67 ms, 64 76 ms (at 16k both 185 ms); Performer (m = 266) c = 64 308 ms, 128 352 ms (16k: 664, 800 ms). The
-    PyTorch scan (tiles) at 8192: Performer c = 64 539-577 ms, 128 506-648 ms."""
-    c = 1 << max(0, (max(1, features) // 4).bit_length() - 1)
+    """c of the PyTorch scan and the chunked form: the largest power of two at most F/2, clamped to [64, 512]. A
+    power of two divides the usual lengths (no padded copies of the (N, F) feature maps); c ~ F/2 trades the exact
+    (c, c) part, c·F work per query, against the per-chunk states, (N/c)·F·D memory (2·N·D at c = F/2); the cap
+    bounds the (c, c) part for large F (poly2). Performer's m = 266 at D = 64, fwd+bwd at N = 16384 (H = 8, 2
+    threads): c = 128 2.06 s, 256 2.19 s, 266 2.54 s. (An executor's scan kernels choose their own where the caller
+    gives none: ``Executor.scan_run``.)"""
+    c = 1 << max(0, (max(1, features) // 2).bit_length() - 1)
     return min(512, max(64, c))
 
 
@@ -146,14 +146,17 @@ def linear_attention(
     key_valid = inputs.key_valid
     _check_features(options, D)
     s = kernel_scale(kernel, inputs.chosen_scale, D)
-    chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else positive_int("chunk", chunk)
+    chunk = None if chunk is None else positive_int("chunk", chunk)
     dtype = inputs.q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (inputs.q, inputs.k, inputs.v))
     if causal and kernel == "elu":  # the scan keeps 4x q's bytes for the backward (feature_scan.py)
         fmap = EluFeatures()
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
         out = None if run is None else run(q, k, v, FeatureKernel(), chunk, key_valid)  # no projection: elu's
-        return (feature_scan(q, k, v, fmap, chunk, key_valid) if out is None else out).to(dtype)
+        if out is None:
+            out = feature_scan(q, k, v, fmap, default_chunk(D) if chunk is None else chunk, key_valid)
+        return out.to(dtype)
+    chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else chunk
     phi_q, phi_k = feature_map(kernel, q, s), feature_map(kernel, k, s)
     intra = (lambda chunks: pairwise(kernel, chunks(q), chunks(k), s)) if kernel == "poly2" else None
     out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra)
@@ -266,6 +269,6 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
 
 KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o),
                 keys_per_query=_keys_per_query, option_type=LinearOptions, complete=_complete, relative_positions=False,
-                executor=lambda o: o.kernel == "elu",  # the feature scan's kernels (poly2: PyTorch's operators)
+                on_executor=lambda o: o.kernel == "elu",  # the feature scan's kernels (poly2: PyTorch's operators)
                 describe=lambda o: f"kernel={o.kernel}, F={o.features}",
                 summary="every earlier key under the elu or poly2 kernel, in linear time")

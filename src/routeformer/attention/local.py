@@ -21,7 +21,7 @@ from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len, exp_kernel
-from .masks import _grid, _per_head
+from .masks import index_grid, per_head_mask
 
 
 def local_attention(
@@ -60,9 +60,9 @@ def local_attention(
 def local_mask(n: int, window: int, causal: bool = True, heads: int | None = None, *, device=None) -> Tensor:
     """Causal: i - window < j <= i. Non-causal: |i - j| < window."""
     window = positive_int("window", window)
-    i, j = _grid(n, device)
+    i, j = index_grid(n, device)
     mask = ((j <= i) & (j > i - window)) if causal else ((i - j).abs() < window)
-    return _per_head(mask, heads)
+    return per_head_mask(mask, heads)
 
 
 # --- the head kind: how a model uses it ---
@@ -119,6 +119,6 @@ def _complete(o: LocalOptions, config: Any) -> LocalOptions:
 
 KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head_dim, o),
                 keys_per_query=lambda o, n: min(o.window, n), option_type=LocalOptions, complete=_complete,
-                relative_positions=exp_kernel, executor=exp_kernel,
+                relative_positions=exp_kernel, on_executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
                 summary="the last `window` positions")

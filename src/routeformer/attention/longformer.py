@@ -29,7 +29,7 @@ from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
-from .masks import _grid
+from .masks import index_grid
 
 
 def longformer_attention(
@@ -60,20 +60,20 @@ def longformer_attention(
     globals_ = check_positions("global_tokens", options.global_tokens, N)
     rel_pos = rel
     check_rel(rel, q)
-    g = _index(globals_, q.device) if globals_ else None
+    g = _device_index(globals_, q.device) if globals_ else None
     if g is not None:  # (N,) whether a position is global, and its row among the global ones (0 elsewhere)
         mask, slots = [False] * N, [0] * N  # on the host: a scatter in the graph is what the merge below avoids
         for i, p in enumerate(globals_):
             mask[p], slots[p] = True, i
         is_global = torch.tensor(mask).to(q.device, non_blocking=True)
-        slot = _index(slots, q.device)
+        slot = _device_index(slots, q.device)
     executor = get_executor(executor, q.device)
     outs, order = [], []
     for d in sorted(set(dilations)):  # heads sharing a dilation share one grid
         heads = [h for h in range(H) if dilations[h] == d]
         qd, kd, vd = q, k, v
         if len(heads) < H:
-            idx = _index(heads, q.device)
+            idx = _device_index(heads, q.device)
             qd, kd, vd = (x[:, idx] for x in (q, k, v))
         # the dilated band: a band along the columns of the sequence seen as a grid of d columns
         qc, kc, vc = to_columns(qd, d), to_columns(kd, d), to_columns(vd, d)  # (B·d, h, N/d, D)
@@ -105,11 +105,11 @@ def longformer_attention(
         order += heads
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     if order != sorted(order):
-        out = out[:, _index(sorted(range(H), key=order.__getitem__), q.device)]  # the inverse permutation
+        out = out[:, _device_index(sorted(range(H), key=order.__getitem__), q.device)]  # the inverse permutation
     return out
 
 
-def _index(values: list[int], device: torch.device) -> Tensor:
+def _device_index(values: list[int], device: torch.device) -> Tensor:
     """A long tensor of ``values`` on ``device``, without waiting for the copy: from pageable host memory a
     non-blocking copy is staged at once, so the host buffer may go (no stream synchronisation on CUDA)."""
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
@@ -142,7 +142,7 @@ def longformer_mask(
     else:
         dilations = [positive_int("dilation", dilation)]
     globals_ = check_positions("global_tokens", global_tokens, positive_int("n", n))
-    i, j = _grid(n, device)
+    i, j = index_grid(n, device)
     is_global = torch.zeros(n, dtype=torch.bool, device=device)
     is_global[globals_] = True
     diff = j - i

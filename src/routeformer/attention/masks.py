@@ -13,22 +13,22 @@ from torch import Tensor
 from ..checks import check_split_heads, positive_int
 
 
-def _grid(n: int, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+def index_grid(n: int, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
     n = positive_int("n", n)
     idx = torch.arange(n, device=device)
     return idx[:, None], idx[None, :]  # i (query) down, j (key) across
 
 
-def _per_head(mask: Tensor, heads: int | None) -> Tensor:
+def per_head_mask(mask: Tensor, heads: int | None) -> Tensor:
     if heads is None:
         return mask
     return mask.expand(positive_int("heads", heads), *mask.shape[-2:]).clone()
 
 
-def _split(first: Tensor, second: Tensor, merged: bool, heads: int | None) -> Tensor:
+def split_mask(first: Tensor, second: Tensor, merged: bool, heads: int | None) -> Tensor:
     first, second = torch.broadcast_tensors(first, second)
     if merged:
-        return _per_head(first | second, heads)
+        return per_head_mask(first | second, heads)
     if heads is None:
         raise ValueError("merged=False gives different heads different patterns: pass heads=")
     half = check_split_heads(positive_int("heads", heads))

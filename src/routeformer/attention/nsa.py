@@ -43,7 +43,7 @@ from .blocks import (
     BlockCache,
     BlockHeads,
     allowed_keys,
-    candidates,
+    candidate_blocks,
     complete_block,
     dense_warmup,
     describe_warmup,
@@ -120,7 +120,7 @@ class NsaHeads(BlockHeads):
         whole = n // b * b
         ck, cv = self.summarise(k[:, :, :whole], v[:, :, :whole])  # (B, h, N // block, D)
         scores = torch.einsum("bhnd,bhmd->bhnm", q, ck) * self.scale  # (B, h, N, N // block)
-        seen = candidates(torch.arange(n, device=q.device), ck.shape[2], b)  # complete blocks before the own
+        seen = candidate_blocks(torch.arange(n, device=q.device), ck.shape[2], b)  # complete blocks before the own
         out_cmp = normalise_scores(scores, seen) @ cv  # zeros for the queries of the first block
         with torch.no_grad():  # the selection is discrete: chosen by the compressed attention's scores
             chosen = select_blocks(scores.detach(), b, self.top)

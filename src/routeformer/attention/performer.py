@@ -142,7 +142,7 @@ def performer_attention(
             or projection.shape[2] != D:
         raise ValueError(f"projection must have shape (H, m, D) = ({H}, m, {D}), got "
                          f"{tuple(getattr(projection, 'shape', ()))}")
-    chunk = default_chunk(projection.shape[1]) if chunk is None else positive_int("chunk", chunk)
+    chunk = None if chunk is None else positive_int("chunk", chunk)
     dtype = q.dtype
     q, k, v = (x.to(compute_dtype(dtype)) for x in (q, k, v))
     if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
@@ -150,8 +150,10 @@ def performer_attention(
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
         out = None if run is None else run(q, k, v, FeatureKernel(projection, s), chunk, key_valid)
         if out is None:
+            chunk = default_chunk(projection.shape[1]) if chunk is None else chunk
             out = feature_scan(q, k, v, PerformerFeatures(projection, s), chunk, key_valid)
         return out.to(dtype)
+    chunk = default_chunk(projection.shape[1]) if chunk is None else chunk
     phi_q = performer_features(q, projection, s, query=True)
     phi_k = performer_features(k, projection, s, query=False)
     return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid).to(dtype)

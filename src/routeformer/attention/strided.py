@@ -30,7 +30,7 @@ from ..lengths import sqrt_len
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .local import LocalOptions, local_attention
-from .masks import _grid, _split
+from .masks import index_grid, split_mask
 
 
 def strided_attention(
@@ -85,14 +85,14 @@ def strided_mask(
     ``merged``: every head sees A1 ∪ A2; otherwise the first half of the heads A1, the second half A2.
     """
     l = positive_int("stride", stride)
-    i, j = _grid(n, device)
+    i, j = index_grid(n, device)
     if causal:
         a1 = (j <= i) & (j >= i - l)
         a2 = (j <= i) & ((i - j) % l == 0)
     else:
         a1 = (i - j).abs() <= l
         a2 = (i - j) % l == 0
-    return _split(a1, a2, merged, heads)
+    return split_mask(a1, a2, merged, heads)
 
 
 # --- the head kinds: how a model uses it ---

@@ -56,6 +56,7 @@ from ..attention.moba import MobaHeads, MobaOptions
 from ..attention.performer import default_features
 from ..attention.routing import RoutingOptions
 from ..executors import describe_backend, get_executor
+from ..executors.fused.scan import scan_chunk
 from ..lengths import sqrt_len
 from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
@@ -153,6 +154,13 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
     projection = orthogonal_features(heads, features, head_dim, generator=torch.Generator().manual_seed(0),
                                      device=device)
     poly2 = feature_dim("poly2", head_dim)
+    # the chunk the causal scan runs at: the executor's kernels' own where they take the call (scan_run), else the
+    # PyTorch scan's
+    kernels = get_executor(backend, device).runner(torch.empty(0, device=device, dtype=dtype)).scan_run is not None
+
+    def scan_at(f: int) -> int:
+        return scan_chunk(f) if kernels and causal else default_chunk(f)
+
     quadratic = (None if n <= KERNEL_ATTENTION_MAX_N else
                  f"not run at N > {KERNEL_ATTENTION_MAX_N}: exact O(N²) kernel attention, unfused")
     too_many_features = (None if n <= KERNEL_ATTENTION_MAX_N else
@@ -214,14 +222,14 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
                   lambda q, k, v: lsh_attention(Inputs.of(q, q, v), lsh, backend, causal=causal, rotations=rotations),
                   useful=hashed_work if causal else None),
-        Candidate("linear", f"elu, F={head_dim}, chunk={default_chunk(head_dim)}",
+        Candidate("linear", f"elu, F={head_dim}, chunk={scan_at(head_dim)}",
                   lambda q, k, v: linear_attention(Inputs.of(q, k, v), None, backend, causal=causal),
                   useful=lambda q: rf.feature_flops(head_dim, q)),
         Candidate("linear-poly2", f"(1+s·q·k)², F={poly2}, chunk={default_chunk(poly2)}",
                   lambda q, k, v: linear_attention(Inputs.of(q, k, v), linear_poly2, causal=causal),
                   skip=too_many_features,
                   useful=lambda q: rf.feature_flops(poly2, q)),
-        Candidate("performer", f"m={features}, orthogonal per head, drawn once, chunk={default_chunk(features)}",
+        Candidate("performer", f"m={features}, orthogonal per head, drawn once, chunk={scan_at(features)}",
                   lambda q, k, v: performer_attention(Inputs.of(q, k, v), None, backend, causal=causal,
                                                       projection=projection),
                   useful=lambda q: rf.feature_flops(features, q, projection=True)),

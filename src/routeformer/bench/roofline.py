@@ -43,7 +43,7 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, re
     return 2 * size**3 / best / 1e9
 
 
-def _index(n: int) -> Tensor:
+def _float_range(n: int) -> Tensor:
     return torch.arange(n, dtype=torch.float64)
 
 
@@ -52,13 +52,13 @@ def pairs_full(n: int) -> float:
 
 
 def pairs_local(n: int, window: int) -> float:
-    return float(torch.clamp(_index(n) + 1, max=window).sum())
+    return float(torch.clamp(_float_range(n) + 1, max=window).sum())
 
 
 def pairs_strided(n: int, stride: int, merged: bool) -> float:
     """Per head: merged A1 ∪ A2 (the last l + 1 positions, every l-th one back; i and i - l in both); split, half
     the heads A1 and half A2."""
-    i = _index(n)
+    i = _float_range(n)
     a1 = torch.clamp(i + 1, max=stride + 1)
     a2 = torch.div(i, stride, rounding_mode="floor") + 1
     if merged:
@@ -68,7 +68,7 @@ def pairs_strided(n: int, stride: int, merged: bool) -> float:
 
 def pairs_fixed(n: int, block: int, summary: int) -> float:
     """Merged: the own block so far, and the last ``summary`` cells of every block so far (counted once)."""
-    i = _index(n)
+    i = _float_range(n)
     own = torch.remainder(i, block) + 1
     first = block - summary  # a block's summary cells start here
     blocks = torch.div(i + 1, block, rounding_mode="floor")  # whole blocks up to i
@@ -82,7 +82,7 @@ def pairs_longformer(n: int, window: int, dilations: Sequence[int], global_token
     (global tokens at 0 only: the key 0 for every query; a global query's row is its band here)."""
     if list(global_tokens) not in ([], [0]):
         raise ValueError("pairs_longformer counts global tokens at position 0 only")
-    i = _index(n)
+    i = _float_range(n)
     total = 0.0
     for d in dilations:
         band = torch.clamp(torch.div(i, d, rounding_mode="floor") + 1, max=window)

@@ -64,7 +64,7 @@ def prepare_pg19(target: Path, data_dir: Path, src: Path | None, skip_checksum: 
     with tqdm(total=total, unit="B", unit_scale=True, desc="preparing pg19", disable=None) as bar:
         # Each split's stream fills stats[split] as it ends; write_dataset writes meta.json (with extra) only after
         # it has consumed every split, so the counts are in it.
-        streams = {split: _stream(files, stats.setdefault(split, {}), bar.update) for split, files in books.items()}
+        streams = {split: _book_bytes(files, stats.setdefault(split, {}), bar.update) for split, files in books.items()}
         return write_dataset(target, meta, streams, force=force)
 
 
@@ -97,7 +97,7 @@ def _listed_ids(path: Path) -> set[str] | None:
                         f"release's metadata.csv") from None
 
 
-def _stream(books: list[Path], stats: dict, progress) -> Iterator[np.ndarray]:
+def _book_bytes(books: list[Path], stats: dict, progress) -> Iterator[np.ndarray]:
     """The bytes of ``books``, each followed by the separator, in blocks; ``stats`` gets the books, their bytes and
     the names of those that are not UTF-8 (and of those holding the separator byte) when the stream ends."""
     separator = np.array([SEPARATOR], dtype=np.uint8)

@@ -52,14 +52,14 @@ IMAGE_BYTES = 64 * 64 * 3
 IMAGENET64_VALID = 10_000  # training images held out as the validation split
 
 
-def _chunks(data: np.ndarray, size: int = 1 << 24) -> Iterator[np.ndarray]:
+def _blocks_of(data: np.ndarray, size: int = 1 << 24) -> Iterator[np.ndarray]:
     for start in range(0, len(data), size):
         yield data[start:start + size]
 
 
 def _split_bytes(data: np.ndarray, train: int, valid: int) -> dict[str, Iterator[np.ndarray]]:
-    return {"train": _chunks(data[:train]), "valid": _chunks(data[train:train + valid]),
-            "test": _chunks(data[train + valid:])}
+    return {"train": _blocks_of(data[:train]), "valid": _blocks_of(data[train:train + valid]),
+            "test": _blocks_of(data[train + valid:])}
 
 
 def _proportional(data: np.ndarray) -> dict[str, Iterator[np.ndarray]]:

@@ -61,9 +61,10 @@ class Executor:
     bias, key_padding_mask, probes, observe)`` the causal router's (``routes.Routed``, e.g.
     ``fused.routes.fused_route``), ``select_run(q, k, block, top, bound)`` block selection's
     (``fused.selection.fused_select_blocks``), ``scan_run(q, k, v, kernel, chunk, key_valid)`` causal attention
-    through a ``tiling.FeatureKernel``'s features (``fused.scan.fused_feature_scan``); each may return None for a
-    call it does not take, and an executor without them (tiles) leaves them to PyTorch's operators in the
-    mechanism, the definition. Read them through ``runner(q)``: the executor that computes a call on q.
+    through a ``tiling.FeatureKernel``'s features, chunk None its own choice (``fused.scan.fused_feature_scan``);
+    each may return None for a call it does not take, and an executor without them (tiles) leaves them to
+    PyTorch's operators in the mechanism, the definition. Read them through ``runner(q)``: the executor that
+    computes a call on q.
     """
 
     name: str

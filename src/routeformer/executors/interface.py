@@ -58,9 +58,9 @@ def _unless_fused_takes(q: Tensor) -> Executor | None:
 
 EXECUTORS.update({
     # LSH's labelled pairs run in its own rounds operator there; a tiling's labels are lowered to a tile mask
-    "fused": fused.FusedExecutor("fused", supports=frozenset(FEATURES) - {"labels"}, rounds_run=fused.fused_rounds,
-                                 delegate=_unless_fused_takes, route_run=fused_route, select_run=fused_select_blocks,
-                                 scan_run=fused_feature_scan),
+    "fused": Executor("fused", fused.fused_tiled, supports=frozenset(FEATURES) - {"labels"},
+                      ranges_run=fused.fused_ranges, rounds_run=fused.fused_rounds, delegate=_unless_fused_takes,
+                      route_run=fused_route, select_run=fused_select_blocks, scan_run=fused_feature_scan),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,

@@ -99,7 +99,7 @@ def range_attention(tiled: Tiled, inputs: Inputs, spans: Ranges, *, order: KeyOr
                            stretch=G, rows=rows, bound=True)]
     else:
         parts = _tiles(tiled, sides, keys, width=width, stretch=G, rows=rows)
-    return _merge(parts, merge, Nq, need_lse)
+    return merge_parts(parts, merge, Nq, need_lse)
 
 
 def check_ranges(q: Tensor, spans: Ranges, rel_pos: RelativePositions | None) -> None:
@@ -146,7 +146,7 @@ class _Keys(NamedTuple):
     rel_pos: RelativePositions | None
 
 
-class _Part(NamedTuple):
+class RangePart(NamedTuple):
     """The result of one pass over some entries, in its own layout of X slots: out (B, H, X, D), lse (B, H, X), and
     ``entry`` (B, H, X), the entry in each slot (M for an empty one)."""
 
@@ -197,7 +197,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _tiles(tiled: Tiled, sides: _Sides, keys: _Keys, *, width: int, stretch: int,
-           rows: int | None) -> list[_Part]:
+           rows: int | None) -> list[RangePart]:
     """The tiles of R rows per stretch, and the gathered pass for the entries left over."""
     k = keys.k
     B, H, N, D = k.shape
@@ -228,7 +228,7 @@ def _tiles(tiled: Tiled, sides: _Sides, keys: _Keys, *, width: int, stretch: int
     out, lse = tiled(Inputs(sides.queries(entry), k, keys.v, 1.0, keys.valid),
                      Tiling(block=G, back=reach, rows=R, tile_mask=mask),
                      rel=None if delta is None else RelTerms(keys.rel_pos, Distances(delta=delta)), need_lse=True)
-    parts = [_Part(out, lse, entry)]
+    parts = [RangePart(out, lse, entry)]
     left = int((~in_tile).sum(-1).max())
     if left:  # the leftover entries, each block of them with its own gathered span
         pick = torch.where(in_tile, M, order).sort(-1).values[..., :left]  # leftover entries first, then M
@@ -237,7 +237,7 @@ def _tiles(tiled: Tiled, sides: _Sides, keys: _Keys, *, width: int, stretch: int
 
 
 def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: int, stretch: int,
-              rows: int | None, bound: bool = False) -> _Part:
+              rows: int | None, bound: bool = False) -> RangePart:
     """The entries ``pick`` (B, H, L) (M: none) in blocks of at most T rows whose hi lie in one stretch of G keys,
     each block one tile against its own gathered span of width + G - 1 keys (keys in the ranges' order).
     ``bound``: as many blocks as there can be (L / T + N / G), not as there are (no host read)."""
@@ -273,10 +273,10 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
         Tiling.dense(T, tile_mask=mask.view(B, heads, 1, T, S)), need_lse=True,
         rel=None if delta is None else RelTerms(keys.rel_pos, Distances(delta=delta.reshape(B, heads, 1, T, S))),
     )
-    return _Part(out.view(B, H, n_blocks * T, D), lse.view(B, H, n_blocks * T), entry)
+    return RangePart(out.view(B, H, n_blocks * T, D), lse.view(B, H, n_blocks * T), entry)
 
 
-def _merge(parts: list[_Part], merge: int, rows: int, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+def merge_parts(parts: list[RangePart], merge: int, rows: int, need_lse: bool) -> tuple[Tensor, Tensor | None]:
     """Each query row's ``merge`` entries, out of the parts' slots, as one softmax over their keys (``_Merge``)."""
     B, H, _, D = parts[0].out.shape
     M = rows * merge

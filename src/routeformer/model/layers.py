@@ -41,7 +41,7 @@ class MixedAttention(nn.Module):
             if uses:
                 group.executor = executor
 
-    def _split(self, x: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    def _project_heads(self, x: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Per group, its (B, h, N, D) queries, keys and values."""
         B, N, _ = x.shape
         # one product for the three projections (one larger matmul is faster than three small ones)
@@ -65,7 +65,7 @@ class MixedAttention(nn.Module):
         (one per group) x continues a decoded sequence at position ``start``."""
         B, N, _ = x.shape
         outs, aux = [], None
-        for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._split(x), strict=True)):
+        for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._project_heads(x), strict=True)):
             if caches is None:
                 outs.append(group(q, k, v, self.rel_pos))
                 loss = group.aux_loss()

@@ -275,9 +275,9 @@ class HeadKind:
         shares_qk: (options) -> whether the keys are the queries (the layer then projects no keys for it).
         relative_positions: whether the kind supports Shaw et al.'s relative positions (the config says so
             clearly when it does not); a bool, or (options) -> bool when it depends on them.
-        executor: whether the heads run on an attention executor, so that ``TransformerConfig.backend`` chooses
-            how they are computed; a bool, or (options) -> bool. Kinds with their own computation (linear,
-            Performer, the poly2 / elu kernels) set False.
+        on_executor: whether the heads run on an attention executor, so that ``TransformerConfig.backend`` chooses
+            how they are computed; a bool, or (options) -> bool. Kinds with their own computation (poly2 linear
+            heads, the poly2 / elu kernels) say False.
         describe: (options) -> a short summary of the options for tables ('window=128'); default the dataclass.
         summary: one line for ``--help`` and tables.
     """
@@ -291,7 +291,7 @@ class HeadKind:
     complete: Callable[[Any, Any], Any] | None = None
     shares_qk: Callable[[Any], bool] | None = None
     relative_positions: bool | Callable[[Any], bool] = True
-    executor: bool | Callable[[Any], bool] = True
+    on_executor: bool | Callable[[Any], bool] = True
     describe: Callable[[Any], str] | None = None
     summary: str = ""
 
@@ -360,7 +360,7 @@ class HeadKind:
         return bool(rel(options)) if callable(rel) else bool(rel)
 
     def runs_on_executor(self, options: Any) -> bool:
-        uses = self.executor
+        uses = self.on_executor
         return bool(uses(options)) if callable(uses) else bool(uses)
 
     def heads_share_qk(self, options: Any) -> bool:

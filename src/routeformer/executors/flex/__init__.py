@@ -4,7 +4,8 @@
 - ``blocks.py``: ``BlockMask`` from that range (O(N · reach), cached for static patterns).
 - ``call.py``: one FlexAttention call in the executors' lse conventions (compiled on CUDA, the dense eager operator
   on CPU, where FlexAttention has no backward: correctness only).
-- ``relative.py``: Shaw's key term as ``score_mod``; the value term from the log-sum-exp in a banded pass.
+- ``score_terms.py``: the score terms besides q·k (``ScoreTerms``): Shaw's key term as ``score_mod``; the value
+  term from the log-sum-exp in a banded pass.
 - ``ranges.py``: ``ranges`` (multi-probe routing): every (query, range) entry one row of one call, the block mask
   from the ranges on the device, shapes fixed by N.
 - ``ops.py``: ``tiled``, the executor's one operation, with the tiled executor's signature (``tiling.Tiling``).

@@ -70,8 +70,8 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
     some = torch.cat(any_parts, 2) & in_reach  # (B, H, nqb, C)
     every = torch.cat(all_parts, 2) & some
     partial = some & ~every
-    kv_num, kv_idx = _ordered(partial, cand, nk_blocks)
-    full_num, full_idx = _ordered(every, cand, nk_blocks)
+    kv_num, kv_idx = ordered_blocks(partial, cand, nk_blocks)
+    full_num, full_idx = ordered_blocks(every, cand, nk_blocks)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
                                     mask_mod=pattern.allowed, seq_lengths=(pattern.nq, pattern.nk))
 
@@ -94,7 +94,7 @@ def _candidates(pattern: FlexPattern, bq: int, bk: int, device: torch.device,
     return cand.clamp(max=nk_blocks - 1), cand <= hi_block[:, None]
 
 
-def _ordered(chosen: torch.Tensor, cand: torch.Tensor, nk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered_blocks(chosen: torch.Tensor, cand: torch.Tensor, nk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(count (B, H, nqb), indices (B, H, nqb, nkb)) of the chosen candidate blocks, listed first in key order."""
     B, H, nqb, width = chosen.shape
     keyed = torch.where(chosen, cand.expand(B, H, nqb, width), nk_blocks)  # unchosen sort last
@@ -112,7 +112,7 @@ def interval_block_mask(lo: Tensor, hi: Tensor, reach: tuple[int, int], mask_mod
     Every table is C = back + 1 + ahead columns wide, kv-major (the forward) and q-major (the backward; key block c
     is seen by query blocks c - ahead … c + back), built here rather than transposed from an (nqb, nkb) table, by a
     fixed number of operations on (B, H, N / block, C) integers whatever N is (the geometry that depends on the
-    sizes alone is made once per size and device, ``_grid``). Since the bounds never decrease (and every interval
+    sizes alone is made once per size and device, ``_block_grid``). Since the bounds never decrease (and every interval
     holds a key, and consecutive rows' intervals leave no whole block between them, as a window's never do), query
     block b touches key block c exactly when c's first key <= hi of b's last row and c's last key >= lo of b's
     first row (a block listed so may still hold no allowed pair where the rule also tests the keys' validity or
@@ -123,7 +123,7 @@ def interval_block_mask(lo: Tensor, hi: Tensor, reach: tuple[int, int], mask_mod
     from torch.nn.attention.flex_attention import BlockMask
 
     B, H, N = lo.shape
-    grid = _grid(N, block, reach, diagonal, lo.device)
+    grid = _block_grid(N, block, reach, diagonal, lo.device)
     nb = grid.ends.shape[0] // 2
     lo_ends, hi_ends = lo.index_select(-1, grid.ends), hi.index_select(-1, grid.ends)  # (B, H, 2 nb): first rows, last
     kv = _tables(lo_ends[..., None], hi_ends[..., None], grid.kv, key_blocks_whole, nb)  # each query block's own
@@ -149,7 +149,7 @@ class _Pairs(NamedTuple):
     listed: Tensor
 
 
-class _Grid(NamedTuple):
+class _BlockGrid(NamedTuple):
     ends: Tensor  # (2 nb,): every query block's first row, then every last row
     kv: _Pairs
     q: _Pairs
@@ -158,7 +158,7 @@ class _Grid(NamedTuple):
 _GRIDS: OrderedDict = OrderedDict()
 
 
-def _grid(n: int, block: int, reach: tuple[int, int], diagonal: bool, device: torch.device) -> _Grid:
+def _block_grid(n: int, block: int, reach: tuple[int, int], diagonal: bool, device: torch.device) -> _BlockGrid:
     """The size-only geometry of ``interval_block_mask``, made once per (n, block, reach, diagonal, device) (the
     last 16 kept): no operation of its own at later calls."""
     key = (n, block, reach, diagonal, str(device))
@@ -184,7 +184,7 @@ def _grid(n: int, block: int, reach: tuple[int, int], diagonal: bool, device: to
     rows = blocks[:, None]
     kb = rows - back + columns
     qb = rows - ahead + columns
-    grid = _Grid(torch.cat([first, last]), pairs(rows, kb, kb), pairs(qb, rows, qb))
+    grid = _BlockGrid(torch.cat([first, last]), pairs(rows, kb, kb), pairs(qb, rows, qb))
     _GRIDS[key] = grid
     if len(_GRIDS) > 16:
         _GRIDS.popitem(last=False)

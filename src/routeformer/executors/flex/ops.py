@@ -24,7 +24,7 @@ from ..tiling import KeyRestrictions, Tiling
 from .blocks import block_mask
 from .call import flex_call
 from .pattern import FlexPattern, Rule, data_rule, index_delta, lookup, positions_delta, without_self
-from .relative import Terms, key_scores, own_score, score_mod, value_term
+from .score_terms import ScoreTerms, key_scores, own_score, score_mod, value_term
 
 
 def attend(pattern: FlexPattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
@@ -39,10 +39,10 @@ def attend(pattern: FlexPattern, q: Tensor, k: Tensor, v: Tensor, *, scale: floa
     mask = block_mask(pattern, B, H, q.device) if pattern.block_mask is None else pattern.block_mask
     out, lse = flex_call(q, k, v, block_mask=mask, scale=scale, score_mod=mod)
     if rel_pos is not None:
-        out = out + value_term(pattern, q, k, lse, Terms(qa, rel_pos, bias), scale,
+        out = out + value_term(pattern, q, k, lse, ScoreTerms(qa, rel_pos, bias), scale,
                                lambda: _right_lse(pattern, q, k, v, mod, rel_pos, scale))
     if pattern.exclude_self:
-        out, lse = _own_key_fallback(pattern, (q, k, v), out, lse, Terms(qa, rel_pos, bias), scale)
+        out, lse = _own_key_fallback(pattern, (q, k, v), out, lse, ScoreTerms(qa, rel_pos, bias), scale)
     return out, lse if need_lse else None
 
 
@@ -60,7 +60,7 @@ def _right_lse(pattern: FlexPattern, q, k, v, mod, rel_pos: RelativePositions, s
 
 
 def _own_key_fallback(pattern: FlexPattern, qkv: tuple[Tensor, Tensor, Tensor], out: Tensor, lse: Tensor,
-                      terms: Terms, scale: float) -> tuple[Tensor, Tensor]:
+                      terms: ScoreTerms, scale: float) -> tuple[Tensor, Tensor]:
     """Shared-QK attention: a query that saw no other key attends to its own key alone (if it may): its output is
     v_i (+ a^V(0)), its lse the own score with the key term of distance 0 and the bias at (i, i)."""
     q, k, v = qkv

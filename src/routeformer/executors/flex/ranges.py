@@ -6,7 +6,7 @@ starts (so that a block of 128 entries reads a few blocks of keys: a cluster's e
 FlexAttention call computes every entry, its ``mask_mod`` the range test ``lo_e <= j < hi_e`` (and the key's
 validity), its ``BlockMask`` the key blocks each block of entries touches, found on the device by a difference array
 over key blocks (no host read, no O(N²) tensor: the block table is (M / 128) x (N / 128), as FlexAttention's own).
-The entries of a query row are then merged from their log-sum-exps as one softmax (``ranges._merge``).
+The entries of a query row are then merged from their log-sum-exps as one softmax (``ranges.merge_parts``).
 
 Every shape depends on (B, H, N, merge, width) alone, never on the data, so the compiled kernel is built once per
 sequence length. Relative positions: the key term inside the kernel (``score_mod``, from positions), the value term
@@ -24,12 +24,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..inputs import Inputs
-from ..ranges import KeyOrder, Ranges, _merge, _Part
+from ..ranges import KeyOrder, RangePart, Ranges, merge_parts
 from ..relative import RelativePositions
 from ..rows import gather_rows, move_rows
-from .blocks import BLOCK, _ordered
+from .blocks import BLOCK, ordered_blocks
 from .call import flex_call
-from .relative import _finite, _weights
+from .score_terms import finite_lse, relative_value_weights
 
 CHUNK = 1 << 24  # elements of gathered keys in one chunk of the relative value pass (64 MiB in float32)
 
@@ -82,7 +82,7 @@ def flex_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
     if rel_pos is not None:
         terms = _Terms(qe, k, first, last, slot_pos, key_at, valid, qa, rel_pos, scale, width)
         out = out + _value_term(terms, lse)
-    return _merge([_Part(out, lse, by_start)], merge, Nq, need_lse)
+    return merge_parts([RangePart(out, lse, by_start)], merge, Nq, need_lse)
 
 
 def range_block_mask(first: Tensor, last: Tensor, n_keys: int, mask_mod, block: int):
@@ -100,7 +100,7 @@ def range_block_mask(first: Tensor, last: Tensor, n_keys: int, mask_mod, block: 
     diff.scatter_add_(-1, (row_block + first.clamp(0, n_keys - 1) // block).expand(B, H, M), some)
     diff.scatter_add_(-1, (row_block + (last - 1).clamp(0, n_keys - 1) // block + 1).expand(B, H, M), -some)
     touched = diff.view(B, H, nqb, nkb + 1).cumsum(-1)[..., :nkb] > 0  # (B, H, nqb, nkb)
-    kv_num, kv_idx = _ordered(touched, torch.arange(nkb, device=dev).expand(nqb, nkb), nkb)  # touched ones first
+    kv_num, kv_idx = ordered_blocks(touched, torch.arange(nkb, device=dev).expand(nqb, nkb), nkb)  # touched ones first
     return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(block, block), mask_mod=mask_mod,
                                     seq_lengths=(M, n_keys))
 
@@ -127,7 +127,7 @@ def _value_term(t: _Terms, lse: Tensor) -> Tensor:
     """Σ_j p_ej a^V(clip(pos_j - pos_e)) for every slot: (B, H, M, D) in q's dtype. Chunks of slots, each with its
     keys gathered (chunk, width, D) and recomputed in the backward, so memory stays O(chunk · width · D)."""
     B, H, M, D = t.qe.shape
-    finite = _finite(lse)
+    finite = finite_lse(lse)
     step = max(1, CHUNK // (B * H * max(t.width, 1) * D))
     parts = []
     for a in range(0, M, step):  # a count fixed by the shapes (no host read)
@@ -153,7 +153,7 @@ def _chunk(t: _Terms, a: int, b: int, qe: Tensor, qa: Tensor, finite: Tensor, k:
     s = torch.einsum("bhmd,bhmwd->bhmw", qe, keys) * t.scale + qa.gather(-1, idx)
     if t.valid is not None:
         inside = inside & t.valid.gather(-1, jc).view(B, H, m, t.width)
-    p = _weights(s, inside, finite[..., None])  # (B, H, m, W), exactly 0 outside
+    p = relative_value_weights(s, inside, finite[..., None])  # (B, H, m, W), exactly 0 outside
     mass = p.new_zeros(B, H, m, 2 * kmax + 1).scatter_add(-1, idx, p)
     return (mass @ a_value.to(mass.dtype)).to(qe.dtype)
 

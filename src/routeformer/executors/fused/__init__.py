@@ -3,7 +3,7 @@
 end (``executor.py``)."""
 
 from .build import ENV_SWITCH, KERNELS, BuildStatus, FusedKernelRequired, FusedKernelUnavailable, KernelBuild
-from .executor import FusedExecutor, available
+from .executor import available, fused_ranges, fused_tiled
 
 __all__ = ["ENV_SWITCH", "KERNELS", "BuildStatus", "FusedKernelRequired", "FusedKernelUnavailable", "KernelBuild",
-           "FusedExecutor", "available"]
+           "available", "fused_ranges", "fused_tiled"]

@@ -1,5 +1,6 @@
-"""The fused CPU executor (``FusedExecutor``): ``tiled``, ``ranges`` and LSH's rounds as single C++ operators
-(``csrc/``).
+"""The fused CPU executor's runs (``interface.py`` registers them as the "fused" ``Executor``): ``tiled``
+(``fused_tiled``), ``ranges`` (``fused_ranges``) and LSH's rounds (``fused_rounds``) as single C++ operators
+(``csrc/``), each handed a call that ``Executor`` has delegated, laid out and checked once.
 
 It takes the executor's values as they are (a ``Tiling`` and its sequence order, ``KeyRestrictions``,
 ``Distances``, key validity, relative tables, a bias) and computes the masks from them inside the kernel. The calls
@@ -12,16 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..base import Executor
 from ..inputs import Inputs, RelTerms
-from ..pieces import Piece, finish
-from ..ranges import KeyOrder, Ranges, broadcast_ranges, check_ranges
+from ..ranges import KeyOrder, Ranges
 from ..relative import RelativePositions
-from ..tiling import HashRounds, KeyRestrictions
+from ..tiling import HashRounds, KeyRestrictions, Tiling
 from .build import KERNELS
 from .geometry import BandGeometry, RangesGeometry, RoundsGeometry
-from .op import Band, Rounds, distinct, register
-from .op import Ranges as RangesOp
+from .op import BandFunction, RangesFunction, RoundsFunction, distinct, register
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -48,85 +46,69 @@ def rows_per_block(width: int) -> int:
     return max(16, min(64, 8 * -(-width // 32)))
 
 
-class FusedExecutor(Executor):
-    """The fused executor: ``tiled`` and ``ranges`` computed by the kernels in the same call that checks them
-    (``Executor.checked`` / ``supported``, then the operator: no call in between, one frame from a mechanism to its
-    kernel); the calls the kernels do not take go to the delegate (the tiles executor)."""
+def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = None,
+                rel: RelTerms | None = None, bias: Tensor | None = None,
+                need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The fused executor's ``run``: a call of ``Executor.tiled`` (it documents the arguments), laid out and checked
+    there, by the band operator: the tiling's sequence order read by index, its window's offsets, the restrictions'
+    groups and own key, the relative tables with the pairs' distances (by unit, per tile entry, or between
+    positions) and the bias, in one C++ call (``csrc/band.cpp``)."""
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    rel_pos, distances = (None, None) if rel is None else (rel.tables, rel.distances)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    single = tiling.single(Nq)
+    groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
+    lo, hi = tiling.offsets or (0, 0)
+    unit, delta, positions, key_table, value_table, from_order = 0, None, None, None, None, False
+    if rel_pos is not None:
+        key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
+        if distances.unit is not None:
+            unit = distances.unit
+        elif distances.delta is not None:
+            delta = distances.delta.to(device=q.device, dtype=torch.long)
+        elif distances.positions is tiling.order:  # the sorted window's: one tensor, passed once
+            from_order = True
+        else:
+            positions = _indices(distances.positions, (B, H, Nk), "Distances.positions")
+    width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
+    geometry = BandGeometry(
+        block=tiling.block, back=tiling.back, ahead=tiling.ahead, rows=tiling.rows or 0, single=single,
+        has_offsets=tiling.offsets is not None, off_lo=lo, off_hi=hi, exclude_self=exclude_self, unit=unit,
+        max_distance=0 if rel_pos is None else rel_pos.max_distance, rows_per_block=rows_per_block(width),
+        positions_from_order=from_order)
+    order = _indices(tiling.order, (B, H, Nk), "Tiling.order")
+    out, lse, _ = BandFunction.apply(*distinct(
+        _rows(q), _rows(k), _rows(v), geometry.ints(), float(scale),
+        None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask, _valid(key_valid, B, H, Nk),
+        _indices(groups, (B, H, Nk), "KeyRestrictions.groups"), order, key_table, value_table, delta,
+        positions, None if bias is None else bias.to(q.dtype)))
+    return out, (lse if need_lse else None)
 
-    def tiled(self, inputs: Inputs, piece: Piece, *, restrict: KeyRestrictions | None = None,
-              rel: RelTerms | None = None, bias: Tensor | None = None,
-              need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``Executor.tiled`` (it documents the arguments) by the band operator: the tiling's sequence order read
-        by index, labelled pairs lowered to a tile mask."""
-        runner = self.runner(inputs.q)
-        if runner is not self:
-            return runner.tiled(inputs, piece, restrict=restrict, rel=rel, bias=bias, need_lse=need_lse)
-        laid = self.checked(inputs, piece, restrict, rel, bias)
-        tiling, restrict = self.supported(laid.tiling, laid.restrict, laid.rel, bias)
-        q, k, v, scale, key_valid = laid.inputs.q, laid.inputs.k, laid.inputs.v, laid.inputs.scale, \
-            laid.inputs.key_valid
-        rel_pos, distances = (None, None) if laid.rel is None else (laid.rel.tables, laid.rel.distances)
-        B, H, Nq, _ = q.shape
-        Nk = k.shape[2]
-        single = tiling.single(Nq)
-        groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
-        lo, hi = tiling.offsets or (0, 0)
-        unit, delta, positions, key_table, value_table, from_order = 0, None, None, None, None, False
-        if rel_pos is not None:
-            key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
-            if distances.unit is not None:
-                unit = distances.unit
-            elif distances.delta is not None:
-                delta = distances.delta.to(device=q.device, dtype=torch.long)
-            elif distances.positions is tiling.order:  # the sorted window's: one tensor, passed once
-                from_order = True
-            else:
-                positions = _per_head(distances.positions, (B, H, Nk), "Distances.positions")
-        width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
-        geometry = BandGeometry(
-            block=tiling.block, back=tiling.back, ahead=tiling.ahead, rows=tiling.rows or 0, single=single,
-            has_offsets=tiling.offsets is not None, off_lo=lo, off_hi=hi, exclude_self=exclude_self, unit=unit,
-            max_distance=0 if rel_pos is None else rel_pos.max_distance, rows_per_block=rows_per_block(width),
-            positions_from_order=from_order)
-        order = _per_head(tiling.order, (B, H, Nk), "Tiling.order")
-        out, lse, _ = Band.apply(*distinct(
-            _rows(q), _rows(k), _rows(v), geometry.ints(), float(scale),
-            None if tiling.allow is None else tiling.allow.contiguous(), tiling.tile_mask, _valid(key_valid, B, H, Nk),
-            _per_head(groups, (B, H, Nk), "KeyRestrictions.groups"), order, key_table, value_table, delta,
-            positions, None if bias is None else bias.to(q.dtype)))
-        return finish(piece, inputs, out, lse if need_lse else None)
 
-    def ranges(self, inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
-               rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``Executor.ranges`` (``ranges.range_attention`` documents the arguments) by the ranges operator: every
-        entry's range tested and its keys gathered by index inside the kernel, blocks of ``rows`` entries (default
-        from the width) spanning at most width + ``stretch`` keys (default: ``rows``). The order's inverse is not
-        needed: no permuted copy is made."""
-        if self.runner(inputs.q) is not self:  # the delegate's way (tiles of ``tiled``)
-            return super().ranges(inputs, spans, order=order, rel_pos=rel_pos, need_lse=need_lse)
-        check_ranges(inputs.q, spans, rel_pos)
-        spans, order = broadcast_ranges(inputs, spans, order)
-        q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
-        lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
-        key_order = None if order is None else order.order
-        per_block = rows or rows_per_block(width)
-        key_table = value_table = None
-        if rel_pos is not None:
-            key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
-        geometry = RangesGeometry(merge=merge, rows_per_block=per_block, span_cap=width + (stretch or per_block),
-                                  max_distance=0 if rel_pos is None else rel_pos.max_distance)
-        B, H, Nq, _ = q.shape
-        N, M = k.shape[2], lo.shape[-1]
-        out, lse = RangesOp.apply(*distinct(
-            _rows(q), _rows(k), _rows(v), _per_head(lo, (B, H, M), "Ranges.lo"), _per_head(hi, (B, H, M), "Ranges.hi"),
-            geometry.ints(), float(scale), _per_head(key_order, (B, H, N), "KeyOrder.order"),
-            _valid(key_valid, B, H, N), _per_head(query_pos, (B, H, Nq), "Ranges.query_pos"),
-            _per_head(key_pos, (B, H, N), "Ranges.key_pos"), key_table, value_table))
-        return out, (lse if need_lse else None)
-
-    @property
-    def native_ranges(self) -> bool:
-        return True
+def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
+                 rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The fused executor's ``ranges_run``: a call of ``Executor.ranges`` (``ranges.range_attention`` documents the
+    arguments), checked and broadcast there, by the ranges operator: every entry's range tested and its keys
+    gathered by index inside the kernel, blocks of ``rows`` entries (default from the width) spanning at most
+    width + ``stretch`` keys (default: ``rows``). The order's inverse is not needed: no permuted copy is made."""
+    q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
+    lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
+    key_order = None if order is None else order.order
+    per_block = rows or rows_per_block(width)
+    key_table = value_table = None
+    if rel_pos is not None:
+        key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
+    geometry = RangesGeometry(merge=merge, rows_per_block=per_block, span_cap=width + (stretch or per_block),
+                              max_distance=0 if rel_pos is None else rel_pos.max_distance)
+    B, H, Nq, _ = q.shape
+    N, M = k.shape[2], lo.shape[-1]
+    out, lse = RangesFunction.apply(*distinct(
+        _rows(q), _rows(k), _rows(v), _indices(lo, (B, H, M), "Ranges.lo"), _indices(hi, (B, H, M), "Ranges.hi"),
+        geometry.ints(), float(scale), _indices(key_order, (B, H, N), "KeyOrder.order"),
+        _valid(key_valid, B, H, N), _indices(query_pos, (B, H, Nq), "Ranges.query_pos"),
+        _indices(key_pos, (B, H, N), "Ranges.key_pos"), key_table, value_table))
+    return out, (lse if need_lse else None)
 
 
 def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, hashed: HashRounds, *, window: int, causal: bool,
@@ -137,9 +119,9 @@ def fused_rounds(q: Tensor, k: Tensor | None, v: Tensor, hashed: HashRounds, *, 
     ``hashed``: the rounds' sorted positions, buckets and labels (by position), each (B, H, R, N)."""
     geometry = RoundsGeometry(window=window, rows_per_block=rows_per_block(window), causal=causal)
     order, groups, labels = (x.to(torch.long).contiguous() for x in hashed)
-    out, _, _ = Rounds.apply(*distinct(_rows(q), None if k is None else _rows(k), _rows(v), order, groups, labels,
-                                       None if key_valid is None else key_valid.contiguous(), geometry.ints(),
-                                       float(scale)))
+    out, _, _ = RoundsFunction.apply(*distinct(_rows(q), None if k is None else _rows(k), _rows(v), order, groups,
+                                               labels, None if key_valid is None else key_valid.contiguous(),
+                                               geometry.ints(), float(scale)))
     return out
 
 
@@ -152,7 +134,7 @@ def _rows(x: Tensor) -> Tensor:
     return x.contiguous()
 
 
-def _per_head(x: Tensor | None, shape: tuple[int, int, int], name: str) -> Tensor | None:
+def _indices(x: Tensor | None, shape: tuple[int, int, int], name: str) -> Tensor | None:
     """x, one value per position of every (batch, head), broadcast to ``shape`` (B, H, N) as one contiguous long
     tensor (a batch or head dimension of 1 stands for all: the kernels index every head's own row); a ValueError
     naming it when it does not broadcast."""

@@ -1,7 +1,8 @@
 """The fused operators' Python side: fake implementations (so ``torch.compile`` traces models through them),
-registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``Band``, ``Ranges``,
-``Rounds``, ``FeatureScan``, ``sigmoid_gelu``): ``torch.library.register_autograd`` costs about 90 µs of argument
-handling per call, a tenth of a small attention call.
+registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``BandFunction``,
+``RangesFunction``, ``RoundsFunction``, ``FeatureScanFunction``, ``sigmoid_gelu``):
+``torch.library.register_autograd`` costs about 90 µs of argument handling per call, a tenth of a small attention
+call.
 
 ``routeformer_fused::band_forward`` returns (out, lse, alone): out (B, H, Nq, D) in the queries' own order, lse
 (B, H, Nq) in the queries' dtype, and alone (B, H, Nq) bool (the rows that saw only their own key under
@@ -180,7 +181,7 @@ def _optional_grads(ctx, first_optional: int, names: tuple[str, ...], optional: 
             for name, x, need in zip(names, optional, needs, strict=True)]
 
 
-class Band(torch.autograd.Function):
+class BandFunction(torch.autograd.Function):
     """``band_forward`` with its gradient: ``Band.apply(*distinct(q, k, v, geometry, scale, *optional))`` ->
     (out, lse, alone); the optional tensors in ``_OPTIONAL_BAND`` order. Called by the fused executor itself (no
     wrapper in between: one frame less from the model to the kernel)."""
@@ -204,7 +205,7 @@ class Band(torch.autograd.Function):
         return (*_grads(ctx, dq, dk, dv), None, None, *_optional_grads(ctx, 5, _OPTIONAL_BAND, optional, dkey, dvalue))
 
 
-class Ranges(torch.autograd.Function):
+class RangesFunction(torch.autograd.Function):
     """``ranges_forward`` with its gradient: ``Ranges.apply(*distinct(q, k, v, lo, hi, geometry, scale,
     *optional))`` -> (out, lse); the optional tensors in ``_OPTIONAL_RANGES`` order."""
 
@@ -227,7 +228,7 @@ class Ranges(torch.autograd.Function):
                 *_optional_grads(ctx, 7, _OPTIONAL_RANGES, optional, dkey, dvalue))
 
 
-class Rounds(torch.autograd.Function):
+class RoundsFunction(torch.autograd.Function):
     """``rounds_forward`` with its gradient: ``Rounds.apply(*distinct(q, k, v, order, groups, labels, key_valid,
     geometry, scale))`` -> (out, lse, alone); lse and alone take none. k None: the keys are scale · q / |q|
     (shared-QK unit keys), made inside the kernel; order, groups and labels are the rounds' (``HashRounds``)."""
@@ -252,7 +253,7 @@ class Rounds(torch.autograd.Function):
         return dq, None if k is None else dk, dv, None, None, None, None, None, None
 
 
-class FeatureScan(torch.autograd.Function):
+class FeatureScanFunction(torch.autograd.Function):
     """Causal attention through features (``fused.scan``): (q, k, v, key_valid, projection, chunk, scale) -> out;
     the backward recomputes the features from q, k, v, the output and the denominators."""
 

@@ -4,7 +4,7 @@
   spans of key blocks).
 - ``op.py``: the fused ``routeformer::tile_attention`` custom operator and its backward.
 - ``layout.py``: the key layout: key rows, overlapping span views, per-key spans for masks, padding.
-- ``relative.py``: the relative-position terms of tilings the fused op's strip form does not cover.
+- ``rel_terms.py``: the relative-position terms of tilings the fused op's strip form does not cover (``TileRelTerms``).
 """
 
 from .frontends import tiled_attention

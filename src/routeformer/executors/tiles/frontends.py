@@ -18,9 +18,9 @@ from torch import Tensor
 from ..inputs import Inputs, RelTerms
 from ..lse import lse_dtype, neg_inf
 from ..tiling import KeyRestrictions, Tiling, shift_invariant_mask
-from .layout import _key_source, _pad_seq, _windows
-from .op import _tile_attention
-from .relative import _RelTerms
+from .layout import key_source, key_windows, pad_seq
+from .op import tile_attention
+from .rel_terms import TileRelTerms
 
 
 def tiled_attention(
@@ -57,14 +57,14 @@ def tiled_attention(
     padded = 0 if single else n_blocks * block - Nk  # keys past the end of the last block
 
     # an elementwise op keeps a transposed input's layout
-    q = _pad_seq((q if scale == 1.0 else q * scale).contiguous(), n_blocks * T - Nq)
+    q = pad_seq((q if scale == 1.0 else q * scale).contiguous(), n_blocks * T - Nq)
     qt = q.view(B, H, n_blocks, T, D)  # (B, H, nb, T, D), contiguous
     if single:
         windows = (B * H, Nk, 0)
         k, v = k.contiguous().view(B * H * Nk, D), v.contiguous().view(B * H * Nk, D)
     else:
         windows = (B * H * n_blocks, block, back + ahead)
-        k, v = (_key_source(x, n_blocks, block, back, ahead) for x in (k, v))
+        k, v = (key_source(x, n_blocks, block, back, ahead) for x in (k, v))
 
     def key_spans(x: Tensor) -> Tensor:
         """Per-key values (B, H', Nk) -> (B, H', nb, 1, S): each block's span (False / 0 beyond the keys)."""
@@ -104,13 +104,13 @@ def tiled_attention(
         rel_delta = distances.delta
         if distances.positions is not None:
             rel_delta = key_spans(distances.positions) - query_rows(distances.positions)  # (B, H, nb, T, S)
-        rel = _RelTerms(rel_pos, qt, T, span, back, distances.unit, rel_delta)
+        rel = TileRelTerms(rel_pos, qt, T, span, back, distances.unit, rel_delta)
     if rel is None:
-        out, lse, _ = _tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse,
+        out, lse, _ = tile_attention(qt, k, v, list(windows), mask, key_table, value_table, offset, need_lse,
                                       bias)
         lse = lse if need_lse else None
     else:  # irregular relative distances: plain autograd
-        kt, vt = (_windows(x, windows).view(B, H, n_blocks, span, D) for x in (k, v))
+        kt, vt = (key_windows(x, windows).view(B, H, n_blocks, span, D) for x in (k, v))
         scores = rel.add_scores(qt @ kt.transpose(-1, -2))
         if bias is not None:
             scores = scores + bias

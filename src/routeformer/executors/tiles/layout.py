@@ -1,9 +1,9 @@
 """The key layout of the tiled executor: how (B, H, N, D) keys become rows whose spans a tile reads as a view.
 
 Query block b of ``block`` = T rows sees key blocks b - back … b + ahead, a span of S = (back + 1 + ahead) · T keys.
-``_key_source`` lays every head's keys out as one run of rows (padded to whole blocks, with back·T rows before and
-ahead·T after), so that span s of global block g is row g·T + s: one stride for all tiles, and ``_windows`` gives
-the (X, S, D) spans as an overlapping view (no copy; ``_fold`` is its gradient); ``tiling.Tiling.key_spans`` does
+``key_source`` lays every head's keys out as one run of rows (padded to whole blocks, with back·T rows before and
+ahead·T after), so that span s of global block g is row g·T + s: one stride for all tiles, and ``key_windows`` gives
+the (X, S, D) spans as an overlapping view (no copy; ``fold_windows`` is its gradient); ``tiling.Tiling.key_spans`` does
 the same for per-key values (validity, groups, positions) to build the (…, nb, T, S) masks. Copies are O(N · D) at
 most.
 """
@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 
-def _key_source(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
+def key_source(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
     """Rows (back·T + X·T + ahead·T, D) of x (B, H, N, D): each head padded to nb·T, all heads flattened, then
     back·T rows before and ahead·T after. Span s of global block g is then row g·T + s: one stride for all tiles,
-    so ``_windows`` is a view bmm reads directly. Spans that reach into a neighbouring head read finite values that
+    so ``key_windows`` is a view bmm reads directly. Spans that reach into a neighbouring head read finite values that
     the in-range mask removes."""
     B, H, N, D = x.shape
     if n_blocks * block == N and not (back or ahead):
@@ -26,7 +26,7 @@ def _key_source(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> 
 
 
 class _KeyRows(torch.autograd.Function):
-    """``_key_source`` with padding: x written once into a zeroed buffer; the gradient is a view of the rows'."""
+    """``key_source`` with padding: x written once into a zeroed buffer; the gradient is a view of the rows'."""
 
     @staticmethod
     def forward(x: Tensor, n_blocks: int, block: int, back: int, ahead: int) -> Tensor:
@@ -52,8 +52,8 @@ class _KeyRows(torch.autograd.Function):
         return body[:, :, :N], None, None, None, None
 
 
-def _windows(x: Tensor, windows: tuple[int, int, int]) -> Tensor:
-    """Spans (X, S, D) of key rows x from ``_key_source``, S = (reach + 1) · block, as an overlapping view.
+def key_windows(x: Tensor, windows: tuple[int, int, int]) -> Tensor:
+    """Spans (X, S, D) of key rows x from ``key_source``, S = (reach + 1) · block, as an overlapping view.
 
     ``windows = (X, block, reach)``: X tiles, whose spans start ``block`` rows apart (a single tile over Nk keys
     has block = Nk and reach = 0)."""
@@ -62,8 +62,8 @@ def _windows(x: Tensor, windows: tuple[int, int, int]) -> Tensor:
     return x.as_strided((tiles, (reach + 1) * block, D), (block * D, D, 1))  # keeps x's own storage offset
 
 
-def _fold(grad: Tensor, windows: tuple[int, int, int]) -> Tensor:
-    """Gradient of ``_windows``: the overlapping spans (X, S, D) summed back into key rows."""
+def fold_windows(grad: Tensor, windows: tuple[int, int, int]) -> Tensor:
+    """Gradient of ``key_windows``: the overlapping spans (X, S, D) summed back into key rows."""
     tiles, block, reach = windows
     D = grad.shape[-1]
     if reach == 0:  # spans that do not overlap (single tiles): the gradient is the spans' own, no copy
@@ -76,7 +76,7 @@ def _fold(grad: Tensor, windows: tuple[int, int, int]) -> Tensor:
     return out.view((tiles + reach) * block, D)
 
 
-def _pad_seq(x: Tensor, extra: int) -> Tensor:
+def pad_seq(x: Tensor, extra: int) -> Tensor:
     """Pad dim 2 (the sequence) of x with ``extra`` zeros (False for bool) after it."""
     if extra == 0:
         return x

@@ -1,7 +1,7 @@
 """The fused tile operator ``routeformer::tile_attention`` (forward and backward).
 
 One call computes softmax(q·kᵀ + rel) · v for X = B·H·nb query tiles (T, D) against spans (S, D) of key rows that
-``layout._windows`` views without a copy: O(X · T · S · D) time, two (X, T, S) buffers. It is a ``torch.library``
+``layout.key_windows`` views without a copy: O(X · T · S · D) time, two (X, T, S) buffers. It is a ``torch.library``
 custom operator, opaque to torch.compile, whose functionalisation cannot follow the in-place writes through strided
 views that make it memory-lean; forward and backward are ops of their own.
 
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..lse import lse_dtype, neg_inf
 from ..rows import rowdot
-from .layout import _fold, _windows
+from .layout import fold_windows, key_windows
 
 
 def _strip(x: Tensor, offset: int, width: int) -> Tensor:
@@ -39,13 +39,13 @@ def _softmax_(scores: Tensor) -> Tensor:
 @torch.library.custom_op("routeformer::tile_attention", mutates_args=(), schema=(
     "(Tensor qt, Tensor k, Tensor v, SymInt[] windows, Tensor? mask, Tensor? key_table, Tensor? value_table, "
     "SymInt offset, bool need_lse, Tensor? bias=None) -> (Tensor, Tensor, Tensor)"))
-def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: Tensor | None,
+def tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: Tensor | None,
                     key_table: Tensor | None, value_table: Tensor | None, offset: int,
                     need_lse: bool, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """softmax(q·kᵀ + rel + bias) · v over tiles, holding two (…, T, S) buffers per step instead of five.
 
     Returns (out (B, H, nb, T, D), lse (B, H, nb, T) or empty, probs). Queries come as tiles (B, H, nb, T, D),
-    computed as X = B·H·nb batched matmuls; keys and values as ``_key_source`` rows whose spans ``_windows`` views
+    computed as X = B·H·nb batched matmuls; keys and values as ``key_source`` rows whose spans ``key_windows`` views
     without a copy. Forward computes the scores, adds the relative-position strip, masks and normalises them in one
     buffer and keeps only the probabilities. Relative positions (optional) come in strip form: ``key_table`` and
     ``value_table`` (W, D) hold a^K and a^V of strip column t, the strip of row r starting at span column
@@ -55,7 +55,7 @@ def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: 
     lead, (T, D) = qt.shape[:3], qt.shape[3:]
     q3 = qt.reshape(-1, T, D)  # (X, T, D)
     tiles = q3.shape[0]
-    kt, vt = _windows(k, windows), _windows(v, windows)  # (X, S, D) views, no copy
+    kt, vt = key_windows(k, windows), key_windows(v, windows)  # (X, S, D) views, no copy
     scores = torch.bmm(q3, kt.transpose(1, 2))  # (X, T, S)
     width = 0 if key_table is None else key_table.shape[0]
     if key_table is not None:  # s_ij += q_i·a^K_ij on the strip
@@ -77,7 +77,7 @@ def _tile_attention(qt: Tensor, k: Tensor, v: Tensor, windows: list[int], mask: 
     return out.view(*lead, T, D), lse, probs
 
 
-@_tile_attention.register_fake
+@tile_attention.register_fake
 def _(qt, k, v, windows, mask, key_table, value_table, offset, need_lse, bias=None):
     lead, (T, D) = qt.shape[:3], qt.shape[3:]
     tiles, block, reach = windows
@@ -101,7 +101,7 @@ def _tile_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, qt: Tens
     q3 = qt.reshape(-1, T, D)
     tiles = q3.shape[0]
     out3, grad3 = out.reshape(tiles, T, D), grad_out.reshape(tiles, T, D)
-    kt, vt = _windows(k, windows), _windows(v, windows)
+    kt, vt = key_windows(k, windows), key_windows(v, windows)
     width = 0 if key_table is None else key_table.shape[0]
     acc = lse_dtype(out.dtype)
     grad_p = torch.bmm(grad3, vt.transpose(1, 2))  # (X, T, S)
@@ -112,8 +112,8 @@ def _tile_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, qt: Tens
         row = row - grad_lse.reshape(tiles, T, 1).to(acc)
     grad_s = grad_p.sub_(row).mul_(probs)  # ds = p ∘ (dp - row), in place
     grad_q = torch.bmm(grad_s, kt)
-    grad_k = _fold(torch.bmm(grad_s.transpose(1, 2), q3), windows)
-    grad_v = _fold(torch.bmm(probs.transpose(1, 2), grad3), windows)
+    grad_k = fold_windows(torch.bmm(grad_s.transpose(1, 2), q3), windows)
+    grad_v = fold_windows(torch.bmm(probs.transpose(1, 2), grad3), windows)
     grad_key, grad_value = qt.new_empty(0), qt.new_empty(0)  # two tensors: outputs may not alias
     if key_table is not None:
         strip = _strip(grad_s, offset, width)
@@ -150,4 +150,4 @@ def _tile_backward(ctx, grad_out, grad_lse, grad_probs):
             gvalue if value_table is not None else None, None, None, None)
 
 
-_tile_attention.register_autograd(_tile_backward, setup_context=_tile_setup)
+tile_attention.register_autograd(_tile_backward, setup_context=_tile_setup)

@@ -36,7 +36,7 @@ from .pattern import FlexPattern, Rule
 _CHUNK = 1 << 24  # scores of the offsets frame computed at once
 
 
-class Terms(NamedTuple):
+class ScoreTerms(NamedTuple):
     """The additive score terms besides q·k · scale, for the passes that recompute scores outside the kernel:
     qa (B, H, Nq, 2k + 1) the relative key term per distance (``key_scores``) and its tables ``rel_pos`` (None
     without relative positions), ``bias`` (b, h, i, j) -> a per-pair term (or None)."""
@@ -75,19 +75,19 @@ def score_mod(qa: Tensor | None, delta: Rule | None, rel_pos: RelativePositions 
     return add_both
 
 
-def _weights(scores: Tensor, allowed: Tensor, lse: Tensor) -> Tensor:
+def relative_value_weights(scores: Tensor, allowed: Tensor, lse: Tensor) -> Tensor:
     """exp(scores - lse) where allowed, else exactly 0 (no inf · 0 in the gradient); ``lse`` broadcasts against
-    the scores and is finite (``_finite``)."""
+    the scores and is finite (``finite_lse``)."""
     return torch.where(allowed, scores.to(lse.dtype) - lse, float("-inf")).exp()
 
 
-def _finite(lse: Tensor) -> Tensor:
+def finite_lse(lse: Tensor) -> Tensor:
     """lse with the rows that saw no key (lse = neg_inf) at 0: they have no allowed key, and neg_inf would
     overflow exp(s - lse)."""
     return torch.where(saw_key(lse), lse, 0.0)
 
 
-def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, terms: Terms, scale: float,
+def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, terms: ScoreTerms, scale: float,
                right_lse: Callable[[], Tensor]) -> Tensor:
     """Σ_j p_ij a^V(delta_ij): (B, H, Nq, D) in q's dtype, p_ij recomputed from ``lse`` with every term the kernel
     added (``terms``: the key term, the bias). ``right_lse()`` gives the log-sum-exp over the keys with delta >= k
@@ -95,7 +95,7 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, terms: T
     qa, rel_pos, bias = terms
     B, H, Nq, D = q.shape
     kmax = rel_pos.max_distance
-    finite = _finite(lse)
+    finite = finite_lse(lse)
     a_v = rel_pos.value.to(lse.dtype)  # (2k + 1, D)
     b = torch.arange(B, device=q.device).view(B, 1, 1)
     h = torch.arange(H, device=q.device).view(1, H, 1)
@@ -108,7 +108,7 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, terms: T
         scores = (q * scale) @ k.transpose(-1, -2) + qa.gather(-1, idx)
         if bias is not None:
             scores = scores + bias(bb, hh, i, j).to(scores.dtype)
-        p = _weights(scores, pattern.allowed(bb, hh, i, j), finite[..., None])
+        p = relative_value_weights(scores, pattern.allowed(bb, hh, i, j), finite[..., None])
         mass = p.new_zeros(B, H, Nq, 2 * kmax + 1).scatter_add(-1, idx, p)
         return (mass @ a_v).to(q.dtype)
 
@@ -118,14 +118,14 @@ def value_term(pattern: FlexPattern, q: Tensor, k: Tensor, lse: Tensor, terms: T
         far = saw_key(lse).to(lse.dtype) - near
         if not pattern.one_sided:
             right = right_lse()
-            far_right = _weights(right, saw_key(right), finite)
+            far_right = relative_value_weights(right, saw_key(right), finite)
             out[..., 2 * kmax] += far_right
             far = far - far_right
         out[..., 0] += far
     return (out @ a_v).to(q.dtype)
 
 
-def _offsets_mass(pattern: FlexPattern, qs: Tensor, k: Tensor, finite: Tensor, terms: Terms,
+def _offsets_mass(pattern: FlexPattern, qs: Tensor, k: Tensor, finite: Tensor, terms: ScoreTerms,
                   frame: tuple[int, int, int | None]) -> tuple[Tensor, Tensor]:
     """The "offsets" frame: (mass (B, H, N, 2k + 1) of each query's probabilities per table row, their sum
     (B, H, N)), both in the lse dtype, over the keys j = i + t, lo <= t <= hi (``frame`` = (lo, hi, unit): unit
@@ -179,7 +179,7 @@ def _offsets_mass(pattern: FlexPattern, qs: Tensor, k: Tensor, finite: Tensor, t
             band = band + rows_qa.gather(-1, idx).to(band.dtype)
         if bias is not None:
             band = band + bias(b, h, ic, jc).to(band.dtype)
-        p = _weights(band, pattern.allowed(b, h, ic, jc) & inside, finite[:, :, b0 * T:b1 * T, None])
+        p = relative_value_weights(band, pattern.allowed(b, h, ic, jc) & inside, finite[:, :, b0 * T:b1 * T, None])
         masses.append(p @ onehot if onehot is not None
                       else p.new_zeros(B, H, cb * T, rows_out).scatter_add(-1, idx, p))
         nears.append(p.sum(-1))
@@ -196,4 +196,4 @@ def own_score(q: Tensor, k: Tensor, qa: Tensor | None, rel_pos: RelativePosition
     return s.to(torch.promote_types(s.dtype, torch.float32))
 
 
-__all__ = ["Terms", "key_scores", "own_score", "score_mod", "value_term"]
+__all__ = ["ScoreTerms", "key_scores", "own_score", "score_mod", "value_term"]

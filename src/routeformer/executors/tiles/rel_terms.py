@@ -1,4 +1,4 @@
-"""The relative-position terms of a tiling that the fused op's strip form does not cover (see ``_RelTerms``)."""
+"""The relative-position terms of a tiling that the fused op's strip form does not cover (see ``TileRelTerms``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import Tensor
 from ..relative import RelativePositions
 
 
-class _RelTerms:
+class TileRelTerms:
     """The two relative-position terms of one tiling: q_i·a^K_ij on the scores and Σ_j p_ij a^V_ij on the output.
 
     Three ways, from fastest to most general:
