@@ -24,6 +24,9 @@ from .op import BandFunction, RangesFunction, RoundsFunction, distinct, register
 DTYPES = (torch.float32, torch.float64)
 
 
+_LOADED: list[bool] = []  # [True] once the kernels are loaded: a process never unloads them
+
+
 @torch.compiler.assume_constant_result  # decided once per process: a constant to torch.compile, not traced
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on first call; a warning says why not, once, or
@@ -31,12 +34,16 @@ def available() -> bool:
     if KERNELS.load() is not None:
         return False
     register()
+    if not _LOADED:
+        _LOADED.append(True)
     return True
 
 
 def takes(q: Tensor) -> bool:
-    """Whether the kernels take a call on queries q: on the CPU, float32 or float64, and built."""
-    return q.device.type == "cpu" and q.dtype in DTYPES and available()
+    """Whether the kernels take a call on queries q: on the CPU, float32 or float64, and built. Once they are
+    loaded, every call asks only the device and dtype (the build's status is settled: no lock, no environment read
+    per attention call)."""
+    return q.device.type == "cpu" and q.dtype in DTYPES and (bool(_LOADED) or available())
 
 
 def rows_per_block(width: int) -> int:
