@@ -53,6 +53,37 @@ def rand_padding(B: int, N: int, seed: int = 0) -> Tensor:
     return mask
 
 
+def feature_inputs(seed: int = 0, shape: tuple[int, int, int, int] = (2, 3, 37, 8), features: int = 12,
+                   dtype=torch.float64):
+    """q, k, v (B, H, N, D) asking for gradients, a Performer projection (H, m, D) and key validity (B, 1, N) with
+    about 30% padded keys: the feature scans' inputs."""
+    from routeformer.attention.performer import orthogonal_features
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_() for _ in range(3))
+    w = orthogonal_features(shape[1], features, shape[3], generator=gen).to(dtype)
+    valid = torch.rand(shape[0], 1, shape[2], generator=gen) > 0.3
+    return q, k, v, w, valid
+
+
+def feature_map(name: str, projection: Tensor, scale: float):
+    """Performer's features of ``projection`` at ``scale`` ("performer"), else elu's."""
+    from routeformer.attention.linear import EluFeatures
+    from routeformer.attention.performer import PerformerFeatures
+
+    return PerformerFeatures(projection, scale) if name == "performer" else EluFeatures()
+
+
+def assert_close_with_grads(out: Tensor, ref: Tensor, inputs: tuple[Tensor, ...], *, rtol: float, atol: float,
+                            grad_rtol: float, grad_atol: float) -> None:
+    """``out`` equals ``ref`` within (rtol, atol), and so do the gradients both send to ``inputs`` from one random
+    output gradient, within (grad_rtol, grad_atol)."""
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=grad_rtol, atol=grad_atol)
+
+
 def compare_with_reference(attend, mask: Tensor, q, k, v, *, key_padding_mask=None, rel_pos=None,
                            rtol: float = 1e-10, atol: float = 1e-10) -> None:
     """Forward and gradients (q, k, v, relative tables) of ``attend`` equal the dense reference's."""

@@ -1,11 +1,13 @@
-"""The causal scan with a recomputing backward (attention/feature_scan.py), Performer's and linear attention's
-feature maps, against autograd through ``feature_attention`` (the chunked form, itself tested against the quadratic
+"""The causal scan with a recomputing backward (attention/feature_scan.py, and the fused executor's C++ operator,
+tests/test_fused_scan.py), Performer's and linear attention's feature maps, against autograd through
+``feature_attention`` (the chunked form, itself tested against the quadratic
 definition in test_kinds.py), in float64: outputs, gradients, padded keys, any chunk, no leak, and what autograd
 keeps."""
 
 import pytest
 import torch
 
+from helpers import assert_close_with_grads, feature_inputs, feature_map
 from routeformer.attention import Inputs, LinearOptions
 from routeformer.attention.feature_scan import feature_scan
 from routeformer.attention.linear import EluFeatures, feature_attention, linear_attention
@@ -20,15 +22,11 @@ SCALE = 0.3
 
 
 def _inputs(seed=0, dtype=torch.float64, shape=(B, H, N, D)):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_() for _ in range(3))
-    w = orthogonal_features(shape[1], M, shape[3], generator=gen).to(dtype)
-    valid = torch.rand(shape[0], 1, shape[2], generator=gen) > 0.3
-    return q, k, v, w, valid
+    return feature_inputs(seed, shape, M, dtype)
 
 
 def _fmap(name, w):
-    return PerformerFeatures(w, SCALE) if name == "performer" else EluFeatures()
+    return feature_map(name, w, SCALE)
 
 
 def _autograd(q, k, v, fmap, chunk, valid):
@@ -39,19 +37,37 @@ def performer_scan(q, k, v, w, scale, chunk, valid):
     return feature_scan(q, k, v, PerformerFeatures(w, scale), chunk, valid)
 
 
+def _scan(name: str):
+    """The scan under test: the PyTorch definition (``feature_scan``) or the fused executor's C++ operator."""
+    if name == "pytorch":
+        return feature_scan
+    from routeformer.executors.fused import available
+    from routeformer.executors.fused.scan import fused_feature_scan
+    from routeformer.executors.tiling import FeatureKernel
+
+    if not available():
+        pytest.skip("the fused kernels are not built here")
+
+    def fused(q, k, v, fmap, chunk, valid):
+        kernel = FeatureKernel(fmap.projection, fmap.scale) if isinstance(fmap, PerformerFeatures) else FeatureKernel()
+        out = fused_feature_scan(q, k, v, kernel, chunk, valid)
+        assert out is not None, "the kernels did not take the call"
+        return out
+
+    return fused
+
+
+@pytest.mark.parametrize("scan", ["pytorch", "fused"])
 @pytest.mark.parametrize("chunk", [1, 5, 16, 37, 64])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("features", ["performer", "elu"])
-def test_scan_equals_autograd_float64(chunk, padded, features):
+def test_scan_equals_autograd_float64(chunk, padded, features, scan):
     q, k, v, w, valid = _inputs()
     valid = valid if padded else None
     fmap = _fmap(features, w)
     ref = _autograd(q, k, v, fmap, chunk, valid)
-    out = feature_scan(q, k, v, fmap, chunk, valid)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    grad = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    out = _scan(scan)(q, k, v, fmap, chunk, valid)
+    assert_close_with_grads(out, ref, (q, k, v), rtol=1e-12, atol=1e-12, grad_rtol=1e-10, grad_atol=1e-12)
 
 
 @pytest.mark.parametrize("features", ["performer", "elu"])
@@ -69,15 +85,18 @@ def test_float32_within_rounding_of_float64():
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_no_leak_forward_or_backward():
+@pytest.mark.parametrize("scan", ["pytorch", "fused"])
+@pytest.mark.parametrize("features", ["performer", "elu"])
+def test_no_leak_forward_or_backward(features, scan):
     """Outputs before t and the gradients reaching inputs before t from the outputs before t do not move when
     everything after t is redrawn."""
     q, k, v, w, _ = _inputs(3)
+    fmap, run = _fmap(features, w), _scan(scan)
     t = 20
     q2, k2, v2 = (torch.cat([x.detach()[:, :, :t], torch.randn_like(x[:, :, t:]) * 3], 2).requires_grad_()
                   for x in (q, k, v))
-    a = performer_scan(q, k, v, w, SCALE, 8, None)
-    b = performer_scan(q2, k2, v2, w, SCALE, 8, None)
+    a = run(q, k, v, fmap, 8, None)
+    b = run(q2, k2, v2, fmap, 8, None)
     assert torch.equal(a[:, :, :t], b[:, :, :t])
     grad = torch.randn_like(a[:, :, :t])
     ga = torch.autograd.grad(a[:, :, :t], (q, k, v), grad)

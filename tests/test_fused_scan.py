@@ -1,9 +1,8 @@
 """The fused feature scan (``routeformer_fused::feature_scan_*``, executors/fused/scan.py): causal elu linear attention
-and Performer through their features as one C++ operator each way, against the PyTorch scan it stands in for
-(attention/feature_scan.py, itself checked against autograd through the chunked form) and the quadratic definition,
-in float64: outputs and gradients, padded keys, any chunk, gradcheck, no leak; the same bits for every thread count;
-the public functions and heads taking it on the CPU's executor and not on the tiles one; errors that name the
-argument."""
+and Performer through their features as one C++ operator each way, against autograd through the chunked form (in
+tests/test_feature_scan.py, beside the PyTorch scan it stands in for, with the leak test) and here against the
+quadratic definition in float64, gradcheck; the same bits for every thread count; the public functions and heads
+taking it on the CPU's executor and not on the tiles one; errors that name the argument."""
 
 from __future__ import annotations
 
@@ -12,11 +11,11 @@ import dataclasses
 import pytest
 import torch
 
+from helpers import assert_close_with_grads, feature_inputs, feature_map
 from routeformer.attention import Inputs, LinearOptions
-from routeformer.attention.feature_scan import _FeatureScan
 from routeformer.attention.kernels import kernel_attention
 from routeformer.attention.linear import EluFeatures, linear_attention
-from routeformer.attention.performer import PerformerFeatures, orthogonal_features, performer_attention
+from routeformer.attention.performer import PerformerFeatures, performer_attention
 from routeformer.executors import get_executor
 from routeformer.executors.fused import available
 from routeformer.executors.fused.scan import fused_feature_scan
@@ -28,15 +27,11 @@ SCALE = 0.3
 
 
 def _inputs(seed=0, shape=(2, 3, 37, 8), m=12, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_() for _ in range(3))
-    w = orthogonal_features(shape[1], m, shape[3], generator=gen).to(dtype)
-    valid = torch.rand(shape[0], 1, shape[2], generator=gen) > 0.3
-    return q, k, v, w, valid
+    return feature_inputs(seed, shape, m, dtype)
 
 
 def _fmap(name, w):
-    return PerformerFeatures(w, SCALE) if name == "performer" else EluFeatures()
+    return feature_map(name, w, SCALE)
 
 
 def _fused(q, k, v, fmap, chunk, valid):
@@ -46,30 +41,12 @@ def _fused(q, k, v, fmap, chunk, valid):
     return out
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 37, 64])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("features", ["performer", "elu"])
-def test_fused_scan_equals_the_pytorch_scan_float64(chunk, padded, features):
-    q, k, v, w, valid = _inputs()
-    valid = valid if padded else None
-    fmap = _fmap(features, w)
-    ref = _FeatureScan.apply(q, k, v, fmap, chunk, valid)
-    out = _fused(q, k, v, fmap, chunk, valid)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    grad = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
 def test_fused_elu_equals_the_quadratic_definition_float64():
     """Against softmax-free attention written out: weights φ(q)·φ(k) over j <= i, normalised (kernels.py)."""
     q, k, v, _, valid = _inputs(1)
     out = _fused(q, k, v, EluFeatures(), 8, valid)
     ref = kernel_attention(Inputs.of(q, k, v, key_padding_mask=valid[:, 0]), "elu", causal=True)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    grad = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert_close_with_grads(out, ref, (q, k, v), rtol=1e-10, atol=1e-12, grad_rtol=1e-9, grad_atol=1e-11)
 
 
 @pytest.mark.parametrize("features", ["performer", "elu"])
@@ -87,25 +64,6 @@ def test_fused_float32_within_rounding_of_float64(features):
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     out = _fused(q32, k32, v32, _fmap(features, w.float()), 64, valid)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("features", ["performer", "elu"])
-def test_fused_scan_does_not_leak(features):
-    """Outputs before t and the gradients reaching inputs before t from them do not move when everything after t
-    is redrawn."""
-    q, k, v, w, _ = _inputs(4)
-    fmap = _fmap(features, w)
-    t = 20
-    q2, k2, v2 = (torch.cat([x.detach()[:, :, :t], torch.randn_like(x[:, :, t:]) * 3], 2).requires_grad_()
-                  for x in (q, k, v))
-    a, b = _fused(q, k, v, fmap, 8, None), _fused(q2, k2, v2, fmap, 8, None)
-    assert torch.equal(a[:, :, :t], b[:, :, :t])
-    grad = torch.randn_like(a[:, :, :t])
-    ga = torch.autograd.grad(a[:, :, :t], (q, k, v), grad)
-    gb = torch.autograd.grad(b[:, :, :t], (q2, k2, v2), grad)
-    for x, y in zip(ga, gb, strict=True):
-        torch.testing.assert_close(x[:, :, :t], y[:, :, :t], rtol=1e-12, atol=1e-13)
-        assert x[:, :, t:].abs().max() == 0 and y[:, :, t:].abs().max() == 0
 
 
 @pytest.mark.parametrize("features", ["performer", "elu"])

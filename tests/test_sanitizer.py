@@ -113,7 +113,7 @@ def test_the_fused_kernels_under_address_and_undefined_behaviour_sanitizers() ->
     # -s: a report goes to stderr as it is written (pytest's capture would swallow one that aborts the process)
     args = ["-m", "pytest", "-n", "0", "-q", "-s", "tests/test_fused.py", "tests/test_ranges.py",
             "tests/test_lsh.py", "tests/test_fused_coverage.py", "tests/test_fused_scan.py",
-            "-k", "not tiles and not flex",
+            "tests/test_feature_scan.py", "-k", "not tiles and not flex",
             *[f"--deselect=tests/{name}" for name in SLOWEST]]
     run = sanitized_run(args, timeout=3000)
     output = run.stdout + run.stderr

@@ -189,6 +189,16 @@ const bool* valid_rows(const std::optional<at::Tensor>& key_valid, const Sizes& 
   return key_valid->data_ptr<bool>() + (b * s.valid_heads + (s.valid_heads == 1 ? 0 : h)) * s.N;
 }
 
+// fn(bh, scratch) for every (batch, head) bh: the heads shared out among the threads, each head's chunks in order on
+// one thread (the same bits for every thread count), one scratch vector for each thread's share.
+template <typename T, typename Fn>
+void each_head(int64_t heads, const Fn& fn) {
+  at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<T> scratch;
+    for (int64_t bh = h0; bh < h1; bh++) fn(bh, scratch);
+  });
+}
+
 // Products that share an output are one product of operands side by side: [num | den] = [A | φ(q)] · [[v | 1]; S]
 // (c + F inner), with the chunk's rows at the front of each operand and the state behind them at a fixed place (a
 // chunk shorter than c leaves zeros between): three BLAS calls a chunk instead of four, and longer inner products.
@@ -307,14 +317,11 @@ std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& 
   const auto half = half_norms(projection, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_feature_scan_forward", [&] {
     const int64_t rows = s.N * s.D;
-    at::parallel_for(0, s.B * s.H, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<scalar_t> scratch;
-      for (int64_t bh = h0; bh < h1; bh++) {
-        const auto fm = features_of<scalar_t>(projection, half, bh % s.H, s, scale);
-        forward_head(q.data_ptr<scalar_t>() + bh * rows, k.data_ptr<scalar_t>() + bh * rows,
-                     v.data_ptr<scalar_t>() + bh * rows, valid_rows(key_valid, s, bh), fm, s,
-                     out.data_ptr<scalar_t>() + bh * rows, den.data_ptr<scalar_t>() + bh * s.N, scratch);
-      }
+    each_head<scalar_t>(s.B * s.H, [&](int64_t bh, std::vector<scalar_t>& scratch) {
+      const auto fm = features_of<scalar_t>(projection, half, bh % s.H, s, scale);
+      forward_head(q.data_ptr<scalar_t>() + bh * rows, k.data_ptr<scalar_t>() + bh * rows,
+                   v.data_ptr<scalar_t>() + bh * rows, valid_rows(key_valid, s, bh), fm, s,
+                   out.data_ptr<scalar_t>() + bh * rows, den.data_ptr<scalar_t>() + bh * s.N, scratch);
     });
   });
   return {out, den};
@@ -333,17 +340,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_feature_scan_backward(
   const auto half = half_norms(projection, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_feature_scan_backward", [&] {
     const int64_t rows = s.N * s.D;
-    at::parallel_for(0, s.B * s.H, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<scalar_t> scratch;
-      for (int64_t bh = h0; bh < h1; bh++) {
-        const auto fm = features_of<scalar_t>(projection, half, bh % s.H, s, scale);
-        const int64_t at_rows = bh * rows;
-        backward_head(grad_out.data_ptr<scalar_t>() + at_rows, q.data_ptr<scalar_t>() + at_rows,
-                      k.data_ptr<scalar_t>() + at_rows, v.data_ptr<scalar_t>() + at_rows,
-                      out.data_ptr<scalar_t>() + at_rows, den.data_ptr<scalar_t>() + bh * s.N,
-                      valid_rows(key_valid, s, bh), fm, s, dq.data_ptr<scalar_t>() + at_rows,
-                      dk.data_ptr<scalar_t>() + at_rows, dv.data_ptr<scalar_t>() + at_rows, scratch);
-      }
+    each_head<scalar_t>(s.B * s.H, [&](int64_t bh, std::vector<scalar_t>& scratch) {
+      const auto fm = features_of<scalar_t>(projection, half, bh % s.H, s, scale);
+      const int64_t at_rows = bh * rows;
+      backward_head(grad_out.data_ptr<scalar_t>() + at_rows, q.data_ptr<scalar_t>() + at_rows,
+                    k.data_ptr<scalar_t>() + at_rows, v.data_ptr<scalar_t>() + at_rows,
+                    out.data_ptr<scalar_t>() + at_rows, den.data_ptr<scalar_t>() + bh * s.N,
+                    valid_rows(key_valid, s, bh), fm, s, dq.data_ptr<scalar_t>() + at_rows,
+                    dk.data_ptr<scalar_t>() + at_rows, dv.data_ptr<scalar_t>() + at_rows, scratch);
     });
   });
   return {dq, dk, dv};
