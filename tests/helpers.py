@@ -74,6 +74,19 @@ def feature_map(name: str, projection: Tensor, scale: float):
     return PerformerFeatures(projection, scale) if name == "performer" else EluFeatures()
 
 
+def fused_scan(q: Tensor, k: Tensor, v: Tensor, fmap, chunk: int | None, valid: Tensor | None) -> Tensor:
+    """The fused executor's feature scan (its C++ operator) with the features of ``fmap`` (``feature_map``'s);
+    an assertion where the kernels do not take the call."""
+    from routeformer.attention.performer import PerformerFeatures
+    from routeformer.executors.fused.scan import fused_feature_scan
+    from routeformer.executors.tiling import FeatureKernel
+
+    kernel = FeatureKernel(fmap.projection, fmap.scale) if isinstance(fmap, PerformerFeatures) else FeatureKernel()
+    out = fused_feature_scan(q, k, v, kernel, chunk, valid)
+    assert out is not None, "the kernels did not take the call"
+    return out
+
+
 def assert_close_with_grads(out: Tensor, ref: Tensor, inputs: tuple[Tensor, ...], *, rtol: float, atol: float,
                             grad_rtol: float, grad_atol: float) -> None:
     """``out`` equals ``ref`` within (rtol, atol), and so do the gradients both send to ``inputs`` from one random

@@ -7,7 +7,7 @@ keeps."""
 import pytest
 import torch
 
-from helpers import assert_close_with_grads, feature_inputs, feature_map
+from helpers import assert_close_with_grads, feature_inputs, feature_map, fused_scan
 from routeformer.attention import Inputs, LinearOptions
 from routeformer.attention.feature_scan import feature_scan
 from routeformer.attention.linear import EluFeatures, feature_attention, linear_attention
@@ -42,19 +42,10 @@ def _scan(name: str):
     if name == "pytorch":
         return feature_scan
     from routeformer.executors.fused import available
-    from routeformer.executors.fused.scan import fused_feature_scan
-    from routeformer.executors.tiling import FeatureKernel
 
     if not available():
         pytest.skip("the fused kernels are not built here")
-
-    def fused(q, k, v, fmap, chunk, valid):
-        kernel = FeatureKernel(fmap.projection, fmap.scale) if isinstance(fmap, PerformerFeatures) else FeatureKernel()
-        out = fused_feature_scan(q, k, v, kernel, chunk, valid)
-        assert out is not None, "the kernels did not take the call"
-        return out
-
-    return fused
+    return fused_scan
 
 
 @pytest.mark.parametrize("scan", ["pytorch", "fused"])

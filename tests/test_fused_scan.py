@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import assert_close_with_grads, feature_inputs, feature_map
+from helpers import assert_close_with_grads, feature_inputs, feature_map, fused_scan
 from routeformer.attention import Inputs, LinearOptions
 from routeformer.attention.kernels import kernel_attention
 from routeformer.attention.linear import EluFeatures, linear_attention
-from routeformer.attention.performer import PerformerFeatures, performer_attention
+from routeformer.attention.performer import performer_attention
 from routeformer.executors import get_executor
 from routeformer.executors.fused import available
 from routeformer.executors.fused.scan import fused_feature_scan
@@ -34,17 +34,10 @@ def _fmap(name, w):
     return feature_map(name, w, SCALE)
 
 
-def _fused(q, k, v, fmap, chunk, valid):
-    kernel = FeatureKernel(fmap.projection, fmap.scale) if isinstance(fmap, PerformerFeatures) else FeatureKernel()
-    out = fused_feature_scan(q, k, v, kernel, chunk, valid)
-    assert out is not None, "the kernels did not take the call"
-    return out
-
-
 def test_fused_elu_equals_the_quadratic_definition_float64():
     """Against softmax-free attention written out: weights φ(q)·φ(k) over j <= i, normalised (kernels.py)."""
     q, k, v, _, valid = _inputs(1)
-    out = _fused(q, k, v, EluFeatures(), 8, valid)
+    out = fused_scan(q, k, v, EluFeatures(), 8, valid)
     ref = kernel_attention(Inputs.of(q, k, v, key_padding_mask=valid[:, 0]), "elu", causal=True)
     assert_close_with_grads(out, ref, (q, k, v), rtol=1e-10, atol=1e-12, grad_rtol=1e-9, grad_atol=1e-11)
 
@@ -53,16 +46,16 @@ def test_fused_elu_equals_the_quadratic_definition_float64():
 def test_fused_gradcheck(features):
     q, k, v, w, valid = _inputs(2, shape=(1, 2, 13, 4))
     fmap = _fmap(features, w)
-    assert torch.autograd.gradcheck(lambda a, b, c: _fused(a, b, c, fmap, 5, valid), (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: fused_scan(a, b, c, fmap, 5, valid), (q, k, v), fast_mode=True)
 
 
 @pytest.mark.parametrize("features", ["performer", "elu"])
 def test_fused_float32_within_rounding_of_float64(features):
     q, k, v, w, valid = _inputs(3, shape=(2, 2, 300, 16), m=40)
     fmap = _fmap(features, w)
-    ref = _fused(q, k, v, fmap, 64, valid)
+    ref = fused_scan(q, k, v, fmap, 64, valid)
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    out = _fused(q32, k32, v32, _fmap(features, w.float()), 64, valid)
+    out = fused_scan(q32, k32, v32, _fmap(features, w.float()), 64, valid)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -76,7 +69,7 @@ def test_fused_scan_the_same_bits_for_every_thread_count(features):
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            out = _fused(q, k, v, fmap, 32, valid)
+            out = fused_scan(q, k, v, fmap, 32, valid)
             runs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     finally:
         torch.set_num_threads(threads)

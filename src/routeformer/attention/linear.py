@@ -135,10 +135,10 @@ def linear_attention(
 
     ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D); equal to
     ``kernel_attention(inputs, kernel)`` (the quadratic form) up to rounding. Non-causal O(N·F·D); causal in chunks
-    of ``chunk`` (default ``default_chunk(F)``), O(N·(c + F)·D) time and O(N·D + (N/c)·F·D) memory per head.
-    F = D for elu, 1 + D + D(D+1)/2 for poly2. The scale: poly2's s (default 1/√D); elu has none (a given one is
-    refused). Half-precision inputs are computed in float32 and returned in their dtype. Causal elu attention runs
-    on the ``executor``'s scan kernels where it has them (``feature_scan``).
+    of ``chunk`` (default: the executor's scan kernels' own, else ``default_chunk(F)``), O(N·(c + F)·D) time and
+    O(N·D + (N/c)·F·D) memory per head. F = D for elu, 1 + D + D(D+1)/2 for poly2. The scale: poly2's s (default
+    1/√D); elu has none (a given one is refused). Half-precision inputs are computed in float32 and returned in
+    their dtype. Causal elu attention runs on the ``executor``'s scan kernels where it has them (``feature_scan``).
     """
     options = LinearOptions() if options is None else check_options("options", options, LinearOptions)
     kernel = options.kernel
