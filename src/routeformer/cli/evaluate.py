@@ -28,6 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train import distributed
+    from ..train.config import check_stride
     from ..train.evaluation import UNITS, Scoring, context_policy, evaluate, metric
     from ..train.runs import load_run, pick_device
 
@@ -36,11 +37,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     try:
         model, run, data, which = load_run(run_dir, args.checkpoint, args.data_dir, str(procs.device))
         seq = run.model.seq_len
-        if args.stride is not None and args.stride > seq:
-            raise ValueError(f"--stride {args.stride} is larger than seq_len ({seq})")
-        if args.stride not in (None, seq) and run.model.positions == "factorized" and run.model.image_shape:
-            raise ValueError(f"--stride {args.stride}: this model's positions are an image's rows, columns and "
-                             f"channels, so every window must be one whole image (no --stride)")
+        check_stride(args.stride, run.model, "--stride")
         tokens = data.split(args.split)
         if len(tokens) < 2:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")

@@ -79,8 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\nstopped after {result.step} steps ({result.stopped}), {result.minutes:.1f} minutes")
-        print(f"validation {result.unit}: {result.valid:.4f} (whole split; final evaluation and sample "
-              f"{result.final_seconds:.0f} s)")
+        print(f"validation {result.unit}: {result.valid:.4f} (whole split in {result.context}; final evaluation "
+              f"and sample {result.final_seconds:.0f} s)")
         if result.sample is not None:
             prompt, continuation = result.sample
             print(f"sample (the prompt, from the validation split, ends at {PROMPT_END}; the rest is the model's):\n"

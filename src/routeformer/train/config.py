@@ -42,6 +42,10 @@ class TrainConfig:
     bounds the wall time of each invocation (a resumed run gets its own budget). compile: ``torch.compile`` the
     model training calls forward on (true, false, or "auto": on a CPU, in one process, after the run's first steps,
     when the rest would take ``train.parallel.AUTO_COMPILE_MINUTES`` or longer eagerly, so that compiling pays).
+    eval_stride: the final score on the whole validation split advances its windows of seq_len by this many tokens
+    and scores only the last eval_stride predictions of each, so that every prediction has seq_len - eval_stride
+    tokens of context or more (unset: non-overlapping windows, as ``routeformer evaluate`` without ``--stride``);
+    the periodic estimate stays non-overlapping.
     """
 
     data: str = "stdlib"
@@ -61,6 +65,7 @@ class TrainConfig:
     max_minutes: float | None = None
     eval_every: int = 250
     eval_tokens: int = 65536
+    eval_stride: int | None = None
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
@@ -79,6 +84,9 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
+        if self.eval_stride is not None and (isinstance(self.eval_stride, bool) or
+                                             not isinstance(self.eval_stride, numbers.Integral) or self.eval_stride < 1):
+            raise ValueError(f"eval_stride must be a positive integer, got {self.eval_stride!r}")
         for name in ("lr", "min_lr", "weight_decay", "clip", "beta1", "beta2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
@@ -123,6 +131,9 @@ class RunConfig:
     model: TransformerConfig
     train: TrainConfig
 
+    def __post_init__(self) -> None:
+        check_stride(self.train.eval_stride, self.model, "eval_stride")
+
     def to_toml(self) -> str:
         return (f"# resolved configuration of this run\n\n[model]\n{_table(asdict(self.model))}\n"
                 f"[train]\n{_table(asdict(self.train))}")
@@ -131,6 +142,18 @@ class RunConfig:
 FIELDS = {"model": {f.name for f in fields(TransformerConfig)},
           "train": {f.name for f in fields(TrainConfig)}}
 assert not FIELDS["model"] & FIELDS["train"], "a bare --set key must name one field"
+
+
+def check_stride(stride: int | None, model: TransformerConfig, name: str) -> None:
+    """A stride of scored windows (``name``: how the user spelled it) that this model can take: at most seq_len,
+    and none for a model whose positions are an image's (every window must be one whole image)."""
+    if stride is None or stride == model.seq_len:
+        return
+    if stride > model.seq_len:
+        raise ValueError(f"{name} {stride} is larger than seq_len ({model.seq_len})")
+    if model.positions == "factorized" and model.image_shape:
+        raise ValueError(f"{name} {stride}: this model's positions are an image's rows, columns and channels, so "
+                         f"every window must be one whole image (no stride)")
 
 
 def resolve_config_path(name: str | Path) -> Path:

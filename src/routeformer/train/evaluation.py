@@ -135,11 +135,12 @@ class Validator:
         self.max_windows = max(1, cfg.eval_tokens // seq_len)
         micro = max(1, cfg.batch_size // max(1, procs.world * cfg.grad_accum))
         self.batch = 4 * micro  # no gradients to keep: larger batches than training's, for throughput
+        self.stride = cfg.eval_stride
 
     def estimate(self, step: int) -> float:
         """Mean NLL on ``eval_tokens`` of the split in evenly spaced windows; also checks that every rank holds the
         same routing centroids."""
-        mean = self._mean(self.max_windows)
+        mean = self._mean(Scoring(self.seq_len, self.batch, max_windows=self.max_windows))
         in_sync = routing_in_sync(self.core, self.procs)
         if not in_sync:
             raise RuntimeError("routing centroids differ between ranks; this is a bug, please report it")
@@ -148,13 +149,19 @@ class Validator:
         return mean
 
     def whole_split(self, step: int) -> float:
-        """Mean NLL over the whole split (with a progress bar: it can take minutes)."""
-        mean = self._mean(None, progress="final evaluation")
-        self.write({"step": step, "split": "valid_full", "loss": mean, "value": metric(self.kind, mean)})
+        """Mean NLL over the whole split in windows every ``eval_stride`` tokens (with a progress bar: it can take
+        minutes)."""
+        mean = self._mean(Scoring(self.seq_len, self.batch, stride=self.stride), progress="final evaluation")
+        self.write({"step": step, "split": "valid_full", "loss": mean, "value": metric(self.kind, mean),
+                    "context": self.context})
         return mean
 
-    def _mean(self, max_windows: int | None, progress: str | None = None) -> float:
-        scoring = Scoring(self.seq_len, self.batch, max_windows=max_windows)
+    @property
+    def context(self) -> str:
+        """How the whole split's windows are laid (``context_policy``)."""
+        return context_policy(self.seq_len, self.stride)
+
+    def _mean(self, scoring: Scoring, progress: str | None = None) -> float:
         total, count = evaluate(self.core, self.tokens, scoring, self.procs, autocast=self.autocast(),
                                 progress=progress)
         return total / max(count, 1)

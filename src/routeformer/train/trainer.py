@@ -45,6 +45,7 @@ class TrainResult:
     stopped: str
     unit: str
     valid: float | None
+    context: str  # how the whole split's windows were laid (``evaluation.context_policy``)
     sample: tuple[str, str] | None  # (prompt, continuation)
     plot: Path | None
     minutes: float  # from the start to the end of training
@@ -125,8 +126,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         text = sample(core, data, tokens=cfg.sample_tokens, seed=cfg.seed, device=procs.device,
                       autocast=parallel.autocast)
         plot = directory.plot(UNITS[kind])
-        return TrainResult(run_dir, progress.step, stopped, UNITS[kind], valid, text, plot, minutes,
-                           time.monotonic() - final_start)
+        return TrainResult(run_dir, progress.step, stopped, UNITS[kind], valid, validator.context, text, plot,
+                           minutes, time.monotonic() - final_start)
     finally:
         directory.close()
 
