@@ -331,6 +331,9 @@ def _band(q, k, v, geometry, scale, allow, tile_mask, key_valid, groups, order, 
           "geometry ranges")
     _need(all(f in (0, 1) for f in (single, has_off, own, from_order)), "geometry flags")
     _need(not has_off or lo <= hi, "offsets")
+    window, causal = g["window"], g["causal"]
+    _need(window >= 0 and causal in (0, 1) and (window > 0 or not causal), "window")
+    _need(window == 0 or (has_off and lo == 1 - window and hi == (0 if causal else window - 1)), "window's offsets")
     _need(bool(single) == (back == 0 and ahead == 0 and block >= Nq and rows == 0), "single")
     if single:
         n_tiles, T, S = 1, Nq, Nk

@@ -29,7 +29,7 @@ from routeformer.executors import (
     resolve_backend,
 )
 from routeformer.executors.inputs import RelTerms, relative
-from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling
+from routeformer.executors.tiling import INDEX, Distances, KeyRestrictions, Tiling, Window
 
 
 def test_auto_is_flex_on_cuda_and_fused_on_the_cpu_and_unknown_names_are_listed() -> None:
@@ -182,6 +182,13 @@ def test_the_values_refuse_what_does_not_fit_with_errors_that_name_it() -> None:
         Tiling(block=4, allow=torch.ones(4, 4, dtype=torch.bool), offsets=(-1, 0))
     with pytest.raises(ValueError, match=r"Tiling.block must be an integer >= 1, got 0"):
         Tiling(block=0)
+    with pytest.raises(ValueError, match=r"Tiling.offsets \(-2, 0\) are not those of its window "
+                                         r"Window\(size=4, causal=True\) \(\(-3, 0\)\)"):
+        Tiling(block=4, offsets=(-2, 0), window=Window(4, causal=True))
+    with pytest.raises(ValueError, match=r"Window.size must be an integer >= 1, got 0"):
+        Window(0, causal=False)
+    assert Tiling(block=4, window=Window(3, causal=False)).offsets == (-2, 2)  # the window's, derived
+    assert Tiling.band(8, 64, causal=True).window == Window(8, causal=True)  # the name kept on the way down
     with pytest.raises(ValueError, match=r"tile mask must have shape \(4, 8\), got \(4, 4\)"):
         tiles.tiled(Inputs(q, k, v, 1.0), Tiling(block=4, back=1, allow=torch.ones(4, 4, dtype=torch.bool)))
     with pytest.raises(ValueError, match="banded tiles need as many keys as queries"):

@@ -35,6 +35,23 @@ def test_the_kernels_are_built_here_on_this_torch_s_blas() -> None:
     assert torch.ops.routeformer_fused.has_blas() == (hasattr(lib, "sgemm_") and hasattr(lib, "dgemm_"))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_local_window_reaches_the_kernel_by_name(causal: bool, monkeypatch) -> None:
+    """local_attention's window reaches the band operator as the geometry's window and causal flag, beside the
+    offsets derived from them (which the operator checks the two against)."""
+    from routeformer.executors.fused import executor as fused_executor
+    from routeformer.executors.fused.geometry import BandGeometry
+
+    seen = []
+    apply = fused_executor.BandFunction.apply
+    monkeypatch.setattr(fused_executor.BandFunction, "apply", lambda *a: seen.append(a[3]) or apply(*a))
+    q, k, v = rand_qkv(1, 2, 40, 4, grad=False)
+    local_attention(Inputs.of(q, k, v), LocalOptions(7), "fused", causal=causal)
+    geometry = BandGeometry(*seen[0])
+    assert (geometry.window, geometry.causal) == (7, causal)
+    assert (geometry.off_lo, geometry.off_hi) == (-6, 0 if causal else 6)
+
+
 # --- gradcheck: float64, every value the kernel reads ---------------------------------------------------------
 
 

@@ -147,7 +147,7 @@ def _band_call():
     """A valid band_forward call over an order: B = 2, H = 2, N = 13."""
     q, k, v = rand_qkv(2, 2, 13, 4, grad=False)
     order = torch.stack([torch.randperm(13) for _ in range(4)]).view(2, 2, 13)
-    geometry = [4, 1, 0, 0, 0, 1, -3, 0, 0, 0, 0, 16, 0]
+    geometry = [4, 1, 0, 0, 0, 1, -3, 0, 4, 1, 0, 0, 0, 16, 0]  # a causal window of 4: offsets (-3, 0)
     return [q, k, v, geometry, 0.5, None, None, None, None, order, None, None, None, None, None]
 
 
@@ -159,7 +159,11 @@ _BAND_ERRORS = {  # argument: (its change, the error)
     "k": (lambda a: a[:, :1], r"k must be \(B, H, N, D\) with q's B, H, D = \(2, 2, 13, 4\), got \(2, 1, 13, 4\)"),
     "v": (lambda a: a[..., :12, :], r"v must be \(B, H, N, D\) like k"),
     "geometry block": (lambda a: [0, *a[1:]], r"geometry\[0\] \(block\) must be >= 1, got 0"),
-    "geometry rows_per_block": (lambda a: a[:11] + [0, 0], r"geometry\[11\] \(rows_per_block\) must be >= 1"),
+    "geometry rows_per_block": (lambda a: a[:13] + [0, 0], r"geometry\[13\] \(rows_per_block\) must be >= 1"),
+    "geometry window": (lambda a: a[:8] + [5] + a[9:], r"geometry's offsets \(-3, 0, has_offsets 1\) are not those of "
+                        r"its causal window 5 \(-4, 0\)"),
+    "geometry causal": (lambda a: a[:9] + [0] + a[10:], r"geometry's offsets \(-3, 0, has_offsets 1\) are not those of "
+                        r"its window 4 \(-3, 3\)"),
     "key_valid": (lambda a: torch.ones(1, 1, 13, dtype=torch.bool), r"key_valid must be \(B, 1 or H, N\)"),
     "bias": (lambda a: torch.zeros(3, 1, 1, 1, 1, dtype=torch.float64),
              r"bias must broadcast to \(B, H, n_tiles, T, S\) = \(2, 2, 4, 4, 8\)"),
@@ -180,13 +184,13 @@ def test_band_forward_names_the_argument(case: str) -> None:
 def test_a_geometry_names_its_fields() -> None:
     """A list of the wrong length names every field; a flag out of 0, 1 names its field."""
     args = _band_call()
-    args[3] = args[3][:12]
-    with pytest.raises(RuntimeError, match=r"band_forward: geometry must hold 13 integers \(block, back, ahead, rows, "
-                                           r"single, .*, positions_from_order\), got 12"):
+    args[3] = args[3][:14]
+    with pytest.raises(RuntimeError, match=r"band_forward: geometry must hold 15 integers \(block, back, ahead, rows, "
+                                           r"single, .*, window, causal, .*, positions_from_order\), got 14"):
         OPS.band_forward(*args)
     args[3] = _band_call()[3]
-    args[3][8] = 2
-    with pytest.raises(RuntimeError, match=r"band_forward: geometry\[8\] \(exclude_self\) must be 0 or 1, got 2"):
+    args[3][10] = 2
+    with pytest.raises(RuntimeError, match=r"band_forward: geometry\[10\] \(exclude_self\) must be 0 or 1, got 2"):
         OPS.band_forward(*args)
 
 

@@ -33,7 +33,7 @@ from .interface import (
 from .lse import lse_dtype, merge_partials, neg_inf, saw_key
 from .pieces import Band, BlockDiagonal, Columns, SortedWindow, Subset
 from .relative import RelativePositions
-from .tiling import INDEX, Distances, KeyRestrictions, Tiling
+from .tiling import INDEX, Distances, KeyRestrictions, Tiling, Window
 
 __all__ = [
     "Band",
@@ -51,6 +51,7 @@ __all__ = [
     "SortedWindow",
     "Subset",
     "Tiling",
+    "Window",
     "check_backend",
     "check_inputs",
     "describe_backend",

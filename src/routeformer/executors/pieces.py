@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .grid import columns_key_valid, from_columns, to_columns
 from .inputs import Inputs, RelTerms
-from .tiling import Distances, KeyRestrictions, Tiling, shift_invariant_mask
+from .tiling import Distances, KeyRestrictions, Tiling, Window, shift_invariant_mask
 
 
 class Laid(NamedTuple):
@@ -57,9 +57,9 @@ class BlockDiagonal:
 
     def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         size = min(self.block, inputs.q.shape[2])
-        # causal as the offsets j - i <= 0 within a block, not a mask tensor: read by executors from the tiling,
-        # with no host read of a device tensor (flex's relative value pass enumerates those offsets)
-        tiling = Tiling(block=size, offsets=(1 - size, 0)) if self.causal else Tiling(block=size)
+        # causal as a window of the whole block (the offsets j - i <= 0), not a mask tensor: read by executors from
+        # the tiling, with no host read of a device tensor (flex's relative value pass enumerates those offsets)
+        tiling = Tiling(block=size, window=Window(size, causal=True)) if self.causal else Tiling(block=size)
         return Laid(inputs, tiling, rel, restrict)
 
 

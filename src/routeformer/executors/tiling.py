@@ -97,6 +97,26 @@ class Distances:
 INDEX = Distances(unit=1)  # the distance of a pair is its key index - query index
 
 
+@dataclass(frozen=True)
+class Window:
+    """A sliding window of ``size`` keys: causal i - size < j <= i, else |i - j| < size. As key - query index
+    offsets, (1 - size, 0) causal, (1 - size, size - 1) not: what a ``Tiling`` with this window carries as
+    ``offsets``, and what the fused kernel checks the two against (``BandGeometry.window`` / ``causal``)."""
+
+    size: int
+    causal: bool
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"Window.size must be an integer >= 1, got {self.size!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"Window.causal must be a bool, got {self.causal!r}")
+
+    @property
+    def offsets(self) -> tuple[int, int]:
+        return 1 - self.size, 0 if self.causal else self.size - 1
+
+
 @dataclass(frozen=True, eq=False)
 class Tiling:
     """Which keys each block of queries sees.
@@ -108,6 +128,8 @@ class Tiling:
         (b - back) · block + s (in a single tile, column s is key s).
     offsets: (lo, hi): instead of ``allow``, a pair may attend when lo <= key index - query index <= hi (a
         sliding window; executors may use it to compute relative terms on the strip of the tile it covers).
+    window: the sliding window (``Window``) whose offsets these are, where they are one: given alone, it sets
+        ``offsets``; the name reaches the kernels beside the offsets derived from it.
     tile_mask: optional bool broadcastable to (B, H, n_blocks, T, S), ANDed with the static mask: a mask that
         differs between tiles.
     order: optional integer (B, H, N) permutation (B or H may be 1: the same for every batch entry or head;
@@ -132,8 +154,17 @@ class Tiling:
     tile_mask: Tensor | None = None
     rows: int | None = None
     order: Tensor | None = None
+    window: Window | None = None
 
     def __post_init__(self) -> None:
+        if self.window is not None:
+            if not isinstance(self.window, Window):
+                raise ValueError(f"Tiling.window must be a Window, got {type(self.window).__name__}")
+            if self.offsets is None:
+                object.__setattr__(self, "offsets", self.window.offsets)
+            elif tuple(self.offsets) != self.window.offsets:
+                raise ValueError(f"Tiling.offsets {self.offsets!r} are not those of its window {self.window!r} "
+                                 f"({self.window.offsets!r})")
         for name in ("block", "back", "ahead", "rows"):
             x = getattr(self, name)
             low = 1 if name in ("block", "rows") else 0
@@ -172,8 +203,7 @@ class Tiling:
         """
         block = min(window if window < 128 else -(-window // 2), n)
         reach = min(math.ceil((window - 1) / block), -(-n // block) - 1)
-        return Tiling(block=block, back=reach, ahead=0 if causal else reach,
-                      offsets=(-(window - 1), 0 if causal else window - 1))
+        return Tiling(block=block, back=reach, ahead=0 if causal else reach, window=Window(window, causal))
 
     # --- geometry -------------------------------------------------------------------------------------------------
     def single(self, nq: int) -> bool:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...executors import KeyRestrictions, RelativePositions, Tiling, check_inputs
+from ...executors import KeyRestrictions, RelativePositions, Tiling, Window, check_inputs
 from ...executors.inputs import Inputs, relative
 from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
@@ -188,10 +188,10 @@ class RoutingAttention(HeadGroup):
     def _dense(self, inputs: Inputs, rel_pos: RelativePositions | None, bias: Tensor | None = None) -> Tensor:
         """The warm-up and the hand-over: causal attention to every earlier key (shared QK: not the own key, unless
         alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory. Causal as the offsets j - i <= 0
-        (not a mask tensor: an executor reads the range from the tiling, with no host read of a device tensor)."""
+        (a causal window of every key, not a mask tensor: an executor reads the range from the tiling, with no host read of a device tensor)."""
         n = inputs.q.shape[2]
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
-        out, _ = self.executor.tiled(inputs, Tiling(block=n, offsets=(1 - n, 0)),
+        out, _ = self.executor.tiled(inputs, Tiling(block=n, window=Window(n, causal=True)),
                                      restrict=restrict, rel=relative(rel_pos),
                                      bias=None if bias is None else bias[:, :, None])
         return out

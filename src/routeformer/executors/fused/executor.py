@@ -67,6 +67,7 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
     single = tiling.single(Nq)
     groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
     lo, hi = tiling.offsets or (0, 0)
+    window = tiling.window
     unit, delta, positions, key_table, value_table, from_order = 0, None, None, None, None, False
     if rel_pos is not None:
         key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
@@ -81,7 +82,8 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
     width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
     geometry = BandGeometry(
         block=tiling.block, back=tiling.back, ahead=tiling.ahead, rows=tiling.rows or 0, single=single,
-        has_offsets=tiling.offsets is not None, off_lo=lo, off_hi=hi, exclude_self=exclude_self, unit=unit,
+        has_offsets=tiling.offsets is not None, off_lo=lo, off_hi=hi, window=window.size if window else 0,
+        causal=bool(window and window.causal), exclude_self=exclude_self, unit=unit,
         max_distance=0 if rel_pos is None else rel_pos.max_distance, rows_per_block=rows_per_block(width),
         positions_from_order=from_order)
     order = _indices(tiling.order, (B, H, Nk), "Tiling.order")

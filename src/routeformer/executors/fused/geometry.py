@@ -43,6 +43,8 @@ class BandGeometry(_Geometry):
     has_offsets: bool  # a sliding window's offsets narrow each row to [i + off_lo, i + off_hi]
     off_lo: int
     off_hi: int
+    window: int  # the sliding window these offsets are (``tiling.Window``): 1 - window, 0 or window - 1 (0: none)
+    causal: bool  # that window's side: off_hi 0 when causal, window - 1 when not
     exclude_self: bool  # the own key only when a row sees nothing else
     unit: int  # relative distances (key - query) · unit; 0: from delta or positions
     max_distance: int  # the relative tables' clipping distance (0 without tables)

@@ -35,6 +35,12 @@ struct Band {
     Band t{g, 0, 0, 0};
     RF_CHECK(!g.has_offsets || g.off_lo <= g.off_hi, op, "geometry's offsets must have off_lo <= off_hi, got (",
              g.off_lo, ", ", g.off_hi, ")");
+    // A window names what its offsets mean; the two must agree (the kernel reads the offsets).
+    RF_CHECK(g.window > 0 || !g.causal, op, "geometry's causal flag names a window's side: causal without a window");
+    RF_CHECK(g.window == 0 || (g.has_offsets && g.off_lo == 1 - g.window && g.off_hi == (g.causal ? 0 : g.window - 1)),
+             op, "geometry's offsets (", g.off_lo, ", ", g.off_hi, ", has_offsets ", int(g.has_offsets),
+             ") are not those of its ", g.causal ? "causal " : "", "window ", g.window, " (", 1 - g.window, ", ",
+             g.causal ? 0 : g.window - 1, ")");
     const bool single = g.back == 0 && g.ahead == 0 && g.block >= Nq && g.rows == 0;
     RF_CHECK(g.single == single, op, "geometry[4] (single) must be ", int(single), " for block ", g.block, ", back ",
              g.back, ", ahead ", g.ahead, ", rows ", g.rows, " and ", Nq, " queries, got ", int(g.single));

@@ -32,6 +32,8 @@ constexpr int64_t kAnyInt = std::numeric_limits<int64_t>::min();  // a field tha
   X(bool, has_offsets, 0)           /* a sliding window's offsets narrow each row to [i + off_lo, i + off_hi] */  \
   X(int64_t, off_lo, kAnyInt)                                                                                      \
   X(int64_t, off_hi, kAnyInt)                                                                                      \
+  X(int64_t, window, 0)             /* the sliding window the offsets are: 1 - window, 0 | window - 1 (0: none) */ \
+  X(bool, causal, 0)                /* that window's side: off_hi = 0 when causal, window - 1 when not */         \
   X(bool, exclude_self, 0)          /* the own key only when a row sees nothing else */                           \
   X(int64_t, unit, 0)               /* relative distances (key - query) · unit; 0: from delta or positions */     \
   X(int64_t, max_distance, 0)       /* the relative tables' clipping distance */                                  \
