@@ -279,7 +279,8 @@ def test_the_final_score_takes_eval_stride_as_evaluate_takes_stride(setup, capsy
     out = capsys.readouterr().out
     assert "whole split in windows of 32 tokens every 8, scoring the last 8 of each" in out
     final = metrics(run, "valid_full")[-1]
-    assert final["context"] == "windows of 32 tokens every 8, scoring the last 8 of each (at least 24 tokens of context)"
+    assert final["context"] == ("windows of 32 tokens every 8, scoring the last 8 of each (at least 24 tokens of "
+                                "context)")
     scores = {}
     for stride in ("8", "32"):
         assert main(["evaluate", str(run), "--stride", stride, "--checkpoint", "last", "--device", "cpu"]) == 0

@@ -84,8 +84,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
-        if self.eval_stride is not None and (isinstance(self.eval_stride, bool) or
-                                             not isinstance(self.eval_stride, numbers.Integral) or self.eval_stride < 1):
+        stride = self.eval_stride
+        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, numbers.Integral) or stride < 1):
             raise ValueError(f"eval_stride must be a positive integer, got {self.eval_stride!r}")
         for name in ("lr", "min_lr", "weight_decay", "clip", "beta1", "beta2"):
             value = getattr(self, name)

@@ -187,8 +187,9 @@ class RoutingAttention(HeadGroup):
 
     def _dense(self, inputs: Inputs, rel_pos: RelativePositions | None, bias: Tensor | None = None) -> Tensor:
         """The warm-up and the hand-over: causal attention to every earlier key (shared QK: not the own key, unless
-        alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory. Causal as the offsets j - i <= 0
-        (a causal window of every key, not a mask tensor: an executor reads the range from the tiling, with no host read of a device tensor)."""
+        alone), plus the hand-over's ``bias``, as one dense tile, O(N²) memory. Causal as a window of every key
+        (the offsets j - i <= 0), not a mask tensor: an executor reads the range from the tiling, with no host read
+        of a device tensor."""
         n = inputs.q.shape[2]
         restrict = KeyRestrictions(exclude_self=True) if self.shared_qk else None
         out, _ = self.executor.tiled(inputs, Tiling(block=n, window=Window(n, causal=True)),
