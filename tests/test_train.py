@@ -271,11 +271,12 @@ def test_evaluate_and_sample(setup, capsys) -> None:
     assert capsys.readouterr().out.startswith("def \ufffd\ufffd(")
 
 
-def test_the_final_score_takes_eval_stride_as_evaluate_takes_stride(setup, capsys, tmp_path) -> None:
-    """eval_stride lays the whole split's windows of the run's own final score: the same number `evaluate --stride`
-    gives on the run's last weights, different from the non-overlapping one, and the line says how it was laid."""
+def test_the_final_score_takes_eval_overlap_as_evaluate_takes_stride(setup, capsys, tmp_path) -> None:
+    """eval_overlap lays the whole split's windows of the run's own final score: 0.75 of seq_len 32 is a stride of
+    8, the same number `evaluate --stride 8` gives on the run's last weights, different from the non-overlapping
+    one, and the line says how it was laid."""
     run = tmp_path / "strided"
-    assert train(setup, run, "--set", "eval_stride=8", "--set", "lr=1e-2") == 0
+    assert train(setup, run, "--set", "eval_overlap=0.75", "--set", "lr=1e-2") == 0
     out = capsys.readouterr().out
     assert "whole split in windows of 32 tokens every 8, scoring the last 8 of each" in out
     final = metrics(run, "valid_full")[-1]
@@ -347,8 +348,7 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
         assert "this PyTorch sees no CUDA device" in _error(capsys, base + ["--set", "device=cuda"])
     assert "sample_tokens must be a non-negative integer" in _error(capsys, base + ["--set", "sample_tokens=-3"])
     assert "min_lr (0.1) must not exceed lr" in _error(capsys, base + ["--set", "min_lr=0.1"])
-    assert "eval_stride 64 is larger than seq_len (32)" in _error(capsys, base + ["--set", "eval_stride=64"])
-    assert "eval_stride must be a positive integer, got 0" in _error(capsys, base + ["--set", "eval_stride=0"])
+    assert "eval_overlap must be a fraction in [0, 1), got 1" in _error(capsys, base + ["--set", "eval_overlap=1"])
     assert "factorized positions of image_shape [2, 4, 4] need seq_len = 32 and data in samples of 32" in _error(
         capsys, base + ["--set", "positions=factorized", "--set", "image_shape=[2, 4, 4]"])  # text, not images
     assert "no such file, and not a shipped configuration" in _error(capsys, ["train", "--config", "nope"])

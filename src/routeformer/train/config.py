@@ -42,10 +42,10 @@ class TrainConfig:
     bounds the wall time of each invocation (a resumed run gets its own budget). compile: ``torch.compile`` the
     model training calls forward on (true, false, or "auto": on a CPU, in one process, after the run's first steps,
     when the rest would take ``train.parallel.AUTO_COMPILE_MINUTES`` or longer eagerly, so that compiling pays).
-    eval_stride: the final score on the whole validation split advances its windows of seq_len by this many tokens
-    and scores only the last eval_stride predictions of each, so that every prediction has seq_len - eval_stride
-    tokens of context or more (unset: non-overlapping windows, as ``routeformer evaluate`` without ``--stride``);
-    the periodic estimate stays non-overlapping.
+    eval_overlap: the final score on the whole validation split lays its windows of seq_len so that each overlaps
+    the one before by this fraction of seq_len and scores only the rest: windows every round((1 - eval_overlap) ·
+    seq_len) tokens, every prediction from eval_overlap · seq_len tokens of context or more (0: non-overlapping
+    windows, as ``routeformer evaluate`` without ``--stride``); the periodic estimate stays non-overlapping.
     """
 
     data: str = "stdlib"
@@ -65,7 +65,7 @@ class TrainConfig:
     max_minutes: float | None = None
     eval_every: int = 250
     eval_tokens: int = 65536
-    eval_stride: int | None = None
+    eval_overlap: float = 0.0
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
@@ -84,9 +84,9 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
-        stride = self.eval_stride
-        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, numbers.Integral) or stride < 1):
-            raise ValueError(f"eval_stride must be a positive integer, got {self.eval_stride!r}")
+        overlap = self.eval_overlap
+        if isinstance(overlap, bool) or not isinstance(overlap, numbers.Real) or not 0 <= overlap < 1:
+            raise ValueError(f"eval_overlap must be a fraction in [0, 1), got {overlap!r}")
         for name in ("lr", "min_lr", "weight_decay", "clip", "beta1", "beta2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
@@ -132,7 +132,8 @@ class RunConfig:
     train: TrainConfig
 
     def __post_init__(self) -> None:
-        check_stride(self.train.eval_stride, self.model, "eval_stride")
+        check_stride(overlap_stride(self.model.seq_len, self.train.eval_overlap), self.model,
+                     f"eval_overlap {self.train.eval_overlap!r}'s stride")
 
     def to_toml(self) -> str:
         return (f"# resolved configuration of this run\n\n[model]\n{_table(asdict(self.model))}\n"
@@ -142,6 +143,13 @@ class RunConfig:
 FIELDS = {"model": {f.name for f in fields(TransformerConfig)},
           "train": {f.name for f in fields(TrainConfig)}}
 assert not FIELDS["model"] & FIELDS["train"], "a bare --set key must name one field"
+
+
+def overlap_stride(seq_len: int, overlap: float) -> int | None:
+    """The stride of windows of ``seq_len`` that overlap by the fraction ``overlap`` (``TrainConfig.eval_overlap``):
+    round((1 - overlap) · seq_len), at least 1; None for non-overlapping windows."""
+    stride = max(1, round((1 - overlap) * seq_len))
+    return None if stride >= seq_len else stride
 
 
 def check_stride(stride: int | None, model: TransformerConfig, name: str) -> None:

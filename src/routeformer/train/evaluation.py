@@ -15,7 +15,7 @@ from torch import nn
 
 from ..data import eval_windows, window_batches
 from ..model import TransformerLM, check_token_ids
-from .config import TrainConfig
+from .config import TrainConfig, overlap_stride
 from .distributed import Processes, routing_in_sync, sum_all
 from .parallel import Parallelism
 
@@ -135,7 +135,7 @@ class Validator:
         self.max_windows = max(1, cfg.eval_tokens // seq_len)
         micro = max(1, cfg.batch_size // max(1, procs.world * cfg.grad_accum))
         self.batch = 4 * micro  # no gradients to keep: larger batches than training's, for throughput
-        self.stride = cfg.eval_stride
+        self.stride = overlap_stride(seq_len, cfg.eval_overlap)
 
     def estimate(self, step: int) -> float:
         """Mean NLL on ``eval_tokens`` of the split in evenly spaced windows; also checks that every rank holds the
@@ -149,8 +149,8 @@ class Validator:
         return mean
 
     def whole_split(self, step: int) -> float:
-        """Mean NLL over the whole split in windows every ``eval_stride`` tokens (with a progress bar: it can take
-        minutes)."""
+        """Mean NLL over the whole split in windows every ``stride`` tokens (``config.overlap_stride``), with a
+        progress bar: it can take minutes."""
         mean = self._mean(Scoring(self.seq_len, self.batch, stride=self.stride), progress="final evaluation")
         self.write({"step": step, "split": "valid_full", "loss": mean, "value": metric(self.kind, mean),
                     "context": self.context})
