@@ -289,6 +289,15 @@ def test_the_final_score_takes_eval_overlap_as_evaluate_takes_stride(setup, caps
     assert scores["8"] == pytest.approx(final["value"], abs=1e-4) and abs(scores["8"] - scores["32"]) > 1e-3
 
 
+def test_an_overlap_s_stride_leaves_at_least_its_share_of_context() -> None:
+    """The stride rounds down: every scored prediction keeps overlap · seq_len tokens of context or more (a
+    stride rounded to the nearest would give 10 · 0.25 = 2.5 only 2), up to seq_len - 1 (a stride of 1)."""
+    from routeformer.train.config import overlap_stride
+
+    assert [overlap_stride(10, f) for f in (0.0, 0.25, 0.5, 0.95)] == [None, 7, 5, 1]
+    assert overlap_stride(256, 0.5) == 128 and overlap_stride(32, 0.75) == 8
+
+
 def _error(capsys, argv: list[str]) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -43,7 +43,7 @@ class TrainConfig:
     model training calls forward on (true, false, or "auto": on a CPU, in one process, after the run's first steps,
     when the rest would take ``train.parallel.AUTO_COMPILE_MINUTES`` or longer eagerly, so that compiling pays).
     eval_overlap: the final score on the whole validation split lays its windows of seq_len so that each overlaps
-    the one before by this fraction of seq_len and scores only the rest: windows every round((1 - eval_overlap) ·
+    the one before by this fraction of seq_len and scores only the rest: windows every floor((1 - eval_overlap) ·
     seq_len) tokens, every prediction from eval_overlap · seq_len tokens of context or more (0: non-overlapping
     windows, as ``routeformer evaluate`` without ``--stride``); the periodic estimate stays non-overlapping.
     """
@@ -147,8 +147,9 @@ assert not FIELDS["model"] & FIELDS["train"], "a bare --set key must name one fi
 
 def overlap_stride(seq_len: int, overlap: float) -> int | None:
     """The stride of windows of ``seq_len`` that overlap by the fraction ``overlap`` (``TrainConfig.eval_overlap``):
-    round((1 - overlap) · seq_len), at least 1; None for non-overlapping windows."""
-    stride = max(1, round((1 - overlap) * seq_len))
+    floor((1 - overlap) · seq_len), at least 1, so that every scored prediction has overlap · seq_len tokens of
+    context or more (seq_len - 1 at most); None for non-overlapping windows."""
+    stride = max(1, math.floor((1 - overlap) * seq_len))
     return None if stride >= seq_len else stride
 
 
