@@ -62,6 +62,7 @@ from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import (
     PeakMemory,
+    cpu_pages,
     format_table,
     kept_for_backward,
     measured_backend,
@@ -418,7 +419,8 @@ def run(ns: list[int], bench: AttentionBench = AttentionBench(), echo: Callable[
     matmul = rf.matmul_gflops(dev, b.dtype)
     echo(f"# attention benchmark: B={b.batch}, H={b.heads}, D={b.head_dim}, {b.dtype}, {dev}, "
          f"{'causal' if b.causal else 'non-causal'}, backend {measured_backend(b.backend, dev)}, "
-         f"threads={torch.get_num_threads()}, median of {b.repeats}; dense matmul (2048³) {matmul:.0f} GFLOP/s")
+         f"threads={torch.get_num_threads()}{cpu_pages(dev)}, median of {b.repeats}; "
+         f"dense matmul (2048³) {matmul:.0f} GFLOP/s")
     for i, n in enumerate(ns):
         cands = first if i == 0 else selected(candidates(n, b), b.only)
         gen = torch.Generator(device="cpu").manual_seed(n)

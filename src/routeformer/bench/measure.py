@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import hugepages
 from ..executors import resolve_backend
 from ..executors.fused.build import KERNELS, FusedKernelRequired
 
@@ -30,6 +31,12 @@ def merge_fields(*tables: dict) -> dict:
             else:
                 out[key] = value
     return {**out, "options": options} if options else out
+
+
+def cpu_pages(device: torch.device) -> str:
+    """``", huge pages on"`` (or off) for a CPU benchmark's header: fresh outputs on 4 KiB pages cost page faults
+    that change the kernels' times by a third at 16k (``hugepages``); empty on other devices."""
+    return f", huge pages {hugepages.state()}" if device.type == "cpu" else ""
 
 
 def measured_backend(backend: str, device: torch.device) -> str:

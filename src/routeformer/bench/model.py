@@ -27,6 +27,7 @@ from ..train.config import TrainConfig
 from ..train.loop import adamw
 from .measure import (
     PeakMemory,
+    cpu_pages,
     executor_lines,
     format_table,
     measured_backend,
@@ -108,8 +109,8 @@ def run(ns: list[int], positions: list[int], bench: ModelBench = ModelBench(),
         for line in executor_lines({name: config.describe_executor(dev) for name, config in configs[ns[0]].items()}):
             say(line)
     echo(f"# model benchmark: dim={b.dim}, depth={b.depth}, heads={b.heads}, window={b.window}, batch={b.batch}, "
-         f"float32, {dev}, backend {measured_backend(b.backend, dev)}, threads={torch.get_num_threads()}, "
-         f"median of {b.repeats}")
+         f"float32, {dev}, backend {measured_backend(b.backend, dev)}, threads={torch.get_num_threads()}"
+         f"{cpu_pages(dev)}, median of {b.repeats}")
     train_rows: list[dict] = []
     for n in ns:
         for i, (name, config) in enumerate(configs[n].items()):

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .. import hugepages
 from . import analyze, bench, env, evaluate, prepare, sample, train
 from .options import Parser
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command ``argv`` (default: this process's arguments) names; returns the exit status."""
+    hugepages.request()  # before the first tensor: PyTorch reads it once
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

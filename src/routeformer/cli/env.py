@@ -42,7 +42,7 @@ def collect(*, build: bool = True) -> list[tuple[str, str]]:
     import torch
     from torch.utils import cpp_extension
 
-    from .. import __version__
+    from .. import __version__, hugepages
     from ..executors import EXECUTORS
     from ..executors.fused import build as fb
 
@@ -65,6 +65,7 @@ def collect(*, build: bool = True) -> list[tuple[str, str]]:
     ]
     blas = f"torch: MKL {'available' if torch.backends.mkl.is_available() else 'not available'}"
     rows.append(("blas", blas))  # the kernel's half is filled in once it is loaded
+    rows.append(("huge pages", hugepages.describe()))
     try:
         switch = fb.switch()
         rows.append((fb.ENV_SWITCH, switch + ("" if fb.ENV_SWITCH in os.environ else " (unset)")))
