@@ -377,3 +377,25 @@ def test_the_heads_reference_and_weights_carry_the_hand_over_penalty() -> None:
     routed = probe_masks(group.routing.route_keys(q, q), group.routing.probe(q, q), 5).any(2)
     dense = reference_weights(q, q, group.reference_mask(q, q), rel_pos=rel).detach()  # no penalty
     assert float((weights * ~routed).sum()) < float((dense * ~routed).sum())
+
+
+@pytest.mark.parametrize("exclude_self", [False, True])
+def test_probe_ranges_take_the_clusters_first_keys_from_the_sorts_sizes_as_from_a_search(exclude_self: bool) -> None:
+    """The fused routers hand over the sort with its cluster sizes; the ranges' first keys taken from them are the
+    ones a search of the sorted clusters finds (empty clusters, and the last cluster, included)."""
+    from routeformer.attention.routing.sorted_window import sort_by_cluster
+
+    g = torch.Generator().manual_seed(3)
+    k, N = 9, 200
+    clusters = torch.randint(0, k - 2, (2, 3, N), generator=g)  # clusters 7 and 8 empty
+    clusters[0, 0, -5:] = k - 1
+    probes = torch.stack([clusters, torch.randint(0, k, (2, 3, N), generator=g)], -1)
+    probes[..., 1] = torch.where(probes[..., 1] == probes[..., 0], (probes[..., 0] + 1) % k, probes[..., 1])
+    sized = sort_by_cluster(clusters, k)
+    assert sized.counts is not None
+    plain = sized._replace(rank=None, counts=None)
+    got = probes_module.probe_ranges(clusters, probes, 16, sized, exclude_self)
+    want = probes_module.probe_ranges(clusters, probes, 16, plain, exclude_self)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    first = (sized.counts.cumsum(-1) - sized.counts).gather(-1, probes.flatten(-2))
+    assert (got[0] >= first).all() and (got[0] <= got[1]).all()

@@ -47,7 +47,10 @@ def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: Cluste
     pos = torch.arange(N, device=probes.device)
     wanted = probes.reshape(*probes.shape[:2], N * p)  # entry i·p + t
     hi = torch.searchsorted(composite, wanted * N + pos.repeat_interleave(p), right=True)  # keys before it, <= i
-    first = torch.searchsorted(composite, wanted * N)  # the cluster's first sorted key
+    if sort.counts is not None:  # the cluster's first sorted key: the sizes of the clusters before it
+        first = (sort.counts.cumsum(-1) - sort.counts).gather(-1, wanted)
+    else:
+        first = torch.searchsorted(composite, wanted * N)
     lo = torch.maximum(first, hi - window)
     if exclude_self:
         own = wanted == key_clusters.repeat_interleave(p, dim=-1)  # the query's own cluster: key i ends its range

@@ -99,12 +99,15 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
                  rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """The fused executor's ``ranges_run``: a call of ``Executor.ranges`` (``ranges.range_attention`` documents the
     arguments), checked and broadcast there, by the ranges operator: every entry's range tested and its keys
-    gathered by index inside the kernel, blocks of ``rows`` entries (default from the width) spanning at most
+    gathered by index inside the kernel, blocks of ``rows`` entries (default from merge · width) spanning at most
     width + ``stretch`` keys (default: ``rows``). The order's inverse is not needed: no permuted copy is made."""
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
     lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
     key_order = None if order is None else order.order
-    per_block = rows or rows_per_block(width)
+    # A row's merge entries each end at their own key, so a block of R entries spans about R / merge + width keys:
+    # sized from merge · width, it pads its products as one entry of that width would (two probes of 64 at 16k:
+    # 32 entries against 16, the operator's forward + backward 0.85x, docs/benchmarks.md), with a quarter the calls.
+    per_block = rows or rows_per_block(width * merge)
     key_table = value_table = None
     if rel_pos is not None:
         key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
