@@ -19,6 +19,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Print what decides how attention runs here, one 'key: value' line each: the routeformer, "
         "Python, platform and torch versions (CUDA and GPUs), the CPU capability torch dispatches to "
         "(ATEN_CPU_CAPABILITY lowers it), the fused kernel's build chain, the compiler, ninja, OpenMP threads, BLAS, "
+        "whether large tensors are on huge pages (THP_MEM_ALLOC_ENABLE, which the command line sets), "
         "ROUTEFORMER_FUSED, the kernel cache ($TORCH_EXTENSIONS_DIR) and each capability's build in it (built, "
         "failed with the remembered reason and log, or not built). Then it loads the kernel as the first attention "
         "call would (compiling it if needed, about a minute) and says what it got, and for the CPU (and CUDA when "
