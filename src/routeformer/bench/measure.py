@@ -167,13 +167,20 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn: Callable[[], object], repeats: int, device: torch.device | str) -> float:
-    """Median wall time (s) of ``repeats`` consecutive calls of ``fn``, after one warm-up call.
+def median_time(fn: Callable[[], object], repeats: int, device: torch.device | str, *, warmup_s: float = 1.0,
+                max_warmup: int = 10) -> float:
+    """Median wall time (s) of ``repeats`` consecutive calls of ``fn``, after warm-up calls: one, then more until
+    ``warmup_s`` have passed or ``max_warmup`` calls were made (with huge pages a process's first large allocations
+    are slower for some calls: docs/benchmarks.md, "Huge pages").
 
     Each candidate is timed in its own consecutive runs: interleaving candidates made one pay for the heap state
     another left behind (on CPU, freshly mapped pages for its large buffers), which is not its own cost.
     """
-    fn()
+    start, calls = time.perf_counter(), 0
+    while calls == 0 or (calls < max_warmup and time.perf_counter() - start < warmup_s):
+        fn()
+        synchronize(device)
+        calls += 1
     times = []
     for _ in range(repeats):
         synchronize(device)
