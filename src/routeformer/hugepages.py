@@ -2,12 +2,10 @@
 
 A fresh 4 KiB page costs a page fault and a clear when it is first touched. The fused kernels write fresh outputs
 at every call (out, lse, the gradients; the ranges operator a scratch row per entry), so at long sequences the
-faults are a large share of a call: at N = 16,384 on a 2-core VM, a 64 MiB tensor's first touch took 19.5 ms
-against 2.7 ms to write it again. PyTorch's CPU allocator asks the kernel for transparent huge pages for every
-allocation of 2 MiB or more when ``THP_MEM_ALLOC_ENABLE=1``: one fault per 2 MiB. Measured with
-``routeformer bench attention --n 16384`` (docs/benchmarks.md, "Huge pages"; medians of five runs each way):
-routing's forward + backward takes 0.71x the time, local 0.82x, two probes and linear 0.77x, full attention
-unchanged.
+faults are a large share of a call. PyTorch's CPU allocator asks the kernel for transparent huge pages for every
+allocation of 2 MiB or more when ``THP_MEM_ALLOC_ENABLE=1``: one fault per 2 MiB. At 16k tokens that takes routing's
+forward + backward to about 0.7x the time, local attention's to 0.8x, full attention's unchanged (docs/benchmarks.md,
+"Huge pages").
 
 PyTorch reads the variable once, at its first allocation, so it must be set before any tensor exists: the command
 line sets it (``request``) unless the user has; a library user sets it in the environment. The system's THP mode
