@@ -14,6 +14,7 @@ from routeformer.attention.reference import reference_weights
 from routeformer.attention.routing import RoutingOptions
 from routeformer.attention.routing import probes as probes_module
 from routeformer.attention.routing.probes import probe_masks
+from routeformer.attention.routing.sorted_window import sort_by_cluster
 
 
 def _layer(**kw) -> RoutingAttention:
@@ -383,8 +384,6 @@ def test_the_heads_reference_and_weights_carry_the_hand_over_penalty() -> None:
 def test_probe_ranges_take_the_clusters_first_keys_from_the_sorts_sizes_as_from_a_search(exclude_self: bool) -> None:
     """The fused routers hand over the sort with its cluster sizes; the ranges' first keys taken from them are the
     ones a search of the sorted clusters finds (empty clusters, and the last cluster, included)."""
-    from routeformer.attention.routing.sorted_window import sort_by_cluster
-
     g = torch.Generator().manual_seed(3)
     k, N = 9, 200
     clusters = torch.randint(0, k - 2, (2, 3, N), generator=g)  # clusters 7 and 8 empty

@@ -298,6 +298,19 @@ def test_an_overlap_s_stride_leaves_at_least_its_share_of_context() -> None:
     assert overlap_stride(256, 0.5) == 128 and overlap_stride(32, 0.75) == 8
 
 
+def test_an_image_model_refuses_an_overlap_and_takes_none() -> None:
+    """An image model's windows must each be one whole image: an overlap (whose stride would cut images) is an error
+    naming the field, no overlap is accepted."""
+    from routeformer import TransformerConfig
+    from routeformer.train.config import RunConfig
+
+    image = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=2, seq_len=32, attention="local:2",
+                              options={"local": {"window": 8}}, positions="factorized", image_shape=[2, 4, 4])
+    with pytest.raises(ValueError, match=r"eval_overlap 0.5's stride 16: this model's positions are an image's"):
+        RunConfig(image, TrainConfig(eval_overlap=0.5))
+    assert RunConfig(image, TrainConfig(eval_overlap=0.0)).train.eval_overlap == 0.0
+
+
 def _error(capsys, argv: list[str]) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -35,7 +35,7 @@ def merge_fields(*tables: dict) -> dict:
 
 def cpu_pages(device: torch.device) -> str:
     """``", huge pages on"`` (or off) for a CPU benchmark's header: fresh outputs on 4 KiB pages cost page faults
-    that change the kernels' times by a third at 16k (``hugepages``); empty on other devices."""
+    that add up to about 40% to the kernels' times at 16k (``hugepages``); empty on other devices."""
     return f", huge pages {hugepages.state()}" if device.type == "cpu" else ""
 
 

@@ -105,8 +105,9 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
     lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
     key_order = None if order is None else order.order
     # A row's merge entries each end at their own key, so a block of R entries spans about R / merge + width keys:
-    # sized from merge · width, it pads its products as one entry of that width would (two probes of 64 at 16k:
-    # 32 entries against 16, the operator's forward + backward 0.85x, docs/benchmarks.md), with a quarter the calls.
+    # sized from merge · width, it pads its products as one entry of that width would, in half as many blocks as
+    # when sized from the width alone (two probes of 64 at 16k: 32 entries against 16, the operator's forward +
+    # backward 0.85x, docs/benchmarks.md).
     per_block = rows or rows_per_block(width * merge)
     key_table = value_table = None
     if rel_pos is not None:
