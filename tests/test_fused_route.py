@@ -71,6 +71,30 @@ def test_the_routes_are_the_definitions_in_float64(probes, k, with_bias, padded,
     assert torch.equal(unobserved.probes, got.probes) and torch.equal(unobserved.order, got.order)
 
 
+def test_ties_keep_the_lower_cluster_and_nan_or_minus_inf_is_never_picked() -> None:
+    """Clusters past the kernel's vector width (k = 40: whole vectors and a tail): an exact tie between two clusters
+    (a centroid repeated) keeps the lower one first, a cluster whose bias is -inf or NaN is never picked while another
+    can be, as the definition's argmax over the scores with those clusters at -inf."""
+    B, H, N, D, k, p = 1, 2, 64, 8, 40, 3
+    r = _unit(B, H, N, D, seed=13)
+    centroids = _unit(H, k, D, seed=14)
+    centroids[:, 33] = centroids[:, 5]  # a tie at the best: 5 first, then 33
+    centroids[:, 38] = centroids[:, 21]
+    centroids[:, 17] = r[0, :, 0]  # position 0's best by far, but barred below
+    bias = torch.zeros(H, k, dtype=torch.float64)
+    bias[:, 17] = float("-inf")
+    bias[:, 29] = float("nan")
+    got = fused_route(r, centroids, bias, None, p, observe=False)
+    scores = _scores(r, centroids, bias)
+    scores[..., 33], scores[..., 38] = scores[..., 5], scores[..., 21]  # einsum may round a repeated centroid apart
+    want = _best(torch.where(scores.isnan(), float("-inf"), scores), p)
+    assert torch.equal(got.probes, want)
+    slot = torch.arange(p).expand_as(got.probes)
+    at5, at33 = (torch.where(got.probes == c, slot, p).amin(-1) for c in (5, 33))
+    assert (at33 < p).any() and (at5[at33 < p] == at33[at33 < p] - 1).all()  # the tie met: 5 just before 33
+    assert not ((got.probes == 17) | (got.probes == 29)).any()
+
+
 def test_float32_picks_are_within_rounding_of_the_best() -> None:
     B, H, N, D, k, p = 2, 2, 300, 32, 16, 2
     r = _unit(B, H, N, D, dtype=torch.float32, seed=5)

@@ -495,18 +495,43 @@ inline std::pair<at::Tensor, at::Tensor> table_grads(const at::Tensor& partials,
 
 inline int64_t row_stride(int64_t columns) { return ((columns + 15) / 16) * 16 + 16; }  // off powers of two
 
-// The index of the greatest of s[0, n) above ``floor`` (the lowest of equal ones), ``none`` where none is above it;
-// without branches: the insertion's compare would mispredict about ln(n) times a row.
+// The index of the greatest of s[0, n) above ``floor`` (the lowest of equal ones), ``none`` where none is above it.
+// Two vector passes: the greatest (four lanes' chains, a NaN never taken: compare-and-blend, not max), then the first
+// index equal to it. A scalar pass keeping (best, index) without branches is a chain of dependent compares, and the
+// insertion's compare would mispredict about ln(n) times a row; at N = 16384 and 128 clusters the scalar pass took
+// ~7 ms of the router's 18 (docs/benchmarks.md).
 template <typename T>
 inline int64_t first_max(const T* s, int64_t n, T floor, int64_t none) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
   T top = floor;
-  int64_t at = none;
-  for (int64_t j = 0; j < n; j++) {
-    const bool better = s[j] > top;
-    top = better ? s[j] : top;
-    at = better ? j : at;
+  int64_t j = 0;
+  Vec best[4] = {Vec(floor), Vec(floor), Vec(floor), Vec(floor)};
+  for (; j + 4 * L <= n; j += 4 * L) {
+    for (int u = 0; u < 4; u++) {
+      const Vec x = Vec::loadu(s + j + u * L);
+      best[u] = Vec::blendv(best[u], x, x > best[u]);
+    }
   }
-  return at;
+  for (; j + L <= n; j += L) {
+    const Vec x = Vec::loadu(s + j);
+    best[0] = Vec::blendv(best[0], x, x > best[0]);
+  }
+  for (int u = 1; u < 4; u++) best[0] = Vec::blendv(best[0], best[u], best[u] > best[0]);
+  T lanes[L];
+  best[0].store(lanes);
+  for (int64_t l = 0; l < L; l++) top = lanes[l] > top ? lanes[l] : top;
+  for (; j < n; j++) top = s[j] > top ? s[j] : top;
+  if (!(top > floor)) return none;
+  const Vec wanted(top);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const int mask = ~(Vec::loadu(s + i) == wanted).zero_mask() & ((int64_t(1) << L) - 1);
+    if (mask != 0) return i + __builtin_ctz(mask);
+  }
+  for (; i < n; i++)
+    if (s[i] == top) return i;
+  return none;  // unreachable: top is one of s
 }
 
 // Keep the ``t`` best (score, index) pairs seen so far in ``best`` / ``o`` (``kept`` of them, best first), offered v
