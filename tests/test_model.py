@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from helpers import sections_in_use
 from routeformer import TransformerConfig, TransformerLM
-from routeformer.attention.routing import probes as probes_module
+from routeformer.attention.routing import layer as layer_module
 
 SPECS = ["full", "local", "routing", "strided", "strided_a1:2,strided_a2:2", "fixed", "fixed_a1:2,fixed_a2:2",
          "longformer", "local:2,routing:2", "local:2,moba:2", "nsa"]
@@ -317,9 +317,9 @@ def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics() -> 
 def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str, monkeypatch) -> None:
     """Random weights (the paper's init zeroes the logit weights, so no gradient would reach attention)."""
     decisions = []  # each probed routing call's (key clusters, probes): a rounding can flip a near-tie
-    record = probes_module.probe_ranges
-    monkeypatch.setattr(probes_module, "probe_ranges", lambda clusters, probes, *a, **kw: decisions.append(
-        (clusters, probes)) or record(clusters, probes, *a, **kw))
+    record = layer_module.probed_window_attention  # the fused ranges or PyTorch's search: both come through here
+    monkeypatch.setattr(layer_module, "probed_window_attention", lambda inputs, clusters, probes, *a, **kw:
+                        decisions.append((clusters, probes)) or record(inputs, clusters, probes, *a, **kw))
     sections = {"local": {"window": 128}, "fixed": {"block": 128, "summary": 8},
                 "longformer": {"window": 128, "global_tokens": [0, 2048]}}
     config = TransformerConfig(vocab_size=256, dim=32, depth=1, heads=4, seq_len=4096, attention=spec, rel_clip=128,
@@ -348,6 +348,7 @@ def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str, mon
     # (a near-tie between its 2nd and 3rd clusters: 0.1% of the queries under float16, 3% under bfloat16) sees
     # other keys: those rows apart.
     same = torch.ones(4096, dtype=torch.bool)
+    assert len(decisions) == (2 if "routing" in spec else 0)  # routing's default probes two clusters
     if decisions:
         (_, exact_probes), (_, low_probes) = decisions  # the exact forward's, then autocast's (depth 1)
         flipped = (exact_probes != low_probes).any(-1).any(1)[0]  # (N,): in some head

@@ -15,6 +15,8 @@ from routeformer.attention.routing import RoutingOptions
 from routeformer.attention.routing import probes as probes_module
 from routeformer.attention.routing.probes import probe_masks
 from routeformer.attention.routing.sorted_window import sort_by_cluster
+from routeformer.executors import get_executor
+from routeformer.executors.fused import available as fused_available
 
 
 def _layer(**kw) -> RoutingAttention:
@@ -398,3 +400,48 @@ def test_probe_ranges_take_the_clusters_first_keys_from_the_sorts_sizes_as_from_
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     first = (sized.counts.cumsum(-1) - sized.counts).gather(-1, probes.flatten(-2))
     assert (got[0] >= first).all() and (got[0] <= got[1]).all()
+
+
+@pytest.mark.skipif(not fused_available(), reason="the fused kernels are not built here")
+@pytest.mark.parametrize("p, window, exclude_self, own_when_alone",
+                         [(1, 16, False, False), (2, 1, True, True), (2, 5, True, False), (3, 7, True, True),
+                          (2, 300, False, False)])
+def test_the_fused_probe_ranges_are_the_definitions(p: int, window: int, exclude_self: bool,
+                                                     own_when_alone: bool) -> None:
+    """The fused executor's ``probes_run``, one counting pass, against ``probe_ranges`` (a search of the sorted
+    keys) and ``_own_key_when_alone``: the same integers, with empty clusters, a window of one (where exclude_self
+    leaves queries alone), a window past every cluster, and the last cluster probed."""
+    g = torch.Generator().manual_seed(4)
+    k, N = 11, 230
+    clusters = torch.randint(0, k - 3, (2, 3, N), generator=g)  # 8 and 9 empty, 10 the last
+    clusters[1, 2, -7:] = k - 1
+    probes = torch.stack([clusters] + [torch.randint(0, k, (2, 3, N), generator=g) for _ in range(p - 1)], -1)
+    for t in range(1, p):  # distinct per query: moved on past any earlier probe
+        for _ in range(p):
+            clash = (probes[..., t:t + 1] == probes[..., :t]).any(-1)
+            probes[..., t] = torch.where(clash, (probes[..., t] + 1) % k, probes[..., t])
+    assert all(len(set(row)) == p for row in probes.reshape(-1, p).tolist())
+    lo, hi, _ = probes_module.probe_ranges(clusters, probes, window, sort_by_cluster(clusters, k), exclude_self)
+    if own_when_alone:
+        hi = probes_module._own_key_when_alone(lo, hi, clusters, probes)
+        assert (hi > lo).view(2, 3, N, p).any(-1).all()  # every query sees a key: its own where alone
+    got = get_executor("fused").probes_run(clusters, probes, window, exclude_self, own_when_alone)
+    assert got is not None
+    assert torch.equal(got[0], lo) and torch.equal(got[1], hi)
+    if window == 1 and exclude_self:
+        assert (lo == hi).any()  # some entries empty: the alone path ran
+
+
+@pytest.mark.skipif(not fused_available(), reason="the fused kernels are not built here")
+def test_the_fused_probe_ranges_name_what_is_wrong() -> None:
+    ranges = torch.ops.routeformer_fused.probe_ranges
+    clusters = torch.zeros(1, 2, 8, dtype=torch.long)
+    probes = torch.zeros(1, 2, 8, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"probe_ranges: key_clusters must be >= 0, got -1 at flat index 3"):
+        ranges(clusters.index_fill(-1, torch.tensor([3]), -1), probes, 4, False, False)
+    with pytest.raises(RuntimeError, match=r"probe_ranges: probes must be \(B, H, N, p\)"):
+        ranges(clusters, probes[:, :1], 4, False, False)
+    with pytest.raises(RuntimeError, match=r"probe_ranges: window must be >= 1, got 0"):
+        ranges(clusters, probes, 0, False, False)
+    with pytest.raises(RuntimeError, match=r"probe_ranges: own_when_alone .* needs exclude_self"):
+        ranges(clusters, probes, 4, False, True)

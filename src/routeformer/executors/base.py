@@ -61,7 +61,9 @@ class Executor:
     bias, key_padding_mask, probes, observe)`` the causal router's (``routes.Routed``, e.g.
     ``fused.routes.fused_route``), ``select_run(q, k, block, top, bound)`` block selection's
     (``fused.selection.fused_select_blocks``), ``scan_run(q, k, v, kernel, chunk, key_valid)`` causal attention
-    through a ``tiling.FeatureKernel``'s features, chunk None its own choice (``fused.scan.fused_feature_scan``);
+    through a ``tiling.FeatureKernel``'s features, chunk None its own choice (``fused.scan.fused_feature_scan``),
+    ``probes_run(key_clusters, probes, window, exclude_self, own_when_alone)`` multi-probe routing's key ranges
+    (lo, hi) (``fused.probes.fused_probe_ranges``);
     each may return None for a call it does not take, and an executor without them (tiles) leaves them to
     PyTorch's operators in the mechanism, the definition. Read them through ``runner(q)``: the executor that
     computes a call on q.
@@ -77,6 +79,7 @@ class Executor:
     route_run: Callable | None = None
     select_run: Callable | None = None
     scan_run: Callable | None = None
+    probes_run: Callable | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.run) and type(self).tiled is Executor.tiled:

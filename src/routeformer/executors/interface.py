@@ -43,6 +43,7 @@ from torch import Tensor
 from . import flex
 from .base import EXECUTORS, FEATURES, Executor
 from .fused import executor as fused
+from .fused.probes import fused_probe_ranges
 from .fused.routes import fused_route
 from .fused.scan import fused_feature_scan
 from .fused.selection import fused_select_blocks
@@ -60,7 +61,8 @@ EXECUTORS.update({
     # LSH's labelled pairs run in its own rounds operator there; a tiling's labels are lowered to a tile mask
     "fused": Executor("fused", fused.fused_tiled, supports=frozenset(FEATURES) - {"labels"},
                       ranges_run=fused.fused_ranges, rounds_run=fused.fused_rounds, delegate=_unless_fused_takes,
-                      route_run=fused_route, select_run=fused_select_blocks, scan_run=fused_feature_scan),
+                      route_run=fused_route, select_run=fused_select_blocks, scan_run=fused_feature_scan,
+                      probes_run=fused_probe_ranges),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,

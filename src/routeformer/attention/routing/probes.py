@@ -7,7 +7,8 @@ sees depends on its own probes and on the clusters of positions <= i only: nothi
 
 Computed without an N×N matrix: the keys sorted by (cluster, position) put every cluster's keys side by side in time
 order; the keys of probe (i, t) are then the ``window`` sorted keys just before where position i would sit in
-cluster P_t(i) (a binary search), a contiguous range, and ``Executor.ranges`` attends each of the N·p entries to
+cluster P_t(i) (a binary search; the fused executor's ``probes_run`` counts each cluster's keys as the positions
+come instead, one pass), a contiguous range, and ``Executor.ranges`` attends each of the N·p entries to
 its range. The p partial results merge exactly through their log-sum-exp. Time O(N·p·(window + G)·D + N log N),
 memory O(N·p·(window + G)) per head (``ranges.py``: G is the stretch of its blocks, about window / 2).
 
@@ -73,9 +74,16 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     p = probes.shape[-1]
     if N <= DENSE_UP_TO and not executor.runner(q).native_ranges:
         return _dense(inputs, key_clusters, probes, options, executor=executor, rel_pos=rel_pos, gates=gates)
-    lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
-    if exclude_self and key_valid is None:  # shared QK: a query that sees no other key sees its own
-        hi = _own_key_when_alone(lo, hi, key_clusters, probes)
+    own_when_alone = exclude_self and key_valid is None  # shared QK: a query that sees no other key sees its own
+    run = executor.runner(q).probes_run
+    ranges = None if run is None else run(key_clusters, probes, window, exclude_self, own_when_alone)
+    sort = sort if sort is not None else sort_by_cluster(key_clusters)
+    if ranges is not None:
+        lo, hi = ranges
+    else:
+        lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
+        if own_when_alone:
+            hi = _own_key_when_alone(lo, hi, key_clusters, probes)
     pos = torch.arange(N, device=q.device).expand(B, H, N)
     order = KeyOrder(sort.order, sort.inverse)
     if gates is None:  # one softmax over the union of the probes' (disjoint) ranges

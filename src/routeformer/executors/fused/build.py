@@ -49,7 +49,8 @@ import torch
 from filelock import FileLock
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "band.cpp", "ranges.cpp", "rounds.cpp", "activation.cpp", "select.cpp", "route.cpp", "scan.cpp")
+SOURCES = ("ops.cpp", "band.cpp", "ranges.cpp", "rounds.cpp", "activation.cpp", "select.cpp", "route.cpp", "probes.cpp",
+           "scan.cpp")
 ENV_SWITCH = "ROUTEFORMER_FUSED"  # "0": the tiles executor; "1": the kernel or an error; unset / "auto": fallbacks
 SWITCH_VALUES = ("auto", "0", "1")
 CAPABILITIES = ("AVX512", "AVX2", "DEFAULT")  # x86's builds, widest first

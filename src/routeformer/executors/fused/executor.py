@@ -39,6 +39,11 @@ def available() -> bool:
     return True
 
 
+def built() -> bool:
+    """Whether the kernels are loaded, building and loading them on the first call (``available``)."""
+    return bool(_LOADED) or available()
+
+
 def takes(q: Tensor) -> bool:
     """Whether the kernels take a call on queries q: on the CPU, float32 or float64, and built. Once they are
     loaded, every call asks only the device and dtype (the build's status is settled: no lock, no environment read

@@ -141,6 +141,11 @@ def _register() -> None:
     def _(r, centroids, bias, key_valid, probes, observe):
         return routed_like(r, centroids, probes, observe)
 
+    @torch.library.register_fake(lib + "probe_ranges")
+    def _(key_clusters, probes, window, exclude_self, own_when_alone):
+        B, H, N, p = probes.shape
+        return probes.new_empty(B, H, N * p), probes.new_empty(B, H, N * p)
+
     @torch.library.register_fake(lib + "feature_scan_forward")
     def _(q, k, v, key_valid, projection, chunk, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3])

@@ -59,6 +59,9 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "route(Tensor r, Tensor centroids, Tensor? bias, Tensor? key_valid, int probes, bool observe) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "probe_ranges(Tensor key_clusters, Tensor probes, int window, bool exclude_self, bool own_when_alone) -> "
+      "(Tensor, Tensor)");
+  m.def(
       "feature_scan_forward(Tensor q, Tensor k, Tensor v, Tensor? key_valid, Tensor? projection, int chunk, "
       "float scale) -> (Tensor, Tensor)");
   m.def(
@@ -80,6 +83,7 @@ TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
   m.impl("sigmoid_gelu_backward", &routeformer::fused_sigmoid_gelu_backward);
   m.impl("select_blocks", &routeformer::fused_select_blocks);
   m.impl("route", &routeformer::fused_route);
+  m.impl("probe_ranges", &routeformer::fused_probe_ranges);
   m.impl("feature_scan_forward", &routeformer::fused_feature_scan_forward);
   m.impl("feature_scan_backward", &routeformer::fused_feature_scan_backward);
 }

@@ -1,6 +1,7 @@
 // The fused CPU operators, as ops.cpp registers them (``torch.ops.routeformer_fused.*``); each is defined in the
 // file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp, select.cpp
-// (block selection), route.cpp (the causal router's choice), scan.cpp (causal attention through features).
+// (block selection), route.cpp (the causal router's choice), probes.cpp (multi-probe routing's key ranges), scan.cpp
+// (causal attention through features).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -68,6 +69,9 @@ at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
     const at::Tensor& r, const at::Tensor& centroids, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& key_valid, int64_t probes, bool observe);
+
+std::tuple<at::Tensor, at::Tensor> fused_probe_ranges(const at::Tensor& key_clusters, const at::Tensor& probes,
+                                                      int64_t window, bool exclude_self, bool own_when_alone);
 
 std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& v,
