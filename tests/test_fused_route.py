@@ -72,7 +72,8 @@ def test_the_routes_are_the_definitions_in_float64(probes, k, with_bias, padded,
 
 
 def test_ties_keep_the_lower_cluster_and_nan_or_minus_inf_is_never_picked() -> None:
-    """Clusters past the kernel's vector width (k = 40: whole vectors and a tail): an exact tie between two clusters
+    """Clusters past the kernel's vector width (k = 40: the four-vector passes and single vectors; the scalar tail is
+    the k = 7 and 19 cases' above): an exact tie between two clusters
     (a centroid repeated) keeps the lower one first, a cluster whose bias is -inf or NaN is never picked while another
     can be, as the definition's argmax over the scores with those clusters at -inf."""
     B, H, N, D, k, p = 1, 2, 64, 8, 40, 3

@@ -423,13 +423,13 @@ def test_the_fused_probe_ranges_are_the_definitions(p: int, window: int, exclude
     assert all(len(set(row)) == p for row in probes.reshape(-1, p).tolist())
     lo, hi, _ = probes_module.probe_ranges(clusters, probes, window, sort_by_cluster(clusters, k), exclude_self)
     if own_when_alone:
+        before = hi
         hi = probes_module._own_key_when_alone(lo, hi, clusters, probes)
         assert (hi > lo).view(2, 3, N, p).any(-1).all()  # every query sees a key: its own where alone
+        assert window > 1 or (hi != before).any()  # a window of one leaves queries alone: their own key given back
     got = get_executor("fused").probes_run(clusters, probes, window, exclude_self, own_when_alone)
     assert got is not None
     assert torch.equal(got[0], lo) and torch.equal(got[1], hi)
-    if window == 1 and exclude_self:
-        assert (lo == hi).any()  # some entries empty: the alone path ran
 
 
 @pytest.mark.skipif(not fused_available(), reason="the fused kernels are not built here")
@@ -437,8 +437,12 @@ def test_the_fused_probe_ranges_name_what_is_wrong() -> None:
     ranges = torch.ops.routeformer_fused.probe_ranges
     clusters = torch.zeros(1, 2, 8, dtype=torch.long)
     probes = torch.zeros(1, 2, 8, 2, dtype=torch.long)
-    with pytest.raises(RuntimeError, match=r"probe_ranges: key_clusters must be >= 0, got -1 at flat index 3"):
+    with pytest.raises(RuntimeError, match=r"probe_ranges: key_clusters must be in \[0, 2\^24\), got -1 at flat index 3"):
         ranges(clusters.index_fill(-1, torch.tensor([3]), -1), probes, 4, False, False)
+    with pytest.raises(RuntimeError, match=r"probe_ranges: key_clusters must be in \[0, 2\^24\), got 16777216"):
+        ranges(clusters.index_fill(-1, torch.tensor([5]), 1 << 24), probes, 4, False, False)
+    with pytest.raises(RuntimeError, match=r"probe_ranges: probes must be >= 0, got -2 at flat index 1"):
+        ranges(clusters, probes.flatten().index_fill(0, torch.tensor([1]), -2).view_as(probes), 4, False, False)
     with pytest.raises(RuntimeError, match=r"probe_ranges: probes must be \(B, H, N, p\)"):
         ranges(clusters, probes[:, :1], 4, False, False)
     with pytest.raises(RuntimeError, match=r"probe_ranges: window must be >= 1, got 0"):

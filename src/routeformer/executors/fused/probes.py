@@ -4,6 +4,7 @@ same ranges, integers only, so equal to the definition bit for bit."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from . import op
@@ -16,8 +17,10 @@ def fused_probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, exclud
     (B, H, N·p) long, entry i·p + t for query i and probe t: key_clusters (B, H, N) long, probes (B, H, N, p) long.
     ``exclude_self``: a query's own cluster's entry stops before its own key; ``own_when_alone``: a query whose
     entries then hold no key gets it back. O(N·p + k) per head, no search. ``None`` where the kernels do not take
-    the call (off the CPU or not built)."""
+    the call (off the CPU, not built, or ids not int64)."""
     if key_clusters.device.type != "cpu" or probes.device != key_clusters.device or not built():
+        return None
+    if key_clusters.dtype != torch.long or probes.dtype != torch.long:
         return None
     return op.ops().probe_ranges(key_clusters.contiguous(), probes.contiguous(), window, exclude_self,
                                  own_when_alone)

@@ -36,17 +36,17 @@ std::tuple<at::Tensor, at::Tensor> fused_probe_ranges(const at::Tensor& key_clus
            "exclude_self");
   const int64_t* kc = key_clusters.data_ptr<int64_t>();
   const int64_t* pr = probes.data_ptr<int64_t>();
-  // the clusters' number: one past the greatest id, every id checked non-negative
+  // the tables' size: one past the greatest key cluster (a probed cluster past it holds no key: lo = hi = N); ids
+  // index per-thread tables, so they are bounded (k-means ids are below the number of clusters)
+  constexpr int64_t kLimit = int64_t(1) << 24;
   int64_t k = 1;
   for (int64_t x = 0, n = key_clusters.numel(); x < n; x++) {
-    RF_CHECK(kc[x] >= 0, op, "key_clusters must be >= 0, got ", kc[x], " at flat index ", x);
+    RF_CHECK(kc[x] >= 0 && kc[x] < kLimit, op, "key_clusters must be in [0, 2^24), got ", kc[x], " at flat index ",
+             x);
     k = std::max(k, kc[x] + 1);
   }
-  for (int64_t x = 0, n = probes.numel(); x < n; x++) {
+  for (int64_t x = 0, n = probes.numel(); x < n; x++)
     RF_CHECK(pr[x] >= 0, op, "probes must be >= 0, got ", pr[x], " at flat index ", x);
-    k = std::max(k, pr[x] + 1);
-  }
-  RF_CHECK(k <= (int64_t(1) << 31), op, "cluster ids must be below 2^31, got ", k - 1);
   auto lo = at::empty({B, H, N * p}, key_clusters.options());
   auto hi = at::empty({B, H, N * p}, key_clusters.options());
   int64_t* lp = lo.data_ptr<int64_t>();
@@ -67,6 +67,10 @@ std::tuple<at::Tensor, at::Tensor> fused_probe_ranges(const at::Tensor& key_clus
         int64_t keys = 0;
         for (int64_t t = 0; t < p; t++) {
           const int64_t c = wanted[i * p + t], m = i * p + t;
+          if (c >= k) {  // no key in that cluster
+            a[m] = e[m] = N;
+            continue;
+          }
           const int64_t end = first[c] + seen[c];
           a[m] = std::max(first[c], end - window);
           e[m] = end - (exclude_self && c == own[i] ? 1 : 0);

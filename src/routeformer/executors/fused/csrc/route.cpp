@@ -41,7 +41,7 @@ void cluster_scores(const T* r, int64_t r_stride, const T* mu, const T* bias, in
   }
 }
 
-// The ``p`` best of s[0, k), best first, into ``o``: p passes of argmax (``first_max``, branchless), each winner
+// The ``p`` best of s[0, k), best first, into ``o``: p passes of argmax (``first_max``: vector passes), each winner
 // masked to -inf and put back after (``saved``: p values), so ties keep the lower cluster first. A pass that finds no
 // score above -inf (NaN or -inf scores only) takes the lowest cluster not chosen yet, as keeping the p best in one
 // pass of insertions would (and cluster 0 for one probe). Keeping the p best by insertion in one pass mispredicts
