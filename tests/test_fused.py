@@ -121,40 +121,6 @@ def test_gradcheck_of_ranges() -> None:
     assert torch.autograd.gradcheck(f, (q, k, v, rel.key, rel.value))
 
 
-@pytest.mark.parametrize("merge, dtype, D", [(1, torch.float32, 16), (2, torch.float32, 16), (2, torch.float64, 20)])
-def test_ranges_merged_in_place_are_the_bits_of_the_merged_slots(merge: int, dtype: torch.dtype, D: int) -> None:
-    """With heads enough for every thread the forward merges a query row's entries in place as they come; with
-    fewer it writes every entry to a slot and merges the slots after (``merge_slots``): the same bits, rows that
-    one entry or none sees (empty ranges, ranges of padded keys only) included."""
-    g = torch.Generator().manual_seed(6)
-    B, H, N, width = 2, 2, 200, 24
-    q, k, v = rand_qkv(B, H, N, D, dtype=dtype, seed=7)
-    hi = torch.randint(0, N + 1, (B, H, N * merge), generator=g)
-    lo = (hi - torch.randint(0, width + 1, hi.shape, generator=g)).clamp_min(0)
-    valid = torch.rand(B, 1, N, generator=g) > 0.4  # short ranges of padded keys only: entries with lse neg_inf
-    order = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N)
-    pos = torch.arange(N).expand(B, H, N)
-
-    def attend(b: slice, h: slice):
-        spans = Ranges(lo[b, h], hi[b, h], width, merge, query_pos=pos[b, h], key_pos=pos[b, h])
-        o = order[b, h].contiguous()
-        return FUSED.ranges(Inputs(q[b, h], k[b, h], v[b, h], 0.3, valid[b]), spans, order=KeyOrder(o, o.argsort(-1)),
-                            need_lse=True)
-
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out, lse = attend(slice(None), slice(None))  # four heads, two threads: in place
-        for b in range(B):
-            for h in range(H):
-                one, one_lse = attend(slice(b, b + 1), slice(h, h + 1))  # one head: slots
-                assert torch.equal(one[0, 0], out[b, h]) and torch.equal(one_lse[0, 0], lse[b, h])
-    finally:
-        torch.set_num_threads(threads)
-    unseen = lse <= -1e30
-    assert unseen.any() and (out[unseen] == 0).all() and (~unseen).any()
-
-
 # --- the same bits at one and two threads ---------------------------------------------------------------------
 
 

@@ -72,18 +72,17 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     q, v, key_valid, window, exclude_self = inputs.q, inputs.v, inputs.key_valid, options.window, options.shared_qk
     B, H, N, D = q.shape
     p = probes.shape[-1]
-    if N <= DENSE_UP_TO and not executor.runner(q).native_ranges:
+    runner = executor.runner(q)
+    if N <= DENSE_UP_TO and not runner.native_ranges:
         return _dense(inputs, key_clusters, probes, options, executor=executor, rel_pos=rel_pos, gates=gates)
     own_when_alone = exclude_self and key_valid is None  # shared QK: a query that sees no other key sees its own
-    run = executor.runner(q).probes_run
-    ranges = None if run is None else run(key_clusters, probes, window, exclude_self, own_when_alone)
     sort = sort if sort is not None else sort_by_cluster(key_clusters)
-    if ranges is not None:
-        lo, hi = ranges
-    else:
-        lo, hi, sort = probe_ranges(key_clusters, probes, window, sort, exclude_self)
-        if own_when_alone:
-            hi = _own_key_when_alone(lo, hi, key_clusters, probes)
+    ranges = None if runner.probes_run is None else runner.probes_run(key_clusters, probes, window, exclude_self,
+                                                                      own_when_alone)
+    if ranges is None:  # the definition: a search of the sorted keys
+        lo, hi, _ = probe_ranges(key_clusters, probes, window, sort, exclude_self)
+        ranges = lo, (_own_key_when_alone(lo, hi, key_clusters, probes) if own_when_alone else hi)
+    lo, hi = ranges
     pos = torch.arange(N, device=q.device).expand(B, H, N)
     order = KeyOrder(sort.order, sort.inverse)
     if gates is None:  # one softmax over the union of the probes' (disjoint) ranges

@@ -48,7 +48,7 @@ def takes(q: Tensor) -> bool:
     """Whether the kernels take a call on queries q: on the CPU, float32 or float64, and built. Once they are
     loaded, every call asks only the device and dtype (the build's status is settled: no lock, no environment read
     per attention call)."""
-    return q.device.type == "cpu" and q.dtype in DTYPES and (bool(_LOADED) or available())
+    return q.device.type == "cpu" and q.dtype in DTYPES and built()
 
 
 def rows_per_block(width: int) -> int:

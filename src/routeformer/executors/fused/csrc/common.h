@@ -945,63 +945,6 @@ void merge_slots(int64_t n, int64_t count, Part part, const T* slot_out, const T
   });
 }
 
-// ``forward_blocks`` and ``merge_slots`` for query rows of at most two slots (two probes' entries), without the slots:
-// heads in parallel, each head's blocks in order, a block row's (out, lse) kept in its query row's out until the
-// row's other slot comes, then the two merged there by ``merge_row`` in slot order, as ``merge_slots`` would: the same
-// bits, without the (slots, D) scratch written and read back (64 MiB at N = 16384, H = 8, D = 64) and its copies.
-// ``part(slot)``: a slot's place among its row's (0 or 1). Rows seen by one slot or none are finished at the end of
-// their head by the same ``merge_row``.
-template <typename T, typename Layout, typename Part>
-void forward_merged(const Layout& layout, int64_t BH, int64_t Nq, Part part, T* out, T* lse) {
-  const int64_t D = layout.D;
-  at::parallel_for(0, BH, 1, [&](int64_t h0, int64_t h1) {
-    Work<T> w;
-    BlockRows s;
-    Buffer<T> ob, lb, pair;
-    std::vector<int8_t> kept;  // per query row of the head: -1 nothing yet, 0 or 1 the part it holds, 2 merged
-    T* two = pair.get(2 * D);
-    T two_lse[2];
-    // the row's kept part u (orow, *lrow) and part t's (o, lt) (o null: t saw nothing, lt neg_inf) merged into it
-    auto merge_two = [&](T* orow, T* lrow, int64_t u, int64_t t, const T* o, T lt) {
-      std::memcpy(two + u * D, orow, D * sizeof(T));
-      two_lse[u] = *lrow;
-      if (o != nullptr) std::memcpy(two + t * D, o, D * sizeof(T));
-      two_lse[t] = lt;
-      *lrow = merge_row(2, [](int64_t x) { return x; }, two, two_lse, D, orow);
-    };
-    for (int64_t bh = h0; bh < h1; bh++) {
-      T* o = out + bh * Nq * D;
-      T* l = lse + bh * Nq;
-      std::fill(l, l + Nq, neg_inf<T>());
-      kept.assign(Nq, -1);
-      const auto plan = layout.plan(bh);
-      for (int64_t b = 0, nb = plan.blocks(); b < nb; b++) {
-        layout.block(bh, plan, b, s, [&](const Head<T>& head, const auto& rules) {
-          const int64_t n = s.rows.n;
-          BlockOut<T> bo{ob.get(n * D), lb.get(n), nullptr};
-          forward_block(head, layout.rel, rules, s.rows, w, bo);
-          for (int64_t r = 0; r < n; r++) {
-            const int64_t i = s.rows.qrow[r], t = part(s.slot[r]);
-            if (bo.lse[r] == neg_inf<T>()) continue;  // saw nothing: merge_row skips it
-            if (kept[i] < 0) {
-              std::memcpy(o + i * D, bo.o + r * D, D * sizeof(T));
-              l[i] = bo.lse[r];
-              kept[i] = static_cast<int8_t>(t);
-            } else {
-              merge_two(o + i * D, l + i, kept[i], t, bo.o + r * D, bo.lse[r]);
-              kept[i] = 2;
-            }
-          }
-        });
-      }
-      for (int64_t i = 0; i < Nq; i++) {
-        if (kept[i] < 0) std::fill(o + i * D, o + (i + 1) * D, T(0));
-        else if (kept[i] < 2) merge_two(o + i * D, l + i, kept[i], 1 - kept[i], nullptr, neg_inf<T>());
-      }
-    }
-  });
-}
-
 // What a backward reads and writes, by query row of all heads (BH · Nq rows; dout and out contiguous): the
 // gradients dq (null: not needed; ``dq_once``: each query row is in one block, so its rows are stored, else added),
 // dk, dv (null: not needed) and the tables' per-head partials (2, BH, L, D) (null without tables or not needed).

@@ -1,7 +1,7 @@
 // The key ranges of multi-probe routing (attention/routing/probes.py's ``probe_ranges``) in one pass per head: in the
-// keys sorted by (cluster, position), entry i·p + t of query i and its probe t = P_t(i) sees the sorted keys
-// [lo, hi) with hi = first[t] + (the keys of cluster P_t(i) at positions <= i) and lo = max(first[t], hi - window),
-// first[t] the cluster's first sorted index. Walking the positions in order and counting each key's cluster as it
+// keys sorted by (cluster, position), entry i·p + t of query i and its probe c = P_t(i) sees the sorted keys
+// [lo, hi) with hi = first[c] + (the keys of cluster c at positions <= i) and lo = max(first[c], hi - window),
+// first[c] the cluster's first sorted index. Walking the positions in order and counting each key's cluster as it
 // comes gives every hi without a search: PyTorch's form is a binary search of all N·p entries in the sorted keys and
 // ten elementwise passes over them (19 ms of a two-probe forward at N = 16384, H = 8; docs/benchmarks.md).
 //

@@ -204,11 +204,6 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     const RangeLayout<T> layout(s, z, q, k, v, lo, hi, scale, key_order, key_valid, query_pos, key_pos, key_table,
                                 value_table);
     const int64_t BH = s.B * s.H, merge = z.g.merge;
-    if (merge <= 2 && BH >= at::get_num_threads()) {  // heads enough to keep every thread busy: merged in place
-      forward_merged(layout, BH, s.Nq, [merge](int64_t slot) { return slot % merge; }, out.data_ptr<T>(),
-                     lse.data_ptr<T>());
-      return;
-    }
     // each entry's (out, lse); an entry with an empty range keeps lse = neg_inf
     auto eo = at::empty({BH * z.M, s.D}, q.options());
     auto el = at::full({BH * z.M}, neg_inf<T>(), q.options());
