@@ -40,7 +40,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 POSITION_LIMIT = 2**62  # positions beyond this could overflow their differences
 OPS = ("band_forward", "band_backward", "ranges_forward", "ranges_backward", "rounds_forward", "rounds_backward",
        "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks", "route", "feature_scan_forward",
-       "feature_scan_backward")
+       "feature_scan_backward", "route_vectors", "route_vectors_backward")
 INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels"}
 MASK_ARGS = {"allow", "tile_mask", "key_valid", "alone"}
 STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H, n_tiles, T, S)
@@ -194,6 +194,11 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
             return q.sum() + got.probes.sum() + got.order.sum() + got.sums.sum()
 
         yield f"route: {probes} probes, {'a bias' if bias is not None else 'no bias'}, observed: {observe}", route
+    from routeformer.executors.fused.vectors import fused_routing_vectors
+
+    turn = torch.linalg.qr(torch.randn(H, D, D, dtype=torch.float32, generator=g))[0]
+    x = torch.randn(B, N, H, D, generator=g, requires_grad=True)  # read as the (B, H, N, D) view, rows strided
+    yield "route vectors: float32, strided rows", lambda: fused_routing_vectors(x.transpose(1, 2), turn)
     from routeformer.attention import LinearOptions
     from routeformer.attention.linear import linear_attention
     from routeformer.attention.performer import orthogonal_features, performer_attention
@@ -500,6 +505,21 @@ def _feature_scan_backward(grad_out, q, k, v, out, den, key_valid, projection, c
     _exact(den, (B, H, N), "den", q.dtype)
 
 
+def _route_vectors(x, projection, eps) -> tuple:
+    _float(x, "x")
+    _rows_ok(x, "x")
+    B, H, N, D = x.shape
+    _exact(projection, (H, D, D), "projection", x.dtype)
+    _need(math.isfinite(eps) and eps > 0, "eps positive and finite")
+    return B, H, N, D
+
+
+def _route_vectors_backward(grad_r, x, norm, projection, eps) -> None:
+    B, H, N, D = _route_vectors(x, projection, eps)
+    _exact(grad_r, (B, H, N, D), "grad_r", x.dtype)
+    _exact(norm, (B, H, N), "norm", x.dtype)
+
+
 def _gelu(x) -> None:
     _float(x, "x")
 
@@ -513,7 +533,8 @@ CONTRACTS = {"band_forward": _band, "band_backward": _band_backward, "ranges_for
              "ranges_backward": _ranges_backward, "rounds_forward": _rounds, "rounds_backward": _rounds_backward,
              "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward, "select_blocks": _select,
              "route": _route, "feature_scan_forward": _feature_scan,
-             "feature_scan_backward": _feature_scan_backward}
+             "feature_scan_backward": _feature_scan_backward, "route_vectors": _route_vectors,
+             "route_vectors_backward": _route_vectors_backward}
 
 
 def violation(op: str, args: list) -> str | None:

@@ -147,8 +147,9 @@ def test_errors_name_the_argument() -> None:
 @pytest.mark.parametrize("probes, balance", [(1, 0.0), (2, 0.01)])
 def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: int, balance: float) -> None:
     """Two training forwards and backwards of a causal routing layer (float64, padding, relative positions
-    absent), the fused router against PyTorch's: the same output, gradients, k-means statistics, loads and
-    commitment loss; and the centroids' first update (the seeding from the kept samples) the same."""
+    absent), the fused router (its vectors and its choice) against PyTorch's: the same output, gradients (the
+    commitment term's through the vectors included), k-means statistics, loads and commitment loss; and the
+    centroids' first update (the seeding from the kept samples) the same."""
     B, H, N, D = 2, 2, 40, 8
     options = RoutingOptions(num_clusters=5, window=6, probes=probes, balance=balance)
     layers = [RoutingAttention(H, D, options).double().train() for _ in range(2)]
@@ -158,7 +159,8 @@ def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: in
     pad = rand_padding(B, N, seed=12)
     results = []
     fused = get_executor("fused")
-    for executor, layer in zip((fused, dataclasses.replace(fused, route_run=None)), layers, strict=True):
+    unrouted = dataclasses.replace(fused, route_run=None, vectors_run=None)
+    for executor, layer in zip((fused, unrouted), layers, strict=True):
         layer.executor = executor  # the same attention, routed by the kernel and by PyTorch's operators
         outs = []
         for _ in range(2):

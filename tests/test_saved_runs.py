@@ -1,6 +1,8 @@
 """Runs saved by earlier versions still load and resume: the committed run directories of
 ``fixtures/saved_run`` (one with today's options sections, one in the old flat spelling) load as models, and
-resuming one step gives the next step the code of their day gave, bit for bit."""
+resuming one step gives the next step the code of their day gave, to rounding. (Bit for bit on the AVX2 CPU it was
+made on until the router's vectors and the commitment's gradient moved into the fused kernel, which sums them in
+another order; that a resumed run repeats an uninterrupted one bit for bit is test_train.py's.)"""
 
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ from routeformer.cli import main
 from routeformer.model import TransformerLM
 
 FIXTURE = Path(__file__).parent / "fixtures" / "saved_run"
-MADE_ON = "AVX2"  # the instruction set the expected step was computed with (README.md there)
-THREADS = 2  # and its threads: a matmul's sums are split by thread, so the bits depend on the count
+THREADS = 2  # the threads it was made with: a matmul's sums are split by thread, so the rounding depends on them
 
 
 @pytest.mark.parametrize("name", ["run", "run_flat"])
@@ -45,10 +46,5 @@ def test_resuming_a_saved_run_gives_the_next_step_of_its_day(name: str, tmp_path
     assert state["step"] == 7
     expected = load_file(FIXTURE / "expected_step7.safetensors")
     assert set(state["model"]) == set(expected)
-    exact = torch.backends.cpu.get_cpu_capability() == MADE_ON
-    for key, want in expected.items():
-        got = state["model"][key]
-        if exact:
-            assert torch.equal(got, want), key
-        else:  # another instruction set rounds the kernels' sums in another order
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
+    for key, want in expected.items():  # today's kernels add the sums in another order than that day's
+        torch.testing.assert_close(state["model"][key], want, rtol=1e-5, atol=1e-6, msg=key)

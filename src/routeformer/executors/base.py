@@ -63,7 +63,8 @@ class Executor:
     (``fused.selection.fused_select_blocks``), ``scan_run(q, k, v, kernel, chunk, key_valid)`` causal attention
     through a ``tiling.FeatureKernel``'s features, chunk None its own choice (``fused.scan.fused_feature_scan``),
     ``probes_run(key_clusters, probes, window, exclude_self, own_when_alone)`` multi-probe routing's key ranges
-    (lo, hi) (``fused.probes.fused_probe_ranges``);
+    (lo, hi) (``fused.probes.fused_probe_ranges``), ``vectors_run(x, projection)`` the router's unit routing vectors
+    x / ||x|| · W_R with their gradient (``fused.vectors.fused_routing_vectors``);
     each may return None for a call it does not take, and an executor without them (tiles) leaves them to
     PyTorch's operators in the mechanism, the definition. Read them through ``runner(q)``: the executor that
     computes a call on q.
@@ -80,6 +81,7 @@ class Executor:
     select_run: Callable | None = None
     scan_run: Callable | None = None
     probes_run: Callable | None = None
+    vectors_run: Callable | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.run) and type(self).tiled is Executor.tiled:

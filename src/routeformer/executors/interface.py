@@ -47,6 +47,7 @@ from .fused.probes import fused_probe_ranges
 from .fused.routes import fused_route
 from .fused.scan import fused_feature_scan
 from .fused.selection import fused_select_blocks
+from .fused.vectors import fused_routing_vectors
 from .pieces import SortedWindow
 from .tiles import tiled_attention
 
@@ -62,7 +63,7 @@ EXECUTORS.update({
     "fused": Executor("fused", fused.fused_tiled, supports=frozenset(FEATURES) - {"labels"},
                       ranges_run=fused.fused_ranges, rounds_run=fused.fused_rounds, delegate=_unless_fused_takes,
                       route_run=fused_route, select_run=fused_select_blocks, scan_run=fused_feature_scan,
-                      probes_run=fused_probe_ranges),
+                      probes_run=fused_probe_ranges, vectors_run=fused_routing_vectors),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,

@@ -129,8 +129,8 @@ class SphericalKMeans(nn.Module):
         router's kernel gave it (``executors.routes.Routed``), else r · μ_c here. One form for every router: on a
         float32-orthonormal W_R, ||r - μ||² and 2 - 2 cos differ by ~1e-7 relative, and the paths would disagree.
 
-        The gradient at r is the squared distance's, 2 (r - μ_c) w / Σw, bit for bit as autograd gives it for that
-        form: the forward keeps no (B, H, N, D) difference (a kernel's cosines make it a (B, H, N) pass)."""
+        The gradient at r is the squared distance's, 2 (r - μ_c) w / Σw (to rounding as autograd gives it for that
+        form): the forward keeps no (B, H, N, D) difference (a kernel's cosines make it a (B, H, N) pass)."""
         if cosine is None:
             with torch.no_grad():
                 H = self.heads
@@ -285,9 +285,9 @@ def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
 
 class _Commitment(torch.autograd.Function):
     """``SphericalKMeans.commitment``: the loss from the cosines; its gradient at r the squared distance's,
-    2 (r - μ_c) w / Σw, computed in the order autograd computes it for ``((r - μ_c) ** 2).sum(-1)`` and its mean, so
-    that a run's steps keep their bits whichever form gave the loss (a saved run resumes bit for bit:
-    tests/test_saved_runs.py). The difference r - μ_c is made in the backward only."""
+    2 (r - μ_c) w / Σw. The difference r - μ_c is made in the backward only, in two passes over (B, H, N, D) after
+    gathering the centroids by row (``index_select``: at 16k positions and 8 heads 3x faster than indexing by
+    (head, cluster) pairs)."""
 
     @staticmethod
     def forward(ctx, r, centroids, clusters, cosine, valid):  # type: ignore[override]
@@ -300,17 +300,17 @@ class _Commitment(torch.autograd.Function):
             total = (weight.sum() * err.shape[1]).clamp_min(1.0)
             loss = (err * weight).sum() / total
         ctx.save_for_backward(r, centroids, clusters, weight)
-        ctx.total = total
+        ctx.twice_share = 2.0 / total  # a number, or a 0-d tensor with padding
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         r, centroids, clusters, weight = ctx.saved_tensors
-        H = centroids.shape[0]
-        mu = centroids[torch.arange(H, device=clusters.device)[None, :, None], clusters]  # (B, H, N, D)
+        H, k, D = centroids.shape
+        rows = (torch.arange(0, H * k, k, device=clusters.device)[None, :, None] + clusters).reshape(-1)  # (B·H·N,)
+        mu = centroids.reshape(H * k, D).index_select(0, rows).view(r.shape)  # (B, H, N, D)
         acc = torch.promote_types(r.dtype, torch.float32)
-        diff = r.to(acc) - mu.to(acc)
-        per_position = grad / ctx.total  # the mean's (or the weighted sum's) backward
+        per_position = grad * ctx.twice_share  # the squared distance's 2, and the mean's (or weighted sum's)
         if weight is not None:
-            per_position = per_position * weight  # (B, 1, N): 0 on padding
-        return ((2 * diff) * per_position[..., None]).to(r.dtype), None, None, None, None
+            per_position = (per_position * weight)[..., None]  # (B, 1, N, 1): 0 on padding
+        return (r.to(acc) - mu.to(acc)).mul_(per_position).to(r.dtype), None, None, None, None

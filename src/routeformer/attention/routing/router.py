@@ -136,18 +136,23 @@ class Router(nn.Module):
 
     def query_and_key_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Unit routing vectors of the queries and of the keys, (B, H, N, D) each, in float32 or wider whatever the
-        input dtype or autocast state; one tensor twice unless routing is separate."""
-        acc = torch.promote_types(q.dtype, torch.float32)
+        input dtype or autocast state; one tensor twice unless routing is separate. PyTorch's operators, the
+        definition (``routes`` takes an executor's kernel for them where it has one)."""
+        xs, proj = self.unturned(q, k)
         with _autocast_off(q.device):
-            proj = self.projection.to(acc)
-            x = F.normalize(q.to(acc), dim=-1)
-            if self.separate:
-                rk = F.normalize(k.to(acc), dim=-1)
-                return (torch.einsum("bhnd,hde->bhne", x, proj), torch.einsum("bhnd,hde->bhne", rk, proj))
-            if not self.shared_qk:
-                x = F.normalize(x + F.normalize(k.to(acc), dim=-1), dim=-1)
-            r = torch.einsum("bhnd,hde->bhne", x, proj)
-            return r, r
+            rq = turn(xs[0], proj)
+            return rq, rq if len(xs) == 1 else turn(xs[1], proj)
+
+    def unturned(self, q: Tensor, k: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+        """What W_R turns into routing vectors once normalised, in float32 or wider: (q,) with shared QK, (n(q) +
+        n(k),) joint, (q, k) separate; and W_R (H, D, D) in their dtype."""
+        acc = torch.promote_types(q.dtype, torch.float32)
+        proj = self.projection.to(acc)
+        if self.separate:
+            return (q.to(acc), k.to(acc)), proj
+        if self.shared_qk:
+            return (q.to(acc),), proj
+        return (F.normalize(q.to(acc), dim=-1) + F.normalize(k.to(acc), dim=-1),), proj
 
     def _biased(self, scores: Tensor) -> Tensor:
         """The scores plus the bias, in place (the scores are this forward's own tensor)."""
@@ -187,8 +192,15 @@ class Router(nn.Module):
         takes the vectors (one vector per position: ``Executor.route_run``, the fused CPU kernel or the flex
         executor's Triton kernels on CUDA) it chooses the clusters, sorts the keys and reduces the statistics
         without the (B, H, N, k) scores; else PyTorch's operators here, the definition."""
-        rq, rk = self.query_and_key_vectors(q, k)
-        route_run = None if executor is None else executor.runner(q).route_run
+        runner = None if executor is None else executor.runner(q)
+        xs, proj = self.unturned(q, k)
+        turned = []
+        with _autocast_off(q.device):
+            for x in xs:  # the executor's kernel for normalise-and-turn (``Executor.vectors_run``) where it has one
+                r = None if runner is None or runner.vectors_run is None else runner.vectors_run(x, proj)
+                turned.append(turn(x, proj) if r is None else r)
+        rq, rk = turned[0], turned[-1]
+        route_run = None if runner is None else runner.route_run
         if rq is rk and not need_scores and route_run is not None:
             counting = observe and self.kmeans.counting()
             got = route_run(rq, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
@@ -276,6 +288,11 @@ class Router(nn.Module):
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.num_clusters}, "
                 f"shared_qk={self.shared_qk}, separate={self.separate}, probes={self.probes}, "
                 f"balance={self.balance}")
+
+
+def turn(x: Tensor, projection: Tensor) -> Tensor:
+    """The routing vectors of x (B, H, N, D): normalise(x) · W_R per head, W_R = projection (H, D, D)."""
+    return torch.einsum("bhnd,hde->bhne", F.normalize(x, dim=-1), projection)
 
 
 def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:

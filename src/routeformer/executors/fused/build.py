@@ -50,7 +50,7 @@ from filelock import FileLock
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ops.cpp", "band.cpp", "ranges.cpp", "rounds.cpp", "activation.cpp", "select.cpp", "route.cpp", "probes.cpp",
-           "scan.cpp")
+           "scan.cpp", "vectors.cpp")
 ENV_SWITCH = "ROUTEFORMER_FUSED"  # "0": the tiles executor; "1": the kernel or an error; unset / "auto": fallbacks
 SWITCH_VALUES = ("auto", "0", "1")
 CAPABILITIES = ("AVX512", "AVX2", "DEFAULT")  # x86's builds, widest first

@@ -1,6 +1,6 @@
 """The fused operators' Python side: fake implementations (so ``torch.compile`` traces models through them),
 registered once the library is loaded, and their autograd as ``torch.autograd.Function`` s (``BandFunction``,
-``RangesFunction``, ``RoundsFunction``, ``FeatureScanFunction``, ``sigmoid_gelu``):
+``RangesFunction``, ``RoundsFunction``, ``FeatureScanFunction``, ``RouteVectorsFunction``, ``sigmoid_gelu``):
 ``torch.library.register_autograd`` costs about 90 µs of argument handling per call, a tenth of a small attention
 call.
 
@@ -154,6 +154,13 @@ def _register() -> None:
     def _(grad_out, q, k, v, out, den, key_valid, projection, chunk, scale):
         return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
+    @torch.library.register_fake(lib + "route_vectors")
+    def _(x, projection, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:3])
+
+    @torch.library.register_fake(lib + "route_vectors_backward")
+    def _(grad_r, x, norm, projection, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _grad_shapes(q: Tensor, k: Tensor, key_table: Tensor | None, output_mask: list[bool]):
@@ -278,6 +285,23 @@ class FeatureScanFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class RouteVectorsFunction(torch.autograd.Function):
+    """The router's unit routing vectors (``fused.vectors``): (x, projection, eps) -> r = x / max(||x||, eps) · W_R;
+    the backward keeps x and the (B, H, N) norms (the projection is fixed: no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, projection, eps):  # type: ignore[override]
+        r, norm = ops().route_vectors(x, projection, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(x, norm, projection)
+        return r
+
+    @staticmethod
+    @once_differentiable("routing vectors")
+    def backward(ctx, grad_r):  # type: ignore[override]
+        x, norm, projection = ctx.saved_tensors
+        return ops().route_vectors_backward(grad_r.contiguous(), x, norm, projection, ctx.eps), None, None
+
 class _SigmoidGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[override]
@@ -309,3 +333,4 @@ def distinct(*args):
 def sigmoid_gelu(x: Tensor) -> Tensor:
     """x · sigmoid(1.702 x) with its gradient (float32 or float64 CPU tensors)."""
     return _SigmoidGelu.apply(x)
+

@@ -67,6 +67,8 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def(
       "feature_scan_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
       "Tensor? key_valid, Tensor? projection, int chunk, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("route_vectors(Tensor x, Tensor projection, float eps) -> (Tensor, Tensor)");
+  m.def("route_vectors_backward(Tensor grad_r, Tensor x, Tensor norm, Tensor projection, float eps) -> Tensor");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);
   m.def("vector_width() -> int", &routeformer::fused_vector_width);
   m.def("geometry_fields(str which) -> str[]", &routeformer::fused_geometry_fields);
@@ -86,4 +88,6 @@ TORCH_LIBRARY_IMPL(routeformer_fused, CPU, m) {
   m.impl("probe_ranges", &routeformer::fused_probe_ranges);
   m.impl("feature_scan_forward", &routeformer::fused_feature_scan_forward);
   m.impl("feature_scan_backward", &routeformer::fused_feature_scan_backward);
+  m.impl("route_vectors", &routeformer::fused_route_vectors);
+  m.impl("route_vectors_backward", &routeformer::fused_route_vectors_backward);
 }

@@ -1,7 +1,7 @@
 // The fused CPU operators, as ops.cpp registers them (``torch.ops.routeformer_fused.*``); each is defined in the
 // file of its kind: band.cpp (a Tiling), ranges.cpp (multi-probe routing), rounds.cpp (LSH), activation.cpp, select.cpp
 // (block selection), route.cpp (the causal router's choice), probes.cpp (multi-probe routing's key ranges), scan.cpp
-// (causal attention through features).
+// (causal attention through features), vectors.cpp (the router's unit routing vectors).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -83,6 +83,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_feature_scan_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& den, const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& projection,
     int64_t chunk, double scale);
+
+std::tuple<at::Tensor, at::Tensor> fused_route_vectors(const at::Tensor& x, const at::Tensor& projection,
+                                                       double eps);
+at::Tensor fused_route_vectors_backward(const at::Tensor& grad_r, const at::Tensor& x, const at::Tensor& norm,
+                                        const at::Tensor& projection, double eps);
 
 bool fused_has_blas();
 
