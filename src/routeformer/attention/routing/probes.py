@@ -83,13 +83,14 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
         lo, hi, _ = probe_ranges(key_clusters, probes, window, sort, exclude_self)
         ranges = lo, (_own_key_when_alone(lo, hi, key_clusters, probes) if own_when_alone else hi)
     lo, hi = ranges
-    pos = torch.arange(N, device=q.device).expand(B, H, N)
+    # positions only for relative distances (without them a kernel would copy and check two (B, H, N) tensors)
+    pos = None if rel_pos is None else torch.arange(N, device=q.device).expand(B, H, N)
     order = KeyOrder(sort.order, sort.inverse)
     if gates is None:  # one softmax over the union of the probes' (disjoint) ranges
         merged, lse = executor.ranges(inputs, Ranges(lo, hi, window, p, query_pos=pos, key_pos=pos), order=order,
                                       rel_pos=rel_pos, need_lse=True)
     else:  # each probe's softmax apart, scaled by its gate
-        spans = Ranges(lo, hi, window, query_pos=pos.repeat_interleave(p, -1), key_pos=pos)
+        spans = Ranges(lo, hi, window, query_pos=None if pos is None else pos.repeat_interleave(p, -1), key_pos=pos)
         out, lse = executor.ranges(inputs.with_(q=q.repeat_interleave(p, dim=2)), spans, order=order, rel_pos=rel_pos,
                                    need_lse=True)
         merged = (out.view(B, H, N, p, D) * gates[..., None].to(out.dtype)).sum(3)
