@@ -31,7 +31,7 @@ LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}  # float lanes of at::vec's Vect
 # and the fused block selection's (how the kernels are built, tests/test_build.py, does not depend on the capability).
 FUSED_TESTS = ["tests/test_fused.py", "tests/test_fused_coverage.py", "tests/test_ranges.py", "tests/test_lsh.py",
                "tests/test_executors.py", "tests/test_moba.py", "tests/test_fused_route.py", "tests/test_fused_scan.py",
-               "tests/test_feature_scan.py", "-k", "fused"]
+               "tests/test_feature_scan.py", "tests/test_fused_vectors.py", "-k", "fused"]
 
 
 def _env(**extra: str) -> dict[str, str]:
