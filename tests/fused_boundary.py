@@ -40,8 +40,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 POSITION_LIMIT = 2**62  # positions beyond this could overflow their differences
 OPS = ("band_forward", "band_backward", "ranges_forward", "ranges_backward", "rounds_forward", "rounds_backward",
        "sigmoid_gelu", "sigmoid_gelu_backward", "select_blocks", "route", "feature_scan_forward",
-       "feature_scan_backward", "route_vectors", "route_vectors_backward")
-INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels"}
+       "feature_scan_backward", "route_vectors", "route_vectors_backward", "probe_ranges")
+INDEX_ARGS = {"order", "groups", "positions", "delta", "lo", "hi", "key_order", "query_pos", "key_pos", "labels",
+              "key_clusters", "probes"}
 MASK_ARGS = {"allow", "tile_mask", "key_valid", "alone"}
 STRIDED5 = {"tile_mask", "delta", "bias"}  # read by strides, broadcast to (B, H, n_tiles, T, S)
 # geometry fields that change the blocking alone (the results within rounding), by operator
@@ -194,6 +195,16 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
             return q.sum() + got.probes.sum() + got.order.sum() + got.sums.sum()
 
         yield f"route: {probes} probes, {'a bias' if bias is not None else 'no bias'}, observed: {observe}", route
+    from routeformer.executors.fused.probes import fused_probe_ranges
+
+    clusters = torch.randint(0, 3, (B, H, N), generator=g)
+    second = (clusters + torch.randint(1, 3, (B, H, N), generator=g)) % 3  # a query's second probe: another cluster
+
+    def probe_ranges():
+        lo, hi = fused_probe_ranges(clusters, torch.stack([clusters, second], -1), 4, True, True)
+        return q.sum() + lo.sum() + hi.sum()
+
+    yield "probe ranges: two probes, the own key left out unless alone", probe_ranges
     from routeformer.executors.fused.vectors import fused_routing_vectors
 
     turn = torch.linalg.qr(torch.randn(H, D, D, dtype=torch.float32, generator=g))[0]
@@ -520,6 +531,18 @@ def _route_vectors_backward(grad_r, x, norm, projection, eps) -> None:
     _exact(norm, (B, H, N), "norm", x.dtype)
 
 
+def _probe_ranges(key_clusters, probes, window, exclude_self, own_when_alone) -> None:
+    _need(isinstance(key_clusters, Tensor) and key_clusters.dim() == 3, "key_clusters (B, H, N)")
+    B, H, N = key_clusters.shape
+    _need(isinstance(probes, Tensor) and probes.dim() == 4 and probes.shape[3] >= 1, "probes (B, H, N, p >= 1)")
+    _exact(key_clusters, (B, H, N), "key_clusters", torch.long)
+    _exact(probes, (B, H, N, probes.shape[3]), "probes", torch.long)
+    _need(window >= 1, "window >= 1")
+    _need(exclude_self or not own_when_alone, "own_when_alone needs exclude_self")
+    _need(bool(((key_clusters >= 0) & (key_clusters < 2**24)).all()), "key_clusters in [0, 2^24)")
+    _need(bool((probes >= 0).all()), "probes >= 0")
+
+
 def _gelu(x) -> None:
     _float(x, "x")
 
@@ -534,7 +557,7 @@ CONTRACTS = {"band_forward": _band, "band_backward": _band_backward, "ranges_for
              "sigmoid_gelu": _gelu, "sigmoid_gelu_backward": _gelu_backward, "select_blocks": _select,
              "route": _route, "feature_scan_forward": _feature_scan,
              "feature_scan_backward": _feature_scan_backward, "route_vectors": _route_vectors,
-             "route_vectors_backward": _route_vectors_backward}
+             "route_vectors_backward": _route_vectors_backward, "probe_ranges": _probe_ranges}
 
 
 def violation(op: str, args: list) -> str | None:
