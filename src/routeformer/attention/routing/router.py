@@ -141,7 +141,7 @@ class Router(nn.Module):
         xs, proj = self.unturned(q, k)
         with _autocast_off(q.device):
             rq = turn(xs[0], proj)
-            return rq, rq if len(xs) == 1 else turn(xs[1], proj)
+            return rq, (rq if len(xs) == 1 else turn(xs[1], proj))
 
     def unturned(self, q: Tensor, k: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
         """What W_R turns into routing vectors once normalised, in float32 or wider: (q,) with shared QK, (n(q) +
@@ -191,7 +191,9 @@ class Router(nn.Module):
         ``need_scores=False`` (causal routing): the scores may be left out, and where the ``executor``'s router
         takes the vectors (one vector per position: ``Executor.route_run``, the fused CPU kernel or the flex
         executor's Triton kernels on CUDA) it chooses the clusters, sorts the keys and reduces the statistics
-        without the (B, H, N, k) scores; else PyTorch's operators here, the definition."""
+        without the (B, H, N, k) scores; else PyTorch's operators here, the definition. The vectors likewise: the
+        executor's normalise-and-turn (``Executor.vectors_run``, the fused CPU kernel) where it has one, else
+        ``turn``."""
         runner = None if executor is None else executor.runner(q)
         xs, proj = self.unturned(q, k)
         turned = []
