@@ -3,8 +3,8 @@
 and under ``ROUTEFORMER_SANITIZE`` the products as plain loops and scratch of exactly the size asked for, so that no
 access hides inside BLAS or a rounded-up allocation), and the fused-kernel tests run against that build in a process
 of their own: ``tests/test_fused.py`` (the build's tests are ``tests/test_build.py``), the fused cases of
-``tests/test_ranges.py``, ``tests/test_lsh.py``, the fused feature scan's (``tests/test_fused_scan.py``) and the
-default-suite part of ``tests/test_fused_coverage.py`` (less its thread-count tests on six heads: those on one head
+``tests/test_ranges.py``, ``tests/test_lsh.py``, the fused feature scan's (``tests/test_fused_scan.py``), the fused
+router's (``tests/test_fused_route.py``, ``tests/test_fused_vectors.py``) and the default-suite part of ``tests/test_fused_coverage.py`` (less its thread-count tests on six heads: those on one head
 run the same code).
 
 That process has the sanitizers' runtimes preloaded (``LD_PRELOAD``: ASan must be the first library loaded, before
@@ -113,7 +113,8 @@ def test_the_fused_kernels_under_address_and_undefined_behaviour_sanitizers() ->
     # -s: a report goes to stderr as it is written (pytest's capture would swallow one that aborts the process)
     args = ["-m", "pytest", "-n", "0", "-q", "-s", "tests/test_fused.py", "tests/test_ranges.py",
             "tests/test_lsh.py", "tests/test_fused_coverage.py", "tests/test_fused_scan.py",
-            "tests/test_feature_scan.py", "-k", "not tiles and not flex",
+            "tests/test_feature_scan.py", "tests/test_fused_route.py", "tests/test_fused_vectors.py",
+            "-k", "not tiles and not flex",
             *[f"--deselect=tests/{name}" for name in SLOWEST]]
     run = sanitized_run(args, timeout=3000)
     output = run.stdout + run.stderr

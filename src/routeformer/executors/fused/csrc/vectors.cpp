@@ -40,14 +40,16 @@ Shape check(const char* op, const at::Tensor& x, const at::Tensor& projection, d
   return s;
 }
 
-// The tasks of a shape: every (b, h) in runs of kRowsPerTask rows.
-template <typename F>
+// The tasks of a shape: every (b, h) in runs of kRowsPerTask rows, f(b, h, first, last, scratch) with (last - first,
+// D) values of scratch, one buffer per thread's share of the tasks.
+template <typename T, typename F>
 void for_each_run(const Shape& s, F&& f) {
   const int64_t runs = ceil_div(s.N, kRowsPerTask);
   at::parallel_for(0, s.B * s.H * runs, 1, [&](int64_t t0, int64_t t1) {
+    Buffer<T> scratch;
     for (int64_t t = t0; t < t1; t++) {
-      const int64_t bh = t / runs, first = (t % runs) * kRowsPerTask;
-      f(bh / s.H, bh % s.H, first, std::min(s.N, first + kRowsPerTask));
+      const int64_t bh = t / runs, first = (t % runs) * kRowsPerTask, last = std::min(s.N, first + kRowsPerTask);
+      f(bh / s.H, bh % s.H, first, last, scratch.get((last - first) * s.D));
     }
   });
 }
@@ -59,10 +61,7 @@ std::tuple<at::Tensor, at::Tensor> fused_route_vectors(const at::Tensor& x, cons
   const Shape s = check("route_vectors", x, projection, eps);
   auto r = at::empty({s.B, s.H, s.N, s.D}, x.options());
   auto norm = at::empty({s.B, s.H, s.N}, x.options());
-  if (s.B * s.H * s.N * s.D == 0) {
-    if (norm.numel() > 0) norm.zero_();
-    return {r, norm};
-  }
+  if (r.numel() == 0) return {r, norm.zero_()};  // D = 0: every norm is 0
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "routeformer_route_vectors", [&] {
     using T = scalar_t;
     const T floor = static_cast<T>(eps);
@@ -71,9 +70,7 @@ std::tuple<at::Tensor, at::Tensor> fused_route_vectors(const at::Tensor& x, cons
     T* rp = r.data_ptr<T>();
     T* np = norm.data_ptr<T>();
     const int64_t D = s.D;
-    for_each_run(s, [&](int64_t b, int64_t h, int64_t first, int64_t last) {
-      thread_local Buffer<T> scratch;
-      T* unit = scratch.get((last - first) * D);  // the rows' unit vectors, (rows, D)
+    for_each_run<T>(s, [&](int64_t b, int64_t h, int64_t first, int64_t last, T* unit) {  // unit: (rows, D)
       const int64_t bh = b * s.H + h;
       for (int64_t i = first; i < last; i++) {
         const T* row = xp + b * x.stride(0) + h * x.stride(1) + i * x.stride(2);
@@ -107,9 +104,7 @@ at::Tensor fused_route_vectors_backward(const at::Tensor& grad_r, const at::Tens
     const T* np = norm.data_ptr<T>();
     T* out = grad_x.data_ptr<T>();
     const int64_t D = s.D;
-    for_each_run(s, [&](int64_t b, int64_t h, int64_t first, int64_t last) {
-      thread_local Buffer<T> scratch;
-      T* unit_grad = scratch.get((last - first) * D);  // u = g · W_Rᵀ, (rows, D)
+    for_each_run<T>(s, [&](int64_t b, int64_t h, int64_t first, int64_t last, T* unit_grad) {  // u = g · W_Rᵀ
       const int64_t bh = b * s.H + h;
       gemm<T>(false, true, last - first, D, D, T(1), gp + (bh * s.N + first) * D, D, wp + h * D * D, D, T(0),
               unit_grad, D);
