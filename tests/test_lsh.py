@@ -219,7 +219,7 @@ def test_decoding_cost_is_flat(monkeypatch) -> None:
     monkeypatch.setattr(lsh_kind, "attend_cached", lambda q, cached, *a, **kw: seen.append(cached.keys.shape[2])
                         or attend(q, cached, *a, **kw))
     cache = model.new_cache(1, 60)
-    (group_cache,) = cache.layers[0]
+    (group_cache,) = cache.layers[0].groups
     sizes = [t.numel() for t in (group_cache.rings.keys, group_cache.rings.values, group_cache.rings.positions)]
     parts = [model(tokens[:, :4], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(4, 60)]
     assert sizes == [t.numel() for t in (group_cache.rings.keys, group_cache.rings.values,
@@ -227,7 +227,7 @@ def test_decoding_cost_is_flat(monkeypatch) -> None:
     assert sizes[0] == 1 * 2 * 2 * 4 * 5 * 8  # B · H · rounds · buckets · window · D, whatever the length
     assert set(seen) == {2 * 5}  # every step scores rounds · window slots
     torch.testing.assert_close(torch.cat(parts, 1), model(tokens), rtol=1e-10, atol=1e-10)
-    big = model.new_cache(1, 10_000).layers[0][0].rings.keys
+    big = model.new_cache(1, 10_000).layers[0].groups[0].rings.keys
     assert big.numel() == sizes[0]
 
 

@@ -469,3 +469,93 @@ def test_autocast_logits_stay_close_to_float32(dtype) -> None:
             low = model(x).float()
     # half-precision rounding, not a different function: measured 1.3 eps (bf16, 1.0e-2) and 0.5 eps (fp16, 4.8e-4)
     assert ((low - exact).norm() / exact.norm()).item() < 3 * torch.finfo(dtype).eps
+
+
+SHIFTED = [("local:2,routing:2", PAPER), ("full", {}), ("local:2,moba:2", {})]
+
+
+def test_token_shifts_take_the_position_before() -> None:
+    from routeformer.model.layers import shift_half, shift_mix
+
+    x = torch.randn(2, 5, 7, dtype=torch.float64)  # an odd width: channels 3..6 move
+    out, last = shift_half(x, None)
+    for t in range(5):
+        torch.testing.assert_close(out[:, t, :3], x[:, t, :3], rtol=0, atol=0)
+        want = x[:, t - 1, 3:] if t else torch.zeros(2, 4, dtype=torch.float64)
+        torch.testing.assert_close(out[:, t, 3:], want, rtol=0, atol=0)
+    assert torch.equal(last, x[:, -1:, 3:])
+    # a continuation starts from the last position's half: two calls give the one call's result
+    first, before = shift_half(x[:, :2], None)
+    second, _ = shift_half(x[:, 2:], before)
+    assert torch.equal(torch.cat([first, second], 1), out)
+    mu = torch.rand(7, dtype=torch.float64)  # 'learned': each channel a mix of this position's and the one before's
+    out, last = shift_mix(x, None, mu)
+    earlier = torch.cat([torch.zeros(2, 1, 7, dtype=torch.float64), x[:, :-1]], 1)
+    torch.testing.assert_close(out, (1 - mu) * x + mu * earlier, rtol=0, atol=1e-15)
+    assert torch.equal(last, x[:, -1:])
+    before = torch.randn(2, 1, 7, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda x, mu, b: shift_mix(x, b, mu)[0],
+                             (x.requires_grad_(), mu.requires_grad_(), before))
+
+
+@pytest.mark.parametrize("spec, kw", SHIFTED)
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("shift", ["half", "learned"])
+def test_token_shift_keeps_the_model_causal_and_decoding_equal_to_the_forward(spec: str, kw: dict, backend: str,
+                                                                              shift: str) -> None:
+    model = randomised(tiny(spec, kw, backend=backend, token_shift=shift))  # 'learned': mu random, not 0
+    x = tokens(2, 48)
+    with torch.no_grad():
+        before = model(x)
+        for t in [0, 5, 17, 40]:
+            y = x.clone()
+            y[:, t + 1:] = (y[:, t + 1:] + 7) % 23
+            after = model(y)
+            torch.testing.assert_close(after[:, :t + 1], before[:, :t + 1], rtol=0, atol=1e-12)
+            assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+        for prompt in (1, 13):
+            cache = model.new_cache(2, 48)
+            steps = [model(x[:, :prompt], cache)] + [model(x[:, t:t + 1], cache) for t in range(prompt, 48)]
+            torch.testing.assert_close(torch.cat(steps, 1), before, rtol=0, atol=1e-10)
+        assert cache.layers[0].before.shape == (2, 1, 16 if shift == "half" else 32)
+
+
+def test_token_shift_changes_what_a_position_reads() -> None:
+    """The setting is not ignored: with one layer whose heads see no key but their own (local, window 1), the
+    logits at t depend on token t - 1 only through the shift, and not at all without it; 'learned' starts as
+    'none' (mu = 0 in a new model)."""
+    cfg = dict(depth=1, positions="none", options={"local": {"window": 1}})
+    x = tokens(1, 48)
+    y = x.clone()
+    y[:, 10] = (y[:, 10] + 1) % 23
+    moved = {}
+    for shift in ("none", "half", "learned"):
+        model = randomised(tiny("local", token_shift=shift, **cfg))
+        with torch.no_grad():
+            moved[shift] = (model(y) - model(x)).abs().amax(-1)[0]
+        assert (moved[shift][12:] == 0).all()
+    assert moved["none"][11] == 0 and moved["half"][11] > 1e-3 and moved["learned"][11] > 1e-3
+    new = TransformerLM(tiny("local", token_shift="learned"))
+    assert torch.equal(new.blocks[0].attention.shift_mix, torch.zeros(32))
+
+
+def test_token_shift_trains_compiled_without_graph_breaks_and_under_checkpointing() -> None:
+    model = TransformerLM(tiny("local:2,routing:2", PAPER, token_shift="learned")).train()
+    x = tokens(2, 48)
+
+    def step(x):
+        return F.cross_entropy(model(x).flatten(0, 1), x.flatten()) + model.commitment_loss
+
+    explanation = torch._dynamo.explain(step)(x)
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+    plain = randomised(tiny("local", token_shift="learned")).train()
+    checked = randomised(tiny("local", token_shift="learned", checkpointing=True)).train()
+    for m in (plain, checked):
+        F.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+    for a, b in zip(plain.parameters(), checked.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+
+
+def test_token_shift_must_be_named() -> None:
+    with pytest.raises(ValueError, match="token_shift must be one of none, half, learned"):
+        tiny(token_shift=True)

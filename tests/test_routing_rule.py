@@ -128,7 +128,7 @@ def _decode_through_training_steps(config: TransformerConfig, steps: int) -> tup
         full = model(tokens)
         outs.append(full)
         cache = model.new_cache(2, 40)
-        kinds.append(type(cache.layers[0][1]))
+        kinds.append(type(cache.layers[0].groups[1]))
         parts = [model(tokens[:, :9], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(9, 40)]
         torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-9)
         model.train()

@@ -4,8 +4,8 @@ and under ``ROUTEFORMER_SANITIZE`` the products as plain loops and scratch of ex
 access hides inside BLAS or a rounded-up allocation), and the fused-kernel tests run against that build in a process
 of their own: ``tests/test_fused.py`` (the build's tests are ``tests/test_build.py``), the fused cases of
 ``tests/test_ranges.py``, ``tests/test_lsh.py``, the fused feature scan's (``tests/test_fused_scan.py``), the fused
-router's (``tests/test_fused_route.py``, ``tests/test_fused_vectors.py``) and the default-suite part of ``tests/test_fused_coverage.py`` (less its thread-count tests on six heads: those on one head
-run the same code).
+router's (``tests/test_fused_route.py``, ``tests/test_fused_vectors.py``) and the default-suite part of
+``tests/test_fused_coverage.py`` (less its thread-count tests on six heads: those on one head run the same code).
 
 That process has the sanitizers' runtimes preloaded (``LD_PRELOAD``: ASan must be the first library loaded, before
 torch), ``ROUTEFORMER_TEST_SANITIZE=1`` (``conftest.py`` puts the sanitized build in place of the kernels, under a name

@@ -599,3 +599,15 @@ def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatc
     assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
                  "--max-steps", "5") == 0
     assert seen == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
+
+
+def test_a_token_shift_set_on_the_command_line_is_named_saved_and_resumed(setup, tmp_path, capsys) -> None:
+    run = tmp_path / "shifted"
+    assert train(setup, run, "--set", "token_shift=learned", "--max-steps", "4") == 0
+    assert "attention local:1,routing:1, token shift learned)" in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["token_shift"] == "learned"
+    model = torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+    mix = [v for k, v in model.items() if k.endswith("attention.shift_mix")]
+    assert len(mix) == 1 and mix[0].abs().sum() > 0  # trained: no longer the zeros it starts at
+    assert main(["train", "--resume", str(run), "--max-steps", "8"]) == 0
+    assert metrics(run, "train")[-1]["step"] == 8

@@ -17,6 +17,7 @@ from .legacy import migrate_saved, refuse_old_spelling
 
 POSITIONS = ("relative", "absolute", "factorized", "none")
 ACTIVATIONS = ("sigmoid_gelu", "gelu")
+TOKEN_SHIFTS = ("none", "half", "learned")
 # The kinds whose heads attend to a band of the last `window` positions: one number, the local window, sets each
 # one's window and the relative positions' clip that fits it (``local_window``). legacy.MOVED["window"] is another
 # thing: a record, frozen, of what the old flat `window` meant when saved files were written.
@@ -104,6 +105,11 @@ class TransformerConfig:
         dropout: at the end of each residual branch only.
         ff_mult: feed-forward width / dim. activation: 'sigmoid_gelu' (x·sigmoid(1.702x)) or 'gelu'.
         checkpointing: recompute each block in the backward pass.
+        token_shift: what each attention layer's input takes from the position before (zeros at the first): 'none';
+            'half' (its channels dim // 2 onwards are the position before's: lucidrains' ``shift_tokens``);
+            'learned' (x + mu * (x_before - x), mu one learned weight per channel, starting at 0: RWKV's token
+            shift). A key that carries the byte before it lets one head match "what followed this byte last time"
+            (copying) without a second layer building that first.
         backend: how heads that run on an attention executor are computed: 'auto' (FlexAttention on CUDA, the
             fused C++ kernels on the CPU), 'fused', 'tiles' or 'flex' (``routeformer.executors``).
             Linear, Performer and the poly2 / elu kernels have one implementation of their own.
@@ -136,6 +142,7 @@ class TransformerConfig:
     ff_mult: float = 4.0
     activation: str = "sigmoid_gelu"
     checkpointing: bool = False
+    token_shift: str = "none"
     backend: str = "auto"
     options: dict = field(default_factory=dict)
 
@@ -173,6 +180,8 @@ class TransformerConfig:
             raise ValueError(f"ff_mult must be positive, got {self.ff_mult!r}")
         if not isinstance(self.checkpointing, bool):
             raise ValueError(f"checkpointing must be true or false, got {self.checkpointing!r}")
+        if self.token_shift not in TOKEN_SHIFTS:
+            raise ValueError(f"token_shift must be one of {', '.join(TOKEN_SHIFTS)}, got {self.token_shift!r}")
         self.options = self._read_options()
         check_backend(self.backend)
         groups = [g for layer in self.head_groups() for g in layer]

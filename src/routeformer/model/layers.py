@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,8 @@ class MixedAttention(nn.Module):
 
     x (B, N, dim) -> (B, N, dim). Groups whose keys are their queries (``HeadKind.shares_qk``: routing with shared
     QK) take their queries as keys, so the key projection only covers the other heads. Relative positions (one pair
-    of tables per layer) are shared by every head.
+    of tables per layer) are shared by every head. With ``config.token_shift`` the projections read x with its
+    position before mixed in (``shift_half``, ``shift_mix``).
     """
 
     def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int) -> None:
@@ -34,6 +36,9 @@ class MixedAttention(nn.Module):
         self.value = nn.Linear(config.dim, H * D)
         self.out = nn.Linear(H * D, config.dim)
         self.rel_pos = RelativePositions(D, config.rel_clip) if config.positions == "relative" else None
+        self.token_shift = config.token_shift
+        # 'learned': the per-channel weight of the position before, 0 at the start (the layer begins as without it)
+        self.shift_mix = nn.Parameter(torch.zeros(config.dim)) if config.token_shift == "learned" else None
 
     def bind(self, executor: Executor) -> None:
         """Hand ``executor`` to the head groups that run on one (``TransformerLM`` resolves its device's)."""
@@ -60,24 +65,61 @@ class MixedAttention(nn.Module):
         return [(qg, qg if shared else next(ks), vg)
                 for qg, vg, shared in zip(qs, vs, self.shares_qk, strict=True)]
 
-    def forward(self, x: Tensor, caches: list | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
-        """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``caches``
-        (one per group) x continues a decoded sequence at position ``start``."""
+    def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
+        """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``cache``
+        x continues a decoded sequence at position ``start``."""
         B, N, _ = x.shape
+        if self.token_shift != "none":
+            before = cache.before if cache is not None else None
+            x, last = shift_half(x, before) if self.shift_mix is None else shift_mix(x, before, self.shift_mix)
+            if cache is not None:
+                cache.before = last
         outs, aux = [], None
         for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._project_heads(x), strict=True)):
-            if caches is None:
+            if cache is None:
                 outs.append(group(q, k, v, self.rel_pos))
                 loss = group.aux_loss()
                 if loss is not None:
                     aux = loss if aux is None else aux + loss
             else:
-                outs.append(group.decode(q, k, v, caches[i], start, self.rel_pos))
+                outs.append(group.decode(q, k, v, cache.groups[i], start, self.rel_pos))
         out = torch.cat(outs, 1).transpose(1, 2).reshape(B, N, self.heads * self.head_dim)
         return self.out(out), aux
 
-    def new_caches(self, batch: int, max_len: int, device, dtype) -> list:
-        return [g.new_cache(batch, max_len, device, dtype) for g in self.groups]
+    def new_cache(self, batch: int, max_len: int, device, dtype) -> LayerCache:
+        return LayerCache([g.new_cache(batch, max_len, device, dtype) for g in self.groups])
+
+
+@dataclass
+class LayerCache:
+    """The decoding state of one attention layer: one cache per head group, and with ``token_shift`` the last
+    position's input channels that the next position reads (``shift_half``, ``shift_mix``)."""
+
+    groups: list
+    before: Tensor | None = None
+
+
+def shift_half(x: Tensor, before: Tensor | None) -> tuple[Tensor, Tensor]:
+    """x (B, N, dim) with its channels dim // 2 onwards taken from the position before (token_shift 'half'): at t = 0
+    from ``before`` (B, 1, dim - dim // 2), zeros when None. Returns it and the last position's moved channels, the
+    ``before`` of a continuation. O(B N dim)."""
+    half = x.shape[-1] // 2
+    out, last = _with_predecessor(x[..., half:], before)
+    return torch.cat([x[..., :half], out], -1), last
+
+
+def shift_mix(x: Tensor, before: Tensor | None, mu: Tensor) -> tuple[Tensor, Tensor]:
+    """x + mu * (x_before - x) for x (B, N, dim), mu (dim,) (token_shift 'learned'), x_before at t = 0 ``before``
+    (B, 1, dim), zeros when None. Returns it and x's last position, the ``before`` of a continuation. O(B N dim)."""
+    earlier, last = _with_predecessor(x, before)
+    return x + mu * (earlier - x), last
+
+
+def _with_predecessor(x: Tensor, before: Tensor | None) -> tuple[Tensor, Tensor]:
+    """x (B, N, c) -> (each position's predecessor (B, N, c), the first's being ``before`` or zeros; x's last)."""
+    if before is None:
+        before = x.new_zeros(x.shape[0], 1, x.shape[2])
+    return torch.cat([before.to(x.dtype), x[:, :-1]], 1), x[:, -1:]
 
 
 class FeedForward(nn.Module):
@@ -107,8 +149,8 @@ class Block(nn.Module):
         self.ff = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, caches: list | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
-        a, aux = self.attention(self.norm1(x), caches, start)
+    def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), cache, start)
         x = x + self.dropout(a)
         return x + self.dropout(self.ff(self.norm2(x))), aux
 

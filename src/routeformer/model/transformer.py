@@ -15,18 +15,18 @@ from ..attention.kinds import HeadGroup
 from ..executors import get_executor
 from .config import TransformerConfig
 from .generate import generate, stream
-from .layers import Block, init_weights
+from .layers import Block, LayerCache, init_weights
 from .positions import PositionEmbedding
 from .pretrained import from_pretrained, save_pretrained
 from .tokens import check_token_ids
 
 
 class ModelCache:
-    """Decoding state of every layer: one cache per head group. The positions seen (``length``) and the declared
-    maximum (``max_len``) live here only: the model checks them once per forward and passes the start position
-    down to every layer."""
+    """Decoding state of every layer (``LayerCache``: one cache per head group). The positions seen (``length``)
+    and the declared maximum (``max_len``) live here only: the model checks them once per forward and passes the
+    start position down to every layer."""
 
-    def __init__(self, layers: list[list], max_len: int) -> None:
+    def __init__(self, layers: list[LayerCache], max_len: int) -> None:
         self.layers, self.max_len, self.length = layers, max_len, 0
 
     def check(self, n: int) -> None:
@@ -165,7 +165,7 @@ class TransformerLM(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> ModelCache:
         """An empty decoding cache for up to ``max_len`` positions."""
         p = next(self.parameters())
-        return ModelCache([block.attention.new_caches(batch, max_len, p.device, p.dtype) for block in self.blocks],
+        return ModelCache([block.attention.new_cache(batch, max_len, p.device, p.dtype) for block in self.blocks],
                           max_len)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -105,7 +105,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         sharded = " (sharded by FSDP2)" if parallel.sharded else ""
         m = run.model
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter model{sharded} "
-             f"({m.depth} layers, dim {m.dim}, attention {m.attention}) on {cfg.data} ({UNITS[kind]}), "
+             f"({m.depth} layers, dim {m.dim}, attention {m.attention}"
+             f"{'' if m.token_shift == 'none' else f', token shift {m.token_shift}'}) on {cfg.data} ({UNITS[kind]}), "
              f"seq_len {m.seq_len}, batch {cfg.batch_size}, {parallel.describe()}; run directory {run_dir}")
         for warning in schedule_warnings(cfg):
             echo(f"warning: {warning}")
