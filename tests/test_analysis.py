@@ -4,6 +4,7 @@ value-aware study), Jensen-Shannon divergence between heads, attention pictures 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -621,3 +622,59 @@ def test_analyze_routing_writes_its_tables_against_a_local_baseline(run_dir, cap
     assert "has no routing heads" in _one_line_error(capsys, ["analyze", str(local), "routing"])
     assert "--baseline" in _one_line_error(capsys, ["analyze", str(run_dir), "routing", "--baseline",
                                                     str(tmp_path / "nowhere")])
+
+
+# --- analyze copying ----------------------------------------------------------------------------------------------
+
+class _Recaller(torch.nn.Module):
+    """A stand-in model over 256 tokens: where the input token occurred before, certain of the token that followed
+    its latest earlier occurrence; elsewhere uniform (8 bits). ``recall=False``: uniform everywhere."""
+
+    def __init__(self, seq_len: int, recall: bool = True) -> None:
+        super().__init__()
+        self.config, self.recall = SimpleNamespace(seq_len=seq_len), recall
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, 256)
+        for b, row in enumerate(tokens.tolist()):
+            for t, token in enumerate(row):
+                earlier = [j for j in range(t) if row[j] == token]
+                if self.recall and earlier:
+                    logits[b, t, row[earlier[-1] + 1]] = 100.0
+        return logits
+
+
+def test_copy_gain_of_a_model_that_recalls_and_of_one_that_does_not() -> None:
+    """Windows of distinct tokens: the first reading has nothing to recall (8 bits a token for both stand-ins); on
+    the repeat the recaller is certain of every token but the first (whose predecessor is new: 8 bits)."""
+    from routeformer.analysis.copying import copy_gain, repeated
+
+    n = 32
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.stack([torch.randperm(256, generator=gen)[:n + 1] for _ in range(3)]) for _ in range(2)]
+    assert torch.equal(repeated(batches[0], 8, 20)[:, 8:16], batches[0][:, :8])
+    for length in (8, 16):
+        row, = copy_gain(_Recaller(n), batches, [length])
+        assert row.windows == 6 and row.first == pytest.approx(8.0, abs=1e-6)
+        assert row.repeat == pytest.approx(8.0 / (n - length + 1), abs=1e-6)  # one uncertain token of n - L + 1
+        assert row.gain == pytest.approx(row.first - row.repeat)
+    blind, = copy_gain(_Recaller(n, recall=False), batches, [8])
+    assert blind.first == pytest.approx(8.0, abs=1e-6) and blind.repeat == pytest.approx(8.0, abs=1e-6)
+    for bad in (1, n):
+        with pytest.raises(ValueError, match=rf"repeat length must be in \[2, seq_len = {n}\), got {bad}"):
+            copy_gain(_Recaller(n), batches, [bad])
+
+
+def test_analyze_copying_writes_its_table(run_dir, capsys, tmp_path) -> None:
+    capsys.readouterr()
+    assert main(["analyze", str(run_dir), "copying", "--lengths", "8,4", "--windows", "3", "--out", str(tmp_path),
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "each of 3 windows cut to its first L tokens" in out and "\n| 4 | " in out and "\n| 8 | " in out
+    lines = (tmp_path / "copying.csv").read_text().splitlines()
+    assert lines[0] == "length,first_bits,repeat_bits,windows" and [x.split(",")[0] for x in lines[1:]] == ["4", "8"]
+    assert all(float(x.split(",")[1]) > 0 and x.endswith(",3") for x in lines[1:])
+    assert "--lengths must be comma-separated positive integers" in _one_line_error(
+        capsys, ["analyze", str(run_dir), "copying", "--lengths", "x"])
+    assert "repeat length must be in [2, seq_len" in _one_line_error(
+        capsys, ["analyze", str(run_dir), "copying", "--lengths", "1"])

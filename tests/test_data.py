@@ -15,7 +15,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from routeformer.data import BatchSampler, DataError, Dataset, eval_windows, prepare, sources, window_batches
+from routeformer.data import (
+    BatchSampler,
+    DataError,
+    Dataset,
+    RepeatCurriculum,
+    eval_windows,
+    prepare,
+    sources,
+    window_batches,
+)
 
 
 def test_stdlib_from_a_folder_sorted_python_files_only(tmp_path) -> None:
@@ -269,6 +278,56 @@ def test_batches_are_a_function_of_seed_and_step_and_ranks_split_them() -> None:
     ranks = [BatchSampler(tokens, 16, 8, seed=3, rank=r, world=2) for r in range(2)]
     micro = [ranks[r].batch(5, m, 2) for r in range(2) for m in range(2)]
     assert torch.equal(torch.cat(micro), one.batch(5))  # the global batch, split over ranks and micro-batches
+
+
+def _period(row: torch.Tensor, lengths: range) -> int | None:
+    """The shortest L in ``lengths`` with row[j] == row[j - L] for every j >= L, if any."""
+    return next((n for n in lengths if torch.equal(row[n:], row[:-n])), None)
+
+
+def test_a_curriculum_of_repeats_makes_early_rows_their_own_beginning_over_and_over() -> None:
+    """repeat_steps: in steps 1..steps each row is, with probability share, its first L tokens (L in [seq_len / 8,
+    seq_len / 2]) repeated; the others and every later step are the plain sampler's rows. The tokens never repeat
+    within 251, so a plain row has no period."""
+    tokens = np.arange(20_000) % 251
+    plain = BatchSampler(tokens, 64, 32, seed=3)
+    taught = BatchSampler(tokens, 64, 32, seed=3, repeats=RepeatCurriculum(steps=10, share=0.5))
+    repeated, periods, patterns = 0, set(), set()
+    for step in range(1, 11):
+        mine, theirs = taught.batch(step), plain.batch(step)
+        assert torch.equal(taught.batch(step), mine)  # a function of (seed, step)
+        patterns.add(tuple((mine != theirs).any(1).tolist()))
+        for row, original in zip(mine, theirs, strict=True):
+            if torch.equal(row, original):
+                assert _period(row, range(1, 64)) is None
+                continue
+            period = _period(row, range(1, 65))
+            assert period is not None and 8 <= period <= 32, period
+            assert torch.equal(row[:period], original[:period])  # the row's own beginning
+            repeated, periods = repeated + 1, periods | {period}
+    assert 0.4 < repeated / 320 < 0.6 and len(periods) > 10  # about half the rows, many lengths
+    assert len(patterns) == 10  # which rows repeat is drawn anew each step
+    for step in (11, 12, 500):
+        assert torch.equal(taught.batch(step), plain.batch(step))
+    every = BatchSampler(tokens, 64, 32, seed=3, repeats=RepeatCurriculum(steps=10, share=1.0))
+    assert all(_period(row, range(8, 33)) for row in every.batch(10))
+
+
+def test_the_repeats_are_drawn_over_the_global_batch() -> None:
+    """Two processes with two micro-batches each see together the rows one process sees."""
+    tokens = np.arange(10_000) % 251
+    curriculum = RepeatCurriculum(steps=5, share=0.5)
+    one = BatchSampler(tokens, 16, 8, seed=3, repeats=curriculum)
+    ranks = [BatchSampler(tokens, 16, 8, seed=3, rank=r, world=2, repeats=curriculum) for r in range(2)]
+    for step in (1, 5):
+        micro = [ranks[r].batch(step, m, 2) for r in range(2) for m in range(2)]
+        assert torch.equal(torch.cat(micro), one.batch(step))
+    assert not torch.equal(one.batch(1), BatchSampler(tokens, 16, 8, seed=3).batch(1))
+
+
+def test_images_refuse_a_curriculum_of_repeats() -> None:
+    with pytest.raises(DataError, match="repeat_steps is a curriculum for text.*samples of 12 tokens"):
+        BatchSampler(np.zeros(1000), 12, 4, seed=0, align=12, repeats=RepeatCurriculum(steps=5, share=0.5))
 
 
 def test_sampler_rejects_impossible_requests() -> None:

@@ -371,6 +371,9 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     assert "sample_tokens must be a non-negative integer" in _error(capsys, base + ["--set", "sample_tokens=-3"])
     assert "min_lr (0.1) must not exceed lr" in _error(capsys, base + ["--set", "min_lr=0.1"])
     assert "eval_overlap must be a fraction in [0, 1), got 1" in _error(capsys, base + ["--set", "eval_overlap=1"])
+    assert "repeat_share must be a fraction in (0, 1], got 0" in _error(capsys, base + ["--set", "repeat_share=0"])
+    assert "repeat_steps must be a non-negative integer, got -1" in _error(capsys,
+                                                                          base + ["--set", "repeat_steps=-1"])
     assert "factorized positions of image_shape [2, 4, 4] need seq_len = 32 and data in samples of 32" in _error(
         capsys, base + ["--set", "positions=factorized", "--set", "image_shape=[2, 4, 4]"])  # text, not images
     assert "no such file, and not a shipped configuration" in _error(capsys, ["train", "--config", "nope"])
@@ -599,6 +602,37 @@ def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatc
     assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
                  "--max-steps", "5") == 0
     assert seen == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
+
+
+def test_a_curriculum_of_repeats_feeds_repeated_rows_to_its_first_steps_only(setup, tmp_path, monkeypatch,
+                                                                            capsys) -> None:
+    """repeat_steps / repeat_share from the command line: the model trains on rows that are their first L tokens
+    over and over (L in [seq_len / 8, seq_len / 2]) in those steps, on the data's rows after them; the banner names
+    the curriculum, the run saves it and a resumed run keeps it."""
+    from routeformer.model import TransformerLM
+
+    seen = []
+    forward = TransformerLM.forward
+
+    def recording(self, tokens, *args, **kwargs):
+        if self.training:
+            seen.append(tokens.clone())
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "forward", recording)
+    run = tmp_path / "taught"
+    assert train(setup, run, "--set", "repeat_steps=3", "--set", "repeat_share=1", "--max-steps", "5") == 0
+    assert "batch 4, 100% of rows repeated text over the first 3 steps," in capsys.readouterr().out
+    n = seen[0].shape[1]  # seq_len: the inputs, one token shorter than a row
+
+    def period(row):
+        return next((p for p in range(1, n) if torch.equal(row[p:], row[:-p])), None)
+
+    assert len(seen) == 5 and all(n // 8 <= (period(row) or 0) <= n // 2 for batch in seen[:3] for row in batch)
+    assert all(period(row) is None or period(row) > n // 2 for batch in seen[3:] for row in batch)
+    assert "repeat_steps = 3" in (run / "config.toml").read_text()
+    assert main(["train", "--resume", str(run), "--max-steps", "6"]) == 0
+    assert "100% of rows repeated text over the first 3 steps" in capsys.readouterr().out
 
 
 def test_a_token_shift_set_on_the_command_line_is_named_saved_and_resumed(setup, tmp_path, capsys) -> None:

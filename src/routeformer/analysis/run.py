@@ -1,6 +1,6 @@
-"""``routeformer analyze RUN_DIR approximations | heads | patterns``: each reads a run directory, analyses its
-model on a split of its data set and writes a text table, a CSV and PNG figures (by default under
-RUN_DIR/analysis), printing the table and the paths."""
+"""``routeformer analyze RUN_DIR approximations | heads | patterns | routing | copying``: each reads a run
+directory, analyses its model on a split of its data set and writes a text table, a CSV and (most) PNG figures (by
+default under RUN_DIR/analysis), printing the table and the paths."""
 
 from __future__ import annotations
 
@@ -269,3 +269,23 @@ def routing(target: Target, baseline: Baseline | None = None, *, windows: int = 
     text = target.out / "routing.txt"
     _write_text(text, table)
     return [text, *written]
+
+
+def copying(target: Target, *, lengths: list[int] | None = None, windows: int = 32, batch: int = 4) -> list[Path]:
+    """The loss of ``target`` on windows read a second time against the first reading (``copying.copy_gain``),
+    for repeat lengths ``lengths`` (default seq_len / 4 and seq_len / 2)."""
+    from .copying import copy_gain, format_copying
+
+    n = target.model.config.seq_len
+    lengths = lengths if lengths is not None else sorted({max(2, n // 4), max(2, n // 2)})
+    chosen = sample_windows(target.tokens, n + 1, windows, batch)
+    rows = copy_gain(target.model, chosen, lengths)
+    table = (f"{target.label}: each of {rows[0].windows} windows cut to its first L tokens and repeated to seq_len "
+             f"{n}; loss on the first reading (its predictions 1..L-1) and on the repeat (L..{n})\n\n"
+             + format_copying(rows))
+    print(table)
+    text, csv = target.out / "copying.txt", target.out / "copying.csv"
+    _write_text(text, table)
+    _write_text(csv, "length,first_bits,repeat_bits,windows\n" + "\n".join(
+        f"{r.length},{r.first:.6f},{r.repeat:.6f},{r.windows}" for r in rows))
+    return [text, csv]

@@ -16,8 +16,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "by sparse or approximate attention (the value-aware study); 'heads' measures the Jensen-Shannon "
         "divergence between heads (the routing paper's Table 4); 'patterns' draws which inputs each output "
         "attends to (its Figure 1) and the routing heads' cluster statistics; 'routing' shows what the routing "
-        "heads use and where they beat a local model. Writes text, CSV and PNG files to "
-        "RUN_DIR/analysis (or --out) and prints their paths.")
+        "heads use and where they beat a local model; 'copying' whether the model predicts text read a second "
+        "time. Writes text, CSV and PNG files to RUN_DIR/analysis (or --out) and prints their paths.")
     add_run_dir(an)
     kinds = an.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
     approx = kinds.add_parser("approximations", help="metric with every head replaced by each approximation",
@@ -55,13 +55,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           "at query and key match; with --baseline RUN (a local model on the same data and length), "
                           "the per-token loss of both by the distance to the previous occurrence of the last "
                           "--context tokens (a table, a CSV and a figure).")
+    cp = kinds.add_parser("copying", help="the loss on text read a second time against the first reading: does "
+                          "the model copy what it has read?",
+                          description="Each of --windows windows of the split cut to its first L tokens and repeated "
+                          "to seq_len: the mean loss (bits per token) on the first reading and on the repeat, for "
+                          "each L of --lengths. A model that has learned to copy (an induction circuit) predicts the "
+                          "repeat far better; one that has not does no better.")
+    cp.add_argument("--lengths", metavar="L1,L2,...", help="repeat lengths, each in [2, seq_len) (default seq_len/4 "
+                    "and seq_len/2)")
+    cp.add_argument("--windows", type=positive, default=32, help="windows of the split (default 32)")
     rt.add_argument("--baseline", metavar="RUN_DIR", help="a run to compare per-token losses with (a local model)")
     rt.add_argument("--windows", type=positive, default=16, help="windows of seq_len tokens to analyse (default 16)")
     rt.add_argument("--top", type=positive, default=100, help="the most-attended far pairs to print (default 100)")
     rt.add_argument("--context", type=positive, default=8, help="tokens that make a context (default 8)")
     rt.add_argument("--local-window", type=positive, metavar="W",
                     help="the distance from which a key counts as far (default the model's local window)")
-    for sub in (approx, hd, pat, rt):
+    for sub in (approx, hd, pat, rt, cp):
         sub.add_argument("--split", choices=("valid", "test"), default="valid", help="the split (default valid)")
         sub.add_argument("--batch-size", type=positive, default=4 if sub is not approx else 8, metavar="B",
                          help="windows per forward")
@@ -100,6 +109,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                 else args.text.encode("utf-8") if args.text is not None else None)
         files = run.patterns(target, layer=args.layer, head=args.head, text=text, length=args.length,
                              batches=args.batches, batch=args.batch_size)
+    elif args.analysis == "copying":
+        lengths = None if args.lengths is None else run.parse_ints(args.lengths, "--lengths")
+        files = run.copying(target, lengths=lengths, windows=args.windows, batch=args.batch_size)
     else:  # routing
         baseline = None if args.baseline is None else run.Baseline(args.baseline, args.checkpoint, args.data_dir)
         files = run.routing(target, baseline, windows=args.windows, batch=args.batch_size, top=args.top,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .repeats import RepeatCurriculum, repeat_rows
 from .store import DataError
 
 
@@ -20,11 +21,13 @@ class BatchSampler:
 
     ``align``: windows start at multiples of it. Data that comes in samples (images) passes the sample length, so
     that every window starts at a sample's first token and position embeddings tied to the sample's layout (an
-    image's row, column and channel) are those of the tokens they embed.
+    image's row, column and channel) are those of the tokens they embed. ``repeats``: a curriculum of repeated
+    text over the first steps (``data.repeats``), for text only.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, rank: int = 0,
-                 world: int = 1, split: str = "train", align: int = 1) -> None:
+                 world: int = 1, split: str = "train", align: int = 1,
+                 repeats: RepeatCurriculum | None = None) -> None:
         if len(tokens) < seq_len + 1:
             raise DataError(f"the {split} split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
                             f"lower seq_len (--set seq_len=...)")
@@ -32,8 +35,12 @@ class BatchSampler:
             raise DataError(f"batch_size ({batch_size}) must be divisible by the number of processes ({world})")
         if align < 1:
             raise ValueError(f"align must be a positive integer, got {align}")
+        if repeats is not None and repeats.steps and align != 1:
+            raise DataError(f"repeat_steps is a curriculum for text; this data set comes in samples of {align} tokens "
+                            f"(images), whose rows must keep their layout: set repeat_steps=0")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank, self.world, self.align = seed, rank, world, align
+        self.repeats = repeats
 
     def offsets(self, step: int) -> torch.Tensor:
         """Start of every window of the global batch of ``step``: (batch_size,)."""
@@ -48,9 +55,14 @@ class BatchSampler:
         if per % micro_batches:
             raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
         size = per // micro_batches
-        mine = self.offsets(step)[self.rank * per:(self.rank + 1) * per][micro * size:(micro + 1) * size]
-        rows = [np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in mine.tolist()]
-        return torch.from_numpy(np.stack(rows))
+        first = self.rank * per + micro * size  # this share's first row in the global batch
+        mine = self.offsets(step)[first:first + size]
+        rows = torch.from_numpy(np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
+                                          for o in mine.tolist()]))
+        if self.repeats is None or step > self.repeats.steps:
+            return rows
+        lengths = self.repeats.lengths(self.seed, step, self.batch_size, self.seq_len)
+        return repeat_rows(rows, lengths[first:first + size])
 
 
 def eval_windows(n: int, seq_len: int, stride: int | None = None) -> list[tuple[int, int]]:

@@ -46,6 +46,9 @@ class TrainConfig:
     the one before by this fraction of seq_len and scores only the rest: windows every floor((1 - eval_overlap) ·
     seq_len) tokens, every prediction from eval_overlap · seq_len tokens of context or more (0: non-overlapping
     windows, as ``routeformer evaluate`` without ``--stride``); the periodic estimate stays non-overlapping.
+    repeat_steps, repeat_share: a curriculum of repeated text (``data.repeats.RepeatCurriculum``): in steps
+    1..repeat_steps each training row is, with probability repeat_share, its own first seq_len/8 to seq_len/2
+    tokens over and over, so that the model learns early to copy what it has read; 0 steps: none.
     """
 
     data: str = "stdlib"
@@ -66,6 +69,8 @@ class TrainConfig:
     eval_every: int = 250
     eval_tokens: int = 65536
     eval_overlap: float = 0.0
+    repeat_steps: int = 0
+    repeat_share: float = 0.5
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
@@ -78,15 +83,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "warmup_steps", "max_steps", "decay_steps", "eval_every",
-                     "eval_tokens", "log_every"):
+                     "eval_tokens", "log_every", "repeat_steps"):
             value = getattr(self, name)
-            may_be_zero = name in ("warmup_steps", "decay_steps")
+            may_be_zero = name in ("warmup_steps", "decay_steps", "repeat_steps")
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
         overlap = self.eval_overlap
         if isinstance(overlap, bool) or not isinstance(overlap, numbers.Real) or not 0 <= overlap < 1:
             raise ValueError(f"eval_overlap must be a fraction in [0, 1), got {overlap!r}")
+        share = self.repeat_share
+        if isinstance(share, bool) or not isinstance(share, numbers.Real) or not 0 < share <= 1:
+            raise ValueError(f"repeat_share must be a fraction in (0, 1], got {share!r}")
         for name in ("lr", "min_lr", "weight_decay", "clip", "beta1", "beta2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:

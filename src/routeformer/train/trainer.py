@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from ..data import BatchSampler, DataError, Dataset
+from ..data import BatchSampler, DataError, Dataset, RepeatCurriculum
 from ..model import TransformerLM
 from . import distributed
 from .checkpoint import CHECKPOINT, Checkpointer, first_line, load_checkpoint
-from .config import RunConfig
+from .config import RunConfig, TrainConfig
 from .evaluation import UNITS, Validator, metric
 from .loop import Loop, Parts, Services, adamw, schedule_warnings
 from .parallel import Parallelism, resolve_precision
@@ -94,8 +94,9 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         progress = checkpointer.restore(state)
     forward = parallel.training_forward(model, progress.compiled_from, progress.step + 1)  # last: it wraps model
     directory.open_log(progress.step)
+    repeats = RepeatCurriculum(cfg.repeat_steps, cfg.repeat_share) if cfg.repeat_steps else None
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
-                           world=procs.world, align=data.meta.sample_length or 1)
+                           world=procs.world, align=data.meta.sample_length or 1, repeats=repeats)
     sampler.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
         if say is not None:
@@ -107,7 +108,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter model{sharded} "
              f"({m.depth} layers, dim {m.dim}, attention {m.attention}"
              f"{'' if m.token_shift == 'none' else f', token shift {m.token_shift}'}) on {cfg.data} ({UNITS[kind]}), "
-             f"seq_len {m.seq_len}, batch {cfg.batch_size}, {parallel.describe()}; run directory {run_dir}")
+             f"seq_len {m.seq_len}, batch {cfg.batch_size}{_repeats_note(cfg)}, {parallel.describe()}; "
+             f"run directory {run_dir}")
         for warning in schedule_warnings(cfg):
             echo(f"warning: {warning}")
     try:
@@ -131,6 +133,13 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
                            minutes, time.monotonic() - final_start)
     finally:
         directory.close()
+
+
+def _repeats_note(cfg: TrainConfig) -> str:
+    """The banner's mention of the curriculum of repeated text, if the run has one."""
+    if not cfg.repeat_steps:
+        return ""
+    return f", {cfg.repeat_share:.0%} of rows repeated text over the first {cfg.repeat_steps} steps"
 
 
 @contextlib.contextmanager
