@@ -114,13 +114,16 @@ def test_bench_text_trains_each_attention_on_the_same_budget(tmp_path, capsys) -
     from routeformer.train.runs import read_run_config
 
     for row in ("32-local", "32-local-routing"):  # the cosine over --steps, not over the main job's decay_steps
-        train = read_run_config(tmp_path / "runs" / row).train
-        assert train.max_steps == train.decay_steps == 3
+        run = read_run_config(tmp_path / "runs" / row)
+        assert run.train.max_steps == run.train.decay_steps == 3
+        # nor the main job's curriculum of repeated text and token shift: the rows compare attention
+        assert run.train.repeat_steps == 0 and run.model.token_shift == "none"
 
 
 def test_bench_text_device_and_dtype_reach_every_row(tmp_path, capsys) -> None:
     """--device and --dtype are the rows' [train] device and precision (bfloat16 autocast here, on the CPU), and
-    --set decay_steps=0 (the cosine over the time budget) is kept rather than replaced by --steps."""
+    --set decay_steps=0 (the cosine over the time budget), repeat_steps and token_shift are kept rather than
+    replaced by the bench's own."""
     from routeformer.train.runs import read_run_config
 
     corpus = tmp_path / "corpus"
@@ -131,10 +134,12 @@ def test_bench_text_device_and_dtype_reach_every_row(tmp_path, capsys) -> None:
             "--minutes", "1", "--data", "tiny", "--data-dir", str(tmp_path / "data"), "--set", "dim=16",
             "--set", "depth=1", "--set", "eval_every=100", "--set", "batch_size=2"]
     assert main([*base, "--out", str(tmp_path / "bf16"), "--device", "cpu", "--dtype", "bfloat16",
-                 "--set", "decay_steps=0"]) == 0
+                 "--set", "decay_steps=0", "--set", "repeat_steps=1", "--set", "token_shift=half"]) == 0
     assert "bits per byte" in capsys.readouterr().out
-    train = read_run_config(tmp_path / "bf16" / "32-local").train
+    run = read_run_config(tmp_path / "bf16" / "32-local")
+    train = run.train
     assert (train.device, train.precision, train.decay_steps, train.max_steps) == ("cpu", "bfloat16", 0, 2)
+    assert (train.repeat_steps, run.model.token_shift) == (1, "half")  # set by the user: kept
     # without them: the configuration's (auto, auto) and the cosine over --steps
     assert main([*base, "--out", str(tmp_path / "plain")]) == 0
     train = read_run_config(tmp_path / "plain" / "32-local").train

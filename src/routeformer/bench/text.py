@@ -62,13 +62,18 @@ def run(attentions: list[str], bench: TextBench = TextBench(), echo: Callable[[s
     # the cosine runs over --steps whatever the configuration plans (the main job's decay_steps is its own), unless
     # the overrides set decay_steps (0: over the time budget, for a machine whose speed no one knows yet)
     settings = {"data": b.data, "data_dir": b.data_dir, "max_steps": steps, "max_minutes": b.minutes}
-    if not any(item.partition("=")[0].strip().removeprefix("train.") == "decay_steps" for item in overrides):
+    if not _overridden(overrides, "train", "decay_steps"):
         settings["decay_steps"] = steps
+    # nor its way to learning to copy (a curriculum planned for its 7,200 steps, and the token shift that goes with
+    # it): the rows compare attention, on the model and data the study's tables were measured with
+    if not _overridden(overrides, "train", "repeat_steps"):
+        settings["repeat_steps"] = 0
+    plain_model = [] if _overridden(overrides, "model", "token_shift") else ["token_shift='none'"]
     planned = []  # (name, the --set items, its run configuration, its run directory)
     for name in attentions:
         fields = attention_config(name, base.heads)
         spec = fields.pop("attention")
-        sets = [f"seq_len={seq_len}", f"attention={spec!r}"]
+        sets = [*plain_model, f"seq_len={seq_len}", f"attention={spec!r}"]
         if b.window is not None:  # the local window, and rel_clip unless the overrides set it
             clip = not any(item.partition("=")[0].strip().removeprefix("model.") == "rel_clip" for item in overrides)
             sets += _settings(local_window(b.window, rel_clip=clip))
@@ -127,6 +132,11 @@ def _settings(fields: dict) -> list[str]:
     return ([f"{key}={_toml(value)}" for key, value in fields.items() if key != "options"]
             + [f"options.{section}.{key}={_toml(value)}" for section, table in fields.get("options", {}).items()
                for key, value in table.items()])
+
+
+def _overridden(overrides: list[str], table: str, key: str) -> bool:
+    """Whether one of the --set items sets the field ``key`` of ``table`` ('model' or 'train')."""
+    return any(item.partition("=")[0].strip().removeprefix(f"{table}.") == key for item in overrides)
 
 
 def _row_setting(fields: dict, name: str, default):
