@@ -26,10 +26,9 @@ class BatchSampler:
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, rank: int = 0,
-                 world: int = 1, split: str = "train", align: int = 1,
-                 repeats: RepeatCurriculum | None = None) -> None:
+                 world: int = 1, align: int = 1, repeats: RepeatCurriculum | None = None) -> None:
         if len(tokens) < seq_len + 1:
-            raise DataError(f"the {split} split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            raise DataError(f"the train split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
                             f"lower seq_len (--set seq_len=...)")
         if batch_size % world:
             raise DataError(f"batch_size ({batch_size}) must be divisible by the number of processes ({world})")
