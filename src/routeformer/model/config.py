@@ -109,7 +109,9 @@ class TransformerConfig:
             'half' (its channels dim // 2 onwards are the position before's: lucidrains' ``shift_tokens``);
             'learned' (x + mu * (x_before - x), mu one learned weight per channel, starting at 0: RWKV's token
             shift). A key that carries the byte before it lets one head match "what followed this byte last time"
-            (copying) without a second layer building that first; on the main job neither paid (docs/training.md).
+            (copying) without a second layer building that first. On the main job neither paid alone; 'learned'
+            with a curriculum of repeated text (``TrainConfig.repeat_steps``) did, and the main job uses both
+            (docs/training.md).
         backend: how heads that run on an attention executor are computed: 'auto' (FlexAttention on CUDA, the
             fused C++ kernels on the CPU), 'fused', 'tiles' or 'flex' (``routeformer.executors``).
             Linear, Performer and the poly2 / elu kernels have one implementation of their own.
