@@ -342,3 +342,9 @@ class OperatorCount(TorchDispatchMode):
                 if isinstance(x, torch.Tensor):
                     self.largest = max(self.largest, x.numel())
         return out
+
+
+def period(row: Tensor, lengths: range) -> int | None:
+    """The shortest L in ``lengths`` with row[j] == row[j - L] for every j >= L, if any: how a row of the curriculum
+    of repeated text is recognised."""
+    return next((n for n in lengths if torch.equal(row[n:], row[:-n])), None)

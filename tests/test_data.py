@@ -15,6 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import period
 from routeformer.data import (
     BatchSampler,
     DataError,
@@ -280,11 +281,6 @@ def test_batches_are_a_function_of_seed_and_step_and_ranks_split_them() -> None:
     assert torch.equal(torch.cat(micro), one.batch(5))  # the global batch, split over ranks and micro-batches
 
 
-def _period(row: torch.Tensor, lengths: range) -> int | None:
-    """The shortest L in ``lengths`` with row[j] == row[j - L] for every j >= L, if any."""
-    return next((n for n in lengths if torch.equal(row[n:], row[:-n])), None)
-
-
 def test_a_curriculum_of_repeats_makes_early_rows_their_own_beginning_over_and_over() -> None:
     """repeat_steps: in steps 1..steps each row is, with probability share, its first L tokens (L in [seq_len / 8,
     seq_len / 2]) repeated; the others and every later step are the plain sampler's rows. The tokens never repeat
@@ -299,18 +295,18 @@ def test_a_curriculum_of_repeats_makes_early_rows_their_own_beginning_over_and_o
         patterns.add(tuple((mine != theirs).any(1).tolist()))
         for row, original in zip(mine, theirs, strict=True):
             if torch.equal(row, original):
-                assert _period(row, range(1, 64)) is None
+                assert period(row, range(1, 64)) is None
                 continue
-            period = _period(row, range(1, 65))
-            assert period is not None and 8 <= period <= 32, period
-            assert torch.equal(row[:period], original[:period])  # the row's own beginning
-            repeated, periods = repeated + 1, periods | {period}
+            length = period(row, range(1, 65))
+            assert length is not None and 8 <= length <= 32, length
+            assert torch.equal(row[:length], original[:length])  # the row's own beginning
+            repeated, periods = repeated + 1, periods | {length}
     assert 0.4 < repeated / 320 < 0.6 and len(periods) > 10  # about half the rows, many lengths
     assert len(patterns) == 10  # which rows repeat is drawn anew each step
     for step in (11, 12, 500):
         assert torch.equal(taught.batch(step), plain.batch(step))
     every = BatchSampler(tokens, 64, 32, seed=3, repeats=RepeatCurriculum(steps=10, share=1.0))
-    assert all(_period(row, range(8, 33)) for row in every.batch(10))
+    assert all(period(row, range(8, 33)) for row in every.batch(10))
 
 
 def test_the_repeats_are_drawn_over_the_global_batch() -> None:
@@ -323,6 +319,13 @@ def test_the_repeats_are_drawn_over_the_global_batch() -> None:
         micro = [ranks[r].batch(step, m, 2) for r in range(2) for m in range(2)]
         assert torch.equal(torch.cat(micro), one.batch(step))
     assert not torch.equal(one.batch(1), BatchSampler(tokens, 16, 8, seed=3).batch(1))
+
+
+def test_a_curriculum_of_no_steps_or_no_rows_is_refused() -> None:
+    """No curriculum is None, not a curriculum of 0 steps: one way to say it."""
+    for steps, share in ((0, 0.5), (3, 0.0), (3, 1.5)):
+        with pytest.raises(ValueError, match="needs steps >= 1 and share in"):
+            RepeatCurriculum(steps, share)
 
 
 def test_images_refuse_a_curriculum_of_repeats() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import banner, executor_named, tiny_model_toml, tiny_text_data
+from helpers import banner, executor_named, period, tiny_model_toml, tiny_text_data
 from routeformer.cli import main
 from routeformer.data import prepare
 from routeformer.executors import describe_backend
@@ -624,12 +624,9 @@ def test_a_curriculum_of_repeats_feeds_repeated_rows_to_its_first_steps_only(set
     assert train(setup, run, "--set", "repeat_steps=3", "--set", "repeat_share=1", "--max-steps", "5") == 0
     assert "batch 4, 100% of rows repeated text over the first 3 steps," in capsys.readouterr().out
     n = seen[0].shape[1]  # seq_len: the inputs, one token shorter than a row
-
-    def period(row):
-        return next((p for p in range(1, n) if torch.equal(row[p:], row[:-p])), None)
-
-    assert len(seen) == 5 and all(n // 8 <= (period(row) or 0) <= n // 2 for batch in seen[:3] for row in batch)
-    assert all(period(row) is None or period(row) > n // 2 for batch in seen[3:] for row in batch)
+    assert len(seen) == 5
+    assert all(n // 8 <= (period(row, range(1, n)) or 0) <= n // 2 for batch in seen[:3] for row in batch)
+    assert all(period(row, range(1, n // 2 + 1)) is None for batch in seen[3:] for row in batch)
     assert "repeat_steps = 3" in (run / "config.toml").read_text()
     assert main(["train", "--resume", str(run), "--max-steps", "6"]) == 0
     assert "100% of rows repeated text over the first 3 steps" in capsys.readouterr().out

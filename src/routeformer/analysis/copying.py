@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..data.repeats import repeat_rows
+
 
 @dataclass(frozen=True)
 class CopyRow:
@@ -32,16 +34,12 @@ class CopyRow:
         return self.first - self.repeat
 
 
-def repeated(windows: torch.Tensor, length: int, total: int) -> torch.Tensor:
-    """(b, >= length) tokens -> (b, total): each row's first ``length`` tokens over and over."""
-    return windows[:, :length].repeat(1, total // length + 1)[:, :total]
-
-
 @torch.no_grad()
 def copy_gain(model: torch.nn.Module, batches: list[torch.Tensor], lengths: list[int]) -> list[CopyRow]:
     """For each L of ``lengths`` (2 <= L < seq_len), ``model``'s mean loss on the first reading and on the repeat of
-    every window of ``batches`` ((b, >= L) token batches) laid out by ``repeated``; one forward of (b, seq_len) per
-    batch and length. O(len(lengths) · windows) forwards' cost."""
+    every window of ``batches`` ((b, seq_len + 1) token batches) laid out as the curriculum lays its rows
+    (``data.repeats.repeat_rows``); one forward of (b, seq_len) per batch and length: O(len(lengths) · windows)
+    forwards."""
     n = model.config.seq_len
     rows = []
     for length in lengths:
@@ -50,7 +48,7 @@ def copy_gain(model: torch.nn.Module, batches: list[torch.Tensor], lengths: list
         first = repeat = 0.0
         count = 0
         for batch in batches:
-            tokens = repeated(batch, length, n + 1)  # (b, n + 1): inputs and next tokens
+            tokens = repeat_rows(batch[:, :n + 1], [length] * len(batch))  # (b, n + 1): inputs and next tokens
             logits = model(tokens[:, :-1])
             nll = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
             nll = nll.view(tokens.shape[0], n) / math.log(2)  # bits; column t predicts token t + 1

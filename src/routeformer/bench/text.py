@@ -75,7 +75,7 @@ def run(attentions: list[str], bench: TextBench = TextBench(), echo: Callable[[s
         spec = fields.pop("attention")
         sets = [*plain_model, f"seq_len={seq_len}", f"attention={spec!r}"]
         if b.window is not None:  # the local window, and rel_clip unless the overrides set it
-            clip = not any(item.partition("=")[0].strip().removeprefix("model.") == "rel_clip" for item in overrides)
+            clip = not _overridden(overrides, "model", "rel_clip")
             sets += _settings(local_window(b.window, rel_clip=clip))
         # The shipped configuration pins routing's k, window and warm-up length for its own seq_len (unused by
         # other kinds): keep seq_len / k keys per query over the row's probes, and the warm-up's share of seq_len.

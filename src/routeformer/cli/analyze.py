@@ -17,7 +17,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "divergence between heads (the routing paper's Table 4); 'patterns' draws which inputs each output "
         "attends to (its Figure 1) and the routing heads' cluster statistics; 'routing' shows what the routing "
         "heads use and where they beat a local model; 'copying' whether the model predicts text read a second "
-        "time. Writes text, CSV and PNG files to RUN_DIR/analysis (or --out) and prints their paths.")
+        "time. Writes text and CSV files and (all but 'copying') PNG figures to RUN_DIR/analysis (or --out) and "
+        "prints their paths.")
     add_run_dir(an)
     kinds = an.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
     approx = kinds.add_parser("approximations", help="metric with every head replaced by each approximation",

@@ -34,7 +34,7 @@ class BatchSampler:
             raise DataError(f"batch_size ({batch_size}) must be divisible by the number of processes ({world})")
         if align < 1:
             raise ValueError(f"align must be a positive integer, got {align}")
-        if repeats is not None and repeats.steps and align != 1:
+        if repeats is not None and align != 1:
             raise DataError(f"repeat_steps is a curriculum for text; this data set comes in samples of {align} tokens "
                             f"(images), whose rows must keep their layout: set repeat_steps=0")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
@@ -58,9 +58,9 @@ class BatchSampler:
         mine = self.offsets(step)[first:first + size]
         rows = torch.from_numpy(np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
                                           for o in mine.tolist()]))
-        if self.repeats is None or step > self.repeats.steps:
+        if self.repeats is None:
             return rows
-        lengths = self.repeats.lengths(self.seed, step, self.batch_size, self.seq_len)
+        lengths = self.repeats.lengths(self.seed, step, self.batch_size, self.seq_len)  # zeros after its steps
         return repeat_rows(rows, lengths[first:first + size])
 
 

@@ -22,10 +22,15 @@ from torch import Tensor
 class RepeatCurriculum:
     """Steps 1..``steps``: each training row, with probability ``share``, is replaced by its own first L tokens
     repeated to the row's length, L uniform in [seq_len // 8, seq_len // 2] (at least 1): every later token of it is
-    a copy from L back. ``steps = 0``: no curriculum."""
+    a copy from L back. steps >= 1 (no curriculum is no ``RepeatCurriculum``), share in (0, 1]."""
 
     steps: int
     share: float
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not 0 < self.share <= 1:
+            raise ValueError(f"a curriculum of repeats needs steps >= 1 and share in (0, 1], got {self.steps} and "
+                             f"{self.share}")
 
     def lengths(self, seed: int, step: int, batch_size: int, seq_len: int) -> list[int]:
         """The repeat length of each row of the global batch of ``step`` (0: the row stays as drawn)."""
@@ -42,7 +47,10 @@ class RepeatCurriculum:
 
 
 def repeat_rows(rows: Tensor, lengths: list[int]) -> Tensor:
-    """rows (b, L + 1) with row i replaced by its first ``lengths[i]`` tokens over and over where that is not 0."""
+    """rows (b, n) with row i replaced by its first ``lengths[i]`` tokens over and over where that is not 0; the
+    rows themselves when no length is."""
+    if not any(lengths):
+        return rows
     out = rows.clone()
     n = rows.shape[1]
     for i, length in enumerate(lengths):
