@@ -105,9 +105,10 @@ def test_block_tables_hold_the_blocks_of_the_rule(monkeypatch, causal: bool, sha
 def test_flex_sorted_window_equals_the_tiles_executor(causal: bool, shared: bool, padding: bool,
                                                       relative_positions: bool) -> None:
     """Outputs, lse and gradients (float64) of the flex sorted window against the tiles executor's band with
-    groups, windows shorter and longer than the clusters."""
-    B, H, N, D = 2, 2, 120, 8
-    for window in (3, 50):
+    groups, windows shorter and longer than the clusters; N = 120 and N = 128 (the rule tests the indices of the
+    last block's padding only where N leaves a partial block: both ways)."""
+    B, H, D = 2, 2, 8
+    for N, window in ((120, 3), (120, 50), (128, 3), (128, 50)):
         clusters = _clusters(B, H, N, 5, seed=window)
         sort = sort_by_cluster(clusters)
         g = torch.Generator().manual_seed(window)

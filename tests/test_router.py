@@ -216,3 +216,26 @@ def test_merged_rounds_count_a_key_once_per_round_that_holds_it(causal: bool, se
     grad = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, [q, v], grad), torch.autograd.grad(want, [q, v], grad), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_turn_and_its_gradient_are_normalise_then_project() -> None:
+    """``turn`` (normalise, then W_R, with a backward of its own) against F.normalize and an einsum under autograd,
+    float64: the same vectors and gradient, also for a zero vector and one shorter than F.normalize's eps (which it
+    divides by eps), and gradcheck."""
+    import torch.nn.functional as F
+
+    from routeformer.attention.routing.router import turn
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64, generator=g)
+    x[0, 1, 4], x[1, 2, 5] = 0.0, 1e-14
+    x.requires_grad_()
+    projection = torch.linalg.qr(torch.randn(3, 8, 8, dtype=torch.float64, generator=g))[0]
+    grad = torch.randn(2, 3, 17, 8, dtype=torch.float64, generator=g)
+    got = turn(x, projection)
+    want = torch.einsum("bhnd,hde->bhne", F.normalize(x, dim=-1), projection)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0],
+                               rtol=1e-12, atol=1e-12)
+    y = torch.randn(1, 3, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: turn(t, projection), (y,))

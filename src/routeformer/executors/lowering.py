@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .inputs import Inputs
-from .rows import move_rows
+from .rows import RowKernel, move_rows
 from .tiling import KeyRestrictions, Tiling
 
 
@@ -25,21 +25,26 @@ def in_order(tiled: Callable, inputs: Inputs, tiling: Tiling, **values) -> tuple
     return from_order(out, lse, tiling.order, inverse)
 
 
-def to_order(inputs: Inputs, order: Tensor) -> tuple[Inputs, Tensor]:
-    """(q[order], k[order], v[order] as inputs, the inverse permutation): one copy each, k q's copy when k is q; the
-    key validity is left as it is (a call with an order gives it in that order already)."""
+def to_order(inputs: Inputs, order: Tensor, inverse: Tensor | None = None,
+             kernel: RowKernel | None = None) -> tuple[Inputs, Tensor]:
+    """(q[order], k[order], v[order] as inputs, the inverse permutation, made here unless given): one copy each, k
+    q's copy when k is q, by a backend's row ``kernel`` where it has one (``rows.move_rows``); the key validity is
+    left as it is (a call with an order gives it in that order already)."""
     q, k, v = inputs.q, inputs.k, inputs.v
     order = order.to(torch.long)
-    inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                               .expand_as(order))
-    qs, vs = move_rows(q, order, inverse, unreached=False), move_rows(v, order, inverse, unreached=False)
-    ks = qs if k is q else move_rows(k, order, inverse, unreached=False)
+    if inverse is None:
+        inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                   .expand_as(order))
+    qs, vs = (move_rows(x, order, inverse, unreached=False, kernel=kernel) for x in (q, v))
+    ks = qs if k is q else move_rows(k, order, inverse, unreached=False, kernel=kernel)
     return inputs.with_(q=qs, k=ks, v=vs), inverse
 
 
-def from_order(out: Tensor, lse: Tensor | None, order: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor | None]:
-    """A call's out (B, H, N, D) and lse (B, H, N) or None, computed in ``order``, put back in the original order."""
-    out = move_rows(out, inverse, order.to(torch.long), unreached=False)
+def from_order(out: Tensor, lse: Tensor | None, order: Tensor, inverse: Tensor,
+               kernel: RowKernel | None = None) -> tuple[Tensor, Tensor | None]:
+    """A call's out (B, H, N, D) and lse (B, H, N) or None, computed in ``order``, put back in the original order
+    (by ``kernel`` as in ``to_order``)."""
+    out = move_rows(out, inverse, order.to(torch.long), unreached=False, kernel=kernel)
     return out, None if lse is None else lse.gather(-1, inverse.expand(lse.shape))
 
 

@@ -132,6 +132,7 @@ class SortedWindow:
     order: Tensor
     grouped: Tensor
     own_key: bool = True
+    inverse: Tensor | None = None  # the inverse permutation of ``order`` where the caller has it (else made)
 
     def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
         if restrict is not None and restrict.groups is not None:
@@ -159,12 +160,12 @@ class SortedWindow:
         (causal only): without the entry's own key where an earlier one is in its window, hi_s = s - 1 there (shared
         QK with every key real: a query sees its own key only when alone). A fixed number of operations on
         (B, H, N) integers, whatever N is."""
-        g = self.grouped
+        g = self.grouped.contiguous()
         n = g.shape[-1]
         s = torch.arange(n, device=g.device)
-        change = g[..., 1:] != g[..., :-1]  # (B, H, N - 1): a run ends between s and s + 1
-        starts = torch.nn.functional.pad(change, (1, 0), value=True)  # s begins a run
-        lo = torch.where(starts, s, 0).cummax(-1).values.clamp_min(s - self.window + 1)
+        # the first entry of s's run: a binary search of the non-decreasing groups (a scan, cummax, took 178 µs at
+        # 8 x 65,536 on an H200; the search is one independent lookup per entry)
+        lo = torch.searchsorted(g, g).clamp_min(s - self.window + 1)
         if self.causal:
             if not self.own_key:
                 return lo, (s - 1).expand_as(g)
@@ -172,8 +173,7 @@ class SortedWindow:
         if own_when_alone:
             raise ValueError("SortedWindow.intervals(own_when_alone=True) is causal only: leaving the own key out "
                              "of a two-sided window splits its interval")
-        ends = torch.nn.functional.pad(change, (0, 1), value=True)  # s ends a run
-        last = torch.where(ends, s, n).flip(-1).cummin(-1).values.flip(-1)
+        last = torch.searchsorted(g, g, right=True) - 1  # the last entry of s's run
         return lo, last.clamp_max(s + self.window - 1)
 
 

@@ -6,6 +6,8 @@ one: its gradient is a gather too, by the map back, with no zero-filled buffer a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -25,27 +27,38 @@ def rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.reshape(-1, 1, D), b.reshape(-1, D, 1)).view(a.shape[:-1])
 
 
+RowKernel = Callable[[Tensor, Tensor, float], "Tensor | None"]
+
+
+def _moved(x: Tensor, index: Tensor, scale: float, kernel: RowKernel | None) -> Tensor:
+    """x[..., min(index, N - 1), :] · scale for x (B, H, N, D), index (B, H, M): a backend's ``kernel`` where it
+    takes x (the flex executor's on CUDA: ``flex.rows.moved``), else an index_select and an in-place scale."""
+    out = None if kernel is None else kernel(x, index, scale)
+    if out is not None:
+        return out
+    out = gather_rows(x, index.clamp_max(x.shape[2] - 1))
+    return out if scale == 1.0 else out.mul_(scale)
+
+
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, back: Tensor, unreached: bool,  # type: ignore[override]
-                scale: float) -> Tensor:
+                scale: float, kernel: RowKernel | None) -> Tensor:
         ctx.save_for_backward(back)
-        ctx.m, ctx.unreached, ctx.scale = index.shape[-1], unreached, scale
-        out = gather_rows(x, index.clamp_max(x.shape[2] - 1))
-        return out if scale == 1.0 else out.mul_(scale)
+        ctx.m, ctx.unreached, ctx.scale, ctx.kernel = index.shape[-1], unreached, scale, kernel
+        return _moved(x, index, scale, kernel)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         (back,) = ctx.saved_tensors
-        out = gather_rows(grad, back.clamp_max(ctx.m - 1))
-        if ctx.scale != 1.0:
-            out.mul_(ctx.scale)
+        out = _moved(grad, back, ctx.scale, ctx.kernel)
         if ctx.unreached:
             out = out.masked_fill_((back >= ctx.m)[..., None], 0.0)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
-def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True, scale: float = 1.0) -> Tensor:
+def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True, scale: float = 1.0,
+              kernel: RowKernel | None = None) -> Tensor:
     """out[..., j, :] = x[..., index[j], :] for x (B, H, N, D) and index (B, H, M); ``back`` (B, H, N) is the map the
     other way, back[index[j]] = j, and carries the gradient: grad_x[i] = grad_out[back[i]].
 
@@ -54,6 +67,7 @@ def move_rows(x: Tensor, index: Tensor, back: Tensor, *, unreached: bool = True,
     nothing), and a ``back`` of M a row of x that reaches no output (its gradient is zero; ``unreached=False``
     declares there is none, as for a permutation, and saves that pass). Time and memory O(M · D) forward,
     O(N · D) backward. ``scale``: the moved rows come out multiplied by it (in place on the fresh copy, both ways:
-    no (B, H, N, D) pass of its own).
+    no (B, H, N, D) pass of its own). ``kernel``: a backend's own mover, (x, index, scale) -> the moved rows, or
+    None where it does not take x (then PyTorch's index_select), both ways.
     """
-    return _Move.apply(x, index, back, unreached, scale)
+    return _Move.apply(x, index, back, unreached, scale, kernel)

@@ -95,14 +95,14 @@ def sorted_window_attention(
     """
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
-    order, _, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
+    order, inverse, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     restrict = KeyRestrictions(exclude_self=options.shared_qk)
     rel = relative(rel_pos, Distances(positions=order))  # between the entries' own positions
     # the band over the sorted sequence within each cluster: the executor reads rows by index or permutes them, and
     # may read each entry's keys as one interval of the sorted order (``SortedWindow``)
-    out, lse = executor.tiled(inputs.with_(key_valid=valid), SortedWindow(options.window, causal, order, grouped),
-                              restrict=restrict, rel=rel, need_lse=need_lse)
+    piece = SortedWindow(options.window, causal, order, grouped, inverse=inverse)
+    out, lse = executor.tiled(inputs.with_(key_valid=valid), piece, restrict=restrict, rel=rel, need_lse=need_lse)
     return (out, lse) if need_lse else out
 
 

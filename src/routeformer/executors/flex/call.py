@@ -118,10 +118,15 @@ def flex_call(q: Tensor, k: Tensor, v: Tensor, *, block_mask, scale: float,
     """
     score_mod = _identity if score_mod is None else score_mod
     key = _structure(score_mod) + _structure(block_mask.mask_mod)
-    if q.device.type == "cpu":
+    eager = q.device.type == "cpu"
+    if eager:
         out, lse = _eager(q, k, v, score_mod, block_mask, scale, key)
     else:
         out, lse = _compiled_call(q, k, v, score_mod, block_mask, scale, key)
     lse = lse.to(lse_dtype(q.dtype))
     saw = lse > neg_inf(lse.dtype) / 2  # FlexAttention gives -inf to a row without keys
-    return out.masked_fill(~saw[..., None], 0.0), torch.where(saw, lse, neg_inf(lse.dtype))
+    # The compiled kernel writes 0 for such a row already (its l_i of 0 is read as 1): a (B, H, N, D) pass forward
+    # and one backward saved; the eager operator's rows are set here.
+    if eager:
+        out = out.masked_fill(~saw[..., None], 0.0)
+    return out, torch.where(saw, lse, neg_inf(lse.dtype))

@@ -10,12 +10,28 @@ them on CPU tensors for the tests).
   head) summing its run of every batch entry in a fixed order: the same bits at every launch (no float atomics).
 - ``select``: MoBA's block selection: each query's ``TOP`` best complete blocks before its own by a score that
   is a product of the query's and the block's summary vectors, never writing the (N, N / block) scores.
+- ``move``: rows of a (B, H, N, D) tensor of any strides moved along N by an index (sorting a sequence by
+  cluster and back), scaled on the way.
+
+On a GPU the scores are float32 dot products on the tensor cores in three TF32 passes (``tf32x3``: the operands
+split into a high and a low TF32 part, float32's accuracy to ~1e-6); ``choose``'s tiles are tuned once per (k, D)
+by Triton's autotuner. Under the interpreter (CPU tensors) every dot is exact float32 and one tile is used.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# the scores' dot products: three TF32 passes on a GPU's tensor cores (float32 on its CUDA cores is ~10x slower:
+# 2.4 ms of a 8.4 ms routing step at N = 65,536, k = 256 on an H200, docs/gpu.md); exact under the interpreter
+DOT_PRECISION = "ieee" if INTERPRETED else "tf32x3"
+# choose's tiles (rows, clusters, warps): the autotuner times each once per (k, D) on the GPU
+CHOOSE_TILES = [(64, 32, 4)] if INTERPRETED else [(64, 32, 4), (64, 64, 4), (128, 64, 8), (64, 128, 4),
+                                                   (128, 128, 8), (128, 32, 4)]
 
 
 def next_pow2(n: int) -> int:
@@ -43,6 +59,8 @@ def _better(s, cols, k0, chosen, best, arg, EXCLUDE: tl.constexpr):
     return tl.where(better, m, best), tl.where(better, a, arg)
 
 
+@triton.autotune([triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in CHOOSE_TILES],
+                 key=["K", "D", "P"], reset_to_zero=["COUNTS"])  # timing runs add to COUNTS: zeroed after them
 @triton.jit
 def choose(R, C, BIAS, PROBES, COSINE, COUNTS, N, H, K, D,
            HAS_BIAS: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -69,7 +87,7 @@ def choose(R, C, BIAS, PROBES, COSINE, COUNTS, N, H, K, D,
             in_cols = cols < K
             c = tl.load(C + (h * K + cols[None, :]) * D + d[:, None], mask=(d[:, None] < D) & in_cols[None, :],
                         other=0.0)  # (BLOCK_D, BLOCK_K)
-            s = tl.dot(x, c, input_precision="ieee")  # (BLOCK_N, BLOCK_K) cosines
+            s = tl.dot(x, c, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_K) cosines
             if HAS_BIAS:
                 s += tl.load(BIAS + h * K + cols, mask=in_cols, other=0.0)[None, :]
             s = tl.where(in_cols[None, :], s, float("-inf"))
@@ -141,8 +159,29 @@ def select(Q, S, CHOSEN, N, NB, D, BLOCK,
             cols = k0 + tl.arange(0, BLOCK_K)
             summary = tl.load(S + (bh * NB + cols[None, :]) * D + d[:, None], mask=(d[:, None] < D) &
                               (cols[None, :] < NB), other=0.0)  # (BLOCK_D, BLOCK_K)
-            s = tl.dot(x, summary, input_precision="ieee")
+            s = tl.dot(x, summary, input_precision=DOT_PRECISION)
             s = tl.where(cols[None, :] < limit[:, None], s, float("-inf"))
             best, arg = _better(s, cols, k0, chosen, best, arg, t > 0)
         chosen = tl.where(slots[None, :] == t, arg[:, None], chosen)
         tl.store(CHOSEN + (bh * N + rows) * TOP + t, arg.to(tl.int64), mask=in_rows)
+
+
+@triton.jit
+def move(X, INDEX, OUT, H, N, M, D, SB, SH, SN, SD,
+         SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT (B·H, M, D) contiguous: OUT[bh, j] = X[b, h, min(INDEX[bh, j], N - 1)] · SCALE, X (B, H, N, D) of
+    strides (SB, SH, SN, SD), INDEX (B·H, M) int64. Grid (cdiv(M, BLOCK_M), B·H). SCALE is a constant of the
+    compiled kernel (one per model's key scale; a float argument would be float32, short of float64 rows')."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    inside = rows < M
+    src = tl.minimum(tl.load(INDEX + bh * M + rows, mask=inside, other=0), N - 1)
+    d = tl.arange(0, BLOCK_D)
+    keep = inside[:, None] & (d[None, :] < D)
+    x = tl.load(X + b * SB + h * SH + src[:, None] * SN + d[None, :] * SD, mask=keep)
+    if SCALE != 1.0:  # in float32, or float64 for float64 rows: rounded once to the rows' type
+        wide = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+        x = (x.to(wide) * SCALE).to(OUT.dtype.element_ty)
+    tl.store(OUT + (bh * M + rows[:, None]) * D + d[None, :], x, mask=keep)

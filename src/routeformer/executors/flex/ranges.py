@@ -29,6 +29,7 @@ from ..relative import RelativePositions
 from ..rows import gather_rows, move_rows
 from .blocks import BLOCK, ordered_blocks
 from .call import flex_call
+from .rows import moved
 from .score_terms import finite_lse, relative_value_weights
 
 CHUNK = 1 << 24  # elements of gathered keys in one chunk of the relative value pass (64 MiB in float32)
@@ -48,8 +49,8 @@ def flex_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
     if order is not None:  # the keys in the order the ranges index: one copy, then ranges are index intervals
-        k = move_rows(k, order.order, order.inverse, unreached=False)
-        v = move_rows(v, order.order, order.inverse, unreached=False)
+        k = move_rows(k, order.order, order.inverse, unreached=False, kernel=moved)
+        v = move_rows(v, order.order, order.inverse, unreached=False, kernel=moved)
         key_valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order.order)
         key_pos = None if key_pos is None else key_pos.gather(-1, order.order)
     # Entries by where their range starts: a block of them then reads few key blocks (an entry's range is a run of

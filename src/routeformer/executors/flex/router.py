@@ -17,8 +17,6 @@ from torch import Tensor
 
 from ..routes import Routed, routed_like
 
-BLOCK_N = 64  # rows of routing vectors per program of ``choose``
-BLOCK_K = 32  # clusters scored at once
 REDUCE_ROWS = 64  # sorted positions per step of ``reduce``
 
 
@@ -53,10 +51,9 @@ def launch(r: Tensor, centroids: Tensor, bias: Tensor | None, valid: Tensor | No
     cosine = torch.empty(B, H, N, dtype=torch.float32, device=dev)
     counts = torch.zeros(B, H, k, dtype=torch.int32, device=dev)
     block_d = kernels.block_dim(D)
-    grid = (-(-N // BLOCK_N), B * H)
+    grid = lambda tile: (-(-N // tile["BLOCK_N"]), B * H)  # noqa: E731  (the autotuner's tile)
     kernels.choose[grid](r, centroids, centroids if bias is None else bias, chosen, cosine, counts, N, H, k, D,
-                         HAS_BIAS=bias is not None, P=probes, P_PAD=kernels.next_pow2(probes), BLOCK_N=BLOCK_N,
-                         BLOCK_K=BLOCK_K, BLOCK_D=block_d)
+                         HAS_BIAS=bias is not None, P=probes, P_PAD=kernels.next_pow2(probes), BLOCK_D=block_d)
     grouped, order = torch.sort(chosen[..., 0], dim=-1, stable=True)  # by (cluster, position)
     inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=dev).expand(B, H, N))
     if observe:

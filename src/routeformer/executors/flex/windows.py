@@ -31,6 +31,7 @@ from ..tiling import KeyRestrictions
 from . import blocks
 from .ops import attend
 from .pattern import FlexPattern, lookup, positions_delta
+from .rows import moved
 
 
 @torch.compiler.disable  # under a compiled model: see ops.py's docstring
@@ -45,7 +46,7 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
         raise ValueError("relative distances in a SortedWindow are between positions (Distances.positions: the "
                          "sorted entries' own)")
     exclude_self = restrict is not None and restrict.exclude_self
-    ordered, inverse = to_order(inputs, piece.order)
+    ordered, inverse = to_order(inputs, piece.order, piece.inverse, kernel=moved)
     q, k, v, valid = ordered.q, ordered.k, ordered.v, ordered.key_valid
     B, H, N, _ = q.shape
     # Shared QK, every key real: the own key out of the interval itself. With padding (or two-sided): the diagonal
@@ -59,10 +60,26 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
         [restrict.labels[:, :, x].contiguous() for x in range(restrict.labels.shape[2])]
     label_window = 0 if restrict is None else restrict.label_window
 
+    # The rule reads one int32 bound per row where the other follows from it (causal: hi_s is s, s - 1, or s - 1
+    # unless the row is alone), and skips the index checks where N fills whole blocks: the kernel evaluates it on
+    # every pair of a partial block, so each load and comparison here is paid ~window times per row.
+    lo32, hi32 = lo.to(torch.int32), None if piece.causal else hi.to(torch.int32)
+    ragged = N % blocks.BLOCK != 0  # the last block's padding is evaluated too: clamp and test the indices
+
     def within(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        ic = i.clamp(max=N - 1)  # the kernel evaluates the last block's padding too
-        ok = (lookup(lo, b, h, ic) <= j) & (j <= lookup(hi, b, h, ic)) & (i < N) & (j < N)
-        return ok if valid is None else ok & lookup(valid, b, h, j.clamp(max=N - 1))
+        ic = i.clamp(max=N - 1) if ragged else i
+        first = lookup(lo32, b, h, ic)
+        if not piece.causal:
+            ok = (first <= j) & (j <= lookup(hi32, b, h, ic))
+        elif not piece.own_key:  # hi = s - 1
+            ok = (first <= j) & (j < i)
+        elif trimmed:  # hi = s - 1 where an earlier key is in the window (first < s), else s
+            ok = (first <= j) & ((j < i) | ((j == i) & (first == i)))
+        else:  # hi = s
+            ok = (first <= j) & (j <= i)
+        if ragged:
+            ok = ok & (i < N) & (j < N)
+        return ok if valid is None else ok & lookup(valid, b, h, j.clamp(max=N - 1) if ragged else j)
 
     def allowed(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         ok = within(b, h, i, j)
@@ -95,7 +112,7 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
         exclude_self=fallback, own=within if fallback else None, block_mask=mask)
     out, lse = attend(pattern, q, k, v, scale=ordered.scale, rel_pos=None if rel is None else rel.tables,
                       need_lse=need_lse or fallback)
-    return from_order(out, lse if need_lse else None, piece.order, inverse)
+    return from_order(out, lse if need_lse else None, piece.order, inverse, kernel=moved)
 
 
 __all__ = ["sorted_window"]
