@@ -97,12 +97,16 @@ def test_each_part_of_the_gpu_check_fits_nine_minutes_and_together_they_run_ever
     gpu, toy = (dc.plan(dc.Mode(device, device == "cpu", tmp_path)) for device in ("cuda", "cpu"))
     parts = {part: dc.plan(dc.Mode("cuda", False, tmp_path), part) for part in ("check", "bench", "cpu", "routing")}
     assert all(sum(s.limit_s for s in steps) <= 540 for steps in parts.values())
-    assert [s.name for s in parts["routing"]] == ["versions", "routing-tests", "bench-16384", "bench-65536",
-                                                  "bench-262144", "profile"]
+    # the kernels against PyTorch before anything is timed; the device tests (the longest step) last
+    assert [s.name for s in parts["routing"]] == ["versions", "routing-kernels", "bench-16384", "bench-65536",
+                                                  "bench-262144", "profile", "routing-tests"]
     routing = {s.name: s for s in parts["routing"]}
-    assert routing["routing-tests"].env == {"ROUTEFORMER_TEST_DEVICE": "cuda"}  # the kernels compiled, not interpreted
-    assert "tests/test_flex_router.py" in routing["routing-tests"].argv
+    kernels = routing["routing-kernels"]
+    assert kernels.env == {"ROUTEFORMER_TEST_DEVICE": "cuda"}  # compiled, not interpreted
+    assert {"tests/test_flex_router.py", "tests/test_flex_rows.py", "--tb=short"} <= set(kernels.argv)
+    assert "-n" not in kernels.argv and "tests/test_cuda.py" in routing["routing-tests"].argv
     assert routing["profile"].argv[-2:] == ["65536", "cuda"]
+    assert all("--leak-n" in routing[f"bench-{n}"].argv for n in (16384, 65536, 262144))
     assert {"local", "routing", "routing-p2", "sdpa-cudnn"} <= set(routing["bench-262144"].argv)
     assert {"lsh", "moba"} <= set(routing["bench-65536"].argv) and "moba" not in routing["bench-262144"].argv
     assert [s.name for s in parts["check"]] == ["versions", "env", "prepare", "tests", "train", "ddp", "fsdp"]
@@ -150,6 +154,31 @@ def test_benchmark_rows_and_ratios(dc, tmp_path: Path) -> None:
                                                                "training_mib": None, "note": None}
     assert found["local / flex-sliding"] == 2.0 and found["routing / local"] == 1.5
     assert "routing-p2 / local" not in found and found["rows"]["routing-p2"]["note"] == "failed: OOM"
+
+
+def test_a_benchmark_stopped_before_its_json_is_read_from_its_log(dc, tmp_path: Path) -> None:
+    """The rows a stopped run measured, from its ``measured ...`` lines (as bench attention prints them)."""
+    output = ("attention: flex\nmeasured full at N=16384: fwd 0.74, fwd+bwd 2.41 ms (2 s)\n"
+              "measured local at N=16384: fwd 0.52, fwd+bwd 1.40 ms (9 s)\n"
+              "measured routing at N=16384: fwd 3.80, fwd+bwd 7.70 ms (11 s)\n"
+              "measured lsh at N=16384: fwd n/a, fwd+bwd n/a ms (1 s)\n")
+    found = dc.parse_bench(tmp_path / "missing.json", output)
+    assert found["n"] == 16384 and found["rows"]["routing"]["fwd_bwd_ms"] == 7.7
+    assert found["rows"]["lsh"]["fwd_ms"] is None and found["routing / local"] == 5.5
+    with pytest.raises(FileNotFoundError):
+        dc.parse_bench(tmp_path / "missing.json", "attention: flex\n")
+
+
+def test_a_budget_stops_the_check_and_leaves_later_steps_not_run(dc, tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "check"
+    steps = [dc.Step("quick", "", _py("print('VALUE 1')"), 60),
+             dc.Step("slow", "", _py("import time; time.sleep(60)"), 60), dc.Step("later", "", _py("pass"), 60)]
+    monkeypatch.setattr(dc, "plan", lambda mode, part: steps)
+    start = time.monotonic()
+    assert dc.main([str(out), "--toy", "--device", "cpu", "--budget-s", "8"]) == 1
+    assert time.monotonic() - start < 30
+    table = json.loads((out / "report.json").read_text())
+    assert [s["status"] for s in table["steps"]] == ["pass", "timeout", "not run"]
 
 
 def test_progress_bars_leave_their_last_state(dc) -> None:

@@ -19,6 +19,7 @@ from .options import (
     add_seq_len,
     add_size,
     add_window,
+    count,
     note,
     positive,
 )
@@ -56,6 +57,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="mechanisms to run beside full, with their peers (e.g. local strided lsh performer)")
     att.add_argument("--json", metavar="FILE", help="also write the measured rows to FILE as JSON (the settings "
                      "and, per row, n, mechanism, fwd_s, fwd_bwd_s, inference/training/kept bytes, note)")
+    att.add_argument("--leak-n", type=count, default=None, metavar="N",
+                     help="the causal leak table's length (default min(1024, the longest N); 0: no leak table)")
 
     mod = suites.add_parser(
         "model",
@@ -208,7 +211,7 @@ def attention_bench(args: argparse.Namespace):
     return AttentionBench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                           repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
                           causal=not args.non_causal, only=None if args.only is None else tuple(args.only),
-                          backend=args.backend)
+                          backend=args.backend, leak_n=args.leak_n)
 
 
 def model_bench(args: argparse.Namespace):

@@ -20,6 +20,17 @@ def positive(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a positive number."""
     try:
