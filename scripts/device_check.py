@@ -168,7 +168,7 @@ PARTS = {"check": ("versions", "env", "prepare", "tests", "train", "ddp", "fsdp"
          # routing at GPU speed (issue 56): its kernels' tests on the device, the benchmark at 16k, 64k and 256k,
          # the profile at 64k
          "routing": ("versions", "routing", "bench", "profile")}
-ROUTING_LENGTHS = (16384, 65536, 262144)
+ROUTING_LENGTHS = (16384, 65536, 262144)  # in the routing part, 16k last: the goals are at 64k and 256k
 ROUTING_ROWS = ["local", "routing", "routing-p2", "sdpa-cudnn"]  # beside full and FlexAttention's sliding window
 GOAL_ROWS = {65536: ["lsh", "moba"]}  # the routing part's rows at the length their goals name (<= 3x local at 64k)
 
@@ -196,14 +196,16 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
     routing = part == "routing"
     if routing:  # the kernels against PyTorch first: a wrong kernel's timings mean nothing
         steps.append(kernel_test_step(mode))
-    for n in (256, 512) if toy else (ROUTING_LENGTHS if routing else (16384, 65536)):
+    for n in (256, 512) if toy else (ROUTING_LENGTHS[1:] if routing else (16384, 65536)):
         steps.append(bench_step(mode, n, routing))
     profile_n = 65536 if routing and not toy else PROFILE_N[toy]
     steps.append(Step("profile", f"torch.profiler of local, routing and routing-p2 forward+backward at N={profile_n}: "
                       "the operators that take the time", python("-c", PROFILE, str(profile_n), mode.device),
                       50 if routing and not toy else 60, parse=parse_profile))
-    if routing:  # last: the longest, compiling FlexAttention for each test
+    if routing:  # then the device tests (the longest step, compiling FlexAttention for each test) and 16k
         steps.append(routing_test_step(mode))
+        if not toy:
+            steps.append(bench_step(mode, 16384, routing))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
                                                                  "seq_len 4096, bfloat16, 1 minute of "
