@@ -59,8 +59,16 @@ def _better(s, cols, k0, chosen, best, arg, EXCLUDE: tl.constexpr):
     return tl.where(better, m, best), tl.where(better, a, arg)
 
 
+def _fitting(configs: list, named_args: dict, **kwargs) -> list:
+    """The tiles worth timing for ``K`` clusters: none wider in clusters than the next power of two of K (at least
+    32), so that a small k times two tiles, not six."""
+    widest = max(32, next_pow2(named_args["K"]))
+    return [c for c in configs if c.kwargs["BLOCK_K"] <= widest]
+
+
 @triton.autotune([triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in CHOOSE_TILES],
-                 key=["K", "D", "P"], reset_to_zero=["COUNTS"])  # timing runs add to COUNTS: zeroed after them
+                 key=["K", "D", "P"], prune_configs_by={"early_config_prune": _fitting},
+                 reset_to_zero=["COUNTS"])  # timing runs add to COUNTS: zeroed after them
 @triton.jit
 def choose(R, C, BIAS, PROBES, COSINE, COUNTS, N, H, K, D,
            HAS_BIAS: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
