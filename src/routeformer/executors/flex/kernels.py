@@ -28,7 +28,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # the scores' dot products: three TF32 passes on a GPU's tensor cores (float32 on its CUDA cores is ~10x slower:
 # 2.4 ms of a 8.4 ms routing step at N = 65,536, k = 256 on an H200, docs/gpu.md); exact under the interpreter
-DOT_PRECISION = "ieee" if INTERPRETED else "tf32x3"
+DOT_PRECISION = tl.constexpr("ieee" if INTERPRETED else "tf32x3")
 # choose's tiles (rows, clusters, warps): the autotuner times each once per (k, D) on the GPU
 CHOOSE_TILES = [(64, 32, 4)] if INTERPRETED else [(64, 32, 4), (64, 64, 4), (128, 64, 8), (64, 128, 4),
                                                    (128, 128, 8), (128, 32, 4)]
