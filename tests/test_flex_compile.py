@@ -27,7 +27,6 @@ def _compile(kernel, signature: dict, constexprs: dict, capability: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
     from triton.runtime.autotuner import Autotuner
 
     fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
@@ -56,7 +55,7 @@ def test_the_router_compiles_at_every_tile_on_the_tensor_cores(gpu: str) -> None
 
 @pytest.mark.parametrize("gpu", sorted(TARGETS))
 def test_the_statistics_selection_and_row_kernels_compile(gpu: str) -> None:
-    from routeformer.executors.flex import kernels, rows, router, selection
+    from routeformer.executors.flex import kernels, router, rows, selection
 
     capability, shared = TARGETS[gpu]
     compiled = [
