@@ -7,7 +7,7 @@ import torch
 
 from helpers import compare_with_reference, make_router, rand_padding, rand_qkv, rand_rel, routing_layer
 from routeformer.attention.routing import Router, RoutingOptions, update_routing
-from routeformer.attention.routing.sorted_window import sorted_window_attention, sorted_window_mask
+from routeformer.attention.routing.sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
 from routeformer.executors import Inputs, get_executor, merge_partials, neg_inf
 
 EXECUTOR = get_executor("auto", "cpu")
@@ -152,9 +152,10 @@ def test_sorted_window_lse_is_the_logsumexp_of_each_query_in_position_order(caus
     padding = rand_padding(B, N) if extras == "padding" else None
     valid = None if padding is None else padding[:, None, :]
     inputs, options = Inputs(q, k, v, D**-0.5, valid), RoutingOptions(window=w, shared_qk=False)
-    out, lse = sorted_window_attention(inputs, clusters, options, executor=EXECUTOR, causal=causal, rel_pos=rel,
+    sort = sort_by_cluster(clusters)
+    out, lse = sorted_window_attention(inputs, sort, options, executor=EXECUTOR, causal=causal, rel_pos=rel,
                                        need_lse=True)
-    assert torch.equal(out, sorted_window_attention(inputs, clusters, options, executor=EXECUTOR, causal=causal,
+    assert torch.equal(out, sorted_window_attention(inputs, sort, options, executor=EXECUTOR, causal=causal,
                                                     rel_pos=rel))
     mask = sorted_window_mask(clusters, w, causal, False, valid)
     want = _scores(q, k, D**-0.5, rel).masked_fill(~mask, float("-inf")).logsumexp(-1)
@@ -169,8 +170,8 @@ def _two_rounds(q, k, v, first, second, *, window, causal, exclude_self, key_pad
     valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
     inputs = Inputs(q, k, v, q.shape[-1] ** -0.5, valid)
     options = RoutingOptions(window=window, shared_qk=exclude_self)
-    parts = [sorted_window_attention(inputs, c, options, executor=EXECUTOR, causal=causal, rel_pos=rel_pos,
-                                     need_lse=True) for c in (first, second)]
+    parts = [sorted_window_attention(inputs, sort_by_cluster(c), options, executor=EXECUTOR, causal=causal,
+                                     rel_pos=rel_pos, need_lse=True) for c in (first, second)]
     return merge_partials(parts)[0]
 
 

@@ -232,7 +232,8 @@ def test_crowded_stretches_do_not_grow_the_tiles(monkeypatch) -> None:
     probes = torch.stack([torch.ones_like(clusters), torch.full_like(clusters, 2)], -1)  # 1, and 2 (empty)
     probes[..., 40:, 0] = torch.where(torch.arange(N - 40) % 4 == 0, 0, 1)  # a few later queries probe cluster 0
     out = probed_window_attention(Inputs(q, k, v, D ** -0.5), clusters, probes,
-                                  RoutingOptions(window=12, shared_qk=False), executor=get_executor("tiles"))
+                                  RoutingOptions(window=12, shared_qk=False), sort=sort_by_cluster(clusters),
+                                  executor=get_executor("tiles"))
     want = reference_attention(Inputs.of(q, k, v), probed_window_mask(clusters, probes, 12, exclude_self=False))
     torch.testing.assert_close(out, want)
     R, groups, entries = chosen[0]
@@ -268,7 +269,8 @@ def test_shared_qk_queries_with_no_other_key_see_their_own_through_the_ranges(ow
     if not own_first:
         assert (alone & (probes != clusters[..., None]).all(-1)).any(), "... and some that do not probe their own"
     out = probed_window_attention(Inputs(q, q, v, D ** -0.5, valid), clusters, probes,
-                                  RoutingOptions(window=6, shared_qk=True), executor=get_executor("tiles"))
+                                  RoutingOptions(window=6, shared_qk=True), sort=sort_by_cluster(clusters),
+                                  executor=get_executor("tiles"))
     want = reference_attention(Inputs.of(q, q, v), mask)
     torch.testing.assert_close(out, want)
     grad = torch.randn_like(out)
@@ -421,7 +423,7 @@ def test_the_fused_probe_ranges_are_the_definitions(p: int, window: int, exclude
             clash = (probes[..., t:t + 1] == probes[..., :t]).any(-1)
             probes[..., t] = torch.where(clash, (probes[..., t] + 1) % k, probes[..., t])
     assert all(len(set(row)) == p for row in probes.reshape(-1, p).tolist())
-    lo, hi, _ = probes_module.probe_ranges(clusters, probes, window, sort_by_cluster(clusters, k), exclude_self)
+    lo, hi = probes_module.probe_ranges(clusters, probes, window, sort_by_cluster(clusters, k), exclude_self)
     if own_when_alone:
         before = hi
         hi = probes_module._own_key_when_alone(lo, hi, clusters, probes)

@@ -31,7 +31,7 @@ from .cache import RoutingCache, TokenRoute
 from .options import RoutingOptions, read_option
 from .probes import probe_masks, probed_window_attention, probed_window_mask, routed_pairs
 from .router import Router, Routes, update_routing
-from .sorted_window import drop_own_key, sort_by_cluster, sorted_window_attention, sorted_window_mask
+from .sorted_window import ClusterOrder, drop_own_key, sort_by_cluster, sorted_window_attention, sorted_window_mask
 
 __all__ = ["RoutingAttention", "update_routing"]
 
@@ -172,13 +172,20 @@ class RoutingAttention(HeadGroup):
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
             return self._dense(inputs, rel_pos, bias)
         if self.probing:
-            return probed_window_attention(inputs, routes.keys, routes.probes, o, executor=ex, rel_pos=rel_pos,
-                                           gates=self._gates(routes), sort=routes.sort)
+            return probed_window_attention(inputs, routes.keys, routes.probes, o, sort=self._sort(routes),
+                                           executor=ex, rel_pos=rel_pos, gates=self._gates(routes))
         if self.balanced:
             members = balanced_members(routes.scores, self.window, key_padding_mask)
             return balanced_attention(inputs, members, routes.keys, o, executor=ex, rel_pos=rel_pos)
-        return sorted_window_attention(inputs, routes.keys, o, executor=ex, causal=self.causal, rel_pos=rel_pos,
-                                       sort=routes.sort)
+        return sorted_window_attention(inputs, self._sort(routes), o, executor=ex, causal=self.causal,
+                                       rel_pos=rel_pos)
+
+    def _sort(self, routes: Routes) -> ClusterOrder:
+        """The keys sorted by (cluster, position): the router's where its kernel made it, else made here (with the
+        clusters' sizes where the probes' ranges start from them)."""
+        if routes.sort is not None:
+            return routes.sort
+        return sort_by_cluster(routes.keys, self.num_clusters if self.probing else None)
 
     def handover_bias(self, routes: Routes, dtype: torch.dtype) -> Tensor:
         """(B, H, N, N): 0 on the pairs routing scores (``routed_pairs``), -λ (``handover_penalty``) elsewhere."""
@@ -332,11 +339,10 @@ class RoutingAttention(HeadGroup):
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
             sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both
             if self.probing:
-                out = probed_window_attention(inputs, routes.keys, routes.probes, self.options, executor=self.executor,
-                                              rel_pos=rel_pos, gates=self._gates(routes), sort=sort)
+                out = probed_window_attention(inputs, routes.keys, routes.probes, self.options, sort=sort,
+                                              executor=self.executor, rel_pos=rel_pos, gates=self._gates(routes))
             else:
-                out = sorted_window_attention(inputs, routes.keys, self.options, executor=self.executor,
-                                              rel_pos=rel_pos, sort=sort)
+                out = sorted_window_attention(inputs, sort, self.options, executor=self.executor, rel_pos=rel_pos)
             cache.fill(k, v, sort)
             return out
         gates = self._gates(routes)

@@ -28,22 +28,21 @@ from ...executors.ranges import KeyOrder, Ranges
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
 from .options import RoutingOptions
-from .sorted_window import ClusterOrder, sort_by_cluster
+from .sorted_window import ClusterOrder
 
 # sequences up to this length run as one dense masked tile per head on executors without their own ranges (faster
 # there; see README)
 DENSE_UP_TO = 256
 
 
-def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: ClusterOrder | None = None,
-                 exclude_self: bool = False) -> tuple[Tensor, Tensor, ClusterOrder]:
-    """The ranges [lo, hi) of the keys sorted by (cluster, position) that every (query, probe) entry sees: each
-    (B, H, N·p), entry i·p + t for query i and probe t; and the keys' sort. ``exclude_self``: the entries of a
-    query's own cluster stop before its own key, which is the last key of their window (the window still counts
-    it, as the single-cluster rule does)."""
+def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: ClusterOrder,
+                 exclude_self: bool = False) -> tuple[Tensor, Tensor]:
+    """The ranges [lo, hi) of the keys sorted by (cluster, position) (``sort``, the keys' ``sort_by_cluster``) that
+    every (query, probe) entry sees: each (B, H, N·p), entry i·p + t for query i and probe t. ``exclude_self``: the
+    entries of a query's own cluster stop before its own key, which is the last key of their window (the window
+    still counts it, as the single-cluster rule does)."""
     N = key_clusters.shape[-1]
     p = probes.shape[-1]
-    sort = sort if sort is not None else sort_by_cluster(key_clusters)
     composite = sort.grouped * N + sort.order  # (B, H, N), increasing
     pos = torch.arange(N, device=probes.device)
     wanted = probes.reshape(*probes.shape[:2], N * p)  # entry i·p + t
@@ -56,18 +55,18 @@ def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: Cluste
     if exclude_self:
         own = wanted == key_clusters.repeat_interleave(p, dim=-1)  # the query's own cluster: key i ends its range
         hi = hi - own.long()
-    return lo, hi, sort
+    return lo, hi
 
 
 def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor, options: RoutingOptions, *,
-                            executor: Executor, rel_pos: RelativePositions | None = None,
-                            gates: Tensor | None = None, sort: ClusterOrder | None = None) -> Tensor:
+                            sort: ClusterOrder, executor: Executor, rel_pos: RelativePositions | None = None,
+                            gates: Tensor | None = None) -> Tensor:
     """Query i attends to the last ``options.window`` keys j <= i of each cluster in ``probes[i]``.
 
     inputs: the checked q, k, v (B, H, N, D), scale and key validity (B, 1, N) or None; key_clusters: (B, H, N)
     long; probes: (B, H, N, p) long, distinct per query; gates: optional (B, H, N, p): each probed cluster's softmax
     is scaled by its gate instead of the union sharing one softmax -> (B, H, N, D). ``options.shared_qk``: the own
-    key left out (see the module). ``sort``: the keys' ``sort_by_cluster`` when the caller has it.
+    key left out (see the module). ``sort``: the keys' ``sort_by_cluster`` (the router's, or the layer's).
     """
     q, v, key_valid, window, exclude_self = inputs.q, inputs.v, inputs.key_valid, options.window, options.shared_qk
     B, H, N, D = q.shape
@@ -76,11 +75,10 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     if N <= DENSE_UP_TO and not runner.native_ranges:
         return _dense(inputs, key_clusters, probes, options, executor=executor, rel_pos=rel_pos, gates=gates)
     own_when_alone = exclude_self and key_valid is None  # shared QK: a query that sees no other key sees its own
-    sort = sort if sort is not None else sort_by_cluster(key_clusters)
     ranges = None if runner.probes_run is None else runner.probes_run(key_clusters, probes, window, exclude_self,
                                                                       own_when_alone)
     if ranges is None:  # the definition: a search of the sorted keys
-        lo, hi, _ = probe_ranges(key_clusters, probes, window, sort, exclude_self)
+        lo, hi = probe_ranges(key_clusters, probes, window, sort, exclude_self)
         ranges = lo, (_own_key_when_alone(lo, hi, key_clusters, probes) if own_when_alone else hi)
     lo, hi = ranges
     # positions only for relative distances (without them a kernel would copy and check two (B, H, N) tensors)

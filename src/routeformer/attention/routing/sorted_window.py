@@ -69,33 +69,32 @@ def permute_seq(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
 
 def sorted_window_attention(
     inputs: Inputs,
-    clusters: Tensor,
+    sort: ClusterOrder,
     options: RoutingOptions,
     *,
     executor: Executor,
     causal: bool = True,
     rel_pos: RelativePositions | None = None,
-    sort: ClusterOrder | None = None,
     need_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Each query attends to the ``options.window`` nearest positions of its own cluster (only earlier ones when
     causal); with ``options.shared_qk`` not to its own key unless it sees no other.
 
-    inputs: the checked q, k, v (B, H, N, D), scale and key validity (B, 1, N) or None; clusters: (B, H, N) any
-    integer groups (k-means clusters, hash buckets) -> (B, H, N, D). Causal: keys j <= i, the most recent ``window``
-    of the cluster; non-causal: |rank_i - rank_j| < window within the cluster. ``sort``: ``sort_by_cluster(clusters)``
-    when the caller already has it. Time O(N · window · D + N log N), memory O(N · window) per head; the band runs
-    on ``executor``.
+    inputs: the checked q, k, v (B, H, N, D), scale and key validity (B, 1, N) or None; sort: the positions sorted
+    by their groups, ``sort_by_cluster(clusters)`` of any integer groups (B, H, N) (k-means clusters, hash buckets)
+    -> (B, H, N, D). Causal: keys j <= i, the most recent ``window`` of the cluster; non-causal: |rank_i - rank_j| <
+    window within the cluster. Time O(N · window · D + N log N), memory O(N · window) per head; the band runs on
+    ``executor``.
 
     ``need_lse``: return (out, lse) with lse (B, H, N) the log-sum-exp of each query's scores, in float32 or wider,
     in the original position order (``neg_inf(lse.dtype)`` for a query that sees no key), so that several rounds of
-    routing (one ``clusters`` each) merge exactly with ``merge_partials``. The merge is a softmax over the multiset
+    routing (one sort each) merge exactly with ``merge_partials``. The merge is a softmax over the multiset
     union of the rounds' keys: a key that k rounds share counts k times (its weight is raised by log k); it equals
     attention over the union of the masks (``sorted_window_mask``) when no two rounds share a (query, key) pair.
     """
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
-    order, inverse, grouped = (sort if sort is not None else sort_by_cluster(clusters))[:3]
+    order, inverse, grouped = sort[:3]
     valid = None if key_valid is None else key_valid.expand(B, H, N).gather(-1, order)
     restrict = KeyRestrictions(exclude_self=options.shared_qk)
     rel = relative(rel_pos, Distances(positions=order))  # between the entries' own positions
