@@ -54,6 +54,18 @@ def test_bench_rejects_bad_sizes(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "attention", "--n", "0"])
     assert "positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "attention", "--leak-n", "-1"])
+    assert "--leak-n: must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("leak_n, table", [(None, True), (0, False)])
+def test_bench_attention_leak_table_at_the_length_asked(leak_n: int | None, table: bool, capsys) -> None:
+    """--leak-n 0: no causal leak table (the device check's routing part skips its compilations); by default one."""
+    extra = [] if leak_n is None else ["--leak-n", str(leak_n)]
+    assert main(["bench", "attention", "--n", "64", "--repeats", "1", "--heads", "2", "--head-dim", "8", "--window",
+                 "16", "--only", "local", "--backend", "tiles", *extra]) == 0
+    assert ("causal leak at N=" in capsys.readouterr().out) == table
 
 
 @pytest.mark.parametrize("args", [["--help"], *([cmd, "--help"] for cmd in ("prepare", "train", "evaluate", "sample",

@@ -9,26 +9,25 @@ import sys
 import torch
 
 
-def positive(text: str) -> int:
-    """An argparse type: a positive integer."""
+def _integer(text: str, least: int, what: str) -> int:
+    """An integer of at least ``least`` read from ``text``, or argparse's error saying it must be ``what``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
+
+
+def positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    return _integer(text, 1, "a positive integer")
 
 
 def count(text: str) -> int:
     """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+    return _integer(text, 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
