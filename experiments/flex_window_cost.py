@@ -3,6 +3,8 @@ FlexAttention call on the same sorted q, k, v under four masks, forward and forw
 
     python experiments/flex_window_cost.py [N] [--device cuda]      # default N = 65,536; a few compilations
 
+(the device check's routing part runs it as its ``flex-cost`` step).
+
 - ``sliding``: FlexAttention's own sliding window (``create_block_mask`` of the window rule), the baseline;
 - ``routing``: the BlockMask and rule the flex executor builds for the paper's rule (k = sqrt(N) random
   clusters, window N / k, shared QK), as ``executors/flex/windows.py`` makes them;
@@ -18,6 +20,7 @@ and the executor's are a few), for the script's own sake: its times say nothing 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -77,6 +80,7 @@ def main() -> None:
         rows = rows[:2]
     print(f"N={n}, 8 heads of 64, {dtype}, {dev}; routing k={k}, window={window}")
     print("| mask | partial blocks per query block | full | fwd ms | fwd+bwd ms |\n|---|---:|---:|---:|---:|")
+    found = {}
     for name, mask, lse in rows:
         grads = dev.type != "cpu"  # FlexAttention has no backward on the CPU, nor a compiled lse
         lse = lse and grads
@@ -99,8 +103,11 @@ def main() -> None:
                 seen.append(time.perf_counter() - start)
             times[label] = statistics.median(seen) * 1e3
         full = 0.0 if mask.full_kv_num_blocks is None else mask.full_kv_num_blocks.float().mean().item()
-        print(f"| {name} | {mask.kv_num_blocks.float().mean().item():.2f} | {full:.2f} | {times['fwd']:.3f} | "
-              f"{times['fwd+bwd']:.3f} |", flush=True)
+        partial = mask.kv_num_blocks.float().mean().item()
+        print(f"| {name} | {partial:.2f} | {full:.2f} | {times['fwd']:.3f} | {times['fwd+bwd']:.3f} |", flush=True)
+        found[name] = {"partial": round(partial, 2), "full": round(full, 2), "fwd_ms": round(times["fwd"], 3),
+                       "fwd_bwd_ms": None if math.isnan(times["fwd+bwd"]) else round(times["fwd+bwd"], 3)}
+    print("FLEXCOST " + json.dumps(found))  # one line for scripts/device_check.py
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
     python scripts/device_check.py OUT --part bench         # on one CUDA GPU: the attention benchmark, under 9
     python scripts/device_check.py OUT --part cpu           # the README's test suite on the GPU machine's host
     python scripts/device_check.py OUT --part routing       # on one CUDA GPU: routing's kernels tested, then timed
-                                                            # at 16k, 64k and 256k and profiled at 64k (issue 56)
+                                                            # at 64k and 256k and profiled at 64k (issue 56)
     python scripts/device_check.py OUT                      # all three parts, one after the other (~25 minutes)
     python scripts/device_check.py OUT --toy --device cpu   # every step at toy sizes on the CPU (CI)
 
@@ -24,8 +24,9 @@ tail of its output:
    FSDP2 (``--fsdp``), as a user would start it;
 5. profile (part bench): ``torch.profiler`` of local and routing forward+backward at 16k, the costliest operators;
 6. suite (part cpu; not at toy sizes): the README's test command on the host's CPU, the failures named;
-7. routing-tests (part routing): the flex router's Triton kernels against PyTorch's router and routing's device
-   tests, before the part's benchmark at 16k, 64k and 256k and its profile at 64k.
+7. part routing: the flex executor's Triton kernels against PyTorch first (routing-kernels), the benchmark at 64k
+   and 256k, the profile at 64k (local, routing, two probes), routing's device tests (routing-tests), and
+   ``experiments/flex_window_cost.py`` at 64k (flex-cost: routing's flex forward against the sliding window's).
 
 A failing step never stops the check, and the report is rewritten after every step, so an interrupted check keeps
 what it measured. Exit status: 0 when every step passed, 1 when one failed or ran out of time, 2 for a usage error.
@@ -165,10 +166,10 @@ def python(*args: str) -> list[str]:
 PARTS = {"check": ("versions", "env", "prepare", "tests", "train", "ddp", "fsdp"),
          "bench": ("versions", "env", "bench", "profile"),  # bench: the benchmark's steps, one per length
          "cpu": ("versions", "env", "suite"),  # the default test suite on the GPU machine's host processor
-         # routing at GPU speed (issue 56): its kernels' tests on the device, the benchmark at 16k, 64k and 256k,
+         # routing at GPU speed (issue 56): its kernels' tests on the device, the benchmark at 64k and 256k,
          # the profile at 64k
-         "routing": ("versions", "routing", "bench", "profile")}
-ROUTING_LENGTHS = (16384, 65536, 262144)  # in the routing part, 16k last: the goals are at 64k and 256k
+         "routing": ("versions", "routing", "bench", "profile", "flex")}
+ROUTING_LENGTHS = (65536, 262144)  # the routing part's: where its goals are (16k: the bench part)
 ROUTING_ROWS = ["local", "routing", "routing-p2", "sdpa-cudnn"]  # beside full and FlexAttention's sliding window
 GOAL_ROWS = {65536: ["lsh", "moba"]}  # the routing part's rows at the length their goals name (<= 3x local at 64k)
 
@@ -196,16 +197,19 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
     routing = part == "routing"
     if routing:  # the kernels against PyTorch first: a wrong kernel's timings mean nothing
         steps.append(kernel_test_step(mode))
-    for n in (256, 512) if toy else (ROUTING_LENGTHS[1:] if routing else (16384, 65536)):
+    for n in (256, 512) if toy else (ROUTING_LENGTHS if routing else (16384, 65536)):
         steps.append(bench_step(mode, n, routing))
     profile_n = 65536 if routing and not toy else PROFILE_N[toy]
     steps.append(Step("profile", f"torch.profiler of local, routing and routing-p2 forward+backward at N={profile_n}: "
                       "the operators that take the time", python("-c", PROFILE, str(profile_n), mode.device),
                       50 if routing and not toy else 60, parse=parse_profile))
-    if routing:  # then the device tests (the longest step, compiling FlexAttention for each test) and 16k
+    if routing:  # then the device tests (the longest step, compiling FlexAttention for each test), and where
+        # routing's flex forward loses to the sliding window's (its rule, its tables, the lse)
         steps.append(routing_test_step(mode))
-        if not toy:
-            steps.append(bench_step(mode, 16384, routing))
+        steps.append(Step("flex-cost", "experiments/flex_window_cost.py: routing's flex forward on its tables and "
+                          "rule, beside FlexAttention's sliding window", python(
+                              str(ROOT / "experiments" / "flex_window_cost.py"), "512" if toy else "65536",
+                              "--device", mode.device), 60, parse=parse_flex_cost))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
                                                                  "seq_len 4096, bfloat16, 1 minute of "
@@ -379,6 +383,13 @@ def parse_profile(output: str, out: Path) -> dict:
             row = json.loads(line.removeprefix("PROFILE "))
             found[row.pop("row")] = row
     return found
+
+
+def parse_flex_cost(output: str, out: Path) -> dict:
+    """The experiment's FLEXCOST line: per mask, its partial and full key blocks per query block, ms forward and
+    forward+backward."""
+    line = next(x for x in output.splitlines() if x.startswith("FLEXCOST "))
+    return json.loads(line.removeprefix("FLEXCOST "))
 
 
 MEASURED = re.compile(r"measured (.+?) at N=(\d+): fwd ([\d.]+|n/a), fwd\+bwd ([\d.]+|n/a) ms")
@@ -571,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", choices=["all", *PARTS], default="all",
                         help="check: versions, tests, training, torchrun; bench: versions, the attention benchmark "
                              "at 16k and 64k; cpu: the README's test suite on the host; routing: routing's kernels "
-                             "tested, the benchmark at 16k, 64k and 256k, the profile at 64k; all (default): check, "
+                             "tested, the benchmark at 64k and 256k, the profile at 64k, the device tests, the flex "
+                             "forward's cost; all (default): check, "
                              "bench and cpu")
     parser.add_argument("--budget-s", type=float, default=None, metavar="S",
                         help="stop after S seconds in all: a step is cut at the budget and the later ones are not "

@@ -99,14 +99,15 @@ def test_each_part_of_the_gpu_check_fits_nine_minutes_and_together_they_run_ever
     assert all(sum(s.limit_s for s in steps) <= 540 for steps in parts.values())
     # the kernels against PyTorch before anything is timed, then the goals' lengths; a budget cuts the end
     assert [s.name for s in parts["routing"]] == ["versions", "routing-kernels", "bench-65536", "bench-262144",
-                                                  "profile", "routing-tests", "bench-16384"]
+                                                  "profile", "routing-tests", "flex-cost"]
     routing = {s.name: s for s in parts["routing"]}
     kernels = routing["routing-kernels"]
     assert kernels.env == {"ROUTEFORMER_TEST_DEVICE": "cuda"}  # compiled, not interpreted
     assert {"tests/test_flex_router.py", "tests/test_flex_rows.py", "--tb=short"} <= set(kernels.argv)
     assert "-n" not in kernels.argv and "tests/test_cuda.py" in routing["routing-tests"].argv
     assert routing["profile"].argv[-2:] == ["65536", "cuda"]
-    assert all("--leak-n" in routing[f"bench-{n}"].argv for n in (16384, 65536, 262144))
+    assert all("--leak-n" in routing[f"bench-{n}"].argv for n in (65536, 262144))
+    assert routing["flex-cost"].argv[-3:] == ["65536", "--device", "cuda"]
     assert {"local", "routing", "routing-p2", "sdpa-cudnn"} <= set(routing["bench-262144"].argv)
     assert {"lsh", "moba"} <= set(routing["bench-65536"].argv) and "moba" not in routing["bench-262144"].argv
     assert [s.name for s in parts["check"]] == ["versions", "env", "prepare", "tests", "train", "ddp", "fsdp"]
@@ -179,6 +180,12 @@ def test_a_budget_stops_the_check_and_leaves_later_steps_not_run(dc, tmp_path: P
     assert time.monotonic() - start < 30
     table = json.loads((out / "report.json").read_text())
     assert [s["status"] for s in table["steps"]] == ["pass", "timeout", "not run"]
+
+
+def test_the_flex_cost_is_read_from_its_line(dc) -> None:
+    output = ("| mask | ... |\nFLEXCOST " + json.dumps({"sliding": {"partial": 2.0, "full": 1.0, "fwd_ms": 0.24,
+                                                                   "fwd_bwd_ms": 1.6}}) + "\n")
+    assert dc.parse_flex_cost(output, Path())["sliding"]["fwd_ms"] == 0.24
 
 
 def test_progress_bars_leave_their_last_state(dc) -> None:
