@@ -216,3 +216,23 @@ def test_span_masks_are_the_columns_inside_each_range() -> None:
     got = ranges.span_mask(first, last, start, width)
     assert got.dtype == torch.bool and got.shape == (3, 7, width)
     assert torch.equal(got, want)
+
+
+def test_a_row_kernel_refuses_a_gather_autograd_would_record() -> None:
+    """``gather_rows`` with a backend's kernel records no gradient: called where autograd records one, it says so
+    rather than dropping the gradient; inside no_grad (an autograd Function's body) it runs the kernel."""
+    from routeformer.executors.rows import gather_rows
+
+    x = torch.randn(1, 2, 10, 4, requires_grad=True)
+    index = torch.tensor([[[3, 1, 4]] * 2])
+    calls = []
+
+    def kernel(x, index, scale):
+        calls.append(scale)
+        return None  # does not take x: PyTorch's gather
+
+    with pytest.raises(ValueError, match="records no gradient"):
+        gather_rows(x, index, kernel)
+    with torch.no_grad():
+        got = gather_rows(x, index, kernel)
+    assert calls == [1.0] and torch.equal(got, x.detach()[:, :, [3, 1, 4]])

@@ -26,7 +26,7 @@ from torch import Tensor
 from .inputs import Inputs, RelTerms
 from .lse import neg_inf, saw_key
 from .relative import RelativePositions
-from .rows import gather_rows, move_rows, rowdot
+from .rows import RowKernel, gather_rows, move_rows, rowdot
 from .tiling import Distances, Tiling
 
 Tiled = Callable[..., tuple[Tensor, Tensor | None]]  # an executor's checked ``tiled`` operation (``interface.py``)
@@ -276,8 +276,10 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
     return RangePart(out.view(B, H, n_blocks * T, D), lse.view(B, H, n_blocks * T), entry)
 
 
-def merge_parts(parts: list[RangePart], merge: int, rows: int, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-    """Each query row's ``merge`` entries, out of the parts' slots, as one softmax over their keys (``_Merge``)."""
+def merge_parts(parts: list[RangePart], merge: int, rows: int, need_lse: bool,
+                kernel: RowKernel | None = None) -> tuple[Tensor, Tensor | None]:
+    """Each query row's ``merge`` entries, out of the parts' slots, as one softmax over their keys (``_Merge``);
+    rows gathered by a backend's row ``kernel`` where it has one (``rows.gather_rows``)."""
     B, H, _, D = parts[0].out.shape
     M = rows * merge
     entry = torch.cat([p.entry for p in parts], -1) if len(parts) > 1 else parts[0].entry  # (B, H, X)
@@ -285,7 +287,8 @@ def merge_parts(parts: list[RangePart], merge: int, rows: int, need_lse: bool) -
     slots = torch.arange(entry.shape[-1], device=entry.device).expand_as(entry)
     source = torch.empty(B, H, M + 1, dtype=torch.long, device=entry.device).scatter_(-1, entry, slots)[..., :M]
     lse = torch.cat([p.lse for p in parts], -1) if len(parts) > 1 else parts[0].lse
-    out, merged_lse = _Merge.apply(source.view(B, H, rows, merge), entry, lse, merge, *(p.out for p in parts))
+    out, merged_lse = _Merge.apply(source.view(B, H, rows, merge), entry, lse, merge, kernel,
+                                   *(p.out for p in parts))
     return out, merged_lse if need_lse else None
 
 
@@ -300,7 +303,8 @@ class _Merge(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, source: Tensor, entry: Tensor, lse: Tensor, merge: int, *outs: Tensor):  # type: ignore[override]
+    def forward(ctx, source: Tensor, entry: Tensor, lse: Tensor, merge: int,  # type: ignore[override]
+                kernel: RowKernel | None, *outs: Tensor):
         B, H, Nq, p = source.shape
         starts = [0]
         for o in outs:
@@ -313,12 +317,12 @@ class _Merge(torch.autograd.Function):
         weight = torch.where(seen, (slot_lse - total).exp(), 0.0)  # (B, H, Nq, p)
         merged = None
         for t in range(p):
-            part = _pick(outs, starts, source[..., t])
+            part = _pick(outs, starts, source[..., t], kernel)
             merged = part * weight[..., t, None].to(part.dtype) if merged is None else merged.addcmul(
                 part, weight[..., t, None].to(part.dtype))
         total = torch.where(seen.any(-1, keepdim=True), total, floor)[..., 0]
         ctx.save_for_backward(source, entry, weight, merged, *outs)
-        ctx.merge, ctx.starts = merge, starts
+        ctx.merge, ctx.starts, ctx.kernel = merge, starts, kernel
         return merged, total
 
     @staticmethod
@@ -337,22 +341,22 @@ class _Merge(torch.autograd.Function):
         for i, out in enumerate(outs):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
             w, r = slot_weight[..., lo:hi], row[..., lo:hi]
-            g = gather_rows(grad, r).mul_(w[..., None].to(grad.dtype))  # (B, H, X_i, D)
+            g = gather_rows(grad, r, ctx.kernel).mul_(w[..., None].to(grad.dtype))  # (B, H, X_i, D)
             grad_outs.append(g)
             grad_lse.append(rowdot(g.to(w.dtype), out.to(w.dtype)) - w * along.gather(-1, r))
         lse_grad = torch.cat(grad_lse, -1) if len(grad_lse) > 1 else grad_lse[0]
-        return (None, None, lse_grad, None, *grad_outs)
+        return (None, None, lse_grad, None, None, *grad_outs)
 
 
-def _pick(outs: tuple[Tensor, ...], starts: list[int], index: Tensor) -> Tensor:
+def _pick(outs: tuple[Tensor, ...], starts: list[int], index: Tensor, kernel: RowKernel | None) -> Tensor:
     """Rows ``index`` (B, H, Nq) of the parts ``outs`` laid end to end -> a fresh (B, H, Nq, D). A later part's
     rows (the gathered pass's leftovers) by a gather and a selection over every row, not by finding the few that
     are there: that would be a host read of a device tensor (a wait for the device on CUDA)."""
     first = outs[0].shape[2]
-    rows = gather_rows(outs[0], index.clamp_max(first - 1))
+    rows = gather_rows(outs[0], index.clamp_max(first - 1), kernel)
     for i in range(1, len(outs)):
         where = (index >= starts[i]) & (index < starts[i + 1])
-        later = gather_rows(outs[i], (index - starts[i]).clamp(0, outs[i].shape[2] - 1))
+        later = gather_rows(outs[i], (index - starts[i]).clamp(0, outs[i].shape[2] - 1), kernel)
         rows = torch.where(where[..., None], later, rows)
     return rows
 

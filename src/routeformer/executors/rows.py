@@ -11,10 +11,22 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+# A backend's row mover: (x (B, H, N, D), index (B, H, M), scale) -> x[..., min(index, N - 1), :] · scale, or None
+# where it does not take x (the flex executor's Triton kernel on CUDA, ``flex.rows.moved``)
+RowKernel = Callable[[Tensor, Tensor, float], "Tensor | None"]
 
-def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+
+def gather_rows(x: Tensor, index: Tensor, kernel: RowKernel | None = None) -> Tensor:
     """Rows of x (B, H, N, D) picked per (B, H) by index (B, H, M) in [0, N) -> (B, H, M, D): one index_select over
-    the flattened rows."""
+    the flattened rows (its gradient an index_add), or a backend's row ``kernel`` where it takes x (``move_rows``'
+    kinds; no gradient: for a backward, or a forward inside an autograd Function, where none is recorded)."""
+    if kernel is not None:
+        if x.requires_grad and torch.is_grad_enabled():
+            raise ValueError("gather_rows: a row kernel records no gradient; call it where autograd records none "
+                             "(an autograd Function's forward or backward)")
+        out = kernel(x, index, 1.0)
+        if out is not None:
+            return out
     B, H, N, D = x.shape
     base = torch.arange(B * H, device=x.device).view(B, H, 1) * N
     return x.reshape(B * H * N, D).index_select(0, (index + base).reshape(-1)).view(B, H, -1, D)
@@ -25,9 +37,6 @@ def rowdot(a: Tensor, b: Tensor) -> Tensor:
     CPU than (a * b).sum(-1), which writes the product out first."""
     D = a.shape[-1]
     return torch.bmm(a.reshape(-1, 1, D), b.reshape(-1, D, 1)).view(a.shape[:-1])
-
-
-RowKernel = Callable[[Tensor, Tensor, float], "Tensor | None"]
 
 
 def _moved(x: Tensor, index: Tensor, scale: float, kernel: RowKernel | None) -> Tensor:

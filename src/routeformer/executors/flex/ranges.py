@@ -58,7 +58,7 @@ def flex_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
     by_start = lo.argsort(dim=-1, stable=True)  # (B, H, M): the entry in each slot
     first, last = lo.gather(-1, by_start).contiguous(), hi.gather(-1, by_start).contiguous()
     rows = by_start // merge  # (B, H, M): each slot's query row
-    qe = gather_rows(q, rows)  # (B, H, M, D); its gradient adds the rows back (index_select)
+    qe = _Spread.apply(q, rows, by_start, merge)  # (B, H, M, D)
     valid = None if key_valid is None else key_valid.expand(B, H, N).contiguous()
 
     def allowed(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -83,7 +83,29 @@ def flex_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
     if rel_pos is not None:
         terms = _Terms(qe, k, first, last, slot_pos, key_at, valid, qa, rel_pos, scale, width)
         out = out + _value_term(terms, lse)
-    return merge_parts([RangePart(out, lse, by_start)], merge, Nq, need_lse)
+    return merge_parts([RangePart(out, lse, by_start)], merge, Nq, need_lse, kernel=moved)
+
+
+class _Spread(torch.autograd.Function):
+    """Query rows laid out in slots: slot s holds row ``rows[s]`` = by_start[s] // merge, every row in ``merge``
+    slots (M = Nq · merge). The gradient comes back without a scatter-add: the slots' gradients put in entry order
+    (by the inverse of ``by_start``, a permutation) and summed over each row's ``merge`` entries, both ways by the
+    flex row kernel where it takes the tensors (CUDA), else PyTorch's gather."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, rows: Tensor, by_start: Tensor, merge: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(by_start)
+        ctx.merge = merge
+        return gather_rows(q, rows, moved)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (by_start,) = ctx.saved_tensors
+        B, H, M, D = grad.shape
+        every = torch.arange(M, device=grad.device).expand_as(by_start)
+        slot = torch.empty_like(by_start).scatter_(-1, by_start, every)  # the slot of each entry
+        entries = gather_rows(grad, slot, moved)  # (B, H, M, D), entry i · merge + t at i · merge + t
+        return entries.view(B, H, M // ctx.merge, ctx.merge, D).sum(3), None, None, None
 
 
 def range_block_mask(first: Tensor, last: Tensor, n_keys: int, mask_mod, block: int):
