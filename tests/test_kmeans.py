@@ -173,6 +173,24 @@ def test_two_gloo_processes_keep_centroids_and_bias_bit_identical(tmp_path) -> N
     assert torch.equal(single.routing.bias, a["routing.bias"])
 
 
+def test_the_commitment_gradient_at_r_is_its_cosine_forms() -> None:
+    """At r the commitment's gradient is that of the loss it returns, mean (2 - 2 r · μ_c) over the real positions,
+    as autograd gives it (float64; r not unit, so that the squared distance's gradient would differ)."""
+    B, H, N, D, k = 2, 3, 20, 8, 5
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(B, H, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    km = SphericalKMeans(H, D, k).double()
+    km.centroids.copy_(F.normalize(torch.randn(H, k, D, generator=g, dtype=torch.float64), dim=-1))
+    keys = torch.randint(0, k, (B, H, N), generator=g)
+    valid = rand_padding(B, N, seed=4)
+    mu = km.centroids[torch.arange(H)[None, :, None], keys]
+    (got,) = torch.autograd.grad(km.commitment(r, keys, valid), r)
+    weight = valid[:, None, :].double().expand(B, H, N)
+    want_loss = ((2 - 2 * (r * mu).sum(-1)) * weight).sum() / weight.sum()
+    (want,) = torch.autograd.grad(want_loss, r)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+
+
 def test_the_commitment_is_the_centroid_distance_with_its_gradient_at_q() -> None:
     """mean (2 - 2 cos) over the real positions equals mean ||r - μ_c||² for unit vectors, whether the cosines are
     given (a router kernel's) or computed, and its analytic backward gives q the gradient autograd gives it through

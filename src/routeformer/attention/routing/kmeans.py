@@ -129,8 +129,9 @@ class SphericalKMeans(nn.Module):
         router's kernel gave it (``executors.routes.Routed``), else r · μ_c here. One form for every router: on a
         float32-orthonormal W_R, ||r - μ||² and 2 - 2 cos differ by ~1e-7 relative, and the paths would disagree.
 
-        The gradient at r is the squared distance's, 2 (r - μ_c) w / Σw (to rounding as autograd gives it for that
-        form): the forward keeps no (B, H, N, D) difference (a kernel's cosines make it a (B, H, N) pass)."""
+        The gradient at r is that form's own, -2 μ_c w / Σw; at the queries it is the squared distance's (the two
+        differ along r, which the normalisation before W_R drops). The forward keeps no (B, H, N, D) tensor (a
+        kernel's cosines make it a (B, H, N) pass), nor does the backward need r."""
         if cosine is None:
             with torch.no_grad():
                 H = self.heads
@@ -284,10 +285,13 @@ def spherical_kmeans(x: Tensor, k: int, iters: int, seed: int = 0) -> Tensor:
 
 
 class _Commitment(torch.autograd.Function):
-    """``SphericalKMeans.commitment``: the loss from the cosines; its gradient at r the squared distance's,
-    2 (r - μ_c) w / Σw. The difference r - μ_c is made in the backward only, in two passes over (B, H, N, D) after
-    gathering the centroids by row (``index_select``: at 16k positions and 8 heads 3.0 ms against 5-7 for indexing by
-    (head, cluster) pairs; the whole backward 10 ms against 22, docs/benchmarks.md)."""
+    """``SphericalKMeans.commitment``: the loss from the cosines, mean (2 - 2 r · μ_c), and its own gradient at r,
+    -2 μ_c w / Σw. The squared distance's, 2 (r - μ_c) w / Σw, differs from it by 2 r w / Σw, which never reaches q:
+    r is the unit vector x / |x| turned by W_R (orthonormal), and the normalisation's backward drops what lies along
+    x / |x| (test_kmeans checks q's gradient against the distance's under autograd). So r is not kept for the
+    backward (at 65,536 positions and 8 heads, 128 MiB of float32 a routing layer no longer holds), and the backward
+    is one pass over (B, H, N, D) after gathering the centroids by row (``index_select``: at 16k positions and 8
+    heads 3.0 ms against 5-7 for indexing by (head, cluster) pairs, docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, r, centroids, clusters, cosine, valid):  # type: ignore[override]
@@ -299,18 +303,19 @@ class _Commitment(torch.autograd.Function):
             weight = valid[:, None, :].to(err.dtype)  # (B, 1, N)
             total = (weight.sum() * err.shape[1]).clamp_min(1.0)
             loss = (err * weight).sum() / total
-        ctx.save_for_backward(r, centroids, clusters, weight)
+        ctx.save_for_backward(centroids, clusters, weight)
         ctx.twice_share = 2.0 / total  # a number, or a 0-d tensor with padding
+        ctx.shape, ctx.dtype = r.shape, r.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        r, centroids, clusters, weight = ctx.saved_tensors
+        centroids, clusters, weight = ctx.saved_tensors
         H, k, D = centroids.shape
         rows = (torch.arange(0, H * k, k, device=clusters.device)[None, :, None] + clusters).reshape(-1)  # (B·H·N,)
-        mu = centroids.reshape(H * k, D).index_select(0, rows).view(r.shape)  # (B, H, N, D)
-        acc = torch.promote_types(r.dtype, torch.float32)
-        per_position = grad * ctx.twice_share  # the squared distance's 2, and the mean's (or weighted sum's)
+        mu = centroids.reshape(H * k, D).index_select(0, rows).view(ctx.shape)  # (B, H, N, D), a fresh tensor
+        acc = torch.promote_types(ctx.dtype, torch.float32)
+        per_position = grad * -ctx.twice_share  # the distance's -2 on μ_c, and the mean's (or weighted sum's)
         if weight is not None:
             per_position = (per_position * weight)[..., None]  # (B, 1, N, 1): 0 on padding
-        return (r.to(acc) - mu.to(acc)).mul_(per_position).to(r.dtype), None, None, None, None
+        return mu.to(acc).mul_(per_position).to(ctx.dtype), None, None, None, None

@@ -144,14 +144,14 @@ class Router(nn.Module):
             return rq, (rq if len(xs) == 1 else turn(xs[1], proj))
 
     def unturned(self, q: Tensor, k: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
-        """What W_R turns into routing vectors once normalised, in float32 or wider: (q,) with shared QK, (n(q) +
-        n(k),) joint, (q, k) separate; and W_R (H, D, D) in their dtype."""
+        """What W_R turns into routing vectors once normalised: (q,) with shared QK, (q, k) separate, in their own
+        dtype (``turn`` computes in W_R's), (n(q) + n(k),) joint; and W_R (H, D, D) in float32 or wider."""
         acc = torch.promote_types(q.dtype, torch.float32)
         proj = self.projection.to(acc)
         if self.separate:
-            return (q.to(acc), k.to(acc)), proj
+            return (q, k), proj
         if self.shared_qk:
-            return (q.to(acc),), proj
+            return (q,), proj
         return (F.normalize(q.to(acc), dim=-1) + F.normalize(k.to(acc), dim=-1),), proj
 
     def _biased(self, scores: Tensor) -> Tensor:
@@ -199,7 +199,7 @@ class Router(nn.Module):
         turned = []
         with _autocast_off(q.device):
             for x in xs:  # the executor's kernel for normalise-and-turn (``Executor.vectors_run``) where it has one
-                r = None if runner is None or runner.vectors_run is None else runner.vectors_run(x, proj)
+                r = None if runner is None or runner.vectors_run is None else runner.vectors_run(x.to(proj.dtype), proj)
                 turned.append(turn(x, proj) if r is None else r)
         rq, rk = turned[0], turned[-1]
         route_run = None if runner is None else runner.route_run
@@ -296,34 +296,41 @@ NORM_EPS = 1e-12  # F.normalize's: a vector shorter than this is divided by it
 
 
 def turn(x: Tensor, projection: Tensor) -> Tensor:
-    """The routing vectors of x (B, H, N, D): normalise(x) · W_R per head, W_R = projection (H, D, D), as
-    ``F.normalize`` and an einsum compute it; the gradient reaches x (W_R is a fixed buffer; one that requires a
-    gradient takes autograd's own path)."""
+    """The routing vectors of x (B, H, N, D): normalise(x) · W_R per head, W_R = projection (H, D, D), computed in
+    W_R's dtype (float32 or wider) as ``F.normalize`` and an einsum compute it; the gradient reaches x in its own
+    dtype (W_R is a fixed buffer; one that requires a gradient takes autograd's own path)."""
     if projection.requires_grad:
-        return torch.einsum("bhnd,hde->bhne", F.normalize(x, dim=-1, eps=NORM_EPS), projection)
+        return torch.einsum("bhnd,hde->bhne", F.normalize(x.to(projection.dtype), dim=-1, eps=NORM_EPS), projection)
     return _Turn.apply(x, projection)
 
 
 class _Turn(torch.autograd.Function):
-    """normalise(x) · W_R with a backward of one matmul and a few (B, H, N, D) passes: autograd's backward of
-    F.normalize takes about a dozen (on a GPU each a pass over N · D float32 per head, ~0.1 ms at N = 65,536)."""
+    """normalise(x) · W_R with a backward of one matmul and a few (B, H, N, D) passes (autograd's backward of
+    F.normalize takes about a dozen: on a GPU each a pass over N · D float32 per head, ~0.1 ms at N = 65,536). It
+    keeps x as it came (a bfloat16 model's q: half the bytes of the float32 unit vectors, 64 MiB a layer at 65,536
+    positions and 8 heads) and recomputes the unit vectors in the backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, projection: Tensor) -> Tensor:  # type: ignore[override]
-        length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (B, H, N, 1)
-        clamped = length < NORM_EPS
-        norm = length.clamp_min(NORM_EPS)
-        y = x / norm
-        ctx.save_for_backward(y, norm, clamped, projection)
+        ctx.save_for_backward(x, projection)
+        y, _, _ = _unit(x.to(projection.dtype))
         return torch.einsum("bhnd,hde->bhne", y, projection)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        y, norm, clamped, projection = ctx.saved_tensors
+        x, projection = ctx.saved_tensors
+        y, norm, clamped = _unit(x.to(projection.dtype))
         gy = torch.einsum("bhne,hde->bhnd", grad, projection)  # (B, H, N, D)
         # d(x / |x|) = (g - y (y · g)) / |x|; a clamped length divides x by a constant: g / eps
         radial = (y * gy).sum(-1, keepdim=True).masked_fill_(clamped, 0.0)
-        return (gy - y * radial) / norm, None
+        return ((gy - y * radial) / norm).to(x.dtype), None
+
+
+def _unit(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x / max(|x|, eps) as ``F.normalize`` computes it, with the divisor (..., 1) and where it was clamped."""
+    length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (B, H, N, 1)
+    norm = length.clamp_min(NORM_EPS)
+    return x / norm, norm, length < NORM_EPS
 
 
 def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
