@@ -167,7 +167,7 @@ def test_the_rows_of_later_parts_are_picked_without_a_host_read() -> None:
     outs = (torch.randn(2, 3, 10, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g))
     index = torch.randint(0, 14, (2, 3, 7), generator=g)
     with host_reads() as reads:
-        rows = _pick(outs, [0, 10, 14], index)
+        rows = _pick(outs, [0, 10, 14], index, None)
     assert reads.found == []
     laid = torch.cat(outs, 2)
     assert torch.equal(rows, laid.gather(2, index[..., None].expand(-1, -1, -1, 4)))
