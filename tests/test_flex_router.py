@@ -163,16 +163,21 @@ def test_a_routing_layer_trains_the_same_on_the_kernels(probes: int, balance: fl
             layer.update()
             steps.append({name: b.clone() for name, b in layer.named_buffers()})
         results.append(steps)
-    for a, b in zip(*results, strict=True):
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        step = f"step {i // 2}"  # each message names the step and the value (a GPU run's log is all one reads)
         if isinstance(a, dict):
             assert a.keys() == b.keys()
             for name in a:
-                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, name=name, step=step: f"{step}, {name} after the update: {m}")
         else:
-            torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
-            for x, y in zip(a[1], b[1], strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, step=step: f"{step}, output: {m}")
+            for what, x, y in zip(("q", "v"), a[1], b[1], strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, what=what, step=step: f"{step}, gradient at {what}: {m}")
+            torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, step=step: f"{step}, commitment: {m}")
 
 
 @kernels
@@ -241,5 +246,5 @@ def test_a_moba_model_selects_the_same_on_the_kernel() -> None:
         q, k, v = (torch.randn(1, 2, 60, 8, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
         out = heads(q, k, v, None)
         results.append((out.detach(), *torch.autograd.grad(out.square().sum(), [q, k, v])))
-    for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for what, a, b in zip(("output", "gradient at q", "gradient at k", "gradient at v"), *results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
