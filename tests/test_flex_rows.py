@@ -64,8 +64,9 @@ def test_move_rows_sorts_and_unsorts_with_its_gradient_on_the_kernel() -> None:
 @pytest.mark.parametrize("probes", [2, 3])
 def test_multi_probe_routing_is_the_same_with_the_row_kernel(monkeypatch, probes: int) -> None:
     """A multi-probe routing layer on the flex executor (its ranges: the keys sorted, the queries spread into slots,
-    the slots merged), float64, with the flex row kernel doing every move and gather (on the CPU its body under the
-    interpreter) and with PyTorch's gathers: the same output and gradients."""
+    the slots merged), float64, with the flex row kernel doing every move and gather (its body, launched directly:
+    under the interpreter on the CPU) and with PyTorch's gathers (the kernel declining every tensor, as on the CPU):
+    the same output and gradients, on either device."""
     from routeformer.attention.routing import RoutingAttention, RoutingOptions
     from routeformer.executors import get_executor
     from routeformer.executors.flex import ranges, rows
@@ -76,8 +77,7 @@ def test_multi_probe_routing_is_the_same_with_the_row_kernel(monkeypatch, probes
     layer.executor = get_executor("flex")
     results = []
     for kernel in (False, True):
-        if kernel and not CUDA:  # as on CUDA: ``moved`` takes the tensors
-            monkeypatch.setattr(ranges, "moved", lambda x, index, scale: rows.launch(x, index, scale))
+        monkeypatch.setattr(ranges, "moved", rows.launch if kernel else lambda x, index, scale: None)
         x = [t.clone().to(DEVICE).requires_grad_() for t in (q, v)]
         out = layer.to(DEVICE)(x[0], x[0], x[1])
         results.append((out.detach(), *torch.autograd.grad(out.square().sum(), x)))

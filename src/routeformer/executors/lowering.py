@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .inputs import Inputs
-from .rows import RowKernel, move_rows
+from .rows import RowKernel, inverse_order, move_rows
 from .tiling import KeyRestrictions, Tiling
 
 
@@ -33,8 +33,7 @@ def to_order(inputs: Inputs, order: Tensor, inverse: Tensor | None = None,
     q, k, v = inputs.q, inputs.k, inputs.v
     order = order.to(torch.long)
     if inverse is None:
-        inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                   .expand_as(order))
+        inverse = inverse_order(order)
     qs, vs = (move_rows(x, order, inverse, unreached=False, kernel=kernel) for x in (q, v))
     ks = qs if k is q else move_rows(k, order, inverse, unreached=False, kernel=kernel)
     return inputs.with_(q=qs, k=ks, v=vs), inverse

@@ -16,6 +16,12 @@ from torch import Tensor
 RowKernel = Callable[[Tensor, Tensor, float], "Tensor | None"]
 
 
+def inverse_order(order: Tensor) -> Tensor:
+    """The inverse of the permutations ``order`` (..., N) along the last dim: inverse[..., order[..., j]] = j."""
+    n = order.shape[-1]
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+
+
 def gather_rows(x: Tensor, index: Tensor, kernel: RowKernel | None = None) -> Tensor:
     """Rows of x (B, H, N, D) picked per (B, H) by index (B, H, M) in [0, N) -> (B, H, M, D): one index_select over
     the flattened rows (its gradient an index_add), or a backend's row ``kernel`` where it takes x (``move_rows``'

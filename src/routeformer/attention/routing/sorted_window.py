@@ -18,7 +18,6 @@ from ...executors import Executor
 from ...executors.inputs import Inputs, relative
 from ...executors.pieces import SortedWindow
 from ...executors.relative import RelativePositions
-from ...executors.rows import move_rows
 from ...executors.tiling import Distances, KeyRestrictions
 from .options import RoutingOptions
 
@@ -43,6 +42,8 @@ def sort_by_cluster(clusters: Tensor, num_clusters: int | None = None) -> Cluste
     n = clusters.shape[-1]
     pos = torch.arange(n, device=clusters.device)
     order = (clusters * n + pos).argsort(-1)  # keys are unique, so the order is the stable one
+    # the inverse written here rather than by executors.rows.inverse_order: LSH's forward would reach an executor
+    # module one frame deeper than test_hops allows
     inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
     grouped = clusters.gather(-1, order)
     if num_clusters is None:
@@ -59,12 +60,6 @@ def drop_own_key(allow: Tensor, own: Tensor) -> Tensor:
     the only one allowed."""
     others = (allow & ~own).any(-1, keepdim=True)
     return allow & ~(own & others)
-
-
-def permute_seq(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
-    """x (B, H, N, D) reordered along N by the permutation ``order`` (B, H, N), whose inverse is ``inverse``; the
-    gradient is reordered by the inverse (a gather, not the zero-filled scatter-add of a general gather)."""
-    return move_rows(x, order, inverse, unreached=False)
 
 
 def sorted_window_attention(

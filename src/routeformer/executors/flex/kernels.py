@@ -14,8 +14,8 @@ them on CPU tensors for the tests).
   cluster and back), scaled on the way.
 
 On a GPU the scores are float32 dot products on the tensor cores in three TF32 passes (``tf32x3``: the operands
-split into a high and a low TF32 part, float32's accuracy to ~1e-6); ``choose``'s tiles are tuned once per (k, D)
-by Triton's autotuner. Under the interpreter (CPU tensors) every dot is exact float32 and one tile is used.
+split into a high and a low TF32 part, float32's accuracy to ~1e-6); ``choose``'s tiles are tuned once per (k, D,
+probes) by Triton's autotuner. Under the interpreter (CPU tensors) every dot is exact float32 and one tile is used.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # the scores' dot products: three TF32 passes on a GPU's tensor cores (float32 on its CUDA cores is ~10x slower:
 # 2.4 ms of a 8.4 ms routing step at N = 65,536, k = 256 on an H200, docs/gpu.md); exact under the interpreter
 DOT_PRECISION = tl.constexpr("ieee" if INTERPRETED else "tf32x3")
-# choose's tiles (rows, clusters, warps): the autotuner times each once per (k, D) on the GPU
+# choose's tiles (rows, clusters, warps): the autotuner times those that fit k once per (k, D, probes) on the GPU
 CHOOSE_TILES = [(64, 32, 4)] if INTERPRETED else [(64, 32, 4), (64, 64, 4), (128, 64, 8), (64, 128, 4),
                                                    (128, 128, 8), (128, 32, 4)]
 

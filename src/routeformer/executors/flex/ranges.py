@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..inputs import Inputs
 from ..ranges import KeyOrder, RangePart, Ranges, merge_parts
 from ..relative import RelativePositions
-from ..rows import gather_rows, move_rows
+from ..rows import gather_rows, inverse_order, move_rows
 from .blocks import BLOCK, ordered_blocks
 from .call import flex_call
 from .rows import moved
@@ -102,9 +102,7 @@ class _Spread(torch.autograd.Function):
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         (by_start,) = ctx.saved_tensors
         B, H, M, D = grad.shape
-        every = torch.arange(M, device=grad.device).expand_as(by_start)
-        slot = torch.empty_like(by_start).scatter_(-1, by_start, every)  # the slot of each entry
-        entries = gather_rows(grad, slot, moved)  # (B, H, M, D), entry i · merge + t at i · merge + t
+        entries = gather_rows(grad, inverse_order(by_start), moved)  # (B, H, M, D): entry e in row e
         return entries.view(B, H, M // ctx.merge, ctx.merge, D).sum(3), None, None, None
 
 

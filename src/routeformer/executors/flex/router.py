@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..routes import Routed, routed_like
+from ..rows import inverse_order
 
 REDUCE_ROWS = 64  # sorted positions per step of ``reduce``
 
@@ -55,7 +56,7 @@ def launch(r: Tensor, centroids: Tensor, bias: Tensor | None, valid: Tensor | No
     kernels.choose[grid](r, centroids, centroids if bias is None else bias, chosen, cosine, counts, N, H, k, D,
                          HAS_BIAS=bias is not None, P=probes, P_PAD=kernels.next_pow2(probes), BLOCK_D=block_d)
     grouped, order = torch.sort(chosen[..., 0], dim=-1, stable=True)  # by (cluster, position)
-    inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=dev).expand(B, H, N))
+    inverse = inverse_order(order)
     if observe:
         sums = torch.empty(H, k, D, dtype=torch.float32, device=dev)
         weights = torch.empty(H, k, dtype=torch.float32, device=dev)

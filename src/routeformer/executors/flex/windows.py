@@ -61,8 +61,9 @@ def sorted_window(inputs: Inputs, piece: SortedWindow, *, restrict: KeyRestricti
     label_window = 0 if restrict is None else restrict.label_window
 
     # The rule reads one int32 bound per row where the other follows from it (causal: hi_s is s, s - 1, or s - 1
-    # unless the row is alone), and skips the index checks where N fills whole blocks: the kernel evaluates it on
-    # every pair of a partial block, so each load and comparison here is paid ~window times per row.
+    # unless the row is alone, as ``SortedWindow.intervals`` makes it; test_flex_windows holds the two together),
+    # and skips the index checks where N fills whole blocks: the kernel evaluates it on every pair of a partial
+    # block, so each load and comparison here is paid ~window times per row.
     lo32, hi32 = lo.to(torch.int32), None if piece.causal else hi.to(torch.int32)
     ragged = N % blocks.BLOCK != 0  # the last block's padding is evaluated too: clamp and test the indices
 
