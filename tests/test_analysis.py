@@ -573,6 +573,40 @@ def test_routing_use_against_a_direct_computation() -> None:
     assert all(p.query - p.key >= 4 for p in use.top)
 
 
+def test_routing_use_far_recurring_queries_against_loops() -> None:
+    """The mass beyond the local window over only the queries whose last 2 tokens last occurred 4 or more back
+    (where a copy must come from beyond the window), recomputed with plain loops on a small alphabet."""
+    from routeformer.analysis.routing import routing_use
+
+    model = tiny()
+    batches = [tokens(batch=2, seed=s) % 5 for s in range(2)]  # contexts recur, near and far
+    use = routing_use(model, batches, local_window=4, top=5, context=2)
+
+    def far(x, r, q) -> bool:
+        earlier = [s for s in range(1, q) if x[r, s - 1:s + 1].tolist() == x[r, q - 1:q + 1].tolist()]
+        return bool(earlier) and q - earlier[-1] >= 4
+
+    far_mass, far_count = {}, 0
+    for x in batches:
+        far_count += sum(far(x, r, q) for r in range(x.shape[0]) for q in range(1, 24))
+        for call in capture(model, x):
+            if call.kind != "routing":
+                continue
+            w = call.group.reference_weights(call.q, call.k, call.rel_pos).detach()
+            for r in range(w.shape[0]):
+                for q in range(1, 24):
+                    if far(x, r, q):
+                        for i, h in enumerate(call.heads):
+                            key = (call.layer, h)
+                            far_mass[key] = far_mass.get(key, 0.0) + float(w[r, i, q, :q - 3].sum())
+    assert use.far_queries == far_count > 0
+    assert 0 < far_count < 4 * 24  # some queries recur far, not all: the condition selects
+    assert sorted(use.far_beyond) == sorted(far_mass) == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    for key, total in far_mass.items():
+        assert use.far_beyond[key] == pytest.approx(total / far_count, abs=1e-12)
+        assert use.far_beyond[key] != pytest.approx(use.beyond[key], abs=1e-6)  # not the mean over all queries
+
+
 def test_recurrence_distances_and_loss_by_recurrence_against_loops() -> None:
     from routeformer.analysis.routing import loss_by_recurrence, recurrence_distances
 

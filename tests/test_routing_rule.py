@@ -187,7 +187,7 @@ def test_a_warm_up_length_without_a_warm_up_changes_nothing() -> None:
 
 
 def test_cut_sequences_keeps_every_next_token_prediction() -> None:
-    from routeformer.train.loop import cut_sequences
+    from routeformer.data.loader import cut_sequences
 
     tokens = torch.arange(2 * 13).view(2, 13)  # (B, L + 1) with L = 12
     pieces = cut_sequences(tokens, 4)

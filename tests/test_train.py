@@ -374,6 +374,10 @@ def test_bad_inputs_are_one_line_errors(setup, capsys, tmp_path) -> None:
     assert "repeat_share must be a fraction in (0, 1], got 0" in _error(capsys, base + ["--set", "repeat_share=0"])
     assert "repeat_steps must be a non-negative integer, got -1" in _error(capsys,
                                                                           base + ["--set", "repeat_steps=-1"])
+    assert "a length warm-up needs both short_steps and short_len (or neither), got short_steps=3 and short_len=0" \
+        in _error(capsys, base + ["--set", "short_steps=3"])
+    assert "short_len (5) must be shorter than seq_len (32) and divide it" in _error(
+        capsys, base + ["--set", "short_steps=3", "--set", "short_len=5"])
     assert "factorized positions of image_shape [2, 4, 4] need seq_len = 32 and data in samples of 32" in _error(
         capsys, base + ["--set", "positions=factorized", "--set", "image_shape=[2, 4, 4]"])  # text, not images
     assert "no such file, and not a shipped configuration" in _error(capsys, ["train", "--config", "nope"])
@@ -602,6 +606,34 @@ def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatc
     assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
                  "--max-steps", "5") == 0
     assert seen == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
+
+
+def test_a_length_warm_up_trains_short_rows_first_with_the_repeats_drawn_within_them(setup, monkeypatch,
+                                                                                     capsys) -> None:
+    """short_steps / short_len: the first steps train on each row cut into rows of short_len (the same tokens), and
+    a curriculum's repeats are drawn within the short rows (periods in [short_len / 8, short_len / 2]); then rows
+    of seq_len with repeats drawn within them (periods up to seq_len / 2); the banner names both."""
+    from routeformer.model import TransformerLM
+
+    seen = []
+    forward = TransformerLM.forward
+
+    def recording(self, tokens, *args, **kwargs):
+        if self.training:
+            seen.append(tokens.clone())
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "forward", recording)
+    run = setup["root"] / "short-rows-first"
+    assert train(setup, run, "--set", "short_steps=3", "--set", "short_len=8", "--set", "repeat_steps=5",
+                 "--set", "repeat_share=1", "--max-steps", "6") == 0
+    assert "batch 4, rows of 8 over the first 3 steps, 100% of rows repeated text over the first 5 steps" \
+        in capsys.readouterr().out
+    assert [tuple(t.shape) for t in seen] == [(16, 8)] * 3 + [(4, 32)] * 3
+    assert all(1 <= (period(row, range(1, 8)) or 0) <= 4 for batch in seen[:3] for row in batch)
+    long_periods = [period(row, range(1, 32)) or 0 for batch in seen[3:5] for row in batch]
+    assert all(4 <= p <= 16 for p in long_periods) and max(long_periods) > 8  # beyond what a short row holds
+    assert all(period(row, range(1, 17)) is None for row in seen[5])  # after the curriculum: the data's rows
 
 
 def test_a_curriculum_of_repeats_feeds_repeated_rows_to_its_first_steps_only(setup, tmp_path, monkeypatch,

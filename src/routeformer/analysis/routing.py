@@ -46,12 +46,17 @@ class RoutedPair:
 class RoutingUse:
     """``routing_use``'s result. ``beyond``: per (layer, head), the mean over queries of the attention mass at
     distance >= ``local_window``; ``mass``: per (layer, head), the mean mass per query in each distance bin
-    [edges[b], edges[b + 1]); ``top``: the most-attended pairs beyond the local window, heaviest first."""
+    [edges[b], edges[b + 1]); ``far_beyond``: per (layer, head), the mean mass at distance >= ``local_window`` over
+    only the queries whose ``context`` tokens last occurred at that distance or more (``recurrence_distances``),
+    ``far_queries`` of them (nan when there are none); ``top``: the most-attended pairs beyond the local window,
+    heaviest first."""
 
     local_window: int
     context: int
     edges: list[int]
     beyond: dict[tuple[int, int], float] = field(default_factory=dict)
+    far_beyond: dict[tuple[int, int], float] = field(default_factory=dict)
+    far_queries: int = 0
     mass: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     top: list[RoutedPair] = field(default_factory=list)
 
@@ -86,13 +91,17 @@ def routing_use(model: TransformerLM, batches: list[Tensor], local_window: int, 
     n = batches[0].shape[1]
     use = RoutingUse(local_window, context, distance_edges(local_window, n))
     sums: dict[tuple[int, int], Tensor] = {}
-    queries = 0
+    far_sums: dict[tuple[int, int], float] = {}
+    queries = far_queries = 0
     idx = torch.arange(n)
     distance = idx[:, None] - idx[None, :]  # (N, N): i - j
     bins = torch.bucketize(distance.clamp_min(0), torch.tensor(use.edges[1:-1]), right=True)  # (N, N) bin index
     candidates: list[RoutedPair] = []
     for b, tokens in enumerate(batches):
         queries += tokens.shape[0] * n
+        # (B, N): the queries whose context last occurred beyond the local window
+        recurs_far = torch.stack([recurrence_distances(row, context) >= local_window for row in tokens.cpu()])
+        far_queries += int(recurs_far.sum())
         for call in capture(model, tokens):
             if call.group.num_clusters is None:  # not a group that routes
                 continue
@@ -102,6 +111,10 @@ def routing_use(model: TransformerLM, batches: list[Tensor], local_window: int, 
             for i, h in enumerate(call.heads):
                 sums[(call.layer, h)] = sums.get((call.layer, h), 0) + per_bin[:, i].sum(0)
             far = w * (distance >= local_window)  # the routed pairs no local head reaches
+            far_mass = far.sum(-1)  # (B, h, N): each query's mass beyond the local window
+            for i, h in enumerate(call.heads):
+                key = (call.layer, h)
+                far_sums[key] = far_sums.get(key, 0.0) + float(far_mass[:, i][recurs_far].sum())
             weights, flat = far.flatten(1).topk(min(top, far[0].numel()), dim=-1)  # per window row
             for row in range(w.shape[0]):
                 for value, f in zip(weights[row].tolist(), flat[row].tolist(), strict=True):
@@ -115,6 +128,8 @@ def routing_use(model: TransformerLM, batches: list[Tensor], local_window: int, 
     for key, total in sorted(sums.items()):
         use.mass[key] = (total / queries).tolist()
         use.beyond[key] = float(total[1:].sum() / queries)
+        use.far_beyond[key] = far_sums[key] / far_queries if far_queries else float("nan")
+    use.far_queries = far_queries
     use.top = candidates
     return use
 
@@ -184,11 +199,14 @@ def format_use(use: RoutingUse, show: Callable[[RoutedPair, int], str]) -> str:
     """The tables of ``routing_use``: mass beyond the local window and by distance per head, then the top pairs
     with their contexts (``show(pair, position)`` -> the text up to that position)."""
     labels = [f"{lo}-{hi - 1}" for lo, hi in zip(use.edges[:-1], use.edges[1:], strict=True)]
-    lines = ["| layer | head | beyond the local window % | " + " | ".join(f"mass at {x} %" for x in labels) + " |",
-             "|---:|---:|---:|" + "---:|" * len(labels)]
+    lines = ["| layer | head | beyond the local window % | beyond it on far-recurring queries % | "
+             + " | ".join(f"mass at {x} %" for x in labels) + " |",
+             "|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for (layer, head), beyond in use.beyond.items():
-        lines.append(f"| {layer} | {head} | {100 * beyond:.1f} | "
+        lines.append(f"| {layer} | {head} | {100 * beyond:.1f} | {100 * use.far_beyond[(layer, head)]:.1f} | "
                      + " | ".join(f"{100 * m:.1f}" for m in use.mass[(layer, head)]) + " |")
+    lines.append(f"Far-recurring queries: {use.far_queries}, those whose last {use.context} tokens last occurred "
+                 f"{use.local_window} or more back in the window (where a copy must come from beyond the local window)")
     lines.append("")
     lines.append(f"The {len(use.top)} most-attended routed pairs at distance >= {use.local_window}: "
                  f"{100 * use.matching:.0f}% have the same {use.context} tokens ending at the query and at the key")

@@ -47,9 +47,11 @@ class BatchSampler:
         starts = (len(self.tokens) - self.seq_len - 1) // self.align + 1  # windows that fit, at aligned starts
         return torch.randint(0, starts, (self.batch_size,), generator=gen) * self.align
 
-    def batch(self, step: int, micro: int = 0, micro_batches: int = 1) -> torch.Tensor:
+    def batch(self, step: int, micro: int = 0, micro_batches: int = 1, length: int | None = None) -> torch.Tensor:
         """This rank's share of micro-batch ``micro`` of step ``step``: (batch_size / (world · micro_batches),
-        seq_len + 1) int64 tokens."""
+        seq_len + 1) int64 tokens; with ``length`` < seq_len (a warm-up on shorter rows), each row cut into
+        seq_len / length rows of length + 1 (``cut_sequences``) before a curriculum's repeats are drawn for
+        them."""
         per = self.batch_size // self.world
         if per % micro_batches:
             raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
@@ -58,10 +60,24 @@ class BatchSampler:
         mine = self.offsets(step)[first:first + size]
         rows = torch.from_numpy(np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
                                           for o in mine.tolist()]))
+        pieces = 1
+        if length is not None and length < self.seq_len:
+            pieces = self.seq_len // length
+            rows = cut_sequences(rows, length)
         if self.repeats is None:
             return rows
-        lengths = self.repeats.lengths(self.seed, step, self.batch_size, self.seq_len)  # zeros after its steps
-        return repeat_rows(rows, lengths[first:first + size])
+        # drawn over the global batch's rows (cut or not), so that ranks and micro-batches see one run's rows
+        lengths = self.repeats.lengths(self.seed, step, self.batch_size * pieces, rows.shape[1] - 1)
+        return repeat_rows(rows, lengths[first * pieces:(first + size) * pieces])
+
+
+def cut_sequences(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, L + 1) training tokens (inputs and the next token) -> (B · L / length, length + 1): each sequence cut
+    into L / length sequences, the same tokens predicted from a shorter context (L a multiple of length)."""
+    B, L = tokens.shape[0], tokens.shape[1] - 1
+    if L % length:
+        raise DataError(f"cannot cut sequences of {L} tokens into pieces of {length}")
+    return tokens.unfold(1, length + 1, length).reshape(B * (L // length), length + 1)
 
 
 def eval_windows(n: int, seq_len: int, stride: int | None = None) -> list[tuple[int, int]]:

@@ -49,6 +49,10 @@ class TrainConfig:
     repeat_steps, repeat_share: a curriculum of repeated text (``data.repeats.RepeatCurriculum``): in steps
     1..repeat_steps each training row is, with probability repeat_share, its own first seq_len/8 to seq_len/2
     tokens over and over, so that the model learns early to copy what it has read; 0 steps: none.
+    short_steps, short_len: a length warm-up (short rows first): in steps 1..short_steps every row of seq_len
+    tokens is cut into rows of short_len (the same tokens, seq_len / short_len times as many rows), and a
+    curriculum's repeats are drawn within those rows (so that its copies lie within what the short rows show);
+    0 steps: none. short_len must divide seq_len (checked against the model).
     """
 
     data: str = "stdlib"
@@ -71,6 +75,8 @@ class TrainConfig:
     eval_overlap: float = 0.0
     repeat_steps: int = 0
     repeat_share: float = 0.5
+    short_steps: int = 0
+    short_len: int = 0
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
@@ -81,14 +87,22 @@ class TrainConfig:
     wandb: str | None = None
     sample_tokens: int = 300
 
+    def train_len(self, step: int, seq_len: int) -> int:
+        """The row length of optimiser step ``step`` (1-based) for a model of ``seq_len``: short_len during the
+        length warm-up, else seq_len."""
+        return self.short_len if step <= self.short_steps else seq_len
+
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "warmup_steps", "max_steps", "decay_steps", "eval_every",
-                     "eval_tokens", "log_every", "repeat_steps"):
+                     "eval_tokens", "log_every", "repeat_steps", "short_steps", "short_len"):
             value = getattr(self, name)
-            may_be_zero = name in ("warmup_steps", "decay_steps", "repeat_steps")
+            may_be_zero = name in ("warmup_steps", "decay_steps", "repeat_steps", "short_steps", "short_len")
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
+        if (self.short_steps == 0) != (self.short_len == 0):
+            raise ValueError(f"a length warm-up needs both short_steps and short_len (or neither), got "
+                             f"short_steps={self.short_steps} and short_len={self.short_len}")
         overlap = self.eval_overlap
         if isinstance(overlap, bool) or not isinstance(overlap, numbers.Real) or not 0 <= overlap < 1:
             raise ValueError(f"eval_overlap must be a fraction in [0, 1), got {overlap!r}")

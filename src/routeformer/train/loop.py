@@ -193,13 +193,12 @@ class Loop:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
-        length = self.core.config.train_len(step - 1)  # shorter during a warm-up that asks for it
+        # shorter rows during a warm-up that asks for them (the routing heads' dense one, or the length warm-up)
+        length = min(self.core.config.train_len(step - 1), cfg.train_len(step, self.seq_len))
         for micro in range(cfg.grad_accum):
-            tokens = self.sampler.batch(step, micro, cfg.grad_accum)
+            tokens = self.sampler.batch(step, micro, cfg.grad_accum, length)  # cut, then a curriculum's repeats
             check_token_ids(tokens, self.core.config.vocab_size)  # on the host: no device sync
             tokens = tokens.to(self.procs.device, non_blocking=True)
-            if length < self.seq_len:
-                tokens = cut_sequences(tokens, length)
             last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with self.parallel.autocast():
@@ -218,15 +217,6 @@ class Loop:
         self.core.after_optimizer_step(step)
         # This rank's loss (one device-to-host copy a step, not one per micro-batch); the loop averages ranks.
         return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
-
-
-def cut_sequences(tokens: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, L + 1) training tokens (inputs and the next token) -> (B · L / length, length + 1): each sequence cut
-    into L / length sequences, the same tokens predicted from a shorter context (L a multiple of length)."""
-    B, L = tokens.shape[0], tokens.shape[1] - 1
-    if L % length:
-        raise ValueError(f"cannot cut sequences of {L} tokens into pieces of {length}")
-    return tokens.unfold(1, length + 1, length).reshape(B * (L // length), length + 1)
 
 
 BUDGET_CHECK_STEPS = 10  # the time budget is compared with max_steps once: this many steps after the first (or a tenth

@@ -94,6 +94,9 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         progress = checkpointer.restore(state)
     forward = parallel.training_forward(model, progress.compiled_from, progress.step + 1)  # last: it wraps model
     directory.open_log(progress.step)
+    if cfg.short_steps and not (cfg.short_len < run.model.seq_len and run.model.seq_len % cfg.short_len == 0):
+        raise DataError(f"short_len ({cfg.short_len}) must be shorter than seq_len ({run.model.seq_len}) and divide "
+                        f"it: the length warm-up cuts each row into rows that long")
     repeats = RepeatCurriculum(cfg.repeat_steps, cfg.repeat_share) if cfg.repeat_steps else None
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
                            world=procs.world, align=data.meta.sample_length or 1, repeats=repeats)
@@ -136,10 +139,11 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
 
 
 def _repeats_note(cfg: TrainConfig) -> str:
-    """The banner's mention of the curriculum of repeated text, if the run has one."""
+    """The banner's mention of the length warm-up and the curriculum of repeated text, where the run has them."""
+    note = f", rows of {cfg.short_len} over the first {cfg.short_steps} steps" if cfg.short_steps else ""
     if not cfg.repeat_steps:
-        return ""
-    return f", {cfg.repeat_share:.0%} of rows repeated text over the first {cfg.repeat_steps} steps"
+        return note
+    return note + f", {cfg.repeat_share:.0%} of rows repeated text over the first {cfg.repeat_steps} steps"
 
 
 @contextlib.contextmanager
