@@ -588,34 +588,11 @@ def test_version(capsys) -> None:
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"routeformer {__version__}"
 
 
-def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatch) -> None:
-    """routing_warmup_len: while routing's warm-up lasts, the trainer cuts each batch into shorter sequences (the
-    same tokens); then it trains at seq_len."""
+def recorded_training_inputs(monkeypatch) -> list[torch.Tensor]:
+    """The token inputs of every training forward from now on (a copy of each), in order."""
     from routeformer.model import TransformerLM
 
-    seen = []
-    forward = TransformerLM.forward
-
-    def recording(self, tokens, *args, **kwargs):
-        if self.training:
-            seen.append(tuple(tokens.shape))
-        return forward(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(TransformerLM, "forward", recording)
-    run = setup["root"] / "short-warm-up"
-    assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
-                 "--max-steps", "5") == 0
-    assert seen == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
-
-
-def test_a_length_warm_up_trains_short_rows_first_with_the_repeats_drawn_within_them(setup, monkeypatch,
-                                                                                     capsys) -> None:
-    """short_steps / short_len: the first steps train on each row cut into rows of short_len (the same tokens), and
-    a curriculum's repeats are drawn within the short rows (periods in [short_len / 8, short_len / 2]); then rows
-    of seq_len with repeats drawn within them (periods up to seq_len / 2); the banner names both."""
-    from routeformer.model import TransformerLM
-
-    seen = []
+    seen: list[torch.Tensor] = []
     forward = TransformerLM.forward
 
     def recording(self, tokens, *args, **kwargs):
@@ -624,6 +601,25 @@ def test_a_length_warm_up_trains_short_rows_first_with_the_repeats_drawn_within_
         return forward(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(TransformerLM, "forward", recording)
+    return seen
+
+
+def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatch) -> None:
+    """routing_warmup_len: while routing's warm-up lasts, the trainer cuts each batch into shorter sequences (the
+    same tokens); then it trains at seq_len."""
+    seen = recorded_training_inputs(monkeypatch)
+    run = setup["root"] / "short-warm-up"
+    assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
+                 "--max-steps", "5") == 0
+    assert [tuple(t.shape) for t in seen] == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
+
+
+def test_a_length_warm_up_trains_short_rows_first_with_the_repeats_drawn_within_them(setup, monkeypatch,
+                                                                                     capsys) -> None:
+    """short_steps / short_len: the first steps train on each row cut into rows of short_len (the same tokens), and
+    a curriculum's repeats are drawn within the short rows (periods in [short_len / 8, short_len / 2]); then rows
+    of seq_len with repeats drawn within them (periods up to seq_len / 2); the banner names both."""
+    seen = recorded_training_inputs(monkeypatch)
     run = setup["root"] / "short-rows-first"
     assert train(setup, run, "--set", "short_steps=3", "--set", "short_len=8", "--set", "repeat_steps=5",
                  "--set", "repeat_share=1", "--max-steps", "6") == 0
@@ -641,17 +637,7 @@ def test_a_curriculum_of_repeats_feeds_repeated_rows_to_its_first_steps_only(set
     """repeat_steps / repeat_share from the command line: the model trains on rows that are their first L tokens
     over and over (L in [seq_len / 8, seq_len / 2]) in those steps, on the data's rows after them; the banner names
     the curriculum, the run saves it and a resumed run keeps it."""
-    from routeformer.model import TransformerLM
-
-    seen = []
-    forward = TransformerLM.forward
-
-    def recording(self, tokens, *args, **kwargs):
-        if self.training:
-            seen.append(tokens.clone())
-        return forward(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(TransformerLM, "forward", recording)
+    seen = recorded_training_inputs(monkeypatch)
     run = tmp_path / "taught"
     assert train(setup, run, "--set", "repeat_steps=3", "--set", "repeat_share=1", "--max-steps", "5") == 0
     assert "batch 4, 100% of rows repeated text over the first 3 steps," in capsys.readouterr().out

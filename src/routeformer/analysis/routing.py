@@ -108,12 +108,11 @@ def routing_use(model: TransformerLM, batches: list[Tensor], local_window: int, 
             w = call.weights.double().cpu()  # (B, h, N, N)
             per_bin = torch.zeros(*w.shape[:2], len(use.edges) - 1, dtype=torch.float64)
             per_bin.index_add_(2, bins.flatten(), w.flatten(2))  # (B, h, bins): summed over the queries
-            for i, h in enumerate(call.heads):
-                sums[(call.layer, h)] = sums.get((call.layer, h), 0) + per_bin[:, i].sum(0)
             far = w * (distance >= local_window)  # the routed pairs no local head reaches
             far_mass = far.sum(-1)  # (B, h, N): each query's mass beyond the local window
             for i, h in enumerate(call.heads):
                 key = (call.layer, h)
+                sums[key] = sums.get(key, 0) + per_bin[:, i].sum(0)
                 far_sums[key] = far_sums.get(key, 0.0) + float(far_mass[:, i][recurs_far].sum())
             weights, flat = far.flatten(1).topk(min(top, far[0].numel()), dim=-1)  # per window row
             for row in range(w.shape[0]):
