@@ -36,8 +36,7 @@ def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bo
     assert (routes.probes.sort(-1).values.diff(dim=-1) > 0).all(), "probed clusters are distinct"
     layer(q, kk, v)
     assert torch.equal(router.commitment_loss, layer.commitment_loss)
-    events = 2 * N if separate else N  # separate routing observes the queries' vectors too
-    assert router.kmeans.pending_counts.sum() == H * B * events
+    assert router.kmeans.pending_counts.sum() == H * B * N  # the centroids follow the keys alone
     if balance:
         assert router.pending_load.sum() == H * B * N  # the loads count keys
     assert update_routing(torch.nn.ModuleList([router, layer])) == 2
@@ -45,6 +44,27 @@ def test_a_router_alone_routes_observes_and_updates_as_the_layer_does(shared: bo
     assert bool(router.kmeans.initialized)
     if balance:
         assert torch.equal(router.bias, layer.routing.bias) and router.bias.abs().sum() > 0
+
+
+def test_separate_routing_probes_clusters_that_hold_keys_where_queries_and_keys_point_apart() -> None:
+    """Queries near -e_1 and keys near +e_1 (W_Q and W_K pointing apart): centroids that followed the queries too
+    would split into query-only and key-only clusters, and every query would probe a cluster holding no key (a dead
+    head: issue 70's separately routed run). Following the keys, every query's cluster holds keys."""
+    B, H, N, D, k = 2, 2, 64, 8, 4
+    router = make_router(H, D, k, shared_qk=False, separate=True, seed=1).double()
+    gen = torch.Generator().manual_seed(0)
+    direction = torch.zeros(D, dtype=torch.float64)
+    direction[0] = 1.0
+    for _ in range(5):  # routing vectors are turned by W_R: the two clouds stay opposite after it
+        kk = direction + 0.3 * torch.randn(B, H, N, D, dtype=torch.float64, generator=gen)
+        q = -direction + 0.3 * torch.randn(B, H, N, D, dtype=torch.float64, generator=gen)
+        router.routes(q, kk, observe=True)
+        router.update()
+    routes = router.routes(q, kk)
+    for b in range(B):
+        for h in range(H):
+            held = set(routes.keys[b, h].tolist())
+            assert set(routes.probes[b, h, :, 0].tolist()) <= held, "a query probes a cluster with no key"
 
 
 def test_probes_are_the_best_clusters_by_biased_score_own_cluster_first() -> None:

@@ -71,7 +71,7 @@ class Router(nn.Module):
                 routes on normalise(n(q_i) + n(k_i)) (one vector per position), unless ``separate``;
             separate: route queries by q and keys by k (needs shared_qk=False): a key joins the cluster of its key
                 vector, a query probes the clusters nearest its query vector, so W_Q and W_K can learn to meet in a
-                cluster as they meet in q·k;
+                cluster as they meet in q·k; the centroids follow the keys alone, so a probed cluster holds keys;
             probes: p, the clusters each query probes (1: its own cluster only);
             balance: the bias step per optimiser step (0: no bias, the paper's plain argmax);
             decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
@@ -234,12 +234,15 @@ class Router(nn.Module):
 
     def _observe(self, rq: Tensor, rk: Tensor, query_clusters: Tensor, keys: Tensor,
                  key_padding_mask: Tensor | None) -> None:
+        # The centroids follow the keys alone. Separate routing once let them follow the queries too: where W_Q and
+        # W_K point apart, clusters split into query-only and key-only ones, and a query probing a query-only
+        # cluster sees no key (issue 70's run: 11 of 12 heads attended nothing). Queries probe the keys' centroids.
+        self.kmeans.observe(rk.detach(), keys, key_padding_mask)
         if rq is rk:
             r, clusters, valid = rk, keys, key_padding_mask
-        else:  # separate: the centroids follow both the keys and the queries
+        else:  # separate: both commit to their centroids, which pulls the queries towards the keys' clusters
             r, clusters = torch.cat([rk, rq], dim=2), torch.cat([keys, query_clusters], dim=2)
             valid = None if key_padding_mask is None else key_padding_mask.repeat(1, 2)
-        self.kmeans.observe(r.detach(), clusters, valid)
         self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, valid)
                                 if self.training else None)
         if self.bias is not None and self.kmeans.counting():
