@@ -165,6 +165,22 @@ def test_a_warm_up_at_a_shorter_length_is_counted_at_that_length() -> None:
     assert short.flops_per_token(16, step=0) < full.flops_per_token(64, step=0)
 
 
+def test_the_trainers_length_warm_up_is_counted_at_its_length() -> None:
+    """train.short_steps / short_len: the first steps at the short length, the shorter of it and a routing
+    warm-up's length while both run; rows never longer than seq_len."""
+    base = dict(vocab_size=32, dim=32, depth=2, heads=4, seq_len=64, attention="local:2,routing:2", rel_clip=8)
+    routing = dict(num_clusters=8, window=8, warmup=10, warmup_len=32)
+    model = TransformerLM(TransformerConfig(**base, options={"local": {"window": 8}, "routing": routing}))
+    per = model.flops_per_token
+    expected = 10 * 100 * per(16, step=0) + 10 * 100 * per(16, step=10) + 10 * 100 * per(64, step=20)
+    assert model.training_flops(30, 100, short_steps=20, short_len=16) == pytest.approx(expected)
+    expected = 5 * 100 * per(16, step=0) + 5 * 100 * per(32, step=5) + 20 * 100 * per(64, step=10)
+    assert model.training_flops(30, 100, short_steps=5, short_len=16) == pytest.approx(expected)
+    expected = 10 * 100 * per(16, step=0) + 20 * 100 * per(16, step=10)  # a warm-up longer than the run
+    assert model.training_flops(30, 100, short_steps=40, short_len=16) == pytest.approx(expected)
+    assert model.training_flops(30, 100) == model.training_flops(30, 100, short_steps=0, short_len=0)
+
+
 @pytest.mark.parametrize("fields, fragment", [  # options.routing settings
     ({"warmup_len": 24}, r"must divide seq_len \(64\)"),  # checked even with no warm-up to use it
     ({"warmup": 5, "warmup_len": 24}, r"must divide seq_len \(64\)"),

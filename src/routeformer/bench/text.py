@@ -108,7 +108,9 @@ def run(attentions: list[str], bench: TextBench = TextBench(), echo: Callable[[s
              f"--max-minutes {b.minutes} --out {run_dir}")
         result = train(run_config, run_dir, echo=lambda *_: None)
         model = run_config.model
-        flops = TransformerLM(model).training_flops(result.step, run_config.train.batch_size * model.seq_len)
+        t = run_config.train
+        flops = TransformerLM(model).training_flops(result.step, t.batch_size * model.seq_len,
+                                                    short_steps=t.short_steps, short_len=t.short_len)
         rows.append({"attention": name, "seq_len": model.seq_len, "steps": result.step, "minutes": result.minutes,
                      "train_flops": flops, "valid": result.valid, "unit": result.unit,
                      "heads": model.describe_heads()})

@@ -188,12 +188,18 @@ class TransformerLM(nn.Module):
                         for layer in c.head_groups() for g in layer)
         return (dense + attention) * (3 if training else 1)
 
-    def training_flops(self, steps: int, tokens_per_step: int) -> float:
+    def training_flops(self, steps: int, tokens_per_step: int, *, short_steps: int = 0, short_len: int = 0) -> float:
         """Estimated FLOPs of ``steps`` optimiser steps of ``tokens_per_step`` tokens each, warm-ups included (at
-        the length each trains at, ``TransformerConfig.train_len``)."""
+        the length each trains at, ``TransformerConfig.train_len``), and the trainer's length warm-up: the first
+        ``short_steps`` steps in rows of at most ``short_len`` tokens (``TrainConfig.short_steps`` / ``short_len``)."""
+        ends = {*(e for e in self.config.cost_changes() if e < steps), steps}
+        if 0 < short_steps < steps:
+            ends.add(short_steps)
         total, done = 0.0, 0
-        for end in [*(e for e in self.config.cost_changes() if e < steps), steps]:
+        for end in sorted(ends):
             n = self.config.train_len(done)
+            if done < short_steps:
+                n = min(n, short_len)
             total += (end - done) * tokens_per_step * self.flops_per_token(n, step=done)
             done = end
         return total
