@@ -75,6 +75,8 @@ def full_attention(
                 parts.append((out, torch.where(has_key, lse + shift.to(lse.dtype), lse)))  # empty rows: neg_inf
             return merge_partials(parts)[0]
         return executor.tiled(inputs, BlockDiagonal(N, causal), rel=terms)[0]
+    if inputs.documents is not None:  # packed documents: one tile of key groups, no (B, N, N) mask in PyTorch
+        return executor.tiled(inputs, BlockDiagonal(N, causal))[0]
     if key_valid is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allow = key_valid[:, :, None, :]  # (B, 1, 1, N)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..checks import check_scale, positive_int
 from ..executors import check_backend
-from ..executors.inputs import Inputs
+from ..executors.inputs import Inputs, refuse_documents
 
 KERNELS = ("exp", "poly2", "elu")
 FEATURE_KERNELS = ("poly2", "elu")  # the kernels with a finite feature map
@@ -111,6 +111,7 @@ def kernel_attention(
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
     check_kernel("kernel", kernel, FEATURE_KERNELS)
+    refuse_documents(inputs, f"the {kernel!r} kernel")
     if rel is not None:
         raise ValueError(f"rel: relative positions are defined for the exponential kernel only, not {kernel!r}")
     s = kernel_scale(kernel, inputs.chosen_scale, D)

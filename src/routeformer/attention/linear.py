@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs
+from ..executors.inputs import Inputs, refuse_documents
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .full import full_mask
@@ -141,6 +141,7 @@ def linear_attention(
     their dtype. Causal elu attention runs on the ``executor``'s scan kernels where it has them (``feature_scan``).
     """
     options = LinearOptions() if options is None else check_options("options", options, LinearOptions)
+    refuse_documents(inputs, "linear attention")
     kernel = options.kernel
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid

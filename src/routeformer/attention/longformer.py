@@ -42,7 +42,8 @@ def longformer_attention(
 ) -> Tensor:
     """Query i attends to j = i + m · dilation for |m| < ``options.window`` (m <= 0 when causal); a global
     position (``options.global_tokens``, each < N) attends to every position and every position attends to it
-    (only earlier ones when causal).
+    (only earlier ones when causal). With packed documents (``inputs.documents``) all of it within the query's
+    document: a global token is global to its own document.
 
     ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D). ``options.dilation`` is an int
     or one per head. The dilated window is a band along the columns of the sequence viewed as a grid of
@@ -54,7 +55,7 @@ def longformer_attention(
     options = check_options("options", options, LongformerOptions)
     q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
-    scale, key_valid = inputs.scale, inputs.key_valid
+    scale, key_valid, documents = inputs.scale, inputs.key_valid, inputs.documents
     window = options.window
     dilations = check_per_head("dilation", options.dilation, H)
     globals_ = check_positions("global_tokens", options.global_tokens, N)
@@ -77,7 +78,8 @@ def longformer_attention(
             qd, kd, vd = (x[:, idx] for x in (q, k, v))
         # the dilated band: a band along the columns of the sequence seen as a grid of d columns
         qc, kc, vc = to_columns(qd, d), to_columns(kd, d), to_columns(vd, d)  # (B·d, h, N/d, D)
-        grid = Inputs(qc, kc, vc, scale, columns_key_valid(key_valid, B, N, d, q.device))
+        grid = Inputs(qc, kc, vc, scale, columns_key_valid(key_valid, B, N, d, q.device),
+                      documents=None if documents is None else to_columns(documents[:, None, :, None], d)[:, 0, :, 0])
         band, band_lse = executor.tiled(grid, Band(window, causal), rel=relative(rel_pos, Distances(unit=d)),
                                         need_lse=g is not None)
         out = from_columns(band, d, N)
@@ -88,13 +90,16 @@ def longformer_attention(
             steps = torch.div(diff, d, rounding_mode="floor")
             in_band = (diff % d == 0) & (((steps <= 0) & (steps > -window)) if causal else (steps.abs() < window))
             allow = ~in_band & (diff <= 0) if causal else ~in_band
-            these = Inputs(qd, kd, vd, scale, key_valid)
+            these = Inputs(qd, kd, vd, scale, key_valid, documents=documents)
             glob, glob_lse = executor.tiled(these, Subset(g, allow), rel=relative(rel_pos), need_lse=True)
             out, _ = merge_partials([(out, from_columns(band_lse, d, N)), (glob, glob_lse)])
             # Global queries see every position (every earlier one when causal): their rows are recomputed whole.
             rows_delta = pos[None, :] - g[:, None]  # (G, N)
+            # packed documents: a global query sees every key of its own document (a (B, 1, 1, G, N) tile mask)
+            own = None if documents is None else (documents[:, g, None] == documents[:, None, :])[:, None, None]
             rows, _ = executor.tiled(
-                these.with_(q=qd[:, :, g]), Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None),
+                these.with_(q=qd[:, :, g], documents=None),
+                Tiling.dense(g.shape[0], allow=(rows_delta <= 0) if causal else None, tile_mask=own),
                 rel=None if rel_pos is None else relative(rel_pos, Distances(delta=rows_delta)),
             )
             # Placed by a gather and a select, not ``out.index_copy(2, g, rows)``: inductor (CPU, torch 2.13) ran

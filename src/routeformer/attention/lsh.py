@@ -51,7 +51,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import Inputs, check_inputs
+from ..executors.inputs import Inputs, check_inputs, refuse_documents
 from ..executors.pieces import SortedWindow
 from ..executors.tiling import HashRounds, KeyRestrictions
 from ..lengths import sqrt_len
@@ -151,6 +151,7 @@ def lsh_attention(
         · window) on the tiles executor (each round's probabilities; the masks of one round at a time).
     """
     options = check_options("options", options, LSHOptions)
+    refuse_documents(inputs, "LSH attention")
     q, v = inputs.q, inputs.v
     if inputs.k is not q:
         raise ValueError("lsh_attention shares queries and keys (the keys are the unit queries): pass "

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs
+from ..executors.inputs import Inputs, refuse_documents
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .kinds.base import HeadKind
@@ -129,6 +129,7 @@ def performer_attention(
     mask) leave the numerator and the denominator.
     """
     options = PerformerOptions() if options is None else check_options("options", options, PerformerOptions)
+    refuse_documents(inputs, "performer attention")
     features = options.features
     q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .inputs import Inputs, RelTerms
+from .inputs import Inputs, RelTerms, refuse_documents
 from .lowering import in_order, labels_as_mask
-from .pieces import Laid, Piece, finish, lay
+from .pieces import Laid, Piece, SortedWindow, documents_folded, finish, lay
 from .ranges import KeyOrder, Ranges, broadcast_ranges, check_ranges, range_attention
 from .relative import RelativePositions
 from .tiling import KeyRestrictions, Tiling
@@ -122,6 +122,8 @@ class Executor:
         runner = self.runner(inputs.q)
         if runner is not self:
             return runner.tiled(inputs, piece, restrict=restrict, rel=rel, bias=bias, need_lse=need_lse)
+        if inputs.documents is not None and isinstance(piece, SortedWindow):  # its groups part the documents too
+            piece, inputs = documents_folded(piece, inputs.documents), inputs.with_(documents=None)
         laid = self.checked(inputs, piece, restrict, rel, bias)
         own = self.piece_run(piece)
         if own is not None:  # this executor's own way with the piece, the call checked as laid out
@@ -173,6 +175,7 @@ class Executor:
         over the keys in ``order`` (``ranges.KeyOrder``; default as they are). An executor with its own
         ``ranges_run`` computes it there; else tiles of entries per stretch of keys, each a tile of ``tiled``
         (``ranges.range_attention``)."""
+        refuse_documents(inputs, "attention over key ranges (multi-probe routing, MoBA, NSA)")
         check_ranges(inputs.q, spans, rel_pos)
         spans, order = broadcast_ranges(inputs, spans, order)
         runner = self.runner(inputs.q)

@@ -13,14 +13,17 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..checks import check_key_padding_mask, check_qkv, check_scale
+from ..documents import check_documents
 from .relative import RelativePositions
 from .tiling import INDEX, Distances
 
 
 @dataclass(frozen=True)
 class Inputs:
-    """Queries (B, H, Nq, D), keys and values (B, H, Nk, D), the score scale and the keys' validity (B, 1 or H,
-    Nk) bool or None (every key real). Made by ``check_inputs`` at a public function; an executor trusts it."""
+    """Queries (B, H, Nq, D), keys and values (B, H, Nk, D), the score scale, the keys' validity (B, 1 or H,
+    Nk) bool or None (every key real) and the positions' documents (B, N) long or None (one document a row): each
+    row's documents numbered from 0 (``documents.check_documents``); a query sees only keys of its own document.
+    Made by ``check_inputs`` at a public function; an executor trusts it."""
 
     q: Tensor
     k: Tensor
@@ -28,14 +31,17 @@ class Inputs:
     scale: float
     key_valid: Tensor | None = None
     scale_given: bool = False  # whether the caller chose the scale (a kernel without one, elu, refuses it)
+    documents: Tensor | None = None
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
-           key_padding_mask: Tensor | None = None) -> Inputs:
+           key_padding_mask: Tensor | None = None, documents: Tensor | None = None) -> Inputs:
         """The checked inputs of an attention call, for the public functions (``local_attention(Inputs.of(q, k, v),
-        LocalOptions(window=64))``): q (B, H, N, D), k and v the same shape, ``scale`` (None: 1/sqrt(D)) and a
-        (B, N) key padding mask (True = a real key). Every error names the argument and the shape it needs."""
-        return check_inputs(q, k, v, scale, key_padding_mask)
+        LocalOptions(window=64))``): q (B, H, N, D), k and v the same shape, ``scale`` (None: 1/sqrt(D)), a
+        (B, N) key padding mask (True = a real key) and (B, N) integer document ids that never decrease along a
+        row (packed documents: a query sees only its own document's keys; ``routeformer.documents`` makes them from
+        lengths, ``cu_seqlens`` or separators). Every error names the argument and the shape it needs."""
+        return check_inputs(q, k, v, scale, key_padding_mask, documents=documents)
 
     @property
     def chosen_scale(self) -> float | None:
@@ -55,7 +61,7 @@ class Inputs:
         if valid is not None and valid.shape[1] > 1:
             valid = valid[:, start:stop]
         return Inputs(self.q[:, start:stop], self.k[:, start:stop], self.v[:, start:stop], self.scale, valid,
-                      self.scale_given)
+                      self.scale_given, self.documents)
 
     def with_(self, **changes) -> Inputs:
         """The same inputs with some fields replaced (the heads of a split, the columns of a grid, ...)."""
@@ -88,14 +94,25 @@ def check_inputs(
     scale: float | None,
     key_padding_mask: Tensor | None,
     rel_pos: RelativePositions | None = None,
+    *,
+    documents: Tensor | None = None,
 ) -> Inputs:
-    """Validate q, k, v (B, H, N, D), the scale (None: 1/sqrt(D)), a (B, N) key padding mask (True = a real key)
-    and relative-position tables; the checked ``Inputs``."""
+    """Validate q, k, v (B, H, N, D), the scale (None: 1/sqrt(D)), a (B, N) key padding mask (True = a real key),
+    relative-position tables and (B, N) document ids; the checked ``Inputs``."""
     B, H, N, D = check_qkv(q, k, v)
     resolved = check_scale(scale, D)
     mask = check_key_padding_mask(key_padding_mask, B, N, q.device)
     check_rel(rel_pos, q)
-    return Inputs(q, k, v, resolved, None if mask is None else mask[:, None, :], scale_given=scale is not None)
+    return Inputs(q, k, v, resolved, None if mask is None else mask[:, None, :], scale_given=scale is not None,
+                  documents=check_documents(documents, B, N, q.device))
+
+
+def refuse_documents(inputs: Inputs, what: str) -> None:
+    """A ValueError where ``inputs`` carry documents that ``what`` cannot honour (no silent attention across
+    them)."""
+    if inputs.documents is not None:
+        raise ValueError(f"documents: {what} does not honour packed documents yet; run each document apart, or "
+                         f"use a kind that does (docs/attention.md, 'Packed documents')")
 
 
 def check_rel(rel: RelativePositions | None, q: Tensor) -> RelTerms | None:

@@ -181,8 +181,69 @@ Piece = Tiling | Band | BlockDiagonal | Subset | Columns | SortedWindow
 
 
 def lay(piece: Piece, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
-    """``piece``'s call: a tiling as it is, any other piece laid out by itself."""
-    return Laid(inputs, piece, rel, restrict) if isinstance(piece, Tiling) else piece.lay(inputs, rel, restrict)
+    """``piece``'s call: a tiling as it is, any other piece laid out by itself; the inputs' documents (packed rows)
+    turned into what every executor reads (``within_documents``), the laid inputs without them."""
+    documents = inputs.documents
+    if documents is not None:
+        inputs = inputs.with_(documents=None)
+        if isinstance(piece, SortedWindow):  # its own groups: the caller folds them (``documents_folded``)
+            raise ValueError("a SortedWindow with documents: fold them into its groups first (documents_folded)")
+    laid = Laid(inputs, piece, rel, restrict) if isinstance(piece, Tiling) else piece.lay(inputs, rel, restrict)
+    return laid if documents is None else within_documents(piece, laid, documents)
+
+
+def documents_in(tiling: Tiling, documents: Tensor) -> Tensor:
+    """The documents (B, N) as per-entry labels in the tiling's sequence order: (B, 1, N), or (B, H, N) gathered
+    by ``Tiling.order``."""
+    doc = documents[:, None, :]
+    if tiling.order is None:
+        return doc
+    order = tiling.order.to(torch.long)
+    shape = torch.broadcast_shapes(doc.shape, order.shape)
+    return doc.expand(shape).gather(-1, order.expand(shape))
+
+
+def with_group(restrict: KeyRestrictions | None, labels: Tensor, n: int) -> KeyRestrictions:
+    """``restrict`` with ``labels`` (each in [0, n)) joined to its groups: two entries share the new group when they
+    share both (group · n + label)."""
+    if restrict is None:
+        return KeyRestrictions(groups=labels)
+    if restrict.groups is None:
+        return restrict._replace(groups=labels)
+    return restrict._replace(groups=restrict.groups.to(torch.long) * n + labels)
+
+
+def within_documents(piece: Piece, laid: Laid, documents: Tensor) -> Laid:
+    """A laid-out call that attends only within each position's document (``Inputs.documents``, (B, N) numbered
+    from 0 in each row): the documents as key groups of a self-attention tiling (in its order), the grid's
+    columns' documents for ``Columns``, a tile mask for ``Subset``'s gathered keys. Costs one label read per pair
+    in the kernels, no (N, N) mask."""
+    inputs, tiling = laid.inputs, laid.tiling
+    nq, nk = inputs.q.shape[2], inputs.k.shape[2]
+    if isinstance(piece, Subset):
+        same = documents[:, :, None] == documents[:, piece.key_idx][:, None, :]  # (B, N, M)
+        mask = same[:, None, None]  # (B, 1, 1, N, M): one tile
+        mask = mask if tiling.tile_mask is None else tiling.tile_mask & mask
+        return laid._replace(tiling=dataclasses.replace(tiling, tile_mask=mask))
+    if isinstance(piece, Columns):
+        grid = to_columns(documents[:, None, :, None], piece.width)[..., 0]  # (B · width, 1, R)
+        return laid._replace(restrict=with_group(laid.restrict, grid, documents.shape[-1]))
+    if tiling.rows is not None or nq != nk:
+        raise ValueError(f"documents need self-attention (as many keys as queries, no rows): got {nq} queries and "
+                         f"{nk} keys")
+    return laid._replace(restrict=with_group(laid.restrict, documents_in(tiling, documents), nk))
+
+
+def documents_folded(piece: SortedWindow, documents: Tensor) -> SortedWindow:
+    """A ``SortedWindow`` whose groups also part documents: group · N + document of every sorted entry. Still
+    non-decreasing along the sorted sequence (within a group the entries are in position order, along which the
+    documents never decrease), so its ``intervals`` stay one run per (group, document): a routing cluster's window
+    never spends its slots on another document's keys."""
+    n = documents.shape[-1]
+    order = piece.order.to(torch.long)
+    shape = torch.broadcast_shapes((documents.shape[0], 1, n), order.shape, piece.grouped.shape)
+    doc = documents[:, None, :].expand(shape).gather(-1, order.expand(shape))
+    return dataclasses.replace(piece, grouped=piece.grouped.to(torch.long).expand(shape) * n + doc)
 
 
 def finish(piece: Piece, inputs: Inputs, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:

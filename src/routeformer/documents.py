@@ -1,0 +1,92 @@
+"""Packed documents: which document every position of a row belongs to, as one (B, N) tensor, ``documents``.
+
+Several documents packed into one row must not see each other: query i attends only keys of its own document.
+Attention takes the ids as ``Inputs.of(q, k, v, documents=...)``; they never decrease along a row (a document is
+one run of positions). The checked form numbers each row's documents 0, 1, 2 … from its first position
+(``check_documents``), whatever ids were given, so that a document index is below N and two ids combine into one
+label (a cluster or bucket within a document) without overflow.
+
+The constructors meet people where their data is: FlashAttention's ``cu_seqlens`` (the cumulative lengths of a
+flat batch), each row's document lengths, or a separator token that ends a document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.device) -> Tensor | None:
+    """Check (B, N) integer document ids that never decrease along a row; return them numbered from 0 within each
+    row (int64, +1 at every boundary), or None. Every error names the argument. O(B · N), one read of the device
+    (whether any id decreases)."""
+    if documents is None:
+        return None
+    if not isinstance(documents, Tensor):
+        raise ValueError(f"documents must be a torch.Tensor of (B, N) integer ids, got {type(documents).__name__}")
+    if documents.dtype == torch.bool or documents.is_floating_point() or documents.is_complex():
+        raise ValueError(f"documents must be an integer tensor of document ids, got dtype {documents.dtype}")
+    if tuple(documents.shape) != (batch, n):
+        raise ValueError(f"documents must have shape (B, N) = {(batch, n)}, got {tuple(documents.shape)}")
+    if documents.device != device:
+        raise ValueError(f"documents is on {documents.device} but q is on {device}")
+    step = documents.diff(dim=-1)
+    if bool((step < 0).any()):
+        b, i = (step < 0).nonzero()[0].tolist()
+        raise ValueError(f"documents must never decrease along a row (a document is one run of positions): row {b} "
+                         f"goes from {int(documents[b, i])} to {int(documents[b, i + 1])} at position {i + 1}")
+    return torch.cat([torch.zeros_like(documents[:, :1], dtype=torch.long),
+                      (step != 0).long().cumsum(-1)], dim=-1)
+
+
+def documents_from_lengths(lengths: Sequence[Sequence[int]]) -> Tensor:
+    """(B, N) document ids from each row's document lengths, in order (every row's summing to the same N):
+    ``documents_from_lengths([[3, 5], [8]])`` -> [[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]]."""
+    if isinstance(lengths, Tensor) or not isinstance(lengths, Sequence) or not lengths \
+            or not all(isinstance(row, Sequence) for row in lengths):
+        raise ValueError("lengths must be a non-empty list of rows, each a list of its documents' lengths")
+    rows = []
+    for b, row in enumerate(lengths):
+        if not row or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in row):
+            raise ValueError(f"lengths: row {b} must list positive integer lengths, got {list(row)!r}")
+        rows.append(torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)))
+    sizes = {r.numel() for r in rows}
+    if len(sizes) > 1:
+        raise ValueError(f"lengths: every row must sum to the same N, got sums {[r.numel() for r in rows]}")
+    return torch.stack(rows)
+
+
+def documents_from_cu_seqlens(cu_seqlens: Tensor, batch: int = 1) -> Tensor:
+    """(B, N) document ids from FlashAttention's varlen ``cu_seqlens`` (D + 1,) int: 0, then the running total of the
+    D documents' lengths, over a flat sequence of B · N tokens laid out as ``batch`` rows of N (a document running
+    past a row's end continues as a document of the next row). O(B · N)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
+            or cu_seqlens.dtype == torch.bool or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor: 0, then the running total of the lengths")
+    if int(cu_seqlens[0]) != 0 or bool((cu_seqlens.diff() <= 0).any()):
+        raise ValueError(f"cu_seqlens must start at 0 and increase (every document at least one token), got "
+                         f"{cu_seqlens.tolist()}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    total = int(cu_seqlens[-1])
+    if total % batch:
+        raise ValueError(f"cu_seqlens holds {total} tokens, which {batch} rows cannot share equally")
+    flat = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.long), flat, right=True).view(batch, total // batch)
+
+
+def documents_from_separators(tokens: Tensor, separator: int) -> Tensor:
+    """(B, N) document ids from tokens (B, N) in which ``separator`` ends a document: the separator belongs to the
+    document it ends, the next token starts the next one (a model then predicts the separator from the document it
+    ends, and the first token of the next from nothing before it). O(B · N)."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        raise ValueError("tokens must be a (B, N) integer tensor")
+    if isinstance(separator, bool) or not isinstance(separator, int):
+        raise ValueError(f"separator must be a token id (int), got {separator!r}")
+    ends = (tokens == separator).long()
+    return torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1].cumsum(-1)], dim=-1)
+
+
+__all__ = ["check_documents", "documents_from_cu_seqlens", "documents_from_lengths", "documents_from_separators"]

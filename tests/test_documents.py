@@ -1,0 +1,204 @@
+"""Packed documents (issue 71): ids from lengths, cu_seqlens and separators; their checks; attention that never
+crosses a document's boundary, for every pattern and the sorted window on every executor, against the dense
+reference under the pattern's mask and the same document, and bit for bit isolated from the other documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import rand_qkv, rand_rel
+from routeformer.attention import PATTERNS, Inputs, LocalOptions, local_attention, reference_attention
+from routeformer.attention.routing.sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
+from routeformer.documents import documents_from_cu_seqlens, documents_from_lengths, documents_from_separators
+from routeformer.executors import get_executor
+
+EXECUTORS = ["fused", "tiles", "flex"]
+CASES = [  # what no document test may miss: the partial first and last blocks, a grid, global summaries
+    ("full", {}),
+    ("local", {"window": 5}),
+    ("strided", {"stride": 5, "merged": True}),
+    ("strided", {"stride": 5, "merged": False}),
+    ("fixed", {"block": 8, "summary": 3, "merged": True}),
+    ("fixed", {"block": 8, "summary": 3, "merged": False}),
+    ("longformer", {"window": 4, "dilation": 1}),
+    ("longformer", {"window": 3, "dilation": [1, 2, 3, 4], "global_tokens": [0, 9, 30, 40]}),
+]
+LENGTHS = [[7, 1, 20, 17], [45]]  # a one-token document; a row that is one document
+
+
+def same_document(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, N, N): key j is in query i's document (the definition, for the reference)."""
+    return (documents[:, :, None] == documents[:, None, :])[:, None]
+
+
+def test_ids_from_lengths_cu_seqlens_and_separators_written_out() -> None:
+    assert documents_from_lengths([[3, 2], [1, 4]]).tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    cu = torch.tensor([0, 2, 7, 10], dtype=torch.int32)  # FlashAttention's varlen: two rows of 5, a document across
+    assert documents_from_cu_seqlens(cu, batch=2).tolist() == [[0, 0, 1, 1, 1], [1, 1, 2, 2, 2]]
+    tokens = torch.tensor([[5, 9, 5, 5, 9, 9, 1]])
+    assert documents_from_separators(tokens, 9).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: documents_from_lengths([[3, 2], [4]]), "every row must sum to the same N"),
+    (lambda: documents_from_lengths([[3, 0]]), "row 0 must list positive integer lengths"),
+    (lambda: documents_from_lengths(torch.tensor([3])), "a non-empty list of rows"),
+    (lambda: documents_from_cu_seqlens(torch.tensor([1, 3])), "must start at 0 and increase"),
+    (lambda: documents_from_cu_seqlens(torch.tensor([0, 3, 3])), "must start at 0 and increase"),
+    (lambda: documents_from_cu_seqlens(torch.tensor([0, 3]), batch=2), "3 tokens, which 2 rows cannot share"),
+    (lambda: documents_from_separators(torch.zeros(4), 1), "tokens must be a \\(B, N\\) integer tensor"),
+])
+def test_the_constructors_name_what_is_wrong(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("documents, message", [
+    (torch.tensor([[0, 0, 1, 0, 2, 2]]), "never decrease along a row .*row 0 goes from 1 to 0 at position 3"),
+    (torch.zeros(1, 5, dtype=torch.long), r"shape \(B, N\) = \(1, 6\), got \(1, 5\)"),
+    (torch.zeros(1, 6), "integer tensor of document ids, got dtype torch.float32"),
+    (torch.zeros(1, 6, dtype=torch.bool), "integer tensor of document ids, got dtype torch.bool"),
+    (torch.zeros(1, 6, dtype=torch.long, device="meta"), "documents is on meta but q is on cpu"),
+    ([[0, 0, 0, 1, 1, 1]], "must be a torch.Tensor"),
+])
+def test_inputs_name_wrong_documents(documents, message: str) -> None:
+    q, k, v = rand_qkv(1, 2, 6, 4, grad=False)
+    with pytest.raises(ValueError, match=message):
+        Inputs.of(q, k, v, documents=documents)
+
+
+def test_ids_are_numbered_from_zero_in_each_row() -> None:
+    q, k, v = rand_qkv(2, 1, 5, 4, grad=False)
+    given = torch.tensor([[7, 7, 40, 41, 41], [-3, -3, -3, -3, -3]])
+    assert Inputs.of(q, k, v, documents=given).documents.tolist() == [[0, 0, 1, 2, 2], [0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("name, params", CASES)
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("relative", [False, True])
+def test_patterns_with_documents_equal_the_reference_under_their_mask_and_the_same_document(
+        name: str, params: dict, executor: str, causal: bool, relative: bool) -> None:
+    """Forward and gradients (q, k, v, the relative tables) in float64 against reference_attention under the
+    pattern's own mask and 'the same document', two rows packed differently."""
+    B, H, N, D = 2, 4, 45, 8
+    q, k, v = rand_qkv(B, H, N, D)
+    documents = documents_from_lengths(LENGTHS)
+    rel = rand_rel(D, 6) if relative else None
+    pattern = PATTERNS[name]
+    out = pattern.run(Inputs.of(q, k, v, documents=documents), executor, causal=causal, rel=rel, **params)
+    mask = pattern.build_mask(N, H, causal, **params)[None] & same_document(documents)
+    ref = reference_attention(Inputs.of(q, k, v), mask, rel=rel)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    leaves = [q, k, v] + ([rel.key, rel.value] if rel is not None else [])
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int) -> None:
+    """Changing every input of one document changes no output or gradient of the others, bit for bit."""
+    q, k, v = rand_qkv(B, H, N, D)
+    changed = documents == 2  # (B, N)
+    pick = changed[:, None, :, None]
+    q2, k2, v2 = (torch.where(pick, torch.randn_like(x) * 3, x).detach().requires_grad_() for x in (q, k, v))
+    outs, grads = [], []
+    grad = torch.randn(B, H, N, D, dtype=q.dtype)
+    for x in ((q, k, v), (q2, k2, v2)):
+        out = attend(*x)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, x, grad))
+    keep = ~changed[:, None, :, None].expand(B, H, N, D)
+    assert torch.equal(outs[0][keep], outs[1][keep])
+    assert not torch.equal(outs[0][~keep], outs[1][~keep]), "the changed document's own outputs must change"
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a[keep], b[keep])
+
+
+@pytest.mark.parametrize("name, params", CASES)
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_changing_one_document_changes_nothing_of_another_bit_for_bit(name: str, params: dict, executor: str,
+                                                                      causal: bool) -> None:
+    documents = documents_from_lengths(LENGTHS)
+    pattern = PATTERNS[name]
+    _isolated(lambda q, k, v: pattern.run(Inputs.of(q, k, v, documents=documents), executor, causal=causal,
+                                          **params), documents, 2, 4, 45, 8)
+
+
+@pytest.mark.parametrize("name, params", [("full", {}), ("local", {"window": 6})])
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_packed_row_equals_each_document_run_alone(name: str, params: dict, executor: str, causal: bool) -> None:
+    """Patterns that look only at distances between positions (full, local; relative positions too): each
+    document of a packed row gives what it gives alone, to rounding."""
+    q, k, v = rand_qkv(1, 2, 45, 8, grad=False)
+    documents = documents_from_lengths(LENGTHS[:1])
+    rel = rand_rel(8, 6)
+    pattern = PATTERNS[name]
+    packed = pattern.run(Inputs.of(q, k, v, documents=documents), executor, causal=causal, rel=rel, **params)
+    start = 0
+    for length in LENGTHS[0]:
+        part = slice(start, start + length)
+        alone = pattern.run(Inputs.of(q[:, :, part], k[:, :, part], v[:, :, part]), executor, causal=causal,
+                            rel=rel, **{**params, **({"window": min(params["window"], length)} if params else {})})
+        torch.testing.assert_close(packed[:, :, part], alone, rtol=1e-12, atol=1e-12)
+        start += length
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_sorted_window_keeps_each_cluster_within_its_document(executor: str, causal: bool, shared: bool) -> None:
+    """Routing's and LSH's band over the cluster-sorted sequence: a query sees the last `window` keys of its own
+    (cluster, document), never spending a slot on another document's keys: the reference is the sorted window's
+    mask over the clusters relabelled (document, cluster)."""
+    from routeformer.attention.routing import RoutingOptions
+
+    B, H, N, D, k, window = 2, 3, 45, 8, 3, 4
+    q, kk, v = rand_qkv(B, H, N, D)
+    kk = q if shared else kk
+    documents = documents_from_lengths(LENGTHS)
+    clusters = torch.randint(0, k, (B, H, N), generator=torch.Generator().manual_seed(4))
+    options = RoutingOptions(num_clusters=k, window=window, shared_qk=shared)
+    out = sorted_window_attention(Inputs.of(q, kk, v, documents=documents), sort_by_cluster(clusters), options,
+                                  executor=get_executor(executor, "cpu"), causal=causal)
+    labels = clusters * N + documents[:, None, :]
+    mask = sorted_window_mask(labels, window, causal, shared)
+    ref = reference_attention(Inputs.of(q, kk, v), mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    leaves = [q, v] if shared else [q, kk, v]
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
+    from routeformer.attention import linear_attention, lsh_attention, performer_attention
+    from routeformer.attention.linear import LinearOptions
+    from routeformer.attention.lsh import LSHOptions
+
+    q, k, v = rand_qkv(1, 2, 16, 4, grad=False)
+    documents = documents_from_lengths([[8, 8]])
+    inputs = Inputs.of(q, k, v, documents=documents)
+    calls = [
+        lambda: local_attention(inputs, LocalOptions(window=4, kernel="poly2")),
+        lambda: linear_attention(inputs, LinearOptions()),
+        lambda: performer_attention(inputs),
+        lambda: lsh_attention(Inputs.of(q, q, v, documents=documents), LSHOptions(buckets=4, rounds=1, window=4)),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="does not honour packed documents yet"):
+            call()
+
+
+def test_documents_need_self_attention_where_they_become_key_groups() -> None:
+    """A tiling of other queries than keys (or rows) cannot take documents as key groups: an error names it."""
+    from routeformer.executors import Tiling
+
+    q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
+    inputs = Inputs.of(q, k, v, documents=documents_from_lengths([[4, 4]]))
+    for executor in EXECUTORS:
+        with pytest.raises(ValueError, match="documents need self-attention .*got 3 queries and 8 keys"):
+            get_executor(executor, "cpu").tiled(inputs.with_(q=q[:, :, :3]), Tiling.dense(3))
