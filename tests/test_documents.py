@@ -202,3 +202,86 @@ def test_documents_need_self_attention_where_they_become_key_groups() -> None:
     for executor in EXECUTORS:
         with pytest.raises(ValueError, match="documents need self-attention .*got 3 queries and 8 keys"):
             get_executor(executor, "cpu").tiled(inputs.with_(q=q[:, :, :3]), Tiling.dense(3))
+
+
+# --- the model ---------------------------------------------------------------------------------------------------
+
+MODEL_KINDS = [  # (attention, options, positions): every kind a model may pack documents with, routing past warm-up
+    ("local:2,routing:2", {"local": {"window": 6}, "routing": {"num_clusters": 3, "window": 4, "probes": 1}},
+     "relative"),
+    ("full:2,local:2", {"local": {"window": 6}}, "absolute"),
+    ("strided:2,fixed:2", {"strided": {"stride": 4}, "fixed": {"block": 8, "summary": 2}}, "relative"),
+    ("longformer:4", {"longformer": {"window": 4, "global_tokens": [0, 3]}}, "factorized"),
+]
+
+
+def _model(attention: str, options: dict, positions: str, token_shift: str = "learned", backend: str = "auto"):
+    from routeformer import TransformerConfig, TransformerLM
+
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=32, dim=32, depth=2, heads=4, seq_len=48, attention=attention,
+                               options=options, positions=positions, rel_clip=5, grid_width=8,
+                               token_shift=token_shift, backend=backend)
+    model = TransformerLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # token shift's mix starts at 0: give it weight, so that a leak would show
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("attention, options, positions", MODEL_KINDS)
+@pytest.mark.parametrize("backend", ["fused", "tiles"])
+@pytest.mark.parametrize("token_shift", ["learned", "half"])
+def test_a_model_scores_each_packed_document_bit_for_bit_apart_from_the_others(attention, options, positions,
+                                                                              backend, token_shift) -> None:
+    """Changing one document's tokens changes no logit of another, bit for bit: attention, the token shift and the
+    positions stop at every boundary. One exception, to rounding: routing on the fused executor, whose band kernel
+    cuts the sorted rows into blocks against the union of their rows' intervals, so that a block straddling two
+    documents sums the later one's products over a span the earlier one's clusters set (about 1e-16; issue 71)."""
+    model = _model(attention, options, positions, token_shift, backend)
+    documents = documents_from_lengths([[7, 1, 20, 20], [48]])
+    tokens = torch.randint(0, 32, (2, 48), generator=torch.Generator().manual_seed(1))
+    other = tokens.clone()
+    changed = documents == 2
+    other[changed] = (other[changed] + 1 + torch.randint(0, 30, (int(changed.sum()),))) % 32
+    a, b = model(tokens, documents=documents), model(other, documents=documents)
+    if backend == "fused" and "routing" in attention:
+        torch.testing.assert_close(a[~changed], b[~changed], rtol=0, atol=1e-14)
+    else:
+        assert torch.equal(a[~changed], b[~changed])
+    assert not torch.equal(a[changed], b[changed])
+    without = model(tokens)  # and without documents the later documents do see the earlier ones
+    assert not torch.equal(without[0, 8:], a[0, 8:])
+
+
+@pytest.mark.parametrize("attention, options, positions", MODEL_KINDS[:2] + [("local:4", {"local": {"window": 6}},
+                                                                              "absolute")])
+def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(attention, options, positions) -> None:
+    """Kinds that look at distances only (local, full, routing) give a packed document's logits as the document
+    alone gives them, to rounding: positions from its start, no predecessor for the token shift."""
+    model = _model(attention, options, positions)
+    lengths = [7, 1, 20, 20]
+    tokens = torch.randint(0, 32, (1, 48), generator=torch.Generator().manual_seed(2))
+    packed = model(tokens, documents=documents_from_lengths([lengths]))
+    start = 0
+    for n in lengths:
+        alone = model(tokens[:, start:start + n])
+        torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-10, atol=1e-10)
+        start += n
+
+
+def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_with_a_cache() -> None:
+    documents = documents_from_lengths([[4, 12]])
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+    model = _model("local:2,performer:2", {"local": {"window": 6}}, "absolute")
+    with pytest.raises(ValueError, match="performer heads .* do not honour packed documents yet"):
+        model(tokens, documents=documents)
+    model = _model("local:2,routing:2", {"local": {"window": 6}, "routing": {"num_clusters": 3, "window": 4,
+                                                                            "probes": 2}}, "relative")
+    with pytest.raises(ValueError, match="routing heads .* do not honour packed documents yet"):
+        model(tokens, documents=documents)
+    model = _model("local:4", {"local": {"window": 6}}, "relative")
+    with pytest.raises(ValueError, match="documents with a cache"):
+        model(tokens, model.new_cache(1, 16), documents=documents)
+    with pytest.raises(ValueError, match="never decrease"):
+        model(tokens, documents=torch.tensor([[1] * 8 + [0] * 8]))

@@ -171,17 +171,18 @@ class FixedHeads(HeadGroup):
     def summary(self) -> int:
         return self.options.summary
 
-    def forward(self, q, k, v, rel_pos):
+    def forward(self, q, k, v, rel_pos, documents=None):
         if self.part == "merged":
-            return fixed_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
+            return fixed_attention(self.inputs(q, k, v, documents), self.options, self.executor, rel=rel_pos)
         if self.part == "a1":
-            return self.executor.tiled(Inputs(q, k, v, self.scale), BlockDiagonal(self.block, True),
-                                       rel=relative(rel_pos))[0]
+            return self.executor.tiled(Inputs(q, k, v, self.scale, documents=documents),
+                                       BlockDiagonal(self.block, True), rel=relative(rel_pos))[0]
         cells, allow = summary_keys(q.shape[2], self.block, self.summary, other_blocks=False, causal=True,
                                     device=q.device)
         if not cells.numel():
             return torch.zeros_like(q)
-        return self.executor.tiled(Inputs(q, k, v, self.scale), Subset(cells, allow), rel=relative(rel_pos))[0]
+        return self.executor.tiled(Inputs(q, k, v, self.scale, documents=documents), Subset(cells, allow),
+                                   rel=relative(rel_pos))[0]
 
     def reference_mask(self, q, k):
         a1, a2 = fixed_mask(q.shape[2], self.block, self.summary, merged=False, heads=2, device=q.device)
@@ -230,7 +231,7 @@ def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
     return HeadKind(name, lambda o, heads, head_dim, seed: FixedHeads(heads, head_dim, o, part),
                     keys_per_query=keys, option_type=FixedOptions, section="fixed", complete=_complete,
                     describe=lambda o: f"block={o.block}, summary={o.summary}",
-                    summary=summary)
+                    summary=summary, documents=True)
 
 
 KINDS = (

@@ -123,8 +123,8 @@ class FullHeads(HeadGroup):
     def kernel(self) -> str:
         return self.options.kernel
 
-    def forward(self, q, k, v, rel_pos):
-        return full_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
+    def forward(self, q, k, v, rel_pos, documents=None):
+        return full_attention(self.inputs(q, k, v, documents), self.options, self.executor, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)
@@ -140,4 +140,4 @@ def describe_kernel(options: KernelOptions) -> str:
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o),
                 keys_per_query=lambda options, n: (n + 1) / 2, option_type=KernelOptions,
                 relative_positions=exp_kernel, on_executor=exp_kernel, describe=describe_kernel,
-                summary="every earlier key")
+                summary="every earlier key", documents=exp_kernel)

@@ -99,8 +99,8 @@ class LocalHeads(HeadGroup):
     def kernel(self) -> str:
         return self.options.kernel
 
-    def forward(self, q, k, v, rel_pos):
-        return local_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
+    def forward(self, q, k, v, rel_pos, documents=None):
+        return local_attention(self.inputs(q, k, v, documents), self.options, self.executor, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)
@@ -121,4 +121,4 @@ KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head
                 keys_per_query=lambda o, n: min(o.window, n), option_type=LocalOptions, complete=_complete,
                 relative_positions=exp_kernel, on_executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
-                summary="the last `window` positions")
+                summary="the last `window` positions", documents=exp_kernel)

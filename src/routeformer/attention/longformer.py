@@ -216,11 +216,12 @@ class LongformerHeads(HeadGroup):
     def _present(self, n: int) -> list[int]:
         return [g for g in self.global_tokens if g < n]  # a shorter sequence holds fewer of them
 
-    def forward(self, q, k, v, rel_pos):
+    def forward(self, q, k, v, rel_pos, documents=None):
         present = self._present(q.shape[2])
         options = self.options if len(present) == len(self.global_tokens) else \
             dataclasses.replace(self.options, global_tokens=tuple(present))
-        return longformer_attention(self.inputs(q, k, v), options, self.executor, causal=True, rel=rel_pos)
+        return longformer_attention(self.inputs(q, k, v, documents), options, self.executor, causal=True,
+                                    rel=rel_pos)
 
     def reference_mask(self, q, k):
         return longformer_mask(q.shape[2], self.window, self.dilation, self._present(q.shape[2]), causal=True,
@@ -275,4 +276,5 @@ KIND = HeadKind(
     complete=_complete,
     describe=lambda o: f"window={o.window}, dilation={_listed(o.dilation)}, global={list(o.global_tokens)}",
     summary="a dilated window plus global positions",
+    documents=True,
 )

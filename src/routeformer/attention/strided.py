@@ -126,12 +126,13 @@ class StridedHeads(HeadGroup):
     def stride(self) -> int:
         return self.options.stride
 
-    def forward(self, q, k, v, rel_pos):
+    def forward(self, q, k, v, rel_pos, documents=None):
+        inputs = self.inputs(q, k, v, documents)
         if self.part == "merged":
-            return strided_attention(self.inputs(q, k, v), self.options, self.executor, rel=rel_pos)
+            return strided_attention(inputs, self.options, self.executor, rel=rel_pos)
         if self.part == "a1":
-            return local_attention(self.inputs(q, k, v), LocalOptions(self.stride + 1), self.executor, rel=rel_pos)
-        return self.executor.tiled(Inputs(q, k, v, self.scale), Columns(self.stride, True, gap=0),
+            return local_attention(inputs, LocalOptions(self.stride + 1), self.executor, rel=rel_pos)
+        return self.executor.tiled(Inputs(q, k, v, self.scale, documents=documents), Columns(self.stride, True, gap=0),
                                    rel=relative(rel_pos))[0]
 
     def reference_mask(self, q, k):
@@ -159,7 +160,7 @@ class StridedHeads(HeadGroup):
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:
     return HeadKind(name, lambda o, heads, head_dim, seed: StridedHeads(heads, head_dim, o, part),
                     keys_per_query=keys, option_type=StridedOptions, section="strided", complete=_complete,
-                    describe=lambda o: f"stride={o.stride}", summary=summary)
+                    describe=lambda o: f"stride={o.stride}", summary=summary, documents=True)
 
 
 KINDS = (

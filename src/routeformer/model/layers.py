@@ -30,6 +30,7 @@ class MixedAttention(nn.Module):
         self.groups = nn.ModuleList(g.kind.build(g.options, g.heads, D, layer * 131 + i) for i, g in enumerate(spec))
         self.on_executor = [g.kind.runs_on_executor(g.options) for g in spec]  # the model binds their executor
         self.shares_qk = [g.kind.heads_share_qk(g.options) for g in spec]
+        self.refusing_documents = [g.kind.name for g in spec if not g.kind.honours_documents(g.options)]
         self.key_heads = sum(g.heads for g, shared in zip(self.groups, self.shares_qk, strict=True) if not shared)
         self.query = nn.Linear(config.dim, H * D)
         self.key = nn.Linear(config.dim, self.key_heads * D) if self.key_heads else None
@@ -65,19 +66,28 @@ class MixedAttention(nn.Module):
         return [(qg, qg if shared else next(ks), vg)
                 for qg, vg, shared in zip(qs, vs, self.shares_qk, strict=True)]
 
-    def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0,
+                documents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``cache``
-        x continues a decoded sequence at position ``start``."""
+        x continues a decoded sequence at position ``start``. ``documents`` (B, N), numbered from 0 in each row
+        (``documents.check_documents``): packed documents, every group attending within them and the token shift
+        reading nothing across a boundary."""
         B, N, _ = x.shape
+        if documents is not None and self.refusing_documents:
+            raise ValueError(f"documents: {', '.join(sorted(set(self.refusing_documents)))} heads (with these "
+                             f"options) do not honour packed documents yet (docs/attention.md, 'Packed documents')")
         if self.token_shift != "none":
             before = cache.before if cache is not None else None
-            x, last = shift_half(x, before) if self.shift_mix is None else shift_mix(x, before, self.shift_mix)
+            starts = None if documents is None else document_starts(documents)
+            x, last = (shift_half(x, before, starts) if self.shift_mix is None
+                       else shift_mix(x, before, self.shift_mix, starts))
             if cache is not None:
                 cache.before = last
         outs, aux = [], None
         for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._project_heads(x), strict=True)):
             if cache is None:
-                outs.append(group(q, k, v, self.rel_pos))
+                outs.append(group(q, k, v, self.rel_pos) if documents is None
+                            else group(q, k, v, self.rel_pos, documents=documents))
                 loss = group.aux_loss()
                 if loss is not None:
                     aux = loss if aux is None else aux + loss
@@ -99,27 +109,37 @@ class LayerCache:
     before: Tensor | None = None
 
 
-def shift_half(x: Tensor, before: Tensor | None) -> tuple[Tensor, Tensor]:
+def document_starts(documents: Tensor) -> Tensor:
+    """(B, N) bool: the positions that start a document after the row's first (documents (B, N) non-decreasing)."""
+    return torch.cat([torch.zeros_like(documents[:, :1], dtype=torch.bool), documents.diff(dim=-1) != 0], dim=-1)
+
+
+def shift_half(x: Tensor, before: Tensor | None, starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x (B, N, dim) with its channels dim // 2 onwards taken from the position before (token_shift 'half'): at t = 0
-    from ``before`` (B, 1, dim - dim // 2), zeros when None. Returns it and the last position's moved channels, the
-    ``before`` of a continuation. O(B N dim)."""
+    from ``before`` (B, 1, dim - dim // 2), zeros when None, and zeros at the ``starts`` (B, N) of packed documents.
+    Returns it and the last position's moved channels, the ``before`` of a continuation. O(B N dim)."""
     half = x.shape[-1] // 2
-    out, last = _with_predecessor(x[..., half:], before)
+    out, last = _with_predecessor(x[..., half:], before, starts)
     return torch.cat([x[..., :half], out], -1), last
 
 
-def shift_mix(x: Tensor, before: Tensor | None, mu: Tensor) -> tuple[Tensor, Tensor]:
+def shift_mix(x: Tensor, before: Tensor | None, mu: Tensor, starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x + mu * (x_before - x) for x (B, N, dim), mu (dim,) (token_shift 'learned'), x_before at t = 0 ``before``
-    (B, 1, dim), zeros when None. Returns it and x's last position, the ``before`` of a continuation. O(B N dim)."""
-    earlier, last = _with_predecessor(x, before)
+    (B, 1, dim), zeros when None, and zeros at the ``starts`` (B, N) of packed documents. Returns it and x's last
+    position, the ``before`` of a continuation. O(B N dim)."""
+    earlier, last = _with_predecessor(x, before, starts)
     return x + mu * (earlier - x), last
 
 
-def _with_predecessor(x: Tensor, before: Tensor | None) -> tuple[Tensor, Tensor]:
-    """x (B, N, c) -> (each position's predecessor (B, N, c), the first's being ``before`` or zeros; x's last)."""
+def _with_predecessor(x: Tensor, before: Tensor | None, starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x (B, N, c) -> (each position's predecessor (B, N, c), the first's being ``before`` or zeros, zeros where
+    ``starts`` (a document's first position: it has no predecessor); x's last)."""
     if before is None:
         before = x.new_zeros(x.shape[0], 1, x.shape[2])
-    return torch.cat([before.to(x.dtype), x[:, :-1]], 1), x[:, -1:]
+    earlier = torch.cat([before.to(x.dtype), x[:, :-1]], 1)
+    if starts is not None:
+        earlier = earlier.masked_fill(starts[..., None], 0.0)
+    return earlier, x[:, -1:]
 
 
 class FeedForward(nn.Module):
@@ -149,8 +169,9 @@ class Block(nn.Module):
         self.ff = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0) -> tuple[Tensor, Tensor | None]:
-        a, aux = self.attention(self.norm1(x), cache, start)
+    def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0,
+                documents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), cache, start, documents)
         x = x + self.dropout(a)
         return x + self.dropout(self.ff(self.norm2(x))), aux
 

@@ -36,12 +36,15 @@ class PositionEmbedding(nn.Module):
             nn.Parameter(torch.randn(size, config.dim) * 0.125 / math.sqrt(config.dim * len(sizes))) for size in sizes
         )
 
-    def forward(self, start: int, n: int, device: torch.device) -> Tensor:
-        """(n, dim) embedding of positions start … start + n - 1."""
+    def forward(self, start: int, n: int, device: torch.device, documents: Tensor | None = None) -> Tensor:
+        """(n, dim) embedding of positions start … start + n - 1; with packed ``documents`` (B, n), numbered from 0
+        in each row, (B, n, dim) of each position counted from its document's start (start 0 only)."""
         if start + n > self.limit:
             raise ValueError(f"positions up to {start + n - 1} are past the {self.kind} position table "
                              f"(seq_len = {self.limit}); use positions='relative' or 'none' for longer sequences")
         pos = torch.arange(start, start + n, device=device)
+        if documents is not None:  # minus the first position of the document (a search of the sorted ids)
+            pos = pos - torch.searchsorted(documents.contiguous(), documents.contiguous())
         if self.kind == "absolute":
             return self.tables[0][pos]
         if self.image_shape is not None:

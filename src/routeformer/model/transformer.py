@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.kinds import HeadGroup
+from ..documents import check_documents
 from ..executors import get_executor
 from .config import TransformerConfig
 from .generate import generate, stream
@@ -80,10 +81,17 @@ class TransformerLM(nn.Module):
         """The auxiliary loss of the last forward (``aux_loss``), by the name the routing paper gives it."""
         return self.aux_loss
 
-    def forward(self, tokens: Tensor, cache: ModelCache | None = None) -> Tensor:
-        """(B, N) tokens -> (B, N, vocab_size) logits. With ``cache`` the tokens continue the cached sequence."""
+    def forward(self, tokens: Tensor, cache: ModelCache | None = None, *, documents: Tensor | None = None) -> Tensor:
+        """(B, N) tokens -> (B, N, vocab_size) logits. With ``cache`` the tokens continue the cached sequence.
+        ``documents`` (B, N) integer ids that never decrease along a row (``routeformer.documents`` makes them):
+        packed documents, each scored as if alone (attention, the token shift and absolute positions stop at every
+        boundary; kinds that cannot honour them are refused by name)."""
         self._check_tokens(tokens)
         B, N = tokens.shape
+        documents = check_documents(documents, B, N, tokens.device)
+        if documents is not None and cache is not None:
+            raise ValueError("documents with a cache: generation across packed documents is not built yet; decode "
+                             "each document with its own cache")
         start = 0
         if cache is not None:
             cache.check(N)
@@ -92,15 +100,15 @@ class TransformerLM(nn.Module):
             self._bind_executors(tokens.device)
         x = self.embed(tokens)
         if self.positions is not None:
-            x = x + self.positions(start, N, tokens.device).to(x.dtype)
+            x = x + self.positions(start, N, tokens.device, documents).to(x.dtype)
         aux: Tensor | None = None
         for i, block in enumerate(self.blocks):
             if cache is not None:
                 x, loss = block(x, cache.layers[i], start)
             elif self.config.checkpointing and self.training:
-                x, loss = checkpoint(block, x, use_reentrant=False)
+                x, loss = checkpoint(block, x, None, 0, documents, use_reentrant=False)
             else:
-                x, loss = block(x)
+                x, loss = block(x) if documents is None else block(x, None, 0, documents)
             if loss is not None:
                 aux = loss if aux is None else aux + loss
         if cache is not None:

@@ -119,11 +119,11 @@ class HeadGroup(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         raise NotImplementedError
 
-    def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> Inputs:
+    def inputs(self, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Inputs:
         """The call value of the heads' public function: q, k, v (B, h, N, D) from the layer (well formed: no
         check), at the scale a public function's ``Inputs.of`` resolves (1/sqrt(D), which ``self.scale`` may
-        differ from in the last bit)."""
-        return Inputs(q, k, v, check_scale(None, self.head_dim))
+        differ from in the last bit), and the model's checked documents (B, N) or None."""
+        return Inputs(q, k, v, check_scale(None, self.head_dim), documents=documents)
 
     def aux_loss(self) -> Tensor | None:
         """A loss term of the last training forward to add to the model's (routing: the commitment loss)."""
@@ -280,6 +280,9 @@ class HeadKind:
             heads, the poly2 / elu kernels) say False.
         describe: (options) -> a short summary of the options for tables ('window=128'); default the dataclass.
         summary: one line for ``--help`` and tables.
+        documents: whether the heads honour packed documents (a query sees only its own document's keys): their
+            ``forward`` then takes ``documents=`` (B, N) numbered from 0 per row; a bool, or (options) -> bool.
+            A model refuses documents while any of its kinds says False.
     """
 
     name: str
@@ -294,6 +297,7 @@ class HeadKind:
     on_executor: bool | Callable[[Any], bool] = True
     describe: Callable[[Any], str] | None = None
     summary: str = ""
+    documents: bool | Callable[[Any], bool] = False
 
     @property
     def options_key(self) -> str:
@@ -358,6 +362,10 @@ class HeadKind:
     def supports_relative(self, options: Any) -> bool:
         rel = self.relative_positions
         return bool(rel(options)) if callable(rel) else bool(rel)
+
+    def honours_documents(self, options: Any) -> bool:
+        found = self.documents
+        return bool(found(options)) if callable(found) else bool(found)
 
     def runs_on_executor(self, options: Any) -> bool:
         uses = self.on_executor

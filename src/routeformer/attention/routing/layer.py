@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...executors import KeyRestrictions, RelativePositions, Tiling, Window, check_inputs
-from ...executors.inputs import Inputs, relative
+from ...executors.inputs import Inputs, refuse_documents, relative
 from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
 from .balanced import balanced_attention, balanced_mask, balanced_members
@@ -162,9 +162,13 @@ class RoutingAttention(HeadGroup):
 
     # --- forward --------------------------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None, *,
-                scale: float | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
-        """(B, H, N, D) -> (B, H, N, D)."""
-        inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos)
+                scale: float | None = None, key_padding_mask: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
+        """(B, H, N, D) -> (B, H, N, D). ``documents`` (B, N): packed documents, a query seeing only its own
+        document's keys: each cluster's window within the document (the label is (document, cluster)), the dense
+        warm-up within it; the k-means statistics are those of the positions as they are, however packed.
+        Multi-probe, separate, gated and balanced routing refuse them (not yet)."""
+        inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos, documents=documents)
         routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced,
                                      executor=self.executor)
         o, ex = self.options, self.executor
@@ -175,14 +179,19 @@ class RoutingAttention(HeadGroup):
             return probed_window_attention(inputs, routes.keys, routes.probes, o, sort=self._sort(routes),
                                            executor=ex, rel_pos=rel_pos, gates=self._gates(routes))
         if self.balanced:
+            refuse_documents(inputs, "balanced routing")
             members = balanced_members(routes.scores, self.window, key_padding_mask)
             return balanced_attention(inputs, members, routes.keys, o, executor=ex, rel_pos=rel_pos)
-        return sorted_window_attention(inputs, self._sort(routes), o, executor=ex, causal=self.causal,
-                                       rel_pos=rel_pos)
+        return sorted_window_attention(inputs, self._sort(routes, inputs.documents), o, executor=ex,
+                                       causal=self.causal, rel_pos=rel_pos)
 
-    def _sort(self, routes: Routes) -> ClusterOrder:
+    def _sort(self, routes: Routes, documents: Tensor | None = None) -> ClusterOrder:
         """The keys sorted by (cluster, position): the router's where its kernel made it, else made here (with the
-        clusters' sizes where the probes' ranges start from them)."""
+        clusters' sizes where the probes' ranges start from them). With packed ``documents`` (B, N) by (document,
+        cluster, position): each document's entries then hold the same places of the sorted sequence whatever the
+        other documents route to, so that the executor's tiles, and their rounding, are the same for it."""
+        if documents is not None:
+            return sort_by_cluster(documents[:, None, :] * self.num_clusters + routes.keys)
         if routes.sort is not None:
             return routes.sort
         return sort_by_cluster(routes.keys, self.num_clusters if self.probing else None)
