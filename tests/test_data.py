@@ -556,3 +556,60 @@ def test_pg19_prepare_holds_a_few_blocks_in_memory_whatever_the_books_size(tmp_p
     assert "reference points" in capsys.readouterr().out
     # a block read, its copy written, its text decoded (UTF-8 check), the reference points' block widened: ~7 MB
     assert peak < 8 << 20 < size / 2.5, f"prepare held {peak:,} bytes at once for {size:,} bytes of books"
+
+
+def test_prepare_records_where_each_document_starts_in_every_split(tmp_path) -> None:
+    """A document per file (issue 71): the starts of each split, counted from the split's first token; a split that
+    begins inside a file begins a document there. Written out for 3 files of 500, 300 and 200 bytes split 900/50/50."""
+    root = tmp_path / "lib"
+    for rel, text in {"a.py": "A" * 500, "b.py": "B" * 300, "c.py": "C" * 200}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    for name in ("stdlib", "text"):
+        prepare(name, tmp_path / "data", str(root), dataset_name=f"docs-{name}")
+        data = Dataset.open(f"docs-{name}", tmp_path / "data")
+        assert data.starts("train").tolist() == [0, 500, 800]  # a.py, b.py, then c.py's first 100 bytes
+        assert data.starts("valid").tolist() == [0] and data.starts("test").tolist() == [0]  # inside c.py
+        assert data.meta.starts == {"train": 3, "valid": 1, "test": 1}
+    prepare("text", tmp_path / "data", str(root / "a.py"), dataset_name="one")
+    assert Dataset.open("one", tmp_path / "data").starts("train").tolist() == [0]
+
+
+def test_a_data_set_prepared_before_documents_were_recorded_still_opens(tmp_path) -> None:
+    prepare("text", tmp_path, str(_small_text(tmp_path)), dataset_name="old")
+    path = tmp_path / "old" / "meta.json"
+    meta = json.loads(path.read_text())
+    meta.pop("starts")
+    for split in ("train", "valid", "test"):
+        meta["sha256"].pop(f"{split}.starts")
+        (tmp_path / "old" / f"{split}.starts.bin").unlink()
+    path.write_text(json.dumps(meta))
+    data = Dataset.open("old", tmp_path)
+    assert data.starts("train") is None and len(data.split("train")) == 360
+
+
+def test_missing_and_corrupt_document_starts_are_named(tmp_path) -> None:
+    prepare("text", tmp_path, str(_small_text(tmp_path)), dataset_name="notes")
+    starts = tmp_path / "notes" / "valid.starts.bin"
+    good = starts.read_bytes()
+    starts.write_bytes(good[:-1])
+    with pytest.raises(DataError, match=f"{starts} is missing or holds other than the 1 document starts"):
+        Dataset.open("notes", tmp_path)
+    starts.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    with pytest.raises(DataError, match=f"{starts} does not match its checksum"):
+        Dataset.open("notes", tmp_path)
+    starts.unlink()
+    with pytest.raises(DataError, match=f"{starts} is missing"):
+        Dataset.open("notes", tmp_path)
+
+
+def test_document_starts_that_cannot_be_are_refused_before_anything_is_written(tmp_path) -> None:
+    from routeformer.data.store import DatasetMeta, write_dataset
+
+    meta = DatasetMeta("bad", "bytes", 256, "uint8", {}, {}, source="test")
+    splits = {s: [np.zeros(10, dtype=np.uint8)] for s in ("train", "valid", "test")}
+    starts = {"train": np.array([0, 5], dtype=np.int64), "valid": np.array([1], dtype=np.int64),
+              "test": np.array([0], dtype=np.int64)}
+    with pytest.raises(DataError, match="the valid split's document starts must be increasing int64 offsets from 0"):
+        write_dataset(tmp_path / "bad", meta, splits, starts=starts)
+    assert not (tmp_path / "bad").exists()

@@ -38,6 +38,7 @@ from .store import (
     atomic_file,
     commit_file,
     default_data_dir,
+    split_starts,
     writable_directory,
     write_dataset,
 )
@@ -65,6 +66,16 @@ def _split_bytes(data: np.ndarray, train: int, valid: int) -> dict[str, Iterator
 def _proportional(data: np.ndarray) -> dict[str, Iterator[np.ndarray]]:
     n = len(data)
     return _split_bytes(data, n * 90 // 100, n * 5 // 100)
+
+
+def _proportional_starts(lengths: list[int]) -> dict[str, np.ndarray]:
+    """Each split's document starts, for documents of ``lengths`` bytes concatenated and split as ``_proportional``
+    splits them."""
+    n = sum(lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
+    train, valid = n * 90 // 100, n * 5 // 100
+    bounds = {"train": (0, train), "valid": (train, train + valid), "test": (train + valid, n)}
+    return {split: split_starts(starts, lo, hi) for split, (lo, hi) in bounds.items()}
 
 
 def download(url: str, target: Path, name: str) -> Path:
@@ -155,12 +166,15 @@ def _stdlib(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
     files.sort(key=lambda p: p.as_posix())
     if not files:
         raise DataError(f"no .py files under {root}")
-    blob = b"".join((root / f).read_bytes() for f in files)
+    docs = [(root / f).read_bytes() for f in files]
+    blob = b"".join(docs)
     data = np.frombuffer(blob, dtype=np.uint8)
     meta = DatasetMeta(target.name, "bytes", 256, "uint8", {}, {}, source=f"{root} ({len(files)} .py files)",
                        source_checksum=hashlib.sha256(blob).hexdigest(),
-                       notes="Python standard library sources in sorted path order; split 90/5/5 %")
-    return write_dataset(target, meta, _proportional(data), force=force)
+                       notes="Python standard library sources in sorted path order; split 90/5/5 %; a document "
+                             "per file")
+    return write_dataset(target, meta, _proportional(data), force=force,
+                         starts=_proportional_starts([len(d) for d in docs if d]))
 
 
 def _mahoney(spec_name: str, name: str):
@@ -329,8 +343,10 @@ def _sympy(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
                        source=f"{src} ({version}, {len(files)} .py files of >= {SYMPY_MIN_BYTES} bytes, median "
                               f"{median} bytes)",
                        source_checksum=hashlib.sha256(blob).hexdigest(),
-                       notes="long documents: SymPy's sources of at least 16 KiB in sorted path order; split 90/5/5 %")
-    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)), force=force)
+                       notes="long documents: SymPy's sources of at least 16 KiB in sorted path order; split 90/5/5 %; "
+                             "a document per file")
+    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)), force=force,
+                         starts=_proportional_starts([len(d) for d in docs]))
 
 
 def _hidden(relative: Path) -> bool:
@@ -346,12 +362,15 @@ def _text(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
                    key=lambda p: p.as_posix()) if src.is_dir() else [src]
     if not files:
         raise DataError(f"{src} holds no files")
-    blob = b"".join(f.read_bytes() for f in files)
+    docs = [f.read_bytes() for f in files]
+    blob = b"".join(docs)
     if len(blob) < 100:
         raise DataError(f"{src} holds {len(blob)} bytes; need at least 100 to split 90/5/5")
     meta = DatasetMeta(target.name, "bytes", 256, "uint8", {}, {}, source=f"{src} ({len(files)} files)",
-                       source_checksum=hashlib.sha256(blob).hexdigest(), notes="bytes, split 90/5/5 %")
-    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)), force=force)
+                       source_checksum=hashlib.sha256(blob).hexdigest(),
+                       notes="bytes, split 90/5/5 %; a document per file")
+    return write_dataset(target, meta, _proportional(np.frombuffer(blob, dtype=np.uint8)), force=force,
+                         starts=_proportional_starts([len(d) for d in docs if d]))
 
 
 PREPARERS = {

@@ -1,4 +1,6 @@
-"""Prepared data sets on disk: train.bin / valid.bin / test.bin (flat token arrays, memory-mapped) + meta.json.
+"""Prepared data sets on disk: train.bin / valid.bin / test.bin (flat token arrays, memory-mapped) + meta.json, and
+where the source marks documents, <split>.starts.bin: the offset of every document's first token in the split
+(int64, increasing, from 0: a split that begins inside a document begins a document there).
 
 A data set lives in ``<data_dir>/<name>/``. Each split is written to a temporary file, fsynced and renamed into
 place, with its sha256 computed on the way; ``meta.json`` is written last, so a data set is complete exactly when
@@ -52,6 +54,7 @@ class DatasetMeta:
     vocab_file: str | None = None  # words: one token per line, id = line number
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    starts: dict[str, int] | None = None  # documents per split (their starts in <split>.starts.bin); None: unmarked
 
     @property
     def metric(self) -> str:
@@ -70,6 +73,13 @@ class DatasetMeta:
             raise ValueError(f"split sizes must be non-negative integers, got {self.splits}")
         if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
+        if self.starts is not None:
+            if not isinstance(self.starts, dict) or any(s not in self.starts or f"{s}.starts" not in self.sha256
+                                                        for s in SPLITS):
+                raise ValueError("starts must give every split's document count, its file's sha256 under "
+                                 "sha256['<split>.starts']")
+            if any(not isinstance(n, int) or n < 1 for n in self.starts.values()):
+                raise ValueError(f"starts must be positive document counts, got {self.starts}")
 
 
 def atomic_file(path: Path) -> tuple[Path, object]:
@@ -116,8 +126,10 @@ def writable_directory(path: Path) -> Path:
 
 
 def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable[np.ndarray]],
-                  vocab: list[str] | None = None, *, force: bool = False) -> DatasetMeta:
+                  vocab: list[str] | None = None, *, force: bool = False,
+                  starts: dict[str, np.ndarray] | None = None) -> DatasetMeta:
     """Write the splits and vocabulary into a staging folder, then move the finished data set into place.
+    ``starts``: each split's document starts (``split_starts``), written as <split>.starts.bin.
 
     A data set already in ``directory`` stays untouched until the new one is complete, and for good unless its
     splits are the same or ``force``: a DataError names the splits that would change.
@@ -133,6 +145,11 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
             meta.splits[split], meta.sha256[split] = count, digest
             if count == 0:
                 raise DataError(f"the {split} split of {meta.name} came out empty; the source is too small")
+            if starts is not None:
+                check_starts(starts[split], count, f"the {split} split's document starts")
+                meta.starts = meta.starts or {}
+                meta.starts[split], meta.sha256[f"{split}.starts"] = write_split(
+                    staging / f"{split}.starts.bin", [starts[split]], np.dtype(np.int64))
         if vocab is not None:
             meta.vocab_file = "vocab.txt"
             tmp, handle = atomic_file(staging / "vocab.txt")
@@ -158,6 +175,20 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
     else:
         os.replace(staging, directory)
     return meta
+
+
+def check_starts(starts: np.ndarray, n: int, what: str) -> None:
+    """A DataError unless ``starts`` are document starts in a sequence of ``n`` tokens: int64, increasing, from 0."""
+    if starts.dtype != np.int64 or starts.ndim != 1 or len(starts) == 0 or starts[0] != 0 \
+            or bool((np.diff(starts) <= 0).any()) or starts[-1] >= n:
+        raise DataError(f"{what} must be increasing int64 offsets from 0, below the split's {n} tokens")
+
+
+def split_starts(starts: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The document starts (int64, increasing) of the tokens [lo, hi) of a sequence whose documents start at
+    ``starts``, counted from lo; a part that begins inside a document begins one at 0."""
+    inside = starts[(starts > lo) & (starts < hi)] - lo
+    return np.concatenate([np.zeros(1, dtype=np.int64), inside.astype(np.int64)])
 
 
 def _changed_splits(directory: Path, meta: DatasetMeta) -> list[str]:
@@ -210,12 +241,21 @@ class Dataset:
         if size != want:
             raise DataError(f"{path} holds {size} bytes but meta.json says {want}: the file is truncated or was "
                             f"changed; prepare the data set again")
-        if verify and size <= VERIFY_LIMIT:
+        self._check_file(path, self.meta.sha256[split], verify)
+        if self.meta.starts is not None:
+            path = self.directory / f"{split}.starts.bin"
+            if not path.is_file() or path.stat().st_size != self.meta.starts[split] * 8:
+                raise DataError(f"{path} is missing or holds other than the {self.meta.starts[split]} document starts "
+                                f"meta.json says; prepare the data set again")
+            self._check_file(path, self.meta.sha256[f"{split}.starts"], verify)
+
+    def _check_file(self, path: Path, sha256: str, verify: bool) -> None:
+        if verify and path.stat().st_size <= VERIFY_LIMIT:
             digest = hashlib.sha256()
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 24), b""):
                     digest.update(block)
-            if digest.hexdigest() != self.meta.sha256[split]:
+            if digest.hexdigest() != sha256:
                 raise DataError(f"{path} does not match its checksum in meta.json: the file is corrupt; prepare "
                                 f"the data set again")
 
@@ -226,6 +266,17 @@ class Dataset:
             path = self.directory / f"{name}.bin"
             self._arrays[name] = np.memmap(path, dtype=np.dtype(self.meta.dtype), mode="r")
         return self._arrays[name]
+
+    def starts(self, name: str) -> np.ndarray | None:
+        """The offsets of the split's documents' first tokens (int64, increasing, from 0), or None where the data
+        set marks no documents (one prepared before they were recorded, or a source without them)."""
+        self.split(name)  # the split's name checked
+        if self.meta.starts is None:
+            return None
+        key = f"{name}.starts"
+        if key not in self._arrays:
+            self._arrays[key] = np.fromfile(self.directory / f"{name}.starts.bin", dtype=np.int64)
+        return self._arrays[key]
 
     def vocab(self) -> list[str] | None:
         if self.meta.vocab_file is None:
