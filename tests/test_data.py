@@ -346,7 +346,8 @@ def test_evaluation_windows_score_every_prediction_once(n: int, seq: int, stride
     windows = eval_windows(n, seq, stride)
     tokens = np.arange(n)
     targets = []
-    for rows, mask in window_batches(tokens, windows, seq, batch=7):
+    for rows, mask, documents in window_batches(tokens, windows, seq, batch=7):
+        assert documents is None
         targets += rows[:, 1:][mask].tolist()
     assert sorted(targets) == list(range(1, n))  # prediction of token t for t = 1 … n - 1, each once
     if stride < seq:
@@ -613,3 +614,31 @@ def test_document_starts_that_cannot_be_are_refused_before_anything_is_written(t
     with pytest.raises(DataError, match="the valid split's document starts must be increasing int64 offsets from 0"):
         write_dataset(tmp_path / "bad", meta, splits, starts=starts)
     assert not (tmp_path / "bad").exists()
+
+
+def test_training_rows_carry_their_documents_cut_and_repeated_rows_included() -> None:
+    """The document of every token of a row, from the split's starts (issue 71): tokens t hold t, documents start at
+    0, 10, 25 and 40 of 60 tokens; cut rows keep their pieces' ids; a row of repeated text is one document."""
+    tokens = np.arange(60)
+    starts = np.array([0, 10, 25, 40], dtype=np.int64)
+    sampler = BatchSampler(tokens, 16, 4, seed=1, starts=starts)
+    rows, documents = sampler.batch_with_documents(3)
+    assert torch.equal(rows, sampler.batch(3))
+    want = torch.tensor([[sum(int(t) >= s for s in starts) - 1 for t in row] for row in rows])
+    assert torch.equal(documents, want)
+    cut, cut_documents = sampler.batch_with_documents(3, length=8)
+    assert torch.equal(cut_documents, torch.tensor([[sum(int(t) >= s for s in starts) - 1 for t in row]
+                                                    for row in cut]))
+    taught = BatchSampler(tokens, 16, 4, seed=1, starts=starts, repeats=RepeatCurriculum(steps=5, share=1.0))
+    repeated, repeated_documents = taught.batch_with_documents(2)
+    assert not torch.equal(repeated, sampler.batch(2)) and int(repeated_documents.abs().sum()) == 0
+    assert BatchSampler(tokens, 16, 4, seed=1).batch_with_documents(3)[1] is None
+
+
+def test_evaluation_windows_carry_their_documents() -> None:
+    """Windows of 8 + 1 tokens of a split of 20 whose documents start at 0, 6 and 15: ids written out."""
+    windows = eval_windows(20, 8)
+    batches = list(window_batches(np.arange(20), windows, 8, batch=2, starts=np.array([0, 6, 15], dtype=np.int64)))
+    documents = torch.cat([b[2] for b in batches[:1]])
+    assert documents.tolist() == [[0, 0, 0, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 2, 2]]
+    assert batches[1][2].tolist() == [[2, 2, 2, 2]]  # the last window: tokens 16 … 19

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -660,3 +661,66 @@ def test_a_token_shift_set_on_the_command_line_is_named_saved_and_resumed(setup,
     assert len(mix) == 1 and mix[0].abs().sum() > 0  # trained: no longer the zeros it starts at
     assert main(["train", "--resume", str(run), "--max-steps", "8"]) == 0
     assert metrics(run, "train")[-1]["step"] == 8
+
+
+def _letters_data(root: Path) -> Path:
+    """A data set 'letters' of 12 files, file i holding one letter 40 to 95 times: its documents show in the
+    tokens themselves (a new document exactly where the letter changes)."""
+    from routeformer.data import prepare
+
+    folder = root / "letters"
+    folder.mkdir(exist_ok=True)
+    for i in range(12):
+        (folder / f"{i:02d}.txt").write_text(chr(65 + i) * (40 + 5 * i))
+    prepare("text", root / "letters-data", str(folder), dataset_name="letters")
+    return root / "letters-data"
+
+
+def test_pack_boundaries_trains_and_scores_each_file_apart(setup, monkeypatch, capsys) -> None:
+    """pack = "boundaries": every training row carries its documents' ids, which change exactly where a file
+    starts; the final score says it scored each document from its own start."""
+    from routeformer.model import TransformerLM
+
+    seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    forward = TransformerLM.forward
+
+    def recording(self, tokens, *args, documents=None, **kwargs):
+        if self.training:
+            seen.append((tokens.clone(), None if documents is None else documents.clone()))
+        return forward(self, tokens, *args, documents=documents, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "forward", recording)
+    data = _letters_data(setup["root"])
+    run = setup["root"] / "packed"
+    assert main(["train", "--config", str(setup["config"]), "--data-dir", str(data), "--out", str(run),
+                 "--set", "data=letters", "--set", "pack=boundaries", "--set", "options.routing.probes=1",
+                 "--max-steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "documents apart (no context across a file's boundary)" in out
+    assert "each document from its own start" in out
+    assert len(seen) == 4
+    for tokens, documents in seen:
+        assert documents is not None and documents.shape == tokens.shape
+        new_letter = tokens[:, 1:] != tokens[:, :-1]
+        assert torch.equal(documents.diff(dim=1), new_letter.long())  # a new document exactly at a new file
+    assert main(["evaluate", str(run), "--data-dir", str(data)]) == 0  # as the run trained: documents apart
+    assert "each document from its own start" in capsys.readouterr().out
+
+
+def test_pack_refuses_data_without_starts_heads_that_cannot_honour_them_and_unknown_values(setup, capsys) -> None:
+    data = _letters_data(setup["root"])
+    meta = json.loads((data / "letters" / "meta.json").read_text())
+    meta.pop("starts")
+    old = setup["root"] / "old-data"
+    shutil.copytree(data, old, dirs_exist_ok=True)
+    (old / "letters" / "meta.json").write_text(json.dumps(meta))
+    args = ["train", "--config", str(setup["config"]), "--out", str(setup["root"] / "refused"), "--set",
+            "data=letters", "--set", "pack=boundaries"]
+    assert main([*args, "--data-dir", str(old), "--set", "options.routing.probes=1"]) != 0
+    assert "pack = 'boundaries' needs the data set's document starts, and 'letters' was prepared without them" \
+        in capsys.readouterr().err
+    assert main([*args, "--data-dir", str(data)]) != 0  # routing's default: two probes
+    assert "pack = 'boundaries': routing heads (with these options) do not honour packed documents yet" \
+        in capsys.readouterr().err
+    assert main([*args[:-1], "pack=files", "--data-dir", str(data)]) != 0
+    assert "pack must be one of none, boundaries, got 'files'" in capsys.readouterr().err

@@ -31,6 +31,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train.config import check_stride
     from ..train.evaluation import UNITS, Scoring, context_policy, evaluate, metric
     from ..train.runs import load_run, pick_device
+    from ..train.trainer import document_starts
 
     run_dir = Path(args.run_dir).expanduser()
     procs = distributed.start(pick_device(args.device))
@@ -43,13 +44,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
         if procs.main:
             note(model.config.describe_executor(procs.device))
+        starts = document_starts(data, run.train, args.split)  # as the run trained: its pack setting
         total, count = evaluate(model, tokens, Scoring(seq, args.batch_size, stride=args.stride), procs,
-                                progress=f"{args.split} split")
+                                progress=f"{args.split} split", starts=starts)
         if procs.main:
             mean = total / count
             print(f"{run_dir} ({which} weights) on the {args.split} split of {data.meta.name}: "
                   f"{metric(data.meta.kind, mean):.4f} {UNITS[data.meta.kind]} (mean NLL {mean:.4f} nats over "
-                  f"{count:,} predictions; context: {context_policy(seq, args.stride)})")
+                  f"{count:,} predictions; context: {context_policy(seq, args.stride, starts is not None)})")
     finally:
         distributed.stop(procs)
     return 0

@@ -22,11 +22,13 @@ class BatchSampler:
     ``align``: windows start at multiples of it. Data that comes in samples (images) passes the sample length, so
     that every window starts at a sample's first token and position embeddings tied to the sample's layout (an
     image's row, column and channel) are those of the tokens they embed. ``repeats``: a curriculum of repeated
-    text over the first steps (``data.repeats``), for text only.
+    text over the first steps (``data.repeats``), for text only. ``starts``: the split's document starts
+    (``Dataset.starts``): ``batch_with_documents`` then gives every row's document ids, cut from the boundaries.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, rank: int = 0,
-                 world: int = 1, align: int = 1, repeats: RepeatCurriculum | None = None) -> None:
+                 world: int = 1, align: int = 1, repeats: RepeatCurriculum | None = None,
+                 starts: np.ndarray | None = None) -> None:
         if len(tokens) < seq_len + 1:
             raise DataError(f"the train split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
                             f"lower seq_len (--set seq_len=...)")
@@ -40,6 +42,7 @@ class BatchSampler:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank, self.world, self.align = seed, rank, world, align
         self.repeats = repeats
+        self.starts = starts
 
     def offsets(self, step: int) -> torch.Tensor:
         """Start of every window of the global batch of ``step``: (batch_size,)."""
@@ -52,6 +55,12 @@ class BatchSampler:
         seq_len + 1) int64 tokens; with ``length`` < seq_len (a warm-up on shorter rows), each row cut into
         seq_len / length rows of length + 1 (``cut_sequences``) before a curriculum's repeats are drawn for
         them."""
+        return self.batch_with_documents(step, micro, micro_batches, length)[0]
+
+    def batch_with_documents(self, step: int, micro: int = 0, micro_batches: int = 1,
+                             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``batch``'s tokens (b, L + 1) and, with ``starts``, the document of each (b, L + 1) int64 (None
+        without): a row of the curriculum's repeated text is one document, its copies being what it teaches."""
         per = self.batch_size // self.world
         if per % micro_batches:
             raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
@@ -60,15 +69,28 @@ class BatchSampler:
         mine = self.offsets(step)[first:first + size]
         rows = torch.from_numpy(np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
                                           for o in mine.tolist()]))
+        documents = None if self.starts is None else window_documents(self.starts, mine, self.seq_len + 1)
         pieces = 1
         if length is not None and length < self.seq_len:
             pieces = self.seq_len // length
             rows = cut_sequences(rows, length)
+            documents = None if documents is None else cut_sequences(documents, length)
         if self.repeats is None:
-            return rows
+            return rows, documents
         # drawn over the global batch's rows (cut or not), so that ranks and micro-batches see one run's rows
         lengths = self.repeats.lengths(self.seed, step, self.batch_size * pieces, rows.shape[1] - 1)
-        return repeat_rows(rows, lengths[first * pieces:(first + size) * pieces])
+        mine_lengths = lengths[first * pieces:(first + size) * pieces]
+        if documents is not None and any(mine_lengths):
+            repeated = torch.tensor([n > 0 for n in mine_lengths])
+            documents = documents.masked_fill(repeated[:, None], 0)
+        return repeat_rows(rows, mine_lengths), documents
+
+
+def window_documents(starts: np.ndarray, offsets: torch.Tensor, length: int) -> torch.Tensor:
+    """(b, length) int64: the document of each token of the windows at ``offsets`` (b,) in a split whose documents
+    start at ``starts`` (int64, increasing, from 0), by a search of them. O(b · length · log D)."""
+    positions = offsets.to(torch.long)[:, None] + torch.arange(length)
+    return torch.searchsorted(torch.from_numpy(np.asarray(starts)), positions, right=True) - 1
 
 
 def cut_sequences(tokens: torch.Tensor, length: int) -> torch.Tensor:
@@ -99,9 +121,11 @@ def eval_windows(n: int, seq_len: int, stride: int | None = None) -> list[tuple[
         start += stride
 
 
-def window_batches(tokens: np.ndarray, windows: list[tuple[int, int]], seq_len: int,
-                   batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(tokens (b, L + 1), score mask (b, L)) per batch; windows at the end are right-padded and masked."""
+def window_batches(tokens: np.ndarray, windows: list[tuple[int, int]], seq_len: int, batch: int,
+                   starts: np.ndarray | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(tokens (b, L + 1), score mask (b, L), documents (b, L + 1) or None) per batch; windows at the end are
+    right-padded and masked. ``starts``: the split's document starts, whose ids the windows then carry (a padded
+    tail in the last document)."""
     for i in range(0, len(windows), batch):
         chunk = windows[i:i + batch]
         length = min(seq_len, len(tokens) - 1 - min(start for start, _ in chunk))
@@ -111,4 +135,7 @@ def window_batches(tokens: np.ndarray, windows: list[tuple[int, int]], seq_len: 
             piece = np.asarray(tokens[start:start + length + 1], dtype=np.int64)
             rows[r, :len(piece)] = piece
             mask[r, first:len(piece) - 1] = True
-        yield torch.from_numpy(rows), torch.from_numpy(mask)
+        documents = None
+        if starts is not None:  # positions past the split's end fall in its last document
+            documents = window_documents(starts, torch.tensor([s for s, _ in chunk]), length + 1)
+        yield torch.from_numpy(rows), torch.from_numpy(mask), documents

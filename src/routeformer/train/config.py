@@ -30,6 +30,8 @@ SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
+PACKS = ("none", "boundaries")  # TrainConfig.pack: documents ignored, or their boundaries kept
+
 @dataclass
 class TrainConfig:
     """How to train: data, optimisation, budget, evaluation, logging.
@@ -53,6 +55,10 @@ class TrainConfig:
     tokens is cut into rows of short_len (the same tokens, seq_len / short_len times as many rows), and a
     curriculum's repeats are drawn within those rows (so that its copies lie within what the short rows show);
     0 steps: none. short_len must divide seq_len (checked against the model).
+    pack: how training rows and evaluation windows treat the data set's documents (a file of stdlib, sympy or a
+    text folder; ``Dataset.starts``): "none", rows and windows read across them as one text; "boundaries", rows and
+    windows as before, each carrying its documents' ids (``TransformerLM.forward(documents=)``): nothing is
+    predicted from another document, and evaluation scores each from its own start.
     """
 
     data: str = "stdlib"
@@ -77,6 +83,7 @@ class TrainConfig:
     repeat_share: float = 0.5
     short_steps: int = 0
     short_len: int = 0
+    pack: str = "none"
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
@@ -100,6 +107,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
+        if self.pack not in PACKS:
+            raise ValueError(f"pack must be one of {', '.join(PACKS)}, got {self.pack!r}")
         if (self.short_steps == 0) != (self.short_len == 0):
             raise ValueError(f"a length warm-up needs both short_steps and short_len (or neither), got "
                              f"short_steps={self.short_steps} and short_len={self.short_len}")

@@ -27,11 +27,13 @@ def metric(kind: str, mean_nll: float) -> float:
     return math.exp(min(mean_nll, 700.0)) if kind == "words" else mean_nll / math.log(2)
 
 
-def context_policy(seq_len: int, stride: int | None) -> str:
+def context_policy(seq_len: int, stride: int | None, documents: bool = False) -> str:
+    """How a split's windows are laid, in words; ``documents``: each document scored from its own start."""
+    within = "; each document from its own start, with no context from the one before" if documents else ""
     if stride is None or stride == seq_len:
-        return f"non-overlapping windows of {seq_len} tokens"
+        return f"non-overlapping windows of {seq_len} tokens{within}"
     return (f"windows of {seq_len} tokens every {stride}, scoring the last {stride} of each (at least "
-            f"{seq_len - stride} tokens of context)")
+            f"{seq_len - stride} tokens of context{' within the window' if documents else ''}){within}")
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,13 @@ class Scoring:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokens: np.ndarray, scoring: Scoring, procs: Processes, *,
              autocast: contextlib.AbstractContextManager | None = None,
-             progress: str | None = None) -> tuple[float, int]:
+             progress: str | None = None, starts: np.ndarray | None = None) -> tuple[float, int]:
     """(sum of NLL in nats, number of predictions) over the split's windows (``scoring``), every prediction counted
     once, summed over ranks (each rank takes every world-th batch of windows). ``progress``: the label of a
     progress bar on stderr (windows scored, time left), shown by the main process. Where ``one_shape`` (CUDA) the
-    last, short batch is padded to the shape of the others with rows that score nothing (``_padded``)."""
+    last, short batch is padded to the shape of the others with rows that score nothing (``_padded``).
+    ``starts``: the split's document starts: every window then carries its documents' ids, each document scored
+    from its own start (packed documents, ``TransformerLM.forward(documents=)``)."""
     from tqdm import tqdm
 
     seq_len, batch, max_windows = scoring.seq_len, scoring.batch, scoring.max_windows
@@ -62,7 +66,7 @@ def evaluate(model: nn.Module, tokens: np.ndarray, scoring: Scoring, procs: Proc
     if max_windows is not None and len(windows) > max_windows:
         pick = np.linspace(0, len(windows) - 1, max_windows).round().astype(int)
         windows = [(windows[i][0], 0) for i in pick]
-    mine = _my_batches(window_batches(tokens, windows, seq_len, batch), -(-len(windows) // batch), procs)
+    mine = _my_batches(window_batches(tokens, windows, seq_len, batch, starts), -(-len(windows) // batch), procs)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -70,13 +74,14 @@ def evaluate(model: nn.Module, tokens: np.ndarray, scoring: Scoring, procs: Proc
     bar = tqdm(total=len(windows), desc=progress, unit="window", dynamic_ncols=True, mininterval=1.0, leave=False,
                disable=progress is None or not procs.main)
     try:
-        for rows, mask in mine:
+        for rows, mask, documents in mine:
             check_token_ids(rows, model.config.vocab_size)  # on the host: no device sync
             if one_shape(procs.device):
-                rows, mask = _padded(rows, mask, min(batch, len(windows)), seq_len)
+                rows, mask, documents = _padded(rows, mask, documents, min(batch, len(windows)), seq_len)
             rows, mask = rows.to(procs.device), mask.to(procs.device)
+            inputs = {} if documents is None else {"documents": documents[:, :-1].to(procs.device)}
             with autocast or contextlib.nullcontext():
-                logits = model(rows[:, :-1])
+                logits = model(rows[:, :-1], **inputs)
             nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
             total += float(nll[mask.flatten()].sum())
             count += int(mask.sum())
@@ -94,32 +99,39 @@ def one_shape(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _padded(rows: torch.Tensor, mask: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of windows (b, L + 1) and its score mask (b, L) grown to (batch, seq_len + 1) with rows that score
-    nothing: the last, short batch of a split then has the shape of the others, and FlexAttention's kernels,
-    compiled per shape, are not compiled again for it (on CUDA; each recompilation costs seconds)."""
+def _padded(rows: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor | None, batch: int,
+            seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A batch of windows (b, L + 1), its score mask (b, L) and documents (b, L + 1) or None grown to
+    (batch, seq_len + 1) with rows that score nothing (a padded tail in its row's last document): the last, short
+    batch of a split then has the shape of the others, and FlexAttention's kernels, compiled per shape, are not
+    compiled again for it (on CUDA; each recompilation costs seconds)."""
     b, length = mask.shape
     if (b, length) == (batch, seq_len):
-        return rows, mask
+        return rows, mask, documents
     full = rows.new_zeros(batch, seq_len + 1)
     full[:b, :length + 1] = rows
     scored = mask.new_zeros(batch, seq_len)
     scored[:b, :length] = mask
-    return full, scored
+    if documents is not None:
+        ids = documents.new_zeros(batch, seq_len + 1)
+        ids[:b] = documents[:, -1:]
+        ids[:b, :length + 1] = documents
+        documents = ids
+    return full, scored, documents
 
 
-def _my_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,
-                procs: Processes) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _my_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], count: int,
+                procs: Processes) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """This rank's share (every world-th) of ``count`` batches, the same number on every rank: a sharded model
     gathers its parameters collectively in each forward, so a rank left without a batch in the last round runs
     the split's first batch with a mask that scores nothing."""
     first = None
-    for i, (rows, mask) in enumerate(batches):
-        first = (rows, mask) if i == 0 else first
+    for i, (rows, mask, documents) in enumerate(batches):
+        first = (rows, mask, documents) if i == 0 else first
         if i % procs.world == procs.rank:
-            yield rows, mask
+            yield rows, mask, documents
     if first is not None and -(-count // procs.world) > len(range(procs.rank, count, procs.world)):
-        yield first[0], torch.zeros_like(first[1])
+        yield first[0], torch.zeros_like(first[1]), first[2]
 
 
 class Validator:
@@ -128,9 +140,10 @@ class Validator:
     ``write``."""
 
     def __init__(self, core: TransformerLM, tokens: np.ndarray, kind: str, cfg: TrainConfig, parallel: Parallelism,
-                 write: Callable[[dict], None]) -> None:
+                 write: Callable[[dict], None], *, starts: np.ndarray | None = None) -> None:
         seq_len, procs = core.config.seq_len, parallel.procs
         self.core, self.tokens, self.kind, self.seq_len = core, tokens, kind, seq_len
+        self.starts = starts  # the split's document starts, where the run keeps the boundaries
         self.procs, self.autocast, self.write = procs, parallel.autocast, write
         self.max_windows = max(1, cfg.eval_tokens // seq_len)
         micro = max(1, cfg.batch_size // max(1, procs.world * cfg.grad_accum))
@@ -159,9 +172,9 @@ class Validator:
     @property
     def context(self) -> str:
         """How the whole split's windows are laid (``context_policy``)."""
-        return context_policy(self.seq_len, self.stride)
+        return context_policy(self.seq_len, self.stride, documents=self.starts is not None)
 
     def _mean(self, scoring: Scoring, progress: str | None = None) -> float:
         total, count = evaluate(self.core, self.tokens, scoring, self.procs, autocast=self.autocast(),
-                                progress=progress)
+                                progress=progress, starts=self.starts)
         return total / max(count, 1)

@@ -196,13 +196,16 @@ class Loop:
         # shorter rows during a warm-up that asks for them (the routing heads' dense one, or the length warm-up)
         length = min(self.core.config.train_len(step - 1), cfg.train_len(step, self.seq_len))
         for micro in range(cfg.grad_accum):
-            tokens = self.sampler.batch(step, micro, cfg.grad_accum, length)  # cut, then a curriculum's repeats
+            # cut, then a curriculum's repeats; with pack = "boundaries" each token's document
+            tokens, documents = self.sampler.batch_with_documents(step, micro, cfg.grad_accum, length)
             check_token_ids(tokens, self.core.config.vocab_size)  # on the host: no device sync
             tokens = tokens.to(self.procs.device, non_blocking=True)
+            if documents is not None:
+                documents = documents[:, :-1].to(self.procs.device, non_blocking=True)
             last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with self.parallel.autocast():
-                    logits = self.model(tokens[:, :-1], step)
+                    logits = self.model(tokens[:, :-1], step, documents)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
                     objective = (loss + self.core.aux_loss.float()) / cfg.grad_accum
                 self.parallel.scaler.scale(objective).backward()

@@ -198,13 +198,14 @@ class TrainingForward:
                  f"{AUTO_COMPILE_MINUTES:g} min or more to go; --set compile=false keeps them eager)")
         return True
 
-    def __call__(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, step: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = {} if documents is None else {"documents": documents}
         if self.compiled is None or step < self.start:
-            return self.model(tokens)
+            return self.model(tokens, **inputs)
         if self.compiled_at is None:
             self.compiled_at = step
         try:
-            return self.compiled(tokens)
+            return self.compiled(tokens, **inputs)
         except torch._dynamo.exc.BackendCompilerFailed as err:
             if not self.auto:
                 raise
@@ -213,7 +214,7 @@ class TrainingForward:
             first = (str(cause).strip().splitlines() or [""])[0]
             self.say(f"warning: torch.compile failed, training eagerly from here (compile = \"auto\"; "
                      f"--set compile=false skips it): {type(cause).__name__}: {first}")
-            return self.model(tokens)
+            return self.model(tokens, **inputs)
 
     @contextlib.contextmanager
     def reproducible(self) -> Iterator[None]:

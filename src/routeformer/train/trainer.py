@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..data import BatchSampler, DataError, Dataset, RepeatCurriculum
@@ -98,8 +99,15 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         raise DataError(f"short_len ({cfg.short_len}) must be shorter than seq_len ({run.model.seq_len}) and divide "
                         f"it: the length warm-up cuts each row into rows that long")
     repeats = RepeatCurriculum(cfg.repeat_steps, cfg.repeat_share) if cfg.repeat_steps else None
+    if cfg.pack != "none":
+        refusing = sorted({g.kind.name for layer in run.model.head_groups() for g in layer
+                           if not g.kind.honours_documents(g.options)})
+        if refusing:
+            raise ValueError(f"pack = {cfg.pack!r}: {', '.join(refusing)} heads (with these options) do not honour "
+                             f"packed documents yet (docs/attention.md, 'Packed documents'); set pack = \"none\"")
+    starts = document_starts(data, cfg, "train")
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
-                           world=procs.world, align=data.meta.sample_length or 1, repeats=repeats)
+                           world=procs.world, align=data.meta.sample_length or 1, repeats=repeats, starts=starts)
     sampler.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
         if say is not None:
@@ -116,7 +124,8 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         for warning in schedule_warnings(cfg):
             echo(f"warning: {warning}")
     try:
-        validator = Validator(core, data.split("valid"), kind, cfg, parallel, directory.write)
+        validator = Validator(core, data.split("valid"), kind, cfg, parallel, directory.write,
+                              starts=document_starts(data, cfg, "valid"))
         stop = StopRequest(echo if procs.main else None)
         loop = Loop(cfg, Parts(forward, core, optimizer, sampler),
                     Services(parallel, directory, validator, checkpointer, stop), progress)
@@ -138,9 +147,26 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         directory.close()
 
 
+def document_starts(data: Dataset, cfg: TrainConfig, split: str) -> np.ndarray | None:
+    """The split's document starts where the run keeps the boundaries (``TrainConfig.pack``), else None; a
+    DataError naming what to do where the data set marks none."""
+    if cfg.pack == "none":
+        return None
+    starts = data.starts(split)
+    if starts is None:
+        raise DataError(f"pack = {cfg.pack!r} needs the data set's document starts, and {cfg.data!r} was prepared "
+                        f"without them (before they were recorded, or from a source that has none): prepare it "
+                        f"again (`routeformer prepare {cfg.data}` after removing {data.directory}), or set "
+                        f"pack = \"none\"")
+    return starts
+
+
 def _repeats_note(cfg: TrainConfig) -> str:
-    """The banner's mention of the length warm-up and the curriculum of repeated text, where the run has them."""
+    """The banner's mention of the length warm-up, the curriculum of repeated text and the documents' boundaries,
+    where the run has them."""
     note = f", rows of {cfg.short_len} over the first {cfg.short_steps} steps" if cfg.short_steps else ""
+    if cfg.pack == "boundaries":
+        note += ", documents apart (no context across a file's boundary)"
     if not cfg.repeat_steps:
         return note
     return note + f", {cfg.repeat_share:.0%} of rows repeated text over the first {cfg.repeat_steps} steps"
