@@ -276,7 +276,7 @@ def test_batches_are_a_function_of_seed_and_step_and_ranks_split_them() -> None:
     one = BatchSampler(tokens, 16, 8, seed=3)
     assert torch.equal(one.batch(5), one.batch(5)) and not torch.equal(one.batch(5), one.batch(6))
     assert torch.equal(one.batch(5)[:, 1:], one.batch(5)[:, :-1] + 1 - 251 * (one.batch(5)[:, :-1] == 250))
-    ranks = [BatchSampler(tokens, 16, 8, seed=3, rank=r, world=2) for r in range(2)]
+    ranks = [BatchSampler(tokens, 16, 8, seed=3, share=(r, 2)) for r in range(2)]
     micro = [ranks[r].batch(5, m, 2) for r in range(2) for m in range(2)]
     assert torch.equal(torch.cat(micro), one.batch(5))  # the global batch, split over ranks and micro-batches
 
@@ -314,7 +314,7 @@ def test_the_repeats_are_drawn_over_the_global_batch() -> None:
     tokens = np.arange(10_000) % 251
     curriculum = RepeatCurriculum(steps=5, share=0.5)
     one = BatchSampler(tokens, 16, 8, seed=3, repeats=curriculum)
-    ranks = [BatchSampler(tokens, 16, 8, seed=3, rank=r, world=2, repeats=curriculum) for r in range(2)]
+    ranks = [BatchSampler(tokens, 16, 8, seed=3, share=(r, 2), repeats=curriculum) for r in range(2)]
     for step in (1, 5):
         micro = [ranks[r].batch(step, m, 2) for r in range(2) for m in range(2)]
         assert torch.equal(torch.cat(micro), one.batch(step))
@@ -337,7 +337,7 @@ def test_sampler_rejects_impossible_requests() -> None:
     with pytest.raises(DataError, match="fewer than seq_len"):
         BatchSampler(np.zeros(10), 16, 4, seed=0)
     with pytest.raises(DataError, match="divisible by the number of processes"):
-        BatchSampler(np.zeros(100), 8, 3, seed=0, world=2)
+        BatchSampler(np.zeros(100), 8, 3, seed=0, share=(0, 2))
 
 
 @given(n=st.integers(2, 300), seq=st.integers(1, 40), stride_frac=st.floats(0.01, 1.0))

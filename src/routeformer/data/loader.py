@@ -22,13 +22,15 @@ class BatchSampler:
     ``align``: windows start at multiples of it. Data that comes in samples (images) passes the sample length, so
     that every window starts at a sample's first token and position embeddings tied to the sample's layout (an
     image's row, column and channel) are those of the tokens they embed. ``repeats``: a curriculum of repeated
-    text over the first steps (``data.repeats``), for text only. ``starts``: the split's document starts
-    (``Dataset.starts``): ``batch_with_documents`` then gives every row's document ids, cut from the boundaries.
+    text over the first steps (``data.repeats``), for text only. ``share``: this process's (rank, number of
+    processes), which split every batch. ``starts``: the split's document starts (``Dataset.starts``):
+    ``batch_with_documents`` then gives every row's document ids, cut from the boundaries.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, rank: int = 0,
-                 world: int = 1, align: int = 1, repeats: RepeatCurriculum | None = None,
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int,
+                 share: tuple[int, int] = (0, 1), align: int = 1, repeats: RepeatCurriculum | None = None,
                  starts: np.ndarray | None = None) -> None:
+        rank, world = share
         if len(tokens) < seq_len + 1:
             raise DataError(f"the train split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
                             f"lower seq_len (--set seq_len=...)")

@@ -106,8 +106,9 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
             raise ValueError(f"pack = {cfg.pack!r}: {', '.join(refusing)} heads (with these options) do not honour "
                              f"packed documents yet (docs/attention.md, 'Packed documents'); set pack = \"none\"")
     starts = document_starts(data, cfg, "train")
-    sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed, rank=procs.rank,
-                           world=procs.world, align=data.meta.sample_length or 1, repeats=repeats, starts=starts)
+    sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed,
+                           share=(procs.rank, procs.world), align=data.meta.sample_length or 1, repeats=repeats,
+                           starts=starts)
     sampler.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
         if say is not None:
