@@ -72,6 +72,8 @@ def test_ids_are_numbered_from_zero_in_each_row() -> None:
     q, k, v = rand_qkv(2, 1, 5, 4, grad=False)
     given = torch.tensor([[7, 7, 40, 41, 41], [-3, -3, -3, -3, -3]])
     assert Inputs.of(q, k, v, documents=given).documents.tolist() == [[0, 0, 1, 2, 2], [0, 0, 0, 0, 0]]
+    # rows of one document each are rows without documents: the plain path
+    assert Inputs.of(q, k, v, documents=torch.tensor([[3] * 5, [4] * 5])).documents is None
 
 
 SLOW_FLEX = pytest.mark.slow  # FlexAttention's CPU path takes seconds a call: its relative cases run in the slow lines

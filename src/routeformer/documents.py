@@ -20,8 +20,9 @@ from torch import Tensor
 
 def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.device) -> Tensor | None:
     """Check (B, N) integer document ids that never decrease along a row; return them numbered from 0 within each
-    row (int64, +1 at every boundary), or None. Every error names the argument. O(B · N), one read of the device
-    (whether any id decreases)."""
+    row (int64, +1 at every boundary), or None where no row holds a boundary (a row of one document is a row
+    without documents: the plain path, with none of their cost). Every error names the argument. O(B · N), one
+    read of the device (whether any id decreases, whether any changes)."""
     if documents is None:
         return None
     if not isinstance(documents, Tensor):
@@ -33,7 +34,10 @@ def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.
     if documents.device != device:
         raise ValueError(f"documents is on {documents.device} but q is on {device}")
     step = documents.diff(dim=-1)
-    if bool((step < 0).any()):
+    decreasing, boundary = torch.stack([(step < 0).any(), (step != 0).any()]).tolist()
+    if not boundary:
+        return None
+    if decreasing:
         b, i = (step < 0).nonzero()[0].tolist()
         raise ValueError(f"documents must never decrease along a row (a document is one run of positions): row {b} "
                          f"goes from {int(documents[b, i])} to {int(documents[b, i + 1])} at position {i + 1}")
