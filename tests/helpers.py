@@ -35,6 +35,20 @@ def sanitized(build):
                        what=f"{build.what} with AddressSanitizer and UBSan")
 
 
+PATTERN_CASES = [  # every fixed pattern's shapes no test may miss: the partial first and last blocks, a grid, globals
+    ("full", {}),
+    ("local", {"window": 1}),
+    ("local", {"window": 7}),
+    ("local", {"window": 64}),
+    ("strided", {"stride": 5, "merged": True}),
+    ("strided", {"stride": 5, "merged": False}),
+    ("fixed", {"block": 8, "summary": 3, "merged": True}),
+    ("fixed", {"block": 8, "summary": 3, "merged": False}),
+    ("longformer", {"window": 4, "dilation": 1}),
+    ("longformer", {"window": 3, "dilation": [1, 2, 3, 4], "global_tokens": [0, 9, 30, 40]}),
+]
+
+
 def rand_qkv(B: int, H: int, N: int, D: int, dtype=torch.float64, seed: int = 0, grad: bool = True):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(B, H, N, D, generator=g, dtype=dtype).requires_grad_(grad) for _ in range(3)]

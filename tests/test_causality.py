@@ -8,24 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import leaks, pattern_call, rand_padding, rand_qkv, rand_rel
+from helpers import PATTERN_CASES, leaks, pattern_call, rand_padding, rand_qkv, rand_rel
 from routeformer.attention import PATTERNS, Inputs, LocalOptions, local_attention
 
-CAUSAL_CASES = [
-    ("full", {}),
-    ("local", {"window": 1}),
-    ("local", {"window": 7}),
-    ("local", {"window": 64}),
-    ("strided", {"stride": 5, "merged": True}),
-    ("strided", {"stride": 5, "merged": False}),
-    ("fixed", {"block": 8, "summary": 3, "merged": True}),
-    ("fixed", {"block": 8, "summary": 3, "merged": False}),
-    ("longformer", {"window": 4, "dilation": 1}),
-    ("longformer", {"window": 3, "dilation": [1, 2, 3, 4], "global_tokens": [0, 9, 30, 40]}),
-]
 
-
-@pytest.mark.parametrize("name, params", CAUSAL_CASES)
+@pytest.mark.parametrize("name, params", PATTERN_CASES)
 @pytest.mark.parametrize("extras, backend", [("plain", "tiles"), ("relative", "tiles"), ("padding", "tiles"),
                                              ("relative", "flex"), ("padding", "flex"), ("plain", "fused"),
                                              ("relative", "fused"), ("padding", "fused")])
@@ -48,7 +35,7 @@ def test_leak_check_detects_a_leak() -> None:
 
 
 
-@pytest.mark.parametrize("name, params", CAUSAL_CASES)
+@pytest.mark.parametrize("name, params", PATTERN_CASES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_padded_keys_do_not_matter(name: str, params: dict, causal: bool) -> None:
     q, k, v = rand_qkv(2, 4, 45, 8, grad=False)
@@ -62,7 +49,7 @@ def test_padded_keys_do_not_matter(name: str, params: dict, causal: bool) -> Non
     torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, params", CAUSAL_CASES)
+@pytest.mark.parametrize("name, params", PATTERN_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_without_keys_are_zero_and_gradients_finite(name: str, params: dict, dtype) -> None:
     q, k, v = rand_qkv(2, 4, 45, 8, dtype=dtype)

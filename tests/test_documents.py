@@ -7,23 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import rand_qkv, rand_rel
+from helpers import PATTERN_CASES, rand_qkv, rand_rel
 from routeformer.attention import PATTERNS, Inputs, LocalOptions, local_attention, reference_attention
 from routeformer.attention.routing.sorted_window import sort_by_cluster, sorted_window_attention, sorted_window_mask
 from routeformer.documents import documents_from_cu_seqlens, documents_from_lengths, documents_from_separators
 from routeformer.executors import get_executor
 
 EXECUTORS = ["fused", "tiles", "flex"]
-CASES = [  # what no document test may miss: the partial first and last blocks, a grid, global summaries
-    ("full", {}),
-    ("local", {"window": 5}),
-    ("strided", {"stride": 5, "merged": True}),
-    ("strided", {"stride": 5, "merged": False}),
-    ("fixed", {"block": 8, "summary": 3, "merged": True}),
-    ("fixed", {"block": 8, "summary": 3, "merged": False}),
-    ("longformer", {"window": 4, "dilation": 1}),
-    ("longformer", {"window": 3, "dilation": [1, 2, 3, 4], "global_tokens": [0, 9, 30, 40]}),
-]
+# the patterns of test_causality, one local window of them (the others add time, no new boundary case)
+CASES = [case for case in PATTERN_CASES if case[0] != "local" or case[1]["window"] == 7]
 LENGTHS = [[7, 1, 20, 17], [45]]  # a one-token document; a row that is one document
 
 

@@ -71,7 +71,8 @@ class Router(nn.Module):
                 routes on normalise(n(q_i) + n(k_i)) (one vector per position), unless ``separate``;
             separate: route queries by q and keys by k (needs shared_qk=False): a key joins the cluster of its key
                 vector, a query probes the clusters nearest its query vector, so W_Q and W_K can learn to meet in a
-                cluster as they meet in q·k; the centroids follow the keys alone, so a probed cluster holds keys;
+                cluster as they meet in q·k; the centroids follow the keys alone (a centroid no key joins still stays,
+                and a query may probe it: issue 70's trained runs);
             probes: p, the clusters each query probes (1: its own cluster only);
             balance: the bias step per optimiser step (0: no bias, the paper's plain argmax);
             decay, commitment: k-means EMA decay λ and the commitment-loss weight β.
@@ -236,7 +237,8 @@ class Router(nn.Module):
                  key_padding_mask: Tensor | None) -> None:
         # The centroids follow the keys alone. Separate routing once let them follow the queries too: where W_Q and
         # W_K point apart, clusters split into query-only and key-only ones, and a query probing a query-only
-        # cluster sees no key (issue 70's run: 11 of 12 heads attended nothing). Queries probe the keys' centroids.
+        # cluster sees no key. This is not all of it: trained with this rule (issue 70), 10 of 12 separate heads
+        # still attend nothing, their queries probing centroids that no key of theirs joins.
         self.kmeans.observe(rk.detach(), keys, key_padding_mask)
         if rq is rk:
             r, clusters, valid = rk, keys, key_padding_mask
