@@ -95,8 +95,9 @@ def test_patterns_with_documents_equal_the_reference_under_their_mask_and_the_sa
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int) -> None:
-    """Changing every input of one document changes no output or gradient of the others, bit for bit."""
+def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int, atol: float = 0.0) -> None:
+    """Changing every input of one document changes no output or gradient of the others, bit for bit (``atol``:
+    to rounding, for the fused sorted-window kernels; see the model's test)."""
     q, k, v = rand_qkv(B, H, N, D)
     changed = documents == 2  # (B, N)
     pick = changed[:, None, :, None]
@@ -106,12 +107,12 @@ def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int) -
     for x in ((q, k, v), (q2, k2, v2)):
         out = attend(*x)
         outs.append(out)
-        grads.append(torch.autograd.grad(out, x, grad))
+        grads.append(torch.autograd.grad(out, x, grad, materialize_grads=True))  # k unused under shared QK
     keep = ~changed[:, None, :, None].expand(B, H, N, D)
-    assert torch.equal(outs[0][keep], outs[1][keep])
+    torch.testing.assert_close(outs[0][keep], outs[1][keep], rtol=0, atol=atol)
     assert not torch.equal(outs[0][~keep], outs[1][~keep]), "the changed document's own outputs must change"
     for a, b in zip(*grads, strict=True):
-        assert torch.equal(a[keep], b[keep])
+        torch.testing.assert_close(a[keep], b[keep], rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("name, params", CASES)
@@ -172,10 +173,87 @@ def test_the_sorted_window_keeps_each_cluster_within_its_document(executor: str,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def _probes(B: int, H: int, N: int, k: int, p: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random key clusters (B, H, N) and p distinct probes per query (B, H, N, p), the own cluster first."""
+    g = torch.Generator().manual_seed(seed)
+    clusters = torch.randint(0, k, (B, H, N), generator=g)
+    others = torch.rand(B, H, N, k, generator=g).scatter(-1, clusters[..., None], -1.0).argsort(-1, descending=True)
+    return clusters, torch.cat([clusters[..., None], others[..., :p - 1]], -1)
+
+
+@pytest.mark.parametrize("executor, N", [("fused", 45), ("tiles", 45), ("tiles", 300), ("flex", 45)])
+@pytest.mark.parametrize("shared, gated", [(False, False), (True, False), (False, True)])
+def test_probes_look_into_the_querys_own_document_only(executor: str, N: int, shared: bool, gated: bool) -> None:
+    """Multi-probe routing (separate and gated too): each probe reads the last `window` keys of its cluster in the
+    query's own document; the reference is ``probed_window_mask`` over the labels relabelled (document, cluster),
+    forward and gradients in float64 (N = 300 takes the tiles executor's ranges, 45 its dense tile); and changing
+    one document changes nothing of another, bit for bit."""
+    from routeformer.attention.routing import RoutingOptions
+    from routeformer.attention.routing.probes import probe_masks, probed_window_attention, probed_window_mask
+
+    B, H, D, k, p, window = 2, 3, 8, 3, 2, 4
+    lengths = [[7, 1, 20, 17], [45]] if N == 45 else [[40, 1, 150, 109], [300]]
+    documents = documents_from_lengths(lengths)
+    clusters, probes = _probes(B, H, N, k, p)
+    gates = torch.rand(B, H, N, p, dtype=torch.float64) if gated else None
+    options = RoutingOptions(num_clusters=k, window=window, probes=p, shared_qk=shared)
+    ex = get_executor(executor, "cpu")
+    labels = documents[:, None, :] * k + clusters
+
+    def attend(q, kk, v):
+        kk = q if shared else kk
+        return probed_window_attention(Inputs.of(q, kk, v, documents=documents), clusters, probes, options,
+                                       sort=sort_by_cluster(labels), executor=ex, gates=gates)
+
+    q, kk, v = rand_qkv(B, H, N, D)
+    out = attend(q, kk, v)
+    wanted = probes + (documents[:, None, :] * k)[..., None]
+    if gated:  # each probe its own softmax, scaled by its gate
+        masks = probe_masks(labels, wanted, window)
+        ref = sum(reference_attention(Inputs.of(q, kk, v), masks[:, :, t]) * gates[..., t, None] for t in range(p))
+    else:
+        ref = reference_attention(Inputs.of(q, q if shared else kk, v),
+                                  probed_window_mask(labels, wanted, window, shared))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    leaves = [q, v] if shared else [q, kk, v]
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _isolated(attend, documents, B, H, N, D)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_lsh_hashes_each_document_into_buckets_of_its_own(executor: str, causal: bool) -> None:
+    """LSH's bucket is (document, bucket): every round's window stays in the query's document. Against
+    ``reference_attention`` under ``lsh_mask(documents=...)`` (the keys the unit queries), forward and gradients in
+    float64, and isolated bit for bit."""
+    from routeformer.attention import lsh_attention
+    from routeformer.attention.lsh import LSHOptions, lsh_mask
+
+    B, H, N, D = 2, 3, 45, 8
+    documents = documents_from_lengths(LENGTHS)
+    options = LSHOptions(buckets=4, rounds=2, window=3)
+
+    def attend(q, k, v):
+        return lsh_attention(Inputs.of(q, q, v, documents=documents), options, executor, causal=causal, seed=3)
+
+    q, _, v = rand_qkv(B, H, N, D)
+    out = attend(q, q, v)
+    mask = lsh_mask(q.detach(), buckets=4, rounds=2, window=3, causal=causal, seed=3, documents=documents)
+    assert not (mask & ~same_document(documents)).any()
+    ref = reference_attention(Inputs.of(q, torch.nn.functional.normalize(q, dim=-1), v), mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, v], grad), torch.autograd.grad(ref, [q, v], grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # the fused rounds kernel cuts the sorted rows into blocks as the fused band does: to rounding there
+    _isolated(attend, documents, B, H, N, D, atol=1e-14 if executor == "fused" else 0.0)
+
+
 def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
-    from routeformer.attention import linear_attention, lsh_attention, performer_attention
+    from routeformer.attention import linear_attention, performer_attention
     from routeformer.attention.linear import LinearOptions
-    from routeformer.attention.lsh import LSHOptions
 
     q, k, v = rand_qkv(1, 2, 16, 4, grad=False)
     documents = documents_from_lengths([[8, 8]])
@@ -184,7 +262,6 @@ def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
         lambda: local_attention(inputs, LocalOptions(window=4, kernel="poly2")),
         lambda: linear_attention(inputs, LinearOptions()),
         lambda: performer_attention(inputs),
-        lambda: lsh_attention(Inputs.of(q, q, v, documents=documents), LSHOptions(buckets=4, rounds=1, window=4)),
     ]
     for call in calls:
         with pytest.raises(ValueError, match="does not honour packed documents yet"):
@@ -210,6 +287,11 @@ MODEL_KINDS = [  # (attention, options, positions): every kind a model may pack 
     ("full:2,local:2", {"local": {"window": 6}}, "absolute"),
     ("strided:2,fixed:2", {"strided": {"stride": 4}, "fixed": {"block": 8, "summary": 2}}, "relative"),
     ("longformer:4", {"longformer": {"window": 4, "global_tokens": [0, 3]}}, "factorized"),
+    ("routing:2,lsh:2", {"routing": {"num_clusters": 3, "window": 4, "probes": 2, "separate": True,
+                                     "shared_qk": False},
+                         "lsh": {"buckets": 4, "rounds": 2, "window": 3}}, "absolute"),
+    ("local:2,routing:2", {"local": {"window": 6}, "routing": {"num_clusters": 3, "window": 4, "probes": 2,
+                                                               "gate": True}}, "relative"),
 ]
 
 
@@ -233,7 +315,8 @@ def _model(attention: str, options: dict, positions: str, token_shift: str = "le
 def test_a_model_scores_each_packed_document_bit_for_bit_apart_from_the_others(attention, options, positions,
                                                                               backend, token_shift) -> None:
     """Changing one document's tokens changes no logit of another, bit for bit: attention, the token shift and the
-    positions stop at every boundary. One exception, to rounding: routing on the fused executor, whose band kernel
+    positions stop at every boundary. One exception, to rounding: routing and LSH on the fused executor, whose band
+    and rounds kernels
     cuts the sorted rows into blocks against the union of their rows' intervals, so that a block straddling two
     documents sums the later one's products over a span the earlier one's clusters set (about 1e-16; issue 71)."""
     model = _model(attention, options, positions, token_shift, backend)
@@ -243,7 +326,7 @@ def test_a_model_scores_each_packed_document_bit_for_bit_apart_from_the_others(a
     changed = documents == 2
     other[changed] = (other[changed] + 1 + torch.randint(0, 30, (int(changed.sum()),))) % 32
     a, b = model(tokens, documents=documents), model(other, documents=documents)
-    if backend == "fused" and "routing" in attention:
+    if backend == "fused" and ("routing" in attention or "lsh" in attention):
         torch.testing.assert_close(a[~changed], b[~changed], rtol=0, atol=1e-14)
     else:
         assert torch.equal(a[~changed], b[~changed])
@@ -273,10 +356,6 @@ def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_with_a
     tokens = torch.zeros(1, 16, dtype=torch.long)
     model = _model("local:2,performer:2", {"local": {"window": 6}}, "absolute")
     with pytest.raises(ValueError, match="performer heads .* do not honour packed documents yet"):
-        model(tokens, documents=documents)
-    model = _model("local:2,routing:2", {"local": {"window": 6}, "routing": {"num_clusters": 3, "window": 4,
-                                                                            "probes": 2}}, "relative")
-    with pytest.raises(ValueError, match="routing heads .* do not honour packed documents yet"):
         model(tokens, documents=documents)
     model = _model("local:4", {"local": {"window": 6}}, "relative")
     with pytest.raises(ValueError, match="documents with a cache"):

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import Inputs, check_inputs, refuse_documents
+from ..executors.inputs import Inputs, check_inputs
 from ..executors.pieces import SortedWindow
 from ..executors.tiling import HashRounds, KeyRestrictions
 from ..lengths import sqrt_len
@@ -101,14 +101,18 @@ def lsh_hash(x: Tensor, rotations: Tensor) -> Tensor:
 
 
 def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool = True,
-             key_padding_mask: Tensor | None = None, rotations: Tensor | None = None, seed: int = 0) -> Tensor:
+             key_padding_mask: Tensor | None = None, rotations: Tensor | None = None, seed: int = 0,
+             documents: Tensor | None = None) -> Tensor:
     """The boolean (B, H, N, N) mask of ``lsh_attention`` under ``LSHOptions(buckets, rounds, window)`` with the same
-    causal, padding, rotations and seed, from its definition (O(N²)):
-    the union over rounds of ``sorted_window_mask`` of each round's buckets, less padded keys, less the query's
-    own key unless it is the only key left."""
+    causal, padding, rotations, seed and packed documents, from its definition (O(N²)):
+    the union over rounds of ``sorted_window_mask`` of each round's buckets (with documents, the buckets relabelled
+    (document, bucket)), less padded keys, less the query's own key unless it is the only key left."""
     buckets, rounds, window = complete_lsh(LSHOptions(buckets, rounds, window), q.shape[2])
-    valid = check_inputs(q, q, q, None, key_padding_mask).key_valid
+    checked = check_inputs(q, q, q, None, key_padding_mask, documents=documents)
+    valid = checked.key_valid
     hashes = _hashes(q, buckets, rounds, rotations, seed)
+    if checked.documents is not None:
+        hashes = hashes + checked.documents[:, None, None, :] * buckets
     allow = torch.zeros(*hashes.shape[:2], hashes.shape[-1], hashes.shape[-1], dtype=torch.bool, device=q.device)
     for r in range(hashes.shape[2]):
         allow = allow | sorted_window_mask(hashes[:, :, r], window, causal, exclude_self=False)
@@ -142,6 +146,8 @@ def lsh_attention(
         causal: see only positions <= i (leak-free: what i sees depends only on positions <= i).
         rotations: (H, rounds, D, buckets/2) random rotations of the hash; None draws them with ``lsh_rotations``
             from ``seed``.
+        ``inputs.documents``: packed documents; a query's bucket is then (document, bucket), every round's window
+            within its document.
 
     Returns:
         (B, H, N, D) in the dtype of q; zeros for a query that sees no key (only possible with padding). Exact
@@ -151,13 +157,14 @@ def lsh_attention(
         · window) on the tiles executor (each round's probabilities; the masks of one round at a time).
     """
     options = check_options("options", options, LSHOptions)
-    refuse_documents(inputs, "LSH attention")
     q, v = inputs.q, inputs.v
     if inputs.k is not q:
         raise ValueError("lsh_attention shares queries and keys (the keys are the unit queries): pass "
                          "Inputs.of(q, q, v, ...), the queries as the keys")
     buckets, rounds, window = complete_lsh(options, q.shape[2])
     hashes, valid, scale = _hashes(q, buckets, rounds, rotations, seed), inputs.key_valid, inputs.scale
+    if inputs.documents is not None:  # packed documents: the bucket is (document, bucket), each window in its document
+        hashes = hashes + inputs.documents[:, None, None, :] * buckets
     executor = get_executor(executor, q.device)
     B, H, N, D = q.shape
     R = hashes.shape[2]
@@ -299,10 +306,11 @@ class LSHHeads(HeadGroup):
         self.register_buffer("rotations", lsh_rotations(heads, head_dim, options.buckets, options.rounds,
                                                         seed=seed))
 
-    def forward(self, q, k, v, rel_pos):
+    def forward(self, q, k, v, rel_pos, documents=None):
         if rel_pos is not None:
             raise ValueError("lsh heads do not support relative positions")
-        return lsh_attention(Inputs(q, q, v, self.scale), self.options, self.executor, rotations=self.rotations)
+        return lsh_attention(Inputs(q, q, v, self.scale, documents=documents), self.options, self.executor,
+                             rotations=self.rotations)
 
     def reference_mask(self, q, k):
         o = self.options
@@ -348,6 +356,7 @@ KIND = HeadKind(
     complete=_complete,
     shares_qk=lambda o: True,
     relative_positions=False,
+    documents=True,
     describe=lambda o: f"buckets={o.buckets}, rounds={o.rounds}, w={o.window}",
     summary="shared-QK LSH: per hash round the last `window` positions of the query's bucket, keys once",
 )

@@ -64,5 +64,5 @@ KIND = HeadKind(
     shares_qk=lambda o: o.shared_qk,
     describe=_describe,
     summary="the last `window` keys of each of the `probes` k-means clusters the query probes",
-    documents=lambda o: o.probes == 1 and not o.separate and not o.gate,
+    documents=True,
 )

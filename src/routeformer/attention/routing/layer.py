@@ -167,7 +167,7 @@ class RoutingAttention(HeadGroup):
         """(B, H, N, D) -> (B, H, N, D). ``documents`` (B, N): packed documents, a query seeing only its own
         document's keys: each cluster's window within the document (the label is (document, cluster)), the dense
         warm-up within it; the k-means statistics are those of the positions as they are, however packed.
-        Multi-probe, separate, gated and balanced routing refuse them (not yet)."""
+        Balanced routing refuses them (not yet)."""
         inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos, documents=documents)
         routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced,
                                      executor=self.executor)
@@ -176,7 +176,8 @@ class RoutingAttention(HeadGroup):
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
             return self._dense(inputs, rel_pos, bias)
         if self.probing:
-            return probed_window_attention(inputs, routes.keys, routes.probes, o, sort=self._sort(routes),
+            return probed_window_attention(inputs, routes.keys, routes.probes, o,
+                                           sort=self._sort(routes, inputs.documents),
                                            executor=ex, rel_pos=rel_pos, gates=self._gates(routes))
         if self.balanced:
             refuse_documents(inputs, "balanced routing")

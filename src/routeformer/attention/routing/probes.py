@@ -66,8 +66,15 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     inputs: the checked q, k, v (B, H, N, D), scale and key validity (B, 1, N) or None; key_clusters: (B, H, N)
     long; probes: (B, H, N, p) long, distinct per query; gates: optional (B, H, N, p): each probed cluster's softmax
     is scaled by its gate instead of the union sharing one softmax -> (B, H, N, D). ``options.shared_qk``: the own
-    key left out (see the module). ``sort``: the keys' ``sort_by_cluster`` (the router's, or the layer's).
+    key left out (see the module). ``sort``: the keys' ``sort_by_cluster`` (the router's, or the layer's); with
+    packed ``inputs.documents`` by (document, cluster, position), the probes then looking into the query's own
+    document's clusters only.
     """
+    if inputs.documents is not None:  # packed documents: the label is (document, cluster), so that every probe's
+        # range lies in the query's own document (``sort`` must be by these labels: the layer's ``_sort``)
+        label = inputs.documents[:, None, :] * options.num_clusters  # (B, 1, N)
+        key_clusters, probes = key_clusters + label, probes + label[..., None]
+        inputs = inputs.with_(documents=None)  # held by the ranges now
     q, v, key_valid, window, exclude_self = inputs.q, inputs.v, inputs.key_valid, options.window, options.shared_qk
     B, H, N, D = q.shape
     p = probes.shape[-1]
