@@ -251,20 +251,93 @@ def test_lsh_hashes_each_document_into_buckets_of_its_own(executor: str, causal:
     _isolated(attend, documents, B, H, N, D, atol=1e-14 if executor == "fused" else 0.0)
 
 
-def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
+def _feature_definition(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        documents: torch.Tensor) -> torch.Tensor:
+    """Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over j <= i (causal) of i's document: the quadratic form."""
+    N = v.shape[2]
+    allow = same_document(documents) & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
+    weights = (phi_q @ phi_k.transpose(-1, -2)) * allow
+    return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kind", ["performer", "elu", "poly2"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_feature_sums_restart_at_every_boundary(kind: str, executor: str, causal: bool) -> None:
+    """Performer and linear (elu, poly2) attention: every sum over the query's own document, in chunks of 8 that
+    straddle the boundaries (the scan's restart, its recomputing backward, the non-causal states per document);
+    against the quadratic form under 'the same document' (float64, forward and gradients), and isolated bit for
+    bit. The fused executor's scan kernels do not take documents: the PyTorch scan runs there."""
     from routeformer.attention import linear_attention, performer_attention
+    from routeformer.attention.kernels import feature_map
     from routeformer.attention.linear import LinearOptions
+    from routeformer.attention.performer import orthogonal_features, performer_features
+
+    B, H, N, D = 2, 2, 45, 4
+    documents = documents_from_lengths(LENGTHS)
+    projection = orthogonal_features(H, 6, D, generator=torch.Generator().manual_seed(2)).double()
+
+    def attend(q, k, v):
+        inputs = Inputs.of(q, k, v, documents=documents)
+        if kind == "performer":
+            return performer_attention(inputs, None, executor, causal=causal, projection=projection, chunk=8)
+        return linear_attention(inputs, LinearOptions(kernel=kind), executor, causal=causal, chunk=8)
+
+    q, k, v = rand_qkv(B, H, N, D)
+    out = attend(q, k, v)
+    if kind == "performer":
+        phi_q, phi_k = (performer_features(x, projection, D ** -0.5, query=t) for x, t in ((q, True), (k, False)))
+    else:
+        scale = D ** -0.5 if kind == "poly2" else None
+        phi_q, phi_k = feature_map(kind, q, scale), feature_map(kind, k, scale)
+    ref = _feature_definition(phi_q, phi_k, v, causal, documents)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, k, v], grad), torch.autograd.grad(ref, [q, k, v], grad),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _isolated(attend, documents, B, H, N, D)
+
+
+@pytest.mark.parametrize("kernel", ["poly2", "elu"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_exact_kernels_stay_in_their_document(kernel: str, causal: bool) -> None:
+    """local and full attention under poly2 / elu (``kernel_attention``, the quadratic form): the query's own
+    document's keys only, against the definition, isolated bit for bit."""
+    from routeformer.attention.kernels import feature_map
+
+    B, H, N, D = 2, 2, 45, 4
+    documents = documents_from_lengths(LENGTHS)
+
+    def attend(q, k, v):
+        return local_attention(Inputs.of(q, k, v, documents=documents), LocalOptions(window=N, kernel=kernel),
+                               causal=causal)
+
+    q, k, v = rand_qkv(B, H, N, D)
+    scale = D ** -0.5 if kernel == "poly2" else None
+    ref = _feature_definition(feature_map(kernel, q, scale), feature_map(kernel, k, scale), v, causal, documents)
+    torch.testing.assert_close(attend(q, k, v), ref, rtol=1e-10, atol=1e-10)
+    _isolated(attend, documents, B, H, N, D)
+
+
+def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
+    """Balanced routing, and attention over key ranges given as they are (MoBA's and NSA's blocks): an error names
+    them, nothing attends across a boundary."""
+    from routeformer.attention.blocks import selected_attention
+    from routeformer.attention.routing import RoutingAttention, RoutingOptions
 
     q, k, v = rand_qkv(1, 2, 16, 4, grad=False)
     documents = documents_from_lengths([[8, 8]])
-    inputs = Inputs.of(q, k, v, documents=documents)
-    calls = [
-        lambda: local_attention(inputs, LocalOptions(window=4, kernel="poly2")),
-        lambda: linear_attention(inputs, LinearOptions()),
-        lambda: performer_attention(inputs),
-    ]
-    for call in calls:
-        with pytest.raises(ValueError, match="does not honour packed documents yet"):
+    balanced = RoutingAttention(2, 4, RoutingOptions(num_clusters=2, window=4, probes=1, balance=0.0), causal=False,
+                                balanced=True).double()
+    chosen = torch.zeros(1, 2, 16, 1, dtype=torch.long)
+    calls = {
+        "balanced routing": lambda: balanced(q, k, v, documents=documents),
+        "attention over key ranges": lambda: selected_attention(Inputs.of(q, k, v, documents=documents), chosen, 4,
+                                                                get_executor("tiles", "cpu"), None),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match=f"{what}.* does not honour packed documents yet"):
             call()
 
 
@@ -292,6 +365,7 @@ MODEL_KINDS = [  # (attention, options, positions): every kind a model may pack 
                          "lsh": {"buckets": 4, "rounds": 2, "window": 3}}, "absolute"),
     ("local:2,routing:2", {"local": {"window": 6}, "routing": {"num_clusters": 3, "window": 4, "probes": 2,
                                                                "gate": True}}, "relative"),
+    ("performer:2,linear:2", {"linear": {"kernel": "poly2"}}, "absolute"),
 ]
 
 
@@ -354,8 +428,8 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(attention, op
 def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_with_a_cache() -> None:
     documents = documents_from_lengths([[4, 12]])
     tokens = torch.zeros(1, 16, dtype=torch.long)
-    model = _model("local:2,performer:2", {"local": {"window": 6}}, "absolute")
-    with pytest.raises(ValueError, match="performer heads .* do not honour packed documents yet"):
+    model = _model("local:2,moba:2", {"local": {"window": 6}, "moba": {"block": 4, "top_k": 1}}, "absolute")
+    with pytest.raises(ValueError, match="moba heads .* do not honour packed documents yet"):
         model(tokens, documents=documents)
     model = _model("local:4", {"local": {"window": 6}}, "relative")
     with pytest.raises(ValueError, match="documents with a cache"):

@@ -53,35 +53,66 @@ def _keys(fmap: FeatureMap, k: Tensor, key_valid: Tensor | None, rows: slice) ->
     return fk if key_valid is None else fk * key_valid[:, :, rows, None].to(fk.dtype)  # padded keys: no weight
 
 
+def _same_document(documents: Tensor | None, rows: slice) -> Tensor | None:
+    """(B, 1, c, c) 0/1 in no dtype yet: rows i, j of the chunk in one document; None without documents."""
+    if documents is None:
+        return None
+    dc = documents[:, rows]
+    return (dc[:, :, None] == dc[:, None, :])[:, None]
+
+
+def _rows_in(documents: Tensor | None, rows: slice, doc: Tensor | None) -> Tensor | None:
+    """(B, 1, c, 1) bool: the chunk's rows in document ``doc`` (B,) of each row; None without documents (every row)."""
+    if documents is None or doc is None:
+        return None
+    return (documents[:, rows] == doc[:, None])[:, None, :, None]
+
+
+def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    """x times a 0/1 mask (exact: a kept value is multiplied by 1), or x without one."""
+    return x if mask is None else x * mask.to(x.dtype)
+
+
 class _FeatureScan(torch.autograd.Function):
+    """The scan; with packed ``documents`` (B, N) the state restarts at every boundary: a chunk's rows read the
+    state only in the document the chunk continues, and the state carried on holds the chunk's last document's
+    keys only (a 0/1 factor, so a document's sums are bit for bit those it has alone in the same chunks)."""
+
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, fmap: FeatureMap, chunk: int,
-                key_valid: Tensor | None) -> Tensor:
+                key_valid: Tensor | None, documents: Tensor | None) -> Tensor:
         B, H, N, D = q.shape
         out = torch.empty_like(v)
         den = q.new_empty(B, H, N)
-        state = None  # Σ φ(k) [v, 1]ᵀ over the chunks before: (B, H, F, D + 1)
+        state = None  # Σ φ(k) [v, 1]ᵀ over the chunks before (of the last row's document): (B, H, F, D + 1)
+        before = None  # (B,) the document of the row before the chunk
         for rows in _chunk_slices(N, chunk):
             fq = fmap(q[:, :, rows], query=True)  # (B, H, c, F)
             fk = _keys(fmap, k, key_valid, rows)
             vc = _with_ones(v[:, :, rows])
-            num = (fq @ fk.transpose(-1, -2)).tril_() @ vc  # (B, H, c, D + 1)
+            num = _masked((fq @ fk.transpose(-1, -2)).tril_(), _same_document(documents, rows)) @ vc
+            last = None if documents is None else documents[:, rows.stop - 1]
+            add = _masked(fk, _rows_in(documents, rows, last)).transpose(-1, -2) @ vc
             if state is None:
-                state = fk.transpose(-1, -2) @ vc
+                state = add
             else:
-                num += fq @ state
-                state += fk.transpose(-1, -2) @ vc
+                num += _masked(fq @ state, _rows_in(documents, rows, before))
+                if documents is None:
+                    state += add
+                else:  # carried on only where the chunk ends in the document it began with
+                    state = _masked(state, (last == before)[:, None, None, None]) + add
+            before = last
             d = num[..., D]
             den[:, :, rows] = d
             out[:, :, rows] = num[..., :D] / torch.where(d > 0, d, 1.0)[..., None]
-        ctx.save_for_backward(q, k, v, out, den, key_valid)
+        ctx.save_for_backward(q, k, v, out, den, key_valid, documents)
         ctx.fmap, ctx.chunk = fmap, chunk
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor):
-        q, k, v, out, den, key_valid = ctx.saved_tensors
+        q, k, v, out, den, key_valid, documents = ctx.saved_tensors
         fmap, chunk = ctx.fmap, ctx.chunk
         D = q.shape[-1]
         # o = num / den, or num where den is not positive (feature_attention's _divide: a row without a key)
@@ -92,48 +123,68 @@ class _FeatureScan(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         spans = _chunk_slices(q.shape[2], chunk)
         # In order, the states before each chunk ((N/c)·F·(D + 1) floats, for this pass only: for Performer at
-        # c = 128, m = 266, D = 64 a third of the (N, m) features' bytes); then in reverse, everything else with each
-        # chunk's features computed once.
+        # c = 128, m = 266, D = 64 a third of the (N, m) features' bytes), by the forward's rule; then in reverse,
+        # everything else with each chunk's features computed once.
         states: list[Tensor | None] = []
-        total = None
+        total, previous = None, None
         for rows in spans:
             states.append(total)
-            add = _keys(fmap, k, key_valid, rows).transpose(-1, -2) @ _with_ones(v[:, :, rows])  # (B, H, F, D + 1)
-            total = add if total is None else total + add  # a new tensor: the list keeps the one before
-        later = None  # Σ φ(q)ᵀ g over the chunks after: (B, H, F, D + 1)
-        for rows, before in zip(reversed(spans), reversed(states), strict=True):
+            last = None if documents is None else documents[:, rows.stop - 1]
+            add = _masked(_keys(fmap, k, key_valid, rows), _rows_in(documents, rows, last)).transpose(-1, -2) \
+                @ _with_ones(v[:, :, rows])  # (B, H, F, D + 1)
+            if total is None:
+                total = add
+            else:  # a new tensor: the list keeps the one before
+                total = total + add if documents is None else \
+                    _masked(total, (last == previous)[:, None, None, None]) + add
+            previous = last
+        later = None  # Σ φ(q)ᵀ g over the chunks after (of the next chunk's first document): (B, H, F, D + 1)
+        after = None  # (B,) the document of the row after the chunk
+        for index, rows in reversed(list(enumerate(spans))):
+            before = states[index]
             fq = fmap(q[:, :, rows], query=True)  # (B, H, c, F)
             fk = _keys(fmap, k, key_valid, rows)
             vc = _with_ones(v[:, :, rows])
             gc = g[:, :, rows]
-            a = (gc @ vc.transpose(-1, -2)).tril_()  # (B, H, c, c): d tril(φ(q) φ(k)ᵀ)
+            same = _same_document(documents, rows)
+            a = _masked((gc @ vc.transpose(-1, -2)).tril_(), same)  # (B, H, c, c): d tril(φ(q) φ(k)ᵀ)
             dfq = a @ fk  # (B, H, c, F)
             if before is not None:
-                dfq += gc @ before.transpose(-1, -2)
+                reads = _rows_in(documents, rows, None if documents is None else documents[:, rows.start - 1])
+                dfq += _masked(gc @ before.transpose(-1, -2), reads)
             dfk = a.transpose(-1, -2) @ fq
-            dvc = (fq @ fk.transpose(-1, -2)).tril_().transpose(-1, -2) @ gc  # (B, H, c, D + 1)
+            dvc = _masked((fq @ fk.transpose(-1, -2)).tril_(), same).transpose(-1, -2) @ gc  # (B, H, c, D + 1)
+            first = None if documents is None else documents[:, rows.start]
+            adds = _masked(fq, _rows_in(documents, rows, first)).transpose(-1, -2) @ gc
             if later is None:
-                later = fq.transpose(-1, -2) @ gc
+                later = adds
             else:
-                dfk += vc @ later.transpose(-1, -2)
-                dvc += fk @ later
-                later += fq.transpose(-1, -2) @ gc
+                read = _rows_in(documents, rows, after)  # the rows whose keys the later chunks' queries see
+                dfk += _masked(vc @ later.transpose(-1, -2), read)
+                dvc += _masked(fk @ later, read)
+                if documents is None:
+                    later += adds
+                else:  # carried back only where the chunk begins in the document the next one begins with
+                    later = _masked(later, (first == after)[:, None, None, None]) + adds
+            after = first
             dq[:, :, rows] = fmap.grad(q[:, :, rows], fq, dfq, query=True)
             if key_valid is not None:  # a padded key's features are the constant 0
                 dfk *= key_valid[:, :, rows, None].to(dfk.dtype)
             dk[:, :, rows] = fmap.grad(k[:, :, rows], fk, dfk, query=False)
             dv[:, :, rows] = dvc[..., :D]
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def feature_scan(q: Tensor, k: Tensor, v: Tensor, fmap: FeatureMap, chunk: int,
-                 key_valid: Tensor | None = None) -> Tensor:
+                 key_valid: Tensor | None = None, documents: Tensor | None = None) -> Tensor:
     """o_i = Σ_{j<=i} φ(q_i)·φ(k_j) v_j / Σ_{j<=i} φ(q_i)·φ(k_j) (a row without a key: its numerator, 0) by a scan over
     chunks of ``chunk`` rows with a recomputing backward.
 
     q, k, v: (B, H, N, D) in the compute dtype; ``fmap`` the feature map with its derivative (no gradient for its
-    own parameters); key_valid (B, 1, N) bool or None. Returns (B, H, N, D). O(N·(c + F)·D) time forward and
-    backward; autograd keeps q, k, v, the output and (B, H, N) denominators. The definition that an executor's
-    kernels (``Executor.scan_run``: the fused one's on the CPU) stand in for: the mechanisms ask the executor first.
+    own parameters); key_valid (B, 1, N) bool or None; documents (B, N) packed documents numbered from 0 per row
+    (``check_documents``) or None: the sums then run over j <= i of i's document only. Returns (B, H, N, D).
+    O(N·(c + F)·D) time forward and backward; autograd keeps q, k, v, the output and (B, H, N) denominators. The
+    definition that an executor's kernels (``Executor.scan_run``: the fused one's on the CPU, without documents)
+    stand in for: the mechanisms ask the executor first.
     """
-    return _FeatureScan.apply(q, k, v, fmap, chunk, key_valid)
+    return _FeatureScan.apply(q, k, v, fmap, chunk, key_valid, documents)

@@ -140,4 +140,4 @@ def describe_kernel(options: KernelOptions) -> str:
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o),
                 keys_per_query=lambda options, n: (n + 1) / 2, option_type=KernelOptions,
                 relative_positions=exp_kernel, on_executor=exp_kernel, describe=describe_kernel,
-                summary="every earlier key", documents=exp_kernel)
+                summary="every earlier key", documents=True)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..checks import check_scale, positive_int
 from ..executors import check_backend
-from ..executors.inputs import Inputs, refuse_documents
+from ..executors.inputs import Inputs
 
 KERNELS = ("exp", "poly2", "elu")
 FEATURE_KERNELS = ("poly2", "elu")  # the kernels with a finite feature map
@@ -103,15 +103,14 @@ def kernel_attention(
 
     ``inputs``: ``Inputs.of(q, k, v, ...)``, q, k, v (B, H, N, D) -> (B, H, N, D); elu takes no scale (an
     ``Inputs.of(..., scale=s)`` is refused). Keys j of query i: j <= i when causal (all when not); with ``window``,
-    only i - window < j (and |i - j| < window when non-causal), as ``local_attention``. Rows with no key (every
-    key padded) or a zero sum output zeros. Computed in blocks of ``block`` queries, in float32 for half inputs:
+    only i - window < j (and |i - j| < window when non-causal), as ``local_attention``; with packed
+    ``inputs.documents``, only keys of i's document. Rows with no key (every key padded) or a zero sum output zeros. Computed in blocks of ``block`` queries, in float32 for half inputs:
     O(N²·D) time (O(N·(window + block)·D) with a window), O(block·N) extra memory.
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
     check_kernel("kernel", kernel, FEATURE_KERNELS)
-    refuse_documents(inputs, f"the {kernel!r} kernel")
     if rel is not None:
         raise ValueError(f"rel: relative positions are defined for the exponential kernel only, not {kernel!r}")
     s = kernel_scale(kernel, inputs.chosen_scale, D)
@@ -133,6 +132,9 @@ def kernel_attention(
             allow = allow & ((i - j).abs() < window)
         if key_valid is not None:
             allow = allow & key_valid[:, :, None, lo:hi]  # (B, 1, c, m)
+        if inputs.documents is not None:  # packed documents: the query's own only
+            docs = inputs.documents
+            allow = allow & (docs[:, start:end, None] == docs[:, None, lo:hi])[:, None]
         weights = pairwise(kernel, q[:, :, start:end], k[:, :, lo:hi], s).masked_fill(~allow, 0.0)
         total = weights.sum(-1, keepdim=True)  # (B, H, c, 1)
         # a row without weight outputs zeros; the where keeps its gradient finite

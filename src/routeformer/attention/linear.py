@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, refuse_documents
+from ..executors.inputs import Inputs
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .full import full_mask
@@ -68,17 +68,21 @@ def feature_attention(
     chunk: int,
     key_valid: Tensor | None = None,
     intra: Callable[[Callable[[Tensor], Tensor]], Tensor] | None = None,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """o_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over j <= i (causal) or all j.
 
     phi_q, phi_k: (B, H, N, F); v: (B, H, N, D); key_valid: (B, 1, N) bool or None (padded keys get φ = 0, so they
     leave the numerator and the denominator). ``intra(chunks)`` -> (B, H, C, c, c) computes the within-chunk
     weights from the raw q, k it holds, cut by ``chunks`` ((B, H, N, X) -> (B, H, C, c, X)), when that is cheaper
-    than through features (poly2: c·c·D instead of c·c·F); by default they are φ(q)·φ(k). Returns (B, H, N, D) in
-    the dtype of the inputs.
+    than through features (poly2: c·c·D instead of c·c·F); by default they are φ(q)·φ(k). ``documents`` (B, N),
+    numbered from 0 per row, or None: packed documents, the sums over i's document only (``_documents_apart``).
+    Returns (B, H, N, D) in the dtype of the inputs.
     """
     if key_valid is not None:
         phi_k = phi_k * key_valid[..., None].to(phi_k.dtype)
+    if documents is not None:
+        return _documents_apart(phi_q, phi_k, v, causal=causal, chunk=chunk, intra=intra, documents=documents)
     if not causal:
         state = phi_k.transpose(-1, -2) @ v  # (B, H, F, D)
         return _divide(phi_q @ state, (phi_q * phi_k.sum(2, keepdim=True)).sum(-1))
@@ -113,6 +117,49 @@ def feature_attention(
     return out[:, :, :N]
 
 
+def _documents_apart(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk: int,
+                     intra: Callable[[Callable[[Tensor], Tensor]], Tensor] | None, documents: Tensor) -> Tensor:
+    """``feature_attention`` over packed ``documents`` (B, N): the sums run over query i's document only, and a
+    document's sums are bit for bit the same whatever the others hold (0/1 factors, no subtraction).
+
+    Non-causal: one state Σ φ(k) [v, 1]ᵀ per document, (B, H, docs, F, D + 1), each query reading its own (the
+    documents as a one-hot (B, N, docs); the count is read on the host). Causal: the chunks in order, as
+    ``feature_scan`` runs them (its module docstring), the state restarting at every boundary; autograd keeps each
+    chunk's values, O(N·(c + F)) per head. Time O(N·(c + F)·D) causal, O(N·docs·F·D) non-causal."""
+    ones = torch.ones_like(v[..., :1])
+    vc = torch.cat([v, ones], -1)  # (B, H, N, D + 1): the denominator rides along
+    D = v.shape[-1]
+    if not causal:
+        count = int(documents.max()) + 1  # one host read: the states' size
+        member = (documents[..., None] == torch.arange(count, device=documents.device)).to(phi_k.dtype)  # (B, N, d)
+        states = torch.einsum("bnd,bhnf,bhne->bhdfe", member, phi_k, vc)  # (B, H, docs, F, D + 1)
+        num = torch.einsum("bnd,bhnf,bhdfe->bhne", member, phi_q, states)
+        return _divide(num[..., :D], num[..., D])
+    N = v.shape[2]
+    outs, state, before = [], None, None
+    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    for start in range(0, N, chunk):
+        rows = slice(start, min(start + chunk, N))
+        c = rows.stop - rows.start
+        fq, fk, vr, dc = phi_q[:, :, rows], phi_k[:, :, rows], vc[:, :, rows], documents[:, rows]
+        if intra is not None:  # the raw q, k of these rows, as one chunk: (B, H, 1, c, c)
+            weights = intra(lambda x, rows=rows: x[:, :, rows][:, :, None])[:, :, 0]
+        else:
+            weights = fq @ fk.transpose(-1, -2)  # (B, H, c, c)
+        allow = tril[:c, :c] & (dc[:, :, None] == dc[:, None, :])[:, None]  # (B, 1, c, c)
+        num = (weights * allow.to(weights.dtype)) @ vr
+        last = dc[:, -1]
+        add = (fk * (dc == last[:, None])[:, None, :, None].to(fk.dtype)).transpose(-1, -2) @ vr
+        if state is not None:
+            num = num + (fq @ state) * (dc == before[:, None])[:, None, :, None].to(num.dtype)
+            state = state * (last == before)[:, None, None, None].to(state.dtype) + add
+        else:
+            state = add
+        before = last
+        outs.append(_divide(num[..., :D], num[..., D]))
+    return torch.cat(outs, 2)
+
+
 class EluFeatures:
     """φ(x) = elu(x) + 1 with its derivative (``feature_scan.FeatureMap``): 1 where x > 0, else exp(x) = φ(x)."""
 
@@ -139,9 +186,10 @@ def linear_attention(
     O(N·D + (N/c)·F·D) memory per head. F = D for elu, 1 + D + D(D+1)/2 for poly2. The scale: poly2's s (default
     1/√D); elu has none (a given one is refused). Half-precision inputs are computed in float32 and returned in
     their dtype. Causal elu attention runs on the ``executor``'s scan kernels where it has them (``feature_scan``).
+    Packed ``inputs.documents``: every sum over the query's own document (the scan restarts at each boundary).
     """
     options = LinearOptions() if options is None else check_options("options", options, LinearOptions)
-    refuse_documents(inputs, "linear attention")
+    documents = inputs.documents
     kernel = options.kernel
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
@@ -153,14 +201,16 @@ def linear_attention(
     if causal and kernel == "elu":  # the scan keeps 4x q's bytes for the backward (feature_scan.py)
         fmap = EluFeatures()
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
-        out = None if run is None else run(q, k, v, FeatureKernel(), chunk, key_valid)  # no projection: elu's
+        # (no projection: elu's); packed documents take the PyTorch scan, which restarts at their boundaries
+        out = None if run is None or documents is not None else run(q, k, v, FeatureKernel(), chunk, key_valid)
         if out is None:
-            out = feature_scan(q, k, v, fmap, default_chunk(D) if chunk is None else chunk, key_valid)
+            out = feature_scan(q, k, v, fmap, default_chunk(D) if chunk is None else chunk, key_valid, documents)
         return out.to(dtype)
     chunk = default_chunk(feature_dim(kernel, D)) if chunk is None else chunk
     phi_q, phi_k = feature_map(kernel, q, s), feature_map(kernel, k, s)
     intra = (lambda chunks: pairwise(kernel, chunks(q), chunks(k), s)) if kernel == "poly2" else None
-    out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra)
+    out = feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid, intra=intra,
+                            documents=documents)
     return out.to(dtype)
 
 
@@ -236,10 +286,10 @@ class LinearHeads(FeatureHeads):
     def kernel(self) -> str:
         return self.options.kernel
 
-    def forward(self, q, k, v, rel_pos):
+    def forward(self, q, k, v, rel_pos, documents=None):
         # poly2 heads score at self.scale, elu heads at none
-        return linear_attention(Inputs(q, k, v, self.scale, scale_given=self.kernel != "elu"), self.options,
-                                self.executor)
+        return linear_attention(Inputs(q, k, v, self.scale, scale_given=self.kernel != "elu", documents=documents),
+                                self.options, self.executor)
 
     def reference_mask(self, q, k):  # the meaning: full causal attention under the kernel (the base reference)
         return full_mask(q.shape[2], device=q.device)
@@ -270,6 +320,7 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
 
 KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o),
                 keys_per_query=_keys_per_query, option_type=LinearOptions, complete=_complete, relative_positions=False,
+                documents=True,
                 on_executor=lambda o: o.kernel == "elu",  # the feature scan's kernels (poly2: PyTorch's operators)
                 describe=lambda o: f"kernel={o.kernel}, F={o.features}",
                 summary="every earlier key under the elu or poly2 kernel, in linear time")

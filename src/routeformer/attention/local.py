@@ -121,4 +121,4 @@ KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head
                 keys_per_query=lambda o, n: min(o.window, n), option_type=LocalOptions, complete=_complete,
                 relative_positions=exp_kernel, on_executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
-                summary="the last `window` positions", documents=exp_kernel)
+                summary="the last `window` positions", documents=True)

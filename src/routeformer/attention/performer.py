@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, refuse_documents
+from ..executors.inputs import Inputs
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .kinds.base import HeadKind
@@ -126,14 +126,14 @@ def performer_attention(
     O(N·(D + m)) memory per head, autograd keeping q, k, v and the output (a projection that asks for a gradient
     takes ``feature_attention``'s autograd path, which keeps the (N, m) features and the (N/c, m, D) chunk states);
     non-causal O(N·m·D). Padded keys (the inputs' key padding
-    mask) leave the numerator and the denominator.
+    mask) leave the numerator and the denominator. Packed ``inputs.documents``: every sum over the query's own
+    document (the scan restarts at each boundary; non-causal, one state per document).
     """
     options = PerformerOptions() if options is None else check_options("options", options, PerformerOptions)
-    refuse_documents(inputs, "performer attention")
     features = options.features
     q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape
-    s, key_valid = inputs.scale, inputs.key_valid
+    s, key_valid, documents = inputs.scale, inputs.key_valid, inputs.documents
     if projection is None:
         m = default_features(D) if features is None else features
         projection = orthogonal_features(H, m, D, generator=generator, device=q.device)
@@ -149,15 +149,18 @@ def performer_attention(
     if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
         projection = projection.to(q.dtype)
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
-        out = None if run is None else run(q, k, v, FeatureKernel(projection, s), chunk, key_valid)
+        # (packed documents take the PyTorch scan, which restarts at their boundaries)
+        out = None if run is None or documents is not None else run(q, k, v, FeatureKernel(projection, s), chunk,
+                                                                    key_valid)
         if out is None:
             chunk = default_chunk(projection.shape[1]) if chunk is None else chunk
-            out = feature_scan(q, k, v, PerformerFeatures(projection, s), chunk, key_valid)
+            out = feature_scan(q, k, v, PerformerFeatures(projection, s), chunk, key_valid, documents)
         return out.to(dtype)
     chunk = default_chunk(projection.shape[1]) if chunk is None else chunk
     phi_q = performer_features(q, projection, s, query=True)
     phi_k = performer_features(k, projection, s, query=False)
-    return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid).to(dtype)
+    return feature_attention(phi_q, phi_k, v, causal=causal, chunk=chunk, key_valid=key_valid,
+                             documents=documents).to(dtype)
 
 
 # --- the head kind: how a model uses it ---
@@ -203,8 +206,9 @@ class PerformerHeads(FeatureHeads):
             return True
         return False
 
-    def forward(self, q, k, v, rel_pos):
-        return performer_attention(Inputs(q, k, v, self.scale), None, self.executor, projection=self.projection)
+    def forward(self, q, k, v, rel_pos, documents=None):
+        return performer_attention(Inputs(q, k, v, self.scale, documents=documents), None, self.executor,
+                                   projection=self.projection)
 
     def features(self, x, query):
         return performer_features(x, self.projection, self.scale, query=query)
@@ -224,6 +228,6 @@ def _complete(o: PerformerOptions, config: Any) -> PerformerOptions:
 
 KIND = HeadKind("performer", lambda o, heads, head_dim, seed: PerformerHeads(heads, head_dim, o, seed),
                 keys_per_query=lambda o, n: 1.5 * o.features + min(n, default_chunk(o.features)) / 2,
-                option_type=PerformerOptions, complete=_complete, relative_positions=False,
+                option_type=PerformerOptions, complete=_complete, relative_positions=False, documents=True,
                 describe=lambda o: f"m={o.features}" + (f", redraw every {o.redraw_every}" if o.redraw_every else ""),
                 summary="softmax estimated by positive orthogonal random features, in linear time")
