@@ -320,6 +320,86 @@ def test_the_exact_kernels_stay_in_their_document(kernel: str, causal: bool) -> 
     _isolated(attend, documents, B, H, N, D)
 
 
+def _blocks_definition(heads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
+                       score: str) -> torch.Tensor:
+    """MoBA ('mean', 'bound') or NSA ('nsa') over packed documents, written out query by query: the candidates are
+    the complete blocks before the query's own from the one holding its document's start, each summarised by its
+    document's keys only (the partial first block too); the top ones by rank; every range from the start on."""
+    B, H, N, D = q.shape
+    b = heads.block
+    top = heads.top_k if score != "nsa" else heads.top
+    scale = D ** -0.5
+    mask = torch.zeros(B, H, N, N, dtype=torch.bool)
+    out_cmp = torch.zeros_like(q)
+    for x in range(B):
+        for i in range(N):
+            start = int((documents[x] == documents[x, i]).nonzero()[0])
+            candidates = list(range(start // b, min(i // b, N // b)))
+            keys = [list(range(max(j * b, start), (j + 1) * b)) for j in candidates]
+            for h in range(H):
+                qi = q[x, h, i]
+                if score == "mean":
+                    scores = [qi @ k[x, h, ks].mean(0) for ks in keys]
+                elif score == "bound":
+                    scores = [(qi.clamp(min=0) * (k[x, h, ks].amax(0) - k[x, h, ks].amin(0))
+                               + qi * k[x, h, ks].amin(0)).sum() for ks in keys]
+                else:
+                    a, c = heads.key_weights[h], heads.value_weights[h]
+                    ck = [(a[[t % b for t in ks], None] * k[x, h, ks]).sum(0) for ks in keys]
+                    cv = [(c[[t % b for t in ks], None] * v[x, h, ks]).sum(0) for ks in keys]
+                    scores = [qi @ kk * scale for kk in ck]
+                    if scores:
+                        out_cmp[x, h, i] = (torch.stack(scores).softmax(0)[:, None] * torch.stack(cv)).sum(0)
+                ranked = sorted(range(len(keys)), key=lambda m: -float(scores[m].detach()))[:top]
+                for m in ranked:
+                    mask[x, h, i, keys[m]] = True
+                mask[x, h, i, max(i // b * b, start):i + 1] = True
+    out_sel = reference_attention(Inputs.of(q, k, v), mask)
+    if score != "nsa":
+        return out_sel
+    i = torch.arange(N)
+    window = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < heads.window) & same_document(documents)).expand(
+        B, H, N, N)
+    out_win = reference_attention(Inputs.of(q, k, v), window)
+    g = heads.gates(q)
+    return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
+
+
+@pytest.mark.parametrize("kind", ["mean", "bound", "nsa"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_block_selection_chooses_among_its_own_documents_blocks(kind: str, executor: str) -> None:
+    """MoBA (mean, bound) and NSA heads over packed documents: against the definition written out query by query
+    (float64, forward and gradients), and isolated bit for bit (the fused ranges kernel to 1e-14: its blocks of
+    entries span the union of their ranges, as the fused band's rows do)."""
+    from routeformer.attention.moba import MobaHeads, MobaOptions
+    from routeformer.attention.nsa import NsaHeads, NsaOptions
+
+    B, H, N, D = 2, 2, 45, 8
+    torch.manual_seed(0)
+    if kind == "nsa":
+        heads = NsaHeads(H, D, NsaOptions(block=4, top=2, window=5)).double()
+        with torch.no_grad():
+            for p in heads.parameters():  # weights that differ per position, gates that differ per branch
+                p.add_(torch.randn_like(p) * 0.3)
+    else:
+        heads = MobaHeads(H, D, MobaOptions(block=4, top_k=2, score=kind)).double()
+    heads.executor = get_executor(executor, "cpu")
+    documents = documents_from_lengths([[6, 1, 21, 17], [45]])  # a partial first block, a document inside one
+
+    def attend(q, k, v):
+        return heads(q, k, v, None, documents=documents)
+
+    q, k, v = rand_qkv(B, H, N, D)
+    out = attend(q, k, v)
+    ref = _blocks_definition(heads, q, k, v, documents, kind)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, k, v], grad), torch.autograd.grad(ref, [q, k, v], grad),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _isolated(attend, documents, B, H, N, D, atol=1e-14 if executor == "fused" else 0.0)
+
+
 def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
     """Balanced routing, and attention over key ranges given as they are (MoBA's and NSA's blocks): an error names
     them, nothing attends across a boundary."""
@@ -366,6 +446,8 @@ MODEL_KINDS = [  # (attention, options, positions): every kind a model may pack 
     ("local:2,routing:2", {"local": {"window": 6}, "routing": {"num_clusters": 3, "window": 4, "probes": 2,
                                                                "gate": True}}, "relative"),
     ("performer:2,linear:2", {"linear": {"kernel": "poly2"}}, "absolute"),
+    ("moba:2,nsa:2", {"moba": {"block": 4, "top_k": 2, "score": "bound"}, "nsa": {"block": 4, "top": 2, "window": 5}},
+     "relative"),
 ]
 
 
@@ -428,9 +510,16 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(attention, op
 def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_with_a_cache() -> None:
     documents = documents_from_lengths([[4, 12]])
     tokens = torch.zeros(1, 16, dtype=torch.long)
-    model = _model("local:2,moba:2", {"local": {"window": 6}, "moba": {"block": 4, "top_k": 1}}, "absolute")
-    with pytest.raises(ValueError, match="moba heads .* do not honour packed documents yet"):
-        model(tokens, documents=documents)
+    import dataclasses
+
+    from routeformer.attention.registry import get_kind, register_kind, unregister_kind
+    register_kind(dataclasses.replace(get_kind("local"), name="undocumented", documents=False))  # a user's kind
+    try:
+        model = _model("local:2,undocumented:2", {"local": {"window": 6}, "undocumented": {"window": 6}}, "absolute")
+        with pytest.raises(ValueError, match="undocumented heads .* do not honour packed documents yet"):
+            model(tokens, documents=documents)
+    finally:
+        unregister_kind("undocumented")
     model = _model("local:4", {"local": {"window": 6}}, "relative")
     with pytest.raises(ValueError, match="documents with a cache"):
         model(tokens, model.new_cache(1, 16), documents=documents)

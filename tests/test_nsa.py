@@ -111,7 +111,7 @@ def test_the_definitions_selection_is_select_blocks() -> None:
 def test_a_selection_of_the_lowest_scores_is_caught(monkeypatch) -> None:
     """Selection by the lowest compressed scores (a broken ``select_blocks`` in the forward and the decoding step)
     still leaks nothing and decodes like its forward: only the reference check, whose selection is its own, sees it."""
-    monkeypatch.setattr(nsa, "select_blocks", lambda scores, *args: select_blocks(-scores, *args))
+    monkeypatch.setattr(nsa, "select_blocks", lambda scores, *args, **kw: select_blocks(-scores, *args, **kw))
     with pytest.raises(AssertionError, match="nsa heads fail the reference check"):
         check_kind("nsa", seq_len=40, rel_clip=8, options={"nsa": SMALL})
 

@@ -719,8 +719,17 @@ def test_pack_refuses_data_without_starts_heads_that_cannot_honour_them_and_unkn
     assert main([*args, "--data-dir", str(old), "--set", "options.routing.probes=1"]) != 0
     assert "pack = 'boundaries' needs the data set's document starts, and 'letters' was prepared without them" \
         in capsys.readouterr().err
-    assert main([*args, "--data-dir", str(data)]) != 0  # routing's default: two probes
-    assert "pack = 'boundaries': routing heads (with these options) do not honour packed documents yet" \
+    # every shipped kind honours documents; a user's kind that says it does not is refused before training
+    import dataclasses
+
+    from routeformer.attention.registry import get_kind, register_kind, unregister_kind
+    register_kind(dataclasses.replace(get_kind("local"), name="undocumented", documents=False))
+    try:
+        assert main([*args, "--data-dir", str(data), "--set", "attention=local:1,undocumented:1",
+                     "--set", "options.undocumented.window=8"]) != 0
+    finally:
+        unregister_kind("undocumented")
+    assert "pack = 'boundaries': undocumented heads (with these options) do not honour packed documents yet" \
         in capsys.readouterr().err
     assert main([*args[:-1], "pack=files", "--data-dir", str(data)]) != 0
     assert "pack must be one of none, boundaries, got 'files'" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,13 +78,16 @@ def candidate_blocks(query_pos: Tensor, blocks: int, block: int) -> Tensor:
     return torch.arange(blocks, device=query_pos.device)[None, :] < (query_pos // block)[:, None]
 
 
-def select_blocks(scores: Tensor, block: int, top: int, query_pos: Tensor | None = None) -> Tensor:
+def select_blocks(scores: Tensor, block: int, top: int, query_pos: Tensor | None = None,
+                  allowed: Tensor | None = None) -> Tensor:
     """The ``top`` best candidate blocks of every query by ``scores`` (B, H, Nq, nb), best first; ``NONE`` where the
-    query has fewer candidates. ``query_pos``: the queries' positions (Nq,) (default 0 … Nq - 1, a forward).
-    Returns (B, H, Nq, top) long. O(Nq · nb) per head."""
+    query has fewer candidates. ``query_pos``: the queries' positions (Nq,) (default 0 … Nq - 1, a forward);
+    ``allowed``: the candidates, broadcastable to the scores (default ``candidate_blocks``; packed documents:
+    ``BlockDocuments.candidates``). Returns (B, H, Nq, top) long. O(Nq · nb) per head."""
     B, H, Nq, nb = scores.shape
     pos = torch.arange(Nq, device=scores.device) if query_pos is None else query_pos
-    allowed = candidate_blocks(pos, nb, block)  # (Nq, nb)
+    if allowed is None:
+        allowed = candidate_blocks(pos, nb, block)  # (Nq, nb)
     chosen = torch.full((B, H, Nq, top), NONE, dtype=torch.long, device=scores.device)
     if nb == 0:
         return chosen
@@ -104,16 +107,20 @@ def select_blocks(scores: Tensor, block: int, top: int, query_pos: Tensor | None
     return chosen
 
 
-def selected_ranges(chosen: Tensor, block: int, n: int) -> Ranges:
+def selected_ranges(chosen: Tensor, block: int, n: int, start: Tensor | None = None) -> Ranges:
     """The key ranges of the selection ``chosen`` (B, H, N, top): each chosen block's keys [j·block, (j+1)·block),
     an empty range for ``NONE``, and last the query's own block up to itself [i // block · block, i + 1). merge =
-    top + 1, width = block; positions for relative distances."""
+    top + 1, width = block; positions for relative distances. ``start`` (B, N): packed documents, each query's
+    document's first position; every range then begins there at the earliest (``BlockDocuments``)."""
     B, H, N, top = chosen.shape
     i = torch.arange(N, device=chosen.device)
-    start = chosen.clamp(min=0) * block
-    lo = torch.where(chosen >= 0, start, 0)
-    hi = torch.where(chosen >= 0, start + block, 0)
+    first = chosen.clamp(min=0) * block
+    lo = torch.where(chosen >= 0, first, 0)
+    hi = torch.where(chosen >= 0, first + block, 0)
     own_lo = (i // block * block).expand(B, H, N)[..., None]
+    if start is not None:  # a range never reaches before the query's document (hi > start: its blocks end after)
+        lo = torch.maximum(lo, start[:, None, :, None]).minimum(hi)
+        own_lo = torch.maximum(own_lo, start[:, None, :, None])
     own_hi = (i + 1).expand(B, H, N)[..., None]
     lo = torch.cat([lo, own_lo], -1).flatten(2)  # (B, H, N · (top + 1)): entry m asks with query m // (top + 1)
     hi = torch.cat([hi, own_hi], -1).flatten(2)
@@ -128,12 +135,96 @@ def selected_ranges(chosen: Tensor, block: int, n: int) -> Ranges:
 
 
 def selected_attention(inputs: Inputs, chosen: Tensor, block: int, executor: Executor,
-                       rel_pos: RelativePositions | None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+                       rel_pos: RelativePositions | None, need_lse: bool = False,
+                       documents: BlockDocuments | None = None) -> tuple[Tensor, Tensor | None]:
     """Every query over the keys of its chosen blocks and of its own block up to itself (one softmax), on
     ``executor``'s ``ranges``. inputs: q, k, v (B, H, N, D); chosen (B, H, N, top) -> out (B, H, N, D) and the lse
-    (B, H, N) when ``need_lse``."""
-    return executor.ranges(inputs, selected_ranges(chosen, block, inputs.k.shape[2]), rel_pos=rel_pos,
-                           need_lse=need_lse)
+    (B, H, N) when ``need_lse``. ``documents``: the inputs' packed documents as blocks see them (the selection must
+    have been made among ``documents.candidates``); the ranges then hold them."""
+    if documents is not None:
+        spans = selected_ranges(chosen, block, inputs.k.shape[2], documents.start)
+        inputs = inputs.with_(documents=None)  # held by the ranges now
+    else:
+        spans = selected_ranges(chosen, block, inputs.k.shape[2])
+    return executor.ranges(inputs, spans, rel_pos=rel_pos, need_lse=need_lse)
+
+
+class BlockDocuments(NamedTuple):
+    """Packed documents as block selection sees them. The blocks stay where they are (every ``block`` positions of
+    the row); a query selects among the complete blocks before its own that hold keys of its document, the first of
+    them perhaps partly (it began in another document): that one is scored by, and reads, its own document's keys
+    only.
+
+    start: (B, N) long, the first position of each position's document; first: (B, N) long, the first block a
+    query may select (the block holding its start); partial: (B, N) bool, whether that block begins in another
+    document."""
+
+    start: Tensor
+    first: Tensor
+    partial: Tensor
+
+    @classmethod
+    def of(cls, documents: Tensor, block: int) -> BlockDocuments:
+        """From (B, N) ids that never decrease along a row (``check_documents``'s)."""
+        ids = documents.contiguous()
+        start = torch.searchsorted(ids, ids)  # (B, N): where each position's id first occurs
+        return cls(start, start // block, start % block != 0)
+
+    def candidates(self, blocks: int, block: int) -> Tensor:
+        """(B, 1, N, blocks) bool: the blocks each query may select, first … own block - 1."""
+        j = torch.arange(blocks, device=self.start.device)
+        i = torch.arange(self.start.shape[1], device=self.start.device)
+        return ((j >= self.first[..., None]) & (j < (i // block)[:, None]))[:, None]
+
+    def partial_column(self, blocks: int) -> Tensor:
+        """(B, 1, N, blocks) bool: the entry of each query's partial first block (none where it is whole)."""
+        j = torch.arange(blocks, device=self.start.device)
+        return ((j == self.first[..., None]) & self.partial[..., None])[:, None]
+
+    def suffixes(self, x: Tensor, block: int, reduce: Callable[[Tensor], Tensor]) -> Tensor:
+        """For every query, ``reduce`` of its document's keys in its first block, x (B, H, N, D) -> (B, H, N, D):
+        ``reduce`` maps the whole blocks (B, H, nb, block, D) to each position's value over the positions from it to
+        its block's end (a reversed cumulative sum, min, max: every value from the document's own keys only), read at
+        the query's document start. Queries whose first block is not a complete one get a value never used."""
+        B, H, N, D = x.shape
+        nb = N // block
+        if nb == 0:
+            return x.new_zeros(B, H, N, D)
+        tails = reduce(complete_blocks(x, block)).reshape(B, H, nb * block, D)
+        at = self.start.clamp(max=nb * block - 1)[:, None, :, None].expand(B, H, N, D)
+        return tails.gather(2, at)
+
+
+def reversed_cumsum(blocks: Tensor) -> Tensor:
+    """(…, block, D) -> the sums from each position to the block's end, added from the end (only later keys)."""
+    return blocks.flip(-2).cumsum(-2).flip(-2)
+
+
+def block_tail_means(keys: Tensor, block: int, documents: BlockDocuments) -> Tensor:
+    """Each query's partial first block's mean key over its document's keys there (``BlockDocuments.suffixes``)."""
+    sums = documents.suffixes(keys, block, reversed_cumsum)
+    count = block - documents.start % block  # (B, N) keys from the start to the block's end
+    return sums / count[:, None, :, None].to(sums.dtype)
+
+
+def block_tail_bounds(keys: Tensor, block: int, documents: BlockDocuments) -> tuple[Tensor, Tensor]:
+    """Each query's partial first block's least and greatest key values over its document's keys there."""
+    lo = documents.suffixes(keys, block, lambda b: b.flip(-2).cummin(-2).values.flip(-2))
+    hi = documents.suffixes(keys, block, lambda b: b.flip(-2).cummax(-2).values.flip(-2))
+    return lo, hi
+
+
+def scores_within_documents(scores: Tensor, q: Tensor, tail: tuple[Tensor, ...], score: str,
+                            documents: BlockDocuments, block: int) -> Tensor:
+    """``scores`` (B, H, N, nb) with each query's partial first block scored by its document's keys there (``tail``:
+    that block's summary per query, (B, H, N, D) each, as ``block_scores`` reads them)."""
+    if score == "mean":
+        (means,) = tail
+        own = (q * means.to(q.dtype)).sum(-1)
+    else:
+        lo, hi = (x.to(q.dtype) for x in tail)
+        own = (q.clamp(min=0) * (hi - lo) + q * lo).sum(-1)
+    return torch.where(documents.partial_column(scores.shape[-1]), own[..., None], scores)
 
 
 def selected_mask(chosen: Tensor, block: int) -> Tensor:

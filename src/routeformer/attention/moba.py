@@ -35,15 +35,19 @@ from ..executors.inputs import check_rel
 from ..executors.relative import RelativePositions
 from .blocks import (
     BlockCache,
+    BlockDocuments,
     BlockHeads,
     allowed_keys,
     block_bounds,
     block_means,
     block_scores,
+    block_tail_bounds,
+    block_tail_means,
     complete_block,
     default_block,
     dense_warmup,
     describe_warmup,
+    scores_within_documents,
     select_blocks,
     selected_attention,
     selected_mask,
@@ -95,8 +99,17 @@ class MobaHeads(BlockHeads):
             return (block_means(keys, self.block),)
         return block_bounds(keys, self.block)
 
-    def select(self, q: Tensor, k: Tensor) -> Tensor:
-        """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones)."""
+    def select(self, q: Tensor, k: Tensor, documents: BlockDocuments | None = None) -> Tensor:
+        """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones).
+        ``documents``: packed documents, a query choosing among its own document's blocks (the partial first one
+        summarised by its document's keys only) with PyTorch's operators."""
+        if documents is not None:
+            scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
+            tail = (block_tail_means(k, self.block, documents),) if self.score == "mean" else \
+                block_tail_bounds(k, self.block, documents)
+            scores = scores_within_documents(scores, q, tail, self.score, documents, self.block)
+            return select_blocks(scores, self.block, self.top_k,
+                                 allowed=documents.candidates(scores.shape[-1], self.block))
         select_run = self.executor.runner(q).select_run
         chosen = None if select_run is None else select_run(q, k, self.block, self.top_k, self.score == "bound")
         if chosen is not None:  # the executor's kernel (the fused CPU one): no (B, h, N, N // block) scores
@@ -104,14 +117,16 @@ class MobaHeads(BlockHeads):
         scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
         return select_blocks(scores, self.block, self.top_k)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None,
+                documents: Tensor | None = None) -> Tensor:
+        inputs = self.inputs(q, k, v, documents)
         if self.warming_up:
-            return full_attention(self.inputs(q, k, v), None, self.executor, rel=rel_pos)
-        inputs = self.inputs(q, k, v)
+            return full_attention(inputs, None, self.executor, rel=rel_pos)
         check_rel(rel_pos, q)
+        blocks = None if documents is None else BlockDocuments.of(documents, self.block)
         with torch.no_grad():  # the selection is discrete: the loss reaches it only through the attention
-            chosen = self.select(q, k)
-        out, _ = selected_attention(inputs, chosen, self.block, self.executor, rel_pos)
+            chosen = self.select(q, k, blocks)
+        out, _ = selected_attention(inputs, chosen, self.block, self.executor, rel_pos, documents=blocks)
         return out
 
     def reference_mask(self, q: Tensor, k: Tensor) -> Tensor:
@@ -166,7 +181,7 @@ def _describe(o: MobaOptions) -> str:
 
 
 KIND = HeadKind("moba", lambda o, heads, head_dim, seed: MobaHeads(heads, head_dim, o), keys_per_query=keys_per_query,
-                warmup=dense_warmup, option_type=MobaOptions, complete=_complete,
+                warmup=dense_warmup, option_type=MobaOptions, complete=_complete, documents=True,
                 describe=_describe, summary="the `top_k` earlier blocks the query scores highest (by their mean key, "
                 "or Quest's bound), and its own block")
 

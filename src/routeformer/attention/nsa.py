@@ -41,12 +41,14 @@ from ..executors.relative import RelativePositions
 from .blocks import (
     NONE,
     BlockCache,
+    BlockDocuments,
     BlockHeads,
     allowed_keys,
     candidate_blocks,
     complete_block,
     dense_warmup,
     describe_warmup,
+    reversed_cumsum,
     select_blocks,
     selected_attention,
     selected_mask,
@@ -111,23 +113,52 @@ class NsaHeads(BlockHeads):
         logits = torch.einsum("bhnd,hdc->bhnc", q, self.gate_weight.to(q.dtype))
         return torch.sigmoid(logits + self.gate_bias.to(q.dtype)[:, None])
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None,
+                documents: Tensor | None = None) -> Tensor:
+        inputs = self.inputs(q, k, v, documents)
         if self.warming_up:
-            return full_attention(self.inputs(q, k, v), None, self.executor, rel=rel_pos)
-        inputs = self.inputs(q, k, v)
+            return full_attention(inputs, None, self.executor, rel=rel_pos)
         check_rel(rel_pos, q)
         n, b = q.shape[2], self.block
         whole = n // b * b
         ck, cv = self.summarise(k[:, :, :whole], v[:, :, :whole])  # (B, h, N // block, D)
         scores = torch.einsum("bhnd,bhmd->bhnm", q, ck) * self.scale  # (B, h, N, N // block)
-        seen = candidate_blocks(torch.arange(n, device=q.device), ck.shape[2], b)  # complete blocks before the own
-        out_cmp = normalise_scores(scores, seen) @ cv  # zeros for the queries of the first block
+        blocks = None if documents is None else BlockDocuments.of(documents, b)
+        if blocks is None:
+            seen = candidate_blocks(torch.arange(n, device=q.device), ck.shape[2], b)  # complete blocks before own
+            out_cmp = normalise_scores(scores, seen) @ cv  # zeros for the queries of the first block
+        else:
+            scores, out_cmp, seen = self._compressed_within_documents(q, k, v, scores, cv, blocks)
         with torch.no_grad():  # the selection is discrete: chosen by the compressed attention's scores
-            chosen = select_blocks(scores.detach(), b, self.top)
-        out_sel, _ = selected_attention(inputs, chosen, b, self.executor, rel_pos)
+            chosen = select_blocks(scores.detach(), b, self.top, allowed=None if blocks is None else seen)
+        out_sel, _ = selected_attention(inputs, chosen, b, self.executor, rel_pos, documents=blocks)
         out_win, _ = self.executor.tiled(inputs, Band(self.window, True), rel=relative(rel_pos))
         g = self.gates(q)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
+
+    def _compressed_within_documents(self, q: Tensor, k: Tensor, v: Tensor, scores: Tensor, cv: Tensor,
+                                     blocks: BlockDocuments) -> tuple[Tensor, Tensor, Tensor]:
+        """Packed documents: each query's compressed attention over its own document's complete blocks before its
+        own, the partial first block compressed from its document's keys and values only (the weights a_t, c_t of
+        its positions t from the start on). Returns the scores (the partial block's replaced), out_cmp and the
+        candidates (B, 1, N, nb). The partial block's value is added apart, its column of the weights zeroed in
+        the product (no subtraction, so a document's output is bit for bit its own)."""
+        b = self.block
+        nb = scores.shape[-1]
+
+        def tail(x: Tensor, weights: Tensor) -> Tensor:  # Σ_{t from the start} w_t x_{j·block+t}, per query
+            w = weights.to(x.dtype)[None, :, None, :, None]  # (1, h, 1, block, 1)
+            return blocks.suffixes(x, b, lambda parts: reversed_cumsum(parts * w))
+
+        ck_tail, cv_tail = tail(k, self.key_weights), tail(v, self.value_weights)  # (B, h, N, D)
+        own = (q * ck_tail).sum(-1) * self.scale  # (B, h, N)
+        partial = blocks.partial_column(nb)  # (B, 1, N, nb)
+        scores = torch.where(partial, own[..., None], scores)
+        seen = blocks.candidates(nb, b)
+        weights = normalise_scores(scores, seen)  # (B, h, N, nb)
+        at_tail = (weights * partial).sum(-1, keepdim=True)  # the partial block's weight (0 where none)
+        out_cmp = torch.where(partial, 0.0, weights) @ cv + at_tail * cv_tail
+        return scores, out_cmp, seen
 
     # --- meaning, for tests ---------------------------------------------------------------------------------
     def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
@@ -204,7 +235,7 @@ def keys_per_query(o: NsaOptions, n: int) -> float:
 
 
 KIND = HeadKind("nsa", lambda o, heads, head_dim, seed: NsaHeads(heads, head_dim, o), keys_per_query=keys_per_query,
-                warmup=dense_warmup, option_type=NsaOptions, complete=_complete,
+                warmup=dense_warmup, option_type=NsaOptions, complete=_complete, documents=True,
                 describe=lambda o: f"block={o.block}, top={o.top}, window={o.window}" + describe_warmup(o),
                 summary="NSA-style: compressed blocks, the `top` blocks they score highest with the own block, and "
                         "the last `window` keys, mixed by learned gates")
