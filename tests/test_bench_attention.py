@@ -79,6 +79,25 @@ def test_new_rows_run_and_ours_do_not_leak(causal: bool) -> None:
                 assert row["leak"] is not None and row["leak"] < 1e-5, row
 
 
+def test_documents_follow_each_row_of_ours_with_its_packed_twin_and_a_ratio_table() -> None:
+    lines: list[str] = []
+    bench = AttentionBench(heads=2, head_dim=8, window=16, repeats=1, leak_n=0, only=("local", "routing", "moba"),
+                           documents=4)
+    rows = run([64], bench, lines.append)
+    names = [r["mechanism"] for r in rows if "(peer)" not in r["mechanism"]]
+    assert names == ["full", "full+docs", "local", "local+docs", "routing", "routing+docs", "moba", "moba+docs"]
+    for r in rows:
+        if r["mechanism"].endswith("+docs"):
+            assert r["fwd_s"] is not None and r["fwd_bwd_s"] is not None and "4 documents" in r["settings"], r
+            assert r["useful_flops"] is None  # the pattern's counts are of one document a row
+    out = "\n".join(lines)
+    assert "packed documents: 4 equal documents a row against one" in out
+    assert out.count("+docs") >= 4 and "| 64 | routing " in out.split("packed documents:")[1]
+    with pytest.raises(ValueError, match=r"--documents \(65\) is more than N \(64\)"):
+        run([64], AttentionBench(heads=2, head_dim=8, window=16, repeats=1, leak_n=0, only=("local",), documents=65),
+            lines.append)
+
+
 def test_quadratic_kernel_rows_are_skipped_at_long_lengths() -> None:
     rows = run([4100], AttentionBench(heads=1, head_dim=4, window=8, repeats=1, leak_n=0,
                                       only=("full-elu", "full-poly2", "linear-poly2")), lambda _: None)

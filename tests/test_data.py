@@ -81,6 +81,30 @@ def test_mahoney_data_from_a_zip_and_from_the_raw_file(name: str, tmp_path, monk
     assert prepare(name, tmp_path / "data2", str(raw)).splits == meta.splits
 
 
+def test_enwik8_records_where_every_page_starts_and_text8_none(tmp_path, monkeypatch) -> None:
+    """enwik8's documents are its Wikipedia pages: each starts at a '<page>' (the header before the first is one
+    too), cut where the splits are cut; text8 has no markup and marks none."""
+    rng = np.random.default_rng(1)
+    data = bytearray(rng.choice(list(b"abcdefgh "), 2000).astype(np.uint8).tobytes())
+    for at in (300, 1200, 1850, 1990):
+        data[at:at + 6] = b"<page>"
+    data = bytes(data)
+    spec = dict(sources.ENWIK8)
+    spec.update(size=2000, md5=(hashlib.md5(data).hexdigest(),))
+    monkeypatch.setattr(sources, "ENWIK8", spec)
+    raw = tmp_path / "enwik8"
+    raw.write_bytes(data)
+    prepare("enwik8", tmp_path / "data", str(raw))
+    ds = Dataset.open("enwik8", tmp_path / "data")
+    assert ds.starts("train").tolist() == [0, 300, 1200]
+    assert ds.starts("valid").tolist() == [0, 50]  # 1850 - 1800: the split begins inside the page before
+    assert ds.starts("test").tolist() == [0, 90]
+    (tmp_path / "t8").mkdir()
+    archive, _ = _mahoney_standin(tmp_path / "t8", monkeypatch, "text8")
+    prepare("text8", tmp_path / "data", str(archive))
+    assert Dataset.open("text8", tmp_path / "data").starts("train") is None
+
+
 def test_mahoney_checksum_and_size_are_verified(tmp_path, monkeypatch) -> None:
     archive, data = _mahoney_standin(tmp_path, monkeypatch, "enwik8")
     bad = tmp_path / "bad"
@@ -139,6 +163,24 @@ def test_wikitext103_word_level(tmp_path) -> None:
     words = [vocab[i] for i in ds.split("valid")]
     assert words == ["the", "<unk>", "sat", "<eos>"]  # "dog" is not in the training vocabulary
     assert [vocab[i] for i in ds.split("train")][:4] == ["the", "cat", "sat", "<eos>"]
+
+
+def test_wikitext103_records_where_every_article_starts(tmp_path) -> None:
+    """An article starts at its title line ' = Title = ' (a section's ' = = Heading = = ' does not), counted in
+    tokens; what comes before a split's first title is a document too."""
+    texts = {"train": " = Cats = \n the cat sat \n = = Food = = \n the <unk> ate \n = Dogs = \n the dog ran \n",
+             "valid": " the end \n = Birds = \n birds sat \n", "test": " = Fish = \n fish ran \n"}
+    archive = tmp_path / "wikitext-103-v1.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for split, text in texts.items():
+            z.writestr(f"wikitext-103/wiki.{split}.tokens", text)
+    prepare("wikitext103", tmp_path / "data", str(archive))
+    ds = Dataset.open("wikitext103", tmp_path / "data")
+    vocab = ds.vocab()
+    train = [vocab[i] for i in ds.split("train")]
+    assert ds.starts("train").tolist() == [0, train.index("Dogs") - 1]  # '=' 'Dogs' '=': the title's first token
+    assert train[ds.starts("train")[1]:][:3] == ["=", "Dogs", "="]
+    assert ds.starts("valid").tolist() == [0, 3] and ds.starts("test").tolist() == [0]
 
 
 def test_imagenet64_raster_order_and_splits(tmp_path, monkeypatch) -> None:
@@ -414,6 +456,10 @@ def test_pg19_keeps_the_release_splits_and_ends_every_book_with_0xff(tmp_path) -
     assert meta.kind == "bytes" and meta.vocab_size == 256 and meta.extra["separator"] == 0xFF
     assert meta.extra["metadata"] == "metadata.csv lists 6 books; none of the 6 prepared books are not among them"
     assert "3 train, 2 validation, 1 test books" in meta.source and "0xFF" in meta.notes
+    data = Dataset.open("pg19", tmp_path / "data")
+    for split, folder in PG19_SPLITS.items():  # every book is a document, starting after the one before's 0xFF
+        books = _pg19_books(FIXTURE_PG19, folder)
+        assert data.starts(split).tolist() == [sum(len(b) + 1 for b in books[:i]) for i in range(len(books))]
 
 
 def test_pg19_reads_books_in_blocks_and_takes_other_bytes_as_they_are(tmp_path, monkeypatch) -> None:
@@ -502,8 +548,8 @@ def test_an_interrupted_pg19_prepare_leaves_nothing_that_looks_complete(tmp_path
     (tmp_path / "data" / ".pg19.staging" / ".train.bin.99999.tmp").write_bytes(b"partial" * 100)
     prepare("pg19", tmp_path / "data", str(FIXTURE_PG19))
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["pg19"]
-    assert sorted(p.name for p in (tmp_path / "data" / "pg19").iterdir()) == ["meta.json", "test.bin", "train.bin",
-                                                                              "valid.bin"]
+    assert sorted(p.name for p in (tmp_path / "data" / "pg19").iterdir()) == [
+        "meta.json", "test.bin", "test.starts.bin", "train.bin", "train.starts.bin", "valid.bin", "valid.starts.bin"]
 
 
 def test_pg19_prepared_from_the_command_line_trains_and_evaluates(tmp_path, capsys) -> None:

@@ -507,7 +507,63 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(attention, op
         start += n
 
 
-def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_with_a_cache() -> None:
+DECODE_KINDS = MODEL_KINDS + [
+    ("fixed:2,linear:2", {"fixed": {"block": 8, "summary": 2}, "linear": {"kernel": "elu"}}, "absolute"),
+    ("routing:2,local:2", {"routing": {"num_clusters": 3, "window": 4, "probes": 1}, "local": {"window": 6}},
+     "relative"),
+]
+
+
+@pytest.mark.parametrize("attention, options, positions", DECODE_KINDS)
+@pytest.mark.parametrize("prompt", [1, 10])
+def test_decoding_across_documents_gives_the_forwards_logits(attention, options, positions, prompt) -> None:
+    """A prompt of several documents, then one token at a time with each row's ids: a row begins a new document
+    mid-decoding (row 0 at 28) while the other goes on, every cache (rings, key stores, the linear sums, the
+    blocks' summaries, the token shift, the absolute positions) reading nothing before its document: the logits
+    are the forward's over the whole packed rows. ``prompt`` 1 decodes the boundaries at 7 and 8 (a one-token
+    document) step by step too."""
+    model = _model(attention, options, positions)
+    documents = documents_from_lengths([[7, 1, 20, 20], [48]])
+    tokens = torch.randint(0, 32, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = model(tokens, documents=documents)
+        cache = model.new_cache(2, 48)
+        parts = [model(tokens[:, :prompt], cache, documents=documents[:, :prompt])]
+        parts += [model(tokens[:, t:t + 1], cache, documents=documents[:, t:t + 1]) for t in range(prompt, 48)]
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-9, atol=1e-9)
+
+
+def test_a_cache_continues_each_rows_last_document_and_refuses_ids_that_go_back() -> None:
+    model = _model("local:2,routing:2", MODEL_KINDS[0][1], "relative")
+    documents = documents_from_lengths([[7, 9], [16]])
+    tokens = torch.randint(0, 32, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = model(tokens, documents=torch.cat([documents, documents[:, -1:].expand(2, 4)], 1))
+        cache = model.new_cache(2, 21)
+        first = model(tokens[:, :16], cache, documents=documents)
+        rest = [model(tokens[:, t:t + 1], cache) for t in range(16, 20)]  # no ids: each row's last document goes on
+    torch.testing.assert_close(torch.cat([first, *rest], 1), whole, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="never decrease along a row, the cached positions included: row 0 goes "
+                                         "from 1 to 0 at position 20"):
+        model(tokens[:, :1], cache, documents=torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("attention, options, positions", [MODEL_KINDS[0], ("lsh:2,linear:2", {"lsh": {
+    "buckets": 4, "window": 3}}, "none")])
+def test_generating_after_a_prompt_of_several_documents_continues_the_last_as_if_alone(attention, options,
+                                                                                       positions) -> None:
+    model = _model(attention, options, positions)
+    prompt = torch.randint(0, 32, (2, 20), generator=torch.Generator().manual_seed(5))
+    documents = documents_from_lengths([[8, 12], [20]])
+    packed = model.generate(prompt, 10, temperature=0, documents=documents)
+    alone = model.generate(prompt[:1, 8:], 10, temperature=0)
+    assert torch.equal(packed[0, 20:], alone[0, 12:])
+    assert torch.equal(packed[1], model.generate(prompt[1:], 10, temperature=0)[0])  # the other row as it was
+    with pytest.raises(ValueError, match=r"documents must be a tensor of the prompt's shape \(2, 20\)"):
+        model.generate(prompt, 2, documents=documents[:, :5])
+
+
+def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_ids_that_decrease() -> None:
     documents = documents_from_lengths([[4, 12]])
     tokens = torch.zeros(1, 16, dtype=torch.long)
     import dataclasses
@@ -520,8 +576,5 @@ def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_with_a
             model(tokens, documents=documents)
     finally:
         unregister_kind("undocumented")
-    model = _model("local:4", {"local": {"window": 6}}, "relative")
-    with pytest.raises(ValueError, match="documents with a cache"):
-        model(tokens, model.new_cache(1, 16), documents=documents)
     with pytest.raises(ValueError, match="never decrease"):
         model(tokens, documents=torch.tensor([[1] * 8 + [0] * 8]))

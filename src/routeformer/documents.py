@@ -13,6 +13,7 @@ flat batch), each row's document lengths, or a separator token that ends a docum
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,6 +26,12 @@ def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.
     read of the device (whether any id decreases, whether any changes)."""
     if documents is None:
         return None
+    documents = _check_form(documents, batch, n, device)
+    return _numbered(documents, documents.diff(dim=-1))
+
+
+def _check_form(documents: object, batch: int, n: int, device: torch.device) -> Tensor:
+    """``documents`` as a (B, N) integer tensor on ``device``, or a ValueError naming what is wrong."""
     if not isinstance(documents, Tensor):
         raise ValueError(f"documents must be a torch.Tensor of (B, N) integer ids, got {type(documents).__name__}")
     if documents.dtype == torch.bool or documents.is_floating_point() or documents.is_complex():
@@ -33,7 +40,11 @@ def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.
         raise ValueError(f"documents must have shape (B, N) = {(batch, n)}, got {tuple(documents.shape)}")
     if documents.device != device:
         raise ValueError(f"documents is on {documents.device} but q is on {device}")
-    step = documents.diff(dim=-1)
+    return documents
+
+
+def _numbered(documents: Tensor, step: Tensor) -> Tensor | None:
+    """check_documents' numbering, given the ids' steps along each row."""
     decreasing, boundary = torch.stack([(step < 0).any(), (step != 0).any()]).tolist()
     if not boundary:
         return None
@@ -43,6 +54,42 @@ def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.
                          f"goes from {int(documents[b, i])} to {int(documents[b, i + 1])} at position {i + 1}")
     return torch.cat([torch.zeros_like(documents[:, :1], dtype=torch.long),
                       (step != 0).long().cumsum(-1)], dim=-1)
+
+
+class DocumentSpans(NamedTuple):
+    """Packed documents of the positions a decoding forward adds, start … start + n - 1 (``continue_documents``).
+
+    numbered: (B, n) the ids as ``check_documents`` numbers them, or None where the new positions hold no boundary
+    (what a prompt's forward takes); since: (B, n) long, the first position of each one's document (the row's
+    earlier positions before it are not seen); new: (B, n) bool, whether the position begins a document (its
+    token shift reads nothing before it); last: (B,) the ids of the rows' last positions, as given (the next
+    forward continues them)."""
+
+    numbered: Tensor | None
+    since: Tensor
+    new: Tensor
+    last: Tensor
+
+
+def continue_documents(documents: Tensor, batch: int, n: int, device: torch.device, start: int,
+                       before: DocumentSpans | None) -> DocumentSpans:
+    """The spans of n positions from ``start`` whose (B, n) ids continue a decoded row: they never decrease along it,
+    from the last id ``before`` saw (None: positions before ``start`` were one document, and an id that differs
+    from the cache's first one is a new document only within these positions). Errors name the argument. O(B · n),
+    one read of the device."""
+    documents = _check_form(documents, batch, n, device).long()
+    previous = documents[:, :1] if before is None else before.last[:, None].to(documents.device)
+    step = torch.diff(documents, dim=-1, prepend=previous)  # (B, n): from the position before each
+    if bool((step < 0).any()):
+        b, i = (step < 0).nonzero()[0].tolist()
+        was = int(previous[b, 0]) if i == 0 else int(documents[b, i - 1])
+        raise ValueError(f"documents must never decrease along a row, the cached positions included: row {b} goes "
+                         f"from {was} to {int(documents[b, i])} at position {start + i}")
+    new = step != 0
+    first = torch.zeros(batch, dtype=torch.long, device=device) if before is None else before.since[:, -1]
+    positions = torch.arange(start, start + n, device=device)
+    since = torch.where(new, positions, first[:, None]).cummax(-1).values  # (B, n): starts only move on
+    return DocumentSpans(check_documents(documents, batch, n, device), since, new, documents[:, -1])
 
 
 def documents_from_lengths(lengths: Sequence[Sequence[int]]) -> Tensor:

@@ -195,6 +195,31 @@ class BlockDocuments(NamedTuple):
         return tails.gather(2, at)
 
 
+def decoded_tail(keys: Tensor, since: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Decoding over packed documents: each row's first block of its document, from the document's start on.
+    keys: (B, H, capacity, D) kept in position order (slot = position); since (B,) the rows' documents' first
+    positions. Returns that block's keys (B, H, block, D), which of them are the document's (B, 1, block, 1) bool,
+    and the block's index (B,). A row whose document begins at a block's start gets the whole block."""
+    B, H, capacity, D = keys.shape
+    first = since // block  # (B,)
+    offsets = torch.arange(block, device=keys.device)
+    slots = (first[:, None] * block + offsets).clamp(max=capacity - 1)  # (B, block)
+    tail = keys.gather(2, slots[:, None, :, None].expand(B, H, block, D))
+    mine = (slots >= since[:, None])[:, None, :, None]
+    return tail, mine, first
+
+
+def decoded_candidates(since: Tensor, blocks: int, block: int) -> tuple[Tensor, Tensor]:
+    """(B, 1, 1, blocks) bool each: the complete blocks before the query's own that a decoded query of a row whose
+    document begins at ``since`` (B,) may select (from the one holding the start on; the caller's scores reach the
+    own block's start only), and the entry of its partial first block (none where the document begins a block)."""
+    j = torch.arange(blocks, device=since.device)
+    first = (since // block)[:, None]
+    allowed = j >= first
+    partial = (j == first) & (since % block != 0)[:, None]
+    return allowed[:, None, None], partial[:, None, None]
+
+
 def reversed_cumsum(blocks: Tensor) -> Tensor:
     """(…, block, D) -> the sums from each position to the block's end, added from the end (only later keys)."""
     return blocks.flip(-2).cumsum(-2).flip(-2)

@@ -199,7 +199,7 @@ class FixedHeads(HeadGroup):
         return FixedCache(joint.keys, joint.values, joint.positions, part(slice(0, own), True) if own else None,
                           part(slice(own, None), False) if cells else None)
 
-    def keep(self, cache, k, v, positions, start):
+    def keep(self, cache, k, v, positions, start, since=None):
         if cache.block is not None:
             cache.block.add(k, v, positions)
         if cache.summary is not None:
@@ -211,20 +211,21 @@ class FixedHeads(HeadGroup):
                 cells = positions % self.block >= first_cell
                 cache.summary.add(k[:, :, cells], v[:, :, cells], positions[cells])
 
-    def step(self, q, cache, t, rel_pos):
+    def step(self, q, cache, t, rel_pos, since=None):
         if self.part == "a2":  # the summary cells so far, the own block's included
-            return self.attend(q, *cache.summary.filled(), t, rel_pos)
+            return self.attend(q, *cache.summary.filled(), t, rel_pos, since=since)
         first = t - t % self.block  # the own block starts here
         if self.part == "a1":
             keys, values, positions = cache.block.filled()
-            return self.attend(q, keys, values, positions, t, rel_pos, allowed=positions >= first)
+            return self.attend(q, keys, values, positions, t, rel_pos, allowed=positions >= first, since=since)
         # merged: the block ring and the earlier blocks' summary cells (the own block's are in A1) are one slice
         own = cache.block.capacity
         m = own + summary_count(first, self.block, self.summary)
         positions = cache.positions[:m]
         allowed = positions >= first  # in the ring: the own block (empty slots hold -1)
         allowed[own:] = True
-        return self.attend(q, cache.keys[:, :, :m], cache.values[:, :, :m], positions, t, rel_pos, allowed=allowed)
+        return self.attend(q, cache.keys[:, :, :m], cache.values[:, :, :m], positions, t, rel_pos, allowed=allowed,
+                           since=since)
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:

@@ -229,6 +229,13 @@ class LinearState:
         return cls(torch.zeros(batch, heads, features, head_dim, device=device, dtype=dtype),
                    torch.zeros(batch, heads, features, device=device, dtype=dtype))
 
+    def restart(self, rows: Tensor) -> None:
+        """Empty the sums of the ``rows`` (B,) bool (a packed row beginning a new document), the others as they
+        are (a 0/1 factor: exact)."""
+        keep = (~rows).to(self.kv.dtype)
+        self.kv = self.kv * keep[:, None, None, None]
+        self.norm = self.norm * keep[:, None, None]
+
     def add(self, phi_k: Tensor, v: Tensor) -> None:
         """Take in the keys' features (B, H, n, F) and values (B, H, n, D)."""
         self.kv = self.kv + phi_k.transpose(-1, -2) @ v.to(self.kv.dtype)
@@ -269,10 +276,14 @@ class FeatureHeads(HeadGroup):
     def new_cache(self, batch, max_len, device, dtype):
         return LinearState.empty(batch, self.heads, self.num_features, self.head_dim, device=device, dtype=dtype)
 
-    def keep(self, cache, k, v, positions, start):
-        cache.add(self.features(k.to(cache.kv.dtype), query=False), v)
+    def keep(self, cache, k, v, positions, start, since=None):
+        phi = self.features(k.to(cache.kv.dtype), query=False)  # (B, H, n, F)
+        if since is not None:  # packed documents: a row's sums hold its document's keys only
+            cache.restart(since == start)  # rows whose document begins here drop the sums of the ones before
+            phi = phi * (positions[None, :] >= since[:, None])[:, None, :, None].to(phi.dtype)
+        cache.add(phi, v)
 
-    def step(self, q, cache, t, rel_pos):
+    def step(self, q, cache, t, rel_pos, since=None):
         return cache.read(self.features(q[:, :, None].to(cache.kv.dtype), query=True))[:, :, 0].to(q.dtype)
 
 

@@ -232,9 +232,9 @@ class LongformerHeads(HeadGroup):
             return max_len, False
         return min((self.window - 1) * max(self.dilation) + 1, max_len), True
 
-    def step(self, q, cache, t, rel_pos):
+    def step(self, q, cache, t, rel_pos, since=None):
         if t in self._is_global:  # a global query sees every earlier position
-            return super().step(q, cache, t, rel_pos)
+            return super().step(q, cache, t, rel_pos, since)
         positions = t - self._offsets  # (h, window): t, t - d, …, t - (window - 1)·d of each head
         allowed = positions >= 0
         positions = positions.clamp_min(0)
@@ -247,7 +247,7 @@ class LongformerHeads(HeadGroup):
         B, _, _, D = cache.keys.shape
         index = slots[None, :, :, None].expand(B, -1, -1, D)
         return self.attend(q, cache.keys.gather(2, index), cache.values.gather(2, index),
-                           positions[None].expand(B, -1, -1), t, rel_pos, allowed=allowed)
+                           positions[None].expand(B, -1, -1), t, rel_pos, allowed=allowed, since=since)
 
 
 def _listed(dilation: int | tuple[int, ...]) -> int | list[int]:

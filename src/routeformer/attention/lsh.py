@@ -268,10 +268,12 @@ class LSHCache:
         self.rings.fill(k[:, :, None].expand(B, H, R, n, D).reshape(fold),
                         v[:, :, None].expand(B, H, R, n, D).reshape(fold), sort)
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor, buckets: Tensor, *, scale: float) -> Tensor:
+    def step(self, q: Tensor, k: Tensor, v: Tensor, buckets: Tensor, *, scale: float,
+             since: Tensor | None = None) -> Tensor:
         """Write the token at position ``length`` (k normalised; q, k, v (B, H, D), buckets (B, H, rounds)) to its
         ring in every round and return its output (B, H, D): attention over the union of those rings, each
-        position once, its own key only when nothing else is there. O(rounds · window · D) per head."""
+        position once, its own key only when nothing else is there; with ``since`` (B,), packed documents, only
+        positions from each row's document's start. O(rounds · window · D) per head."""
         rings, R = self.rings, self.rounds
         B, H, D = q.shape
         t, window = rings.length, rings.keys.shape[3]
@@ -291,7 +293,8 @@ class LSHCache:
         ranked, by = pos.sort(-1)  # equal positions side by side: keep the first of each
         repeat = torch.cat([torch.zeros_like(ranked[..., :1], dtype=torch.bool), ranked[..., 1:] == ranked[..., :-1]],
                            -1)
-        allow = (pos >= 0) & ~torch.zeros_like(repeat).scatter(-1, by, repeat)
+        seen = pos >= 0 if since is None else pos >= since[:, None, None]
+        allow = seen & ~torch.zeros_like(repeat).scatter(-1, by, repeat)
         allow = drop_own_key(allow, pos == t)
         return attend_cached(q, Cached(keys, values, pos), t, scale=scale, allowed=allow)
 
@@ -325,15 +328,16 @@ class LSHHeads(HeadGroup):
                                    max_len=None, device=device, dtype=dtype)  # the model checks max_len
         return LSHCache(rings, self.heads, o.rounds)
 
-    def decode(self, q, k, v, cache, start, rel_pos):
+    def decode(self, q, k, v, cache, start, rel_pos, spans=None):
         check_inputs(q, q, v, self.scale, None)
         hashes = lsh_hash(q, self.rotations)  # (B, H, rounds, n)
         keys = F.normalize(q, dim=-1)
         if cache.length == 0 and q.shape[2] > 1:  # a prompt: one forward, then every bucket's last `window`
-            out = self(q, k, v, rel_pos)
-            cache.fill(keys, v, hashes)
+            out = self(q, k, v, rel_pos, documents=None if spans is None else spans.numbered)
+            cache.fill(keys, v, hashes)  # each bucket's newest: its document's are among them (``step`` reads those)
             return out
-        outs = [cache.step(q[:, :, i], keys[:, :, i], v[:, :, i], hashes[..., i], scale=self.scale)
+        outs = [cache.step(q[:, :, i], keys[:, :, i], v[:, :, i], hashes[..., i], scale=self.scale,
+                           since=None if spans is None else spans.since[:, i])
                 for i in range(q.shape[2])]
         return torch.stack(outs, 2)
 

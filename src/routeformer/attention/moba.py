@@ -43,7 +43,10 @@ from .blocks import (
     block_scores,
     block_tail_bounds,
     block_tail_means,
+    candidate_blocks,
     complete_block,
+    decoded_candidates,
+    decoded_tail,
     default_block,
     dense_warmup,
     describe_warmup,
@@ -147,15 +150,31 @@ class MobaHeads(BlockHeads):
         return {"in_window": seen.float().mean()}
 
     # --- decoding -------------------------------------------------------------------------------------------
-    def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None) -> Tensor:
+    def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None,
+             since: Tensor | None = None) -> Tensor:
         keys, values, positions = cache.filled()
         if self.warming_up:
-            return self.attend(q, keys, values, positions, t, rel_pos)
+            return self.attend(q, keys, values, positions, t, rel_pos, since=since)
         summary = cache.before(t)  # the complete blocks before t's own
-        scores = block_scores(q[:, :, None].to(summary[0].dtype), summary, self.score)  # (B, h, 1, m)
-        chosen = select_blocks(scores, self.block, self.top_k, torch.full((1,), t, device=q.device))[:, :, 0]
+        qt = q[:, :, None].to(summary[0].dtype)
+        scores = block_scores(qt, summary, self.score)  # (B, h, 1, m)
+        allowed = None
+        if since is not None:  # packed documents: the document's blocks, its partial first one scored by its keys
+            allowed, partial = decoded_candidates(since, scores.shape[-1], self.block)
+            allowed = allowed & candidate_blocks(torch.full((1,), t, device=q.device), scores.shape[-1], self.block)
+            tail, mine, _ = decoded_tail(cache.store.keys, since, self.block)
+            if self.score == "mean":
+                count = mine.sum(2).clamp(min=1).to(tail.dtype)  # (B, 1, 1)
+                own = (qt[:, :, 0] * (tail * mine).sum(2) / count).sum(-1)  # (B, h)
+            else:
+                lo = tail.masked_fill(~mine, float("inf")).amin(2)
+                hi = tail.masked_fill(~mine, float("-inf")).amax(2)
+                own = (qt[:, :, 0].clamp(min=0) * (hi - lo) + qt[:, :, 0] * lo).sum(-1)
+            scores = torch.where(partial, own[:, :, None, None], scores)
+        chosen = select_blocks(scores, self.block, self.top_k, torch.full((1,), t, device=q.device),
+                               allowed=allowed)[:, :, 0]
         return self.attend(q, keys, values, positions, t, rel_pos,
-                           allowed=allowed_keys(chosen, self.block, t, positions))
+                           allowed=allowed_keys(chosen, self.block, t, positions), since=since)
 
     def own_repr(self) -> str:
         return f"top_k={self.top_k}, score={self.score}"

@@ -46,6 +46,8 @@ from .blocks import (
     allowed_keys,
     candidate_blocks,
     complete_block,
+    decoded_candidates,
+    decoded_tail,
     dense_warmup,
     describe_warmup,
     reversed_cumsum,
@@ -198,17 +200,36 @@ class NsaHeads(BlockHeads):
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 
     # --- decoding -------------------------------------------------------------------------------------------
-    def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None) -> Tensor:
+    def step(self, q: Tensor, cache: BlockCache, t: int, rel_pos: RelativePositions | None,
+             since: Tensor | None = None) -> Tensor:
         keys, values, positions = cache.filled()
         if self.warming_up:
-            return self.attend(q, keys, values, positions, t, rel_pos)
+            return self.attend(q, keys, values, positions, t, rel_pos, since=since)
         ck, cv = cache.before(t)  # the compressed blocks before t's own, (B, h, t // block, D)
         scores = torch.einsum("bhd,bhmd->bhm", q.to(ck.dtype), ck) * self.scale
-        out_cmp = torch.einsum("bhm,bhmd->bhd", scores.softmax(-1), cv).to(q.dtype)  # 0 with no block
-        chosen = select_blocks(scores[:, :, None], self.block, self.top, torch.full((1,), t, device=q.device))
+        if since is None:
+            out_cmp = torch.einsum("bhm,bhmd->bhd", scores.softmax(-1), cv).to(q.dtype)  # 0 with no block
+            allowed = None
+        else:  # packed documents: the document's blocks, the partial first one compressed from its own positions
+            allowed, partial = decoded_candidates(since, scores.shape[-1], self.block)  # (B, 1, 1, m)
+            allowed, partial = allowed[:, :, 0], partial[:, :, 0]  # (B, 1, m)
+            tail, mine, _ = decoded_tail(cache.store.keys, since, self.block)
+            vtail, _, _ = decoded_tail(cache.store.values, since, self.block)
+            a = self.key_weights.to(tail.dtype)[None, :, :, None] * mine  # (B, h, block, 1): from the start on
+            c = self.value_weights.to(tail.dtype)[None, :, :, None] * mine
+            ck_tail, cv_tail = (a * tail).sum(2), (c * vtail).sum(2)  # (B, h, D)
+            own = torch.einsum("bhd,bhd->bh", q.to(ck.dtype), ck_tail) * self.scale
+            scores = torch.where(partial, own[..., None], scores)
+            weights = normalise_scores(scores[:, :, None], allowed[:, :, None])[:, :, 0]  # (B, h, m), 0 with none
+            out_cmp = (torch.einsum("bhm,bhmd->bhd", torch.where(partial, 0.0, weights), cv)
+                       + (weights * partial).sum(-1, keepdim=True) * cv_tail).to(q.dtype)
+        chosen = select_blocks(scores[:, :, None], self.block, self.top, torch.full((1,), t, device=q.device),
+                               allowed=None if allowed is None else allowed[:, :, None] & candidate_blocks(
+                                   torch.full((1,), t, device=q.device), scores.shape[-1], self.block))
         out_sel = self.attend(q, keys, values, positions, t, rel_pos,
-                              allowed=allowed_keys(chosen[:, :, 0], self.block, t, positions))
-        out_win = self.attend(q, keys, values, positions, t, rel_pos, allowed=positions > t - self.window)
+                              allowed=allowed_keys(chosen[:, :, 0], self.block, t, positions), since=since)
+        out_win = self.attend(q, keys, values, positions, t, rel_pos, allowed=positions > t - self.window,
+                              since=since)
         g = self.gates(q[:, :, None])[:, :, 0]  # (B, h, 3)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 

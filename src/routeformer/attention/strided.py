@@ -142,9 +142,9 @@ class StridedHeads(HeadGroup):
     def store_size(self, max_len):
         return (min(self.stride + 1, max_len), True) if self.part == "a1" else (max_len, False)
 
-    def step(self, q, cache, t, rel_pos):
+    def step(self, q, cache, t, rel_pos, since=None):
         if self.part == "a1":  # the ring holds exactly the last l + 1 positions
-            return super().step(q, cache, t, rel_pos)
+            return super().step(q, cache, t, rel_pos, since)
         l = self.stride  # noqa: E741
         near = 0 if self.part == "a2" else max(0, t - l)  # A1: the last l + 1 positions, [near, t]
         column = slice(t % l, t + 1 if self.part == "a2" else near, l)  # t, t - l, … (before `near` when merged)
@@ -154,7 +154,7 @@ class StridedHeads(HeadGroup):
             keys = torch.cat([keys, cache.keys[:, :, recent]], 2)
             values = torch.cat([values, cache.values[:, :, recent]], 2)
             positions = torch.cat([positions, cache.positions[recent]])
-        return self.attend(q, keys, values, positions, t, rel_pos)
+        return self.attend(q, keys, values, positions, t, rel_pos, since=since)
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:

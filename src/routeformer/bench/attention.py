@@ -55,6 +55,7 @@ from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.moba import MobaHeads, MobaOptions
 from ..attention.performer import default_features
 from ..attention.routing import RoutingOptions
+from ..documents import documents_from_lengths
 from ..executors import describe_backend, get_executor
 from ..executors.fused.scan import scan_chunk
 from ..lengths import sqrt_len
@@ -97,7 +98,8 @@ class AttentionBench:
     """What ``bench attention`` measures: ``heads`` heads of ``head_dim`` on ``batch`` sequences, the local
     mechanisms' ``window``, in ``dtype`` on ``device``, causal or not, the patterns on ``backend``'s executor;
     ``only``: the mechanisms named (and the baseline; None: all); time the median of ``repeats``; the leak table
-    at N = ``leak_n`` (None: min(1024, the longest N); 0: none)."""
+    at N = ``leak_n`` (None: min(1024, the longest N); 0: none); ``documents`` > 0: each of our rows measured again,
+    right after it, over rows packed with that many equal documents (``Inputs.of(..., documents=)``)."""
 
     batch: int = 1
     heads: int = 8
@@ -110,6 +112,7 @@ class AttentionBench:
     only: tuple[str, ...] | None = None
     leak_n: int | None = None
     backend: str = "auto"
+    documents: int = 0  # > 0: every one of our rows again over rows packed with this many equal documents
 
 
 class PaperSizes(NamedTuple):
@@ -122,9 +125,10 @@ class PaperSizes(NamedTuple):
     features: int  # Performer's m
 
 
-def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candidate]:
+def candidates(n: int, bench: AttentionBench = AttentionBench(), documents: Tensor | None = None) -> list[Candidate]:
     """The mechanisms compared at sequence length n, with the settings the papers suggest for it; the first is the
-    baseline the others are measured against. ``bench.backend``: the executor of the patterns that run on one."""
+    baseline the others are measured against. ``bench.backend``: the executor of the patterns that run on one.
+    ``documents`` (B, n): our mechanisms over packed documents (the peers and PyTorch's own rows are left out)."""
     heads, head_dim, window, causal, backend = bench.heads, bench.head_dim, bench.window, bench.causal, bench.backend
     device, dtype = torch.device(bench.device), bench.dtype
     stride = clusters = sqrt_len(n)
@@ -191,56 +195,60 @@ def candidates(n: int, bench: AttentionBench = AttentionBench()) -> list[Candida
     longformer, lsh = LongformerOptions(window, dilation, (0,)), LSHOptions(buckets, 2, lsh_window)
     linear_poly2, full_elu, full_poly2 = LinearOptions("poly2"), KernelOptions("elu"), KernelOptions("poly2")
     found = [
-        Candidate("full", "SDPA", lambda q, k, v: full_attention(Inputs.of(q, k, v), causal=causal),
+        Candidate("full", "SDPA", lambda q, k, v: full_attention(Inputs.of(q, k, v, documents=documents), causal=causal),
                   useful=full_pairs),
         Candidate("local", f"window={window}",
-                  lambda q, k, v: local_attention(Inputs.of(q, k, v), local, backend, causal=causal),
+                  lambda q, k, v: local_attention(Inputs.of(q, k, v, documents=documents), local, backend, causal=causal),
                   useful=local_pairs),
         Candidate("local+rel", f"window={window}, clip={window}",
-                  lambda q, k, v: local_attention(Inputs.of(q, k, v), local, backend, causal=causal, rel=rel),
+                  lambda q, k, v: local_attention(Inputs.of(q, k, v, documents=documents), local, backend, causal=causal, rel=rel),
                   useful=local_pairs),
         Candidate("strided", f"stride={stride}, merged",
-                  lambda q, k, v: strided_attention(Inputs.of(q, k, v), strided, backend, causal=causal),
+                  lambda q, k, v: strided_attention(Inputs.of(q, k, v, documents=documents), strided, backend, causal=causal),
                   useful=pairs(lambda m: rf.pairs_strided(m, stride, merged=True))),
         Candidate("strided-split", f"stride={stride}, split",
-                  lambda q, k, v: strided_attention(Inputs.of(q, k, v), strided, backend, causal=causal,
+                  lambda q, k, v: strided_attention(Inputs.of(q, k, v, documents=documents), strided, backend, causal=causal,
                                                     merged=False),
                   useful=pairs(lambda m: rf.pairs_strided(m, stride, merged=False))),
         Candidate("fixed", "block=128, summary=8, merged",
-                  lambda q, k, v: fixed_attention(Inputs.of(q, k, v), fixed, backend, causal=causal),
+                  lambda q, k, v: fixed_attention(Inputs.of(q, k, v, documents=documents), fixed, backend, causal=causal),
                   useful=pairs(lambda m: rf.pairs_fixed(m, 128, 8))),
         Candidate("longformer", f"window={window}, dilation 1|2, global [0]",
-                  lambda q, k, v: longformer_attention(Inputs.of(q, k, v), longformer, backend, causal=causal),
+                  lambda q, k, v: longformer_attention(Inputs.of(q, k, v, documents=documents), longformer, backend, causal=causal),
                   useful=pairs(lambda m: rf.pairs_longformer(m, window, dilation, [0]))),
         Candidate("routing", f"k={clusters}, window={routed}, shared QK",
-                  lambda q, k, v: routing(q, q, v), useful=routed_work(routing)),
+                  lambda q, k, v: routing(q, q, v, documents=documents), useful=routed_work(routing)),
         Candidate("routing-p2", f"k={clusters}, 2 probes × window={probed}, bias, shared QK",
-                  lambda q, k, v: probing(q, q, v), skip=None if causal else "causal only",
+                  lambda q, k, v: probing(q, q, v, documents=documents), skip=None if causal else "causal only",
                   useful=routed_work(probing) if probing is not None else None),
         Candidate("moba", f"block={moba_block}, top {moba_options.top_k} by the {moba_options.score} key",
-                  lambda q, k, v: moba(q, k, v, None),
+                  lambda q, k, v: moba(q, k, v, None, documents=documents),
                   skip=None if causal else "causal only"),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
-                  lambda q, k, v: lsh_attention(Inputs.of(q, q, v), lsh, backend, causal=causal, rotations=rotations),
+                  lambda q, k, v: lsh_attention(Inputs.of(q, q, v, documents=documents), lsh, backend, causal=causal, rotations=rotations),
                   useful=hashed_work if causal else None),
         Candidate("linear", f"elu, F={head_dim}, chunk={scan_at(head_dim)}",
-                  lambda q, k, v: linear_attention(Inputs.of(q, k, v), None, backend, causal=causal),
+                  lambda q, k, v: linear_attention(Inputs.of(q, k, v, documents=documents), None, backend, causal=causal),
                   useful=lambda q: rf.feature_flops(head_dim, q)),
         Candidate("linear-poly2", f"(1+s·q·k)², F={poly2}, chunk={default_chunk(poly2)}",
-                  lambda q, k, v: linear_attention(Inputs.of(q, k, v), linear_poly2, causal=causal),
+                  lambda q, k, v: linear_attention(Inputs.of(q, k, v, documents=documents), linear_poly2, causal=causal),
                   skip=too_many_features,
                   useful=lambda q: rf.feature_flops(poly2, q)),
         Candidate("performer", f"m={features}, orthogonal per head, drawn once, chunk={scan_at(features)}",
-                  lambda q, k, v: performer_attention(Inputs.of(q, k, v), None, backend, causal=causal,
+                  lambda q, k, v: performer_attention(Inputs.of(q, k, v, documents=documents), None, backend, causal=causal,
                                                       projection=projection),
                   useful=lambda q: rf.feature_flops(features, q, projection=True)),
         Candidate("full-elu", "exact elu kernel, O(N²) blocks",
-                  lambda q, k, v: full_attention(Inputs.of(q, k, v), full_elu, causal=causal), skip=quadratic,
+                  lambda q, k, v: full_attention(Inputs.of(q, k, v, documents=documents), full_elu, causal=causal), skip=quadratic,
                   useful=full_pairs),
         Candidate("full-poly2", "exact (1+s·q·k)², O(N²) blocks",
-                  lambda q, k, v: full_attention(Inputs.of(q, k, v), full_poly2, causal=causal), skip=quadratic,
+                  lambda q, k, v: full_attention(Inputs.of(q, k, v, documents=documents), full_poly2, causal=causal), skip=quadratic,
                   useful=full_pairs),
     ]
+    if documents is not None:  # ours only: the peers take no documents
+        # (no useful-FLOP count: the pattern's counts are of one document a row)
+        return [dataclasses.replace(c, name=f"{c.name}+docs", settings=f"{c.settings}; {bench.documents} documents",
+                                    useful=None) for c in found]
     found[1:1] = _sdpa_backends(causal, device, full_pairs)
     found += _flex_sliding(window, causal, device)
     found += _peers(n, bench, PaperSizes(clusters, routed, buckets, lsh_window, features))
@@ -423,6 +431,8 @@ def run(ns: list[int], bench: AttentionBench = AttentionBench(), echo: Callable[
          f"dense matmul (2048³) {matmul:.0f} GFLOP/s")
     for i, n in enumerate(ns):
         cands = first if i == 0 else selected(candidates(n, b), b.only)
+        if b.documents:
+            cands = with_documents(cands, n, b)
         gen = torch.Generator(device="cpu").manual_seed(n)
         q, k, v, grad = (torch.randn(b.batch, b.heads, n, b.head_dim, generator=gen).to(dev, b.dtype)
                          for _ in range(4))
@@ -432,6 +442,9 @@ def run(ns: list[int], bench: AttentionBench = AttentionBench(), echo: Callable[
         echo(attention_table([r for r in results if r["n"] == n]))
         echo("")
         echo(rf.roofline_table([r for r in results if r["n"] == n], matmul))
+        if b.documents:
+            echo("")
+            echo(documents_table([r for r in results if r["n"] == n], b.documents))
     if len(ns) > 1:
         echo("")
         echo(memory_growth(results))
@@ -440,6 +453,42 @@ def run(ns: list[int], bench: AttentionBench = AttentionBench(), echo: Callable[
         echo("")
         echo(leak_table(leaks(leak_n, b)))
     return results
+
+
+def with_documents(cands: list[Candidate], n: int, bench: AttentionBench) -> list[Candidate]:
+    """``cands`` with each of ours followed by its twin over rows of ``bench.documents`` equal documents (the
+    last one takes the remainder), so that the two are measured one after the other (alternated in one run)."""
+    count = bench.documents
+    if count > n:
+        raise ValueError(f"--documents ({count}) is more than N ({n}): every document needs a position")
+    lengths = [n // count] * (count - 1) + [n - n // count * (count - 1)]
+    ids = documents_from_lengths([lengths] * bench.batch).to(bench.device)
+    twins = {c.name.removesuffix("+docs"): c for c in candidates(n, bench, ids)}
+    out = []
+    for c in cands:
+        out.append(c)
+        if c.name in twins:
+            out.append(dataclasses.replace(twins[c.name], skip=c.skip))
+    return out
+
+
+def documents_table(rows: list[dict], count: int) -> str:
+    """Each of our rows over packed documents against itself without (measured one after the other)."""
+    plain = {r["mechanism"]: r for r in rows if not r["mechanism"].endswith("+docs")}
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "n/a" if a is None or b is None else f"{a / b:.2f}"
+
+    table = []
+    for r in rows:
+        if not r["mechanism"].endswith("+docs"):
+            continue
+        base = plain[r["mechanism"].removesuffix("+docs")]
+        table.append([r["n"], base["mechanism"], _ms(base["fwd_s"]), _ms(r["fwd_s"]), ratio(r["fwd_s"], base["fwd_s"]),
+                      _ms(base["fwd_bwd_s"]), _ms(r["fwd_bwd_s"]), ratio(r["fwd_bwd_s"], base["fwd_bwd_s"])])
+    head = f"packed documents: {count} equal documents a row against one (each pair measured one after the other):"
+    return head + "\n" + format_table(["N", "mechanism", "fwd ms", "with documents", "ratio", "fwd+bwd ms",
+                                       "with documents", "ratio"], table)
 
 
 def selected(every: list[Candidate], only: list[str] | None) -> list[Candidate]:

@@ -59,6 +59,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      "and, per row, n, mechanism, fwd_s, fwd_bwd_s, inference/training/kept bytes, note)")
     att.add_argument("--leak-n", type=count, default=None, metavar="N",
                      help="the causal leak table's length (default min(1024, the longest N); 0: no leak table)")
+    att.add_argument("--documents", type=count, default=0, metavar="K",
+                     help="also measure each of our rows, right after it, over rows packed with K equal documents, "
+                     "and print the ratio (default 0: not)")
 
     mod = suites.add_parser(
         "model",
@@ -194,7 +197,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             _write_json(args.json, {"suite": "attention", "settings": {
                 key: getattr(args, key) for key in ("batch", "heads", "head_dim", "window", "repeats", "device",
-                                                    "dtype", "non_causal", "backend")}, "rows": rows})
+                                                    "dtype", "non_causal", "backend", "documents")},
+                "rows": rows})
     elif args.suite == "model":
         model.run(args.n, args.positions, model_bench(args), echo)
     else:
@@ -211,7 +215,7 @@ def attention_bench(args: argparse.Namespace):
     return AttentionBench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
                           repeats=args.repeats, device=args.device, dtype=DTYPES[args.dtype],
                           causal=not args.non_causal, only=None if args.only is None else tuple(args.only),
-                          backend=args.backend, leak_n=args.leak_n)
+                          backend=args.backend, leak_n=args.leak_n, documents=args.documents)
 
 
 def model_bench(args: argparse.Namespace):

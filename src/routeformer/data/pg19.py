@@ -65,7 +65,14 @@ def prepare_pg19(target: Path, data_dir: Path, src: Path | None, skip_checksum: 
         # Each split's stream fills stats[split] as it ends; write_dataset writes meta.json (with extra) only after
         # it has consumed every split, so the counts are in it.
         streams = {split: _book_bytes(files, stats.setdefault(split, {}), bar.update) for split, files in books.items()}
-        return write_dataset(target, meta, streams, force=force)
+        return write_dataset(target, meta, streams, force=force, starts=lambda split: _book_starts(books[split]))
+
+
+def _book_starts(books: list[Path]) -> np.ndarray:
+    """Where each book of a split begins: after the books before it, each followed by the separator byte (the sizes
+    as ``_book_bytes`` read them, asked once they are written)."""
+    sizes = [p.stat().st_size + 1 for p in books]
+    return np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64)
 
 
 def _books(src: Path, folder: str) -> list[Path]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import sysconfig
 import urllib.request
 import zipfile
@@ -44,7 +45,7 @@ from .store import (
 )
 
 ENWIK8 = {"url": "http://mattmahoney.net/dc/enwik8.zip", "member": "enwik8", "size": 100_000_000,
-          "md5": ("a1fa5ffddb56f4953e226637dabbb36a",)}
+          "md5": ("a1fa5ffddb56f4953e226637dabbb36a",), "document": b"<page>"}
 # Published digests of the 10^8 characters of text8 (not of the zip). Both values circulate; any match passes.
 TEXT8 = {"url": "http://mattmahoney.net/dc/text8.zip", "member": "text8", "size": 100_000_000,
          "md5": ("3bea1919949baf155f99411df5fada7e", "f26f94c5209bc6159618bad4a559ff81")}
@@ -187,8 +188,21 @@ def _mahoney(spec_name: str, name: str):
                            source_checksum="md5:" + hashlib.md5(data.tobytes()).hexdigest(),
                            notes="split 90M / 5M / 5M bytes as in the literature")
         size = spec["size"]  # 10^8: 90M / 5M / 5M
-        return write_dataset(target, meta, _split_bytes(data, size * 9 // 10, size // 20), force=force)
+        train, valid = size * 9 // 10, size // 20
+        starts = None
+        if spec.get("document") is not None:  # enwik8: a Wikipedia page begins at every <page>
+            starts = _marked_starts(data, spec["document"], {"train": (0, train), "valid": (train, train + valid),
+                                                             "test": (train + valid, len(data))})
+        return write_dataset(target, meta, _split_bytes(data, train, valid), force=force, starts=starts)
     return prepare_one
+
+
+def _marked_starts(data: np.ndarray, marker: bytes, bounds: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    """Each split's document starts where every document begins with ``marker`` (what comes before the first one is
+    a document too), the splits the byte ranges ``bounds`` (``split_starts``)."""
+    found = [m.start() for m in re.finditer(re.escape(marker), data.tobytes())]
+    starts = np.asarray(sorted({0, *found}), dtype=np.int64)
+    return {split: split_starts(starts, lo, hi) for split, (lo, hi) in bounds.items()}
 
 
 def _wikitext103(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,
@@ -207,12 +221,15 @@ def _wikitext103(target: Path, data_dir: Path, src: Path | None, skip_checksum: 
         for start in range(0, len(lines), 20000):
             ids = []
             for line in lines[start:start + 20000]:
+                if _is_title(line):  # an article starts with its title: its first token's place, counted as written
+                    starts[split].append(written[split] + len(ids))
                 for token in _words(line):
                     i = index.get(token, unk)
                     if i is None:
                         missing += 1
                         continue
                     ids.append(i)
+            written[split] += len(ids)
             yield np.asarray(ids, dtype=np.uint32)
         if missing:
             raise DataError(f"{split} holds {missing} tokens outside the training vocabulary and no <unk> token")
@@ -220,7 +237,18 @@ def _wikitext103(target: Path, data_dir: Path, src: Path | None, skip_checksum: 
     meta = DatasetMeta(target.name, "words", len(vocab), "uint32", {}, {}, source=str(path),
                        source_checksum="sha256:" + _file_sha256(path) if path.is_file() else None,
                        notes="whitespace tokens of every line + <eos>; vocabulary from train, by frequency")
-    return write_dataset(target, meta, {s: encode(texts[s], s) for s in texts}, vocab=vocab, force=force)
+    # every article's first token, filled as the splits are encoded (write_dataset reads a split's starts after
+    # writing it); tokens before a split's first title are a document too
+    starts: dict[str, list[int]] = {split: [0] for split in texts}
+    written = dict.fromkeys(texts, 0)
+    return write_dataset(target, meta, {s: encode(texts[s], s) for s in texts}, vocab=vocab, force=force,
+                         starts=lambda split: np.asarray(sorted(set(starts[split])), dtype=np.int64))
+
+
+def _is_title(line: str) -> bool:
+    """A WikiText article's title line, ' = Title = ' (a section's heading has two or more '=' a side)."""
+    text = line.strip()
+    return text.startswith("= ") and text.endswith(" =") and not text.startswith("= =") and len(text) > 4
 
 
 def _words(line: str) -> list[str]:

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -127,9 +127,10 @@ def writable_directory(path: Path) -> Path:
 
 def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable[np.ndarray]],
                   vocab: list[str] | None = None, *, force: bool = False,
-                  starts: dict[str, np.ndarray] | None = None) -> DatasetMeta:
+                  starts: dict[str, np.ndarray] | Callable[[str], np.ndarray] | None = None) -> DatasetMeta:
     """Write the splits and vocabulary into a staging folder, then move the finished data set into place.
-    ``starts``: each split's document starts (``split_starts``), written as <split>.starts.bin.
+    ``starts``: each split's document starts (``split_starts``), written as <split>.starts.bin; given as a function
+    of the split's name, it is asked once the split is written (starts found while its tokens stream).
 
     A data set already in ``directory`` stays untouched until the new one is complete, and for good unless its
     splits are the same or ``force``: a DataError names the splits that would change.
@@ -146,10 +147,11 @@ def write_dataset(directory: Path, meta: DatasetMeta, splits: dict[str, Iterable
             if count == 0:
                 raise DataError(f"the {split} split of {meta.name} came out empty; the source is too small")
             if starts is not None:
-                check_starts(starts[split], count, f"the {split} split's document starts")
+                found = starts(split) if callable(starts) else starts[split]
+                check_starts(found, count, f"the {split} split's document starts")
                 meta.starts = meta.starts or {}
                 meta.starts[split], meta.sha256[f"{split}.starts"] = write_split(
-                    staging / f"{split}.starts.bin", [starts[split]], np.dtype(np.int64))
+                    staging / f"{split}.starts.bin", [found], np.dtype(np.int64))
         if vocab is not None:
             meta.vocab_file = "vocab.txt"
             tmp, handle = atomic_file(staging / "vocab.txt")

@@ -65,24 +65,43 @@ def check_sampling(model: nn.Module, prompt: Tensor, max_new_tokens: int, temper
 
 
 def stream(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+           documents: Tensor | None = None) -> Iterator[Tensor]:
     """Yield the new tokens (B,) one position at a time."""
     prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
-    yield from _stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+    documents = _prompt_documents(documents, prompt)
+    yield from _stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, documents)
 
 
 def generate(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Tensor:
-    """prompt (B, N) or (N,) -> (B, N + max_new_tokens) tokens."""
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             documents: Tensor | None = None) -> Tensor:
+    """prompt (B, N) or (N,) -> (B, N + max_new_tokens) tokens. ``documents`` (B, N) or (N,): the prompt's packed
+    documents (``TransformerLM.forward``); the new tokens continue each row's last one."""
     prompt = check_sampling(model, prompt, max_new_tokens, temperature, top_k, top_p)
-    new = list(_stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+    documents = _prompt_documents(documents, prompt)
+    new = list(_stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, documents))
     return torch.cat([prompt, torch.stack(new, 1)], 1) if new else prompt
+
+
+def _prompt_documents(documents: Tensor | None, prompt: Tensor) -> Tensor | None:
+    """The prompt's document ids as (B, N) on its device ((N,) for a (N,) prompt); the forward checks the rest."""
+    if documents is None:
+        return None
+    if isinstance(documents, Tensor) and documents.dim() == 1:
+        documents = documents[None]
+    if not isinstance(documents, Tensor) or tuple(documents.shape) != tuple(prompt.shape):
+        raise ValueError(f"documents must be a tensor of the prompt's shape {tuple(prompt.shape)}, got "
+                         f"{tuple(getattr(documents, 'shape', ())) or type(documents).__name__}")
+    return documents.to(prompt.device)
 
 
 @torch.no_grad()
 def _stream(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
-            top_p: float | None, seed: int | None) -> Iterator[Tensor]:
-    """``stream`` on a checked prompt. Runs the model once per new token but the last (whose logits no one needs)."""
+            top_p: float | None, seed: int | None, documents: Tensor | None = None) -> Iterator[Tensor]:
+    """``stream`` on a checked prompt. Runs the model once per new token but the last (whose logits no one needs).
+    ``documents`` (B, N): the prompt's packed documents, the new tokens in each row's last (past ``seq_len`` with
+    absolute positions, the re-run windows carry their ids)."""
     if max_new_tokens == 0:
         return
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -95,23 +114,26 @@ def _stream(model: nn.Module, prompt: Tensor, max_new_tokens: int, temperature: 
         sliding = model.config.positions in ("absolute", "factorized")
         # Positions the model will see: the prompt and every new token but the last.
         seen = n + max_new_tokens - 1
+        ids = documents
         if sliding:  # the cache serves until the position table ends; then the context slides
             context = prompt[:, -limit:]
+            ids = None if documents is None else documents[:, -limit:]
             cache = model.new_cache(B, min(seen, limit)) if n < limit else None
         else:
             context, cache = prompt, model.new_cache(B, seen)
-        logits = model(context, cache)[:, -1]
+        logits = model(context, cache, documents=ids)[:, -1]
         tokens = context if sliding and seen > limit else None  # kept only for sliding
         nxt = sample_next(logits, **sample)
         yield nxt
         for _ in range(max_new_tokens - 1):
             if tokens is not None:
                 tokens = torch.cat([tokens, nxt[:, None]], 1)[:, -limit:]
+                ids = None if ids is None else torch.cat([ids, ids[:, -1:]], 1)[:, -limit:]
             if cache is not None and cache.length < cache.max_len:
-                logits = model(nxt[:, None], cache)[:, -1]
+                logits = model(nxt[:, None], cache)[:, -1]  # each row's last document goes on
             else:  # absolute positions past seq_len: re-run over the last seq_len tokens
                 cache = None
-                logits = model(tokens)[:, -1]
+                logits = model(tokens, documents=ids)[:, -1]
             nxt = sample_next(logits, **sample)
             yield nxt
     finally:

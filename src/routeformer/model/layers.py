@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
+from ..documents import DocumentSpans
 from ..executors import Executor, sigmoid_gelu
 from .config import HeadGroupSpec, TransformerConfig
 
@@ -67,18 +68,19 @@ class MixedAttention(nn.Module):
                 for qg, vg, shared in zip(qs, vs, self.shares_qk, strict=True)]
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0,
-                documents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                documents: Tensor | None = None, spans: DocumentSpans | None = None) -> tuple[Tensor, Tensor | None]:
         """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``cache``
         x continues a decoded sequence at position ``start``. ``documents`` (B, N), numbered from 0 in each row
         (``documents.check_documents``): packed documents, every group attending within them and the token shift
-        reading nothing across a boundary."""
+        reading nothing across a boundary; with a cache, their ``spans`` instead (``documents.continue_documents``:
+        a row may begin a new document at any position, the others untouched)."""
         B, N, _ = x.shape
-        if documents is not None and self.refusing_documents:
+        if (documents is not None or spans is not None) and self.refusing_documents:
             raise ValueError(f"documents: {', '.join(sorted(set(self.refusing_documents)))} heads (with these "
                              f"options) do not honour packed documents yet (docs/attention.md, 'Packed documents')")
         if self.token_shift != "none":
             before = cache.before if cache is not None else None
-            starts = None if documents is None else document_starts(documents)
+            starts = spans.new if spans is not None else None if documents is None else document_starts(documents)
             x, last = (shift_half(x, before, starts) if self.shift_mix is None
                        else shift_mix(x, before, self.shift_mix, starts))
             if cache is not None:
@@ -91,8 +93,10 @@ class MixedAttention(nn.Module):
                 loss = group.aux_loss()
                 if loss is not None:
                     aux = loss if aux is None else aux + loss
-            else:
+            elif spans is None:
                 outs.append(group.decode(q, k, v, cache.groups[i], start, self.rel_pos))
+            else:
+                outs.append(group.decode(q, k, v, cache.groups[i], start, self.rel_pos, spans=spans))
         out = torch.cat(outs, 1).transpose(1, 2).reshape(B, N, self.heads * self.head_dim)
         return self.out(out), aux
 
@@ -170,8 +174,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0,
-                documents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        a, aux = self.attention(self.norm1(x), cache, start, documents)
+                documents: Tensor | None = None, spans: DocumentSpans | None = None) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), cache, start, documents, spans)
         x = x + self.dropout(a)
         return x + self.dropout(self.ff(self.norm2(x))), aux
 

@@ -36,15 +36,19 @@ class PositionEmbedding(nn.Module):
             nn.Parameter(torch.randn(size, config.dim) * 0.125 / math.sqrt(config.dim * len(sizes))) for size in sizes
         )
 
-    def forward(self, start: int, n: int, device: torch.device, documents: Tensor | None = None) -> Tensor:
+    def forward(self, start: int, n: int, device: torch.device, documents: Tensor | None = None,
+                since: Tensor | None = None) -> Tensor:
         """(n, dim) embedding of positions start … start + n - 1; with packed ``documents`` (B, n), numbered from 0
-        in each row, (B, n, dim) of each position counted from its document's start (start 0 only)."""
+        in each row (start 0 only), or decoding's ``since`` (B, n), each position's document's first position,
+        (B, n, dim) of each position counted from its document's start."""
         if start + n > self.limit:
             raise ValueError(f"positions up to {start + n - 1} are past the {self.kind} position table "
                              f"(seq_len = {self.limit}); use positions='relative' or 'none' for longer sequences")
         pos = torch.arange(start, start + n, device=device)
         if documents is not None:  # minus the first position of the document (a search of the sorted ids)
             pos = pos - torch.searchsorted(documents.contiguous(), documents.contiguous())
+        elif since is not None:
+            pos = pos - since
         if self.kind == "absolute":
             return self.tables[0][pos]
         if self.image_shape is not None:

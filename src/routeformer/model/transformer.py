@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.kinds import HeadGroup
-from ..documents import check_documents
+from ..documents import DocumentSpans, check_documents, continue_documents
 from ..executors import get_executor
 from .config import TransformerConfig
 from .generate import generate, stream
@@ -29,6 +29,7 @@ class ModelCache:
 
     def __init__(self, layers: list[LayerCache], max_len: int) -> None:
         self.layers, self.max_len, self.length = layers, max_len, 0
+        self.documents: DocumentSpans | None = None  # the last forward's, once a forward gave documents
 
     def check(self, n: int) -> None:
         if self.length + n > self.max_len:
@@ -85,26 +86,32 @@ class TransformerLM(nn.Module):
         """(B, N) tokens -> (B, N, vocab_size) logits. With ``cache`` the tokens continue the cached sequence.
         ``documents`` (B, N) integer ids that never decrease along a row (``routeformer.documents`` makes them):
         packed documents, each scored as if alone (attention, the token shift and absolute positions stop at every
-        boundary; kinds that cannot honour them are refused by name)."""
+        boundary; kinds that cannot honour them are refused by name). With a cache they continue the row's ids: a
+        prompt of several documents, or a row that begins a new document at any position while the others go on;
+        once given, a forward without them continues each row's last document."""
         self._check_tokens(tokens)
         B, N = tokens.shape
-        documents = check_documents(documents, B, N, tokens.device)
-        if documents is not None and cache is not None:
-            raise ValueError("documents with a cache: generation across packed documents is not built yet; decode "
-                             "each document with its own cache")
-        start = 0
+        start, spans = 0, None
         if cache is not None:
             cache.check(N)
             start = cache.length
+            if documents is not None or cache.documents is not None:
+                ids = documents if documents is not None else cache.documents.last[:, None].expand(B, N)
+                spans = continue_documents(ids, B, N, tokens.device, start, cache.documents)
+            documents = None
+        else:
+            documents = check_documents(documents, B, N, tokens.device)
         if tokens.device != self._executor_device:  # the model moved: its device's executor
             self._bind_executors(tokens.device)
         x = self.embed(tokens)
         if self.positions is not None:
-            x = x + self.positions(start, N, tokens.device, documents).to(x.dtype)
+            x = x + self.positions(start, N, tokens.device, documents,
+                                   None if spans is None else spans.since).to(x.dtype)
         aux: Tensor | None = None
         for i, block in enumerate(self.blocks):
             if cache is not None:
-                x, loss = block(x, cache.layers[i], start)
+                x, loss = block(x, cache.layers[i], start) if spans is None else \
+                    block(x, cache.layers[i], start, None, spans)
             elif self.config.checkpointing and self.training:
                 x, loss = checkpoint(block, x, None, 0, documents, use_reentrant=False)
             else:
@@ -113,6 +120,8 @@ class TransformerLM(nn.Module):
                 aux = loss if aux is None else aux + loss
         if cache is not None:
             cache.length = start + N
+            if spans is not None:
+                cache.documents = spans
         self.aux_loss = aux if aux is not None else x.new_zeros(())
         return self.head(self.norm(x))
 
@@ -136,15 +145,17 @@ class TransformerLM(nn.Module):
                 raise
 
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None) -> Tensor:
+                 top_p: float | None = None, seed: int | None = None, documents: Tensor | None = None) -> Tensor:
         """prompt (B, N) or (N,) -> (B, N + max_new_tokens), with every mechanism's decoding cache (see
-        ``generate.py`` for what happens past ``seq_len``). temperature 0 is greedy; seed makes it repeatable."""
-        return generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        ``generate.py`` for what happens past ``seq_len``). temperature 0 is greedy; seed makes it repeatable.
+        ``documents``: the prompt's packed documents (as ``forward`` takes them); each row's last goes on."""
+        return generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, documents)
 
     def stream(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = None) -> Iterator[Tensor]:
+               top_p: float | None = None, seed: int | None = None,
+               documents: Tensor | None = None) -> Iterator[Tensor]:
         """Like ``generate``, yielding each new position's tokens (B,) as soon as it is sampled."""
-        return stream(self, prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        return stream(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, documents)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """model.safetensors (weights, routing centroids and projections) and config.json, written atomically."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...checks import check_scale
+from ...documents import DocumentSpans
 from ...executors import Executor, Inputs, get_executor
 from ...executors.relative import RelativePositions
 from ..decoding import Cached, attend_cached
@@ -206,17 +207,26 @@ class HeadGroup(nn.Module):
         capacity, ring = self.store_size(max_len)
         return KeyStore.empty(batch, self.heads, capacity, self.head_dim, ring=ring, device=device, dtype=dtype)
 
-    def keep(self, cache, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
-        """Store what later queries will need of the new positions start, start + 1, … (``positions``)."""
+    def keep(self, cache, k: Tensor, v: Tensor, positions: Tensor, start: int, since: Tensor | None = None) -> None:
+        """Store what later queries will need of the new positions start, start + 1, … (``positions``). ``since``
+        (B,): packed documents, each row's document's first position (the row's earlier positions are never seen
+        again); a cache that keeps positions masks them at each ``step`` instead, so by default it is not read."""
         cache.add(k, v, positions)
 
-    def step(self, q: Tensor, cache, t: int, rel_pos: RelativePositions | None) -> Tensor:
-        """Output (B, h, D) of the query at t. Default: every filled slot (a ring then holds just what t sees)."""
-        return self.attend(q, *cache.filled(), t, rel_pos)
+    def step(self, q: Tensor, cache, t: int, rel_pos: RelativePositions | None,
+             since: Tensor | None = None) -> Tensor:
+        """Output (B, h, D) of the query at t. Default: every filled slot (a ring then holds just what t sees).
+        ``since`` (B,): packed documents, each row's document's first position: nothing before it is seen."""
+        return self.attend(q, *cache.filled(), t, rel_pos, since=since)
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, t: int,
                rel_pos: RelativePositions | None, allowed: Tensor | None = None,
-               bias: Tensor | None = None) -> Tensor:
+               bias: Tensor | None = None, since: Tensor | None = None) -> Tensor:
+        """The query at t (B, h, D) over cached keys, values (B, h, M, D) at ``positions`` (M,) or (B, h, M), those
+        ``allowed`` (broadcast to (B, h, M)) and, with ``since`` (B,), at or after each row's document's start."""
+        if since is not None:
+            seen = positions >= since[:, None, None]  # (B, 1, M) or (B, h, M)
+            allowed = seen if allowed is None else allowed & seen
         if self.kernel != "exp":  # the config allows no relative positions (nor a bias) with another kernel
             return attend_cached_kernel(q, keys, values, self.kernel, kernel_scale(self.kernel, self.kernel_scale,
                                                                                    self.head_dim), allowed)
@@ -224,19 +234,31 @@ class HeadGroup(nn.Module):
                              rel_pos=rel_pos, bias=bias)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache, start: int,
-               rel_pos: RelativePositions | None) -> Tensor:
+               rel_pos: RelativePositions | None, spans: DocumentSpans | None = None) -> Tensor:
         """Outputs (B, h, n, D) of n new positions from ``start`` on; equal to the causal forward over the whole
-        prefix. The caller checks that they fit the cache."""
+        prefix. The caller checks that they fit the cache. ``spans``: packed documents of the new positions
+        (``documents.continue_documents``): a prompt of several, a row beginning a new one."""
         n = q.shape[2]
         positions = torch.arange(start, start + n, device=q.device)
         if start == 0 and n > 1:  # a prompt: one forward, then keep what the future needs
-            out = self(q, k, v, rel_pos)
-            self.keep(cache, k, v, positions, start)
+            if spans is None or spans.numbered is None:
+                out = self(q, k, v, rel_pos)
+            else:
+                out = self(q, k, v, rel_pos, documents=spans.numbered)
+            if spans is None:  # (a kind written before documents takes no ``since``)
+                self.keep(cache, k, v, positions, start)
+            else:
+                self.keep(cache, k, v, positions, start, spans.since[:, -1])
             return out
         outs = []
         for i in range(n):
-            self.keep(cache, k[:, :, i:i + 1], v[:, :, i:i + 1], positions[i:i + 1], start + i)
-            outs.append(self.step(q[:, :, i], cache, start + i, rel_pos))
+            one = (cache, k[:, :, i:i + 1], v[:, :, i:i + 1], positions[i:i + 1], start + i)
+            if spans is None:
+                self.keep(*one)
+                outs.append(self.step(q[:, :, i], cache, start + i, rel_pos))
+            else:
+                self.keep(*one, spans.since[:, i])
+                outs.append(self.step(q[:, :, i], cache, start + i, rel_pos, spans.since[:, i]))
         return torch.stack(outs, 2)
 
 

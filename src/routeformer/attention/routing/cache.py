@@ -88,10 +88,12 @@ class RoutingCache:
         self.length = n
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, route: TokenRoute, *, scale: float, exclude_self: bool,
-             rel_pos: RelativePositions | None) -> Tensor:
+             rel_pos: RelativePositions | None, since: Tensor | None = None) -> Tensor:
         """Write the token at position ``length`` and return its output. q, k, v (B, H, D); ``route``: the buffer
         its key joins, the buffers its query reads and their gates. ``exclude_self``: shared QK, the own key only
-        when alone. The caller checks ``max_len``."""
+        when alone. ``since`` (B,): packed documents, each row's document's first position; the rings' entries
+        before it are not seen (a ring holds its cluster's last keys, so those of the document are its newest: the
+        last ``window`` of the cluster within the document). The caller checks ``max_len``."""
         key_cluster, probes, gates = route
         B, H, D = q.shape
         if tuple(k.shape) != (B, H, D) or self.keys.shape[:2] != (B, H) or self.keys.shape[-1] != D:
@@ -111,7 +113,7 @@ class RoutingCache:
         b, h = b[..., None], h[..., None]
         keys, values = self.keys[b, h, probes].flatten(2, 3), self.values[b, h, probes].flatten(2, 3)  # (B, H, p·w, D)
         pos = self.positions[b, h, probes].flatten(2, 3)  # (B, H, p·w)
-        allow = pos >= 0
+        allow = pos >= 0 if since is None else pos >= since[:, None, None]
         if exclude_self:
             allow = drop_own_key(allow, pos == t)
         if gates is None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...documents import DocumentSpans
 from ...executors import KeyRestrictions, RelativePositions, Tiling, Window, check_inputs
 from ...executors.inputs import Inputs, refuse_documents, relative
 from ..kinds.base import HeadGroup, KeyStore
@@ -303,12 +304,15 @@ class RoutingAttention(HeadGroup):
         return RoutingCache.empty(batch, self.heads, self.num_clusters, self.window, self.head_dim,
                                   max_len=max_len, device=device, dtype=dtype)
 
-    def step(self, q: Tensor, cache: KeyStore, t: int, rel_pos: RelativePositions | None) -> Tensor:
-        """The warm-up and hand-over's decoding step: every earlier key; shared QK: its own only at t = 0."""
+    def step(self, q: Tensor, cache: KeyStore, t: int, rel_pos: RelativePositions | None,
+             since: Tensor | None = None) -> Tensor:
+        """The warm-up and hand-over's decoding step: every earlier key (with packed documents, of the query's
+        document, from ``since`` (B,) on); shared QK: its own only at the document's first position."""
         keys, values, positions = cache.filled()
-        allowed = (positions < t) | (positions == 0) if self.shared_qk else None
+        first = 0 if since is None else since[:, None, None]  # (B, 1, 1)
+        allowed = (positions < t) | (positions == first) if self.shared_qk else None
         bias = self._handover_row(q, keys) if self.handing_over else None
-        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed, bias=bias)
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed, bias=bias, since=since)
 
     def _handover_row(self, q: Tensor, keys: Tensor) -> Tensor:
         """(B, h, M): the hand-over's penalty of the query at t on the cached keys (positions 0 … t, in order): row
@@ -321,7 +325,8 @@ class RoutingAttention(HeadGroup):
         return (~routed).to(q.dtype) * -self.handover_penalty()
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache | KeyStore, start: int | None = None,
-               rel_pos: RelativePositions | None = None, *, scale: float | None = None) -> Tensor:
+               rel_pos: RelativePositions | None = None, *, scale: float | None = None,
+               spans: DocumentSpans | None = None) -> Tensor:
         """Outputs (B, H, n, D) of n new positions (B, H, n, D), continuing ``cache`` and updating it in place.
 
         Equal to the causal forward over the whole sequence at those positions. A new token costs
@@ -329,17 +334,20 @@ class RoutingAttention(HeadGroup):
         buffer of the last ``window`` keys and values, and it attends over the buffers of the clusters it probes.
         A prompt given to an empty cache runs the forward once and fills the buffers in one pass. During the
         warm-up and hand-over every earlier key (``start``: the position of the first new one, default the count
-        the cache holds).
+        the cache holds). ``spans``: packed documents of the new positions (``documents.continue_documents``).
         """
         if isinstance(cache, KeyStore):  # every position, as HeadGroup keeps them
-            return super().decode(q, k, v, cache, cache.count if start is None else start, rel_pos)
-        return self._decode_routed(q, k, v, cache, rel_pos, scale)
+            return super().decode(q, k, v, cache, cache.count if start is None else start, rel_pos, spans)
+        return self._decode_routed(q, k, v, cache, rel_pos, scale, spans)
 
     @torch.no_grad()
     def _decode_routed(self, q: Tensor, k: Tensor, v: Tensor, cache: RoutingCache, rel_pos: RelativePositions | None,
-                       scale: float | None) -> Tensor:
-        """``decode`` on the per-cluster ring buffers."""
-        inputs = check_inputs(q, k, v, scale, None, rel_pos)
+                       scale: float | None, spans: DocumentSpans | None = None) -> Tensor:
+        """``decode`` on the per-cluster ring buffers. With packed documents (``spans``) a prompt's forward sorts by
+        (document, cluster) and fills the rings as without; each step then reads only the entries from its row's
+        document's start (``RoutingCache.step``)."""
+        numbered = None if spans is None else spans.numbered
+        inputs = check_inputs(q, k, v, scale, None, rel_pos, documents=numbered)
         n, scale = q.shape[2], inputs.scale
         cache.check(n)
         if self.dense:
@@ -347,19 +355,21 @@ class RoutingAttention(HeadGroup):
                              "one (make a new one with new_cache)")
         routes = self.routing.routes(q, k)
         if cache.length == 0 and n > 1:  # a prompt: one forward, then every cluster's last `window` at once
-            sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both
+            sort = sort_by_cluster(routes.keys, self.num_clusters)  # one sort for both (without documents)
+            within = sort if inputs.documents is None else self._sort(routes, inputs.documents)
             if self.probing:
-                out = probed_window_attention(inputs, routes.keys, routes.probes, self.options, sort=sort,
+                out = probed_window_attention(inputs, routes.keys, routes.probes, self.options, sort=within,
                                               executor=self.executor, rel_pos=rel_pos, gates=self._gates(routes))
             else:
-                out = sorted_window_attention(inputs, sort, self.options, executor=self.executor, rel_pos=rel_pos)
+                out = sorted_window_attention(inputs, within, self.options, executor=self.executor, rel_pos=rel_pos)
             cache.fill(k, v, sort)
             return out
         gates = self._gates(routes)
         outs = [cache.step(q[:, :, t], k[:, :, t], v[:, :, t],
                            TokenRoute(routes.keys[:, :, t], routes.probes[:, :, t],
                                       None if gates is None else gates[:, :, t]),
-                           scale=scale, exclude_self=self.shared_qk, rel_pos=rel_pos) for t in range(n)]
+                           scale=scale, exclude_self=self.shared_qk, rel_pos=rel_pos,
+                           since=None if spans is None else spans.since[:, t]) for t in range(n)]
         return torch.stack(outs, dim=2)
 
     def extra_repr(self) -> str:
