@@ -184,6 +184,12 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
             return q.sum() + chosen.sum()
 
         yield f"select_blocks: {'bound' if bound else 'mean'}, top {top}", selection
+
+    def packed_selection():
+        documents = torch.tensor([[0] * 4 + [1] * (N - 4)] * B)  # a document begins inside the second block
+        return q.sum() + fused_select_blocks(q.detach(), k.detach(), 3, 2, True, documents).sum()
+
+    yield "select_blocks: bound, top 2, packed documents", packed_selection
     from routeformer.executors.fused.routes import fused_route
 
     r = torch.nn.functional.normalize(q.detach(), dim=-1)
@@ -219,6 +225,11 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
     w = orthogonal_features(H, 6, D, generator=g)
     yield "feature scan: performer, float32, chunks of 5", lambda: performer_attention(
         Inputs.of(q32, k32, v32, scale=0.7), None, "fused", projection=w, chunk=5)
+    from routeformer.documents import documents_from_lengths
+
+    packed = documents_from_lengths([[3, N - 3]] * B)
+    yield "feature scan: elu, packed documents, padding, chunks of 2", lambda: linear_attention(
+        Inputs.of(q, k, v, key_padding_mask=pad, documents=packed), LinearOptions("elu"), "fused", chunk=2)
 
 
 def record() -> list[Call]:
@@ -466,13 +477,15 @@ def _rounds_backward(grad_out, q, k, v, out, lse, alone, *rest) -> None:
     _exact(alone, (B, H, N), "alone", torch.bool)
 
 
-def _select(q, k, block, top, bound) -> None:
+def _select(q, k, block, top, bound, documents) -> None:
     _float(q, "q")
     for x, what in ((q, "q"), (k, "k")):
         _float(x, what, q.dtype)
         _rows_ok(x, what)
     _need(k.shape == q.shape, "k's shape")
     _need(block >= 1 and top >= 1, "block, top >= 1")
+    if documents is not None:  # any ids: a document is a run of equal ones
+        _exact(documents, (q.shape[0], q.shape[2]), "documents", torch.long)
 
 
 def _route(r, centroids, bias, key_valid, probes, observe) -> None:
@@ -491,7 +504,7 @@ def _route(r, centroids, bias, key_valid, probes, observe) -> None:
     _need(1 <= probes <= k, "1 <= probes <= k")
 
 
-def _feature_scan(q, k, v, key_valid, projection, chunk, scale) -> tuple:
+def _feature_scan(q, k, v, key_valid, projection, documents, chunk, scale) -> tuple:
     _float(q, "q")
     for x, what in ((q, "q"), (k, "k"), (v, "v")):
         _float(x, what, q.dtype)
@@ -506,11 +519,13 @@ def _feature_scan(q, k, v, key_valid, projection, chunk, scale) -> tuple:
         _need(isinstance(projection, Tensor) and projection.dim() == 3, "projection 3-D")
         _exact(projection, (H, projection.shape[1], D), "projection", q.dtype)
         _need(projection.shape[1] >= 1 and scale > 0, "m >= 1, scale > 0")
+    if documents is not None:  # any ids: a document is a run of equal ones
+        _exact(documents, (B, N), "documents", torch.long)
     return B, H, N, D
 
 
-def _feature_scan_backward(grad_out, q, k, v, out, den, key_valid, projection, chunk, scale) -> None:
-    B, H, N, D = _feature_scan(q, k, v, key_valid, projection, chunk, scale)
+def _feature_scan_backward(grad_out, q, k, v, out, den, key_valid, projection, documents, chunk, scale) -> None:
+    B, H, N, D = _feature_scan(q, k, v, key_valid, projection, documents, chunk, scale)
     _exact(grad_out, (B, H, N, D), "grad_out", q.dtype)
     _exact(out, (B, H, N, D), "out", q.dtype)
     _exact(den, (B, H, N), "den", q.dtype)
@@ -679,6 +694,8 @@ def _given(call: Call, i: int) -> Tensor | None:
         return torch.ones(r.shape[0], 1, r.shape[2], dtype=torch.bool) if name == "key_valid" else None
     q = _arg(call, "q")
     B, H, Nq = q.shape[:3]
+    if name == "documents":  # one document a row
+        return torch.zeros(B, Nq, dtype=torch.long)
     N = _arg(call, "v").shape[2]
     if name == "key_valid":
         return torch.ones(B, 1, N, dtype=torch.bool)

@@ -267,7 +267,7 @@ def test_feature_sums_restart_at_every_boundary(kind: str, executor: str, causal
     """Performer and linear (elu, poly2) attention: every sum over the query's own document, in chunks of 8 that
     straddle the boundaries (the scan's restart, its recomputing backward, the non-causal states per document);
     against the quadratic form under 'the same document' (float64, forward and gradients), and isolated bit for
-    bit. The fused executor's scan kernels do not take documents: the PyTorch scan runs there."""
+    bit. The fused executor's scan kernels run each document as a sequence of its own (its chunks from its start)."""
     from routeformer.attention import linear_attention, performer_attention
     from routeformer.attention.kernels import feature_map
     from routeformer.attention.linear import LinearOptions
@@ -297,6 +297,30 @@ def test_feature_sums_restart_at_every_boundary(kind: str, executor: str, causal
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     _isolated(attend, documents, B, H, N, D)
+
+
+def test_the_fused_scan_with_documents_and_padding_equals_the_pytorch_scan() -> None:
+    """Padded keys with documents: the fused kernels' result (each document a sequence of its own) is the PyTorch
+    scan's (which restarts at every boundary), forward and gradients; and each packed document's output is the one
+    it gets alone, bit for bit."""
+    from routeformer.attention import linear_attention
+
+    q, k, v = rand_qkv(2, 2, 45, 4)
+    valid = torch.rand(2, 45, generator=torch.Generator().manual_seed(7)) > 0.3
+    inputs = Inputs.of(q, k, v, key_padding_mask=valid, documents=documents_from_lengths(LENGTHS))
+    fused, tiles = (linear_attention(inputs, None, executor, chunk=8) for executor in ("fused", "tiles"))
+    torch.testing.assert_close(fused, tiles, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(fused)
+    for a, b in zip(torch.autograd.grad(fused, [q, k, v], grad), torch.autograd.grad(tiles, [q, k, v], grad),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    start = 0
+    for length in LENGTHS[0]:
+        part = slice(start, start + length)
+        alone = linear_attention(Inputs.of(q[:1, :, part], k[:1, :, part], v[:1, :, part],
+                                           key_padding_mask=valid[:1, part]), None, "fused", chunk=8)
+        assert torch.equal(fused[:1, :, part], alone)
+        start += length
 
 
 @pytest.mark.parametrize("kernel", ["poly2", "elu"])

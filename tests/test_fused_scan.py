@@ -123,14 +123,18 @@ def test_errors_name_the_argument():
     q, k, v, w, valid = (x.detach() if isinstance(x, torch.Tensor) else x for x in _inputs(8))
     scan = torch.ops.routeformer_fused.feature_scan_forward
     with pytest.raises(RuntimeError, match=r"feature_scan_forward: chunk must be >= 1, got 0"):
-        scan(q, k, v, None, None, 0, 1.0)
+        scan(q, k, v, None, None, None, 0, 1.0)
     with pytest.raises(RuntimeError, match=r"feature_scan_forward: projection must be \(H, m, D\)"):
-        scan(q, k, v, None, w[:1], 4, 1.0)
+        scan(q, k, v, None, w[:1], None, 4, 1.0)
     with pytest.raises(RuntimeError, match=r"feature_scan_forward: scale must be positive"):
-        scan(q, k, v, None, w, 4, 0.0)
+        scan(q, k, v, None, w, None, 4, 0.0)
     with pytest.raises(RuntimeError, match=r"feature_scan_forward: k must be \(B, H, N, D\) like q"):
-        scan(q, k[:, :, :5], v, None, None, 4, 1.0)
+        scan(q, k[:, :, :5], v, None, None, None, 4, 1.0)
     with pytest.raises(RuntimeError, match=r"feature_scan_forward: v must be contiguous"):
-        scan(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), None, None, 4, 1.0)
+        scan(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), None, None, None, 4, 1.0)
     with pytest.raises(RuntimeError, match=r"feature_scan_forward: key_valid must be"):
-        scan(q, k, v, valid[:1], None, 4, 1.0)
+        scan(q, k, v, valid[:1], None, None, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"feature_scan_forward: documents must be \(B, N\)"):
+        scan(q, k, v, None, None, torch.zeros(1, 3, dtype=torch.long), 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"feature_scan_forward: documents must be"):
+        scan(q, k, v, None, None, torch.zeros(q.shape[0], q.shape[2]), 4, 1.0)

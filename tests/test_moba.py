@@ -108,7 +108,8 @@ def test_a_broken_selection_is_caught(path: str, monkeypatch) -> None:
     _selection_by(path, monkeypatch)
     check_kind("moba", seq_len=40, options={"moba": {"block": 5, "top_k": 2}}, rel_clip=8)
     if path == "fused":
-        _select_with(lambda q, k, block, top, bound: fused_select_blocks(-q, k, block, top, bound), monkeypatch)
+        _select_with(lambda q, k, block, top, bound, documents=None: fused_select_blocks(-q, k, block, top, bound,
+                                                                                        documents), monkeypatch)
     else:
         monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None: select_blocks(
             -scores, block, top, pos))
@@ -258,10 +259,12 @@ def test_the_fused_selection_names_what_is_wrong() -> None:
     ops = torch.ops.routeformer_fused
     q, k, _ = rand_qkv(1, 2, 16, 4, grad=False)
     with pytest.raises(RuntimeError, match=r"select_blocks: block must be >= 1, got 0"):
-        ops.select_blocks(q, k, 0, 1, True)
+        ops.select_blocks(q, k, 0, 1, True, None)
     with pytest.raises(RuntimeError, match=r"select_blocks: top must be >= 1, got -1"):
-        ops.select_blocks(q, k, 4, -1, True)
+        ops.select_blocks(q, k, 4, -1, True, None)
     with pytest.raises(RuntimeError, match=r"select_blocks: k must be \(B, H, N, D\) like q"):
-        ops.select_blocks(q, k[:, :, :8], 4, 1, True)
+        ops.select_blocks(q, k[:, :, :8], 4, 1, True, None)
     with pytest.raises(RuntimeError, match=r"select_blocks: k must be Double, got Float"):
-        ops.select_blocks(q, k.float(), 4, 1, True)
+        ops.select_blocks(q, k.float(), 4, 1, True, None)
+    with pytest.raises(RuntimeError, match=r"select_blocks: documents must be \(B, N\) = \(1, 16\)"):
+        ops.select_blocks(q, k, 4, 1, True, torch.zeros(1, 8, dtype=torch.long))

@@ -188,3 +188,4 @@ def feature_scan(q: Tensor, k: Tensor, v: Tensor, fmap: FeatureMap, chunk: int,
     stand in for: the mechanisms ask the executor first.
     """
     return _FeatureScan.apply(q, k, v, fmap, chunk, key_valid, documents)
+

@@ -201,8 +201,7 @@ def linear_attention(
     if causal and kernel == "elu":  # the scan keeps 4x q's bytes for the backward (feature_scan.py)
         fmap = EluFeatures()
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
-        # (no projection: elu's); packed documents take the PyTorch scan, which restarts at their boundaries
-        out = None if run is None or documents is not None else run(q, k, v, FeatureKernel(), chunk, key_valid)
+        out = None if run is None else run(q, k, v, FeatureKernel(), chunk, key_valid, documents)  # no projection
         if out is None:
             out = feature_scan(q, k, v, fmap, default_chunk(D) if chunk is None else chunk, key_valid, documents)
         return out.to(dtype)

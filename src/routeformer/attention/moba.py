@@ -102,23 +102,23 @@ class MobaHeads(BlockHeads):
             return (block_means(keys, self.block),)
         return block_bounds(keys, self.block)
 
-    def select(self, q: Tensor, k: Tensor, documents: BlockDocuments | None = None) -> Tensor:
+    def select(self, q: Tensor, k: Tensor, documents: Tensor | None = None) -> Tensor:
         """(B, h, N, top_k) long: every query's selected blocks, best first (``blocks.NONE`` for missing ones).
-        ``documents``: packed documents, a query choosing among its own document's blocks (the partial first one
-        summarised by its document's keys only) with PyTorch's operators."""
-        if documents is not None:
-            scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
-            tail = (block_tail_means(k, self.block, documents),) if self.score == "mean" else \
-                block_tail_bounds(k, self.block, documents)
-            scores = scores_within_documents(scores, q, tail, self.score, documents, self.block)
-            return select_blocks(scores, self.block, self.top_k,
-                                 allowed=documents.candidates(scores.shape[-1], self.block))
+        ``documents`` (B, N), numbered from 0 per row: packed documents, a query choosing among its own document's
+        blocks, the partial first one summarised by its document's keys only (``blocks.BlockDocuments``)."""
         select_run = self.executor.runner(q).select_run
-        chosen = None if select_run is None else select_run(q, k, self.block, self.top_k, self.score == "bound")
+        chosen = None if select_run is None else select_run(q, k, self.block, self.top_k, self.score == "bound",
+                                                            documents)
         if chosen is not None:  # the executor's kernel (the fused CPU one): no (B, h, N, N // block) scores
             return chosen
         scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
-        return select_blocks(scores, self.block, self.top_k)
+        if documents is None:
+            return select_blocks(scores, self.block, self.top_k)
+        blocks = BlockDocuments.of(documents, self.block)
+        tail = (block_tail_means(k, self.block, blocks),) if self.score == "mean" else \
+            block_tail_bounds(k, self.block, blocks)
+        scores = scores_within_documents(scores, q, tail, self.score, blocks, self.block)
+        return select_blocks(scores, self.block, self.top_k, allowed=blocks.candidates(scores.shape[-1], self.block))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None,
                 documents: Tensor | None = None) -> Tensor:
@@ -128,7 +128,7 @@ class MobaHeads(BlockHeads):
         check_rel(rel_pos, q)
         blocks = None if documents is None else BlockDocuments.of(documents, self.block)
         with torch.no_grad():  # the selection is discrete: the loss reaches it only through the attention
-            chosen = self.select(q, k, blocks)
+            chosen = self.select(q, k, documents)
         out, _ = selected_attention(inputs, chosen, self.block, self.executor, rel_pos, documents=blocks)
         return out
 

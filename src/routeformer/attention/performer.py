@@ -149,9 +149,7 @@ def performer_attention(
     if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
         projection = projection.to(q.dtype)
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
-        # (packed documents take the PyTorch scan, which restarts at their boundaries)
-        out = None if run is None or documents is not None else run(q, k, v, FeatureKernel(projection, s), chunk,
-                                                                    key_valid)
+        out = None if run is None else run(q, k, v, FeatureKernel(projection, s), chunk, key_valid, documents)
         if out is None:
             chunk = default_chunk(projection.shape[1]) if chunk is None else chunk
             out = feature_scan(q, k, v, PerformerFeatures(projection, s), chunk, key_valid, documents)

@@ -59,9 +59,10 @@ class Executor:
 
     Besides attention over a piece, the steps where a backend has kernels of its own: ``route_run(r, centroids,
     bias, key_padding_mask, probes, observe)`` the causal router's (``routes.Routed``, e.g.
-    ``fused.routes.fused_route``), ``select_run(q, k, block, top, bound)`` block selection's
-    (``fused.selection.fused_select_blocks``), ``scan_run(q, k, v, kernel, chunk, key_valid)`` causal attention
-    through a ``tiling.FeatureKernel``'s features, chunk None its own choice (``fused.scan.fused_feature_scan``),
+    ``fused.routes.fused_route``), ``select_run(q, k, block, top, bound, documents)`` block selection's
+    (``fused.selection.fused_select_blocks``), ``scan_run(q, k, v, kernel, chunk, key_valid, documents)`` causal
+    attention through a ``tiling.FeatureKernel``'s features, chunk None its own choice, each packed document a
+    sequence of its own (``fused.scan.fused_feature_scan``),
     ``probes_run(key_clusters, probes, window, exclude_self, own_when_alone)`` multi-probe routing's key ranges
     (lo, hi) (``fused.probes.fused_probe_ranges``), ``vectors_run(x, projection)`` the router's unit routing vectors
     x / ||x|| · W_R with their gradient (``fused.vectors.fused_routing_vectors``);

@@ -33,6 +33,7 @@ from .sorted_window import ClusterOrder
 # sequences up to this length run as one dense masked tile per head on executors without their own ranges (faster
 # there; see README)
 DENSE_UP_TO = 256
+LABELS_COUNTED = 1 << 24  # the fused pass's bound on labels (its per-thread tables)
 
 
 def probe_ranges(key_clusters: Tensor, probes: Tensor, window: int, sort: ClusterOrder,
@@ -70,7 +71,8 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     packed ``inputs.documents`` by (document, cluster, position), the probes then looking into the query's own
     document's clusters only.
     """
-    if inputs.documents is not None:  # packed documents: the label is (document, cluster), so that every probe's
+    labelled = inputs.documents is not None
+    if labelled:  # packed documents: the label is (document, cluster), so that every probe's
         # range lies in the query's own document (``sort`` must be by these labels: the layer's ``_sort``)
         label = inputs.documents[:, None, :] * options.num_clusters  # (B, 1, N)
         key_clusters, probes = key_clusters + label, probes + label[..., None]
@@ -82,8 +84,9 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     if N <= DENSE_UP_TO and not runner.native_ranges:
         return _dense(inputs, key_clusters, probes, options, executor=executor, rel_pos=rel_pos, gates=gates)
     own_when_alone = exclude_self and key_valid is None  # shared QK: a query that sees no other key sees its own
-    ranges = None if runner.probes_run is None else runner.probes_run(key_clusters, probes, window, exclude_self,
-                                                                      own_when_alone)
+    # the fused counting pass indexes tables by label, below 2^24: (document, cluster) labels reach N · k at most
+    counted = runner.probes_run is not None and (not labelled or N * options.num_clusters < LABELS_COUNTED)
+    ranges = None if not counted else runner.probes_run(key_clusters, probes, window, exclude_self, own_when_alone)
     if ranges is None:  # the definition: a search of the sorted keys
         lo, hi = probe_ranges(key_clusters, probes, window, sort, exclude_self)
         ranges = lo, (_own_key_when_alone(lo, hi, key_clusters, probes) if own_when_alone else hi)

@@ -17,11 +17,13 @@ BLOCK_N = 64  # queries per program
 BLOCK_K = 32  # blocks scored at once
 
 
-def flex_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool) -> Tensor | None:
+def flex_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool,
+                       documents: Tensor | None = None) -> Tensor | None:
     """Every query's ``top`` best complete blocks before its own, best first, -1 where it has fewer: q, k
     (B, H, N, D) -> (B, H, N, top) long, scored in float32 by the bound (``bound``) or q · the mean key
-    (``Executor.select_run``). On CUDA (and ``meta``, shapes only); else None (the caller's PyTorch operators)."""
-    if q.device.type not in ("cuda", "meta"):
+    (``Executor.select_run``). On CUDA (and ``meta``, shapes only) without packed ``documents``; else None (the
+    caller's PyTorch operators, which take documents)."""
+    if q.device.type not in ("cuda", "meta") or documents is not None:
         return None
     B, H, N, D = k.shape
     nb = N // block

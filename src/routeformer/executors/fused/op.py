@@ -133,7 +133,7 @@ def _register() -> None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(lib + "select_blocks")
-    def _(q, k, block, top, bound):
+    def _(q, k, block, top, bound, documents):
         B, H, N, _ = q.shape
         return q.new_empty(B, H, N, min(top, N // block), dtype=torch.long)
 
@@ -147,11 +147,11 @@ def _register() -> None:
         return probes.new_empty(B, H, N * p), probes.new_empty(B, H, N * p)
 
     @torch.library.register_fake(lib + "feature_scan_forward")
-    def _(q, k, v, key_valid, projection, chunk, scale):
+    def _(q, k, v, key_valid, projection, documents, chunk, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3])
 
     @torch.library.register_fake(lib + "feature_scan_backward")
-    def _(grad_out, q, k, v, out, den, key_valid, projection, chunk, scale):
+    def _(grad_out, q, k, v, out, den, key_valid, projection, documents, chunk, scale):
         return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
     @torch.library.register_fake(lib + "route_vectors")
@@ -266,23 +266,23 @@ class RoundsFunction(torch.autograd.Function):
 
 
 class FeatureScanFunction(torch.autograd.Function):
-    """Causal attention through features (``fused.scan``): (q, k, v, key_valid, projection, chunk, scale) -> out;
-    the backward recomputes the features from q, k, v, the output and the denominators."""
+    """Causal attention through features (``fused.scan``): (q, k, v, key_valid, projection, documents, chunk,
+    scale) -> out; the backward recomputes the features from q, k, v, the output and the denominators."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, projection, chunk, scale):  # type: ignore[override]
-        out, den = ops().feature_scan_forward(q, k, v, key_valid, projection, chunk, scale)
+    def forward(ctx, q, k, v, key_valid, projection, documents, chunk, scale):  # type: ignore[override]
+        out, den = ops().feature_scan_forward(q, k, v, key_valid, projection, documents, chunk, scale)
         ctx.chunk, ctx.scale = chunk, scale
-        ctx.save_for_backward(q, k, v, out, den, key_valid, projection)
+        ctx.save_for_backward(q, k, v, out, den, key_valid, projection, documents)
         return out
 
     @staticmethod
     @once_differentiable("feature scan")
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, den, key_valid, projection = ctx.saved_tensors
+        q, k, v, out, den, key_valid, projection, documents = ctx.saved_tensors
         dq, dk, dv = ops().feature_scan_backward(grad_out.contiguous(), q, k, v, out, den, key_valid, projection,
-                                                 ctx.chunk, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+                                                 documents, ctx.chunk, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class RouteVectorsFunction(torch.autograd.Function):

@@ -5,6 +5,7 @@ definition): the same sums, added in another order."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..tiling import FeatureKernel
@@ -23,10 +24,12 @@ def scan_chunk(features: int) -> int:
 
 
 def fused_feature_scan(q: Tensor, k: Tensor, v: Tensor, kernel: FeatureKernel, chunk: int | None,
-                       key_valid: Tensor | None) -> Tensor | None:
+                       key_valid: Tensor | None, documents: Tensor | None = None) -> Tensor | None:
     """o_i = Σ_{j<=i} φ(q_i)·φ(k_j) v_j / Σ_{j<=i} φ(q_i)·φ(k_j) (a row without a key: 0) in chunks of ``chunk``
     rows (None: ``scan_chunk``), φ the features of ``kernel``: q, k, v (B, H, N, D) -> (B, H, N, D); key_valid
-    (B, 1, N) bool or None. O(N·(c + F)·D) time forward and backward, O(c·(c + F) + (N/c)·F·D) scratch per thread;
+    (B, 1, N) bool or None; documents (B, N) ids that never decrease along a row, or None: each document a sequence
+    of its own (its chunks from its first row, its sums those it has alone, bit for bit). O(N·(c + F)·D) time
+    forward and backward, O(c·(c + F) + (N/c)·F·D) scratch per thread;
     autograd keeps q, k, v, the output and the (B, H, N) denominators. ``None`` where the kernels do not take q (or
     the projection asks for a gradient: the caller's autograd path gives it one)."""
     projection = kernel.projection
@@ -38,5 +41,6 @@ def fused_feature_scan(q: Tensor, k: Tensor, v: Tensor, kernel: FeatureKernel, c
     chunk = scan_chunk(features) if chunk is None else chunk
     projection = None if projection is None else projection.to(q.dtype).contiguous()
     valid = None if key_valid is None else key_valid.to(q.device).contiguous()
-    return op.FeatureScanFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), valid, projection, chunk,
+    ids = None if documents is None else documents.to(q.device, torch.long).contiguous()
+    return op.FeatureScanFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), valid, projection, ids, chunk,
                                         float(kernel.scale))

@@ -11,13 +11,17 @@ from . import op
 from .executor import takes
 
 
-def fused_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool) -> Tensor | None:
+def fused_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool,
+                        documents: Tensor | None = None) -> Tensor | None:
     """Every query's ``top`` best complete blocks before its own block, best first, -1 where it has fewer: q, k
     (B, H, N, D) -> (B, H, N, top) long, the blocks scored by the bound (``bound``) or q · the mean key. O(N · N /
-    block · D / 2) per head, no (N, N / block) tensor. ``None`` where the kernels do not take q."""
+    block · D / 2) per head, no (N, N / block) tensor. ``documents`` (B, N) ids that never decrease along a row: a
+    query chooses among its document's blocks, the partial first one summarised from its document's keys
+    (``blocks.BlockDocuments``). ``None`` where the kernels do not take q."""
     if not takes(q) or k.dtype != q.dtype or k.device != q.device:
         return None
+    ids = None if documents is None else documents.to(q.device, torch.long).contiguous()
     with torch.no_grad():
-        chosen = op.ops().select_blocks(q, k, block, top, bound)  # (B, H, N, min(top, N // block))
+        chosen = op.ops().select_blocks(q, k, block, top, bound, ids)  # (B, H, N, min(top, N // block))
     missing = top - chosen.shape[-1]
     return chosen if missing == 0 else torch.cat([chosen, chosen.new_full((*chosen.shape[:3], missing), -1)], -1)

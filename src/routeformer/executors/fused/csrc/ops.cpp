@@ -54,7 +54,7 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   m.def("sigmoid_gelu(Tensor x) -> Tensor");
   m.def("sigmoid_gelu_backward(Tensor grad, Tensor x) -> Tensor");
-  m.def("select_blocks(Tensor q, Tensor k, int block, int top, bool bound) -> Tensor");
+  m.def("select_blocks(Tensor q, Tensor k, int block, int top, bool bound, Tensor? documents) -> Tensor");
   m.def(
       "route(Tensor r, Tensor centroids, Tensor? bias, Tensor? key_valid, int probes, bool observe) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -62,11 +62,12 @@ TORCH_LIBRARY(routeformer_fused, m) {
       "probe_ranges(Tensor key_clusters, Tensor probes, int window, bool exclude_self, bool own_when_alone) -> "
       "(Tensor, Tensor)");
   m.def(
-      "feature_scan_forward(Tensor q, Tensor k, Tensor v, Tensor? key_valid, Tensor? projection, int chunk, "
-      "float scale) -> (Tensor, Tensor)");
+      "feature_scan_forward(Tensor q, Tensor k, Tensor v, Tensor? key_valid, Tensor? projection, "
+      "Tensor? documents, int chunk, float scale) -> (Tensor, Tensor)");
   m.def(
       "feature_scan_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
-      "Tensor? key_valid, Tensor? projection, int chunk, float scale) -> (Tensor, Tensor, Tensor)");
+      "Tensor? key_valid, Tensor? projection, Tensor? documents, int chunk, float scale) -> (Tensor, Tensor, "
+      "Tensor)");
   m.def("route_vectors(Tensor x, Tensor projection, float eps) -> (Tensor, Tensor)");
   m.def("route_vectors_backward(Tensor grad_r, Tensor x, Tensor norm, Tensor projection, float eps) -> Tensor");
   m.def("has_blas() -> bool", &routeformer::fused_has_blas);

@@ -64,7 +64,8 @@ std::vector<std::string> fused_geometry_fields(c10::string_view which);
 at::Tensor fused_sigmoid_gelu(const at::Tensor& x);
 at::Tensor fused_sigmoid_gelu_backward(const at::Tensor& grad, const at::Tensor& x);
 
-at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound);
+at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound,
+                               const std::optional<at::Tensor>& documents);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_route(
     const at::Tensor& r, const at::Tensor& centroids, const std::optional<at::Tensor>& bias,
@@ -77,12 +78,13 @@ std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& 
                                                               const at::Tensor& v,
                                                               const std::optional<at::Tensor>& key_valid,
                                                               const std::optional<at::Tensor>& projection,
+                                                              const std::optional<at::Tensor>& documents,
                                                               int64_t chunk, double scale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_feature_scan_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& den, const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& projection,
-    int64_t chunk, double scale);
+    const std::optional<at::Tensor>& documents, int64_t chunk, double scale);
 
 std::tuple<at::Tensor, at::Tensor> fused_route_vectors(const at::Tensor& x, const at::Tensor& projection,
                                                        double eps);

@@ -13,7 +13,9 @@
 // (attention/performer.py): a query's exp(√s w·x + |w|²/2 - max_r(.) - ln(m)/2), a key's
 // exp(√s w·x - |w|²/2 - s|x|²/2 - ln(m)/2). The projection gets no gradient.
 //
-// Each (batch, head) is one task, its chunks in order on one thread: the same bits for every thread count.
+// Each (batch, head) is one task, its chunks in order on one thread: the same bits for every thread count. With
+// packed documents ((B, N) ids that never decrease along a row) each document is a sequence of its own: its chunks
+// start at its first row, the state at zero, so that its sums are those it has alone, bit for bit.
 #include "checks.h"
 #include "common.h"
 #include "ops.h"
@@ -183,6 +185,34 @@ at::Tensor half_norms(const std::optional<at::Tensor>& projection, const at::Ten
   return projection->square().sum(-1).mul_(0.5).contiguous();
 }
 
+// fn(r0, sub) for every document of the row of (batch, head) bh: its first row r0 and its sizes (N its length,
+// the chunk at most that); one call over the whole row without documents
+template <typename Fn>
+void each_document(const std::optional<at::Tensor>& documents, const Sizes& s, int64_t bh, const Fn& fn) {
+  if (!documents.has_value()) {
+    fn(int64_t(0), s);
+    return;
+  }
+  const int64_t* ids = documents->data_ptr<int64_t>() + (bh / s.H) * s.N;
+  for (int64_t r0 = 0; r0 < s.N;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < s.N && ids[r1] == ids[r0]) r1++;
+    Sizes sub = s;
+    sub.N = r1 - r0;
+    sub.chunk = std::min(s.chunk, sub.N);
+    fn(r0, sub);
+    r0 = r1;
+  }
+}
+
+void check_documents(const char* op, const std::optional<at::Tensor>& documents, const Sizes& s) {
+  if (!documents.has_value()) return;
+  checks::dtype(op, *documents, "documents", at::kLong);
+  RF_CHECK(documents->dim() == 2 && documents->size(0) == s.B && documents->size(1) == s.N, op,
+           "documents must be (B, N) = (", s.B, ", ", s.N, "), got ", checks::dims(documents->sizes()));
+  checks::contiguous(op, *documents, "documents");
+}
+
 const bool* valid_rows(const std::optional<at::Tensor>& key_valid, const Sizes& s, int64_t bh) {
   if (!key_valid.has_value()) return nullptr;
   const int64_t b = bh / s.H, h = bh % s.H;
@@ -309,9 +339,11 @@ std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& 
                                                               const at::Tensor& v,
                                                               const std::optional<at::Tensor>& key_valid,
                                                               const std::optional<at::Tensor>& projection,
+                                                              const std::optional<at::Tensor>& documents,
                                                               int64_t chunk, double scale) {
   const char* op = "feature_scan_forward";
   const Sizes s = check(op, q, k, v, key_valid, projection, chunk, scale);
+  check_documents(op, documents, s);
   auto out = at::empty_like(q);
   auto den = at::empty({s.B, s.H, s.N}, q.options());
   const auto half = half_norms(projection, q);
@@ -319,9 +351,13 @@ std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& 
     const int64_t rows = s.N * s.D;
     each_head<scalar_t>(s.B * s.H, [&](int64_t bh, std::vector<scalar_t>& scratch) {
       const auto fm = features_of<scalar_t>(projection, half, bh % s.H, s, scale);
-      forward_head(q.data_ptr<scalar_t>() + bh * rows, k.data_ptr<scalar_t>() + bh * rows,
-                   v.data_ptr<scalar_t>() + bh * rows, valid_rows(key_valid, s, bh), fm, s,
-                   out.data_ptr<scalar_t>() + bh * rows, den.data_ptr<scalar_t>() + bh * s.N, scratch);
+      const bool* valid = valid_rows(key_valid, s, bh);
+      each_document(documents, s, bh, [&](int64_t r0, const Sizes& sub) {
+        const int64_t at = bh * rows + r0 * s.D;
+        forward_head(q.data_ptr<scalar_t>() + at, k.data_ptr<scalar_t>() + at, v.data_ptr<scalar_t>() + at,
+                     valid == nullptr ? nullptr : valid + r0, fm, sub, out.data_ptr<scalar_t>() + at,
+                     den.data_ptr<scalar_t>() + bh * s.N + r0, scratch);
+      });
     });
   });
   return {out, den};
@@ -330,9 +366,10 @@ std::tuple<at::Tensor, at::Tensor> fused_feature_scan_forward(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_feature_scan_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& den, const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& projection,
-    int64_t chunk, double scale) {
+    const std::optional<at::Tensor>& documents, int64_t chunk, double scale) {
   const char* op = "feature_scan_backward";
   const Sizes s = check(op, q, k, v, key_valid, projection, chunk, scale);
+  check_documents(op, documents, s);
   checks::flat(op, grad_out, "grad_out", q.scalar_type(), "(B, H, N, D) like q", {s.B, s.H, s.N, s.D});
   checks::flat(op, out, "out", q.scalar_type(), "(B, H, N, D) like q", {s.B, s.H, s.N, s.D});
   checks::flat(op, den, "den", q.scalar_type(), "(B, H, N)", {s.B, s.H, s.N});
@@ -342,12 +379,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_feature_scan_backward(
     const int64_t rows = s.N * s.D;
     each_head<scalar_t>(s.B * s.H, [&](int64_t bh, std::vector<scalar_t>& scratch) {
       const auto fm = features_of<scalar_t>(projection, half, bh % s.H, s, scale);
-      const int64_t at_rows = bh * rows;
-      backward_head(grad_out.data_ptr<scalar_t>() + at_rows, q.data_ptr<scalar_t>() + at_rows,
-                    k.data_ptr<scalar_t>() + at_rows, v.data_ptr<scalar_t>() + at_rows,
-                    out.data_ptr<scalar_t>() + at_rows, den.data_ptr<scalar_t>() + bh * s.N,
-                    valid_rows(key_valid, s, bh), fm, s, dq.data_ptr<scalar_t>() + at_rows,
-                    dk.data_ptr<scalar_t>() + at_rows, dv.data_ptr<scalar_t>() + at_rows, scratch);
+      const bool* valid = valid_rows(key_valid, s, bh);
+      each_document(documents, s, bh, [&](int64_t r0, const Sizes& sub) {
+        const int64_t at = bh * rows + r0 * s.D;
+        backward_head(grad_out.data_ptr<scalar_t>() + at, q.data_ptr<scalar_t>() + at, k.data_ptr<scalar_t>() + at,
+                      v.data_ptr<scalar_t>() + at, out.data_ptr<scalar_t>() + at,
+                      den.data_ptr<scalar_t>() + bh * s.N + r0, valid == nullptr ? nullptr : valid + r0, fm, sub,
+                      dq.data_ptr<scalar_t>() + at, dk.data_ptr<scalar_t>() + at, dv.data_ptr<scalar_t>() + at,
+                      scratch);
+      });
     });
   });
   return {dq, dk, dv};

@@ -7,6 +7,10 @@
 // Forward only: the selection is discrete (the loss reaches it through the attention only), so there is no
 // backward. Each query's picks depend on its own row and the block summaries alone, so the result is the same for
 // every thread count.
+//
+// Packed documents ((B, N) ids that never decrease along a row): a query's candidates are the blocks from the one
+// holding its document's start on, and that block, when it begins in another document, is scored by the summary of
+// its document's keys only (computed once per document, attention/blocks.py's BlockDocuments).
 #include "checks.h"
 #include "common.h"
 #include "ops.h"
@@ -124,9 +128,30 @@ void pick(const T* s, int64_t n, int64_t t, T* best, int64_t* o) {
   }
 }
 
+// The summary of one partial block's rows [from, to) of k (rows ``k_stride`` apart): the least value and the width
+// (bound) or the mean (mean) per channel, into lo and hi (D each).
+template <typename T>
+void summarise_rows(const T* k, int64_t k_stride, int64_t from, int64_t to, int64_t D, bool bound, T* lo, T* hi) {
+  for (int64_t d = 0; d < D; d++) {
+    T a = k[from * k_stride + d], b = a;
+    for (int64_t r = from + 1; r < to; r++) {
+      const T x = k[r * k_stride + d];
+      if (bound) {
+        a = std::min(a, x);
+        b = std::max(b, x);
+      } else {
+        a += x;
+      }
+    }
+    lo[d] = bound ? a : a / T(to - from);
+    hi[d] = bound ? b - a : T(0);
+  }
+}
+
 }  // namespace
 
-at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound) {
+at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t block, int64_t top, bool bound,
+                               const std::optional<at::Tensor>& documents) {
   const char* op = "select_blocks";
   checks::floating(op, q, "q");
   checks::rows(op, q, "q", q.scalar_type());
@@ -136,6 +161,28 @@ at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t
   checks::at_least(op, block, 1, "block");
   checks::at_least(op, top, 1, "top");
   const int64_t nb = N / block;
+  // each position's document's first position (packed documents), else none; and the partial first blocks to
+  // summarise: tail[b * N + p] numbers the starts p of row b that begin inside a complete block (-1 elsewhere)
+  std::vector<int64_t> starts, tail;
+  int64_t tails = 0;  // the most such starts in a row
+  if (documents.has_value()) {
+    checks::dtype(op, *documents, "documents", at::kLong);
+    RF_CHECK(documents->dim() == 2 && documents->size(0) == B && documents->size(1) == N, op,
+             "documents must be (B, N) = (", B, ", ", N, "), got ", checks::dims(documents->sizes()));
+    checks::contiguous(op, *documents, "documents");
+    const int64_t* ids = documents->data_ptr<int64_t>();
+    starts.resize(B * N);
+    tail.assign(B * N, -1);
+    for (int64_t b = 0; b < B; b++) {
+      int64_t count = 0;
+      for (int64_t i = 0; i < N; i++) {
+        const bool begins = i == 0 || ids[b * N + i] != ids[b * N + i - 1];
+        starts[b * N + i] = begins ? i : starts[b * N + i - 1];
+        if (begins && i % block != 0 && i / block < nb) tail[b * N + i] = count++;
+      }
+      tails = std::max(tails, count);
+    }
+  }
   // min(top, nb) picks: more than there are blocks would be NONE everywhere (the caller pads to top)
   const int64_t t = std::min(top, nb);
   auto chosen = at::full({B, H, N, t}, kNone, q.options().dtype(at::kLong));
@@ -147,6 +194,8 @@ at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t
     constexpr int64_t lanes = at::vec::Vectorized<float>::size();
     const int64_t stride = (nb + lanes - 1) / lanes * lanes;
     std::vector<T> lo(B * H * D * stride, T(0)), hi(bound ? B * H * D * stride : 0, T(0));
+    // with documents, the partial first blocks' summaries (lo, width): (B, H, tails, D) each
+    std::vector<T> tail_lo(B * H * tails * D), tail_hi(tail_lo.size());
     const T* kbase = k.data_ptr<T>();
     const T* qbase = q.data_ptr<T>();
     at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
@@ -156,6 +205,14 @@ at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t
         T* l = lo.data() + x * D * stride;
         summarise(kp, k.stride(2), block, nb, D, bound, l, bound ? hi.data() + x * D * stride : l, stride, first.data(),
                   second.data());
+        if (starts.empty()) continue;
+        const int64_t* slot = tail.data() + (x / H) * N;
+        for (int64_t p = 0; p < N; p++) {
+          if (slot[p] < 0) continue;  // not a start inside a complete block
+          const int64_t at = (x * tails + slot[p]) * D;
+          summarise_rows(kp, k.stride(2), p, (p / block + 1) * block, D, bound, tail_lo.data() + at,
+                         tail_hi.data() + at);
+        }
       }
     });
     int64_t* out = chosen.data_ptr<int64_t>();
@@ -173,14 +230,30 @@ at::Tensor fused_select_blocks(const at::Tensor& q, const at::Tensor& k, int64_t
         const int64_t end = own == nb ? N : (own + 1) * block;
         constexpr int R = 4;  // queries scored together: each summary vector loaded once for four
         int64_t i = own * block;
+        // packed documents: the blocks before the document's are no candidates, its partial first block is scored
+        // by its own keys
+        auto within = [&](int64_t i, T* row) {
+          if (starts.empty()) return;
+          const int64_t p = starts[(x / H) * N + i], first_block = p / block;
+          for (int64_t j = 0; j < std::min(first_block, candidates); j++) row[j] = -std::numeric_limits<T>::infinity();
+          if (p % block == 0 || first_block >= candidates) return;
+          const int64_t at = (x * tails + tail[(x / H) * N + p]) * D;
+          const T *tl = tail_lo.data() + at, *tw = tail_hi.data() + at;
+          const T* qi = qp + i * q.stride(2);
+          T total = 0;
+          for (int64_t d = 0; d < D; d++) total += qi[d] * tl[d] + (bound ? std::max(qi[d], T(0)) * tw[d] : T(0));
+          row[first_block] = total;
+        };
         for (; i + R <= end; i += R) {
           scores<T, R>(qp + i * q.stride(2), q.stride(2), l, w, stride, candidates, D, s.data());
           for (int r = 0; r < R; r++) {
+            within(i + r, s.data() + r * stride);
             pick(s.data() + r * stride, candidates, t, best.data(), out + (x * N + i + r) * t);
           }
         }
         for (; i < end; i++) {
           scores<T, 1>(qp + i * q.stride(2), q.stride(2), l, w, stride, candidates, D, s.data());
+          within(i, s.data());
           pick(s.data(), candidates, t, best.data(), out + (x * N + i) * t);
         }
       }
