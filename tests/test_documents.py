@@ -240,7 +240,7 @@ def test_lsh_hashes_each_document_into_buckets_of_its_own(executor: str, causal:
 
     q, _, v = rand_qkv(B, H, N, D)
     out = attend(q, q, v)
-    mask = lsh_mask(q.detach(), buckets=4, rounds=2, window=3, causal=causal, seed=3, documents=documents)
+    mask = lsh_mask(q.detach(), buckets=4, rounds=2, window=3, causal=causal, rotations=3, documents=documents)
     assert not (mask & ~same_document(documents)).any()
     ref = reference_attention(Inputs.of(q, torch.nn.functional.normalize(q, dim=-1), v), mask)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -257,7 +257,8 @@ def _feature_definition(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tenso
     N = v.shape[2]
     allow = same_document(documents) & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
     weights = (phi_q @ phi_k.transpose(-1, -2)) * allow
-    return (weights @ v) / weights.sum(-1, keepdim=True)
+    total = weights.sum(-1, keepdim=True)
+    return (weights @ v) / torch.where(total > 0, total, 1.0)  # a row that sees no key (all padded): zeros
 
 
 @pytest.mark.parametrize("kind", ["performer", "elu", "poly2"])
@@ -297,6 +298,37 @@ def test_feature_sums_restart_at_every_boundary(kind: str, executor: str, causal
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     _isolated(attend, documents, B, H, N, D)
+
+
+@pytest.mark.parametrize("kind", ["performer", "elu", "poly2"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_feature_sums_with_documents_leave_padded_keys_out(kind: str, causal: bool) -> None:
+    """Padded keys with documents (poly2's exact within-chunk weights too): against the quadratic form under 'the
+    same document' and the keys' validity, forward and gradients."""
+    from routeformer.attention import linear_attention, performer_attention
+    from routeformer.attention.kernels import feature_map
+    from routeformer.attention.linear import LinearOptions
+    from routeformer.attention.performer import orthogonal_features, performer_features
+
+    B, H, N, D = 2, 2, 45, 4
+    documents = documents_from_lengths(LENGTHS)
+    valid = torch.rand(B, N, generator=torch.Generator().manual_seed(8)) > 0.3
+    projection = orthogonal_features(H, 6, D, generator=torch.Generator().manual_seed(2)).double()
+    q, k, v = rand_qkv(B, H, N, D)
+    inputs = Inputs.of(q, k, v, key_padding_mask=valid, documents=documents)
+    if kind == "performer":
+        out = performer_attention(inputs, None, "tiles", causal=causal, projection=projection, chunk=8)
+        phi_q, phi_k = (performer_features(x, projection, D ** -0.5, query=t) for x, t in ((q, True), (k, False)))
+    else:
+        out = linear_attention(inputs, LinearOptions(kernel=kind), "tiles", causal=causal, chunk=8)
+        scale = D ** -0.5 if kind == "poly2" else None
+        phi_q, phi_k = feature_map(kind, q, scale), feature_map(kind, k, scale)
+    ref = _feature_definition(phi_q, phi_k * valid[:, None, :, None], v, causal, documents)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, k, v], grad), torch.autograd.grad(ref, [q, k, v], grad),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_the_fused_scan_with_documents_and_padding_equals_the_pytorch_scan() -> None:
@@ -544,10 +576,11 @@ def test_decoding_across_documents_gives_the_forwards_logits(attention, options,
     """A prompt of several documents, then one token at a time with each row's ids: a row begins a new document
     mid-decoding (row 0 at 28) while the other goes on, every cache (rings, key stores, the linear sums, the
     blocks' summaries, the token shift, the absolute positions) reading nothing before its document: the logits
-    are the forward's over the whole packed rows. ``prompt`` 1 decodes the boundaries at 7 and 8 (a one-token
-    document) step by step too."""
+    are the forward's over the whole packed rows. ``prompt`` 1 decodes the boundaries at 6 and 7 (a one-token
+    document) step by step too; the documents at 7 and 28 begin inside a block of MoBA's and NSA's (block 4), whose
+    later queries select that partial block."""
     model = _model(attention, options, positions)
-    documents = documents_from_lengths([[7, 1, 20, 20], [48]])
+    documents = documents_from_lengths([[6, 1, 21, 20], [48]])
     tokens = torch.randint(0, 32, (2, 48), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         whole = model(tokens, documents=documents)
@@ -570,6 +603,26 @@ def test_a_cache_continues_each_rows_last_document_and_refuses_ids_that_go_back(
     with pytest.raises(ValueError, match="never decrease along a row, the cached positions included: row 0 goes "
                                          "from 1 to 0 at position 20"):
         model(tokens[:, :1], cache, documents=torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_a_cache_refuses_a_kind_that_cannot_honour_documents_only_past_a_boundary() -> None:
+    """One document a row decodes as without documents, whatever the heads; a boundary names the kind."""
+    import dataclasses
+
+    from routeformer.attention.registry import get_kind, register_kind, unregister_kind
+    register_kind(dataclasses.replace(get_kind("local"), name="undocumented", documents=False))
+    try:
+        model = _model("local:2,undocumented:2", {"local": {"window": 6}, "undocumented": {"window": 6}}, "absolute")
+        tokens = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            cache = model.new_cache(2, 10)
+            one = model(tokens[:, :8], cache, documents=torch.zeros(2, 8, dtype=torch.long))
+            later = model(tokens[:, 8:9], cache)  # the ids go on: still one document a row
+            torch.testing.assert_close(torch.cat([one, later], 1), model(tokens[:, :9]), rtol=1e-9, atol=1e-9)
+            with pytest.raises(ValueError, match="undocumented heads .* do not honour packed documents yet"):
+                model(tokens[:, 9:], cache, documents=torch.tensor([[0], [1]]))
+    finally:
+        unregister_kind("undocumented")
 
 
 @pytest.mark.parametrize("attention, options, positions", [MODEL_KINDS[0], ("lsh:2,linear:2", {"lsh": {

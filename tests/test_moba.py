@@ -111,8 +111,8 @@ def test_a_broken_selection_is_caught(path: str, monkeypatch) -> None:
         _select_with(lambda q, k, block, top, bound, documents=None: fused_select_blocks(-q, k, block, top, bound,
                                                                                         documents), monkeypatch)
     else:
-        monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None: select_blocks(
-            -scores, block, top, pos))
+        monkeypatch.setattr(moba, "select_blocks", lambda scores, block, top, pos=None, **kw: select_blocks(
+            -scores, block, top, pos, **kw))
     monkeypatch.setattr(MobaHeads, "reference_mask", lambda self, q, k: selected_mask(
         select_blocks(torch.einsum("bhnd,bhmd->bhnm", q, block_means(k, self.block)), self.block, self.top_k),
         self.block))

@@ -704,7 +704,11 @@ def test_pack_boundaries_trains_and_scores_each_file_apart(setup, monkeypatch, c
         new_letter = tokens[:, 1:] != tokens[:, :-1]
         assert torch.equal(documents.diff(dim=1), new_letter.long())  # a new document exactly at a new file
     assert main(["evaluate", str(run), "--data-dir", str(data)]) == 0  # as the run trained: documents apart
-    assert "each document from its own start" in capsys.readouterr().out
+    apart = capsys.readouterr().out
+    assert "each document from its own start" in apart
+    assert main(["evaluate", str(run), "--data-dir", str(data), "--pack", "none"]) == 0  # the split as one text
+    whole = capsys.readouterr().out
+    assert "each document" not in whole and "context: non-overlapping windows of" in whole
 
 
 def test_pack_refuses_data_without_starts_heads_that_cannot_honour_them_and_unknown_values(setup, capsys) -> None:

@@ -63,12 +63,14 @@ class DocumentSpans(NamedTuple):
     (what a prompt's forward takes); since: (B, n) long, the first position of each one's document (the row's
     earlier positions before it are not seen); new: (B, n) bool, whether the position begins a document (its
     token shift reads nothing before it); last: (B,) the ids of the rows' last positions, as given (the next
-    forward continues them)."""
+    forward continues them); crosses: whether any of these positions lies past a boundary (a document that began
+    after the row's first position): where none does, the positions decode as one document a row."""
 
     numbered: Tensor | None
     since: Tensor
     new: Tensor
     last: Tensor
+    crosses: bool
 
 
 def continue_documents(documents: Tensor, batch: int, n: int, device: torch.device, start: int,
@@ -80,16 +82,18 @@ def continue_documents(documents: Tensor, batch: int, n: int, device: torch.devi
     documents = _check_form(documents, batch, n, device).long()
     previous = documents[:, :1] if before is None else before.last[:, None].to(documents.device)
     step = torch.diff(documents, dim=-1, prepend=previous)  # (B, n): from the position before each
-    if bool((step < 0).any()):
-        b, i = (step < 0).nonzero()[0].tolist()
-        was = int(previous[b, 0]) if i == 0 else int(documents[b, i - 1])
-        raise ValueError(f"documents must never decrease along a row, the cached positions included: row {b} goes "
-                         f"from {was} to {int(documents[b, i])} at position {start + i}")
     new = step != 0
     first = torch.zeros(batch, dtype=torch.long, device=device) if before is None else before.since[:, -1]
     positions = torch.arange(start, start + n, device=device)
     since = torch.where(new, positions, first[:, None]).cummax(-1).values  # (B, n): starts only move on
-    return DocumentSpans(check_documents(documents, batch, n, device), since, new, documents[:, -1])
+    decreasing, crosses = torch.stack([(step < 0).any(), (since > 0).any()]).tolist()
+    if decreasing:
+        b, i = (step < 0).nonzero()[0].tolist()
+        was = int(previous[b, 0]) if i == 0 else int(documents[b, i - 1])
+        raise ValueError(f"documents must never decrease along a row, the cached positions included: row {b} goes "
+                         f"from {was} to {int(documents[b, i])} at position {start + i}")
+    numbered = check_documents(documents, batch, n, device) if crosses else None
+    return DocumentSpans(numbered, since, new, documents[:, -1], crosses)
 
 
 def documents_from_lengths(lengths: Sequence[Sequence[int]]) -> Tensor:

@@ -18,6 +18,16 @@ class Cached(NamedTuple):
     positions: Tensor
 
 
+def seen(positions: Tensor, since: Tensor | None, allowed: Tensor | None = None) -> Tensor | None:
+    """What a decoded query may see of cached keys at ``positions`` (M,) or (B, H, M): ``allowed`` (broadcast to
+    (B, H, M), or None for all) and, with packed documents' ``since`` (B,), each row's document's first position,
+    only the keys from there on: (B, 1 or H, M), or ``allowed`` as it is without ``since``."""
+    if since is None:
+        return allowed
+    mine = positions >= since[:, None, None]  # (B, 1, M) or (B, H, M)
+    return mine if allowed is None else allowed & mine
+
+
 def attend_cached(
     q: Tensor,
     cached: Cached,

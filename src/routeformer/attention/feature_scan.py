@@ -184,7 +184,7 @@ def feature_scan(q: Tensor, k: Tensor, v: Tensor, fmap: FeatureMap, chunk: int,
     own parameters); key_valid (B, 1, N) bool or None; documents (B, N) packed documents numbered from 0 per row
     (``check_documents``) or None: the sums then run over j <= i of i's document only. Returns (B, H, N, D).
     O(N·(c + F)·D) time forward and backward; autograd keeps q, k, v, the output and (B, H, N) denominators. The
-    definition that an executor's kernels (``Executor.scan_run``: the fused one's on the CPU, without documents)
+    definition that an executor's kernels (``Executor.scan_run``: the fused one's on the CPU, documents too)
     stand in for: the mechanisms ask the executor first.
     """
     return _FeatureScan.apply(q, k, v, fmap, chunk, key_valid, documents)

@@ -25,6 +25,7 @@ from ..executors import Backend, get_executor, merge_partials
 from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.pieces import BlockDiagonal, Subset
 from ..executors.relative import RelativePositions
+from .decoding import seen
 from .kinds.base import HeadGroup, HeadKind, KeyStore
 from .kinds.common import at_most_seq_len
 from .masks import index_grid, split_mask
@@ -213,19 +214,21 @@ class FixedHeads(HeadGroup):
 
     def step(self, q, cache, t, rel_pos, since=None):
         if self.part == "a2":  # the summary cells so far, the own block's included
-            return self.attend(q, *cache.summary.filled(), t, rel_pos, since=since)
+            keys, values, positions = cache.summary.filled()
+            return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since))
         first = t - t % self.block  # the own block starts here
         if self.part == "a1":
             keys, values, positions = cache.block.filled()
-            return self.attend(q, keys, values, positions, t, rel_pos, allowed=positions >= first, since=since)
+            return self.attend(q, keys, values, positions, t, rel_pos,
+                               allowed=seen(positions, since, positions >= first))
         # merged: the block ring and the earlier blocks' summary cells (the own block's are in A1) are one slice
         own = cache.block.capacity
         m = own + summary_count(first, self.block, self.summary)
         positions = cache.positions[:m]
         allowed = positions >= first  # in the ring: the own block (empty slots hold -1)
         allowed[own:] = True
-        return self.attend(q, cache.keys[:, :, :m], cache.values[:, :, :m], positions, t, rel_pos, allowed=allowed,
-                           since=since)
+        return self.attend(q, cache.keys[:, :, :m], cache.values[:, :, :m], positions, t, rel_pos,
+                           allowed=seen(positions, since, allowed))
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:

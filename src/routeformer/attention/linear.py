@@ -82,7 +82,8 @@ def feature_attention(
     if key_valid is not None:
         phi_k = phi_k * key_valid[..., None].to(phi_k.dtype)
     if documents is not None:
-        return _documents_apart(phi_q, phi_k, v, causal=causal, chunk=chunk, intra=intra, documents=documents)
+        return _documents_apart(phi_q, phi_k, v, causal=causal, chunk=chunk, intra=intra, documents=documents,
+                                key_valid=key_valid)
     if not causal:
         state = phi_k.transpose(-1, -2) @ v  # (B, H, F, D)
         return _divide(phi_q @ state, (phi_q * phi_k.sum(2, keepdim=True)).sum(-1))
@@ -118,46 +119,56 @@ def feature_attention(
 
 
 def _documents_apart(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk: int,
-                     intra: Callable[[Callable[[Tensor], Tensor]], Tensor] | None, documents: Tensor) -> Tensor:
+                     intra: Callable[[Callable[[Tensor], Tensor]], Tensor] | None, documents: Tensor,
+                     key_valid: Tensor | None) -> Tensor:
     """``feature_attention`` over packed ``documents`` (B, N): the sums run over query i's document only, and a
     document's sums are bit for bit the same whatever the others hold (0/1 factors, no subtraction).
 
-    Non-causal: one state Σ φ(k) [v, 1]ᵀ per document, (B, H, docs, F, D + 1), each query reading its own (the
-    documents as a one-hot (B, N, docs); the count is read on the host). Causal: the chunks in order, as
-    ``feature_scan`` runs them (its module docstring), the state restarting at every boundary; autograd keeps each
-    chunk's values, O(N·(c + F)) per head. Time O(N·(c + F)·D) causal, O(N·docs·F·D) non-causal."""
-    ones = torch.ones_like(v[..., :1])
-    vc = torch.cat([v, ones], -1)  # (B, H, N, D + 1): the denominator rides along
+    The chunks in order, as ``feature_scan`` runs them (its module docstring), the state restarting at every
+    boundary: the sums over j <= i. Non-causal adds the same scan run from the end, over j > i. ``phi_k`` holds the
+    padded keys as zeros already; ``key_valid`` (B, 1, N) masks them out of ``intra``'s raw weights too. Autograd
+    keeps each chunk's values: O(N·(c + F)) memory per head, O(N·(c + F)·D) time."""
+    vc = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # (B, H, N, D + 1): the denominator rides along
     D = v.shape[-1]
+    num = _scan_documents(phi_q, phi_k, vc, documents, chunk, intra, key_valid, reverse=False)
     if not causal:
-        count = int(documents.max()) + 1  # one host read: the states' size
-        member = (documents[..., None] == torch.arange(count, device=documents.device)).to(phi_k.dtype)  # (B, N, d)
-        states = torch.einsum("bnd,bhnf,bhne->bhdfe", member, phi_k, vc)  # (B, H, docs, F, D + 1)
-        num = torch.einsum("bnd,bhnf,bhdfe->bhne", member, phi_q, states)
-        return _divide(num[..., :D], num[..., D])
-    N = v.shape[2]
-    outs, state, before = [], None, None
-    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
-    for start in range(0, N, chunk):
+        num = num + _scan_documents(phi_q, phi_k, vc, documents, chunk, intra, key_valid, reverse=True)
+    return _divide(num[..., :D], num[..., D])
+
+
+def _scan_documents(phi_q: Tensor, phi_k: Tensor, vc: Tensor, documents: Tensor, chunk: int,
+                    intra: Callable[[Callable[[Tensor], Tensor]], Tensor] | None, key_valid: Tensor | None,
+                    reverse: bool) -> Tensor:
+    """Σ φ(q_i)·φ(k_j) [v_j, 1] over the keys j of i's document with j <= i (``reverse``: j > i), chunk by chunk
+    in that direction, the carried state holding the keys of the document the next chunk continues: (B, H, N, E)."""
+    N = vc.shape[2]
+    starts = list(range(0, N, chunk))
+    outs: list[Tensor] = []
+    state, carried = None, None  # the state, and the document it belongs to (B,)
+    for start in reversed(starts) if reverse else starts:
         rows = slice(start, min(start + chunk, N))
         c = rows.stop - rows.start
         fq, fk, vr, dc = phi_q[:, :, rows], phi_k[:, :, rows], vc[:, :, rows], documents[:, rows]
         if intra is not None:  # the raw q, k of these rows, as one chunk: (B, H, 1, c, c)
             weights = intra(lambda x, rows=rows: x[:, :, rows][:, :, None])[:, :, 0]
+            if key_valid is not None:
+                weights = weights * key_valid[:, :, None, rows].to(weights.dtype)
         else:
             weights = fq @ fk.transpose(-1, -2)  # (B, H, c, c)
-        allow = tril[:c, :c] & (dc[:, :, None] == dc[:, None, :])[:, None]  # (B, 1, c, c)
+        order = torch.ones(c, c, dtype=torch.bool, device=vc.device)
+        order = order.triu(1) if reverse else order.tril()
+        allow = order & (dc[:, :, None] == dc[:, None, :])[:, None]  # (B, 1, c, c)
         num = (weights * allow.to(weights.dtype)) @ vr
-        last = dc[:, -1]
-        add = (fk * (dc == last[:, None])[:, None, :, None].to(fk.dtype)).transpose(-1, -2) @ vr
-        if state is not None:
-            num = num + (fq @ state) * (dc == before[:, None])[:, None, :, None].to(num.dtype)
-            state = state * (last == before)[:, None, None, None].to(state.dtype) + add
-        else:
+        edge = dc[:, 0] if reverse else dc[:, -1]  # the document the state goes on with
+        add = (fk * (dc == edge[:, None])[:, None, :, None].to(fk.dtype)).transpose(-1, -2) @ vr
+        if state is None:
             state = add
-        before = last
-        outs.append(_divide(num[..., :D], num[..., D]))
-    return torch.cat(outs, 2)
+        else:
+            num = num + (fq @ state) * (dc == carried[:, None])[:, None, :, None].to(num.dtype)
+            state = state * (edge == carried)[:, None, None, None].to(state.dtype) + add
+        carried = edge
+        outs.append(num)
+    return torch.cat(outs[::-1] if reverse else outs, 2)
 
 
 class EluFeatures:
@@ -201,7 +212,12 @@ def linear_attention(
     if causal and kernel == "elu":  # the scan keeps 4x q's bytes for the backward (feature_scan.py)
         fmap = EluFeatures()
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
-        out = None if run is None else run(q, k, v, FeatureKernel(), chunk, key_valid, documents)  # no projection
+        kernel = FeatureKernel()  # no projection: elu's
+        if run is None:
+            out = None
+        else:  # (documents only where there are some: an executor written before them takes six arguments)
+            out = run(q, k, v, kernel, chunk, key_valid) if documents is None else \
+                run(q, k, v, kernel, chunk, key_valid, documents)
         if out is None:
             out = feature_scan(q, k, v, fmap, default_chunk(D) if chunk is None else chunk, key_valid, documents)
         return out.to(dtype)

@@ -27,6 +27,7 @@ from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.pieces import Band, Subset
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
+from .decoding import seen
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .masks import index_grid
@@ -247,7 +248,8 @@ class LongformerHeads(HeadGroup):
         B, _, _, D = cache.keys.shape
         index = slots[None, :, :, None].expand(B, -1, -1, D)
         return self.attend(q, cache.keys.gather(2, index), cache.values.gather(2, index),
-                           positions[None].expand(B, -1, -1), t, rel_pos, allowed=allowed, since=since)
+                           positions[None].expand(B, -1, -1), t, rel_pos,
+                           allowed=seen(positions[None].expand(B, -1, -1), since, allowed))
 
 
 def _listed(dilation: int | tuple[int, ...]) -> int | list[int]:

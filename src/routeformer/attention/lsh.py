@@ -101,16 +101,18 @@ def lsh_hash(x: Tensor, rotations: Tensor) -> Tensor:
 
 
 def lsh_mask(q: Tensor, *, buckets: int, rounds: int, window: int, causal: bool = True,
-             key_padding_mask: Tensor | None = None, rotations: Tensor | None = None, seed: int = 0,
+             key_padding_mask: Tensor | None = None, rotations: Tensor | int = 0,
              documents: Tensor | None = None) -> Tensor:
     """The boolean (B, H, N, N) mask of ``lsh_attention`` under ``LSHOptions(buckets, rounds, window)`` with the same
-    causal, padding, rotations, seed and packed documents, from its definition (O(N²)):
+    causal, padding, rotations (a tensor, or the seed ``lsh_attention`` draws them from) and packed documents, from
+    its definition (O(N²)):
     the union over rounds of ``sorted_window_mask`` of each round's buckets (with documents, the buckets relabelled
     (document, bucket)), less padded keys, less the query's own key unless it is the only key left."""
     buckets, rounds, window = complete_lsh(LSHOptions(buckets, rounds, window), q.shape[2])
     checked = check_inputs(q, q, q, None, key_padding_mask, documents=documents)
     valid = checked.key_valid
-    hashes = _hashes(q, buckets, rounds, rotations, seed)
+    drawn = isinstance(rotations, int)
+    hashes = _hashes(q, buckets, rounds, None if drawn else rotations, rotations if drawn else 0)
     if checked.documents is not None:
         hashes = hashes + checked.documents[:, None, None, :] * buckets
     allow = torch.zeros(*hashes.shape[:2], hashes.shape[-1], hashes.shape[-1], dtype=torch.bool, device=q.device)

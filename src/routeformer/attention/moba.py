@@ -57,6 +57,7 @@ from .blocks import (
     selection_keys,
     warmup_length,
 )
+from .decoding import seen
 from .full import full_attention
 from .kinds.base import HeadKind
 from .kinds.common import non_negative_int
@@ -107,8 +108,11 @@ class MobaHeads(BlockHeads):
         ``documents`` (B, N), numbered from 0 per row: packed documents, a query choosing among its own document's
         blocks, the partial first one summarised by its document's keys only (``blocks.BlockDocuments``)."""
         select_run = self.executor.runner(q).select_run
-        chosen = None if select_run is None else select_run(q, k, self.block, self.top_k, self.score == "bound",
-                                                            documents)
+        picks = (q, k, self.block, self.top_k, self.score == "bound")
+        if select_run is None:
+            chosen = None
+        else:  # (documents only where there are some: an executor written before them takes five arguments)
+            chosen = select_run(*picks) if documents is None else select_run(*picks, documents)
         if chosen is not None:  # the executor's kernel (the fused CPU one): no (B, h, N, N // block) scores
             return chosen
         scores = block_scores(q, self.summarise(k, k), self.score)  # (B, h, N, N // block)
@@ -154,7 +158,7 @@ class MobaHeads(BlockHeads):
              since: Tensor | None = None) -> Tensor:
         keys, values, positions = cache.filled()
         if self.warming_up:
-            return self.attend(q, keys, values, positions, t, rel_pos, since=since)
+            return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since))
         summary = cache.before(t)  # the complete blocks before t's own
         qt = q[:, :, None].to(summary[0].dtype)
         scores = block_scores(qt, summary, self.score)  # (B, h, 1, m)
@@ -174,7 +178,7 @@ class MobaHeads(BlockHeads):
         chosen = select_blocks(scores, self.block, self.top_k, torch.full((1,), t, device=q.device),
                                allowed=allowed)[:, :, 0]
         return self.attend(q, keys, values, positions, t, rel_pos,
-                           allowed=allowed_keys(chosen, self.block, t, positions), since=since)
+                           allowed=seen(positions, since, allowed_keys(chosen, self.block, t, positions)))
 
     def own_repr(self) -> str:
         return f"top_k={self.top_k}, score={self.score}"

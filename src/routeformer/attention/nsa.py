@@ -57,6 +57,7 @@ from .blocks import (
     selection_keys,
     warmup_length,
 )
+from .decoding import seen
 from .full import full_attention
 from .kinds.base import HeadKind
 from .kinds.common import at_most_seq_len, non_negative_int
@@ -204,7 +205,7 @@ class NsaHeads(BlockHeads):
              since: Tensor | None = None) -> Tensor:
         keys, values, positions = cache.filled()
         if self.warming_up:
-            return self.attend(q, keys, values, positions, t, rel_pos, since=since)
+            return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since))
         ck, cv = cache.before(t)  # the compressed blocks before t's own, (B, h, t // block, D)
         scores = torch.einsum("bhd,bhmd->bhm", q.to(ck.dtype), ck) * self.scale
         if since is None:
@@ -227,9 +228,9 @@ class NsaHeads(BlockHeads):
                                allowed=None if allowed is None else allowed[:, :, None] & candidate_blocks(
                                    torch.full((1,), t, device=q.device), scores.shape[-1], self.block))
         out_sel = self.attend(q, keys, values, positions, t, rel_pos,
-                              allowed=allowed_keys(chosen[:, :, 0], self.block, t, positions), since=since)
-        out_win = self.attend(q, keys, values, positions, t, rel_pos, allowed=positions > t - self.window,
-                              since=since)
+                              allowed=seen(positions, since, allowed_keys(chosen[:, :, 0], self.block, t, positions)))
+        out_win = self.attend(q, keys, values, positions, t, rel_pos,
+                              allowed=seen(positions, since, positions > t - self.window))
         g = self.gates(q[:, :, None])[:, :, 0]  # (B, h, 3)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 

@@ -149,7 +149,12 @@ def performer_attention(
     if causal and not projection.requires_grad:  # the scan keeps 4x q's bytes for the backward, autograd's 15x
         projection = projection.to(q.dtype)
         run = get_executor(executor, q.device).runner(q).scan_run  # the executor's kernels, where it has them
-        out = None if run is None else run(q, k, v, FeatureKernel(projection, s), chunk, key_valid, documents)
+        kernel = FeatureKernel(projection, s)
+        if run is None:
+            out = None
+        else:  # (documents only where there are some: an executor written before them takes six arguments)
+            out = run(q, k, v, kernel, chunk, key_valid) if documents is None else \
+                run(q, k, v, kernel, chunk, key_valid, documents)
         if out is None:
             chunk = default_chunk(projection.shape[1]) if chunk is None else chunk
             out = feature_scan(q, k, v, PerformerFeatures(projection, s), chunk, key_valid, documents)

@@ -27,6 +27,7 @@ from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.pieces import Band, Columns
 from ..executors.relative import RelativePositions
 from ..lengths import sqrt_len
+from .decoding import seen
 from .kinds.base import HeadGroup, HeadKind
 from .kinds.common import at_most_seq_len
 from .local import LocalOptions, local_attention
@@ -154,7 +155,7 @@ class StridedHeads(HeadGroup):
             keys = torch.cat([keys, cache.keys[:, :, recent]], 2)
             values = torch.cat([values, cache.values[:, :, recent]], 2)
             positions = torch.cat([positions, cache.positions[recent]])
-        return self.attend(q, keys, values, positions, t, rel_pos, since=since)
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since))
 
 
 def _kind(name: str, part: str, keys, summary: str) -> HeadKind:

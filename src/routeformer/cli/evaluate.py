@@ -22,6 +22,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "their last S tokens, so every token has at least seq_len - S of context (default: "
                     "non-overlapping windows)")
     ev.add_argument("--batch-size", type=positive, default=8, metavar="B", help="windows per forward (default 8)")
+    ev.add_argument("--pack", choices=("none", "boundaries"), help="score the split as one text ('none') or each "
+                    "document from its own start ('boundaries', the data set's recorded starts) (default: as the "
+                    "run trained)")
     add_data_dir(ev, "where the run's data set lives, if not where it was trained")
     add_device(ev)
 
@@ -31,6 +34,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train.config import check_stride
     from ..train.evaluation import UNITS, Scoring, context_policy, evaluate, metric
     from ..train.runs import load_run, pick_device
+    import dataclasses
+
     from ..train.trainer import document_starts
 
     run_dir = Path(args.run_dir).expanduser()
@@ -44,7 +49,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise ValueError(f"the {args.split} split of {data.meta.name!r} is too short to evaluate")
         if procs.main:
             note(model.config.describe_executor(procs.device))
-        starts = document_starts(data, run.train, args.split)  # as the run trained: its pack setting
+        scoring = run.train if args.pack is None else dataclasses.replace(run.train, pack=args.pack)
+        starts = document_starts(data, scoring, args.split)  # as the run trained, unless --pack says otherwise
         total, count = evaluate(model, tokens, Scoring(seq, args.batch_size, stride=args.stride), procs,
                                 progress=f"{args.split} split", starts=starts)
         if procs.main:

@@ -91,13 +91,14 @@ class TransformerLM(nn.Module):
         once given, a forward without them continues each row's last document."""
         self._check_tokens(tokens)
         B, N = tokens.shape
-        start, spans = 0, None
+        start, spans, cache_spans = 0, None, None
         if cache is not None:
             cache.check(N)
             start = cache.length
             if documents is not None or cache.documents is not None:
                 ids = documents if documents is not None else cache.documents.last[:, None].expand(B, N)
-                spans = continue_documents(ids, B, N, tokens.device, start, cache.documents)
+                cache_spans = continue_documents(ids, B, N, tokens.device, start, cache.documents)
+                spans = cache_spans if cache_spans.crosses else None  # else one document a row: the plain path
             documents = None
         else:
             documents = check_documents(documents, B, N, tokens.device)
@@ -120,8 +121,8 @@ class TransformerLM(nn.Module):
                 aux = loss if aux is None else aux + loss
         if cache is not None:
             cache.length = start + N
-            if spans is not None:
-                cache.documents = spans
+            if cache_spans is not None:
+                cache.documents = cache_spans
         self.aux_loss = aux if aux is not None else x.new_zeros(())
         return self.head(self.norm(x))
 

@@ -21,7 +21,7 @@ from ...checks import check_scale
 from ...documents import DocumentSpans
 from ...executors import Executor, Inputs, get_executor
 from ...executors.relative import RelativePositions
-from ..decoding import Cached, attend_cached
+from ..decoding import Cached, attend_cached, seen
 from ..kernels import attend_cached_kernel, kernel_scale
 from ..reference import reference_attention, reference_scores, reference_weights
 
@@ -217,16 +217,14 @@ class HeadGroup(nn.Module):
              since: Tensor | None = None) -> Tensor:
         """Output (B, h, D) of the query at t. Default: every filled slot (a ring then holds just what t sees).
         ``since`` (B,): packed documents, each row's document's first position: nothing before it is seen."""
-        return self.attend(q, *cache.filled(), t, rel_pos, since=since)
+        keys, values, positions = cache.filled()
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since))
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, t: int,
                rel_pos: RelativePositions | None, allowed: Tensor | None = None,
-               bias: Tensor | None = None, since: Tensor | None = None) -> Tensor:
+               bias: Tensor | None = None) -> Tensor:
         """The query at t (B, h, D) over cached keys, values (B, h, M, D) at ``positions`` (M,) or (B, h, M), those
-        ``allowed`` (broadcast to (B, h, M)) and, with ``since`` (B,), at or after each row's document's start."""
-        if since is not None:
-            seen = positions >= since[:, None, None]  # (B, 1, M) or (B, h, M)
-            allowed = seen if allowed is None else allowed & seen
+        ``allowed`` (broadcast to (B, h, M); packed documents: ``decoding.seen`` adds each row's ``since``)."""
         if self.kernel != "exp":  # the config allows no relative positions (nor a bias) with another kernel
             return attend_cached_kernel(q, keys, values, self.kernel, kernel_scale(self.kernel, self.kernel_scale,
                                                                                    self.head_dim), allowed)

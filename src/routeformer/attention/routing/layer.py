@@ -25,6 +25,7 @@ from torch import Tensor
 from ...documents import DocumentSpans
 from ...executors import KeyRestrictions, RelativePositions, Tiling, Window, check_inputs
 from ...executors.inputs import Inputs, refuse_documents, relative
+from ..decoding import seen
 from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
 from .balanced import balanced_attention, balanced_mask, balanced_members
@@ -312,7 +313,7 @@ class RoutingAttention(HeadGroup):
         first = 0 if since is None else since[:, None, None]  # (B, 1, 1)
         allowed = (positions < t) | (positions == first) if self.shared_qk else None
         bias = self._handover_row(q, keys) if self.handing_over else None
-        return self.attend(q, keys, values, positions, t, rel_pos, allowed=allowed, bias=bias, since=since)
+        return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since, allowed), bias=bias)
 
     def _handover_row(self, q: Tensor, keys: Tensor) -> Tensor:
         """(B, h, M): the hand-over's penalty of the query at t on the cached keys (positions 0 … t, in order): row
