@@ -116,6 +116,7 @@ def test_peers_leak_as_measured() -> None:
     assert found["lsh"]["leak"] < 1e-5 and found["performer"]["leak"] == 0.0
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_the_flex_backend_runs_the_executor_rows_and_they_do_not_leak() -> None:
     """``backend="flex"`` on CPU (FlexAttention's dense eager operator): the rows run, the header says which
     executor ran, and the measured causal leak of every pattern row is zero."""

@@ -92,6 +92,7 @@ def _one_capability(monkeypatch) -> str:
     return top
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_a_compile_error_is_a_warning_that_quotes_the_compiler(tmp_path: Path, monkeypatch) -> None:
     _one_capability(monkeypatch)
     build = _tiny(tmp_path, "routeformer_test_broken", TINY.replace("x.mul(2)", "x * undefined_name"))
@@ -99,6 +100,7 @@ def test_a_compile_error_is_a_warning_that_quotes_the_compiler(tmp_path: Path, m
         assert "compile error" in build.load()
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_a_library_that_does_not_load_is_a_warning(tmp_path: Path) -> None:
     build = _tiny(tmp_path, "routeformer_test_garbage")
     name = build.name()
@@ -155,6 +157,7 @@ def test_parallel_builders_compile_once_and_a_killed_build_does_not_block_the_ne
     assert time.monotonic() - start < 240
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_a_failed_compilation_is_remembered_with_its_log(tmp_path: Path, monkeypatch, capsys) -> None:
     """The next process (a new KernelBuild of the same sources) warns with the remembered reason and its log and
     compiles nothing; removing the build folder, as the warning says, compiles again."""
@@ -254,6 +257,7 @@ def test_compile_only_checks_a_capability_without_loading_it(tmp_path: Path) -> 
     assert result.returncode != 0 and "undefined_name" in result.stderr
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_bench_fused_rows_refuse_anything_but_the_dispatched_build(tmp_path: Path, monkeypatch) -> None:
     from routeformer.bench import measure
 

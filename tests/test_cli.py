@@ -164,6 +164,7 @@ def test_env_reports_this_installation() -> None:
     assert ("auto on cuda" in rows) == torch.cuda.is_available()
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_env_reports_a_failed_build_and_looks_without_building(tmp_path) -> None:
     """In an empty cache with a compiler that fails: --no-build compiles nothing; env tries, fails, says why and
     exits 0; the failures are remembered, and a later --no-build shows each build as failed with its reason and log."""

@@ -335,6 +335,7 @@ def test_checkpointing_gives_the_same_loss_gradients_and_kmeans_statistics(shift
     assert plain.after_optimizer_step() == 2
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", SPECS)
 def test_autocast_forward_and_backward_free_of_nan_at_4096(dtype, spec: str, monkeypatch) -> None:

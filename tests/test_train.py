@@ -170,6 +170,7 @@ def test_a_fresh_start_drops_the_rows_of_a_start_that_died_before_its_first_chec
     assert all(r["loss"] != 99.0 for r in metrics(run, "train")) and metrics(run, "train")[0]["step"] == 2
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_the_banner_says_tiles_and_why_when_the_fused_kernel_is_switched_off(setup, tmp_path) -> None:
     """ROUTEFORMER_FUSED=0 (read once per process: a process of its own): train's first line says the tiles
     executor runs, and why; evaluate and sample on that run say the same."""
@@ -216,6 +217,7 @@ def _wait_for_checkpoint(run: Path, proc: subprocess.Popen, timeout: float = 120
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 13-27 s a worker): CI's slow line runs it
 def test_ctrl_c_saves_and_exits_cleanly_then_resumes(setup) -> None:
     run = setup["root"] / "interrupted"
     proc = _spawn(setup, run)
