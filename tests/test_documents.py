@@ -457,8 +457,8 @@ def test_block_selection_chooses_among_its_own_documents_blocks(kind: str, execu
 
 
 def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
-    """Balanced routing, and attention over key ranges given as they are (MoBA's and NSA's blocks): an error names
-    them, nothing attends across a boundary."""
+    """Balanced routing, and attention over key ranges given as they are (blocks selected without their
+    documents): an error names them, nothing attends across a boundary."""
     from routeformer.attention.blocks import selected_attention
     from routeformer.attention.routing import RoutingAttention, RoutingOptions
 

@@ -59,8 +59,8 @@ def _numbered(documents: Tensor, step: Tensor) -> Tensor | None:
 class DocumentSpans(NamedTuple):
     """Packed documents of the positions a decoding forward adds, start … start + n - 1 (``continue_documents``).
 
-    numbered: (B, n) the ids as ``check_documents`` numbers them, or None where the new positions hold no boundary
-    (what a prompt's forward takes); since: (B, n) long, the first position of each one's document (the row's
+    numbered: (B, n) the ids as ``check_documents`` numbers them (what a prompt's forward takes), or None where
+    they hold no boundary or none is crossed; since: (B, n) long, the first position of each one's document (the row's
     earlier positions before it are not seen); new: (B, n) bool, whether the position begins a document (its
     token shift reads nothing before it); last: (B,) the ids of the rows' last positions, as given (the next
     forward continues them); crosses: whether any of these positions lies past a boundary (a document that began

@@ -167,17 +167,22 @@ class BlockDocuments(NamedTuple):
     def of(cls, documents: Tensor, block: int) -> BlockDocuments:
         """From (B, N) ids that never decrease along a row (``check_documents``'s)."""
         ids = documents.contiguous()
-        start = torch.searchsorted(ids, ids)  # (B, N): where each position's id first occurs
+        return cls.starting(torch.searchsorted(ids, ids), block)  # where each position's id first occurs
+
+    @classmethod
+    def starting(cls, start: Tensor, block: int) -> BlockDocuments:
+        """From each query's document's first position, (B, n) long (decoding: ``since[:, None]``)."""
         return cls(start, start // block, start % block != 0)
 
-    def candidates(self, blocks: int, block: int) -> Tensor:
-        """(B, 1, N, blocks) bool: the blocks each query may select, first … own block - 1."""
+    def candidates(self, blocks: int, block: int, positions: Tensor | None = None) -> Tensor:
+        """(B, 1, n, blocks) bool: the blocks each query (at ``positions`` (n,), default 0 … n - 1) may select, its
+        document's first … its own block - 1."""
         j = torch.arange(blocks, device=self.start.device)
-        i = torch.arange(self.start.shape[1], device=self.start.device)
+        i = torch.arange(self.start.shape[1], device=self.start.device) if positions is None else positions
         return ((j >= self.first[..., None]) & (j < (i // block)[:, None]))[:, None]
 
     def partial_column(self, blocks: int) -> Tensor:
-        """(B, 1, N, blocks) bool: the entry of each query's partial first block (none where it is whole)."""
+        """(B, 1, n, blocks) bool: the entry of each query's partial first block (none where it is whole)."""
         j = torch.arange(blocks, device=self.start.device)
         return ((j == self.first[..., None]) & self.partial[..., None])[:, None]
 
@@ -195,29 +200,26 @@ class BlockDocuments(NamedTuple):
         return tails.gather(2, at)
 
 
-def decoded_tail(keys: Tensor, since: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+def decoded_tail(keys: Tensor, since: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """Decoding over packed documents: each row's first block of its document, from the document's start on.
     keys: (B, H, capacity, D) kept in position order (slot = position); since (B,) the rows' documents' first
-    positions. Returns that block's keys (B, H, block, D), which of them are the document's (B, 1, block, 1) bool,
-    and the block's index (B,). A row whose document begins at a block's start gets the whole block."""
+    positions. Returns that block's keys (B, H, block, D) and which of them are the document's (B, 1, block, 1)
+    bool. A row whose document begins at a block's start gets the whole block."""
     B, H, capacity, D = keys.shape
     first = since // block  # (B,)
     offsets = torch.arange(block, device=keys.device)
     slots = (first[:, None] * block + offsets).clamp(max=capacity - 1)  # (B, block)
     tail = keys.gather(2, slots[:, None, :, None].expand(B, H, block, D))
     mine = (slots >= since[:, None])[:, None, :, None]
-    return tail, mine, first
+    return tail, mine
 
 
-def decoded_candidates(since: Tensor, blocks: int, block: int) -> tuple[Tensor, Tensor]:
-    """(B, 1, 1, blocks) bool each: the complete blocks before the query's own that a decoded query of a row whose
-    document begins at ``since`` (B,) may select (from the one holding the start on; the caller's scores reach the
-    own block's start only), and the entry of its partial first block (none where the document begins a block)."""
-    j = torch.arange(blocks, device=since.device)
-    first = (since // block)[:, None]
-    allowed = j >= first
-    partial = (j == first) & (since % block != 0)[:, None]
-    return allowed[:, None, None], partial[:, None, None]
+def decoded_summary(tail: Tensor, mine: Tensor, score: str) -> tuple[Tensor, ...]:
+    """``decoded_tail``'s block summarised over the document's keys (B, H, D) each, as ``block_scores`` reads a
+    summary: the mean key ('mean'), or the least and greatest values ('bound')."""
+    if score == "mean":
+        return ((tail * mine).sum(2) / mine.sum(2).clamp(min=1).to(tail.dtype),)
+    return tail.masked_fill(~mine, float("inf")).amin(2), tail.masked_fill(~mine, float("-inf")).amax(2)
 
 
 def reversed_cumsum(blocks: Tensor) -> Tensor:
@@ -240,9 +242,10 @@ def block_tail_bounds(keys: Tensor, block: int, documents: BlockDocuments) -> tu
 
 
 def scores_within_documents(scores: Tensor, q: Tensor, tail: tuple[Tensor, ...], score: str,
-                            documents: BlockDocuments, block: int) -> Tensor:
-    """``scores`` (B, H, N, nb) with each query's partial first block scored by its document's keys there (``tail``:
-    that block's summary per query, (B, H, N, D) each, as ``block_scores`` reads them)."""
+                            documents: BlockDocuments) -> Tensor:
+    """``scores`` (B, H, n, nb) of queries q (B, H, n, D) with each query's partial first block scored by its
+    document's keys there (``tail``: that block's summary per query, (B, H, n, D) each, as ``block_scores`` reads
+    them: the same formula, one block per query)."""
     if score == "mean":
         (means,) = tail
         own = (q * means.to(q.dtype)).sum(-1)

@@ -43,9 +43,8 @@ from .blocks import (
     block_scores,
     block_tail_bounds,
     block_tail_means,
-    candidate_blocks,
     complete_block,
-    decoded_candidates,
+    decoded_summary,
     decoded_tail,
     default_block,
     dense_warmup,
@@ -121,7 +120,7 @@ class MobaHeads(BlockHeads):
         blocks = BlockDocuments.of(documents, self.block)
         tail = (block_tail_means(k, self.block, blocks),) if self.score == "mean" else \
             block_tail_bounds(k, self.block, blocks)
-        scores = scores_within_documents(scores, q, tail, self.score, blocks, self.block)
+        scores = scores_within_documents(scores, q, tail, self.score, blocks)
         return select_blocks(scores, self.block, self.top_k, allowed=blocks.candidates(scores.shape[-1], self.block))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None,
@@ -162,21 +161,14 @@ class MobaHeads(BlockHeads):
         summary = cache.before(t)  # the complete blocks before t's own
         qt = q[:, :, None].to(summary[0].dtype)
         scores = block_scores(qt, summary, self.score)  # (B, h, 1, m)
+        at = torch.full((1,), t, device=q.device)
         allowed = None
         if since is not None:  # packed documents: the document's blocks, its partial first one scored by its keys
-            allowed, partial = decoded_candidates(since, scores.shape[-1], self.block)
-            allowed = allowed & candidate_blocks(torch.full((1,), t, device=q.device), scores.shape[-1], self.block)
-            tail, mine, _ = decoded_tail(cache.store.keys, since, self.block)
-            if self.score == "mean":
-                count = mine.sum(2).clamp(min=1).to(tail.dtype)  # (B, 1, 1)
-                own = (qt[:, :, 0] * (tail * mine).sum(2) / count).sum(-1)  # (B, h)
-            else:
-                lo = tail.masked_fill(~mine, float("inf")).amin(2)
-                hi = tail.masked_fill(~mine, float("-inf")).amax(2)
-                own = (qt[:, :, 0].clamp(min=0) * (hi - lo) + qt[:, :, 0] * lo).sum(-1)
-            scores = torch.where(partial, own[:, :, None, None], scores)
-        chosen = select_blocks(scores, self.block, self.top_k, torch.full((1,), t, device=q.device),
-                               allowed=allowed)[:, :, 0]
+            blocks = BlockDocuments.starting(since[:, None], self.block)
+            allowed = blocks.candidates(scores.shape[-1], self.block, at)
+            tail = decoded_summary(*decoded_tail(cache.store.keys, since, self.block), self.score)
+            scores = scores_within_documents(scores, qt, tuple(x[:, :, None] for x in tail), self.score, blocks)
+        chosen = select_blocks(scores, self.block, self.top_k, at, allowed=allowed)[:, :, 0]
         return self.attend(q, keys, values, positions, t, rel_pos,
                            allowed=seen(positions, since, allowed_keys(chosen, self.block, t, positions)))
 

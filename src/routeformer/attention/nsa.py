@@ -46,7 +46,6 @@ from .blocks import (
     allowed_keys,
     candidate_blocks,
     complete_block,
-    decoded_candidates,
     decoded_tail,
     dense_warmup,
     describe_warmup,
@@ -153,15 +152,23 @@ class NsaHeads(BlockHeads):
             w = weights.to(x.dtype)[None, :, None, :, None]  # (1, h, 1, block, 1)
             return blocks.suffixes(x, b, lambda parts: reversed_cumsum(parts * w))
 
-        ck_tail, cv_tail = tail(k, self.key_weights), tail(v, self.value_weights)  # (B, h, N, D)
-        own = (q * ck_tail).sum(-1) * self.scale  # (B, h, N)
-        partial = blocks.partial_column(nb)  # (B, 1, N, nb)
-        scores = torch.where(partial, own[..., None], scores)
         seen = blocks.candidates(nb, b)
-        weights = normalise_scores(scores, seen)  # (B, h, N, nb)
-        at_tail = (weights * partial).sum(-1, keepdim=True)  # the partial block's weight (0 where none)
-        out_cmp = torch.where(partial, 0.0, weights) @ cv + at_tail * cv_tail
+        scores, out_cmp = self._compressed_with_tail(q, scores, cv, tail(k, self.key_weights),
+                                                     tail(v, self.value_weights), blocks, seen)
         return scores, out_cmp, seen
+
+    def _compressed_with_tail(self, q: Tensor, scores: Tensor, cv: Tensor, ck_tail: Tensor, cv_tail: Tensor,
+                              blocks: BlockDocuments, seen: Tensor) -> tuple[Tensor, Tensor]:
+        """The compressed branch over packed documents, for n queries q (B, h, n, D) (the forward's, or a decoding
+        step's one): ``scores`` (B, h, n, nb) against the whole blocks' compressed keys, with each query's partial
+        first block scored against ``ck_tail`` (B, h, n, D) instead; softmax over the candidates ``seen``; the
+        partial block's value ``cv_tail`` added apart, its column zeroed in the product with ``cv`` (B, h, nb, D)
+        (no subtraction: a document's output is bit for bit its own). Returns the scores and out_cmp."""
+        partial = blocks.partial_column(scores.shape[-1])  # (B, 1, n, nb)
+        scores = torch.where(partial, ((q * ck_tail).sum(-1) * self.scale)[..., None], scores)
+        weights = normalise_scores(scores, seen)  # (B, h, n, nb), zeros with no candidate
+        at_tail = (weights * partial).sum(-1, keepdim=True)  # the partial block's weight (0 where none)
+        return scores, torch.where(partial, 0.0, weights) @ cv + at_tail * cv_tail
 
     # --- meaning, for tests ---------------------------------------------------------------------------------
     def reference(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None = None) -> Tensor:
@@ -208,25 +215,22 @@ class NsaHeads(BlockHeads):
             return self.attend(q, keys, values, positions, t, rel_pos, allowed=seen(positions, since))
         ck, cv = cache.before(t)  # the compressed blocks before t's own, (B, h, t // block, D)
         scores = torch.einsum("bhd,bhmd->bhm", q.to(ck.dtype), ck) * self.scale
+        at = torch.full((1,), t, device=q.device)
         if since is None:
             out_cmp = torch.einsum("bhm,bhmd->bhd", scores.softmax(-1), cv).to(q.dtype)  # 0 with no block
-            allowed = None
+            scores, allowed = scores[:, :, None], None  # (B, h, 1, m)
         else:  # packed documents: the document's blocks, the partial first one compressed from its own positions
-            allowed, partial = decoded_candidates(since, scores.shape[-1], self.block)  # (B, 1, 1, m)
-            allowed, partial = allowed[:, :, 0], partial[:, :, 0]  # (B, 1, m)
-            tail, mine, _ = decoded_tail(cache.store.keys, since, self.block)
-            vtail, _, _ = decoded_tail(cache.store.values, since, self.block)
+            blocks = BlockDocuments.starting(since[:, None], self.block)
+            allowed = blocks.candidates(scores.shape[-1], self.block, at)  # (B, 1, 1, m)
+            tail, mine = decoded_tail(cache.store.keys, since, self.block)
+            vtail, _ = decoded_tail(cache.store.values, since, self.block)
             a = self.key_weights.to(tail.dtype)[None, :, :, None] * mine  # (B, h, block, 1): from the start on
             c = self.value_weights.to(tail.dtype)[None, :, :, None] * mine
-            ck_tail, cv_tail = (a * tail).sum(2), (c * vtail).sum(2)  # (B, h, D)
-            own = torch.einsum("bhd,bhd->bh", q.to(ck.dtype), ck_tail) * self.scale
-            scores = torch.where(partial, own[..., None], scores)
-            weights = normalise_scores(scores[:, :, None], allowed[:, :, None])[:, :, 0]  # (B, h, m), 0 with none
-            out_cmp = (torch.einsum("bhm,bhmd->bhd", torch.where(partial, 0.0, weights), cv)
-                       + (weights * partial).sum(-1, keepdim=True) * cv_tail).to(q.dtype)
-        chosen = select_blocks(scores[:, :, None], self.block, self.top, torch.full((1,), t, device=q.device),
-                               allowed=None if allowed is None else allowed[:, :, None] & candidate_blocks(
-                                   torch.full((1,), t, device=q.device), scores.shape[-1], self.block))
+            scores, out_cmp = self._compressed_with_tail(q[:, :, None].to(ck.dtype), scores[:, :, None], cv,
+                                                         (a * tail).sum(2, keepdim=True),
+                                                         (c * vtail).sum(2, keepdim=True), blocks, allowed)
+            out_cmp = out_cmp[:, :, 0].to(q.dtype)
+        chosen = select_blocks(scores, self.block, self.top, at, allowed=allowed)
         out_sel = self.attend(q, keys, values, positions, t, rel_pos,
                               allowed=seen(positions, since, allowed_keys(chosen[:, :, 0], self.block, t, positions)))
         out_win = self.attend(q, keys, values, positions, t, rel_pos,

@@ -176,7 +176,9 @@ class Executor:
         over the keys in ``order`` (``ranges.KeyOrder``; default as they are). An executor with its own
         ``ranges_run`` computes it there; else tiles of entries per stretch of keys, each a tile of ``tiled``
         (``ranges.range_attention``)."""
-        refuse_documents(inputs, "attention over key ranges (multi-probe routing, MoBA, NSA)")
+        # ranges index keys as their caller laid them: routing's probes and MoBA/NSA's selection lay them within
+        # each document and pass none; ranges given as they are cannot know where a document ends
+        refuse_documents(inputs, "attention over key ranges given as they are")
         check_ranges(inputs.q, spans, rel_pos)
         spans, order = broadcast_ranges(inputs, spans, order)
         runner = self.runner(inputs.q)

@@ -26,45 +26,52 @@ namespace {
 
 constexpr int64_t kNone = -1;  // blocks.NONE: a slot with no block (fewer candidates than top)
 
+// Per channel over n rows (``k_stride`` apart, n >= 1), in vectors of channels: the least and the greatest value
+// (bound) or the sum (mean, in ``first``), into ``first`` and ``second`` (D each).
+template <typename T>
+void reduce_rows(const T* rows, int64_t k_stride, int64_t n, int64_t D, bool bound, T* first, T* second) {
+  using Vec = at::vec::Vectorized<T>;
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) {
+    Vec a = Vec::loadu(rows + d), b = a;
+    for (int64_t r = 1; r < n; r++) {
+      const Vec x = Vec::loadu(rows + r * k_stride + d);
+      if (bound) {
+        a = at::vec::minimum(a, x);
+        b = at::vec::maximum(b, x);
+      } else {
+        a = a + x;
+      }
+    }
+    a.store(first + d);
+    b.store(second + d);
+  }
+  for (; d < D; d++) {
+    T a = rows[d], b = a;
+    for (int64_t r = 1; r < n; r++) {
+      const T x = rows[r * k_stride + d];
+      if (bound) {
+        a = std::min(a, x);
+        b = std::max(b, x);
+      } else {
+        a += x;
+      }
+    }
+    first[d] = a;
+    second[d] = b;
+  }
+}
+
 // Per channel over the block's rows: the least value and the width greatest - least (bound) or the mean (mean),
-// reduced along the rows in vectors of channels, then stored channel-major (D, stride) so that a query's scores of
-// consecutive blocks are one vector: lo[d * stride + j]. ``first``, ``second``: D scratch values each.
+// reduced along the rows in vectors of channels (``reduce_rows``), then stored channel-major (D, stride) so that a
+// query's scores of consecutive blocks are one vector: lo[d * stride + j]. ``first``, ``second``: D scratch values
+// each.
 template <typename T>
 void summarise(const T* k, int64_t k_stride, int64_t block, int64_t nb, int64_t D, bool bound, T* lo, T* hi,
                int64_t stride, T* first, T* second) {
-  using Vec = at::vec::Vectorized<T>;
   for (int64_t j = 0; j < nb; j++) {
-    const T* rows = k + j * block * k_stride;
-    int64_t d = 0;
-    for (; d + Vec::size() <= D; d += Vec::size()) {
-      Vec a = Vec::loadu(rows + d), b = a;
-      for (int64_t r = 1; r < block; r++) {
-        const Vec x = Vec::loadu(rows + r * k_stride + d);
-        if (bound) {
-          a = at::vec::minimum(a, x);
-          b = at::vec::maximum(b, x);
-        } else {
-          a = a + x;
-        }
-      }
-      a.store(first + d);
-      b.store(second + d);
-    }
-    for (; d < D; d++) {
-      T a = rows[d], b = a;
-      for (int64_t r = 1; r < block; r++) {
-        const T x = rows[r * k_stride + d];
-        if (bound) {
-          a = std::min(a, x);
-          b = std::max(b, x);
-        } else {
-          a += x;
-        }
-      }
-      first[d] = a;
-      second[d] = b;
-    }
-    for (d = 0; d < D; d++) {
+    reduce_rows(k + j * block * k_stride, k_stride, block, D, bound, first, second);
+    for (int64_t d = 0; d < D; d++) {
       if (bound) {
         lo[d * stride + j] = first[d];
         hi[d * stride + j] = second[d] - first[d];  // the width hi - lo, as the score reads it
@@ -132,19 +139,14 @@ void pick(const T* s, int64_t n, int64_t t, T* best, int64_t* o) {
 // (bound) or the mean (mean) per channel, into lo and hi (D each).
 template <typename T>
 void summarise_rows(const T* k, int64_t k_stride, int64_t from, int64_t to, int64_t D, bool bound, T* lo, T* hi) {
+  reduce_rows(k + from * k_stride, k_stride, to - from, D, bound, lo, hi);
   for (int64_t d = 0; d < D; d++) {
-    T a = k[from * k_stride + d], b = a;
-    for (int64_t r = from + 1; r < to; r++) {
-      const T x = k[r * k_stride + d];
-      if (bound) {
-        a = std::min(a, x);
-        b = std::max(b, x);
-      } else {
-        a += x;
-      }
+    if (bound) {
+      hi[d] -= lo[d];  // the width hi - lo, as the score reads it
+    } else {
+      lo[d] /= T(to - from);
+      hi[d] = T(0);
     }
-    lo[d] = bound ? a : a / T(to - from);
-    hi[d] = bound ? b - a : T(0);
   }
 }
 
