@@ -81,6 +81,7 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(single: Pat
     _same_curve(single / "one", out)
 
 
+@pytest.mark.slow  # 8 s a worker each (2026-12-07); the two-process tests keep DDP and FSDP2 in the default suite
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_one_process_under_torchrun_runs_in_a_process_group(single: Path, mode: str) -> None:
     """A one-GPU user's torchrun: one gloo process wraps the model in DDP or shards it with FSDP2 as a larger run

@@ -41,6 +41,7 @@ def _env_line(value: str | None) -> str:
     return next(line for line in out.splitlines() if line.startswith("huge pages:"))
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 7-17 s a worker): CI's slow line runs it
 @pytest.mark.skipif(hugepages.system_mode() not in ("madvise", "always"),
                     reason="the system's THP mode gives no huge pages on request")
 def test_the_command_line_puts_large_tensors_on_huge_pages_unless_the_user_says_0() -> None:

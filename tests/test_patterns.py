@@ -57,7 +57,13 @@ def test_matches_reference(name: str, data) -> None:
     _run(name, data.draw(problems(name)))
 
 
-@pytest.mark.parametrize("name", sorted(PATTERNS))
+# FlexAttention's uncompiled CPU path takes 7-12 s a worker for these (2026-12-07): CI's slow line runs them; the
+# documents tests run every pattern on flex in the default suite
+FLEX_SLOW = {"fixed", "longformer", "strided"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in FLEX_SLOW else n
+                                  for n in sorted(PATTERNS)])
 @settings(max_examples=5)
 @given(data=st.data())
 def test_flex_matches_reference(name: str, data) -> None:

@@ -46,6 +46,7 @@ def test_forward_matches_reference_over_routing_mask(p: dict) -> None:
     _check_against_reference(p, "tiles")
 
 
+@pytest.mark.slow  # the default suite's slowest (2026-12-07, 7-17 s a worker): CI's slow line runs it
 @settings(max_examples=10)
 @given(p=routing_problems())
 def test_flex_forward_matches_reference_over_routing_mask(p: dict) -> None:
