@@ -668,17 +668,17 @@ def test_training_rows_carry_their_documents_cut_and_repeated_rows_included() ->
     tokens = np.arange(60)
     starts = np.array([0, 10, 25, 40], dtype=np.int64)
     sampler = BatchSampler(tokens, 16, 4, seed=1, starts=starts)
-    rows, documents = sampler.batch_with_documents(3)
-    assert torch.equal(rows, sampler.batch(3))
+    rows, documents, scored = sampler.rows(3)
+    assert torch.equal(rows, sampler.batch(3)) and scored is None  # every prediction counts
     want = torch.tensor([[sum(int(t) >= s for s in starts) - 1 for t in row] for row in rows])
     assert torch.equal(documents, want)
-    cut, cut_documents = sampler.batch_with_documents(3, length=8)
+    cut, cut_documents, _ = sampler.rows(3, length=8)
     assert torch.equal(cut_documents, torch.tensor([[sum(int(t) >= s for s in starts) - 1 for t in row]
                                                     for row in cut]))
     taught = BatchSampler(tokens, 16, 4, seed=1, starts=starts, repeats=RepeatCurriculum(steps=5, share=1.0))
-    repeated, repeated_documents = taught.batch_with_documents(2)
+    repeated, repeated_documents, _ = taught.rows(2)
     assert not torch.equal(repeated, sampler.batch(2)) and int(repeated_documents.abs().sum()) == 0
-    assert BatchSampler(tokens, 16, 4, seed=1).batch_with_documents(3)[1] is None
+    assert BatchSampler(tokens, 16, 4, seed=1).rows(3).documents is None
 
 
 def test_evaluation_windows_carry_their_documents() -> None:
@@ -688,3 +688,69 @@ def test_evaluation_windows_carry_their_documents() -> None:
     documents = torch.cat([b[2] for b in batches[:1]])
     assert documents.tolist() == [[0, 0, 0, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 2, 2]]
     assert batches[1][2].tolist() == [[2, 2, 2, 2]]  # the last window: tokens 16 … 19
+
+
+def test_first_fit_puts_each_item_in_the_lowest_bin_with_room() -> None:
+    """Worked by hand, capacity 8: 5 -> bin 0 (room 3), 4 -> bin 1 (room 4), 3 -> bin 0 (room 0), 2 -> bin 1; then
+    8 opens bin 2, 3 -> bin 3 (no room before it), 6 -> bin 4, 2 -> bin 1 (room 2 -> 0), 5 -> bin 3 (room 0), 1 ->
+    bin 4 (room 2 -> 1)."""
+    from routeformer.data import first_fit
+
+    assert first_fit(np.array([5, 4, 3, 2]), 8).tolist() == [0, 1, 0, 1]
+    assert first_fit(np.array([5, 4, 3, 2, 8, 3, 6, 2, 5, 1]), 8).tolist() == [0, 1, 0, 1, 2, 3, 4, 1, 3, 4]
+    with pytest.raises(ValueError, match=r"every length must be in \[1, capacity=8\], got 1 … 9"):
+        first_fit(np.array([1, 9]), 8)
+
+
+def _packed_split() -> tuple[np.ndarray, np.ndarray]:
+    """A split whose token t is t (no two equal), with documents of 1, 3, 40, 7, 17, 2, 25 and 5 tokens."""
+    lengths = [1, 3, 40, 7, 17, 2, 25, 5]
+    return np.arange(sum(lengths)), np.cumsum([0, *lengths[:-1]]).astype(np.int64)
+
+
+def test_packed_rows_hold_whole_documents_each_prediction_once_and_within_its_document() -> None:
+    """pack = "documents" (issue 71): rows of 12 tokens. A document of up to 12 tokens is one piece, a longer one
+    pieces of 12 every 11; every token but a document's first is a scored target exactly once over all rows, and
+    only from its own document; the rest of a row is padding, a document of its own, never scored."""
+    from routeformer.data import PackedRows
+
+    tokens, starts = _packed_split()
+    packed = PackedRows(tokens, starts, 12, seed=0)
+    rows = packed.rows(list(range(len(packed))))
+    owner = np.searchsorted(starts, tokens, side="right") - 1  # each token's document in the split
+    targets: list[int] = []
+    for row, documents, scored in zip(rows.tokens.tolist(), rows.documents.tolist(), rows.scored.tolist()):
+        assert documents == sorted(documents) and documents[0] == 0
+        for j in range(11):
+            same = documents[j] == documents[j + 1]
+            if scored[j]:
+                assert same and row[j + 1] == row[j] + 1 and owner[row[j]] == owner[row[j + 1]]
+                targets.append(row[j + 1])
+            else:  # the end of a piece or padding
+                assert not same or row[j + 1] == 0
+    firsts = set(starts.tolist())
+    assert sorted(targets) == [t for t in tokens.tolist() if t not in firsts]  # each once, none a document's first
+    # pieces: 3; 12, 12, 12, 7 (the 40-token document, every 11); 7; 12, 6; 2; 12, 12, 3; 5 (the 1-token none)
+    assert sorted(packed.sizes.tolist()) == sorted([3, 12, 12, 12, 7, 7, 12, 6, 2, 12, 12, 3, 5])
+    assert len(packed) < len(packed.sizes)  # short pieces share rows
+
+
+def test_packed_rows_are_a_function_of_the_seed_drawn_by_step_cut_and_repeated() -> None:
+    from routeformer.data import PackedRows
+
+    tokens, starts = _packed_split()
+    packed = PackedRows(tokens, starts, 17, seed=4)
+    sampler = BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=packed)
+    again = BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=PackedRows(tokens, starts, 17, seed=4))
+    assert all(torch.equal(a, b) for a, b in zip(sampler.rows(3), again.rows(3)))
+    ranks = [BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=packed, share=(r, 2)) for r in range(2)]
+    assert torch.equal(torch.cat([ranks[r].rows(3).scored for r in range(2)]), sampler.rows(3).scored)
+    whole, cut = sampler.rows(3), sampler.rows(3, length=8)  # cut into rows of 8 + 1: the same predictions
+    assert torch.equal(cut.scored, whole.scored.reshape(8, 8))
+    assert torch.equal(cut.tokens[:, :-1], whole.tokens[:, :-1].reshape(8, 8))
+    taught = BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=packed,
+                          repeats=RepeatCurriculum(steps=5, share=1.0))
+    repeated = taught.rows(2)  # a row of repeated text: one document, every prediction counting
+    assert int(repeated.documents.abs().sum()) == 0 and bool(repeated.scored.all())
+    with pytest.raises(DataError, match=r"packed rows of 17 tokens for rows of seq_len \+ 1 = 13"):
+        BatchSampler(tokens, 12, 4, seed=1, starts=starts, packed=packed)

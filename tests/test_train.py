@@ -713,6 +713,54 @@ def test_pack_boundaries_trains_and_scores_each_file_apart(setup, monkeypatch, c
     assert "each document" not in whole and "context: non-overlapping windows of" in whole
 
 
+def test_pack_documents_trains_on_whole_documents_packed_first_fit_the_loss_within_each(setup, monkeypatch,
+                                                                                       capsys) -> None:
+    """pack = "documents": rows are whole files (cut into rows of seq_len + 1 where longer) packed first-fit and
+    padded; a prediction counts only within one file (the loss ignores padding and every file's end); evaluation
+    scores each document from its own start. The letters' files are one letter each, padding 0."""
+    import torch.nn.functional as F
+
+    from routeformer.model import TransformerLM
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    targets: list[torch.Tensor] = []
+    forward, cross_entropy = TransformerLM.forward, F.cross_entropy
+
+    def recording(self, tokens, *args, documents=None, **kwargs):
+        if self.training:
+            seen.append((tokens.clone(), documents.clone()))
+        return forward(self, tokens, *args, documents=documents, **kwargs)
+
+    def scoring(logits, target, *args, **kwargs):
+        if torch.is_grad_enabled():
+            targets.append(target.clone())
+        return cross_entropy(logits, target, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "forward", recording)
+    monkeypatch.setattr(F, "cross_entropy", scoring)
+    data = _letters_data(setup["root"])
+    run = setup["root"] / "packed-documents"
+    assert main(["train", "--config", str(setup["config"]), "--data-dir", str(data), "--out", str(run),
+                 "--set", "data=letters", "--set", "pack=documents", "--set", "options.routing.probes=1",
+                 "--max-steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "whole documents packed first-fit into" in out and "each document from its own start" in out
+    assert len(seen) == len(targets) == 4
+    padded = 0
+    for (tokens, documents), target in zip(seen, targets):
+        target = target.reshape(tokens.shape)
+        for row, ids, wanted in zip(tokens.tolist(), documents.tolist(), target.tolist()):
+            for d in set(ids):  # a document is one letter, or padding
+                assert len({t for t, i in zip(row, ids) if i == d}) == 1
+            for j in range(len(row) - 1):
+                within = ids[j] == ids[j + 1] and row[j] != 0
+                assert (wanted[j] != -100) == within and (not within or wanted[j] == row[j + 1])
+            padded += row.count(0)
+    assert padded > 0  # some rows were padded: the letters' files are 40-95 bytes, rows 33
+    assert main(["evaluate", str(run), "--data-dir", str(data)]) == 0
+    assert "each document from its own start" in capsys.readouterr().out
+
+
 def test_pack_refuses_data_without_starts_heads_that_cannot_honour_them_and_unknown_values(setup, capsys) -> None:
     data = _letters_data(setup["root"])
     meta = json.loads((data / "letters" / "meta.json").read_text())
@@ -738,4 +786,4 @@ def test_pack_refuses_data_without_starts_heads_that_cannot_honour_them_and_unkn
     assert "pack = 'boundaries': undocumented heads (with these options) do not honour packed documents yet" \
         in capsys.readouterr().err
     assert main([*args[:-1], "pack=files", "--data-dir", str(data)]) != 0
-    assert "pack must be one of none, boundaries, got 'files'" in capsys.readouterr().err
+    assert "pack must be one of none, boundaries, documents, got 'files'" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--batch-size", type=positive, default=8, metavar="B", help="windows per forward (default 8)")
     ev.add_argument("--pack", choices=("none", "boundaries"), help="score the split as one text ('none') or each "
                     "document from its own start ('boundaries', the data set's recorded starts) (default: as the "
-                    "run trained)")
+                    "run trained; a run that packed whole documents scores as 'boundaries')")
     add_data_dir(ev, "where the run's data set lives, if not where it was trained")
     add_device(ev)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .packing import PackedRows, Rows
 from .repeats import RepeatCurriculum, repeat_rows
 from .store import DataError
 
@@ -23,13 +24,15 @@ class BatchSampler:
     that every window starts at a sample's first token and position embeddings tied to the sample's layout (an
     image's row, column and channel) are those of the tokens they embed. ``repeats``: a curriculum of repeated
     text over the first steps (``data.repeats``), for text only. ``share``: this process's (rank, number of
-    processes), which split every batch. ``starts``: the split's document starts (``Dataset.starts``):
-    ``batch_with_documents`` then gives every row's document ids, cut from the boundaries.
+    processes), which split every batch. ``starts``: the split's document starts (``Dataset.starts``): ``rows``
+    then gives every row's document ids, cut from the boundaries. ``packed``: whole documents packed first-fit
+    (``packing.PackedRows``, of seq_len + 1 tokens a row): each row is one of them, drawn at random, with its
+    documents and the predictions that count (none of padding, none across a document's end).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int,
                  share: tuple[int, int] = (0, 1), align: int = 1, repeats: RepeatCurriculum | None = None,
-                 starts: np.ndarray | None = None) -> None:
+                 starts: np.ndarray | None = None, packed: PackedRows | None = None) -> None:
         rank, world = share
         if len(tokens) < seq_len + 1:
             raise DataError(f"the train split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
@@ -43,12 +46,18 @@ class BatchSampler:
                             f"(images), whose rows must keep their layout: set repeat_steps=0")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank, self.world, self.align = seed, rank, world, align
+        if packed is not None and (packed.length != seq_len + 1 or align != 1):
+            raise DataError(f"packed rows of {packed.length} tokens for rows of seq_len + 1 = {seq_len + 1}"
+                            f"{'' if align == 1 else f' in samples of {align} tokens (images)'}: pack whole documents "
+                            f"into rows of seq_len + 1 tokens, of text")
         self.repeats = repeats
-        self.starts = starts
+        self.starts, self.packed = starts, packed
 
     def offsets(self, step: int) -> torch.Tensor:
         """Start of every window of the global batch of ``step``: (batch_size,)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        if self.packed is not None:  # the packed rows' indices
+            return torch.randint(0, len(self.packed), (self.batch_size,), generator=gen)
         starts = (len(self.tokens) - self.seq_len - 1) // self.align + 1  # windows that fit, at aligned starts
         return torch.randint(0, starts, (self.batch_size,), generator=gen) * self.align
 
@@ -57,35 +66,41 @@ class BatchSampler:
         seq_len + 1) int64 tokens; with ``length`` < seq_len (a warm-up on shorter rows), each row cut into
         seq_len / length rows of length + 1 (``cut_sequences``) before a curriculum's repeats are drawn for
         them."""
-        return self.batch_with_documents(step, micro, micro_batches, length)[0]
+        return self.rows(step, micro, micro_batches, length).tokens
 
-    def batch_with_documents(self, step: int, micro: int = 0, micro_batches: int = 1,
-                             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``batch``'s tokens (b, L + 1) and, with ``starts``, the document of each (b, L + 1) int64 (None
-        without): a row of the curriculum's repeated text is one document, its copies being what it teaches."""
+    def rows(self, step: int, micro: int = 0, micro_batches: int = 1, length: int | None = None) -> Rows:
+        """``batch``'s tokens (b, L + 1), with ``starts`` the document of each (b, L + 1) int64 (else None),
+        and with ``packed`` the predictions that count (b, L) (else None: all): a row of the curriculum's repeated
+        text is one document, every prediction of it counting, its copies being what it teaches."""
         per = self.batch_size // self.world
         if per % micro_batches:
             raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
         size = per // micro_batches
         first = self.rank * per + micro * size  # this share's first row in the global batch
         mine = self.offsets(step)[first:first + size]
-        rows = torch.from_numpy(np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                                          for o in mine.tolist()]))
-        documents = None if self.starts is None else window_documents(self.starts, mine, self.seq_len + 1)
+        if self.packed is not None:
+            rows, documents, scored = self.packed.rows(mine.tolist())
+        else:
+            rows = torch.from_numpy(np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
+                                              for o in mine.tolist()]))
+            documents = None if self.starts is None else window_documents(self.starts, mine, self.seq_len + 1)
+            scored = None
         pieces = 1
         if length is not None and length < self.seq_len:
             pieces = self.seq_len // length
             rows = cut_sequences(rows, length)
             documents = None if documents is None else cut_sequences(documents, length)
+            scored = None if scored is None else scored.unfold(1, length, length).reshape(-1, length)
         if self.repeats is None:
-            return rows, documents
+            return Rows(rows, documents, scored)
         # drawn over the global batch's rows (cut or not), so that ranks and micro-batches see one run's rows
         lengths = self.repeats.lengths(self.seed, step, self.batch_size * pieces, rows.shape[1] - 1)
         mine_lengths = lengths[first * pieces:(first + size) * pieces]
-        if documents is not None and any(mine_lengths):
+        if any(mine_lengths):
             repeated = torch.tensor([n > 0 for n in mine_lengths])
-            documents = documents.masked_fill(repeated[:, None], 0)
-        return repeat_rows(rows, mine_lengths), documents
+            documents = None if documents is None else documents.masked_fill(repeated[:, None], 0)
+            scored = None if scored is None else scored | repeated[:, None]
+        return Rows(repeat_rows(rows, mine_lengths), documents, scored)
 
 
 def window_documents(starts: np.ndarray, offsets: torch.Tensor, length: int) -> torch.Tensor:

@@ -30,7 +30,8 @@ SCHEDULES = ("cosine", "inverse_sqrt", "constant")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
-PACKS = ("none", "boundaries")  # TrainConfig.pack: documents ignored, or their boundaries kept
+PACKS = ("none", "boundaries", "documents")  # TrainConfig.pack: documents ignored, their boundaries kept, or
+# whole documents packed first-fit
 
 @dataclass
 class TrainConfig:
@@ -58,7 +59,9 @@ class TrainConfig:
     pack: how training rows and evaluation windows treat the data set's documents (a file of stdlib, sympy or a
     text folder; ``Dataset.starts``): "none", rows and windows read across them as one text; "boundaries", rows and
     windows as before, each carrying its documents' ids (``TransformerLM.forward(documents=)``): nothing is
-    predicted from another document, and evaluation scores each from its own start.
+    predicted from another document, and evaluation scores each from its own start; "documents", whole documents
+    (cut into rows of seq_len + 1 tokens where longer) packed first-fit into padded rows (``data.packing``), the
+    loss over the predictions within a document, evaluation as with "boundaries".
     """
 
     data: str = "stdlib"

@@ -196,17 +196,20 @@ class Loop:
         # shorter rows during a warm-up that asks for them (the routing heads' dense one, or the length warm-up)
         length = min(self.core.config.train_len(step - 1), cfg.train_len(step, self.seq_len))
         for micro in range(cfg.grad_accum):
-            # cut, then a curriculum's repeats; with pack = "boundaries" each token's document
-            tokens, documents = self.sampler.batch_with_documents(step, micro, cfg.grad_accum, length)
+            # cut, then a curriculum's repeats; with pack each token's document, and with pack = "documents" the
+            # predictions that count (none of padding, none across a document's end)
+            tokens, documents, scored = self.sampler.rows(step, micro, cfg.grad_accum, length)
             check_token_ids(tokens, self.core.config.vocab_size)  # on the host: no device sync
+            targets = tokens[:, 1:] if scored is None else tokens[:, 1:].masked_fill(~scored, IGNORED)
             tokens = tokens.to(self.procs.device, non_blocking=True)
+            targets = targets.to(self.procs.device, non_blocking=True)
             if documents is not None:
                 documents = documents[:, :-1].to(self.procs.device, non_blocking=True)
             last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with self.parallel.autocast():
                     logits = self.model(tokens[:, :-1], step, documents)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORED)
                     objective = (loss + self.core.aux_loss.float()) / cfg.grad_accum
                 self.parallel.scaler.scale(objective).backward()
             losses.append(loss.detach())
@@ -221,6 +224,8 @@ class Loop:
         # This rank's loss (one device-to-host copy a step, not one per micro-batch); the loop averages ranks.
         return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
 
+
+IGNORED = -100  # the target of a prediction that does not count (F.cross_entropy's ignore_index)
 
 BUDGET_CHECK_STEPS = 10  # the time budget is compared with max_steps once: this many steps after the first (or a tenth
 # of the budget)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data import BatchSampler, DataError, Dataset, RepeatCurriculum
+from ..data import BatchSampler, DataError, Dataset, PackedRows, RepeatCurriculum
 from ..model import TransformerLM
 from . import distributed
 from .checkpoint import CHECKPOINT, Checkpointer, first_line, load_checkpoint
@@ -106,9 +106,11 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
             raise ValueError(f"pack = {cfg.pack!r}: {', '.join(refusing)} heads (with these options) do not honour "
                              f"packed documents yet (docs/attention.md, 'Packed documents'); set pack = \"none\"")
     starts = document_starts(data, cfg, "train")
+    packed = None if cfg.pack != "documents" else PackedRows(data.split("train"), starts, run.model.seq_len + 1,
+                                                             seed=cfg.seed)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed,
                            share=(procs.rank, procs.world), align=data.meta.sample_length or 1, repeats=repeats,
-                           starts=starts)
+                           starts=starts, packed=packed)
     sampler.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
         if say is not None:
@@ -120,7 +122,7 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter model{sharded} "
              f"({m.depth} layers, dim {m.dim}, attention {m.attention}"
              f"{'' if m.token_shift == 'none' else f', token shift {m.token_shift}'}) on {cfg.data} ({UNITS[kind]}), "
-             f"seq_len {m.seq_len}, batch {cfg.batch_size}{_repeats_note(cfg)}, {parallel.describe()}; "
+             f"seq_len {m.seq_len}, batch {cfg.batch_size}{_repeats_note(cfg, packed)}, {parallel.describe()}; "
              f"run directory {run_dir}")
         for warning in schedule_warnings(cfg):
             echo(f"warning: {warning}")
@@ -162,12 +164,15 @@ def document_starts(data: Dataset, cfg: TrainConfig, split: str) -> np.ndarray |
     return starts
 
 
-def _repeats_note(cfg: TrainConfig) -> str:
+def _repeats_note(cfg: TrainConfig, packed: PackedRows | None) -> str:
     """The banner's mention of the length warm-up, the curriculum of repeated text and the documents' boundaries,
     where the run has them."""
     note = f", rows of {cfg.short_len} over the first {cfg.short_steps} steps" if cfg.short_steps else ""
     if cfg.pack == "boundaries":
         note += ", documents apart (no context across a file's boundary)"
+    if packed is not None:
+        note += (f", whole documents packed first-fit into {len(packed):,} rows ({packed.padding():.1%} padding; "
+                 f"no context across a file's boundary)")
     if not cfg.repeat_steps:
         return note
     return note + f", {cfg.repeat_share:.0%} of rows repeated text over the first {cfg.repeat_steps} steps"
