@@ -655,3 +655,83 @@ def test_a_model_refuses_documents_with_kinds_that_cannot_honour_them_and_ids_th
         unregister_kind("undocumented")
     with pytest.raises(ValueError, match="never decrease"):
         model(tokens, documents=torch.tensor([[1] * 8 + [0] * 8]))
+
+
+FLEX_LENGTHS = [[128, 300, 212], [45, 595]]  # N = 640: five blocks of 128, one document a whole block, one across
+
+
+@pytest.mark.parametrize("name, params", [("full", {}), ("local", {"window": 200}), ("strided", {"stride": 4})])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_block_tables_for_documents_are_those_of_their_pairs(name: str, params: dict, causal: bool,
+                                                                  monkeypatch) -> None:
+    """The flex executor's block tables for packed documents come from the pattern's tables without them, narrowed
+    by each block's first and last document (``blocks._labelled``): the full blocks are exactly those whose every
+    pair the whole rule allows, the partial ones every other block holding an allowed pair (and at most some that
+    hold none); the output equals the reference's in float64."""
+    from routeformer.executors.flex import blocks
+
+    seen = []
+    labelled = blocks._labelled
+
+    def spy(pattern, device, block):
+        mask = labelled(pattern, device, block)
+        seen.append((mask, blocks._tables_of(pattern, pattern.labels.shape[0], 1, device, block)))
+        return mask
+
+    monkeypatch.setattr(blocks, "_labelled", spy)
+    B, H, N, D = 2, 2, 640, 8
+    q, k, v = rand_qkv(B, H, N, D, grad=False)
+    documents = documents_from_lengths(FLEX_LENGTHS)
+    pattern = PATTERNS[name]
+    out = pattern.run(Inputs.of(q, k, v, documents=documents), "flex", causal=causal, **params)
+    mask = pattern.build_mask(N, H, causal, **params)[None] & same_document(documents)
+    torch.testing.assert_close(out, reference_attention(Inputs.of(q, k, v), mask), rtol=1e-10, atol=1e-10)
+    assert seen, "the documents' block tables were not built from the pattern's own"
+    for got, pairs in seen:
+        nkb, rows = got.kv_indices.shape[-1], pairs.some.shape[0]  # rows: B, or B · stride for the grid's columns
+        listed = torch.zeros(rows, 1, pairs.some.shape[2], nkb + 1, dtype=torch.bool)
+
+        def blocks_of(count, indices):  # (B, 1, nqb, nkb) bool from FlexAttention's (count, indices)
+            table = listed.clone()
+            rows = torch.arange(indices.shape[-1]) < count[..., None]
+            table.scatter_(-1, torch.where(rows, indices.long(), nkb), rows)
+            return table[..., :nkb]
+
+        full = blocks_of(got.full_kv_num_blocks, got.full_kv_indices)
+        partial = blocks_of(got.kv_num_blocks, got.kv_indices)
+        cand = pairs.cand.expand(rows, 1, *pairs.cand.shape)
+        want_full = blocks_of(pairs.every.sum(-1), torch.where(pairs.every, cand, nkb).sort(-1).values)
+        want_some = blocks_of(pairs.some.sum(-1), torch.where(pairs.some, cand, nkb).sort(-1).values)
+        assert torch.equal(full, want_full)
+        assert bool((want_some & ~want_full & ~partial).sum() == 0)  # every block with an allowed pair is listed
+        assert not bool((full & partial).any())
+        if name == "full":  # blocks sharing a document share an allowed pair: the listed are exactly those
+            assert torch.equal(full | partial, want_some)
+
+
+def _flex_local_step(N: int, monkeypatch) -> object:
+    """One forward and backward of causal local attention (window 256, 8 heads of 64, bfloat16 as on a GPU) over a
+    row of 16 packed documents on the flex executor, on the ``meta`` device (the ids already numbered, as
+    ``Inputs.of`` leaves them: checking them reads the device)."""
+    from helpers import OperatorCount
+    from routeformer.executors.flex import ops as flex_ops
+    from routeformer.executors.pieces import Band
+
+    monkeypatch.setattr(flex_ops, "flex_call", lambda q, k, v, **_: (q + v.mean(2, keepdim=True), q.float().sum(-1)))
+    q = torch.empty(1, 8, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.empty(1, 8, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    documents = torch.empty(1, N, device="meta", dtype=torch.long)
+    executor = get_executor("flex")
+    for _ in range(2):  # the second call is counted: the first also makes what the sizes alone decide, once
+        with OperatorCount() as count:
+            out = executor.tiled(Inputs(q, q, v, 0.125, documents=documents), Band(256, True))[0]
+            out.float().sum().backward()
+    return count
+
+
+def test_flex_block_tables_for_documents_take_as_many_operators_at_any_length(monkeypatch) -> None:
+    """At 65,536 and 262,144 positions the documents' block tables take the same operators (no chunk loop over
+    pairs, whose count grows with N), none larger than FlexAttention's own (B, nqb, nkb) tables."""
+    small, large = _flex_local_step(65536, monkeypatch), _flex_local_step(262144, monkeypatch)
+    assert small.ops == large.ops
+    assert large.largest <= 8 * 262144 * 64  # the inputs' size: no (N, block) pairs evaluated per head

@@ -203,14 +203,16 @@ def documents_in(tiling: Tiling, documents: Tensor) -> Tensor:
     return doc.expand(shape).gather(-1, order.expand(shape))
 
 
-def with_group(restrict: KeyRestrictions | None, labels: Tensor, n: int) -> KeyRestrictions:
+def with_group(restrict: KeyRestrictions | None, labels: Tensor, n: int, *, ascending: bool) -> KeyRestrictions:
     """``restrict`` with ``labels`` (each in [0, n)) joined to its groups: two entries share the new group when they
-    share both (group · n + label)."""
+    share both (group · n + label). ``ascending``: the labels never decrease along the sequence; the joined groups
+    then do where the old ones did too (``KeyRestrictions.sorted_groups``)."""
     if restrict is None:
-        return KeyRestrictions(groups=labels)
+        return KeyRestrictions(groups=labels, sorted_groups=ascending)
     if restrict.groups is None:
-        return restrict._replace(groups=labels)
-    return restrict._replace(groups=restrict.groups.to(torch.long) * n + labels)
+        return restrict._replace(groups=labels, sorted_groups=ascending)
+    return restrict._replace(groups=restrict.groups.to(torch.long) * n + labels,
+                             sorted_groups=ascending and restrict.sorted_groups)
 
 
 def within_documents(piece: Piece, laid: Laid, documents: Tensor) -> Laid:
@@ -227,11 +229,15 @@ def within_documents(piece: Piece, laid: Laid, documents: Tensor) -> Laid:
         return laid._replace(tiling=dataclasses.replace(tiling, tile_mask=mask))
     if isinstance(piece, Columns):
         grid = to_columns(documents[:, None, :, None], piece.width)[..., 0]  # (B · width, 1, R)
-        return laid._replace(restrict=with_group(laid.restrict, grid, documents.shape[-1]))
+        # a column's positions c, c + width, … increase, so its documents never decrease (but for the zeros that
+        # pad N to whole rows)
+        n = documents.shape[-1]
+        return laid._replace(restrict=with_group(laid.restrict, grid, n, ascending=n % piece.width == 0))
     if tiling.rows is not None or nq != nk:
         raise ValueError(f"documents need self-attention (as many keys as queries, no rows): got {nq} queries and "
                          f"{nk} keys")
-    return laid._replace(restrict=with_group(laid.restrict, documents_in(tiling, documents), nk))
+    return laid._replace(restrict=with_group(laid.restrict, documents_in(tiling, documents), nk,
+                                             ascending=tiling.order is None))
 
 
 def documents_folded(piece: SortedWindow, documents: Tensor) -> SortedWindow:

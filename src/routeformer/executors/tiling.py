@@ -56,12 +56,16 @@ class KeyRestrictions(NamedTuple):
     labels: optional integer (B, H, L, N): a pair whose labels differ by less than ``label_window`` in any of the L
         rows is left out (held by another call: LSH's earlier hash rounds, whose sorted windows already hold it).
     label_window: see ``labels``.
+    sorted_groups: the groups never decrease along the sequence (packed documents in position order, or in a grid's
+        columns): an executor may bound a block of entries' groups by its first and last entry's (the flex
+        executor's block tables for documents, ``flex.blocks``).
     """
 
     groups: Tensor | None = None
     exclude_self: bool = False
     labels: Tensor | None = None
     label_window: int = 0
+    sorted_groups: bool = False
 
 
 @dataclass(frozen=True, eq=False)

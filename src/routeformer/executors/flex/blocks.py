@@ -12,6 +12,7 @@ built per call. Routing's and LSH's sorted windows build theirs from their inter
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -29,6 +30,8 @@ _CHUNK = 1 << 24  # pairs evaluated at once
 def block_mask(pattern: FlexPattern, batch: int, heads: int, device: torch.device,
                block: tuple[int, int] = (BLOCK, BLOCK)):
     """The ``BlockMask`` of ``pattern`` for (batch, heads) and (query, key) blocks of ``block`` positions."""
+    if pattern.labels is not None and block[0] == block[1]:
+        return _labelled(pattern, device, block)
     key = None
     if pattern.cache_key is not None and not pattern.per_head:
         key = (pattern.cache_key, pattern.nq, pattern.nk, str(device), block)
@@ -43,11 +46,19 @@ def block_mask(pattern: FlexPattern, batch: int, heads: int, device: torch.devic
     return mask
 
 
-def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tuple[int, int]):
-    from torch.nn.attention.flex_attention import BlockMask
+class _Candidates(NamedTuple):
+    """A pattern's block tables before they are listed: ``cand`` (nqb, C) the key blocks each query block's reach
+    covers, ``some`` and ``every`` (B, H, nqb, C) whether a candidate holds an allowed pair, and only those."""
 
+    cand: Tensor
+    some: Tensor
+    every: Tensor
+
+
+def _tables_of(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tuple[int, int]) -> _Candidates:
+    """The exact rule evaluated on every candidate pair of blocks, in chunks of query blocks."""
     bq, bk = block
-    nq_blocks, nk_blocks = -(-pattern.nq // bq), -(-pattern.nk // bk)
+    nq_blocks = -(-pattern.nq // bq)
     width = _candidates(pattern, bq, bk, torch.device("cpu"))[0].shape[1]  # C, read off host tensors
     # the tables on the device itself, from the same arithmetic: no copy from host memory (from pageable memory a
     # copy to CUDA may synchronise the stream)
@@ -69,11 +80,54 @@ def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tu
         all_parts.append((allowed | ~real).flatten(-2).all(-1))
     some = torch.cat(any_parts, 2) & in_reach  # (B, H, nqb, C)
     every = torch.cat(all_parts, 2) & some
-    partial = some & ~every
-    kv_num, kv_idx = ordered_blocks(partial, cand, nk_blocks)
-    full_num, full_idx = ordered_blocks(every, cand, nk_blocks)
+    return _Candidates(cand, some, every)
+
+
+def _build(pattern: FlexPattern, B: int, H: int, device: torch.device, block: tuple[int, int]):
+    """The ``BlockMask`` of ``pattern``'s rule evaluated on every candidate pair of blocks, for (B, H)."""
+    return _mask(pattern, _tables_of(pattern, B, H, device, block), block)
+
+
+def _mask(pattern: FlexPattern, tables: _Candidates, block: tuple[int, int]):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nk_blocks = -(-pattern.nk // block[1])
+    kv_num, kv_idx = ordered_blocks(tables.some & ~tables.every, tables.cand, nk_blocks)
+    full_num, full_idx = ordered_blocks(tables.every, tables.cand, nk_blocks)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
                                     mask_mod=pattern.allowed, seq_lengths=(pattern.nq, pattern.nk))
+
+
+def _labelled(pattern: FlexPattern, device: torch.device, block: tuple[int, int]):
+    """The ``BlockMask`` of a pattern whose rule also wants a query's and a key's labels equal, labels that never
+    decrease along the sequence (``FlexPattern.labels``: packed documents). The tables of the rule without them
+    (``unlabelled``: one per sizes, cached as a static pattern's mask is) are narrowed by each block's first and last
+    label: a pair of blocks whose label ranges are disjoint holds no allowed pair and is dropped; a full one stays
+    full only where both blocks hold one and the same label; the rest are partial (``mask_mod``, the whole rule,
+    decides within). A fixed number of operations on (B, nqb, C) integers, whatever N and however many documents:
+    no pair of positions evaluated."""
+    static = dataclasses.replace(pattern, allowed=pattern.unlabelled, per_head=False, labels=None, unlabelled=None)
+    key = None if static.cache_key is None else ("tables", static.cache_key, static.nq, static.nk, str(device), block)
+    if key is not None and key in _CACHE:
+        _CACHE.move_to_end(key)
+        tables = _CACHE[key]
+    else:
+        tables = _tables_of(static, 1, 1, device, block)
+        if key is not None:
+            _CACHE[key] = tables
+            if len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    labels = pattern.labels  # (B, 1, N)
+    n, size = labels.shape[-1], block[0]
+    starts = torch.arange(0, n, size, device=labels.device)
+    first = labels.index_select(-1, starts)  # (B, 1, nb): every block's first label, and its last
+    last = labels.index_select(-1, (starts + size - 1).clamp_max(n - 1))
+    key_first, key_last = first[..., tables.cand], last[..., tables.cand]  # (B, 1, nqb, C)
+    query_first, query_last = first[..., None], last[..., None]
+    overlap = (key_first <= query_last) & (query_first <= key_last)
+    one = (query_first == query_last) & (key_first == key_last) & (query_first == key_first)
+    some = tables.some & overlap
+    return _mask(pattern, _Candidates(tables.cand, some, tables.every & some & one), block)
 
 
 def _candidates(pattern: FlexPattern, bq: int, bk: int, device: torch.device,

@@ -53,8 +53,16 @@ def _right_lse(pattern: FlexPattern, q, k, v, mod, rel_pos: RelativePositions, s
     def allowed(b, h, i, j):
         return far(b, h, i, j) & (delta(b, h, i, j) >= rel_pos.max_distance)
 
+    unlabelled = None
+    if pattern.labels is not None:
+        near = pattern.unlabelled
+
+        def unlabelled(b, h, i, j):
+            return near(b, h, i, j) & (delta(b, h, i, j) >= rel_pos.max_distance)
+
     right = FlexPattern(pattern.nq, pattern.nk, allowed, pattern.reach, pattern.per_head,
-                        None if pattern.cache_key is None else (*pattern.cache_key, "right", rel_pos.max_distance))
+                        None if pattern.cache_key is None else (*pattern.cache_key, "right", rel_pos.max_distance),
+                        labels=pattern.labels, unlabelled=unlabelled)
     return flex_call(q, k, v, block_mask=block_mask(right, q.shape[0], q.shape[1], q.device), scale=scale,
                      score_mod=mod)[1]
 
@@ -121,26 +129,36 @@ def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = 
     groups, exclude = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
     single = tiling.single(Nq)
     n_tiles, T, S = tiling.shape(Nq, Nk)
-    data = data_rule(Nq, Nk, key_valid, groups)
     allow, offsets = tiling.allow, tiling.offsets
     tile_mask, rel_delta, bias = (None if x is None else x.view(*(1,) * (5 - x.dim()), *x.shape)
                                   for x in (tiling.tile_mask, None if distances is None else distances.delta, bias))
+    positioned = distances is not None and distances.positions is not None
+    # packed documents (groups that never decrease, one per batch row) and nothing else per row or head: the block
+    # tables are the static pattern's, narrowed by each block's documents (``blocks._labelled``)
+    labels = groups if (groups is not None and restrict.sorted_groups and groups.shape[1] == 1 and Nq == Nk
+                        and key_valid is None and tile_mask is None and bias is None and not positioned
+                        and (rel_delta is None or rel_delta.shape[:2] == (1, 1))) else None
 
     def cell(i, j):  # (tile, row, span column) of a pair, clamped for lookups
         tile, r, s = tiling.cell(i, j, Nq)
         return tile.clamp(0, n_tiles - 1), r.clamp(0, T - 1), s.clamp(0, S - 1)
 
-    def rule(b, h, i, j):
-        s = tiling.cell(i, j, Nq)[2]
-        ok = data(b, h, i, j) & (s >= 0) & (s < S)
-        tile, r, s = cell(i, j)
-        if allow is not None:
-            ok = ok & allow[r, s]
-        if offsets is not None:
-            ok = ok & (j - i >= offsets[0]) & (j - i <= offsets[1])
-        if tile_mask is not None:
-            ok = ok & lookup(tile_mask, b, h, tile, r, s)
-        return ok
+    def rule_of(data):
+        def rule(b, h, i, j):
+            s = tiling.cell(i, j, Nq)[2]
+            ok = data(b, h, i, j) & (s >= 0) & (s < S)
+            tile, r, s = cell(i, j)
+            if allow is not None:
+                ok = ok & allow[r, s]
+            if offsets is not None:
+                ok = ok & (j - i >= offsets[0]) & (j - i <= offsets[1])
+            if tile_mask is not None:
+                ok = ok & lookup(tile_mask, b, h, tile, r, s)
+            return ok
+
+        return rule
+
+    rule = rule_of(data_rule(Nq, Nk, key_valid, groups))
 
     def reach(first, last):
         lo, hi = tiling.key_reach(first, last, Nq, Nk)
@@ -151,7 +169,7 @@ def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = 
     delta = None
     frame: tuple = ("all",)
     by_index = distances is not None and distances.unit is not None
-    if distances is not None and distances.positions is not None:
+    if positioned:
         delta = positions_delta(distances.positions, Nq)
     elif rel_delta is not None:
         def delta(b, h, i, j):
@@ -167,12 +185,15 @@ def tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | None = 
     if bias is not None:
         def extra(b, h, i, j):
             return lookup(bias, b, h, *cell(i, j))
-    per_head = (key_valid is not None or groups is not None or tile_mask is not None
-                or (distances is not None and distances.positions is not None) or bias is not None)
-    cacheable = not per_head and allow is None and rel_delta is None
+    per_head = (key_valid is not None or groups is not None or tile_mask is not None or positioned
+                or bias is not None)
+    cacheable = (not per_head or labels is not None) and allow is None and rel_delta is None
     cache_key = ("tiled", single, T, tiling.block, tiling.back, tiling.ahead, offsets) if cacheable else None
     args = dict(nq=Nq, nk=Nk, reach=reach, per_head=per_head, cache_key=cache_key, delta=delta, frame=frame,
                 one_sided=one_sided)
+    if labels is not None:
+        unlabelled = rule_of(data_rule(Nq, Nk, None, None))
+        args.update(labels=labels, unlabelled=without_self(unlabelled) if exclude else unlabelled)
     return attend(FlexPattern(**_finish(args, rule, exclude)), q, k, v, scale=scale, rel_pos=rel_pos,
                   need_lse=need_lse, bias=extra)
 

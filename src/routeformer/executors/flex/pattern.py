@@ -37,6 +37,10 @@ class FlexPattern:
     own: the rule without ``exclude_self`` at (i, i), for that fallback.
     block_mask: the call's ``BlockMask`` where the caller built it from what it knows of the rule (the sorted
     window's intervals, ``windows.py``); None: built from ``reach`` (``blocks.block_mask``).
+    labels, unlabelled: where ``allowed`` is ``unlabelled`` (a rule the same for every b and h) and also wants the
+    query's and the key's labels equal, labels (B, 1, N) that never decrease along the sequence (packed documents,
+    ``KeyRestrictions.sorted_groups``; nq = nk): the block tables then come from ``unlabelled``'s, narrowed by each
+    block's first and last label (``blocks._labelled``), not from the pairs.
     """
 
     nq: int
@@ -51,6 +55,8 @@ class FlexPattern:
     exclude_self: bool = False
     own: Rule | None = None
     block_mask: object | None = None
+    labels: Tensor | None = None
+    unlabelled: Rule | None = None
 
 
 def lookup(x: Tensor, b: Tensor, h: Tensor, *rest: Tensor) -> Tensor:
