@@ -8,7 +8,7 @@ operator, so that they cannot rot on a machine without one (``tests/helpers.devi
 
 On the device, in float32 with the executor ``auto`` picks there (flex; on the CPU flex asked for by name): every
 kind of head in a small model against the same model in float64 on the CPU (the tiles executor), forward and
-gradients; causal routing with the paper's rule (one probe) and with two probes, balanced (non-causal) routing, LSH,
+gradients, over rows of one sequence and of packed documents; causal routing with the paper's rule (one probe) and with two probes, balanced (non-causal) routing, LSH,
 the routing warm-up and hand-over, each against its dense definition in float64 on the CPU over the routes the
 device computed (float32 and float64 may route a near tie differently); relative positions; training steps;
 decoding; bfloat16; ``compile = true``; and, on CUDA, no host synchronisation inside a training step's forward and
@@ -29,6 +29,7 @@ from helpers import DeviceUnderTest, rand_qkv, rand_rel, routing_layer
 from routeformer import TransformerConfig, TransformerLM
 from routeformer.attention import KINDS, Inputs, LSHOptions, lsh_attention, reference_attention
 from routeformer.attention.lsh import default_lsh_settings, lsh_mask, lsh_rotations
+from routeformer.documents import documents_from_lengths
 from routeformer.executors import resolve_backend
 
 pytestmark = pytest.mark.cuda
@@ -105,6 +106,26 @@ def test_every_kind_in_a_model_matches_float64_on_the_cpu(on_device: DeviceUnder
     (logits * weights.to(logits)).sum().backward()
     (want * weights).sum().backward()
     _same_gradients(model, ref, name)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_every_kind_over_packed_documents_matches_float64_on_the_cpu(on_device: DeviceUnderTest, name: str) -> None:
+    """The same over rows of packed documents (issue 71): on flex, the documents' block tables narrowed from the
+    pattern's own (``flex.blocks``), each row cut differently, one boundary inside a block of 128."""
+    cfg = _kind_config(name, on_device.model_n, on_device.backend)
+    model, ref = _pair(cfg, on_device)
+    model.eval()
+    ref.eval()
+    n = cfg.seq_len
+    documents = documents_from_lengths([[n // 4 - 3, n // 2, n - n // 4 - n // 2 + 3], [5, n - 5]])
+    tokens = _tokens(cfg)
+    logits = model(tokens.to(on_device.device), documents=documents.to(on_device.device))
+    want = ref(tokens, documents=documents)
+    _close(logits, want, f"{name} over documents: logits")
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (logits * weights.to(logits)).sum().backward()
+    (want * weights).sum().backward()
+    _same_gradients(model, ref, f"{name} over documents")
 
 
 def _same_gradients(model: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:
