@@ -456,25 +456,64 @@ def test_block_selection_chooses_among_its_own_documents_blocks(kind: str, execu
     _isolated(attend, documents, B, H, N, D, atol=1e-14 if executor == "fused" else 0.0)
 
 
-def test_kinds_that_do_not_honour_documents_yet_refuse_them() -> None:
-    """Balanced routing, and attention over key ranges given as they are (blocks selected without their
-    documents): an error names them, nothing attends across a boundary."""
+def test_attention_over_key_ranges_given_as_they_are_refuses_documents() -> None:
+    """Attention over key ranges given as they are (blocks selected without their documents): an error names it,
+    nothing attends across a boundary."""
     from routeformer.attention.blocks import selected_attention
-    from routeformer.attention.routing import RoutingAttention, RoutingOptions
 
     q, k, v = rand_qkv(1, 2, 16, 4, grad=False)
-    documents = documents_from_lengths([[8, 8]])
-    balanced = RoutingAttention(2, 4, RoutingOptions(num_clusters=2, window=4, probes=1, balance=0.0), causal=False,
-                                balanced=True).double()
     chosen = torch.zeros(1, 2, 16, 1, dtype=torch.long)
-    calls = {
-        "balanced routing": lambda: balanced(q, k, v, documents=documents),
-        "attention over key ranges": lambda: selected_attention(Inputs.of(q, k, v, documents=documents), chosen, 4,
-                                                                get_executor("tiles", "cpu"), None),
-    }
-    for what, call in calls.items():
-        with pytest.raises(ValueError, match=f"{what}.* does not honour packed documents yet"):
-            call()
+    with pytest.raises(ValueError, match="attention over key ranges.* does not honour packed documents yet"):
+        selected_attention(Inputs.of(q, k, v, documents=documents_from_lengths([[8, 8]])), chosen, 4,
+                           get_executor("tiles", "cpu"), None)
+
+
+def _balanced(shared: bool):
+    from routeformer.attention.routing import RoutingAttention, RoutingOptions
+
+    torch.manual_seed(3)
+    layer = RoutingAttention(2, 8, RoutingOptions(num_clusters=3, window=5, probes=1, balance=0.0, shared_qk=shared),
+                             causal=False, balanced=True).double().eval()
+    return layer
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("relative", [False, True])
+def test_balanced_routing_gives_each_packed_document_what_it_gets_alone(executor: str, shared: bool,
+                                                                       relative: bool) -> None:
+    """Balanced (non-causal) routing over packed documents: each document's clusters take the min(window, length)
+    of its own tokens nearest each centroid, so each document gets what it gets alone, to rounding; lengths of
+    several tiers (1, 3, 7, 14, 20), a padded key inside one, forward and gradients."""
+    layer = _balanced(shared)
+    layer.executor = get_executor(executor, "cpu")
+    lengths = [[7, 1, 20, 17], [3, 14, 28]]
+    B, H, N, D = 2, 2, 45, 8
+    q, k, v = rand_qkv(B, H, N, D)
+    padding = torch.ones(B, N, dtype=torch.bool)
+    padding[1, 20] = False  # a padded key inside the second row's second document
+    rel = rand_rel(D, 6) if relative else None
+    documents = documents_from_lengths(lengths)
+    packed = layer(q, k, v, rel, key_padding_mask=padding, documents=documents)
+    grad = torch.randn_like(packed)
+    got = torch.autograd.grad(packed, (q, k, v), grad)
+    for b, row in enumerate(lengths):
+        start = 0
+        for length in row:
+            part = slice(start, start + length)
+            x = [t[b:b + 1, :, part].detach().requires_grad_() for t in (q, k, v)]
+            alone = layer(*x, rel, key_padding_mask=padding[b:b + 1, part])
+            torch.testing.assert_close(packed[b:b + 1, :, part], alone, rtol=1e-12, atol=1e-12)
+            for want, g in zip(torch.autograd.grad(alone, x, grad[b:b + 1, :, part]), got, strict=True):
+                torch.testing.assert_close(g[b:b + 1, :, part], want, rtol=1e-12, atol=1e-12)
+            start += length
+
+
+def test_balanced_routing_keeps_each_document_apart_bit_for_bit() -> None:
+    layer = _balanced(True)
+    layer.executor = get_executor("fused", "cpu")
+    documents = documents_from_lengths(LENGTHS)
+    _isolated(lambda q, k, v: layer(q, k, v, documents=documents), documents, 2, 2, 45, 8)
 
 
 def test_documents_need_self_attention_where_they_become_key_groups() -> None:

@@ -199,3 +199,43 @@ def _unselected_tiles(out: Tensor, inputs: Inputs, clustering: tuple[Tensor, Ten
     dest = torch.cat([out, out.new_zeros(B, H, 1, D)], 2)
     dest = dest.scatter(2, query.reshape(B, H, total * w, 1).expand(-1, -1, -1, D), o.reshape(B, H, total * w, D))
     return dest[:, :, :N]
+
+
+def balanced_over_documents(inputs: Inputs, scores: Tensor, clusters: Tensor, options: RoutingOptions, *,
+                            window: int, executor: Executor, rel_pos: RelativePositions | None = None) -> Tensor:
+    """``balanced_attention`` over packed documents (``inputs.documents`` (B, N), numbered from 0 per row): every
+    document as if alone, its clusters' members the ``min(window, length)`` of its own tokens nearest each
+    centroid. scores (B, H, N, k), clusters (B, H, N): the router's, over the row as it is (the k-means statistics
+    do not depend on the packing). -> (B, H, N, D).
+
+    The documents of the whole batch are laid out as a batch of their own, in tiers of similar lengths (the
+    lengths' powers of two) each padded to its longest, so the padded work is less than twice the real. Their
+    lengths are one host read (on CUDA a wait for the device): balanced routing is an encoder's, not a training
+    step's inner loop."""
+    q = inputs.q
+    B, H, N, D = q.shape
+    documents = inputs.documents
+    lengths = torch.zeros(B, N, dtype=torch.long, device=q.device).scatter_add_(
+        1, documents, torch.ones_like(documents))  # (B, N): each document's length, 0 past the row's last
+    starts = lengths.cumsum(1) - lengths
+    rows, ids = lengths.nonzero(as_tuple=True)
+    spans = torch.stack([rows, starts[rows, ids], lengths[rows, ids]], 1).tolist()  # the one host read
+    valid = None if inputs.key_valid is None else inputs.key_valid.expand(B, H, N)
+    flat = lambda x: x.movedim(2, 1).reshape(B * N, *x.shape[1:2], *x.shape[3:])  # noqa: E731 (B·N, H, ...)
+    out = q.new_zeros(B * N, H, D)
+    tiers: dict[int, list[list[int]]] = {}
+    for span in spans:
+        tiers.setdefault(max(span[2] - 1, 0).bit_length(), []).append(span)
+    for tier in tiers.values():
+        length = max(n for _, _, n in tier)
+        at = torch.tensor([b * N + s for b, s, _ in tier], device=q.device)[:, None] + torch.arange(length,
+                                                                                               device=q.device)
+        real = torch.arange(length, device=q.device) < torch.tensor([n for _, _, n in tier], device=q.device)[:, None]
+        at = torch.where(real, at, 0)  # (T, L): the flat position of every slot, padding reading position 0
+        gather = lambda x: flat(x)[at].movedim(1, 2)  # noqa: E731 (T, H, L, ...)
+        kept = real[:, None, :] if valid is None else real[:, None, :] & gather(valid)
+        part = Inputs(gather(q), gather(inputs.k), gather(inputs.v), inputs.scale, kept)
+        members = balanced_members(gather(scores), window, kept.all(1))
+        o = balanced_attention(part, members, gather(clusters), options, executor=executor, rel_pos=rel_pos)
+        out = out.index_put((at[real],), o.movedim(2, 1)[real])
+    return out.view(B, N, H, D).movedim(1, 2)

@@ -24,11 +24,11 @@ from torch import Tensor
 
 from ...documents import DocumentSpans
 from ...executors import KeyRestrictions, RelativePositions, Tiling, Window, check_inputs
-from ...executors.inputs import Inputs, refuse_documents, relative
+from ...executors.inputs import Inputs, relative
 from ..decoding import seen
 from ..kinds.base import HeadGroup, KeyStore
 from ..reference import reference_attention
-from .balanced import balanced_attention, balanced_mask, balanced_members
+from .balanced import balanced_attention, balanced_mask, balanced_members, balanced_over_documents
 from .cache import RoutingCache, TokenRoute
 from .options import RoutingOptions, read_option
 from .probes import probe_masks, probed_window_attention, probed_window_mask, routed_pairs
@@ -168,8 +168,8 @@ class RoutingAttention(HeadGroup):
                 documents: Tensor | None = None) -> Tensor:
         """(B, H, N, D) -> (B, H, N, D). ``documents`` (B, N): packed documents, a query seeing only its own
         document's keys: each cluster's window within the document (the label is (document, cluster)), the dense
-        warm-up within it; the k-means statistics are those of the positions as they are, however packed.
-        Balanced routing refuses them (not yet)."""
+        warm-up within it; balanced clusters within each document, as if it were alone; the k-means statistics are
+        those of the positions as they are, however packed."""
         inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos, documents=documents)
         routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced,
                                      executor=self.executor)
@@ -182,7 +182,9 @@ class RoutingAttention(HeadGroup):
                                            sort=self._sort(routes, inputs.documents),
                                            executor=ex, rel_pos=rel_pos, gates=self._gates(routes))
         if self.balanced:
-            refuse_documents(inputs, "balanced routing")
+            if inputs.documents is not None:
+                return balanced_over_documents(inputs, routes.scores, routes.keys, o, window=self.window, executor=ex,
+                                               rel_pos=rel_pos)
             members = balanced_members(routes.scores, self.window, key_padding_mask)
             return balanced_attention(inputs, members, routes.keys, o, executor=ex, rel_pos=rel_pos)
         return sorted_window_attention(inputs, self._sort(routes, inputs.documents), o, executor=ex,
