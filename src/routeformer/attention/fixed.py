@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from ..checks import check_options, check_split_heads, positive_int
-from ..executors import Backend, get_executor, merge_partials
+from ..executors import Backend, Executor, get_executor, merge_partials
 from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.pieces import BlockDiagonal, Subset
+from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
 from .decoding import seen
 from .kinds.base import HeadGroup, HeadKind, KeyStore
@@ -53,23 +54,80 @@ def fixed_attention(
     CPU; ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
     options = check_options("options", options, FixedOptions)
-    block, summary = options.block, options.summary
+    block = options.block
     q = inputs.q
     B, H, N, D = inputs.shape
     executor = get_executor(executor, q.device)
-    rel = check_rel(rel, q)
-    # A2 without a summary cell before N (the sequence ends first) is attention to no key
-    cells, allow = summary_keys(N, block, summary, other_blocks=merged, causal=causal, device=q.device)
+    terms = check_rel(rel, q)
     if merged:
-        parts = [executor.tiled(inputs, BlockDiagonal(block, causal), rel=rel, need_lse=True)]
-        if cells.numel():
-            parts.append(executor.tiled(inputs, Subset(cells, allow), rel=rel, need_lse=True))
+        parts = [executor.tiled(inputs, BlockDiagonal(block, causal), rel=terms, need_lse=True)]
+        if summary_count(N, block, options.summary):  # A2 without a summary cell before N attends to no key
+            parts.append(summary_attention(inputs, options, executor, other_blocks=True, causal=causal, rel=rel,
+                                           need_lse=True))
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
-    a1, _ = executor.tiled(inputs.head_range(0, half), BlockDiagonal(block, causal), rel=rel)
-    a2 = (executor.tiled(inputs.head_range(half, H), Subset(cells, allow), rel=rel)[0] if cells.numel()
-          else q.new_zeros(B, H - half, N, D))
+    a1, _ = executor.tiled(inputs.head_range(0, half), BlockDiagonal(block, causal), rel=terms)
+    a2 = summary_attention(inputs.head_range(half, H), options, executor, other_blocks=False, causal=causal,
+                           rel=rel)[0]
     return torch.cat([a1, a2], dim=1)
+
+
+def summary_attention(inputs: Inputs, options: FixedOptions, executor: Executor, *, other_blocks: bool, causal: bool,
+                      rel: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """A2: every query against the summary cells (j mod l >= l - c; of other blocks only when ``other_blocks``;
+    earlier ones when causal) -> (out (B, H, N, D), lse (B, H, N) or None); zeros (lse -inf) where no cell is.
+
+    One dense (N, M) tile of the N·c/l cells gathered once (``Subset``), O(N · M · D). With packed documents on an
+    executor that computes key ranges itself (fused, flex), a query's cells are one or two ranges of them within
+    its document (``summary_ranges``), O(Σ_docs L_d · M_d · D) for M_d cells in a document of L_d positions:
+    documents cut the work instead of masking a dense tile."""
+    q = inputs.q
+    B, H, N, D = inputs.shape
+    block, summary = options.block, options.summary
+    cells, allow = summary_keys(N, block, summary, other_blocks=other_blocks, causal=causal, device=q.device)
+    if not cells.numel():
+        return q.new_zeros(B, H, N, D), (q.new_full((B, H, N), float("-inf")) if need_lse else None)
+    if inputs.documents is None or not executor.native_ranges:
+        return executor.tiled(inputs, Subset(cells, allow), rel=check_rel(rel, q), need_lse=need_lse)
+    spans = summary_ranges(inputs.documents, block, summary, other_blocks=other_blocks, causal=causal)
+    # the ranges lie within each document: the gathered cells carry no documents of their own
+    cell_inputs = inputs.with_(k=inputs.k[:, :, cells], v=inputs.v[:, :, cells], documents=None,
+                               key_valid=None if inputs.key_valid is None else inputs.key_valid[:, :, cells])
+    return executor.ranges(cell_inputs, spans._replace(query_pos=torch.arange(N, device=q.device)[None, None],
+                                                       key_pos=cells[None, None]), rel_pos=rel, need_lse=need_lse)
+
+
+def summary_ranges(documents: Tensor, block: int, summary: int, *, other_blocks: bool, causal: bool) -> Ranges:
+    """The summary cells of each query's document as ranges of the cells' index (``summary_keys``' order):
+    documents (B, N) numbered from 0 per row -> ``Ranges`` (B, 1, N · merge): merge 1, the cells before the
+    query's own block (``other_blocks``, causal) or up to the query (causal); merge 2, those before and those after
+    its own block (``other_blocks``, not causal); merge 1, all of its document's (neither). A fixed number of
+    operations on (B, N) integers."""
+    B, N = documents.shape
+    pos = torch.arange(N, device=documents.device)
+    starts = documents.new_ones(B, N, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, pos, 0).cummax(-1).values  # (B, N): the document's first position
+    ends = starts.roll(-1, dims=-1)
+    ends[:, -1] = True
+    last = torch.where(ends, pos, N).flip(-1).cummin(-1).values.flip(-1)  # its last position
+
+    def before(p: Tensor) -> Tensor:  # cells at positions < p: summary_count, elementwise
+        return p // block * summary + (p % block - (block - summary)).clamp_min(0)
+
+    lo, hi = before(first), before(last + 1)  # (B, N): the document's cells
+    own = pos // block * block  # the own block's first position
+    if other_blocks and causal:
+        bounds = [(lo, torch.minimum(hi, before(own)))]
+    elif other_blocks:
+        bounds = [(lo, torch.minimum(hi, before(own))), (torch.maximum(lo, before((own + block).clamp_max(N))), hi)]
+    elif causal:
+        bounds = [(lo, torch.minimum(hi, before(pos + 1)))]
+    else:
+        bounds = [(lo, hi)]
+    lo = torch.stack([a for a, _ in bounds], -1).flatten(-2)  # (B, N · merge)
+    hi = torch.stack([torch.maximum(a, e) for a, e in bounds], -1).flatten(-2)  # an empty range where none is left
+    return Ranges(lo[:, None], hi[:, None], width=summary_count(N, block, summary), merge=len(bounds))
 
 
 def summary_count(n: int, block: int, summary: int) -> int:
@@ -178,12 +236,8 @@ class FixedHeads(HeadGroup):
         if self.part == "a1":
             return self.executor.tiled(Inputs(q, k, v, self.scale, documents=documents),
                                        BlockDiagonal(self.block, True), rel=relative(rel_pos))[0]
-        cells, allow = summary_keys(q.shape[2], self.block, self.summary, other_blocks=False, causal=True,
-                                    device=q.device)
-        if not cells.numel():
-            return torch.zeros_like(q)
-        return self.executor.tiled(Inputs(q, k, v, self.scale, documents=documents), Subset(cells, allow),
-                                   rel=relative(rel_pos))[0]
+        return summary_attention(Inputs(q, k, v, self.scale, documents=documents), self.options, self.executor,
+                                 other_blocks=False, causal=True, rel=rel_pos)[0]
 
     def reference_mask(self, q, k):
         a1, a2 = fixed_mask(q.shape[2], self.block, self.summary, merged=False, heads=2, device=q.device)
