@@ -129,6 +129,42 @@ def test_the_config_backend_reaches_every_executor_head_and_is_checked() -> None
                           positions="none", backend="flex")  # elu's heads run on the executor's scan: not poly2's
 
 
+def test_the_activation_goes_through_the_models_executor(monkeypatch) -> None:
+    """The feed-forward's x · sigmoid(1.702 x) runs on the model's executor like its attention: with
+    ``backend="tiles"`` a forward and backward call no kernel of ours; with ``"fused"`` the activation's kernel
+    runs, and the two models' logits and gradients agree to rounding."""
+    from routeformer import TransformerLM
+    from routeformer.executors.fused import available
+    from routeformer.executors.fused import op as fused_op
+
+    called: list[str] = []
+    ops = fused_op.ops
+
+    class Recording:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(ops(), name)
+
+    monkeypatch.setattr(fused_op, "ops", Recording)
+    config = TransformerConfig(vocab_size=32, dim=32, heads=2, depth=1, seq_len=32, attention="local",
+                               options={"local": {"window": 4}}, backend="tiles")
+    results = []
+    for backend in ("tiles", "fused") if available() else ("tiles",):
+        torch.manual_seed(0)
+        model = TransformerLM(dataclasses.replace(config, backend=backend)).double()
+        with torch.no_grad():
+            model.head.weight.normal_()
+        del called[:]
+        logits = model(torch.arange(32)[None])
+        logits.square().sum().backward()
+        results.append((logits, model.blocks[0].ff.w1.weight.grad, list(called)))
+    assert results[0][2] == []
+    if len(results) > 1:
+        assert "sigmoid_gelu" in results[1][2] and "sigmoid_gelu_backward" in results[1][2]
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-12)
+
+
 def test_kernels_without_a_fused_path_refuse_the_flex_backend() -> None:
     q, k, v = rand_qkv(1, 1, 8, 4, grad=False)
     with pytest.raises(ValueError, match="executor='flex' has no path for kernel='poly2'"):

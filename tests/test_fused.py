@@ -206,7 +206,7 @@ def _double_backward_cases():
                                                order=KeyOrder(order, order.argsort(-1)))[0],
         "LSH rounds": lambda q, k, v: lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=4, rounds=2, window=6),
                                                     "fused", rotations=lsh_rotations(2, 8, 4, 2)),
-        "sigmoid GELU": lambda q, k, v: sigmoid_gelu(q),
+        "sigmoid GELU": lambda q, k, v: sigmoid_gelu(q, FUSED),
     }
 
 

@@ -154,13 +154,14 @@ def test_the_layer_check_sees_an_upward_and_a_sideways_import() -> None:
 
 
 BACKENDS = ("routeformer.executors.fused", "routeformer.executors.tiles", "routeformer.executors.flex")
-# The executor modules that reach the backends: the registry, and the activation's front end over its kernel.
-FRONTS = {"routeformer.executors.interface", "routeformer.executors.activation"}
+# The executor module that reaches the backends: the registry (the activation goes through the executor, as the
+# attention does).
+FRONTS = {"routeformer.executors.interface"}
 
 
 def test_a_backend_imports_no_other_backend_and_shared_modules_none() -> None:
     """What the backends share lives in the neutral executor modules (rows, lse, inputs ...): a backend imports no
-    other backend, and the neutral modules none, but the registry and the activation's front end."""
+    other backend, and the neutral modules none, but the registry."""
     graph = import_graph(ROOT)
 
     def backend(module: str) -> str | None:

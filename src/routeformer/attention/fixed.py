@@ -61,9 +61,12 @@ def fixed_attention(
     terms = check_rel(rel, q)
     if merged:
         parts = [executor.tiled(inputs, BlockDiagonal(block, causal), rel=terms, need_lse=True)]
-        if summary_count(N, block, options.summary):  # A2 without a summary cell before N attends to no key
-            parts.append(summary_attention(inputs, options, executor, other_blocks=True, causal=causal, rel=rel,
-                                           need_lse=True))
+        cells, allow, spans = summary_call(inputs, options, other_blocks=True, causal=causal,
+                                           ranges=executor.native_ranges)
+        if cells.numel():  # A2 without a summary cell before N attends to no key; called here, not through
+            # summary_attention: one frame less from the model to the kernel
+            parts.append(executor.tiled(inputs, Subset(cells, allow), rel=terms, need_lse=True) if spans is None
+                         else executor.ranges(inputs.keys_at(cells), spans, rel_pos=rel, need_lse=True))
         return merge_partials(parts)[0]  # type: ignore[arg-type]
     half = check_split_heads(H)
     a1, _ = executor.tiled(inputs.head_range(0, half), BlockDiagonal(block, causal), rel=terms)
@@ -76,25 +79,35 @@ def summary_attention(inputs: Inputs, options: FixedOptions, executor: Executor,
                       rel: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """A2: every query against the summary cells (j mod l >= l - c; of other blocks only when ``other_blocks``;
     earlier ones when causal) -> (out (B, H, N, D), lse (B, H, N) or None); zeros (lse -inf) where no cell is.
-
-    One dense (N, M) tile of the N·c/l cells gathered once (``Subset``), O(N · M · D). With packed documents on an
-    executor that computes key ranges itself (fused, flex), a query's cells are one or two ranges of them within
-    its document (``summary_ranges``), O(Σ_docs L_d · M_d · D) for M_d cells in a document of L_d positions:
-    documents cut the work instead of masking a dense tile."""
+    Computed as ``summary_call`` says, on ``executor``."""
     q = inputs.q
-    B, H, N, D = inputs.shape
+    cells, allow, spans = summary_call(inputs, options, other_blocks=other_blocks, causal=causal,
+                                       ranges=executor.native_ranges)
+    if not cells.numel():
+        B, H, N, D = inputs.shape
+        return q.new_zeros(B, H, N, D), (q.new_full((B, H, N), float("-inf")) if need_lse else None)
+    if spans is None:
+        return executor.tiled(inputs, Subset(cells, allow), rel=check_rel(rel, q), need_lse=need_lse)
+    return executor.ranges(inputs.keys_at(cells), spans, rel_pos=rel, need_lse=need_lse)
+
+
+def summary_call(inputs: Inputs, options: FixedOptions, *, other_blocks: bool, causal: bool,
+                 ranges: bool) -> tuple[Tensor, Tensor | None, Ranges | None]:
+    """How A2 is computed: the summary cells (M,) (``summary_keys``: none where no cell lies before N, attention
+    to no key), which of them each query sees, (N, M) or None, and None: one dense (N, M) tile of the N·c/l cells
+    gathered once (``Subset``), O(N · M · D). With packed documents and ``ranges`` (an executor that computes key
+    ranges itself: fused, flex), the third is a query's cells as one or two ranges of them within its document
+    (``summary_ranges``, for ``Executor.ranges`` over ``inputs.keys_at(cells)``), O(Σ_docs L_d · M_d · D) for M_d
+    cells in a document of L_d positions: documents cut the work instead of masking a dense tile."""
+    q = inputs.q
+    N = q.shape[2]
     block, summary = options.block, options.summary
     cells, allow = summary_keys(N, block, summary, other_blocks=other_blocks, causal=causal, device=q.device)
-    if not cells.numel():
-        return q.new_zeros(B, H, N, D), (q.new_full((B, H, N), float("-inf")) if need_lse else None)
-    if inputs.documents is None or not executor.native_ranges:
-        return executor.tiled(inputs, Subset(cells, allow), rel=check_rel(rel, q), need_lse=need_lse)
+    if inputs.documents is None or not ranges or not cells.numel():
+        return cells, allow, None
     spans = summary_ranges(inputs.documents, block, summary, other_blocks=other_blocks, causal=causal)
-    # the ranges lie within each document: the gathered cells carry no documents of their own
-    cell_inputs = inputs.with_(k=inputs.k[:, :, cells], v=inputs.v[:, :, cells], documents=None,
-                               key_valid=None if inputs.key_valid is None else inputs.key_valid[:, :, cells])
-    return executor.ranges(cell_inputs, spans._replace(query_pos=torch.arange(N, device=q.device)[None, None],
-                                                       key_pos=cells[None, None]), rel_pos=rel, need_lse=need_lse)
+    return cells, allow, spans._replace(query_pos=torch.arange(N, device=q.device)[None, None],
+                                        key_pos=cells[None, None])
 
 
 def summary_ranges(documents: Tensor, block: int, summary: int, *, other_blocks: bool, causal: bool) -> Ranges:

@@ -2,9 +2,8 @@
 diagonal, a key subset, grid columns), ``ranges`` built on it, the ``FEATURES`` an executor declares, and the
 registry the backends fill (``EXECUTORS``; names and lookup in ``interface.py``).
 
-A backend gives ``run`` (the tiles and flex executors), which ``tiled`` calls once the call is laid out and
-checked, or computes ``tiled`` itself (the fused executor's class: the checks below, then its kernel, with no call
-in between).
+A backend gives ``run`` (``tiles.tiled_attention``, ``fused.executor.fused_tiled``, ``flex.tiled``), which
+``tiled`` calls once the piece is laid out and the call checked.
 """
 
 from __future__ import annotations
@@ -65,14 +64,15 @@ class Executor:
     sequence of its own (``fused.scan.fused_feature_scan``),
     ``probes_run(key_clusters, probes, window, exclude_self, own_when_alone)`` multi-probe routing's key ranges
     (lo, hi) (``fused.probes.fused_probe_ranges``), ``vectors_run(x, projection)`` the router's unit routing vectors
-    x / ||x|| · W_R with their gradient (``fused.vectors.fused_routing_vectors``);
+    x / ||x|| · W_R with their gradient (``fused.vectors.fused_routing_vectors``), ``activation_run(x)`` the
+    model's activation x · sigmoid(1.702 x) with its gradient (``fused.executor.fused_activation``);
     each may return None for a call it does not take, and an executor without them (tiles) leaves them to
     PyTorch's operators in the mechanism, the definition. Read them through ``runner(q)``: the executor that
     computes a call on q.
     """
 
     name: str
-    run: Callable | None = None  # None for an executor whose class computes ``tiled`` itself
+    run: Callable
     supports: frozenset[str] = frozenset(FEATURES) - LOWERED  # order and labels: lowered unless declared
     ranges_run: Callable | None = None
     rounds_run: Callable | None = None
@@ -83,11 +83,11 @@ class Executor:
     scan_run: Callable | None = None
     probes_run: Callable | None = None
     vectors_run: Callable | None = None
+    activation_run: Callable | None = None
 
     def __post_init__(self) -> None:
-        if not callable(self.run) and type(self).tiled is Executor.tiled:
-            raise ValueError(f"attention executor {self.name!r} must be an Executor with a callable run (or of a "
-                             f"class that computes tiled itself)")
+        if not callable(self.run):
+            raise ValueError(f"attention executor {self.name!r} must be an Executor with a callable run")
 
     def runner(self, q: Tensor) -> Executor:
         """The executor that computes a call on queries ``q``: this one, or the one it delegates to."""

@@ -63,6 +63,13 @@ class Inputs:
         return Inputs(self.q[:, start:stop], self.k[:, start:stop], self.v[:, start:stop], self.scale, valid,
                       self.scale_given, self.documents)
 
+    def keys_at(self, index: Tensor) -> Inputs:
+        """The inputs with only the keys (and values, and their validity) at positions ``index`` (M,), gathered,
+        and no documents: a query then sees a subset of the keys that its caller laid out (within its document)."""
+        valid = self.key_valid
+        return dataclasses.replace(self, k=self.k[:, :, index], v=self.v[:, :, index], documents=None,
+                                   key_valid=None if valid is None else valid[:, :, index])
+
     def with_(self, **changes) -> Inputs:
         """The same inputs with some fields replaced (the heads of a split, the columns of a grid, ...)."""
         return dataclasses.replace(self, **changes)

@@ -63,7 +63,8 @@ EXECUTORS.update({
     "fused": Executor("fused", fused.fused_tiled, supports=frozenset(FEATURES) - {"labels"},
                       ranges_run=fused.fused_ranges, rounds_run=fused.fused_rounds, delegate=_unless_fused_takes,
                       route_run=fused_route, select_run=fused_select_blocks, scan_run=fused_feature_scan,
-                      probes_run=fused_probe_ranges, vectors_run=fused_routing_vectors),
+                      probes_run=fused_probe_ranges, vectors_run=fused_routing_vectors,
+                      activation_run=fused.fused_activation),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,
@@ -132,7 +133,7 @@ def register_executor(name: str, executor: Executor, *, replace: bool = False) -
     """Make ``executor`` available as ``name``; an existing name is replaced only with ``replace=True``."""
     if name in EXECUTORS and not replace:
         raise ValueError(f"attention executor {name!r} is already registered; pass replace=True to replace it")
-    if not isinstance(executor, Executor):  # an Executor has a run or computes tiled itself (Executor.__post_init__)
+    if not isinstance(executor, Executor):  # an Executor has a callable run (Executor.__post_init__)
         raise ValueError(f"attention executor {name!r} must be an Executor, got {type(executor).__name__}")
     unknown = sorted(set(executor.supports) - set(FEATURES))
     if unknown:

@@ -73,13 +73,11 @@ class Subset:
     allow: Tensor | None
 
     def lay(self, inputs: Inputs, rel: RelTerms | None, restrict: KeyRestrictions | None) -> Laid:
-        q, key_valid, idx = inputs.q, inputs.key_valid, self.key_idx
+        q, idx = inputs.q, self.key_idx
         N = q.shape[2]
         if rel is not None:
             rel = rel.at(Distances(delta=idx[None, :] - torch.arange(N, device=q.device)[:, None]))
-        gathered = inputs.with_(k=inputs.k[:, :, idx], v=inputs.v[:, :, idx],
-                                key_valid=None if key_valid is None else key_valid[:, :, idx])
-        return Laid(gathered, Tiling.dense(N, allow=self.allow), rel, restrict)
+        return Laid(inputs.keys_at(idx), Tiling.dense(N, allow=self.allow), rel, restrict)
 
 
 @dataclass(frozen=True)

@@ -155,10 +155,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, hidden)
         self.w2 = nn.Linear(hidden, config.dim)
         self.sigmoid_gelu = config.activation == "sigmoid_gelu"
+        self.executor: Executor | None = None  # the model's (``TransformerLM`` binds it): its activation kernel
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.w1(x)
-        h = sigmoid_gelu(h) if self.sigmoid_gelu else F.gelu(h)
+        h = sigmoid_gelu(h, self.executor) if self.sigmoid_gelu else F.gelu(h)
         return self.w2(h)
 
 

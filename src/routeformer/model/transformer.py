@@ -71,10 +71,12 @@ class TransformerLM(nn.Module):
 
     def _bind_executors(self, device: torch.device) -> None:
         """Resolve ``config.backend`` for ``device`` once ("auto": the fused kernels on the CPU, FlexAttention on
-        CUDA; only the CPU's builds the kernels) and hand the executor to every head group that runs on one."""
+        CUDA; only the CPU's builds the kernels) and hand the executor to every head group that runs on one, and
+        to the feed-forward layers (their activation's kernel)."""
         executor = get_executor(self.config.backend, device)
         for block in self.blocks:
             block.attention.bind(executor)
+            block.ff.executor = executor
         self._executor_device = device
 
     @property

@@ -19,7 +19,7 @@ from ..relative import RelativePositions
 from ..tiling import HashRounds, KeyRestrictions, Tiling
 from .build import KERNELS
 from .geometry import BandGeometry, RangesGeometry, RoundsGeometry
-from .op import BandFunction, RangesFunction, RoundsFunction, distinct, register
+from .op import BandFunction, RangesFunction, RoundsFunction, distinct, register, sigmoid_gelu
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -49,6 +49,11 @@ def takes(q: Tensor) -> bool:
     loaded, every call asks only the device and dtype (the build's status is settled: no lock, no environment read
     per attention call)."""
     return q.device.type == "cpu" and q.dtype in DTYPES and built()
+
+
+def fused_activation(x: Tensor) -> Tensor | None:
+    """The fused executor's ``activation_run``: x · sigmoid(1.702 x) by its CPU kernel where it takes x, else None."""
+    return sigmoid_gelu(x) if takes(x) else None
 
 
 def rows_per_block(width: int) -> int:

@@ -194,7 +194,7 @@ def _optional_grads(ctx, first_optional: int, names: tuple[str, ...], optional: 
 
 
 class BandFunction(torch.autograd.Function):
-    """``band_forward`` with its gradient: ``Band.apply(*distinct(q, k, v, geometry, scale, *optional))`` ->
+    """``band_forward`` with its gradient: ``BandFunction.apply(*distinct(q, k, v, geometry, scale, *optional))`` ->
     (out, lse, alone); the optional tensors in ``_OPTIONAL_BAND`` order. Called by the fused executor itself (no
     wrapper in between: one frame less from the model to the kernel)."""
 
@@ -218,7 +218,7 @@ class BandFunction(torch.autograd.Function):
 
 
 class RangesFunction(torch.autograd.Function):
-    """``ranges_forward`` with its gradient: ``Ranges.apply(*distinct(q, k, v, lo, hi, geometry, scale,
+    """``ranges_forward`` with its gradient: ``RangesFunction.apply(*distinct(q, k, v, lo, hi, geometry, scale,
     *optional))`` -> (out, lse); the optional tensors in ``_OPTIONAL_RANGES`` order."""
 
     @staticmethod
