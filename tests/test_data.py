@@ -667,7 +667,7 @@ def test_training_rows_carry_their_documents_cut_and_repeated_rows_included() ->
     0, 10, 25 and 40 of 60 tokens; cut rows keep their pieces' ids; a row of repeated text is one document."""
     tokens = np.arange(60)
     starts = np.array([0, 10, 25, 40], dtype=np.int64)
-    sampler = BatchSampler(tokens, 16, 4, seed=1, starts=starts)
+    sampler = BatchSampler(tokens, 16, 4, seed=1, documents=starts)
     rows, documents, scored = sampler.rows(3)
     assert torch.equal(rows, sampler.batch(3)) and scored is None  # every prediction counts
     want = torch.tensor([[sum(int(t) >= s for s in starts) - 1 for t in row] for row in rows])
@@ -675,7 +675,7 @@ def test_training_rows_carry_their_documents_cut_and_repeated_rows_included() ->
     cut, cut_documents, _ = sampler.rows(3, length=8)
     assert torch.equal(cut_documents, torch.tensor([[sum(int(t) >= s for s in starts) - 1 for t in row]
                                                     for row in cut]))
-    taught = BatchSampler(tokens, 16, 4, seed=1, starts=starts, repeats=RepeatCurriculum(steps=5, share=1.0))
+    taught = BatchSampler(tokens, 16, 4, seed=1, documents=starts, repeats=RepeatCurriculum(steps=5, share=1.0))
     repeated, repeated_documents, _ = taught.rows(2)
     assert not torch.equal(repeated, sampler.batch(2)) and int(repeated_documents.abs().sum()) == 0
     assert BatchSampler(tokens, 16, 4, seed=1).rows(3).documents is None
@@ -740,17 +740,17 @@ def test_packed_rows_are_a_function_of_the_seed_drawn_by_step_cut_and_repeated()
 
     tokens, starts = _packed_split()
     packed = PackedRows(tokens, starts, 17, seed=4)
-    sampler = BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=packed)
-    again = BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=PackedRows(tokens, starts, 17, seed=4))
+    sampler = BatchSampler(tokens, 16, 4, seed=1, documents=packed)
+    again = BatchSampler(tokens, 16, 4, seed=1, documents=PackedRows(tokens, starts, 17, seed=4))
     assert all(torch.equal(a, b) for a, b in zip(sampler.rows(3), again.rows(3)))
-    ranks = [BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=packed, share=(r, 2)) for r in range(2)]
+    ranks = [BatchSampler(tokens, 16, 4, seed=1, documents=packed, share=(r, 2)) for r in range(2)]
     assert torch.equal(torch.cat([ranks[r].rows(3).scored for r in range(2)]), sampler.rows(3).scored)
     whole, cut = sampler.rows(3), sampler.rows(3, length=8)  # cut into rows of 8 + 1: the same predictions
     assert torch.equal(cut.scored, whole.scored.reshape(8, 8))
     assert torch.equal(cut.tokens[:, :-1], whole.tokens[:, :-1].reshape(8, 8))
-    taught = BatchSampler(tokens, 16, 4, seed=1, starts=starts, packed=packed,
+    taught = BatchSampler(tokens, 16, 4, seed=1, documents=packed,
                           repeats=RepeatCurriculum(steps=5, share=1.0))
     repeated = taught.rows(2)  # a row of repeated text: one document, every prediction counting
     assert int(repeated.documents.abs().sum()) == 0 and bool(repeated.scored.all())
     with pytest.raises(DataError, match=r"packed rows of 17 tokens for rows of seq_len \+ 1 = 13"):
-        BatchSampler(tokens, 12, 4, seed=1, starts=starts, packed=packed)
+        BatchSampler(tokens, 12, 4, seed=1, documents=packed)

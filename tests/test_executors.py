@@ -219,9 +219,9 @@ def test_the_values_refuse_what_does_not_fit_with_errors_that_name_it() -> None:
     with pytest.raises(ValueError, match=r"Tiling.block must be an integer >= 1, got 0"):
         Tiling(block=0)
     with pytest.raises(ValueError, match=r"Tiling.offsets \(-2, 0\) are not those of its window "
-                                         r"Window\(size=4, causal=True\) \(\(-3, 0\)\)"):
+                                         r"Window\(window=4, causal=True\) \(\(-3, 0\)\)"):
         Tiling(block=4, offsets=(-2, 0), window=Window(4, causal=True))
-    with pytest.raises(ValueError, match=r"Window.size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"Window.window must be an integer >= 1, got 0"):
         Window(0, causal=False)
     assert Tiling(block=4, window=Window(3, causal=False)).offsets == (-2, 2)  # the window's, derived
     assert Tiling.band(8, 64, causal=True).window == Window(8, causal=True)  # the name kept on the way down

@@ -6,6 +6,7 @@ when they cannot be."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from pathlib import Path
 
@@ -37,19 +38,21 @@ def test_the_kernels_are_built_here_on_this_torch_s_blas() -> None:
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_local_window_reaches_the_kernel_by_name(causal: bool, monkeypatch) -> None:
-    """local_attention's window reaches the band operator as the geometry's window and causal flag, beside the
-    offsets derived from them (which the operator checks the two against)."""
+    """local_attention's window reaches the band operator as the geometry's window and causal flag alone (no
+    offsets beside them: the kernel derives them), and the operator refuses a geometry that gives both."""
     from routeformer.executors.fused import executor as fused_executor
     from routeformer.executors.fused.geometry import BandGeometry
 
     seen = []
     apply = fused_executor.BandFunction.apply
-    monkeypatch.setattr(fused_executor.BandFunction, "apply", lambda *a: seen.append(a[3]) or apply(*a))
+    monkeypatch.setattr(fused_executor.BandFunction, "apply", lambda *a: seen.append(a) or apply(*a))
     q, k, v = rand_qkv(1, 2, 40, 4, grad=False)
     local_attention(Inputs.of(q, k, v), LocalOptions(7), "fused", causal=causal)
-    geometry = BandGeometry(*seen[0])
-    assert (geometry.window, geometry.causal) == (7, causal)
-    assert (geometry.off_lo, geometry.off_hi) == (-6, 0 if causal else 6)
+    geometry = BandGeometry(*seen[0][3])
+    assert (geometry.window, geometry.causal, geometry.has_offsets) == (7, causal, False)
+    both = dataclasses.replace(geometry, has_offsets=True, off_lo=-6, off_hi=0 if causal else 6)
+    with pytest.raises(RuntimeError, match=r"geometry gives a window \(7\) and offsets \(-6, "):
+        apply(*seen[0][:3], both.ints(), *seen[0][4:])
 
 
 # --- gradcheck: float64, every value the kernel reads ---------------------------------------------------------

@@ -147,7 +147,7 @@ def _band_call():
     """A valid band_forward call over an order: B = 2, H = 2, N = 13."""
     q, k, v = rand_qkv(2, 2, 13, 4, grad=False)
     order = torch.stack([torch.randperm(13) for _ in range(4)]).view(2, 2, 13)
-    geometry = [4, 1, 0, 0, 0, 1, -3, 0, 4, 1, 0, 0, 0, 16, 0]  # a causal window of 4: offsets (-3, 0)
+    geometry = [4, 1, 0, 0, 0, 0, 0, 0, 4, 1, 0, 0, 0, 16, 0]  # a causal window of 4 (the kernel's offsets (-3, 0))
     return [q, k, v, geometry, 0.5, None, None, None, None, order, None, None, None, None, None]
 
 
@@ -160,10 +160,10 @@ _BAND_ERRORS = {  # argument: (its change, the error)
     "v": (lambda a: a[..., :12, :], r"v must be \(B, H, N, D\) like k"),
     "geometry block": (lambda a: [0, *a[1:]], r"geometry\[0\] \(block\) must be >= 1, got 0"),
     "geometry rows_per_block": (lambda a: a[:13] + [0, 0], r"geometry\[13\] \(rows_per_block\) must be >= 1"),
-    "geometry window": (lambda a: a[:8] + [5] + a[9:], r"geometry's offsets \(-3, 0, has_offsets 1\) are not those of "
-                        r"its causal window 5 \(-4, 0\)"),
-    "geometry causal": (lambda a: a[:9] + [0] + a[10:], r"geometry's offsets \(-3, 0, has_offsets 1\) are not those of "
-                        r"its window 4 \(-3, 3\)"),
+    "geometry window": (lambda a: a[:5] + [1, -3, 0] + a[8:], r"geometry gives a window \(4\) and offsets \(-3, 0\): "
+                        r"a window's offsets are its own"),
+    "geometry causal": (lambda a: a[:8] + [0, 1] + a[10:], r"geometry's causal flag names a window's side: causal "
+                        r"without a window"),
     "key_valid": (lambda a: torch.ones(1, 1, 13, dtype=torch.bool), r"key_valid must be \(B, 1 or H, N\)"),
     "bias": (lambda a: torch.zeros(3, 1, 1, 1, 1, dtype=torch.float64),
              r"bias must broadcast to \(B, H, n_tiles, T, S\) = \(2, 2, 4, 4, 8\)"),

@@ -24,15 +24,15 @@ class BatchSampler:
     that every window starts at a sample's first token and position embeddings tied to the sample's layout (an
     image's row, column and channel) are those of the tokens they embed. ``repeats``: a curriculum of repeated
     text over the first steps (``data.repeats``), for text only. ``share``: this process's (rank, number of
-    processes), which split every batch. ``starts``: the split's document starts (``Dataset.starts``): ``rows``
-    then gives every row's document ids, cut from the boundaries. ``packed``: whole documents packed first-fit
-    (``packing.PackedRows``, of seq_len + 1 tokens a row): each row is one of them, drawn at random, with its
+    processes), which split every batch. ``documents``: the split's document starts (``Dataset.starts``): ``rows``
+    then gives every row's document ids, cut from the boundaries; or its whole documents packed first-fit
+    (``packing.PackedRows``, of seq_len + 1 tokens a row): each row is one of those, drawn at random, with its
     documents and the predictions that count (none of padding, none across a document's end).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int,
                  share: tuple[int, int] = (0, 1), align: int = 1, repeats: RepeatCurriculum | None = None,
-                 starts: np.ndarray | None = None, packed: PackedRows | None = None) -> None:
+                 documents: np.ndarray | PackedRows | None = None) -> None:
         rank, world = share
         if len(tokens) < seq_len + 1:
             raise DataError(f"the train split holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
@@ -46,12 +46,14 @@ class BatchSampler:
                             f"(images), whose rows must keep their layout: set repeat_steps=0")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank, self.world, self.align = seed, rank, world, align
+        packed = documents if isinstance(documents, PackedRows) else None
         if packed is not None and (packed.length != seq_len + 1 or align != 1):
             raise DataError(f"packed rows of {packed.length} tokens for rows of seq_len + 1 = {seq_len + 1}"
                             f"{'' if align == 1 else f' in samples of {align} tokens (images)'}: pack whole documents "
                             f"into rows of seq_len + 1 tokens, of text")
         self.repeats = repeats
-        self.starts, self.packed = starts, packed
+        self.starts = None if packed is not None else documents
+        self.packed = packed
 
     def offsets(self, step: int) -> torch.Tensor:
         """Start of every window of the global batch of ``step``: (batch_size,)."""

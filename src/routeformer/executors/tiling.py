@@ -103,22 +103,23 @@ INDEX = Distances(unit=1)  # the distance of a pair is its key index - query ind
 
 @dataclass(frozen=True)
 class Window:
-    """A sliding window of ``size`` keys: causal i - size < j <= i, else |i - j| < size. As key - query index
-    offsets, (1 - size, 0) causal, (1 - size, size - 1) not: what a ``Tiling`` with this window carries as
-    ``offsets``, and what the fused kernel checks the two against (``BandGeometry.window`` / ``causal``)."""
+    """A sliding window of ``window`` keys (``LocalOptions.window``, under that name down to the fused kernel's
+    ``BandGeometry.window``): causal i - window < j <= i, else |i - j| < window. As key - query index offsets,
+    (1 - window, 0) causal, (1 - window, window - 1) not: what a ``Tiling`` with this window carries as ``offsets``
+    for the executors that read offsets (tiles, flex); the fused kernel derives them from the window itself."""
 
-    size: int
+    window: int
     causal: bool
 
     def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"Window.size must be an integer >= 1, got {self.size!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"Window.window must be an integer >= 1, got {self.window!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"Window.causal must be a bool, got {self.causal!r}")
 
     @property
     def offsets(self) -> tuple[int, int]:
-        return 1 - self.size, 0 if self.causal else self.size - 1
+        return 1 - self.window, 0 if self.causal else self.window - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,7 +134,7 @@ class Tiling:
     offsets: (lo, hi): instead of ``allow``, a pair may attend when lo <= key index - query index <= hi (a
         sliding window; executors may use it to compute relative terms on the strip of the tile it covers).
     window: the sliding window (``Window``) whose offsets these are, where they are one: given alone, it sets
-        ``offsets``; the name reaches the kernels beside the offsets derived from it.
+        ``offsets``; the fused kernel takes the window itself (and derives the offsets).
     tile_mask: optional bool broadcastable to (B, H, n_blocks, T, S), ANDed with the static mask: a mask that
         differs between tiles.
     order: optional integer (B, H, N) permutation (B or H may be 1: the same for every batch entry or head;

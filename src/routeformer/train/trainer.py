@@ -110,7 +110,7 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
                                                              seed=cfg.seed)
     sampler = BatchSampler(data.split("train"), run.model.seq_len, cfg.batch_size, seed=cfg.seed,
                            share=(procs.rank, procs.world), align=data.meta.sample_length or 1, repeats=repeats,
-                           starts=starts, packed=packed)
+                           documents=starts if packed is None else packed)
     sampler.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
         if say is not None:

@@ -76,8 +76,10 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
     Nk = k.shape[2]
     single = tiling.single(Nq)
     groups, exclude_self = (None, False) if restrict is None else (restrict.groups, restrict.exclude_self)
-    lo, hi = tiling.offsets or (0, 0)
+    # a sliding window goes to the kernel as itself (it derives the offsets); other offsets as offsets
     window = tiling.window
+    offsets = None if window is not None else tiling.offsets
+    lo, hi = offsets or (0, 0)
     unit, delta, positions, key_table, value_table, from_order = 0, None, None, None, None, False
     if rel_pos is not None:
         key_table, value_table = rel_pos.key.to(q.dtype), rel_pos.value.to(q.dtype)
@@ -89,10 +91,11 @@ def fused_tiled(inputs: Inputs, tiling: Tiling, *, restrict: KeyRestrictions | N
             from_order = True
         else:
             positions = _indices(distances.positions, (B, H, Nk), "Distances.positions")
-    width = (hi - lo + 1) if tiling.offsets is not None else (Nk if single else tiling.span)
+    reach = tiling.offsets
+    width = (reach[1] - reach[0] + 1) if reach is not None else (Nk if single else tiling.span)
     geometry = BandGeometry(
         block=tiling.block, back=tiling.back, ahead=tiling.ahead, rows=tiling.rows or 0, single=single,
-        has_offsets=tiling.offsets is not None, off_lo=lo, off_hi=hi, window=window.size if window else 0,
+        has_offsets=offsets is not None, off_lo=lo, off_hi=hi, window=window.window if window else 0,
         causal=bool(window and window.causal), exclude_self=exclude_self, unit=unit,
         max_distance=0 if rel_pos is None else rel_pos.max_distance, rows_per_block=rows_per_block(width),
         positions_from_order=from_order)

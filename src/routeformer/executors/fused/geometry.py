@@ -40,11 +40,11 @@ class BandGeometry(_Geometry):
     ahead: int  # key blocks ahead of it
     rows: int  # query rows per tile when queries are not at key positions (0: none)
     single: bool  # one tile of every query and key
-    has_offsets: bool  # a sliding window's offsets narrow each row to [i + off_lo, i + off_hi]
+    has_offsets: bool  # offsets that are not a window's narrow each row to [i + off_lo, i + off_hi]
     off_lo: int
     off_hi: int
-    window: int  # the sliding window these offsets are (``tiling.Window``): 1 - window, 0 or window - 1 (0: none)
-    causal: bool  # that window's side: off_hi 0 when causal, window - 1 when not
+    window: int  # a sliding window (``tiling.Window``; 0: none): the kernel narrows row i to [i + 1 - window, i]
+    causal: bool  # that window's side: [i + 1 - window, i + window - 1] when not causal
     exclude_self: bool  # the own key only when a row sees nothing else
     unit: int  # relative distances (key - query) · unit; 0: from delta or positions
     max_distance: int  # the relative tables' clipping distance (0 without tables)

@@ -32,15 +32,20 @@ struct Band {
   int64_t n_tiles, T, S;  // the tiles: (n_tiles, T, S) as ``Tiling.shape`` gives them
 
   static Band of(const char* op, BandGeometry g, int64_t Nq, int64_t Nk) {
-    Band t{g, 0, 0, 0};
     RF_CHECK(!g.has_offsets || g.off_lo <= g.off_hi, op, "geometry's offsets must have off_lo <= off_hi, got (",
              g.off_lo, ", ", g.off_hi, ")");
-    // A window names what its offsets mean; the two must agree (the kernel reads the offsets).
+    RF_CHECK(g.window >= 0, op, "geometry's window must be >= 0 (0: none), got ", g.window);
     RF_CHECK(g.window > 0 || !g.causal, op, "geometry's causal flag names a window's side: causal without a window");
-    RF_CHECK(g.window == 0 || (g.has_offsets && g.off_lo == 1 - g.window && g.off_hi == (g.causal ? 0 : g.window - 1)),
-             op, "geometry's offsets (", g.off_lo, ", ", g.off_hi, ", has_offsets ", int(g.has_offsets),
-             ") are not those of its ", g.causal ? "causal " : "", "window ", g.window, " (", 1 - g.window, ", ",
-             g.causal ? 0 : g.window - 1, ")");
+    // A sliding window comes as itself, and its offsets are derived here: offsets beside it would be a second
+    // statement of the same thing that could disagree.
+    RF_CHECK(g.window == 0 || !g.has_offsets, op, "geometry gives a window (", g.window, ") and offsets (", g.off_lo,
+             ", ", g.off_hi, "): a window's offsets are its own");
+    if (g.window > 0) {
+      g.has_offsets = true;
+      g.off_lo = 1 - g.window;
+      g.off_hi = g.causal ? 0 : g.window - 1;
+    }
+    Band t{g, 0, 0, 0};
     const bool single = g.back == 0 && g.ahead == 0 && g.block >= Nq && g.rows == 0;
     RF_CHECK(g.single == single, op, "geometry[4] (single) must be ", int(single), " for block ", g.block, ", back ",
              g.back, ", ahead ", g.ahead, ", rows ", g.rows, " and ", Nq, " queries, got ", int(g.single));

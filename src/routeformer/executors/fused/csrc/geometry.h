@@ -29,11 +29,11 @@ constexpr int64_t kAnyInt = std::numeric_limits<int64_t>::min();  // a field tha
   X(int64_t, ahead, 0)              /* key blocks ahead of it */                                                  \
   X(int64_t, rows, 0)               /* query rows per tile when queries are not at key positions (0: none) */     \
   X(bool, single, 0)                /* one tile of every query and key */                                         \
-  X(bool, has_offsets, 0)           /* a sliding window's offsets narrow each row to [i + off_lo, i + off_hi] */  \
+  X(bool, has_offsets, 0)           /* offsets that are not a window's: each row to [i + off_lo, i + off_hi] */   \
   X(int64_t, off_lo, kAnyInt)                                                                                      \
   X(int64_t, off_hi, kAnyInt)                                                                                      \
-  X(int64_t, window, 0)             /* the sliding window the offsets are: 1 - window, 0 | window - 1 (0: none) */ \
-  X(bool, causal, 0)                /* that window's side: off_hi = 0 when causal, window - 1 when not */         \
+  X(int64_t, window, 0)             /* a sliding window (0: none): each row to [i + 1 - window, i] */              \
+  X(bool, causal, 0)                /* that window's side: to [i + 1 - window, i + window - 1] when not */        \
   X(bool, exclude_self, 0)          /* the own key only when a row sees nothing else */                           \
   X(int64_t, unit, 0)               /* relative distances (key - query) · unit; 0: from delta or positions */     \
   X(int64_t, max_distance, 0)       /* the relative tables' clipping distance */                                  \
