@@ -140,9 +140,15 @@ def test_no_double_backward() -> None:
         dx.sum().backward()
 
 
-def test_the_kernel_declines_what_it_does_not_take() -> None:
+def test_the_executor_declines_what_the_kernel_does_not_take() -> None:
+    """bfloat16 goes to PyTorch's operators: the fused executor's runner for it is tiles, which has no
+    ``vectors_run`` (asked once, there); the kernel itself names the dtype; a projection that asks for a gradient
+    is declined (the caller's autograd path gives it one)."""
     turn = _turn(2, 4)
-    assert fused_routing_vectors(torch.randn(1, 2, 3, 4, dtype=torch.bfloat16), turn) is None
+    x = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
+    assert get_executor("fused").runner(x).vectors_run is None
+    with pytest.raises(RuntimeError, match="route_vectors: x must be float32 or float64, got BFloat16"):
+        fused_routing_vectors(x, turn)
     assert fused_routing_vectors(torch.randn(1, 2, 3, 4, dtype=torch.float64), turn.requires_grad_()) is None
 
 

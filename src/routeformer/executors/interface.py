@@ -123,10 +123,16 @@ def describe_backend(name: Backend, device: torch.device | str | None, dtype: to
 
 
 def get_executor(backend: Backend = "auto", device: torch.device | str | None = None) -> Executor:
-    """The executor ``backend`` is on ``device``: an executor as it is, a name looked up (see ``resolve_backend``)."""
+    """The executor ``backend`` is on ``device``: an executor as it is, a name looked up (see ``resolve_backend``).
+    What the device alone settles is settled here: "fused" off the CPU is the tiles executor (its kernels run on
+    the CPU only; ``describe_backend`` says so), so that no call asks again. The rest (a dtype the kernels do not
+    take, kernels that failed to build) is asked once per call, by ``Executor.runner``."""
     if isinstance(backend, Executor):
         return backend
-    return EXECUTORS[resolve_backend(backend, device)]
+    name = resolve_backend(backend, device)
+    if name == "fused" and torch.device(device or "cpu").type != "cpu":
+        return EXECUTORS["tiles"]
+    return EXECUTORS[name]
 
 
 def register_executor(name: str, executor: Executor, *, replace: bool = False) -> None:

@@ -47,13 +47,16 @@ def built() -> bool:
 def takes(q: Tensor) -> bool:
     """Whether the kernels take a call on queries q: on the CPU, float32 or float64, and built. Once they are
     loaded, every call asks only the device and dtype (the build's status is settled: no lock, no environment read
-    per attention call)."""
+    per attention call). Asked once per call, by ``Executor.runner(q)`` (the fused executor's delegate): every
+    ``*_run`` of this executor (``fused_route``, ``fused_select_blocks``, …) is reached through it and checks only
+    its own other arguments."""
     return q.device.type == "cpu" and q.dtype in DTYPES and built()
 
 
-def fused_activation(x: Tensor) -> Tensor | None:
-    """The fused executor's ``activation_run``: x · sigmoid(1.702 x) by its CPU kernel where it takes x, else None."""
-    return sigmoid_gelu(x) if takes(x) else None
+def fused_activation(x: Tensor) -> Tensor:
+    """The fused executor's ``activation_run``: x · sigmoid(1.702 x) by its CPU kernel (``Executor.runner(x)``
+    decided that the kernels take x)."""
+    return sigmoid_gelu(x)
 
 
 def rows_per_block(width: int) -> int:

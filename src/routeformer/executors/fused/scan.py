@@ -10,7 +10,6 @@ from torch import Tensor
 
 from ..tiling import FeatureKernel
 from . import op
-from .executor import takes
 
 
 def scan_chunk(features: int) -> int:
@@ -30,10 +29,11 @@ def fused_feature_scan(q: Tensor, k: Tensor, v: Tensor, kernel: FeatureKernel, c
     (B, 1, N) bool or None; documents (B, N) ids that never decrease along a row, or None: each document a sequence
     of its own (its chunks from its first row, its sums those it has alone, bit for bit). O(N·(c + F)·D) time
     forward and backward, O(c·(c + F) + (N/c)·F·D) scratch per thread;
-    autograd keeps q, k, v, the output and the (B, H, N) denominators. ``None`` where the kernels do not take q (or
-    the projection asks for a gradient: the caller's autograd path gives it one)."""
+    autograd keeps q, k, v, the output and the (B, H, N) denominators. ``None`` where k or v is not q's dtype or
+    device, or the projection asks for a gradient (the caller's autograd path gives it one); reached through
+    ``Executor.runner(q)``, which decided that the kernels take q."""
     projection = kernel.projection
-    if not takes(q) or k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device:
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device:
         return None
     if projection is not None and (projection.requires_grad or projection.device != q.device):
         return None

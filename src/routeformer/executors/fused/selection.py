@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from . import op
-from .executor import takes
 
 
 def fused_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool,
@@ -17,8 +16,9 @@ def fused_select_blocks(q: Tensor, k: Tensor, block: int, top: int, bound: bool,
     (B, H, N, D) -> (B, H, N, top) long, the blocks scored by the bound (``bound``) or q · the mean key. O(N · N /
     block · D / 2) per head, no (N, N / block) tensor. ``documents`` (B, N) ids that never decrease along a row: a
     query chooses among its document's blocks, the partial first one summarised from its document's keys
-    (``blocks.BlockDocuments``). ``None`` where the kernels do not take q."""
-    if not takes(q) or k.dtype != q.dtype or k.device != q.device:
+    (``blocks.BlockDocuments``). ``None`` where k is not q's dtype or device; reached through ``Executor.runner(q)``,
+    which decided that the kernels take q."""
+    if k.dtype != q.dtype or k.device != q.device:
         return None
     ids = None if documents is None else documents.to(q.device, torch.long).contiguous()
     with torch.no_grad():
