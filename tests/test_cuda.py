@@ -8,9 +8,10 @@ operator, so that they cannot rot on a machine without one (``tests/helpers.devi
 
 On the device, in float32 with the executor ``auto`` picks there (flex; on the CPU flex asked for by name): every
 kind of head in a small model against the same model in float64 on the CPU (the tiles executor), forward and
-gradients, over rows of one sequence and of packed documents; causal routing with the paper's rule (one probe) and with two probes, balanced (non-causal) routing, LSH,
-the routing warm-up and hand-over, each against its dense definition in float64 on the CPU over the routes the
-device computed (float32 and float64 may route a near tie differently); relative positions; training steps;
+gradients, over rows of one sequence and of packed documents; causal routing with the paper's rule (one probe) and
+with two probes, balanced (non-causal) routing, LSH, the routing warm-up and hand-over, each against its dense
+definition in float64 on the CPU over the routes the device computed (float32 and float64 may route a near tie
+differently); relative positions; training steps;
 decoding; bfloat16; ``compile = true``; and, on CUDA, no host synchronisation inside a training step's forward and
 backward; new data causes no recompilation. scripts/device_check.py runs them first.
 """

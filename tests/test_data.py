@@ -719,7 +719,7 @@ def test_packed_rows_hold_whole_documents_each_prediction_once_and_within_its_do
     rows = packed.rows(list(range(len(packed))))
     owner = np.searchsorted(starts, tokens, side="right") - 1  # each token's document in the split
     targets: list[int] = []
-    for row, documents, scored in zip(rows.tokens.tolist(), rows.documents.tolist(), rows.scored.tolist()):
+    for row, documents, scored in zip(rows.tokens.tolist(), rows.documents.tolist(), rows.scored.tolist(), strict=True):
         assert documents == sorted(documents) and documents[0] == 0
         for j in range(11):
             same = documents[j] == documents[j + 1]
@@ -742,7 +742,7 @@ def test_packed_rows_are_a_function_of_the_seed_drawn_by_step_cut_and_repeated()
     packed = PackedRows(tokens, starts, 17, seed=4)
     sampler = BatchSampler(tokens, 16, 4, seed=1, documents=packed)
     again = BatchSampler(tokens, 16, 4, seed=1, documents=PackedRows(tokens, starts, 17, seed=4))
-    assert all(torch.equal(a, b) for a, b in zip(sampler.rows(3), again.rows(3)))
+    assert all(torch.equal(a, b) for a, b in zip(sampler.rows(3), again.rows(3), strict=True))
     ranks = [BatchSampler(tokens, 16, 4, seed=1, documents=packed, share=(r, 2)) for r in range(2)]
     assert torch.equal(torch.cat([ranks[r].rows(3).scored for r in range(2)]), sampler.rows(3).scored)
     whole, cut = sampler.rows(3), sampler.rows(3, length=8)  # cut into rows of 8 + 1: the same predictions

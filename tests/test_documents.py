@@ -728,12 +728,11 @@ def test_flex_block_tables_for_documents_are_those_of_their_pairs(name: str, par
     assert seen, "the documents' block tables were not built from the pattern's own"
     for got, pairs in seen:
         nkb, rows = got.kv_indices.shape[-1], pairs.some.shape[0]  # rows: B, or B · stride for the grid's columns
-        listed = torch.zeros(rows, 1, pairs.some.shape[2], nkb + 1, dtype=torch.bool)
 
-        def blocks_of(count, indices):  # (B, 1, nqb, nkb) bool from FlexAttention's (count, indices)
-            table = listed.clone()
-            rows = torch.arange(indices.shape[-1]) < count[..., None]
-            table.scatter_(-1, torch.where(rows, indices.long(), nkb), rows)
+        def blocks_of(count, indices, nkb=nkb):  # (B, 1, nqb, nkb) bool from FlexAttention's (count, indices)
+            table = torch.zeros(*count.shape, nkb + 1, dtype=torch.bool)
+            listed = torch.arange(indices.shape[-1]) < count[..., None]
+            table.scatter_(-1, torch.where(listed, indices.long(), nkb), listed)
             return table[..., :nkb]
 
         full = blocks_of(got.full_kv_num_blocks, got.full_kv_indices)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -614,7 +614,8 @@ def test_a_warm_up_at_a_shorter_length_trains_on_cut_sequences(setup, monkeypatc
     run = setup["root"] / "short-warm-up"
     assert train(setup, run, "--set", "options.routing.warmup=3", "--set", "options.routing.warmup_len=8",
                  "--max-steps", "5") == 0
-    assert [tuple(t.shape) for t in seen] == [(16, 8)] * 3 + [(4, 32)] * 2  # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
+    # batch 4 of 32 tokens = 16 sequences of 8 during the warm-up
+    assert [tuple(t.shape) for t in seen] == [(16, 8)] * 3 + [(4, 32)] * 2
 
 
 def test_a_length_warm_up_trains_short_rows_first_with_the_repeats_drawn_within_them(setup, monkeypatch,
@@ -747,11 +748,11 @@ def test_pack_documents_trains_on_whole_documents_packed_first_fit_the_loss_with
     assert "whole documents packed first-fit into" in out and "each document from its own start" in out
     assert len(seen) == len(targets) == 4
     padded = 0
-    for (tokens, documents), target in zip(seen, targets):
+    for (tokens, documents), target in zip(seen, targets, strict=True):
         target = target.reshape(tokens.shape)
-        for row, ids, wanted in zip(tokens.tolist(), documents.tolist(), target.tolist()):
+        for row, ids, wanted in zip(tokens.tolist(), documents.tolist(), target.tolist(), strict=True):
             for d in set(ids):  # a document is one letter, or padding
-                assert len({t for t, i in zip(row, ids) if i == d}) == 1
+                assert len({t for t, i in zip(row, ids, strict=True) if i == d}) == 1
             for j in range(len(row) - 1):
                 within = ids[j] == ids[j + 1] and row[j] != 0
                 assert (wanted[j] != -100) == within and (not within or wanted[j] == row[j + 1])

@@ -30,12 +30,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ..train import distributed
     from ..train.config import check_stride
     from ..train.evaluation import UNITS, Scoring, context_policy, evaluate, metric
     from ..train.runs import load_run, pick_device
-    import dataclasses
-
     from ..train.trainer import document_starts
 
     run_dir = Path(args.run_dir).expanduser()

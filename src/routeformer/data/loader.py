@@ -141,7 +141,8 @@ def eval_windows(n: int, seq_len: int, stride: int | None = None) -> list[tuple[
 
 
 def window_batches(tokens: np.ndarray, windows: list[tuple[int, int]], seq_len: int, batch: int,
-                   starts: np.ndarray | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+                   starts: np.ndarray | None = None
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """(tokens (b, L + 1), score mask (b, L), documents (b, L + 1) or None) per batch; windows at the end are
     right-padded and masked. ``starts``: the split's document starts, whose ids the windows then carry (a padded
     tail in the last document)."""

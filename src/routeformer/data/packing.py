@@ -82,7 +82,7 @@ class PackedRows:
             raise DataError(f"packed rows need at least 2 tokens (an input and its target), got {length}")
         ends = np.append(np.asarray(starts, dtype=np.int64)[1:], len(tokens))
         first, sizes = [], []
-        for start, end in zip(np.asarray(starts, dtype=np.int64).tolist(), ends.tolist()):
+        for start, end in zip(np.asarray(starts, dtype=np.int64).tolist(), ends.tolist(), strict=True):
             # pieces of `length` every `length - 1`: consecutive pieces share one token
             for s in range(start, max(start + 1, end - 1), length - 1):
                 if end - s >= 2:  # a piece predicts at least one token

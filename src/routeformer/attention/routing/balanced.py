@@ -221,7 +221,6 @@ def balanced_over_documents(inputs: Inputs, scores: Tensor, clusters: Tensor, op
     rows, ids = lengths.nonzero(as_tuple=True)
     spans = torch.stack([rows, starts[rows, ids], lengths[rows, ids]], 1).tolist()  # the one host read
     valid = None if inputs.key_valid is None else inputs.key_valid.expand(B, H, N)
-    flat = lambda x: x.movedim(2, 1).reshape(B * N, *x.shape[1:2], *x.shape[3:])  # noqa: E731 (B·N, H, ...)
     out = q.new_zeros(B * N, H, D)
     tiers: dict[int, list[list[int]]] = {}
     for span in spans:
@@ -232,10 +231,15 @@ def balanced_over_documents(inputs: Inputs, scores: Tensor, clusters: Tensor, op
                                                                                                device=q.device)
         real = torch.arange(length, device=q.device) < torch.tensor([n for _, _, n in tier], device=q.device)[:, None]
         at = torch.where(real, at, 0)  # (T, L): the flat position of every slot, padding reading position 0
-        gather = lambda x: flat(x)[at].movedim(1, 2)  # noqa: E731 (T, H, L, ...)
-        kept = real[:, None, :] if valid is None else real[:, None, :] & gather(valid)
-        part = Inputs(gather(q), gather(inputs.k), gather(inputs.v), inputs.scale, kept)
-        members = balanced_members(gather(scores), window, kept.all(1))
-        o = balanced_attention(part, members, gather(clusters), options, executor=executor, rel_pos=rel_pos)
+        kept = real[:, None, :] if valid is None else real[:, None, :] & _tier(valid, at)
+        part = Inputs(_tier(q, at), _tier(inputs.k, at), _tier(inputs.v, at), inputs.scale, kept)
+        members = balanced_members(_tier(scores, at), window, kept.all(1))
+        o = balanced_attention(part, members, _tier(clusters, at), options, executor=executor, rel_pos=rel_pos)
         out = out.index_put((at[real],), o.movedim(2, 1)[real])
     return out.view(B, N, H, D).movedim(1, 2)
+
+
+def _tier(x: Tensor, at: Tensor) -> Tensor:
+    """(B, H, N, ...) -> (T, H, L, ...): the positions ``at`` (T, L) of the flattened (B · N) sequence."""
+    B, H, N = x.shape[:3]
+    return x.movedim(2, 1).reshape(B * N, H, *x.shape[3:])[at].movedim(1, 2)
