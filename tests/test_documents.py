@@ -477,7 +477,7 @@ def _balanced(shared: bool):
     return layer
 
 
-@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("executor", ["fused", "tiles", pytest.param("flex", marks=SLOW_FLEX)])
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("relative", [False, True])
 def test_balanced_routing_gives_each_packed_document_what_it_gets_alone(executor: str, shared: bool,
