@@ -267,7 +267,10 @@ Call<T> make_call(const at::Tensor& q, const at::Tensor& k, const Band& t, const
 }
 
 // A head's blocks: consecutive rows [x · rows_per_block, (x + 1) · rows_per_block) of the sequence, read through the
-// order (null: the identity); a row's forward slot is its query row.
+// order (null: the identity); a row's forward slot is its query row. Where the groups are sorted (a sequence sorted
+// by cluster, or by document), a block also ends where a group's run does: a block's key span is then its own
+// group's, whatever the other groups hold, so a group's results (a packed document's) are the same bits however
+// the others change.
 template <typename T>
 struct BandLayout {
   const Call<T>& c;
@@ -278,14 +281,25 @@ struct BandLayout {
   T scale;
   struct Plan {
     int64_t n = 0;
+    std::vector<int64_t> starts;  // sorted groups: every block's first row, then Nq; else empty (arithmetic)
     int64_t blocks() const { return n; }
   };
 
-  Plan plan(int64_t) const { return {ceil_div(c.Nq, c.band.g.rows_per_block)}; }
-  template <typename F>
-  void block(int64_t bh, const Plan&, int64_t x, BlockRows& s, F&& f) const {
+  Plan plan(int64_t bh) const {
     const int64_t per_block = c.band.g.rows_per_block;
-    const int64_t r0 = x * per_block, n = std::min(per_block, c.Nq - r0);
+    if (c.groups == nullptr || !c.groups_sorted[bh]) return {ceil_div(c.Nq, per_block), {}};
+    Plan p;
+    const int64_t* run_end = c.run_hi.data() + bh * c.Nk;
+    for (int64_t r = 0; r < c.Nq; r = std::min(r + per_block, run_end[r])) p.starts.push_back(r);
+    p.n = static_cast<int64_t>(p.starts.size());
+    p.starts.push_back(c.Nq);
+    return p;
+  }
+  template <typename F>
+  void block(int64_t bh, const Plan& p, int64_t x, BlockRows& s, F&& f) const {
+    const int64_t per_block = c.band.g.rows_per_block;
+    const int64_t r0 = p.starts.empty() ? x * per_block : p.starts[x];
+    const int64_t n = p.starts.empty() ? std::min(per_block, c.Nq - r0) : p.starts[x + 1] - r0;
     s.resize(n);
     const int64_t* ord = order == nullptr ? nullptr : order + bh * c.Nq;
     for (int64_t r = 0; r < n; r++) {
