@@ -679,9 +679,8 @@ def _letters_data(root: Path) -> Path:
     return root / "letters-data"
 
 
-def test_pack_boundaries_trains_and_scores_each_file_apart(setup, monkeypatch, capsys) -> None:
-    """pack = "boundaries": every training row carries its documents' ids, which change exactly where a file
-    starts; the final score says it scored each document from its own start."""
+def _training_forwards(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every training forward's (tokens, documents) from now on (cloned), as the model receives them."""
     from routeformer.model import TransformerLM
 
     seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -693,11 +692,24 @@ def test_pack_boundaries_trains_and_scores_each_file_apart(setup, monkeypatch, c
         return forward(self, tokens, *args, documents=documents, **kwargs)
 
     monkeypatch.setattr(TransformerLM, "forward", recording)
+    return seen
+
+
+def _train_packed(setup, pack: str) -> tuple[Path, Path]:
+    """Four steps on the letters (one file per letter) with ``pack``: (the data folder, the run directory)."""
     data = _letters_data(setup["root"])
-    run = setup["root"] / "packed"
+    run = setup["root"] / f"packed-{pack}"
     assert main(["train", "--config", str(setup["config"]), "--data-dir", str(data), "--out", str(run),
-                 "--set", "data=letters", "--set", "pack=boundaries", "--set", "options.routing.probes=1",
+                 "--set", "data=letters", "--set", f"pack={pack}", "--set", "options.routing.probes=1",
                  "--max-steps", "4"]) == 0
+    return data, run
+
+
+def test_pack_boundaries_trains_and_scores_each_file_apart(setup, monkeypatch, capsys) -> None:
+    """pack = "boundaries": every training row carries its documents' ids, which change exactly where a file
+    starts; the final score says it scored each document from its own start."""
+    seen = _training_forwards(monkeypatch)
+    data, run = _train_packed(setup, "boundaries")
     out = capsys.readouterr().out
     assert "documents apart (no context across a file's boundary)" in out
     assert "each document from its own start" in out
@@ -721,29 +733,17 @@ def test_pack_documents_trains_on_whole_documents_packed_first_fit_the_loss_with
     scores each document from its own start. The letters' files are one letter each, padding 0."""
     import torch.nn.functional as F
 
-    from routeformer.model import TransformerLM
-
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen = _training_forwards(monkeypatch)
     targets: list[torch.Tensor] = []
-    forward, cross_entropy = TransformerLM.forward, F.cross_entropy
-
-    def recording(self, tokens, *args, documents=None, **kwargs):
-        if self.training:
-            seen.append((tokens.clone(), documents.clone()))
-        return forward(self, tokens, *args, documents=documents, **kwargs)
+    cross_entropy = F.cross_entropy
 
     def scoring(logits, target, *args, **kwargs):
         if torch.is_grad_enabled():
             targets.append(target.clone())
         return cross_entropy(logits, target, *args, **kwargs)
 
-    monkeypatch.setattr(TransformerLM, "forward", recording)
     monkeypatch.setattr(F, "cross_entropy", scoring)
-    data = _letters_data(setup["root"])
-    run = setup["root"] / "packed-documents"
-    assert main(["train", "--config", str(setup["config"]), "--data-dir", str(data), "--out", str(run),
-                 "--set", "data=letters", "--set", "pack=documents", "--set", "options.routing.probes=1",
-                 "--max-steps", "4"]) == 0
+    data, run = _train_packed(setup, "documents")
     out = capsys.readouterr().out
     assert "whole documents packed first-fit into" in out and "each document from its own start" in out
     assert len(seen) == len(targets) == 4

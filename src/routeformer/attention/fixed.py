@@ -105,30 +105,26 @@ def summary_call(inputs: Inputs, options: FixedOptions, *, other_blocks: bool, c
     cells, allow = summary_keys(N, block, summary, other_blocks=other_blocks, causal=causal, device=q.device)
     if inputs.documents is None or not ranges or not cells.numel():
         return cells, allow, None
-    spans = summary_ranges(inputs.documents, block, summary, other_blocks=other_blocks, causal=causal)
-    return cells, allow, spans._replace(query_pos=torch.arange(N, device=q.device)[None, None],
-                                        key_pos=cells[None, None])
+    return cells, allow, summary_ranges(inputs.documents, cells, block, summary, other_blocks=other_blocks,
+                                        causal=causal)
 
 
-def summary_ranges(documents: Tensor, block: int, summary: int, *, other_blocks: bool, causal: bool) -> Ranges:
-    """The summary cells of each query's document as ranges of the cells' index (``summary_keys``' order):
-    documents (B, N) numbered from 0 per row -> ``Ranges`` (B, 1, N · merge): merge 1, the cells before the
-    query's own block (``other_blocks``, causal) or up to the query (causal); merge 2, those before and those after
-    its own block (``other_blocks``, not causal); merge 1, all of its document's (neither). A fixed number of
-    operations on (B, N) integers."""
-    B, N = documents.shape
+def summary_ranges(documents: Tensor, cells: Tensor, block: int, summary: int, *, other_blocks: bool,
+                   causal: bool) -> Ranges:
+    """The summary cells of each query's document as ranges of ``cells`` (M,) (``summary_keys``' order, whose
+    positions the ranges' distances are taken from): documents (B, N) numbered from 0 per row -> ``Ranges``
+    (B, 1, N · merge): merge 1, the cells before the query's own block (``other_blocks``, causal) or up to the
+    query (causal); merge 2, those before and those after its own block (``other_blocks``, not causal); merge 1,
+    all of its document's (neither). A fixed number of operations on (B, N) integers."""
+    N = documents.shape[1]
     pos = torch.arange(N, device=documents.device)
-    starts = documents.new_ones(B, N, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = torch.where(starts, pos, 0).cummax(-1).values  # (B, N): the document's first position
-    ends = starts.roll(-1, dims=-1)
-    ends[:, -1] = True
-    last = torch.where(ends, pos, N).flip(-1).cummin(-1).values.flip(-1)  # its last position
+    ids = documents.contiguous()
+    first, end = torch.searchsorted(ids, ids), torch.searchsorted(ids, ids, right=True)  # each document's [first, end)
 
     def before(p: Tensor) -> Tensor:  # cells at positions < p: summary_count, elementwise
         return p // block * summary + (p % block - (block - summary)).clamp_min(0)
 
-    lo, hi = before(first), before(last + 1)  # (B, N): the document's cells
+    lo, hi = before(first), before(end)  # (B, N): the document's cells
     own = pos // block * block  # the own block's first position
     if other_blocks and causal:
         bounds = [(lo, torch.minimum(hi, before(own)))]
@@ -140,7 +136,8 @@ def summary_ranges(documents: Tensor, block: int, summary: int, *, other_blocks:
         bounds = [(lo, hi)]
     lo = torch.stack([a for a, _ in bounds], -1).flatten(-2)  # (B, N · merge)
     hi = torch.stack([torch.maximum(a, e) for a, e in bounds], -1).flatten(-2)  # an empty range where none is left
-    return Ranges(lo[:, None], hi[:, None], width=summary_count(N, block, summary), merge=len(bounds))
+    return Ranges(lo[:, None], hi[:, None], width=cells.shape[0], merge=len(bounds), query_pos=pos[None, None],
+                  key_pos=cells[None, None])
 
 
 def summary_count(n: int, block: int, summary: int) -> int:

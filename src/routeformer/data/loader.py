@@ -71,8 +71,8 @@ class BatchSampler:
         return self.rows(step, micro, micro_batches, length).tokens
 
     def rows(self, step: int, micro: int = 0, micro_batches: int = 1, length: int | None = None) -> Rows:
-        """``batch``'s tokens (b, L + 1), with ``starts`` the document of each (b, L + 1) int64 (else None),
-        and with ``packed`` the predictions that count (b, L) (else None: all): a row of the curriculum's repeated
+        """``batch``'s tokens (b, L + 1), with ``documents`` the document of each (b, L + 1) int64 (else None),
+        and with packed rows the predictions that count (b, L) (else None: all): a row of the curriculum's repeated
         text is one document, every prediction of it counting, its copies being what it teaches."""
         per = self.batch_size // self.world
         if per % micro_batches:

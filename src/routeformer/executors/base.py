@@ -65,7 +65,7 @@ class Executor:
     ``probes_run(key_clusters, probes, window, exclude_self, own_when_alone)`` multi-probe routing's key ranges
     (lo, hi) (``fused.probes.fused_probe_ranges``), ``vectors_run(x, projection)`` the router's unit routing vectors
     x / ||x|| · W_R with their gradient (``fused.vectors.fused_routing_vectors``), ``activation_run(x)`` the
-    model's activation x · sigmoid(1.702 x) with its gradient (``fused.executor.fused_activation``);
+    model's activation x · sigmoid(1.702 x) with its gradient (``fused.op.sigmoid_gelu``);
     each may return None for a call it does not take, and an executor without them (tiles) leaves them to
     PyTorch's operators in the mechanism, the definition. Read them through ``runner(q)``: the executor that
     computes a call on q.

@@ -43,6 +43,7 @@ from torch import Tensor
 from . import flex
 from .base import EXECUTORS, FEATURES, Executor
 from .fused import executor as fused
+from .fused.op import sigmoid_gelu
 from .fused.probes import fused_probe_ranges
 from .fused.routes import fused_route
 from .fused.scan import fused_feature_scan
@@ -64,7 +65,7 @@ EXECUTORS.update({
                       ranges_run=fused.fused_ranges, rounds_run=fused.fused_rounds, delegate=_unless_fused_takes,
                       route_run=fused_route, select_run=fused_select_blocks, scan_run=fused_feature_scan,
                       probes_run=fused_probe_ranges, vectors_run=fused_routing_vectors,
-                      activation_run=fused.fused_activation),
+                      activation_run=sigmoid_gelu),
     "tiles": Executor("tiles", tiled_attention),
     # routing's sorted window from its intervals (block tables a few key blocks wide)
     "flex": Executor("flex", flex.tiled, ranges_run=flex.flex_ranges,

@@ -35,15 +35,21 @@ def block_mask(pattern: FlexPattern, batch: int, heads: int, device: torch.devic
     key = None
     if pattern.cache_key is not None and not pattern.per_head:
         key = (pattern.cache_key, pattern.nq, pattern.nk, str(device), block)
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    mask = _build(pattern, batch if pattern.per_head else 1, heads if pattern.per_head else 1, device, block)
-    if key is not None:
-        _CACHE[key] = mask
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return mask
+    return _cached(key, lambda: _build(pattern, batch if pattern.per_head else 1, heads if pattern.per_head else 1,
+                                       device, block))
+
+
+def _cached(key: tuple | None, make):
+    """``make()``, kept under ``key`` among the last ``_CACHE_SIZE`` (None: made every time)."""
+    if key is None:
+        return make()
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    _CACHE[key] = made = make()
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return made
 
 
 class _Candidates(NamedTuple):
@@ -108,15 +114,7 @@ def _labelled(pattern: FlexPattern, device: torch.device, block: tuple[int, int]
     no pair of positions evaluated."""
     static = dataclasses.replace(pattern, allowed=pattern.unlabelled, per_head=False, labels=None, unlabelled=None)
     key = None if static.cache_key is None else ("tables", static.cache_key, static.nq, static.nk, str(device), block)
-    if key is not None and key in _CACHE:
-        _CACHE.move_to_end(key)
-        tables = _CACHE[key]
-    else:
-        tables = _tables_of(static, 1, 1, device, block)
-        if key is not None:
-            _CACHE[key] = tables
-            if len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
+    tables = _cached(key, lambda: _tables_of(static, 1, 1, device, block))
     labels = pattern.labels  # (B, 1, N)
     n, size = labels.shape[-1], block[0]
     starts = torch.arange(0, n, size, device=labels.device)
@@ -125,9 +123,8 @@ def _labelled(pattern: FlexPattern, device: torch.device, block: tuple[int, int]
     key_first, key_last = first[..., tables.cand], last[..., tables.cand]  # (B, 1, nqb, C)
     query_first, query_last = first[..., None], last[..., None]
     overlap = (key_first <= query_last) & (query_first <= key_last)
-    one = (query_first == query_last) & (key_first == key_last) & (query_first == key_first)
-    some = tables.some & overlap
-    return _mask(pattern, _Candidates(tables.cand, some, tables.every & some & one), block)
+    one = (query_first == query_last) & (key_first == key_last) & (query_first == key_first)  # implies overlap
+    return _mask(pattern, _Candidates(tables.cand, tables.some & overlap, tables.every & one), block)
 
 
 def _candidates(pattern: FlexPattern, bq: int, bk: int, device: torch.device,

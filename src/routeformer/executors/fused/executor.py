@@ -19,7 +19,7 @@ from ..relative import RelativePositions
 from ..tiling import HashRounds, KeyRestrictions, Tiling
 from .build import KERNELS
 from .geometry import BandGeometry, RangesGeometry, RoundsGeometry
-from .op import BandFunction, RangesFunction, RoundsFunction, distinct, register, sigmoid_gelu
+from .op import BandFunction, RangesFunction, RoundsFunction, distinct, register
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -51,12 +51,6 @@ def takes(q: Tensor) -> bool:
     ``*_run`` of this executor (``fused_route``, ``fused_select_blocks``, …) is reached through it and checks only
     its own other arguments."""
     return q.device.type == "cpu" and q.dtype in DTYPES and built()
-
-
-def fused_activation(x: Tensor) -> Tensor:
-    """The fused executor's ``activation_run``: x · sigmoid(1.702 x) by its CPU kernel (``Executor.runner(x)``
-    decided that the kernels take x)."""
-    return sigmoid_gelu(x)
 
 
 def rows_per_block(width: int) -> int:

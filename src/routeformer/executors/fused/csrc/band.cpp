@@ -34,7 +34,6 @@ struct Band {
   static Band of(const char* op, BandGeometry g, int64_t Nq, int64_t Nk) {
     RF_CHECK(!g.has_offsets || g.off_lo <= g.off_hi, op, "geometry's offsets must have off_lo <= off_hi, got (",
              g.off_lo, ", ", g.off_hi, ")");
-    RF_CHECK(g.window >= 0, op, "geometry's window must be >= 0 (0: none), got ", g.window);
     RF_CHECK(g.window > 0 || !g.causal, op, "geometry's causal flag names a window's side: causal without a window");
     // A sliding window comes as itself, and its offsets are derived here: offsets beside it would be a second
     // statement of the same thing that could disagree.
