@@ -289,7 +289,8 @@ struct BandLayout {
     if (c.groups == nullptr || !c.groups_sorted[bh]) return {ceil_div(c.Nq, per_block), {}};
     Plan p;
     const int64_t* run_end = c.run_hi.data() + bh * c.Nk;
-    for (int64_t r = 0; r < c.Nq; r = std::min(r + per_block, run_end[r])) p.starts.push_back(r);
+    // r + min(per_block, Nq - r): a rows_per_block near INT64_MAX must not wrap
+    for (int64_t r = 0; r < c.Nq; r = std::min(r + std::min(per_block, c.Nq - r), run_end[r])) p.starts.push_back(r);
     p.n = static_cast<int64_t>(p.starts.size());
     p.starts.push_back(c.Nq);
     return p;
