@@ -3,9 +3,9 @@ of them, the operators' contract written out independently of the C++ checks (``
 runs mutated calls in a process of its own (a crash kills only it) and reports each one's outcome.
 
 Used by ``test_fused_boundary.py``; also a script: ``python tests/fused_boundary.py enumerate [--dump FILE]`` runs
-every recorded call × every mutation, each in a process of its own (forked from one worker), and prints the
-counts: the crashes of whatever build ``PYTHONPATH`` gives (an older one too), and the outcomes the written
-contract disagrees with.
+every recorded call × every mutation (``--ops band_forward,band_backward``: those operators' only), each in a process
+of its own (forked from one worker), and prints the counts: the crashes of whatever build ``PYTHONPATH`` gives (an
+older one too), and the outcomes the written contract disagrees with.
 
 A mutation changes ONE argument: a dimension off by one (or to one, or zero), a batch of one, another dtype, a
 non-contiguous or broadcast view, an index value out of range or repeated, an entry of an int list set to 0, -1 or
@@ -138,13 +138,15 @@ def _scenarios() -> Iterator[tuple[str, Callable[[], object]]]:
     lo = (hi - torch.randint(0, 5, (B, H, 2 * N), generator=g)).clamp_min(0)
     pos = torch.arange(N).expand(B, H, N)
 
-    def ranges():
+    def ranges(documents=None):
         out, lse = fused.ranges(Inputs(q, k, v, 0.5, pad[:, None, :]),
-                                Ranges(lo, hi, 4, 2, query_pos=pos, key_pos=pos), order=KeyOrder(order, order),
-                                rel_pos=rel, need_lse=True)
+                                Ranges(lo, hi, 4, 2, query_pos=pos, key_pos=pos, documents=documents),
+                                order=KeyOrder(order, order), rel_pos=rel, need_lse=True)
         return out.sum() + lse.sum()
 
     yield "routing, probed ranges (merge 2, key order, relative, padding, lse)", ranges
+    # the queries' documents only cut the kernel's blocks (any ids): these ranges need not lie within them
+    yield "ranges with the queries' documents", lambda: ranges(torch.tensor([[0] * 5 + [3] * (N - 5), [1] * N]))
     yield "lsh causal, padding", lambda: lsh_attention(Inputs.of(q, q, v, key_padding_mask=pad),
                                                        LSHOptions(buckets=4, rounds=2, window=3), "fused")
     yield "lsh non-causal", lambda: lsh_attention(Inputs.of(q, q, v), LSHOptions(buckets=2, rounds=2, window=2),
@@ -412,7 +414,7 @@ def _band_backward(grad_out, grad_lse, q, k, v, out, lse, alone, *rest) -> None:
 
 
 def _ranges(q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos, key_table,
-            value_table) -> tuple:
+            value_table, documents) -> tuple:
     B, H, Nq, N, D = _qkv(q, k, v)
     _need(math.isfinite(scale), "scale finite")
     g = _geometry(geometry, RangesGeometry)
@@ -434,6 +436,8 @@ def _ranges(q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, k
             _positions(x, what)
     if _tables(key_table, value_table, K, D, q.dtype):
         _need(query_pos is not None and key_pos is not None, "relative positions need positions")
+    if documents is not None:  # any ids: where they change, the kernel's blocks end
+        _exact(documents, (B, Nq), "documents", torch.long)
     return B, H, Nq, D
 
 
@@ -736,7 +740,7 @@ def apply(call: Call, spec: dict) -> tuple[list, bool]:
     if kind == "give":
         args[i] = _given(call, i)
         same = names(call.op)[i] in ("key_valid", "grad_lse", "tile_mask", "bias", "order", "key_order", "groups",
-                                     "query_pos", "key_pos", "positions", "delta")
+                                     "query_pos", "key_pos", "positions", "delta", "documents")
     elif kind == "entry":
         x = list(x)
         old = x[spec["at"]]
@@ -759,6 +763,7 @@ def apply(call: Call, spec: dict) -> tuple[list, bool]:
         same = args[i] == x
     elif kind == "none":
         args[i] = None
+        same = call.op.startswith("ranges") and names(call.op)[i] == "documents"  # they only cut the blocks
     elif kind == "dim":
         d, to = spec["dim"], spec["to"]
         size = {"+1": x.shape[d] + 1, "-1": max(0, x.shape[d] - 1), "1": 1, "0": 0}[to]
@@ -974,6 +979,9 @@ def _main(argv: list[str]) -> int:
         sys.path.insert(0, str(HERE))
         calls = record()
         specs = enumerate_all(calls)
+        if "--ops" in argv:  # only these operators' calls (a comma list), after a change to their kernels
+            wanted = set(argv[argv.index("--ops") + 1].split(","))
+            specs = [s for s in specs if calls[s["call"]].op in wanted]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "calls.pt"
             save_calls(calls, path)

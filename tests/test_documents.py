@@ -95,9 +95,8 @@ def test_patterns_with_documents_equal_the_reference_under_their_mask_and_the_sa
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int, atol: float = 0.0) -> None:
-    """Changing every input of one document changes no output or gradient of the others, bit for bit (``atol``:
-    to rounding, for the fused sorted-window kernels; see the model's test)."""
+def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int) -> None:
+    """Changing every input of one document changes no output or gradient of the others, bit for bit."""
     q, k, v = rand_qkv(B, H, N, D)
     changed = documents == 2  # (B, N)
     pick = changed[:, None, :, None]
@@ -109,10 +108,10 @@ def _isolated(attend, documents: torch.Tensor, B: int, H: int, N: int, D: int, a
         outs.append(out)
         grads.append(torch.autograd.grad(out, x, grad, materialize_grads=True))  # k unused under shared QK
     keep = ~changed[:, None, :, None].expand(B, H, N, D)
-    torch.testing.assert_close(outs[0][keep], outs[1][keep], rtol=0, atol=atol)
+    assert torch.equal(outs[0][keep], outs[1][keep])
     assert not torch.equal(outs[0][~keep], outs[1][~keep]), "the changed document's own outputs must change"
     for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a[keep], b[keep], rtol=0, atol=atol)
+        assert torch.equal(a[keep], b[keep])
 
 
 @pytest.mark.parametrize("name, params", CASES)
@@ -247,8 +246,7 @@ def test_lsh_hashes_each_document_into_buckets_of_its_own(executor: str, causal:
     grad = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, [q, v], grad), torch.autograd.grad(ref, [q, v], grad), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-    # the fused rounds kernel cuts the sorted rows into blocks as the fused band does: to rounding there
-    _isolated(attend, documents, B, H, N, D, atol=1e-14 if executor == "fused" else 0.0)
+    _isolated(attend, documents, B, H, N, D)
 
 
 def _feature_definition(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -425,8 +423,7 @@ def _blocks_definition(heads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_block_selection_chooses_among_its_own_documents_blocks(kind: str, executor: str) -> None:
     """MoBA (mean, bound) and NSA heads over packed documents: against the definition written out query by query
-    (float64, forward and gradients), and isolated bit for bit (the fused ranges kernel to 1e-14: its blocks of
-    entries span the union of their ranges, as the fused band's rows do)."""
+    (float64, forward and gradients), and isolated bit for bit."""
     from routeformer.attention.moba import MobaHeads, MobaOptions
     from routeformer.attention.nsa import NsaHeads, NsaOptions
 
@@ -453,7 +450,54 @@ def test_block_selection_chooses_among_its_own_documents_blocks(kind: str, execu
     for a, b in zip(torch.autograd.grad(out, [q, k, v], grad), torch.autograd.grad(ref, [q, k, v], grad),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-    _isolated(attend, documents, B, H, N, D, atol=1e-14 if executor == "fused" else 0.0)
+    _isolated(attend, documents, B, H, N, D)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("which", [0, 2])
+def test_key_ranges_within_their_documents_isolate_them_bit_for_bit(executor: str, which: int) -> None:
+    """Key ranges laid within their queries' documents and said so (``Ranges.documents``), wide enough that a
+    document's entries span several of the fused kernel's key chunks (512 keys) and blocks: changing one document's
+    inputs and ranges (as routing's clusters move with its tokens) moves no output or gradient of the others, bit
+    for bit. The fused kernel ends its blocks of entries where the queries' document changes; a block straddling a
+    boundary would sum one document's products over a chunk grid that the other's ranges set."""
+    from routeformer.executors.ranges import Ranges
+
+    B, H, N, D = 1, 2, 1300, 8
+    documents = documents_from_lengths([[500, 200, 600]])
+    i = torch.arange(N)
+    start = torch.searchsorted(documents[0], documents[0])  # each position's document's first position
+    changed = documents[0] == which
+    run = get_executor(executor, "cpu")
+    draw = [start + (torch.rand(N, generator=torch.Generator().manual_seed(s)) * (i + 2 - start)).long()
+            for s in (4, 5)]
+    splits = [draw[0], torch.where(changed, draw[1], draw[0])]  # one document's ranges move
+    q, k, v = rand_qkv(B, H, N, D)
+    inputs = [(q, k, v), tuple(torch.where(changed[:, None], torch.randn_like(x) * 3, x).detach().requires_grad_()
+                               for x in (q, k, v))]  # ... and its inputs change
+    grad = torch.randn(B, H, N, D, dtype=q.dtype)
+    outs, grads = [], []
+    for x, split in zip(inputs, splits, strict=True):
+        lo = torch.stack([start, split], -1).view(1, 1, 2 * N)  # entry 2i + t: two disjoint ranges in [start, i]
+        hi = torch.stack([split, i + 1], -1).view(1, 1, 2 * N)
+        out, _ = run.ranges(Inputs.of(*x), Ranges(lo, hi, width=600, merge=2, documents=documents))
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, x, grad))
+    keep = ~changed
+    assert torch.equal(outs[0][:, :, keep], outs[1][:, :, keep])
+    assert not torch.equal(outs[0][:, :, changed], outs[1][:, :, changed])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a[:, :, keep], b[:, :, keep])
+
+
+def test_ranges_name_wrong_documents() -> None:
+    from routeformer.executors.ranges import Ranges
+
+    q, k, v = rand_qkv(2, 1, 4, 2, grad=False)
+    lo, hi = torch.zeros(2, 1, 4, dtype=torch.long), torch.ones(2, 1, 4, dtype=torch.long)
+    for wrong in (torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"Ranges.documents must be \(B, Nq\) = \(2, 4\) long on cpu"):
+            get_executor("fused", "cpu").ranges(Inputs.of(q, k, v), Ranges(lo, hi, 1, documents=wrong))
 
 
 def test_attention_over_key_ranges_given_as_they_are_refuses_documents() -> None:
@@ -566,11 +610,9 @@ def _model(attention: str, options: dict, positions: str, token_shift: str = "le
 def test_a_model_scores_each_packed_document_bit_for_bit_apart_from_the_others(attention, options, positions,
                                                                               backend, token_shift) -> None:
     """Changing one document's tokens changes no logit of another, bit for bit: attention, the token shift and the
-    positions stop at every boundary. One exception, to rounding: multi-probe routing and LSH on the fused
-    executor, whose ranges and rounds kernels cut their entries or sorted rows into blocks against the union of
-    their intervals, so that a block straddling two documents sums the later one's products over a span the
-    earlier one's set (about 1e-16; issue 71). The band kernel (the paper's rule) ends its blocks where a
-    (document, cluster) run does: bit for bit."""
+    positions stop at every boundary. The fused kernels end their blocks where a document does (the band and rounds
+    kernels where a run of sorted groups ends, the ranges kernel where its entries' query changes document), so a
+    block's key span, and every sum's order, is its own document's."""
     model = _model(attention, options, positions, token_shift, backend)
     documents = documents_from_lengths([[7, 1, 20, 20], [48]])
     tokens = torch.randint(0, 32, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -578,10 +620,7 @@ def test_a_model_scores_each_packed_document_bit_for_bit_apart_from_the_others(a
     changed = documents == 2
     other[changed] = (other[changed] + 1 + torch.randint(0, 30, (int(changed.sum()),))) % 32
     a, b = model(tokens, documents=documents), model(other, documents=documents)
-    if backend == "fused" and ("lsh" in attention or options.get("routing", {}).get("probes", 1) > 1):
-        torch.testing.assert_close(a[~changed], b[~changed], rtol=0, atol=1e-14)
-    else:
-        assert torch.equal(a[~changed], b[~changed])
+    assert torch.equal(a[~changed], b[~changed])
     assert not torch.equal(a[changed], b[changed])
     without = model(tokens)  # and without documents the later documents do see the earlier ones
     assert not torch.equal(without[0, 8:], a[0, 8:])

@@ -223,10 +223,10 @@ def test_ranges_and_rounds_and_gelu_name_the_argument() -> None:
     hi = torch.full((1, 2, 8), 9)
     with pytest.raises(RuntimeError, match=r"ranges_forward: lo and hi must have 0 <= lo <= hi <= N = 8, got lo 0, "
                                            r"hi 9"):
-        OPS.ranges_forward(q, k, v, lo, hi, [1, 16, 8, 0], 0.5, None, None, None, None, None, None)
+        OPS.ranges_forward(q, k, v, lo, hi, [1, 16, 8, 0], 0.5, None, None, None, None, None, None, None)
     with pytest.raises(RuntimeError, match=r"ranges_forward: k must be \(B, H, N, D\) with q's B, H, D"):
         OPS.ranges_forward(q, k[..., :3], v, lo, hi.clamp_max(8), [1, 16, 8, 0], 0.5, None, None, None, None, None,
-                           None)
+                           None, None)
     order = torch.arange(8).expand(1, 2, 1, 8).contiguous()
     groups = torch.zeros(1, 2, 1, 8, dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"rounds_forward: geometry\[0\] \(window\) must be >= 1, got 0"):

@@ -131,7 +131,7 @@ def selected_ranges(chosen: Tensor, block: int, n: int, start: Tensor | None = N
     # block 64, top 1: 20.2-23.6 -> 17.6-19.2 ms (local, window 128: 16.1-17.9); block 32, top 2: 23.8-37.9 ->
     # 18.6-20.0; N 128, block 8, top 3: 2.5 -> 1.4-2.1.
     return Ranges(lo, hi, width=min(block, n), merge=top + 1, query_pos=pos, key_pos=pos,
-                  stretch=max(8, block // 4), rows=64)
+                  stretch=max(8, block // 4), rows=64, documents=start)
 
 
 def selected_attention(inputs: Inputs, chosen: Tensor, block: int, executor: Executor,

@@ -45,6 +45,9 @@ class Ranges(NamedTuple):
     Each of them may give B or H as 1, standing for all (``broadcast_ranges``).
     stretch, rows: how the tiles cut them, G and R (defaults: ``range_stretch(width)``, and from the entries'
     spread; ``rows`` also fixes the gathered pass's block rows).
+    documents: (B, Nq) long or None, the query rows' packed documents where the ranges already lie within them (the
+    caller laid them so): an executor may cut its work where they change, and the fused one does, so that one
+    document's sums never depend on another's (bit for bit). Any ids: only where they change counts.
     """
 
     lo: Tensor
@@ -55,6 +58,7 @@ class Ranges(NamedTuple):
     key_pos: Tensor | None = None
     stretch: int | None = None
     rows: int | None = None
+    documents: Tensor | None = None
 
 
 class KeyOrder(NamedTuple):
@@ -79,7 +83,7 @@ def range_attention(tiled: Tiled, inputs: Inputs, spans: Ranges, *, order: KeyOr
         exactly for a row that sees no key) or None, as the executor's ``tiled`` returns them.
     """
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
-    lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
+    lo, hi, width, merge, query_pos, key_pos, stretch, rows, documents = spans
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
     G = stretch or range_stretch(width)
@@ -92,11 +96,18 @@ def range_attention(tiled: Tiled, inputs: Inputs, spans: Ranges, *, order: KeyOr
         key_pos = None if key_pos is None else key_pos.gather(-1, order.order)
     if scale != 1.0:  # once, on the query rows (the executor is called with scale 1)
         q = q * scale
-    sides = _Sides(q, query_pos, lo, hi, merge)
+    compiling = torch.compiler.is_compiling()
+    # with documents, no block of the gathered pass holds two documents' entries (not compiled: that needs a host read
+    # of how many blocks there are)
+    sides = _Sides(q, query_pos, lo, hi, merge, None if compiling else documents)
     keys = _Keys(k, v, key_valid, key_pos, rel_pos)
-    if torch.compiler.is_compiling():  # no host read: every entry through the gathered pass, at its size bound
-        parts = [_gathered(tiled, sides, keys, torch.arange(M, device=k.device).expand(B, H, M), width=width,
-                           stretch=G, rows=rows, bound=True)]
+    every = torch.arange(M, device=k.device).expand(B, H, M)
+    if compiling:  # no host read: every entry through the gathered pass, at its size bound
+        parts = [_gathered(tiled, sides, keys, every, width=width, stretch=G, rows=rows, bound=True)]
+    elif documents is not None:  # every entry through the gathered pass, in blocks of one document and of a size
+        # that no entry sets: a document's sums are its own, bit for bit (the tiles' rows and ranks within a stretch
+        # depend on every entry)
+        parts = [_gathered(tiled, sides, keys, every, width=width, stretch=G, rows=rows)]
     else:
         parts = _tiles(tiled, sides, keys, width=width, stretch=G, rows=rows)
     return merge_parts(parts, merge, Nq, need_lse)
@@ -109,6 +120,11 @@ def check_ranges(q: Tensor, spans: Ranges, rel_pos: RelativePositions | None) ->
         raise ValueError(f"lo and hi hold {M} entries; {Nq} queries with merge={spans.merge} need {Nq * spans.merge}")
     if rel_pos is not None and (spans.key_pos is None or spans.query_pos is None):
         raise ValueError("relative positions need query_pos and key_pos")
+    docs = spans.documents
+    if docs is not None and (docs.dim() != 2 or docs.shape[0] not in (1, q.shape[0]) or docs.shape[1] != Nq
+                             or docs.dtype != torch.long or docs.device != q.device):
+        raise ValueError(f"Ranges.documents must be (B, Nq) = {(q.shape[0], Nq)} long on {q.device} (B of 1 "
+                         f"standing for all), got {tuple(docs.shape)} {docs.dtype} on {docs.device}")
 
 
 def broadcast_ranges(inputs: Inputs, spans: Ranges, order: KeyOrder | None) -> tuple[Ranges, KeyOrder | None]:
@@ -129,7 +145,8 @@ def broadcast_ranges(inputs: Inputs, spans: Ranges, order: KeyOrder | None) -> t
     # Built whole, not by ``_replace``: dynamo 2.11 rebuilds a ``_replace``d NamedTuple empty after a graph break.
     spans = Ranges(per_head(spans.lo, M, "Ranges.lo", "M"), per_head(spans.hi, M, "Ranges.hi", "M"), spans.width,
                    spans.merge, per_head(spans.query_pos, Nq, "Ranges.query_pos", "Nq"),
-                   per_head(spans.key_pos, N, "Ranges.key_pos", "N"), spans.stretch, spans.rows)
+                   per_head(spans.key_pos, N, "Ranges.key_pos", "N"), spans.stretch, spans.rows,
+                   None if spans.documents is None else spans.documents.expand(B, Nq))
     if order is not None:
         order = KeyOrder(per_head(order.order, N, "KeyOrder.order", "N"),
                          per_head(order.inverse, N, "KeyOrder.inverse", "N"))
@@ -156,10 +173,12 @@ class RangePart(NamedTuple):
 
 
 class _Sides:
-    """The query side of a set of entries: the (scaled) query rows, their positions, the ranges, and ``merge``."""
+    """The query side of a set of entries: the (scaled) query rows, their positions, the ranges, ``merge``, and the
+    query rows' documents (``Ranges.documents``) or None."""
 
-    def __init__(self, q: Tensor, pos: Tensor | None, lo: Tensor, hi: Tensor, merge: int) -> None:
-        self.q, self.pos, self.lo, self.hi, self.merge = q, pos, lo, hi, merge
+    def __init__(self, q: Tensor, pos: Tensor | None, lo: Tensor, hi: Tensor, merge: int,
+                 documents: Tensor | None = None) -> None:
+        self.q, self.pos, self.lo, self.hi, self.merge, self.documents = q, pos, lo, hi, merge, documents
 
     def at(self, entry: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         """(lo, hi, position) of the entries in slots ``entry`` (B, H, X), M for an empty slot (range empty)."""
@@ -240,7 +259,8 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
               rows: int | None, bound: bool = False) -> RangePart:
     """The entries ``pick`` (B, H, L) (M: none) in blocks of at most T rows whose hi lie in one stretch of G keys,
     each block one tile against its own gathered span of width + G - 1 keys (keys in the ranges' order).
-    ``bound``: as many blocks as there can be (L / T + N / G), not as there are (no host read)."""
+    ``bound``: as many blocks as there can be (L / T + N / G), not as there are (no host read). With the query
+    rows' documents (``sides.documents``) a block also holds one document's entries."""
     k, v = keys.k, keys.v
     B, H, N, D = k.shape
     M, L, dev, G = sides.lo.shape[-1], pick.shape[-1], k.device, stretch
@@ -249,8 +269,15 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
     T = rows or max(8, min(128, round(L * G / N)))
     S = width + G - 1
     order = hi.argsort(dim=-1, stable=True)
-    group = (hi.gather(-1, order) - 1).clamp(0, N - 1) // G
+    group = (hi.gather(-1, order) - 1).clamp(0, N - 1) // G  # the stretch of each entry, in order of hi
     n_groups = (N - 1) // G + 1
+    stretch_of = None
+    if sides.documents is not None:  # a group is a run of entries of one stretch and one document, in order of hi
+        query = pick.clamp_max(M - 1).gather(-1, order) // sides.merge  # each entry's query row, in order of hi
+        doc = sides.documents[:, None, :].expand(B, H, -1).gather(-1, query)
+        change = (group[..., 1:] != group[..., :-1]) | (doc[..., 1:] != doc[..., :-1])
+        stretch_of, n_groups = group, L
+        group = torch.cat([torch.zeros_like(group[..., :1]), change.long().cumsum(-1)], -1)
     counts = torch.zeros(B, H, n_groups, dtype=torch.long, device=dev).scatter_add_(-1, group, torch.ones_like(group))
     rank = torch.arange(L, device=dev) - (counts.cumsum(-1) - counts).gather(-1, group)
     blocks = (counts + T - 1) // T
@@ -258,7 +285,8 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
     n_blocks = -(-L // T) + n_groups if bound else max(1, int(blocks.sum(-1).max()))
     slot = block * T + rank % T
     entry = torch.full((B, H, n_blocks * T), M, dtype=torch.long, device=dev).scatter_(-1, slot, pick.gather(-1, order))
-    start = torch.zeros(B, H, n_blocks, dtype=torch.long, device=dev).scatter_(-1, block, group) * G + 1 - width
+    stretch_at = group if stretch_of is None else stretch_of
+    start = torch.zeros(B, H, n_blocks, dtype=torch.long, device=dev).scatter_(-1, block, stretch_at) * G + 1 - width
     key_at = start[..., None] + torch.arange(S, device=dev)  # (B, H, NB, S)
     key_index = key_at.clamp(0, N - 1).view(B, H, n_blocks * S)
     first, last, query_at = sides.at(entry, (B, H, n_blocks, T, 1))

@@ -71,7 +71,8 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     packed ``inputs.documents`` by (document, cluster, position), the probes then looking into the query's own
     document's clusters only.
     """
-    labelled = inputs.documents is not None
+    documents = inputs.documents
+    labelled = documents is not None
     if labelled:  # packed documents: the label is (document, cluster), so that every probe's
         # range lies in the query's own document (``sort`` must be by these labels: the layer's ``_sort``)
         label = inputs.documents[:, None, :] * options.num_clusters  # (B, 1, N)
@@ -95,10 +96,11 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     pos = None if rel_pos is None else torch.arange(N, device=q.device).expand(B, H, N)
     order = KeyOrder(sort.order, sort.inverse)
     if gates is None:  # one softmax over the union of the probes' (disjoint) ranges
-        merged, lse = executor.ranges(inputs, Ranges(lo, hi, window, p, query_pos=pos, key_pos=pos), order=order,
-                                      rel_pos=rel_pos, need_lse=True)
+        spans = Ranges(lo, hi, window, p, query_pos=pos, key_pos=pos, documents=documents)
+        merged, lse = executor.ranges(inputs, spans, order=order, rel_pos=rel_pos, need_lse=True)
     else:  # each probe's softmax apart, scaled by its gate
-        spans = Ranges(lo, hi, window, query_pos=None if pos is None else pos.repeat_interleave(p, -1), key_pos=pos)
+        spans = Ranges(lo, hi, window, query_pos=None if pos is None else pos.repeat_interleave(p, -1), key_pos=pos,
+                       documents=None if documents is None else documents.repeat_interleave(p, -1))
         out, lse = executor.ranges(inputs.with_(q=q.repeat_interleave(p, dim=2)), spans, order=order, rel_pos=rel_pos,
                                    need_lse=True)
         merged = (out.view(B, H, N, p, D) * gates[..., None].to(out.dtype)).sum(3)

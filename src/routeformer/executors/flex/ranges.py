@@ -45,7 +45,7 @@ def flex_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
     Time O(M · (width + 128) · D) in the kernel for M = Nq · merge entries, memory O(M · D) (plus the relative
     value pass, see the module)."""
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
-    lo, hi, width, merge, query_pos, key_pos, _, _ = spans
+    lo, hi, width, merge, query_pos, key_pos, _, _, _ = spans
     B, H, N, D = k.shape
     Nq, M = q.shape[2], lo.shape[-1]
     if order is not None:  # the keys in the order the ranges index: one copy, then ranges are index intervals

@@ -112,7 +112,7 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
     gathered by index inside the kernel, blocks of ``rows`` entries (default from merge · width) spanning at most
     width + ``stretch`` keys (default: ``rows``). The order's inverse is not needed: no permuted copy is made."""
     q, k, v, scale, key_valid = inputs.q, inputs.k, inputs.v, inputs.scale, inputs.key_valid
-    lo, hi, width, merge, query_pos, key_pos, stretch, rows = spans
+    lo, hi, width, merge, query_pos, key_pos, stretch, rows, documents = spans
     key_order = None if order is None else order.order
     # A row's merge entries each end at their own key, so a block of R entries spans about R / merge + width keys:
     # sized from merge · width, it pads its products as one entry of that width would, in half as many blocks as
@@ -130,7 +130,8 @@ def fused_ranges(inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None
         _rows(q), _rows(k), _rows(v), _indices(lo, (B, H, M), "Ranges.lo"), _indices(hi, (B, H, M), "Ranges.hi"),
         geometry.ints(), float(scale), _indices(key_order, (B, H, N), "KeyOrder.order"),
         _valid(key_valid, B, H, N), _indices(query_pos, (B, H, Nq), "Ranges.query_pos"),
-        _indices(key_pos, (B, H, N), "Ranges.key_pos"), key_table, value_table))
+        _indices(key_pos, (B, H, N), "Ranges.key_pos"), key_table, value_table,
+        None if documents is None else documents.contiguous()))
     return out, (lse if need_lse else None)
 
 

@@ -25,7 +25,7 @@ from .geometry import BandGeometry, check_fields
 
 _OPTIONAL_BAND = ("allow", "tile_mask", "key_valid", "groups", "order", "key_table", "value_table", "delta",
                   "positions", "bias")
-_OPTIONAL_RANGES = ("key_order", "key_valid", "query_pos", "key_pos", "key_table", "value_table")
+_OPTIONAL_RANGES = ("key_order", "key_valid", "query_pos", "key_pos", "key_table", "value_table", "documents")
 _EXCLUDE_SELF = BandGeometry.index("exclude_self")  # band_forward returns alone (B, H, Nq) under it, else empty
 _registered = threading.Lock()
 _done: list[bool] = []
@@ -103,13 +103,14 @@ def _register() -> None:
         return _grad_shapes(q, k, key_table, output_mask)
 
     @torch.library.register_fake(lib + "ranges_forward")
-    def _(q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos, key_table, value_table):
+    def _(q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos, key_table, value_table,
+          documents):
         B, H, Nq, D = q.shape
         return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq)
 
     @torch.library.register_fake(lib + "ranges_backward")
     def _(grad_out, grad_lse, q, k, v, out, lse, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos,
-          key_table, value_table, output_mask):
+          key_table, value_table, documents, output_mask):
         return _grad_shapes(q, k, key_table, output_mask)
 
     @torch.library.register_fake(lib + "rounds_forward")

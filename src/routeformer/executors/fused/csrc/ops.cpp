@@ -39,11 +39,11 @@ TORCH_LIBRARY(routeformer_fused, m) {
   m.def(
       "ranges_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, int[] geometry, float scale, "
       "Tensor? key_order, Tensor? key_valid, Tensor? query_pos, Tensor? key_pos, Tensor? key_table, "
-      "Tensor? value_table) -> (Tensor, Tensor)");
+      "Tensor? value_table, Tensor? documents) -> (Tensor, Tensor)");
   m.def(
       "ranges_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor lo, Tensor hi, int[] geometry, float scale, Tensor? key_order, Tensor? key_valid, Tensor? query_pos, "
-      "Tensor? key_pos, Tensor? key_table, Tensor? value_table, bool[3] output_mask) "
+      "Tensor? key_pos, Tensor? key_table, Tensor? value_table, Tensor? documents, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "rounds_forward(Tensor q, Tensor? k, Tensor v, Tensor order, Tensor groups, Tensor labels, Tensor? key_valid, "

@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table);
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& documents);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ranges_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
@@ -46,7 +46,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table, std::array<bool, 3> output_mask);
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& documents,
+    std::array<bool, 3> output_mask);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_rounds_forward(
     const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& v, const at::Tensor& order,

@@ -3,7 +3,10 @@
 //
 // Per head, the entries with a non-empty range are sorted by hi (a counting sort: stable, O(M + N)) and cut into
 // blocks of at most ``rows_per_block`` consecutive entries whose ranges together span at most ``span_cap`` keys, so a
-// block is one product of its gathered query rows against one stretch of keys, read by index from k and v. Each
+// block is one product of its gathered query rows against one stretch of keys, read by index from k and v. With
+// packed ``documents`` (the query rows', whose keys the ranges already lie within) a block also ends where its
+// entries' document changes: a document's blocks, their spans and every sum's order are then its own, so its results
+// are the same bits however the other documents change (as the band and rounds kernels' blocks). Each
 // entry's (out, lse) is merged per query row through the log-sum-exp. The backward recomputes every block with its
 // query row's merged lse: the union is one softmax, so an entry's probabilities are exp(s - lse of its row).
 //
@@ -27,8 +30,8 @@ struct Entries {  // one head's entries in blocks
   int64_t blocks() const { return start.empty() ? 0 : int64_t(start.size()) - 1; }
 };
 
-Entries cut_blocks(const int64_t* lo, const int64_t* hi, int64_t M, int64_t N, int64_t rows_per_block,
-                   int64_t span_cap) {
+Entries cut_blocks(const int64_t* lo, const int64_t* hi, int64_t M, int64_t N, const RangesGeometry& g,
+                   const int64_t* documents) {
   Entries en;
   std::vector<int64_t> count(N + 2, 0);
   for (int64_t m = 0; m < M; m++)
@@ -42,10 +45,11 @@ Entries cut_blocks(const int64_t* lo, const int64_t* hi, int64_t M, int64_t N, i
     en.start.push_back(s);
     int64_t a = lo[en.sorted[s]], e = hi[en.sorted[s]];
     int64_t t = s + 1;
-    for (; t < S && t - s < rows_per_block; t++) {
+    for (; t < S && t - s < g.rows_per_block; t++) {
       const int64_t m = en.sorted[t];
+      if (documents != nullptr && documents[m / g.merge] != documents[en.sorted[s] / g.merge]) break;
       const int64_t na = std::min(a, lo[m]), ne = std::max(e, hi[m]);
-      if (ne - na > span_cap) break;
+      if (ne - na > g.span_cap) break;
       a = na;
       e = ne;
     }
@@ -110,7 +114,7 @@ std::pair<checks::QKV, Ranges> check_call(
     const at::Tensor& hi, at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table) {
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& documents) {
   const auto call = checks::attention<RangesGeometry>(op, q, &k, v, geometry, scale, key_valid);
   const checks::QKV& s = call.s;
   const Ranges z{call.g, checks::product(op, s.Nq, call.g.merge, "Nq * merge")};
@@ -123,6 +127,7 @@ std::pair<checks::QKV, Ranges> check_call(
   }
   checks::positions(op, query_pos, "query_pos", {s.B, s.H, s.Nq});
   checks::positions(op, key_pos, "key_pos", {s.B, s.H, s.N});
+  if (documents.has_value()) checks::flat(op, *documents, "documents", at::kLong, "(B, Nq)", {s.B, s.Nq});
   if (checks::tables(op, key_table, value_table, z.g.max_distance, s.D, q.scalar_type()))
     RF_CHECK(query_pos.has_value() && key_pos.has_value(), op, "relative positions need query_pos and key_pos");
   return {s, z};
@@ -139,6 +144,7 @@ struct RangeLayout {
   int64_t D;
   T scale;
   const int64_t *lo, *hi, *key_order, *key_pos, *query_pos;
+  const int64_t* documents;  // (B, Nq): the query rows' documents, or null
   KeyValid key_valid;
   std::vector<uint8_t> unit_heads;  // with relative tables: per head, whether its distances are unit ones
   using Plan = Entries;
@@ -147,12 +153,14 @@ struct RangeLayout {
               const at::Tensor& lo_, const at::Tensor& hi_, double scale_, const std::optional<at::Tensor>& order,
               const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& qpos,
               const std::optional<at::Tensor>& kpos, const std::optional<at::Tensor>& key_table,
-              const std::optional<at::Tensor>& value_table)
+              const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& documents_)
       : s(s_), z(z_), heads(q, k, v), rel(Rel<T>::of(key_table, value_table, z_.g.max_distance)), D(s_.D),
         scale(static_cast<T>(scale_)), lo(lo_.data_ptr<int64_t>()), hi(hi_.data_ptr<int64_t>()),
         key_order(order.has_value() ? order->data_ptr<int64_t>() : nullptr),
         key_pos(kpos.has_value() ? kpos->data_ptr<int64_t>() : nullptr),
-        query_pos(qpos.has_value() ? qpos->data_ptr<int64_t>() : nullptr), key_valid(KeyValid::of(valid, s_.H)) {
+        query_pos(qpos.has_value() ? qpos->data_ptr<int64_t>() : nullptr),
+        documents(documents_.has_value() ? documents_->data_ptr<int64_t>() : nullptr),
+        key_valid(KeyValid::of(valid, s_.H)) {
     if (!rel.on()) return;
     unit_heads.resize(s.B * s.H);
     at::parallel_for(0, s.B * s.H, 1, [&](int64_t h0, int64_t h1) {
@@ -164,7 +172,8 @@ struct RangeLayout {
   static const int64_t* of_head(const int64_t* p, int64_t bh, int64_t n) { return p == nullptr ? nullptr : p + bh * n; }
 
   Plan plan(int64_t bh) const {
-    return cut_blocks(lo + bh * z.M, hi + bh * z.M, z.M, s.N, z.g.rows_per_block, z.g.span_cap);
+    return cut_blocks(lo + bh * z.M, hi + bh * z.M, z.M, s.N, z.g,
+                      documents == nullptr ? nullptr : documents + (bh / s.H) * s.Nq);
   }
   template <typename F>
   void block(int64_t bh, const Plan& en, int64_t b, BlockRows& rows, F&& f) const {
@@ -192,9 +201,9 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table) {
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& documents) {
   const auto checked = check_call("ranges_forward", q, k, v, lo, hi, geometry, scale, key_order, key_valid,
-                                  query_pos, key_pos, key_table, value_table);
+                                  query_pos, key_pos, key_table, value_table, documents);
   const checks::QKV& s = checked.first;
   const Ranges& z = checked.second;
   auto out = at::empty({s.B, s.H, s.Nq, s.D}, q.options());
@@ -202,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> fused_ranges_forward(
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_ranges_forward", [&] {
     using T = scalar_t;
     const RangeLayout<T> layout(s, z, q, k, v, lo, hi, scale, key_order, key_valid, query_pos, key_pos, key_table,
-                                value_table);
+                                value_table, documents);
     const int64_t BH = s.B * s.H, merge = z.g.merge;
     // each entry's (out, lse); an entry with an empty range keeps lse = neg_inf
     auto eo = at::empty({BH * z.M, s.D}, q.options());
@@ -221,10 +230,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
     at::IntArrayRef geometry, double scale, const std::optional<at::Tensor>& key_order,
     const std::optional<at::Tensor>& key_valid, const std::optional<at::Tensor>& query_pos,
     const std::optional<at::Tensor>& key_pos, const std::optional<at::Tensor>& key_table,
-    const std::optional<at::Tensor>& value_table, std::array<bool, 3> output_mask) {
+    const std::optional<at::Tensor>& value_table, const std::optional<at::Tensor>& documents,
+    std::array<bool, 3> output_mask) {
   const char* op = "ranges_backward";
   const auto checked = check_call(op, q, k, v, lo, hi, geometry, scale, key_order, key_valid, query_pos, key_pos,
-                                  key_table, value_table);
+                                  key_table, value_table, documents);
   const checks::QKV& s = checked.first;
   const Ranges& z = checked.second;
   checks::backward(op, grad_out, grad_lse, out, lse, nullptr, false, s, q.scalar_type());
@@ -235,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_ran
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "routeformer_ranges_backward", [&] {
     using T = scalar_t;
     const RangeLayout<T> layout(s, z, q, k, v, lo, hi, scale, key_order, key_valid, query_pos, key_pos, key_table,
-                                value_table);
+                                value_table, documents);
     backward_blocks(layout, s.B * s.H, grads.io<T>(go, o, lse, grad_lse, nullptr), [](int64_t, const Grads<T>&) {});
   });
   return grads.result();

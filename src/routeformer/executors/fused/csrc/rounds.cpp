@@ -86,33 +86,51 @@ void check_sorted(const char* op, const at::Tensor& t, const char* name) {
                p[r * n + i - 1], " before ", p[r * n + i], " at flat row ", r, ", index ", i);
 }
 
-// A head's blocks: each round's sorted indices in blocks of rows_per_block, round after round; a block row is a
-// sorted index, its query row the position there, its forward slot that position in its round's results.
+// A head's blocks: each round's sorted indices in blocks of at most rows_per_block, round after round, a block ending
+// where a run of its round's groups (buckets, or (document, bucket)) ends: a block's key span is then its own
+// group's whatever the other groups hold, so a packed document's results are the same bits however the others
+// change (as the band kernel's blocks). A block row is a sorted index, its query row the position there, its
+// forward slot that position in its round's results.
 template <typename T>
 struct RoundLayout {
   Heads<T> heads;
   Rel<T> rel;  // none
-  int64_t D, N, n_rounds, round_blocks;  // round_blocks: blocks per round
+  int64_t D, N, n_rounds;
   RoundsGeometry g;
   T scale;
   const T* key_scale;  // (B·H·N): scale / |q_j| for unit keys, or null (k given; the score scale is ``scale``)
   const int64_t *order, *groups, *labels;  // (B, H, rounds, N)
   KeyValid key_valid;
   struct Plan {
-    int64_t n = 0;
-    int64_t blocks() const { return n; }
+    std::vector<int64_t> round, start, end;  // every block's round and sorted rows [start, end)
+    int64_t blocks() const { return static_cast<int64_t>(start.size()); }
   };
 
   const int64_t* of_round(const int64_t* p, int64_t bh, int64_t round) const {
     return p + (bh * n_rounds + round) * N;
   }
-  Plan plan(int64_t) const { return {n_rounds * round_blocks}; }
+  Plan plan(int64_t bh) const {
+    Plan p;
+    for (int64_t round = 0; round < n_rounds; round++) {
+      const int64_t* gr = of_round(groups, bh, round);
+      for (int64_t r = 0; r < N;) {
+        const int64_t cap = r + std::min(g.rows_per_block, N - r);  // not r + rows_per_block: no wrap
+        int64_t e = r + 1;
+        while (e < cap && gr[e] == gr[r]) e++;
+        p.round.push_back(round);
+        p.start.push_back(r);
+        p.end.push_back(e);
+        r = e;
+      }
+    }
+    return p;
+  }
   template <typename F>
-  void block(int64_t bh, const Plan&, int64_t b, BlockRows& s, F&& f) const {
-    const int64_t round = b / round_blocks, x = b % round_blocks;
+  void block(int64_t bh, const Plan& p, int64_t b, BlockRows& s, F&& f) const {
+    const int64_t round = p.round[b];
     const int64_t* ord = of_round(order, bh, round);
     const int64_t* gr = of_round(groups, bh, round);
-    const int64_t r0 = x * g.rows_per_block, n = std::min(g.rows_per_block, N - r0);
+    const int64_t r0 = p.start[b], n = p.end[b] - r0;
     s.resize(n);
     for (int64_t i = 0; i < n; i++) {
       const int64_t at = r0 + i;
@@ -165,8 +183,8 @@ RoundLayout<T> layout_of(const at::Tensor& q, const std::optional<at::Tensor>& k
                          const std::optional<at::Tensor>& key_valid, const checks::Attention<RoundsGeometry>& call,
                          double scale, const std::vector<T>& key_scale) {
   const checks::QKV& s = call.s;
-  return RoundLayout<T>{Heads<T>(q, k.has_value() ? *k : q, v), Rel<T>(), s.D, s.N, order.size(2),
-                        ceil_div(s.N, call.g.rows_per_block), call.g, static_cast<T>(scale),
+  return RoundLayout<T>{Heads<T>(q, k.has_value() ? *k : q, v), Rel<T>(), s.D, s.N, order.size(2), call.g,
+                        static_cast<T>(scale),
                         k.has_value() ? nullptr : key_scale.data(), order.data_ptr<int64_t>(),
                         groups.data_ptr<int64_t>(), labels.data_ptr<int64_t>(), KeyValid::of(key_valid, s.H)};
 }
