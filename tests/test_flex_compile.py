@@ -5,12 +5,19 @@ here, not on a loaned GPU. For an H200 (sm_90a: the tensor cores the scores use,
 A100 (sm_80), every tile the autotuner may pick, within the shared memory those GPUs give one program.
 
 Skipped without Triton, and in the interpreter's own process (``TRITON_INTERPRET=1``: the kernels are then the
-interpreter's, not the compiler's)."""
+interpreter's, not the compiler's).
+
+Twice: with the newest Triton (this environment's) and with the one the GPU machines' PyTorch carries (torch 2.11:
+Triton 3.6), which ``.ci/run`` installs beside it (``pip install --no-deps --target .triton-3.6 triton==3.6.0``);
+the slow test below runs this file again in a process that imports that one, and checks that it did."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +26,20 @@ pytestmark = pytest.mark.skipif(
     reason="needs Triton's compiler (the triton extra), outside TRITON_INTERPRET=1")
 
 TARGETS = {"H200": (90, 227 * 1024), "A100": (80, 163 * 1024)}  # capability, shared memory per program (bytes)
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE_TRITON = ("3.6.0", ROOT / ".triton-3.6")  # the GPU image's (torch 2.11's), and where .ci/run installs it
+EXPECT = "ROUTEFORMER_EXPECT_TRITON"  # set by that test: the Triton version the process must have imported
+
+
+def test_the_triton_this_process_was_asked_to_compile_with() -> None:
+    """Where a run asks for a Triton version (the slow test below), the one imported is that one: the compile
+    tests then spoke for it."""
+    import triton
+
+    want = os.environ.get(EXPECT)
+    if want is None:
+        pytest.skip(f"no Triton version asked for ({EXPECT})")
+    assert triton.__version__ == want, (triton.__version__, triton.__file__)
 
 
 def _compile(kernel, signature: dict, constexprs: dict, capability: int):
@@ -74,3 +95,19 @@ def test_the_statistics_selection_and_row_kernels_compile(gpu: str) -> None:
                                                 "SN": "i64", "SD": "i64"},
                                  {"SCALE": scale, "BLOCK_M": rows.ROWS, "BLOCK_D": 64}, capability))
     assert all(c.metadata.shared <= shared for c in compiled)
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_with_the_gpu_images_triton_too() -> None:
+    """This file's compile tests again, in a process that imports the GPU image's Triton (3.6, for torch 2.11)
+    from ``.triton-3.6`` ahead of this environment's: a kernel that only the newest Triton lowers fails here."""
+    version, folder = DEVICE_TRITON
+    if not (folder / "triton" / "__init__.py").is_file():
+        pytest.skip(f"Triton {version} is not installed in {folder} (pip install --no-deps --target {folder} "
+                    f"triton=={version}; .ci/run does)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT / "src")]), EXPECT: version}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m",
+                          "not slow", __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "5 passed" in run.stdout, run.stdout[-2000:]  # the version check and the four compile tests, none skipped
