@@ -144,14 +144,18 @@ def test_errors_name_the_argument() -> None:
         route(r, centroids, None, torch.ones(1, 2, 8, dtype=torch.bool), 1, False)
 
 
-@pytest.mark.parametrize("probes, balance", [(1, 0.0), (2, 0.01)])
-def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: int, balance: float) -> None:
+@pytest.mark.parametrize("probes, balance, separate", [(1, 0.0, False), (2, 0.01, False), (2, 0.01, True),
+                                                       (1, 0.0, True)])
+def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: int, balance: float,
+                                                         separate: bool) -> None:
     """Two training forwards and backwards of a causal routing layer (float64, padding, relative positions
     absent), the fused router (its vectors and its choice) against PyTorch's: the same output, gradients (the
     commitment term's through the vectors included), k-means statistics, loads and commitment loss; and the
-    centroids' first update (the seeding from the kept samples) the same."""
+    centroids' first update (the seeding from the kept samples) the same. Separate routing (queries by q, keys by
+    k): the kernel routes the keys and, in a second call, the queries."""
     B, H, N, D = 2, 2, 40, 8
-    options = RoutingOptions(num_clusters=5, window=6, probes=probes, balance=balance)
+    options = RoutingOptions(num_clusters=5, window=6, probes=probes, balance=balance, separate=separate,
+                             shared_qk=not separate)
     layers = [RoutingAttention(H, D, options).double().train() for _ in range(2)]
     layers[1].load_state_dict(layers[0].state_dict())
     g = torch.Generator().manual_seed(11)
@@ -165,7 +169,7 @@ def test_a_routing_layer_trains_the_same_on_both_routers(monkeypatch, probes: in
         outs = []
         for _ in range(2):
             x = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = layer(x[0], x[0], x[2], key_padding_mask=pad)  # shared QK: k = q
+            out = layer(x[0], x[1] if separate else x[0], x[2], key_padding_mask=pad)  # shared QK: k = q
             loss = out.square().sum() + layer.routing.commitment_loss
             loss.backward()
             state = {name: b.clone() for name, b in layer.named_buffers()}
@@ -203,3 +207,13 @@ def test_the_fused_router_is_taken_where_the_kernels_take_the_vectors() -> None:
     assert get_executor("tiles").route_run is None
     by_tiles = router.routes(q, q, need_scores=False, executor=get_executor("tiles"))
     assert by_tiles.sort is None and torch.equal(by_tiles.keys, routes.keys)
+    # separate routing: two calls, the keys' clusters by k's vectors and the queries' probes by q's
+    separate = Router(2, 8, RoutingOptions(num_clusters=4, window=4, probes=2, balance=0.0, separate=True,
+                                           shared_qk=False)).double()
+    k = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    calls.clear()
+    routes = separate.routes(q, k, need_scores=False, executor=counted)
+    assert len(calls) == 2 and routes.scores is None and routes.sort is not None
+    full = separate.routes(q, k, executor=counted)
+    assert len(calls) == 2 and torch.equal(full.keys, routes.keys) and torch.equal(full.probes, routes.probes)
+    assert not torch.equal(routes.probes[..., 0], routes.keys)  # the queries' own choice, not their keys' cluster

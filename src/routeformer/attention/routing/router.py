@@ -190,9 +190,10 @@ class Router(nn.Module):
         (``key_padding_mask`` (B, N), True = real) and the keys' cluster loads for the next ``update``, and set
         ``commitment_loss``; in evaluation mode it observes nothing and sets ``commitment_loss`` to None.
         ``need_scores=False`` (causal routing): the scores may be left out, and where the ``executor``'s router
-        takes the vectors (one vector per position: ``Executor.route_run``, the fused CPU kernel or the flex
-        executor's Triton kernels on CUDA) it chooses the clusters, sorts the keys and reduces the statistics
-        without the (B, H, N, k) scores; else PyTorch's operators here, the definition. The vectors likewise: the
+        takes the vectors (``Executor.route_run``, the fused CPU kernel or the flex executor's Triton kernels on
+        CUDA) it chooses the clusters, sorts the keys and reduces the statistics without the (B, H, N, k) scores
+        (separate routing: a second call gives the queries' probes from their own vectors); else PyTorch's
+        operators here, the definition. The vectors likewise: the
         executor's normalise-and-turn (``Executor.vectors_run``, the fused CPU kernel) where it has one, else
         ``turn``."""
         runner = None if executor is None else executor.runner(q)
@@ -204,11 +205,17 @@ class Router(nn.Module):
                 turned.append(turn(x, proj) if r is None else r)
         rq, rk = turned[0], turned[-1]
         route_run = None if runner is None else runner.route_run
-        if rq is rk and not need_scores and route_run is not None:
+        if not need_scores and route_run is not None:
             counting = observe and self.kmeans.counting()
-            got = route_run(rq, self.kmeans.centroids, self.bias, key_padding_mask, self.probes, counting)
-            if got is not None:
-                return self._kernel_routes(rq, got, key_padding_mask, observe=observe, counting=counting)
+            # the keys' clusters, their sort and statistics; separate routing: then the queries' probes, a second
+            # call on their own vectors that observes nothing
+            got = route_run(rk, self.kmeans.centroids, self.bias, key_padding_mask, 1 if rq is not rk else self.probes,
+                            counting)
+            got_q = got if rq is rk or got is None else route_run(rq, self.kmeans.centroids, self.bias,
+                                                                  key_padding_mask, self.probes, False)
+            if got_q is not None:
+                return self._kernel_routes((rq, rk), (got_q, got), key_padding_mask, observe=observe,
+                                           counting=counting)
         scores = self._biased(self.kmeans.scores(rq))  # (B, H, N, k)
         probes = self._best(scores)  # a query's first probe is its best cluster
         if rq is rk:
@@ -219,19 +226,28 @@ class Router(nn.Module):
             self._observe(rq, rk, probes[..., 0], keys, key_padding_mask)
         return Routes(scores, keys, probes, rq)
 
-    def _kernel_routes(self, r: Tensor, got: Routed, key_padding_mask: Tensor | None, *, observe: bool,
-                       counting: bool) -> Routes:
-        """``routes`` from an executor's router's result ``got`` for the routing vectors r (one per position): the
-        statistics it reduced added (``counting``), the commitment loss set from its cosines (``observe``)."""
-        keys = got.probes[..., 0]
+    def _kernel_routes(self, vectors: tuple[Tensor, Tensor], got: tuple[Routed, Routed],
+                       key_padding_mask: Tensor | None, *, observe: bool, counting: bool) -> Routes:
+        """``routes`` from an executor's router's results ``got`` = (the queries', the keys') for the routing vectors
+        (rq, rk) (one tensor and one result twice unless routing is separate): the statistics the keys' call reduced
+        added (``counting``), the commitment loss set from the cosines (``observe``; separate routing: the keys' and
+        the queries', as ``_observe``)."""
+        (rq, rk), (got_q, got_k) = vectors, got
+        keys = got_k.probes[..., 0]
         if observe:
             if counting:
-                self.kmeans.add_reduced(r.detach(), got.sums, got.weights, key_padding_mask)
+                self.kmeans.add_reduced(rk.detach(), got_k.sums, got_k.weights, key_padding_mask)
                 if self.bias is not None:
-                    self.pending_load += got.weights.to(self.pending_load.dtype)  # the keys' loads: their counts
-            self.commitment_loss = (self.commitment * self.kmeans.commitment(r, keys, key_padding_mask, got.cosine)
+                    self.pending_load += got_k.weights.to(self.pending_load.dtype)  # the keys' loads: their counts
+            r, clusters, valid, cosine = rk, keys, key_padding_mask, got_k.cosine
+            if rq is not rk:
+                r, clusters = torch.cat([rk, rq], dim=2), torch.cat([keys, got_q.probes[..., 0]], dim=2)
+                valid = None if key_padding_mask is None else key_padding_mask.repeat(1, 2)
+                cosine = torch.cat([got_k.cosine, got_q.cosine], dim=2)
+            self.commitment_loss = (self.commitment * self.kmeans.commitment(r, clusters, valid, cosine)
                                     if self.training else None)
-        return Routes(None, keys, got.probes, r, ClusterOrder(got.order, got.inverse, got.grouped, None, got.counts))
+        sort = ClusterOrder(got_k.order, got_k.inverse, got_k.grouped, None, got_k.counts)
+        return Routes(None, keys, got_q.probes, rq, sort)
 
     def _observe(self, rq: Tensor, rk: Tensor, query_clusters: Tensor, keys: Tensor,
                  key_padding_mask: Tensor | None) -> None:
