@@ -11,6 +11,10 @@ FlexAttention call on the same sorted q, k, v under four masks, forward and forw
 - ``routing tables, causal rule``: the same tables with the rule ``j <= i``: what the rule's own cost is;
 - ``sliding, no lse``: the baseline without the log-sum-exp (the executor always asks for it).
 
+The masks are measured in that order, each printed as soon as it is measured: its table row and a ``FLEXROW``
+JSON line (flushed), then a ``FLEXCOST`` line with them all; a run stopped at a time limit (each mask compiles a
+forward and a backward) keeps the masks it finished, the first ones the ones that matter most.
+
 On an H200 at 64k (2026-11-29, bench attention) routing's forward kernel took 1.03 ms against the sliding
 window's 0.235 with about as many key blocks per query block (2.45 partial against 2 partial + 1 full): this
 splits that gap between the rule, the tables and the lse. On the CPU it runs FlexAttention compiled by inductor's
@@ -74,12 +78,13 @@ def main() -> None:
     sliding = create_block_mask(rule, None, None, n, n, device=dev, _compile=True)
     compiled = torch.compile(flex_attention, dynamic=False)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rows = [("sliding", sliding, True), ("sliding, no lse", sliding, False), ("routing", routing, True),
-            ("routing tables, causal rule", causal, True)]
+    rows = [("sliding", sliding, True), ("routing", routing, True), ("routing tables, causal rule", causal, True),
+            ("sliding, no lse", sliding, False)]
     if dev.type == "cpu":  # inductor's CPU lowering wants tables N / 128 columns wide: routing's are a few
-        rows = rows[:2]
-    print(f"N={n}, 8 heads of 64, {dtype}, {dev}; routing k={k}, window={window}")
-    print("| mask | partial blocks per query block | full | fwd ms | fwd+bwd ms |\n|---|---:|---:|---:|---:|")
+        rows = [row for row in rows if row[0].startswith("sliding")]
+    print(f"N={n}, 8 heads of 64, {dtype}, {dev}; routing k={k}, window={window}", flush=True)
+    print("| mask | partial blocks per query block | full | fwd ms | fwd+bwd ms |\n|---|---:|---:|---:|---:|",
+          flush=True)
     found = {}
     for name, mask, lse in rows:
         grads = dev.type != "cpu"  # FlexAttention has no backward on the CPU, nor a compiled lse
@@ -107,7 +112,8 @@ def main() -> None:
         print(f"| {name} | {partial:.2f} | {full:.2f} | {times['fwd']:.3f} | {times['fwd+bwd']:.3f} |", flush=True)
         found[name] = {"partial": round(partial, 2), "full": round(full, 2), "fwd_ms": round(times["fwd"], 3),
                        "fwd_bwd_ms": None if math.isnan(times["fwd+bwd"]) else round(times["fwd+bwd"], 3)}
-    print("FLEXCOST " + json.dumps(found))  # one line for scripts/device_check.py
+        print("FLEXROW " + json.dumps({"mask": name, **found[name]}), flush=True)  # read if the run is cut
+    print("FLEXCOST " + json.dumps(found), flush=True)  # one line for scripts/device_check.py
 
 
 if __name__ == "__main__":

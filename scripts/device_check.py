@@ -29,7 +29,11 @@ tail of its output:
    ``experiments/flex_window_cost.py`` at 64k (flex-cost: routing's flex forward against the sliding window's).
 
 A failing step never stops the check, and the report is rewritten after every step, so an interrupted check keeps
-what it measured. Exit status: 0 when every step passed, 1 when one failed or ran out of time, 2 for a usage error.
+what it measured. A step cut by its time limit keeps what it measured too: each measuring step prints a line per
+measurement as soon as it is taken (pytest's per-test lines, bench attention's ``measured ...`` lines, PROFILE and
+FLEXROW lines), and the numbers are read from those when the step's JSON never came. As each step ends the check
+prints its status, seconds and numbers on stdout (flushed), so that the last lines of its output say what was
+measured so far. Exit status: 0 when every step passed, 1 when one failed or ran out of time, 2 for a usage error.
 docs/gpu.md says what each number means and what the goals are.
 """
 
@@ -123,7 +127,9 @@ PROFILE_N = {False: 16384, True: 512}  # toy: on the CPU in the CI
 @dataclass
 class Step:
     """One subprocess of the check and what it gave. ``parse(output, out_dir)`` reads its numbers (the output, and
-    any file the step wrote under the check's folder); it may raise, which is recorded, never fatal."""
+    any file the step wrote under the check's folder); it may raise, which is recorded, never fatal. ``writes``: the
+    files ``parse`` reads, removed before the step runs (a check run again into the same folder, or another part's
+    step of the same name, would otherwise have a step cut by its limit read the earlier run's file)."""
 
     name: str
     what: str
@@ -131,6 +137,7 @@ class Step:
     limit_s: float
     env: dict[str, str] = field(default_factory=dict)
     parse: Callable[[str, Path], dict] | None = None
+    writes: tuple[Path, ...] = ()
     status: str = "not run"  # pass | fail | timeout | interrupted | not run
     seconds: float | None = None
     returncode: int | None = None
@@ -141,7 +148,7 @@ class Step:
         """The step as the JSON report holds it."""
         kept = asdict(self)
         del kept["parse"]
-        return {**kept, "command": " ".join(self.argv)}
+        return {**kept, "writes": [str(path) for path in self.writes], "command": " ".join(self.argv)}
 
 
 @dataclass(frozen=True)
@@ -175,10 +182,35 @@ GOAL_ROWS = {65536: ["lsh", "moba"]}  # the routing part's rows at the length th
 
 
 def plan(mode: Mode, part: str = "all") -> list[Step]:
-    """The steps in order (of ``part``: 'check', 'bench' or 'all'). On a GPU the limits of each part add up to
-    under 9 minutes, so that either fits a 15-minute loan of a GPU with its start-up. The limits were set from the
-    first run on an H200 (2026-11-27), where FlexAttention's compilation took most of every step: tests ~130 s
-    with 8 workers, the first training step 24 s, torchrun's first step 17 s, a benchmark row tens of seconds."""
+    """The steps in order (of ``part``: 'check', 'bench', 'cpu', 'routing' or 'all'). On a GPU the limits of each
+    part add up to under 9 minutes, so that either fits a 15-minute loan of a GPU with its start-up. The limits were
+    set from the first runs on an H200 (2026-11-27 and -29), where FlexAttention's compilation took most of every
+    step: tests ~130 s with 8 workers, the first training step 24 s, torchrun's first step 17 s, a FlexAttention
+    row of the benchmark ~20 s at a new length (its forward without gradients, with them, its backward: bench-16384
+    measured five such rows in 103 s), each compiled again at every length (static shapes).
+
+    The routing part (530 s in all on a GPU: 10 s left of the 540 for the check's own start and the SIGTERM grace
+    of a step cut at the end) cannot give every step the margin it would like; its limits, in the order it runs:
+
+    - versions 20 s: Python starts, imports torch and Triton and opens one CUDA context (a few seconds);
+    - routing-kernels 110 s (was 70): 24 tests in one process, each Triton kernel compiled at its first shape (the
+      router's ``choose`` autotuned per (k, D), the row mover per dtype), and five tests of whole layers that
+      compile FlexAttention's forward and backward at small lengths (~20 s each): the tests every later number
+      hangs on, so the largest margin;
+    - bench-65536 120 s (was 110): six FlexAttention rows (flex-sliding, local, routing, routing-p2, lsh, moba) of
+      ~20 s each, beside SDPA's, at times of a few ms; the third run measured them all, and a leak table since
+      dropped, within its limit of 150 s;
+    - bench-262144 90 s (unchanged): four FlexAttention rows compiled again at 256k, full's 0.6-s steps;
+    - profile 40 s (was 50): local, routing and routing-p2 at 64k, the shapes bench-65536 has just compiled, so
+      inductor's caches on disk serve its compilations: what is left is the start, tracing and three profiled
+      steps a row;
+    - routing-tests 70 s (was 120): 11 tests on 8 workers, each compiling FlexAttention at 2048 (the check part
+      runs them all again in its tests step, 180 s);
+    - flex-cost 80 s (was 60): four masks, each a compiled forward and backward at 64k (sliding, routing, routing's
+      tables with a causal rule, then the sliding window without the lse, the least needed, last).
+
+    A step cut by its limit keeps the rows it printed (bench, profile, flex-cost) and its tests' lines, so a limit
+    that proves short loses a step's last rows, not the step."""
     out, toy = mode.out, mode.toy
     # The training steps' data: stdlib (30 MB); at toy sizes the README as a text data set, whose validation split
     # (1.5 kB) the final evaluation scores in a moment on the CPU (stdlib's 1.6 MB take a minute there).
@@ -202,14 +234,14 @@ def plan(mode: Mode, part: str = "all") -> list[Step]:
     profile_n = 65536 if routing and not toy else PROFILE_N[toy]
     steps.append(Step("profile", f"torch.profiler of local, routing and routing-p2 forward+backward at N={profile_n}: "
                       "the operators that take the time", python("-c", PROFILE, str(profile_n), mode.device),
-                      50 if routing and not toy else 60, parse=parse_profile))
+                      40 if routing and not toy else 60, parse=parse_profile))
     if routing:  # then the device tests (the longest step, compiling FlexAttention for each test), and where
         # routing's flex forward loses to the sliding window's (its rule, its tables, the lse)
         steps.append(routing_test_step(mode))
         steps.append(Step("flex-cost", "experiments/flex_window_cost.py: routing's flex forward on its tables and "
                           "rule, beside FlexAttention's sliding window", python(
                               str(ROOT / "experiments" / "flex_window_cost.py"), "512" if toy else "65536",
-                              "--device", mode.device), 60, parse=parse_flex_cost))
+                              "--device", mode.device), 80 if mode.cuda else 60, parse=parse_flex_cost))
     steps.append(Step(
         "train", "routeformer train: local + routing heads, " + ("toy sizes, float32" if toy else
                                                                  "seq_len 4096, bfloat16, 1 minute of "
@@ -256,7 +288,7 @@ def kernel_test_step(mode: Mode) -> Step:
                   "tests/test_flex_rows.py")
     env = {"ROUTEFORMER_TEST_DEVICE": mode.device, **({} if mode.cuda else {"TRITON_INTERPRET": "1"})}
     return Step("routing-kernels", f"the flex executor's Triton kernels against PyTorch on {mode.device}", argv,
-                70 if mode.cuda else 300, env=env, parse=parse_tests)
+                110 if mode.cuda else 300, env=env, parse=parse_tests)
 
 
 def routing_test_step(mode: Mode) -> Step:
@@ -271,7 +303,7 @@ def routing_test_step(mode: Mode) -> Step:
         pass
     else:
         argv += ["-n", "8" if mode.cuda else "2"]
-    return Step("routing-tests", f"routing's device tests on {mode.device}", argv, 120 if mode.cuda else 300,
+    return Step("routing-tests", f"routing's device tests on {mode.device}", argv, 70 if mode.cuda else 300,
                 env={"ROUTEFORMER_TEST_DEVICE": mode.device}, parse=parse_tests)
 
 
@@ -282,18 +314,19 @@ def suite_step(mode: Mode) -> Step:
     argv = python("-m", "pytest", "-q", "-rfE", "-n", "8", "--junitxml", str(mode.out / "suite.xml"))
     return Step("suite", "the README's test command on the host's CPU, 8 workers of 2 threads", argv, 420,
                 env={"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""},
-                parse=lambda output, out: parse_junit(out / "suite.xml"))
+                parse=lambda output, out: parse_junit(out / "suite.xml"), writes=(mode.out / "suite.xml",))
 
 
 def bench_step(mode: Mode, n: int, routing: bool = False) -> Step:
-    """``routeformer bench attention`` at N = n; ``routing``: the routing part's rows and limits (three lengths in
-    the part's 9 minutes)."""
+    """``routeformer bench attention`` at N = n; ``routing``: the routing part's rows and limits (``plan`` says what
+    they allow for). Its numbers come from the JSON the benchmark writes at its end, or, for a run cut by its limit,
+    from the ``measured ...`` line it prints for each row as soon as the row is measured."""
     dtype = "bfloat16" if mode.cuda else "float32"  # SDPA's flash and cuDNN backends take half precision only
     json_path = mode.out / f"bench-{n}.json"
     size = ["--heads", "2", "--head-dim", "16", "--window", "32", "--repeats", "1"] if mode.toy else ["--repeats", "3"]
     rows = ROUTING_ROWS + GOAL_ROWS.get(n, []) if routing else BENCH_ROWS
     if routing:  # no leak table (its compilations at N = 1024 took most of a step; the device tests check leaks)
-        limit = 80 if n <= 16384 else (110 if n <= 65536 else 90)
+        limit = 80 if n <= 16384 else (120 if n <= 65536 else 90)
         size += ["--leak-n", "0"]
     else:
         limit = 200 if n <= 16384 else 240
@@ -301,7 +334,8 @@ def bench_step(mode: Mode, n: int, routing: bool = False) -> Step:
                 python("-m", "routeformer", "bench", "attention", "--device", mode.device, "--dtype", dtype,
                        "--n", str(n), *size, "--only", *(rows if mode.cuda else rows[:3]),
                        "--json", str(json_path)),
-                120 if mode.toy else limit, parse=lambda output, out: parse_bench(json_path, output))
+                120 if mode.toy else limit, parse=lambda output, out: parse_bench(json_path, output),
+                writes=(json_path,))
 
 
 def train_settings(mode: Mode, seq_len: int) -> list[str]:
@@ -387,27 +421,58 @@ def parse_profile(output: str, out: Path) -> dict:
 
 def parse_flex_cost(output: str, out: Path) -> dict:
     """The experiment's FLEXCOST line: per mask, its partial and full key blocks per query block, ms forward and
-    forward+backward."""
-    line = next(x for x in output.splitlines() if x.startswith("FLEXCOST "))
-    return json.loads(line.removeprefix("FLEXCOST "))
+    forward+backward; from a run cut before that line, the FLEXROW line it printed for each mask it measured."""
+    lines = output.splitlines()
+    line = next((x for x in reversed(lines) if x.startswith("FLEXCOST ")), None)
+    if line is not None:
+        return json.loads(line.removeprefix("FLEXCOST "))
+    found = {}
+    for x in lines:
+        if x.startswith("FLEXROW "):
+            row = json.loads(x.removeprefix("FLEXROW "))
+            found[row.pop("mask")] = row
+    if not found:
+        raise ValueError("no FLEXCOST line and no FLEXROW line in the output")
+    return found
 
 
-MEASURED = re.compile(r"measured (.+?) at N=(\d+): fwd ([\d.]+|n/a), fwd\+bwd ([\d.]+|n/a) ms")
+# bench attention's line per row, on stderr as soon as the row is measured (its memory since issue 72; its note,
+# if any, after the seconds)
+MEASURED = re.compile(r"measured (.+?) at N=(\d+): fwd ([\d.]+|n/a), fwd\+bwd ([\d.]+|n/a) ms"
+                      r"(?:, inference ([\d.]+|n/a) MiB, training ([\d.]+|n/a) MiB)?(?: \(\d+ s(?:, ([^\n]*))?\))?")
 
 
 def parse_bench(path: Path, output: str = "") -> dict:
     """Per mechanism: ms forward, ms forward+backward, peak MiB (inference, training), and the note; with the
     ratios the goals name (docs/gpu.md) where both rows were measured. A run stopped before its JSON was written
-    leaves the times of the rows it measured in its ``measured ...`` lines: those are read then."""
-    if not path.exists():
-        rows = {m[1]: {"fwd_ms": _ms(m[3]), "fwd_bwd_ms": _ms(m[4]), "note": "read from the log (no JSON)"}
-                for m in MEASURED.finditer(output)}
-        if not rows:
-            raise FileNotFoundError(f"{path} (and no measured row in the output)")
-        found: dict = {"n": int(next(MEASURED.finditer(output))[2]), "rows": rows}
-        _ratios(found)
-        return found
-    table = json.loads(path.read_text())
+    (its time limit), or whose JSON cannot be read, leaves the rows it measured in its ``measured ...`` lines:
+    those are read then, each marked as read from the log."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return parse_measured(output, f"{path}: {type(e).__name__}")
+    return _bench_rows(table)
+
+
+def parse_measured(output: str, why: str = "no JSON") -> dict:
+    """The rows of bench attention's ``measured ...`` lines in ``output`` (the last of a mechanism measured twice),
+    with the ratios; ``why``: the reason the JSON was not read, for the message when no row was measured."""
+    rows = {}
+    n = None
+    for m in MEASURED.finditer(output):
+        n = int(m[2])
+        rows[m[1]] = {"fwd_ms": _number(m[3]), "fwd_bwd_ms": _number(m[4]), "inference_mib": _number(m[5]),
+                      "training_mib": _number(m[6]),
+                      "note": "read from the log (no JSON)" + (f"; {m[7]}" if m[7] else "")}
+    if not rows:
+        raise FileNotFoundError(f"{why} (and no measured row in the output)")
+    found: dict = {"n": n, "rows": rows}
+    _ratios(found)
+    return found
+
+
+def _bench_rows(table: dict) -> dict:
+    """parse_bench's numbers from the benchmark's JSON."""
     rows = {}
     for row in table["rows"]:
         rows[row["mechanism"]] = {
@@ -421,8 +486,8 @@ def parse_bench(path: Path, output: str = "") -> dict:
     return found
 
 
-def _ms(text: str) -> float | None:
-    return None if text == "n/a" else float(text)
+def _number(text: str | None) -> float | None:
+    return None if text in (None, "n/a") else float(text)
 
 
 def _ratios(found: dict) -> None:
@@ -481,6 +546,8 @@ def run_step(step: Step, mode: Mode, deadline: float) -> None:
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     log = mode.out / "logs" / f"{step.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    for path in step.writes:  # an earlier run's file is never read as this one's
+        path.unlink(missing_ok=True)
     start = time.monotonic()
     header = f"$ {' '.join(step.argv)}\n"  # the log's first line; the report shows the command apart
     with open(log, "w") as sink:
@@ -509,6 +576,22 @@ def run_step(step: Step, mode: Mode, deadline: float) -> None:
                     step.numbers = step.parse(output, mode.out)
                 except Exception as e:  # a step that failed early leaves nothing to read: say so, go on
                     step.numbers = {"unread": f"{type(e).__name__}: {e}"}
+
+
+LINE_CHARS = 400  # of each line ``progress`` prints (the whole numbers are in the report)
+
+
+def progress(step: Step) -> list[str]:
+    """What the check prints on its stdout as ``step`` ends: its status, seconds and limit, then its numbers, a
+    line per top-level entry (a line per row for a table of rows, such as the benchmark's), each as compact JSON
+    and cut at LINE_CHARS, so that the last lines of the check's output say what was measured so far."""
+    lines = [f"device check: {step.name}: {step.status} in {step.seconds} s (limit {step.limit_s:.0f} s)"]
+    for key, value in step.numbers.items():
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            lines += [f"  {key} | {row}: {json.dumps(v, separators=(', ', ': '))}" for row, v in value.items()]
+        else:
+            lines.append(f"  {key}: {json.dumps(value, separators=(', ', ': '))}")
+    return [line if len(line) <= LINE_CHARS else line[:LINE_CHARS - 3] + "..." for line in lines]
 
 
 def settled(output: str) -> str:
@@ -607,8 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"device check: {step.name} ({step.what}) ...", file=sys.stderr, flush=True)
             run_step(step, mode, deadline)
-            print(f"device check: {step.name}: {step.status} in {step.seconds} s", file=sys.stderr, flush=True)
             write(mode.out, report(mode, steps, started, time.monotonic() - start))
+            print("\n".join(progress(step)), flush=True)
     except KeyboardInterrupt:
         write(mode.out, report(mode, steps, started, time.monotonic() - start))
         print(f"device check: interrupted; the report so far is in {mode.out}", file=sys.stderr)

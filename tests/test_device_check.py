@@ -1,6 +1,7 @@
 """scripts/device_check.py: each step's status, seconds, numbers and output tail; a failing or hanging step never
-stops the check; the report on disk after every step; the numbers read from pytest and the attention benchmark;
-the GPU plan within its 8 minutes. (The whole check at toy sizes runs in CI: .ci/run.)"""
+stops the check; the report on disk after every step; the numbers read from pytest and the attention benchmark,
+those of a step cut by its limit from the lines it printed; the GPU plan within its 9 minutes. (The whole check at
+toy sizes runs in CI: .ci/run.)"""
 
 from __future__ import annotations
 
@@ -170,6 +171,86 @@ def test_a_benchmark_stopped_before_its_json_is_read_from_its_log(dc, tmp_path: 
         dc.parse_bench(tmp_path / "missing.json", "attention: flex\n")
 
 
+def test_a_benchmark_cut_after_two_rows_keeps_those_two_rows(dc, tmp_path: Path) -> None:
+    """A run stopped during its third row (no JSON) gives the two rows it printed, their memory and note with
+    them; a JSON that cannot be read is passed over for the lines the same way."""
+    output = ("attention: flex\nmeasured full at N=65536: fwd 9.62, fwd+bwd 35.07 ms, inference 64.0 MiB, "
+              "training 388.0 MiB (21 s)\n"
+              "measured local at N=65536: fwd 0.97, fwd+bwd 2.16 ms, inference 33.5 MiB, training n/a MiB "
+              "(19 s, training not run: ~9.0 GiB estimated)\n"
+              "[rank0]: W1129 torch/_inductor compiling routing's backward\n")
+    found = dc.parse_bench(tmp_path / "missing.json", output)
+    assert list(found["rows"]) == ["full", "local"] and found["n"] == 65536
+    assert found["rows"]["full"] == {"fwd_ms": 9.62, "fwd_bwd_ms": 35.07, "inference_mib": 64.0,
+                                     "training_mib": 388.0, "note": "read from the log (no JSON)"}
+    assert found["rows"]["local"]["training_mib"] is None
+    assert found["rows"]["local"]["note"] == "read from the log (no JSON); training not run: ~9.0 GiB estimated"
+    (tmp_path / "torn.json").write_text('{"rows": [{"n": 65536, "mech')
+    assert dc.parse_bench(tmp_path / "torn.json", output)["rows"] == found["rows"]
+
+
+def test_the_measured_lines_bench_attention_prints_read_as_its_json(dc) -> None:
+    """The line format is bench attention's own: the rows read from the lines it printed (on the notes' stream) are
+    the rows it returned, to the lines' two decimals."""
+    from routeformer.bench.attention import AttentionBench, run
+    from routeformer.bench.measure import Echo
+
+    notes: list[str] = []
+    rows = run([64], AttentionBench(heads=1, head_dim=8, window=8, repeats=1, only=("local", "routing"), leak_n=0),
+               Echo(lambda line: None, notes.append))
+    found = dc.parse_measured("\n".join(notes))
+    assert found["n"] == 64 and list(found["rows"]) == [r["mechanism"] for r in rows]
+    for row in rows:
+        read = found["rows"][row["mechanism"]]
+        for key, seconds in (("fwd_ms", row["fwd_s"]), ("fwd_bwd_ms", row["fwd_bwd_s"])):
+            assert (read[key] is None) == (seconds is None)
+            assert seconds is None or abs(read[key] - seconds * 1e3) <= 0.005
+        for key, size in (("inference_mib", row["inference_bytes"]), ("training_mib", row["training_bytes"])):
+            assert (read[key] is None) == (size is None) and (size is None or abs(read[key] - size / 2**20) <= 0.05)
+
+
+def test_a_step_cut_by_its_limit_keeps_the_numbers_it_printed_and_says_them(dc, tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
+    """A bench step that prints two rows then hangs: cut at its 3-s limit it is a timeout whose numbers are the two
+    rows (not the stale JSON an earlier check left in the folder), and the check's stdout names them as it ends."""
+    out = tmp_path / "check"
+    out.mkdir()
+    stale = out / "bench-64.json"
+    stale.write_text(json.dumps({"rows": [{"n": 64, "mechanism": "stale", "fwd_s": 1.0, "fwd_bwd_s": 2.0,
+                                           "inference_bytes": None, "training_bytes": None, "note": ""}]}))
+    code = ("import sys, time\n"
+            "print('measured full at N=64: fwd 0.50, fwd+bwd 1.50 ms, inference 1.0 MiB, training 2.0 MiB (1 s)',"
+            " file=sys.stderr, flush=True)\n"
+            "print('measured local at N=64: fwd 0.25, fwd+bwd 0.75 ms, inference n/a MiB, training n/a MiB (1 s)',"
+            " file=sys.stderr, flush=True)\n"
+            "time.sleep(60)")
+    step = dc.Step("bench-64", "two rows, then a hang", _py(code), 3,
+                   parse=lambda output, _: dc.parse_bench(stale, output), writes=(stale,))
+    monkeypatch.setattr(dc, "plan", lambda mode, part: [step, dc.Step("after", "", _py("pass"), 60)])
+    start = time.monotonic()
+    assert dc.main([str(out), "--toy", "--device", "cpu"]) == 1
+    assert time.monotonic() - start < 30 and not stale.exists()
+    recorded = json.loads((out / "report.json").read_text())["steps"][0]
+    assert recorded["status"] == "timeout" and list(recorded["numbers"]["rows"]) == ["full", "local"]
+    assert recorded["numbers"]["rows"]["local"]["fwd_bwd_ms"] == 0.75 and recorded["numbers"]["n"] == 64
+    assert recorded["writes"] == [str(stale)]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("device check: bench-64: timeout in ") and printed[0].endswith("(limit 3 s)")
+    assert any(line.startswith("  rows | local: ") and "0.75" in line for line in printed)
+
+
+def test_the_routing_part_gives_each_step_room_to_compile_within_nine_minutes(dc, tmp_path: Path) -> None:
+    """On a GPU the routing part's limits add up to 530 s (10 s of the 540 left for the check's start and a cut
+    step's SIGTERM grace), each step with at least what plan's docstring allows it for its compilations: the
+    kernels' tests 110 s, the benchmark 120 s at 64k and 90 s at 256k, flex-cost 80 s, routing's device tests 70 s,
+    the profile (on the caches bench-65536 filled) 40 s."""
+    steps = {s.name: s.limit_s for s in dc.plan(dc.Mode("cuda", False, tmp_path), "routing")}
+    assert sum(steps.values()) <= 530
+    floors = {"versions": 20, "routing-kernels": 110, "bench-65536": 120, "bench-262144": 90, "profile": 40,
+              "routing-tests": 70, "flex-cost": 80}
+    assert set(steps) == set(floors) and all(steps[name] >= floor for name, floor in floors.items())
+
+
 def test_a_budget_stops_the_check_and_leaves_later_steps_not_run(dc, tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "check"
     steps = [dc.Step("quick", "", _py("print('VALUE 1')"), 60),
@@ -186,6 +267,17 @@ def test_the_flex_cost_is_read_from_its_line(dc) -> None:
     output = ("| mask | ... |\nFLEXCOST " + json.dumps({"sliding": {"partial": 2.0, "full": 1.0, "fwd_ms": 0.24,
                                                                    "fwd_bwd_ms": 1.6}}) + "\n")
     assert dc.parse_flex_cost(output, Path())["sliding"]["fwd_ms"] == 0.24
+
+
+def test_a_flex_cost_cut_before_its_summary_keeps_the_masks_it_measured(dc) -> None:
+    """No FLEXCOST line (the step's limit came first): the FLEXROW line of each mask measured is read."""
+    sliding = {"partial": 2.0, "full": 1.0, "fwd_ms": 0.24, "fwd_bwd_ms": 1.6}
+    routing = {"partial": 2.45, "full": 0.0, "fwd_ms": 1.03, "fwd_bwd_ms": None}
+    output = (f"| mask | ... |\nFLEXROW {json.dumps({'mask': 'sliding', **sliding})}\n| sliding | ... |\n"
+              f"FLEXROW {json.dumps({'mask': 'routing', **routing})}\n")
+    assert dc.parse_flex_cost(output, Path()) == {"sliding": sliding, "routing": routing}
+    with pytest.raises(ValueError):
+        dc.parse_flex_cost("N=512, 8 heads of 64\n", Path())
 
 
 def test_progress_bars_leave_their_last_state(dc) -> None:

@@ -619,14 +619,19 @@ def _measure(cands: list[Candidate], inputs: tuple[Tensor, Tensor, Tensor, Tenso
         rows.append(row)
         started = time.perf_counter()
         measure(c, row)
-        if say is not None and not c.skip:
-            say(f"measured {c.name} at N={q.shape[2]}: fwd {_ms(row['fwd_s'])}, fwd+bwd {_ms(row['fwd_bwd_s'])} ms"
+        if say is not None and not c.skip:  # flushed: scripts/device_check.py reads a cut run's rows from these
+            say(f"measured {c.name} at N={q.shape[2]}: fwd {_ms(row['fwd_s'])}, fwd+bwd {_ms(row['fwd_bwd_s'])} ms,"
+                f" inference {_mib(row['inference_bytes'])} MiB, training {_mib(row['training_bytes'])} MiB"
                 f" ({time.perf_counter() - started:.0f} s{', ' + row['note'] if row['note'] else ''})")
     return rows
 
 
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _mib(size: int | None) -> str:
+    return "n/a" if size is None else f"{size / 2**20:.1f}"
 
 
 def attention_table(rows: list[dict]) -> str:
