@@ -97,6 +97,48 @@ def test_forward_and_gradients_equal_the_definition_on_every_executor(executor: 
         assert all(g.abs().sum() > 0 for g in grads[-4:])
 
 
+@pytest.mark.parametrize("executor", ["tiles", "fused"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_selection_scored_in_chunks_is_the_whole_ones(monkeypatch, executor: str, packed: bool) -> None:
+    """Queries scored a few at a time (``SELECT_CHUNK`` small: one query a chunk, then 3): the same output and
+    gradients as all at once, with and without packed documents (the partial first block's own score in every
+    chunk)."""
+    from routeformer.documents import documents_from_lengths
+
+    group = heads(executor)
+    q, k, v = rand_qkv(2, 2, 43, 8)
+    documents = documents_from_lengths([[7, 1, 20, 15], [43]]) if packed else None
+    results = []
+    for chunk in (1 << 22, 1, 3 * 2 * 2 * 8):  # all at once; one query a chunk; three (43 // 5 = 8 blocks)
+        monkeypatch.setattr(nsa, "SELECT_CHUNK", chunk)
+        out = group(q, k, v, None, documents=documents)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [q, k, v])))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_no_tensor_holds_every_query_against_every_compressed_block() -> None:
+    """A forward and backward (fused executor, N = 1024, blocks of 8: 128 compressed blocks) makes no tensor of
+    B · h · N · N / block elements, nor a quarter of one: the compressed branch runs as ranges (the backward keeps
+    no weights) and the selection scores chunks of queries."""
+    from helpers import OperatorCount
+
+    B, h, N, D, b = 1, 2, 1024, 8, 8
+    group = NsaHeads(h, D, NsaOptions(block=b, top=2, window=8)).double()
+    group.executor = get_executor("fused")
+    q, k, v = rand_qkv(B, h, N, D)
+    old = nsa.SELECT_CHUNK
+    nsa.SELECT_CHUNK = 1 << 14
+    try:
+        with OperatorCount() as count:
+            out = group(q, k, v, None)
+            out.square().sum().backward()
+    finally:
+        nsa.SELECT_CHUNK = old
+    assert count.largest < B * h * N * (N // b) // 4, count.largest
+
+
 def test_the_definitions_selection_is_select_blocks() -> None:
     """The reference's selection by rank (chosen when fewer than ``top`` candidates score higher) and the fast
     path's ``select_blocks`` give the same pattern under ``selected_mask``."""
@@ -118,8 +160,7 @@ def test_a_selection_of_the_lowest_scores_is_caught(monkeypatch) -> None:
 
 def test_a_compressed_branch_that_sees_its_own_block_is_caught(monkeypatch) -> None:
     """Compressed attention to the query's own block (complete or not) is a leak: the leak check sees it."""
-    monkeypatch.setattr(nsa, "candidate_blocks",
-                        lambda pos, blocks, block: candidate_blocks(pos + block, blocks, block))
+    monkeypatch.setattr(nsa, "compressed_end", lambda pos, block: (pos + block) // block)
     with pytest.raises(AssertionError, match="nsa heads fail the (reference|leak) check"):
         check_kind("nsa", seq_len=40, rel_clip=8, options={"nsa": SMALL})
 

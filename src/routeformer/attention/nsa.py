@@ -9,10 +9,13 @@ Heads. The keys are cut into blocks of ``block`` (the blocks of the selection).
 1. compressed: each complete block j becomes one key and one value by learned weights over its positions,
    ck_j = Σ_t a_t k_{j·block+t} and cv_j = Σ_t c_t v_{j·block+t} (a, c: (heads, block), initially the mean); query i
    attends (softmax, scale 1/sqrt(D), no relative positions) to the compressed blocks before its own (j < i // block):
-   out_cmp, 0 for a query of the first block. Dense over the blocks: O(N · N / block · D) per head.
+   out_cmp, 0 for a query of the first block; one range of compressed keys per query on the executor's ``ranges``,
+   O(N · N / block · D) per head in time, O(N · D) in memory (no (N, N / block) weights kept for the backward).
 2. selected: the ``top`` blocks whose compressed keys score highest (q · ck_j: NSA selects by the compressed
-   attention's scores; no gradient through the choice), and its own block up to itself, one softmax (relative
-   positions apply), through the executor's ``ranges`` (``blocks.selected_attention``): O(N · (top + 1) · block · D).
+   attention's scores; no gradient through the choice), scored and picked for chunks of queries (at most
+   ``SELECT_CHUNK`` scores at once, never the whole (N, N / block)), and its own block up to itself, one softmax
+   (relative positions apply), through the executor's ``ranges`` (``blocks.selected_attention``):
+   O(N · (top + 1) · block · D).
 3. window: the last ``window`` keys (a ``Band`` on the executor; relative positions apply): O(N · window · D).
 
 The gates g = sigmoid(q · W_g + b_g) (W_g (heads, D, 3) and b_g (heads, 3), zero at first: every gate 0.5) mix them,
@@ -37,6 +40,7 @@ from torch import Tensor, nn
 from ..checks import positive_int
 from ..executors.inputs import Inputs, check_rel, relative
 from ..executors.pieces import Band
+from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
 from .blocks import (
     NONE,
@@ -44,12 +48,11 @@ from .blocks import (
     BlockDocuments,
     BlockHeads,
     allowed_keys,
-    candidate_blocks,
     complete_block,
+    complete_blocks,
     decoded_tail,
     dense_warmup,
     describe_warmup,
-    reversed_cumsum,
     select_blocks,
     selected_attention,
     selected_mask,
@@ -62,6 +65,13 @@ from .kinds.base import HeadKind
 from .kinds.common import at_most_seq_len, non_negative_int
 from .local import local_mask
 from .reference import normalise_scores, reference_attention
+
+SELECT_CHUNK = 1 << 22  # selection scores (elements) scored at once: 16 MiB in float32
+
+
+def compressed_end(pos: Tensor, block: int) -> Tensor:
+    """The compressed blocks j a query at position ``pos`` attends to: j < pos // block (complete, before its own)."""
+    return pos // block
 
 BRANCHES = ("compressed", "selected", "window")  # the order of the gates
 
@@ -124,38 +134,89 @@ class NsaHeads(BlockHeads):
         n, b = q.shape[2], self.block
         whole = n // b * b
         ck, cv = self.summarise(k[:, :, :whole], v[:, :, :whole])  # (B, h, N // block, D)
-        scores = torch.einsum("bhnd,bhmd->bhnm", q, ck) * self.scale  # (B, h, N, N // block)
         blocks = None if documents is None else BlockDocuments.of(documents, b)
-        if blocks is None:
-            seen = candidate_blocks(torch.arange(n, device=q.device), ck.shape[2], b)  # complete blocks before own
-            out_cmp = normalise_scores(scores, seen) @ cv  # zeros for the queries of the first block
-        else:
-            scores, out_cmp, seen = self._compressed_within_documents(q, k, v, scores, cv, blocks)
+        tails = None if blocks is None else self._tails(q, k, v, blocks)
+        out_cmp = self._compressed(q, ck, cv, blocks, tails)
         with torch.no_grad():  # the selection is discrete: chosen by the compressed attention's scores
-            chosen = select_blocks(scores.detach(), b, self.top, allowed=None if blocks is None else seen)
+            chosen = self._select(q, ck, blocks, None if tails is None else tails[0].detach())
         out_sel, _ = selected_attention(inputs, chosen, b, self.executor, rel_pos, documents=blocks)
         out_win, _ = self.executor.tiled(inputs, Band(self.window, True), rel=relative(rel_pos))
         g = self.gates(q)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 
-    def _compressed_within_documents(self, q: Tensor, k: Tensor, v: Tensor, scores: Tensor, cv: Tensor,
-                                     blocks: BlockDocuments) -> tuple[Tensor, Tensor, Tensor]:
-        """Packed documents: each query's compressed attention over its own document's complete blocks before its
-        own, the partial first block compressed from its document's keys and values only (the weights a_t, c_t of
-        its positions t from the start on). Returns the scores (the partial block's replaced), out_cmp and the
-        candidates (B, 1, N, nb). The partial block's value is added apart, its column of the weights zeroed in
-        the product (no subtraction, so a document's output is bit for bit its own)."""
+    def _tails(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockDocuments) -> tuple[Tensor, Tensor]:
+        """Packed documents: each query's partial first block compressed from its document's keys and values only
+        (the weights a_s, c_s of its positions s from the start on): the query's score of that compressed key
+        (B, h, N) and the compressed value (B, h, N, D).
+
+        A partial first block is a candidate only when the document goes on past the block's end, so its start is
+        the block's last document start: one weighted sum per block, from its last start on (a pass over the keys,
+        not a sum per position), read by each query at its first block. Where a query has no such candidate the
+        value read is never used. The positions before the start weigh exactly 0: no other document's key moves a
+        bit of the sum."""
+        B, h, n, D = k.shape
         b = self.block
-        nb = scores.shape[-1]
+        nb = n // b
+        if nb == 0:
+            return q.new_zeros(B, h, n), v.new_zeros(B, h, n, D)
+        pos = torch.arange(nb * b, device=k.device)
+        begins = (blocks.start[:, :nb * b] == pos) & (pos % b != 0)  # (B, nb · b): a document starts mid-block
+        offset = torch.where(begins, pos % b, -1).view(B, nb, b).amax(-1, keepdim=True)  # the last start (-1: none)
+        s = torch.arange(b, device=k.device)
+        mine = ((s >= offset) & (offset >= 0))[:, None]  # (B, 1, nb, b): the block's last document's positions
 
-        def tail(x: Tensor, weights: Tensor) -> Tensor:  # Σ_{t from the start} w_t x_{j·block+t}, per query
-            w = weights.to(x.dtype)[None, :, None, :, None]  # (1, h, 1, block, 1)
-            return blocks.suffixes(x, b, lambda parts: reversed_cumsum(parts * w))
+        def tail(x: Tensor, weights: Tensor) -> Tensor:  # Σ_{s from the last start} w_s x_{j·block+s}, per block
+            w = torch.where(mine, weights.to(x.dtype)[None, :, None, :], 0.0)  # (B, h, nb, b)
+            sums = torch.einsum("bhjs,bhjsd->bhjd", w, complete_blocks(x, b))  # (B, h, nb, D)
+            at = blocks.first.clamp(max=nb - 1)[:, None, :, None].expand(B, h, n, D)
+            return sums.gather(2, at)
 
-        seen = blocks.candidates(nb, b)
-        scores, out_cmp = self._compressed_with_tail(q, scores, cv, tail(k, self.key_weights),
-                                                     tail(v, self.value_weights), blocks, seen)
-        return scores, out_cmp, seen
+        return (q * tail(k, self.key_weights)).sum(-1) * self.scale, tail(v, self.value_weights)
+
+    def _compressed(self, q: Tensor, ck: Tensor, cv: Tensor, blocks: BlockDocuments | None,
+                    tails: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The compressed branch (B, h, N, D): each query over the compressed blocks before its own (zeros where
+        there is none), one range of them per query on the executor's ``ranges`` (no (N, N / block) weights).
+        Packed documents: the range holds its document's complete blocks, and the partial first block (``tails``:
+        the query's score of its compressed key, and its compressed value, from the document's keys) joins the
+        softmax: out + w (cv_tail - out), w its share of the softmax (0 where it is no candidate)."""
+        B, h, n, D = q.shape
+        nb, b = ck.shape[2], self.block
+        if nb == 0:  # no complete block, no candidate: zeros, as sums over the empty compressed keys and values
+            return (ck.sum(2, keepdim=True) + cv.sum(2, keepdim=True)).expand_as(q)  # (zero gradients, not none)
+        i = torch.arange(n, device=q.device)
+        hi = compressed_end(i, b).clamp(max=nb).view(1, 1, n)  # j < hi: the complete blocks before its own
+        lo = torch.zeros_like(hi) if blocks is None else torch.minimum((blocks.first + blocks.partial)[:, None], hi)
+        spans = Ranges(lo, hi.expand_as(lo), width=nb, documents=None if blocks is None else blocks.start)
+        out, lse = self.executor.ranges(Inputs(q, ck, cv, self.scale), spans, need_lse=True)
+        if blocks is None:
+            return out
+        score, cv_tail = tails
+        has_tail = (blocks.partial & (blocks.first < hi[0]))[:, None, :]  # (B, 1, N): a partial first candidate
+        share = torch.where(has_tail, torch.sigmoid(score.to(lse.dtype) - lse), 0.0)  # 1 where the range saw none
+        return torch.lerp(out, cv_tail, share[..., None].to(out.dtype))
+
+    def _select(self, q: Tensor, ck: Tensor, blocks: BlockDocuments | None, tail_score: Tensor | None) -> Tensor:
+        """The ``top`` blocks of every query by the compressed attention's scores q · ck_j (packed documents: the
+        partial first block by ``tail_score`` (B, h, N), its document's own compressed key's), best first:
+        (B, h, N, top) long.
+        Scored for chunks of queries, at most ``SELECT_CHUNK`` scores at once (a count of chunks fixed by the
+        shapes: no host read)."""
+        B, h, n, _ = q.shape
+        nb, b = ck.shape[2], self.block
+        step = max(1, SELECT_CHUNK // max(1, B * h * nb))
+        picks = []
+        for a in range(0, n, step):
+            e = min(n, a + step)
+            pos = torch.arange(a, e, device=q.device)
+            scores = torch.einsum("bhnd,bhmd->bhnm", q[:, :, a:e], ck) * self.scale  # (B, h, e - a, nb)
+            if blocks is None:
+                picks.append(select_blocks(scores, b, self.top, query_pos=pos))
+                continue
+            part = BlockDocuments(*(x[:, a:e] for x in blocks))
+            scores = torch.where(part.partial_column(nb), tail_score[:, :, a:e, None], scores)
+            picks.append(select_blocks(scores, b, self.top, query_pos=pos, allowed=part.candidates(nb, b, pos)))
+        return torch.cat(picks, 2) if len(picks) > 1 else picks[0]
 
     def _compressed_with_tail(self, q: Tensor, scores: Tensor, cv: Tensor, ck_tail: Tensor, cv_tail: Tensor,
                               blocks: BlockDocuments, seen: Tensor) -> tuple[Tensor, Tensor]:

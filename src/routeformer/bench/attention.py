@@ -53,6 +53,7 @@ from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
 from ..attention.moba import MobaHeads, MobaOptions
+from ..attention.nsa import NsaHeads, NsaOptions
 from ..attention.performer import default_features
 from ..attention.routing import RoutingOptions
 from ..documents import documents_from_lengths
@@ -151,6 +152,12 @@ def candidates(n: int, bench: AttentionBench = AttentionBench(), documents: Tens
     if causal:
         moba = MobaHeads(heads, head_dim, dataclasses.replace(moba_options, block=moba_block)).to(device)
         moba.executor = get_executor(backend, device)
+    # NSA at MoBA's block and picks (its window branch a block long, its default)
+    nsa_options = NsaOptions(block=moba_block, top=moba_options.top_k, window=moba_block)
+    nsa = None
+    if causal:
+        nsa = NsaHeads(heads, head_dim, nsa_options).to(device)
+        nsa.executor = get_executor(backend, device)
     rel = RelativePositions(head_dim, window).to(device=device, dtype=dtype)
     dilation = [1] * (heads - heads // 2) + [2] * (heads // 2)
     buckets, lsh_window = default_lsh_settings(n)
@@ -223,6 +230,9 @@ def candidates(n: int, bench: AttentionBench = AttentionBench(), documents: Tens
                   useful=routed_work(probing) if probing is not None else None),
         Candidate("moba", f"block={moba_block}, top {moba_options.top_k} by the {moba_options.score} key",
                   lambda q, k, v: moba(q, k, v, None, documents=documents),
+                  skip=None if causal else "causal only"),
+        Candidate("nsa", f"block={moba_block}, top {nsa_options.top} by compressed keys, window {moba_block}, gates",
+                  lambda q, k, v: nsa(q, k, v, None, documents=documents),
                   skip=None if causal else "causal only"),
         Candidate("lsh", f"buckets={buckets}, rounds=2, window={lsh_window}, shared QK, rotations fixed",
                   lambda q, k, v: lsh_attention(Inputs.of(q, q, v, documents=documents), lsh, backend, causal=causal, rotations=rotations),
