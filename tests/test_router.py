@@ -260,3 +260,55 @@ def test_turn_and_its_gradient_are_normalise_then_project() -> None:
                                rtol=1e-12, atol=1e-12)
     y = torch.randn(1, 3, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: turn(t, projection), (y,))
+
+
+@pytest.mark.parametrize("chunk", [1, 3 * 2 * 2 * 40, 1 << 24])
+@pytest.mark.parametrize("biased", [False, True])
+def test_balanced_members_in_chunks_of_clusters_are_the_whole_scores(monkeypatch, chunk: int, biased: bool) -> None:
+    """``Router.members`` (a few clusters' scores at a time: one cluster a chunk, three, all) is
+    ``balanced_members`` over the router's whole (B, H, N, k) scores, padding and the bias included."""
+    from routeformer.attention.routing import router as router_module
+    from routeformer.attention.routing.balanced import balanced_members
+
+    monkeypatch.setattr(router_module, "MEMBER_CHUNK", chunk)
+    router = Router(2, 8, RoutingOptions(num_clusters=7, window=6, probes=1, balance=0.01 if biased else 0.0))
+    router = router.double()
+    if biased:
+        router.bias.copy_(torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 0.1)
+    q, _, _ = rand_qkv(2, 2, 40, 8, grad=False)
+    pad = rand_padding(2, 40, seed=5)
+    routes = router.routes(q, q, pad)
+    want = balanced_members(routes.scores, 6, pad)
+    assert torch.equal(router.members(routes.vectors, 6, pad), want)
+
+
+def test_a_balanced_layer_makes_no_scores_tensor(monkeypatch) -> None:
+    """A balanced (non-causal) routing layer's training forward and backward on the fused executor makes no
+    floating-point tensor of half the (B, H, N, k) scores' size: the router's kernel routes, and the members are
+    scored a few clusters at a time (before: the whole scores, B · H · N · k). (The balanced attention's membership
+    bit sets are integers and booleans of k · N still.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from routeformer.attention.routing import RoutingAttention
+    from routeformer.attention.routing import router as router_module
+
+    class LargestFloat(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    self.largest = max(self.largest, x.numel())
+            return out
+
+    B, H, N, D, k = 1, 2, 512, 8, 32
+    layer = RoutingAttention(H, D, RoutingOptions(num_clusters=k, window=N // k, probes=1, balance=0.0),
+                             causal=False, balanced=True).double().train()
+    layer.executor = get_executor("fused")
+    q, _, v = rand_qkv(B, H, N, D)
+    monkeypatch.setattr(router_module, "MEMBER_CHUNK", B * H * N * 4)
+    with LargestFloat() as seen:
+        out = layer(q, q, v)
+        (out.square().sum() + layer.routing.commitment_loss).backward()
+    assert seen.largest < B * H * N * k // 2, seen.largest

@@ -171,8 +171,10 @@ class RoutingAttention(HeadGroup):
         warm-up within it; balanced clusters within each document, as if it were alone; the k-means statistics are
         those of the positions as they are, however packed."""
         inputs = check_inputs(q, k, v, scale, key_padding_mask, rel_pos, documents=documents)
-        routes = self.routing.routes(q, k, key_padding_mask, observe=True, need_scores=self.balanced,
-                                     executor=self.executor)
+        # balanced clusters read the scores only over packed documents (their tiers); else the router's kernel
+        # routes and ``Router.members`` scores a few clusters at a time: no (B, H, N, k) scores
+        routes = self.routing.routes(q, k, key_padding_mask, observe=True,
+                                     need_scores=self.balanced and documents is not None, executor=self.executor)
         o, ex = self.options, self.executor
         if self.dense:
             bias = self.handover_bias(routes, q.dtype) if self.handing_over else None
@@ -185,7 +187,7 @@ class RoutingAttention(HeadGroup):
             if inputs.documents is not None:
                 return balanced_over_documents(inputs, routes.scores, routes.keys, o, window=self.window, executor=ex,
                                                rel_pos=rel_pos)
-            members = balanced_members(routes.scores, self.window, key_padding_mask)
+            members = self.routing.members(routes.vectors, self.window, key_padding_mask)
             return balanced_attention(inputs, members, routes.keys, o, executor=ex, rel_pos=rel_pos)
         return sorted_window_attention(inputs, self._sort(routes, inputs.documents), o, executor=ex,
                                        causal=self.causal, rel_pos=rel_pos)

@@ -32,9 +32,12 @@ from ...checks import positive_int
 from ...executors.base import Executor
 from ...executors.inputs import check_inputs
 from ...executors.routes import Routed
+from .balanced import balanced_members
 from .kmeans import SphericalKMeans
 from .options import RoutingOptions, read_option
 from .sorted_window import ClusterOrder
+
+MEMBER_CHUNK = 1 << 24  # balanced clusters' scores (elements) made at once: 64 MiB in float32
 
 
 class Routes(NamedTuple):
@@ -154,6 +157,26 @@ class Router(nn.Module):
         if self.shared_qk:
             return (q,), proj
         return (F.normalize(q.to(acc), dim=-1) + F.normalize(k.to(acc), dim=-1),), proj
+
+    @torch.no_grad()
+    def members(self, r: Tensor, window: int, key_padding_mask: Tensor | None = None) -> Tensor:
+        """Balanced clusters' members (B, H, k, w) for the routing vectors r (B, H, N, D) (``Routes.vectors``):
+        ``balanced.balanced_members`` of the biased scores, computed for a few clusters at a time, at most
+        ``MEMBER_CHUNK`` scores at once, so that no (B, H, N, k) scores are made (a count of chunks fixed by the
+        shapes: no host read). The same scores as ``routes``' (the cosines in float32 or wider, plus the bias)."""
+        B, H, N, _ = r.shape
+        k = self.num_clusters
+        step = max(1, MEMBER_CHUNK // max(1, B * H * N))
+        acc = torch.promote_types(r.dtype, torch.float32)
+        parts = []
+        with torch.autocast(r.device.type, enabled=False):
+            for c0 in range(0, k, step):
+                mu = self.kmeans.centroids[:, c0:c0 + step].to(acc)  # (H, kc, D)
+                scores = torch.einsum("bhnd,hkd->bhnk", r.detach().to(acc), mu)  # as ``SphericalKMeans.scores``
+                if self.bias is not None:
+                    scores = scores + self.bias[:, None, c0:c0 + step].to(scores.dtype)
+                parts.append(balanced_members(scores, window, key_padding_mask))
+        return torch.cat(parts, 2) if len(parts) > 1 else parts[0]
 
     def _biased(self, scores: Tensor) -> Tensor:
         """The scores plus the bias, in place (the scores are this forward's own tensor)."""
