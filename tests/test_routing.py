@@ -202,6 +202,16 @@ def test_balanced_tokens_in_several_clusters_and_in_none_are_both_exercised() ->
     assert (per_token == 0).any() and (per_token > 1).any()
 
 
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_balanced_clusters_past_one_word_of_membership_bits(backend: str) -> None:
+    """130 clusters: the members' bit sets take three 63-bit words, and a pair is counted in its first common
+    cluster across words; against the reference mask (forward and gradients), tokens in many clusters."""
+    layer = make_layer(2, 8, 130, 5, causal=False, balanced=True, shared_qk=False, seed=3, backend=backend)
+    q, k, v = rand_qkv(1, 2, 80, 8, seed=3)
+    mask = layer.routing_mask(q, k)
+    compare_with_reference(layer, mask, q, k, v)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_balanced_members_are_the_window_nearest_tokens_of_each_centroid(shared: bool) -> None:
     """Built independently: each cluster's members are the w tokens of highest cosine to its centroid; a padded

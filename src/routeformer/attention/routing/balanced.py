@@ -74,13 +74,13 @@ def balanced_attention(inputs: Inputs, members: Tensor, clusters: Tensor, option
     cluster tiles run on ``executor``."""
     q, v = inputs.q, inputs.v
     B, H, N, D = q.shape
-    member_of = _membership(members, N)  # (B, H, k, N)
-    selected = member_of.any(2)  # (B, H, N)
+    flat = members.flatten(2)  # (B, H, k · w)
+    selected = torch.zeros(B, H, N, dtype=torch.bool, device=q.device).scatter_(-1, flat, True)  # in any cluster
     valid = None if inputs.key_valid is None else inputs.key_valid.expand(B, H, N)
     inputs = inputs.with_(key_valid=valid)
 
     # Queries that are members: one (w, w) tile per cluster, merged over clusters per token.
-    out, lse = _member_tiles(inputs, members, member_of, options.shared_qk, rel_pos, executor)
+    out, lse = _member_tiles(inputs, members, options.shared_qk, rel_pos, executor)
     if options.shared_qk:  # nothing but itself: attend to itself
         alone = lse < neg_inf(q.dtype) / 2
         own = v if rel_pos is None else v + rel_pos.tables(0, v.dtype)[1]  # the value term of distance 0
@@ -93,8 +93,8 @@ def balanced_attention(inputs: Inputs, members: Tensor, clusters: Tensor, option
     return _unselected_tiles(out, inputs, (members, clusters, selected), rel_pos, executor)
 
 
-def _member_tiles(inputs: Inputs, members: Tensor, member_of: Tensor, exclude_self: bool,
-                  rel_pos: RelativePositions | None, executor: Executor) -> tuple[Tensor, Tensor]:
+def _member_tiles(inputs: Inputs, members: Tensor, exclude_self: bool, rel_pos: RelativePositions | None,
+                  executor: Executor) -> tuple[Tensor, Tensor]:
     """Every cluster's members against each other, one (w, w) tile per cluster, each pair counted in its first
     common cluster; the partial results merged per token: (out (B, H, N, D), lse (B, H, N))."""
     q, k, v, valid = inputs.q, inputs.k, inputs.v, inputs.key_valid  # valid: (B, H, N) or None
@@ -105,7 +105,7 @@ def _member_tiles(inputs: Inputs, members: Tensor, member_of: Tensor, exclude_se
     def tiles(x: Tensor) -> Tensor:  # (B, H, N, D) -> (B, H·k, w, D)
         return x.gather(2, flat[..., None].expand(B, H, kc * w, D)).view(B, H * kc, w, D)
 
-    first = ~_shared_earlier(members, member_of)  # (B, H, k, w, w): the pair's first common cluster is this one
+    first = ~_shared_earlier(members, N)  # (B, H, k, w, w): the pair's first common cluster is this one
     if exclude_self:
         first = first & ~torch.eye(w, dtype=torch.bool, device=q.device)
     kv = None if valid is None else valid.gather(-1, flat).view(B, H * kc, w)
@@ -118,14 +118,17 @@ def _member_tiles(inputs: Inputs, members: Tensor, member_of: Tensor, exclude_se
     return _merge_by_token(o.view(B, H, kc * w, D), lse.view(B, H, kc * w), flat, N)
 
 
-def _shared_earlier(members: Tensor, member_of: Tensor) -> Tensor:
-    """(B, H, k, w, w): members i, j of cluster c also share a cluster c' < c (bit sets of memberships)."""
+def _shared_earlier(members: Tensor, n: int) -> Tensor:
+    """(B, H, k, w, w): members i, j of cluster c also share a cluster c' < c (bit sets of memberships, built from
+    the members by one scatter: O(N · words) memory, never a (k, N) membership table)."""
     B, H, kc, w = members.shape
     words = -(-kc // _BITS)
-    padded = torch.zeros(B, H, words * _BITS, member_of.shape[-1], dtype=torch.long, device=members.device)
-    padded[:, :, :kc] = member_of.long()
-    weights = (2 ** (torch.arange(words * _BITS, device=members.device) % _BITS)).view(words, _BITS, 1)
-    bits = (padded.view(B, H, words, _BITS, -1) * weights).sum(3).transpose(2, 3)  # (B, H, N, words)
+    c = torch.arange(kc, device=members.device)[:, None].expand(kc, w)  # each member's cluster
+    at = (members * words + (c // _BITS)).reshape(B, H, kc * w)  # its (token, word)
+    bit = torch.bitwise_left_shift(torch.ones_like(c), c % _BITS).reshape(1, 1, kc * w).expand(B, H, -1)
+    # a token is in a cluster once and a word's clusters have distinct bits: the sum is the bitwise or
+    bits = torch.zeros(B, H, n * words, dtype=torch.long, device=members.device).scatter_add_(-1, at, bit)
+    bits = bits.view(B, H, n, words)
     # Bits of the clusters before c, in word t: the low min(max(c - t·bits, 0), bits) bits (built on the device).
     below = (torch.arange(kc, device=members.device)[:, None]
              - _BITS * torch.arange(words, device=members.device)).clamp(0, _BITS)  # (k, words)
