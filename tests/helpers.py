@@ -336,8 +336,8 @@ def check_interval_tables(mask_mod, mask, shape: tuple[int, int, int], block: in
 
 class OperatorCount(TorchDispatchMode):
     """A dispatch mode counting the operators dispatched, views aside (``ops``: name -> calls), and the largest
-    tensor any of the counted ones returns (``largest``, elements): on the ``meta`` device it counts a forward's
-    kernel launches and their sizes without computing anything."""
+    tensor any of the counted ones returns (``largest``, elements; ``largest_float``, of the floating-point ones): on
+    the ``meta`` device it counts a forward's kernel launches and their sizes without computing anything."""
 
     VIEWS = frozenset({"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "detach", "slice", "select", "t",
                        "transpose", "permute", "alias", "as_strided", "unfold", "lift_fresh", "split", "unbind"})
@@ -346,6 +346,7 @@ class OperatorCount(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.largest = 0
+        self.largest_float = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -355,6 +356,8 @@ class OperatorCount(TorchDispatchMode):
             for x in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(x, torch.Tensor):
                     self.largest = max(self.largest, x.numel())
+                    if x.is_floating_point():
+                        self.largest_float = max(self.largest_float, x.numel())
         return out
 
 

@@ -118,7 +118,7 @@ def test_the_selection_scored_in_chunks_is_the_whole_ones(monkeypatch, executor:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_no_tensor_holds_every_query_against_every_compressed_block() -> None:
+def test_no_tensor_holds_every_query_against_every_compressed_block(monkeypatch) -> None:
     """A forward and backward (fused executor, N = 1024, blocks of 8: 128 compressed blocks) makes no tensor of
     B · h · N · N / block elements, nor a quarter of one: the compressed branch runs as ranges (the backward keeps
     no weights) and the selection scores chunks of queries."""
@@ -128,14 +128,10 @@ def test_no_tensor_holds_every_query_against_every_compressed_block() -> None:
     group = NsaHeads(h, D, NsaOptions(block=b, top=2, window=8)).double()
     group.executor = get_executor("fused")
     q, k, v = rand_qkv(B, h, N, D)
-    old = nsa.SELECT_CHUNK
-    nsa.SELECT_CHUNK = 1 << 14
-    try:
-        with OperatorCount() as count:
-            out = group(q, k, v, None)
-            out.square().sum().backward()
-    finally:
-        nsa.SELECT_CHUNK = old
+    monkeypatch.setattr(nsa, "SELECT_CHUNK", 1 << 14)
+    with OperatorCount() as count:
+        out = group(q, k, v, None)
+        out.square().sum().backward()
     assert count.largest < B * h * N * (N // b) // 4, count.largest
 
 

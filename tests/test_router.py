@@ -285,22 +285,10 @@ def test_balanced_members_in_chunks_of_clusters_are_the_whole_scores(monkeypatch
 def test_a_balanced_layer_makes_no_scores_tensor(monkeypatch) -> None:
     """A balanced (non-causal) routing layer's training forward and backward on the fused executor makes no
     floating-point tensor of half the (B, H, N, k) scores' size: the router's kernel routes, and the members are
-    scored a few clusters at a time (before: the whole scores, B · H · N · k). (The balanced attention's membership
-    bit sets are integers and booleans of k · N still.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    scored a few clusters at a time (before: the whole scores, B · H · N · k)."""
+    from helpers import OperatorCount
     from routeformer.attention.routing import RoutingAttention
     from routeformer.attention.routing import router as router_module
-
-    class LargestFloat(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    self.largest = max(self.largest, x.numel())
-            return out
 
     B, H, N, D, k = 1, 2, 512, 8, 32
     layer = RoutingAttention(H, D, RoutingOptions(num_clusters=k, window=N // k, probes=1, balance=0.0),
@@ -308,7 +296,7 @@ def test_a_balanced_layer_makes_no_scores_tensor(monkeypatch) -> None:
     layer.executor = get_executor("fused")
     q, _, v = rand_qkv(B, H, N, D)
     monkeypatch.setattr(router_module, "MEMBER_CHUNK", B * H * N * 4)
-    with LargestFloat() as seen:
+    with OperatorCount() as count:
         out = layer(q, q, v)
         (out.square().sum() + layer.routing.commitment_loss).backward()
-    assert seen.largest < B * H * N * k // 2, seen.largest
+    assert count.largest_float < B * H * N * k // 2, count.largest_float

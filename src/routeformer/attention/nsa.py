@@ -184,15 +184,15 @@ class NsaHeads(BlockHeads):
         nb, b = ck.shape[2], self.block
         if nb == 0:  # no complete block, no candidate: zeros, as sums over the empty compressed keys and values
             return (ck.sum(2, keepdim=True) + cv.sum(2, keepdim=True)).expand_as(q)  # (zero gradients, not none)
-        i = torch.arange(n, device=q.device)
-        hi = compressed_end(i, b).clamp(max=nb).view(1, 1, n)  # j < hi: the complete blocks before its own
+        end = compressed_end(torch.arange(n, device=q.device), b).clamp(max=nb)  # (N,): j < end, before its own
+        hi = end.view(1, 1, n)
         lo = torch.zeros_like(hi) if blocks is None else torch.minimum((blocks.first + blocks.partial)[:, None], hi)
         spans = Ranges(lo, hi.expand_as(lo), width=nb, documents=None if blocks is None else blocks.start)
         out, lse = self.executor.ranges(Inputs(q, ck, cv, self.scale), spans, need_lse=True)
         if blocks is None:
             return out
         score, cv_tail = tails
-        has_tail = (blocks.partial & (blocks.first < hi[0]))[:, None, :]  # (B, 1, N): a partial first candidate
+        has_tail = (blocks.partial & (blocks.first < end))[:, None, :]  # (B, 1, N): a partial first candidate
         share = torch.where(has_tail, torch.sigmoid(score.to(lse.dtype) - lse), 0.0)  # 1 where the range saw none
         return torch.lerp(out, cv_tail, share[..., None].to(out.dtype))
 

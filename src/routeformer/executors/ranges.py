@@ -46,7 +46,8 @@ class Ranges(NamedTuple):
     stretch, rows: how the tiles cut them, G and R (defaults: ``range_stretch(width)``, and from the entries'
     spread; ``rows`` also fixes the gathered pass's block rows).
     documents: (B, Nq) long or None, the query rows' packed documents where the ranges already lie within them (the
-    caller laid them so): an executor may cut its work where they change, and the fused one does, so that one
+    caller laid them so): an executor may cut its work where they change, and the fused and tiles ones do (the
+    tiles one outside torch.compile, whose gathered pass has no host read to count the blocks with), so that one
     document's sums never depend on another's (bit for bit). Any ids: only where they change counts.
     """
 
@@ -269,15 +270,13 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
     T = rows or max(8, min(128, round(L * G / N)))
     S = width + G - 1
     order = hi.argsort(dim=-1, stable=True)
-    group = (hi.gather(-1, order) - 1).clamp(0, N - 1) // G  # the stretch of each entry, in order of hi
-    n_groups = (N - 1) // G + 1
-    stretch_of = None
+    stretch = (hi.gather(-1, order) - 1).clamp(0, N - 1) // G  # each entry's stretch, in order of hi
+    group, n_groups = stretch, (N - 1) // G + 1  # a block's entries are of one group
     if sides.documents is not None:  # a group is a run of entries of one stretch and one document, in order of hi
         query = pick.clamp_max(M - 1).gather(-1, order) // sides.merge  # each entry's query row, in order of hi
         doc = sides.documents[:, None, :].expand(B, H, -1).gather(-1, query)
-        change = (group[..., 1:] != group[..., :-1]) | (doc[..., 1:] != doc[..., :-1])
-        stretch_of, n_groups = group, L
-        group = torch.cat([torch.zeros_like(group[..., :1]), change.long().cumsum(-1)], -1)
+        change = (stretch[..., 1:] != stretch[..., :-1]) | (doc[..., 1:] != doc[..., :-1])
+        group, n_groups = torch.cat([torch.zeros_like(stretch[..., :1]), change.long().cumsum(-1)], -1), L
     counts = torch.zeros(B, H, n_groups, dtype=torch.long, device=dev).scatter_add_(-1, group, torch.ones_like(group))
     rank = torch.arange(L, device=dev) - (counts.cumsum(-1) - counts).gather(-1, group)
     blocks = (counts + T - 1) // T
@@ -285,8 +284,7 @@ def _gathered(tiled: Tiled, sides: _Sides, keys: _Keys, pick: Tensor, *, width: 
     n_blocks = -(-L // T) + n_groups if bound else max(1, int(blocks.sum(-1).max()))
     slot = block * T + rank % T
     entry = torch.full((B, H, n_blocks * T), M, dtype=torch.long, device=dev).scatter_(-1, slot, pick.gather(-1, order))
-    stretch_at = group if stretch_of is None else stretch_of
-    start = torch.zeros(B, H, n_blocks, dtype=torch.long, device=dev).scatter_(-1, block, stretch_at) * G + 1 - width
+    start = torch.zeros(B, H, n_blocks, dtype=torch.long, device=dev).scatter_(-1, block, stretch) * G + 1 - width
     key_at = start[..., None] + torch.arange(S, device=dev)  # (B, H, NB, S)
     key_index = key_at.clamp(0, N - 1).view(B, H, n_blocks * S)
     first, last, query_at = sides.at(entry, (B, H, n_blocks, T, 1))

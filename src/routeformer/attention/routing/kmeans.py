@@ -112,11 +112,12 @@ class SphericalKMeans(nn.Module):
             self._sample_parts.clear()
 
     @torch.no_grad()
-    def scores(self, r: Tensor) -> Tensor:
-        """Cosine of each unit routing vector to each centroid: r (B, H, N, D) -> (B, H, N, k), float32 or wider."""
+    def scores(self, r: Tensor, clusters: slice = slice(None)) -> Tensor:
+        """Cosine of each unit routing vector to each centroid (or to the centroids ``clusters``, a slice of them):
+        r (B, H, N, D) -> (B, H, N, k), float32 or wider."""
         acc = torch.promote_types(r.dtype, torch.float32)
         with torch.autocast(r.device.type, enabled=False):
-            return torch.einsum("bhnd,hkd->bhnk", r.detach().to(acc), self.centroids.to(acc))
+            return torch.einsum("bhnd,hkd->bhnk", r.detach().to(acc), self.centroids[:, clusters].to(acc))
 
     def assign(self, r: Tensor) -> Tensor:
         """Nearest centroid (largest cosine) of each unit routing vector: r (B, H, N, D) -> (B, H, N) long."""

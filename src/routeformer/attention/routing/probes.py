@@ -75,7 +75,7 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     labelled = documents is not None
     if labelled:  # packed documents: the label is (document, cluster), so that every probe's
         # range lies in the query's own document (``sort`` must be by these labels: the layer's ``_sort``)
-        label = inputs.documents[:, None, :] * options.num_clusters  # (B, 1, N)
+        label = documents[:, None, :] * options.num_clusters  # (B, 1, N)
         key_clusters, probes = key_clusters + label, probes + label[..., None]
         inputs = inputs.with_(documents=None)  # held by the ranges now
     q, v, key_valid, window, exclude_self = inputs.q, inputs.v, inputs.key_valid, options.window, options.shared_qk

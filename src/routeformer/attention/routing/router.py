@@ -43,9 +43,9 @@ MEMBER_CHUNK = 1 << 24  # balanced clusters' scores (elements) made at once: 64 
 class Routes(NamedTuple):
     """The routing of one forward pass.
 
-    scores: (B, H, N, k) cosines of the queries' routing vectors to the centroids plus the bias where there is one
-        (causal routing), float32 or wider (the balanced clusters of encoders read them; they carry no gradient:
-        routing learns outside it).
+    scores: (B, H, N, k) cosines of the queries' routing vectors to the centroids plus the bias where there is one,
+        float32 or wider (balanced clusters over packed documents read them; they carry no gradient: routing learns
+        outside it).
     keys: (B, H, N) long, the cluster of every key.
     probes: (B, H, N, p) long, the distinct clusters every query probes, best first. Unless routing is separate,
         ``probes[..., 0]`` is the position's own cluster ``keys``.
@@ -53,7 +53,7 @@ class Routes(NamedTuple):
     sort: the keys sorted by (cluster, position) (``ClusterOrder`` without ranks) where the fused router made it,
         else None (the attention sorts).
 
-    ``scores`` is None where the fused router chose without them (``routes(..., need_scores=False)``).
+    ``scores`` is None where an executor's router chose without them (``routes(..., need_scores=False)``).
     """
 
     scores: Tensor | None
@@ -163,24 +163,19 @@ class Router(nn.Module):
         """Balanced clusters' members (B, H, k, w) for the routing vectors r (B, H, N, D) (``Routes.vectors``):
         ``balanced.balanced_members`` of the biased scores, computed for a few clusters at a time, at most
         ``MEMBER_CHUNK`` scores at once, so that no (B, H, N, k) scores are made (a count of chunks fixed by the
-        shapes: no host read). The same scores as ``routes``' (the cosines in float32 or wider, plus the bias)."""
+        shapes: no host read). The same scores as ``routes``' (``SphericalKMeans.scores`` plus the bias)."""
         B, H, N, _ = r.shape
-        k = self.num_clusters
         step = max(1, MEMBER_CHUNK // max(1, B * H * N))
-        acc = torch.promote_types(r.dtype, torch.float32)
         parts = []
-        with torch.autocast(r.device.type, enabled=False):
-            for c0 in range(0, k, step):
-                mu = self.kmeans.centroids[:, c0:c0 + step].to(acc)  # (H, kc, D)
-                scores = torch.einsum("bhnd,hkd->bhnk", r.detach().to(acc), mu)  # as ``SphericalKMeans.scores``
-                if self.bias is not None:
-                    scores = scores + self.bias[:, None, c0:c0 + step].to(scores.dtype)
-                parts.append(balanced_members(scores, window, key_padding_mask))
+        for c0 in range(0, self.num_clusters, step):
+            part = slice(c0, c0 + step)
+            parts.append(balanced_members(self._biased(self.kmeans.scores(r, part), part), window, key_padding_mask))
         return torch.cat(parts, 2) if len(parts) > 1 else parts[0]
 
-    def _biased(self, scores: Tensor) -> Tensor:
-        """The scores plus the bias, in place (the scores are this forward's own tensor)."""
-        return scores if self.bias is None else scores.add_(self.bias[:, None, :].to(scores.dtype))
+    def _biased(self, scores: Tensor, clusters: slice = slice(None)) -> Tensor:
+        """The scores (of the centroids ``clusters``) plus their bias, in place (the scores are this forward's own
+        tensor)."""
+        return scores if self.bias is None else scores.add_(self.bias[:, None, clusters].to(scores.dtype))
 
     def _best(self, scores: Tensor) -> Tensor:
         """The ``probes`` largest scores' clusters (B, H, N, p), best first: argmax, then argmax again with the
@@ -212,13 +207,12 @@ class Router(nn.Module):
         ``observe`` (a training forward): in training mode add the k-means statistics of the real positions
         (``key_padding_mask`` (B, N), True = real) and the keys' cluster loads for the next ``update``, and set
         ``commitment_loss``; in evaluation mode it observes nothing and sets ``commitment_loss`` to None.
-        ``need_scores=False`` (causal routing): the scores may be left out, and where the ``executor``'s router
-        takes the vectors (``Executor.route_run``, the fused CPU kernel or the flex executor's Triton kernels on
-        CUDA) it chooses the clusters, sorts the keys and reduces the statistics without the (B, H, N, k) scores
-        (separate routing: a second call gives the queries' probes from their own vectors); else PyTorch's
-        operators here, the definition. The vectors likewise: the
-        executor's normalise-and-turn (``Executor.vectors_run``, the fused CPU kernel) where it has one, else
-        ``turn``."""
+        ``need_scores=False``: the scores may be left out, and where the ``executor``'s router takes the vectors
+        (``Executor.route_run``, the fused CPU kernel or the flex executor's Triton kernels on CUDA) it chooses the
+        clusters, sorts the keys and reduces the statistics without the (B, H, N, k) scores (separate routing: a
+        second call gives the queries' probes from their own vectors); else PyTorch's operators here, the
+        definition. The vectors likewise: the executor's normalise-and-turn (``Executor.vectors_run``, the fused
+        CPU kernel) where it has one, else ``turn``."""
         runner = None if executor is None else executor.runner(q)
         xs, proj = self.unturned(q, k)
         turned = []
