@@ -135,7 +135,7 @@ class NsaHeads(BlockHeads):
         whole = n // b * b
         ck, cv = self.summarise(k[:, :, :whole], v[:, :, :whole])  # (B, h, N // block, D)
         blocks = None if documents is None else BlockDocuments.of(documents, b)
-        tails = None if blocks is None else self._tails(q, k, v, blocks)
+        tails = None if blocks is None else self._tails(k, v, blocks)
         out_cmp = self._compressed(q, ck, cv, blocks, tails)
         with torch.no_grad():  # the selection is discrete: chosen by the compressed attention's scores
             chosen = self._select(q, ck, blocks, None if tails is None else tails[0].detach())
@@ -144,21 +144,18 @@ class NsaHeads(BlockHeads):
         g = self.gates(q)
         return g[..., 0:1] * out_cmp + g[..., 1:2] * out_sel + g[..., 2:3] * out_win
 
-    def _tails(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockDocuments) -> tuple[Tensor, Tensor]:
-        """Packed documents: each query's partial first block compressed from its document's keys and values only
-        (the weights a_s, c_s of its positions s from the start on): the query's score of that compressed key
-        (B, h, N) and the compressed value (B, h, N, D).
+    def _tails(self, k: Tensor, v: Tensor, blocks: BlockDocuments) -> tuple[Tensor, Tensor]:
+        """Packed documents: the compressed key and value (B, h, nb, D) of each block's last document, from its start
+        on (the weights a_s, c_s of its positions s from the start); zeros for a block where no document starts
+        after its first position.
 
-        A partial first block is a candidate only when the document goes on past the block's end, so its start is
-        the block's last document start: one weighted sum per block, from its last start on (a pass over the keys,
-        not a sum per position), read by each query at its first block. Where a query has no such candidate the
-        value read is never used. The positions before the start weigh exactly 0: no other document's key moves a
-        bit of the sum."""
+        A query's partial first block is a candidate only when the document goes on past the block's end, so the
+        document's start is that block's last document start: one weighted sum per block (a pass over the keys, not
+        a sum per position), read by the queries whose first block it is. The positions before the start weigh
+        exactly 0: no other document's key moves a bit of the sum."""
         B, h, n, D = k.shape
         b = self.block
         nb = n // b
-        if nb == 0:
-            return q.new_zeros(B, h, n), v.new_zeros(B, h, n, D)
         pos = torch.arange(nb * b, device=k.device)
         begins = (blocks.start[:, :nb * b] == pos) & (pos % b != 0)  # (B, nb · b): a document starts mid-block
         offset = torch.where(begins, pos % b, -1).view(B, nb, b).amax(-1, keepdim=True)  # the last start (-1: none)
@@ -167,54 +164,58 @@ class NsaHeads(BlockHeads):
 
         def tail(x: Tensor, weights: Tensor) -> Tensor:  # Σ_{s from the last start} w_s x_{j·block+s}, per block
             w = torch.where(mine, weights.to(x.dtype)[None, :, None, :], 0.0)  # (B, h, nb, b)
-            sums = torch.einsum("bhjs,bhjsd->bhjd", w, complete_blocks(x, b))  # (B, h, nb, D)
-            at = blocks.first.clamp(max=nb - 1)[:, None, :, None].expand(B, h, n, D)
-            return sums.gather(2, at)
+            return torch.einsum("bhjs,bhjsd->bhjd", w, complete_blocks(x, b))  # (B, h, nb, D)
 
-        return (q * tail(k, self.key_weights)).sum(-1) * self.scale, tail(v, self.value_weights)
+        return tail(k, self.key_weights), tail(v, self.value_weights)
 
     def _compressed(self, q: Tensor, ck: Tensor, cv: Tensor, blocks: BlockDocuments | None,
                     tails: tuple[Tensor, Tensor] | None) -> Tensor:
         """The compressed branch (B, h, N, D): each query over the compressed blocks before its own (zeros where
         there is none), one range of them per query on the executor's ``ranges`` (no (N, N / block) weights).
-        Packed documents: the range holds its document's complete blocks, and the partial first block (``tails``:
-        the query's score of its compressed key, and its compressed value, from the document's keys) joins the
-        softmax: out + w (cv_tail - out), w its share of the softmax (0 where it is no candidate)."""
+        Packed documents: the range holds its document's complete blocks, and the partial first block joins the
+        softmax as a second entry of the query (``merge=2``): one key, its document's compressed key and value of
+        that block (``tails``, laid after the whole blocks' ones), an empty range where it is no candidate."""
         B, h, n, D = q.shape
         nb, b = ck.shape[2], self.block
         if nb == 0:  # no complete block, no candidate: zeros, as sums over the empty compressed keys and values
             return (ck.sum(2, keepdim=True) + cv.sum(2, keepdim=True)).expand_as(q)  # (zero gradients, not none)
         end = compressed_end(torch.arange(n, device=q.device), b).clamp(max=nb)  # (N,): j < end, before its own
         hi = end.view(1, 1, n)
-        lo = torch.zeros_like(hi) if blocks is None else torch.minimum((blocks.first + blocks.partial)[:, None], hi)
-        spans = Ranges(lo, hi.expand_as(lo), width=nb, documents=None if blocks is None else blocks.start)
-        out, lse = self.executor.ranges(Inputs(q, ck, cv, self.scale), spans, need_lse=True)
         if blocks is None:
-            return out
-        score, cv_tail = tails
-        has_tail = (blocks.partial & (blocks.first < end))[:, None, :]  # (B, 1, N): a partial first candidate
-        share = torch.where(has_tail, torch.sigmoid(score.to(lse.dtype) - lse), 0.0)  # 1 where the range saw none
-        return torch.lerp(out, cv_tail, share[..., None].to(out.dtype))
+            spans = Ranges(torch.zeros_like(hi), hi, width=nb)
+            return self.executor.ranges(Inputs(q, ck, cv, self.scale), spans)[0]
+        lo = torch.minimum((blocks.first + blocks.partial)[:, None], hi)  # (B, 1, N): the document's whole blocks
+        has_tail = blocks.partial & (blocks.first < end)  # (B, N): a partial first block, a candidate
+        tail_lo = (nb + blocks.first.clamp(max=nb - 1))[:, None]  # its key, after the whole blocks'
+        lo2 = torch.stack([lo, tail_lo], -1).view(B, 1, 2 * n)  # (B, 1, N · 2): each query's two entries
+        hi2 = torch.stack([hi.expand_as(lo), tail_lo + has_tail[:, None]], -1).view(B, 1, 2 * n)
+        spans = Ranges(lo2, hi2, width=nb, merge=2, documents=blocks.start)
+        keys = Inputs(q, torch.cat([ck, tails[0]], 2), torch.cat([cv, tails[1]], 2), self.scale)
+        return self.executor.ranges(keys, spans)[0]
 
-    def _select(self, q: Tensor, ck: Tensor, blocks: BlockDocuments | None, tail_score: Tensor | None) -> Tensor:
+    def _select(self, q: Tensor, ck: Tensor, blocks: BlockDocuments | None, tail_keys: Tensor | None) -> Tensor:
         """The ``top`` blocks of every query by the compressed attention's scores q · ck_j (packed documents: the
-        partial first block by ``tail_score`` (B, h, N), its document's own compressed key's), best first:
-        (B, h, N, top) long.
+        partial first block scored against its document's own compressed key, ``tail_keys`` (B, h, nb, D) from
+        ``_tails``), best first: (B, h, N, top) long.
         Scored for chunks of queries, at most ``SELECT_CHUNK`` scores at once (a count of chunks fixed by the
         shapes: no host read)."""
-        B, h, n, _ = q.shape
+        B, h, n, D = q.shape
         nb, b = ck.shape[2], self.block
         step = max(1, SELECT_CHUNK // max(1, B * h * nb))
         picks = []
         for a in range(0, n, step):
             e = min(n, a + step)
             pos = torch.arange(a, e, device=q.device)
-            scores = torch.einsum("bhnd,bhmd->bhnm", q[:, :, a:e], ck) * self.scale  # (B, h, e - a, nb)
-            if blocks is None:
+            scores = torch.einsum("bhnd,bhmd->bhnm", q[:, :, a:e], ck).mul_(self.scale)  # (B, h, e - a, nb)
+            if blocks is None or nb == 0:
                 picks.append(select_blocks(scores, b, self.top, query_pos=pos))
                 continue
             part = BlockDocuments(*(x[:, a:e] for x in blocks))
-            scores = torch.where(part.partial_column(nb), tail_score[:, :, a:e, None], scores)
+            first = part.first.clamp(max=nb - 1)[:, None, :, None]  # (B, 1, e - a, 1)
+            tail_score = (q[:, :, a:e] * tail_keys.gather(2, first.expand(B, h, e - a, D))).sum(-1, keepdim=True)
+            column = first.expand(B, h, e - a, 1)  # the partial first block's score, in place (no second copy)
+            own = torch.where(part.partial[:, None, :, None], tail_score * self.scale, scores.gather(-1, column))
+            scores.scatter_(-1, column, own)
             picks.append(select_blocks(scores, b, self.top, query_pos=pos, allowed=part.candidates(nb, b, pos)))
         return torch.cat(picks, 2) if len(picks) > 1 else picks[0]
 
