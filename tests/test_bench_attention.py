@@ -3,6 +3,7 @@ the causal-leak measurement: 0 for causal attention, clearly non-zero for an att
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -93,6 +94,7 @@ def test_documents_follow_each_row_of_ours_with_its_packed_twin_and_a_ratio_tabl
     out = "\n".join(lines)
     assert "packed documents: 4 equal documents a row against one" in out
     assert out.count("+docs") >= 4 and "| 64 | routing " in out.split("packed documents:")[1]
+    assert not any("timed" in r for r in rows)  # the pairing's mark is not left in the rows
     with pytest.raises(ValueError, match=r"--documents \(65\) is more than N \(64\)"):
         run([64], AttentionBench(heads=2, head_dim=8, window=16, repeats=1, leak_n=0, only=("local",), documents=65),
             lines.append)
@@ -171,3 +173,43 @@ def test_useful_pairs_of_routing_are_its_masks_pairs(probes: int) -> None:
     mask = layer.routing_mask(q, q)  # (B, H, N, N): the dense definition
     seen = rf.pairs_in_groups(routes.keys, routes.probes, 5, exclude_self=True)
     assert seen == pytest.approx(mask.sum().item() / 4)
+
+
+def test_twins_are_timed_call_by_call_in_turn(monkeypatch) -> None:
+    """A row and its twin over packed documents are timed together, alternating (a, b, b, a, ...), each after its
+    own warm-up; rows without a twin alone."""
+    from routeformer.bench import attention as bench_attention
+    from routeformer.bench.measure import alternated_median_times
+
+    calls: list[str] = []
+
+    def counting(c):
+        def attend(q, k, v):
+            calls.append(c.name)
+            return c.attend(q, k, v)
+        return dataclasses.replace(c, attend=attend)
+
+    real = bench_attention.candidates
+    monkeypatch.setattr(bench_attention, "candidates", lambda *a, **kw: [counting(c) for c in real(*a, **kw)])
+    paired: list[int] = []
+
+    def recording(fns, repeats, device, **kw):
+        paired.append(len(fns))
+        return alternated_median_times(fns, repeats, device, warmup_s=0.0, max_warmup=1)
+
+    monkeypatch.setattr(bench_attention, "alternated_median_times", recording)
+    bench = AttentionBench(heads=2, head_dim=8, window=16, repeats=4, leak_n=0, only=("local",), documents=4)
+    run([64], bench, lambda line: None)
+    assert paired == [2, 2, 2, 2]  # full and local with their twins, forward then forward + backward
+    local = [n for n in calls if n.startswith("local")]
+    # each one's warm-up call, then four rounds in turn: the first forward timings a, b, b, a, a, b, b, a
+    assert local[:10] == ["local", "local+docs"] + ["local", "local+docs", "local+docs", "local"] * 2
+
+
+def test_alternated_median_times_reverses_the_order_every_round() -> None:
+    from routeformer.bench.measure import alternated_median_times
+
+    order: list[str] = []
+    times = alternated_median_times([lambda: order.append("a"), lambda: order.append("b")], 3, "cpu",
+                                    warmup_s=0.0, max_warmup=1)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"] and len(times) == 2 and min(times) >= 0

@@ -64,6 +64,7 @@ from . import roofline as rf
 from .leak import causal_leak, leak_positions, verdict
 from .measure import (
     PeakMemory,
+    alternated_median_times,
     cpu_pages,
     format_table,
     kept_for_backward,
@@ -99,8 +100,9 @@ class AttentionBench:
     """What ``bench attention`` measures: ``heads`` heads of ``head_dim`` on ``batch`` sequences, the local
     mechanisms' ``window``, in ``dtype`` on ``device``, causal or not, the patterns on ``backend``'s executor;
     ``only``: the mechanisms named (and the baseline; None: all); time the median of ``repeats``; the leak table
-    at N = ``leak_n`` (None: min(1024, the longest N); 0: none); ``documents`` > 0: each of our rows measured again,
-    right after it, over rows packed with that many equal documents (``Inputs.of(..., documents=)``)."""
+    at N = ``leak_n`` (None: min(1024, the longest N); 0: none); ``documents`` > 0: each of our rows measured again
+    over rows packed with that many equal documents (``Inputs.of(..., documents=)``), the two timed call by call in
+    turn (``measure.alternated_median_times``)."""
 
     batch: int = 1
     heads: int = 8
@@ -467,7 +469,7 @@ def run(ns: list[int], bench: AttentionBench = AttentionBench(), echo: Callable[
 
 def with_documents(cands: list[Candidate], n: int, bench: AttentionBench) -> list[Candidate]:
     """``cands`` with each of ours followed by its twin over rows of ``bench.documents`` equal documents (the
-    last one takes the remainder), so that the two are measured one after the other (alternated in one run)."""
+    last one takes the remainder), so that the two are timed together, call by call in turn (``_measure``)."""
     count = bench.documents
     if count > n:
         raise ValueError(f"--documents ({count}) is more than N ({n}): every document needs a position")
@@ -483,7 +485,7 @@ def with_documents(cands: list[Candidate], n: int, bench: AttentionBench) -> lis
 
 
 def documents_table(rows: list[dict], count: int) -> str:
-    """Each of our rows over packed documents against itself without (measured one after the other)."""
+    """Each of our rows over packed documents against itself without (timed call by call in turn)."""
     plain = {r["mechanism"]: r for r in rows if not r["mechanism"].endswith("+docs")}
 
     def ratio(a: float | None, b: float | None) -> str:
@@ -496,7 +498,7 @@ def documents_table(rows: list[dict], count: int) -> str:
         base = plain[r["mechanism"].removesuffix("+docs")]
         table.append([r["n"], base["mechanism"], _ms(base["fwd_s"]), _ms(r["fwd_s"]), ratio(r["fwd_s"], base["fwd_s"]),
                       _ms(base["fwd_bwd_s"]), _ms(r["fwd_bwd_s"]), ratio(r["fwd_bwd_s"], base["fwd_bwd_s"])])
-    head = f"packed documents: {count} equal documents a row against one (each pair measured one after the other):"
+    head = f"packed documents: {count} equal documents a row against one (each pair timed call by call in turn):"
     return head + "\n" + format_table(["N", "mechanism", "fwd ms", "with documents", "ratio", "fwd+bwd ms",
                                        "with documents", "ratio"], table)
 
@@ -590,20 +592,42 @@ def _measure(cands: list[Candidate], inputs: tuple[Tensor, Tensor, Tensor, Tenso
             q.grad = k.grad = v.grad = None
         return call
 
+    def trains(c: Candidate, row: dict) -> bool:
+        need = c.training_bytes(q) if c.training_bytes else 0
+        free = _available_bytes(dev) if c.training_bytes else None
+        limit = min(TRAINING_CAP_BYTES, free // 2 if free is not None else TRAINING_CAP_BYTES)
+        if need > limit:
+            row["note"] = (f"training not run: ~{need / 2**30:.1f} GiB estimated, over "
+                           f"{limit / 2**30:.1f} GiB (min of 8 GiB and half the free memory)")
+        return need <= limit
+
+    def time_twins(pair: list[tuple[Candidate, dict]]) -> bool:
+        """A mechanism and its twin over packed documents timed call by call in turn
+        (``alternated_median_times``); False (nothing recorded) where either fails, to be measured apart."""
+        if not all([trains(c, row) for c, row in pair]):
+            return False
+        try:
+            fwd = alternated_median_times([forward(c) for c, _ in pair], repeats, dev)
+            step = alternated_median_times([train_step(c) for c, _ in pair], repeats, dev)
+        except Exception:
+            q.grad = k.grad = v.grad = None
+            for _, row in pair:
+                row["note"] = ""
+            return False
+        for (_, row), f, t in zip(pair, fwd, step, strict=True):
+            row["fwd_s"], row["fwd_bwd_s"] = f, t
+            row["timed"] = True
+        return True
+
     def measure(c: Candidate, row: dict) -> None:
         if c.skip:
             return
         try:
-            need = c.training_bytes(q) if c.training_bytes else 0
-            free = _available_bytes(dev) if c.training_bytes else None
-            limit = min(TRAINING_CAP_BYTES, free // 2 if free is not None else TRAINING_CAP_BYTES)
-            train = need <= limit
-            if not train:
-                row["note"] = (f"training not run: ~{need / 2**30:.1f} GiB estimated, over "
-                               f"{limit / 2**30:.1f} GiB (min of 8 GiB and half the free memory)")
-            row["fwd_s"] = median_time(forward(c), repeats, dev)
-            if train:
-                row["fwd_bwd_s"] = median_time(train_step(c), repeats, dev)
+            train = trains(c, row)
+            if not row.pop("timed", False):
+                row["fwd_s"] = median_time(forward(c), repeats, dev)
+                if train:
+                    row["fwd_bwd_s"] = median_time(train_step(c), repeats, dev)
             if not track_memory:
                 row["note"] = row["note"] or UNTRACKED
                 return
@@ -621,13 +645,15 @@ def _measure(cands: list[Candidate], inputs: tuple[Tensor, Tensor, Tensor, Tenso
                 torch.cuda.empty_cache()
             row["note"] = _failure(e)
 
-    rows = []
-    for i, c in enumerate(cands):
-        row = {"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
-               "inference_bytes": None, "training_bytes": None, "kept_bytes": None, "note": c.skip or "",
-               "useful_flops": c.useful(q.detach()) if c.useful is not None and not c.skip else None}
-        rows.append(row)
+    rows = [{"mechanism": c.name, "baseline": i == 0, "settings": c.settings, "fwd_s": None, "fwd_bwd_s": None,
+             "inference_bytes": None, "training_bytes": None, "kept_bytes": None, "note": c.skip or "",
+             "useful_flops": c.useful(q.detach()) if c.useful is not None and not c.skip else None}
+            for i, c in enumerate(cands)]
+    for i, (c, row) in enumerate(zip(cands, rows, strict=True)):
         started = time.perf_counter()
+        twin = i + 1 < len(cands) and cands[i + 1].name == f"{c.name}+docs" and not c.skip
+        if twin:  # timed together, call by call in turn: a pair's ratio is not the process's drift between them
+            time_twins([(c, row), (cands[i + 1], rows[i + 1])])
         measure(c, row)
         if say is not None and not c.skip:  # flushed: scripts/device_check.py reads a cut run's rows from these
             say(f"measured {c.name} at N={q.shape[2]}: fwd {_ms(row['fwd_s'])}, fwd+bwd {_ms(row['fwd_bwd_s'])} ms,"

@@ -167,6 +167,23 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def _warm(fn: Callable[[], object], device: torch.device | str, warmup_s: float, max_warmup: int) -> None:
+    """Warm-up calls of ``fn``: one, then more until ``warmup_s`` have passed or ``max_warmup`` calls were made."""
+    start, calls = time.perf_counter(), 0
+    while calls == 0 or (calls < max_warmup and time.perf_counter() - start < warmup_s):
+        fn()
+        synchronize(device)
+        calls += 1
+
+
+def _timed(fn: Callable[[], object], device: torch.device | str) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def median_time(fn: Callable[[], object], repeats: int, device: torch.device | str, *, warmup_s: float = 1.0,
                 max_warmup: int = 10) -> float:
     """Median wall time (s) of ``repeats`` consecutive calls of ``fn``, after warm-up calls: one, then more until
@@ -176,19 +193,25 @@ def median_time(fn: Callable[[], object], repeats: int, device: torch.device | s
     Each candidate is timed in its own consecutive runs: interleaving candidates made one pay for the heap state
     another left behind (on CPU, freshly mapped pages for its large buffers), which is not its own cost.
     """
-    start, calls = time.perf_counter(), 0
-    while calls == 0 or (calls < max_warmup and time.perf_counter() - start < warmup_s):
-        fn()
-        synchronize(device)
-        calls += 1
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    _warm(fn, device, warmup_s, max_warmup)
+    return statistics.median(_timed(fn, device) for _ in range(repeats))
+
+
+def alternated_median_times(fns: Sequence[Callable[[], object]], repeats: int, device: torch.device | str, *,
+                            warmup_s: float = 1.0, max_warmup: int = 10) -> list[float]:
+    """Median wall time (s) of each of ``fns``, twins that should cost alike (one mechanism with and without packed
+    documents), called in turn ``repeats`` times each after each one's warm-up (``median_time``'s), the order
+    reversed every round (a, b, b, a, ...): both pay alike for the process's state at the time (page faults, huge
+    pages' compaction), which on a 2-core CPU moved one row of a pair measured after the other by up to 1.7x
+    (docs/attention.md, "Packed documents")."""
+    for fn in fns:
+        _warm(fn, device, warmup_s, max_warmup)
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            times[i].append(_timed(fns[i], device))
+    return [statistics.median(t) for t in times]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -60,8 +60,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     att.add_argument("--leak-n", type=count, default=None, metavar="N",
                      help="the causal leak table's length (default min(1024, the longest N); 0: no leak table)")
     att.add_argument("--documents", type=count, default=0, metavar="K",
-                     help="also measure each of our rows, right after it, over rows packed with K equal documents, "
-                     "and print the ratio (default 0: not)")
+                     help="also measure each of our rows over rows packed with K equal documents, the two timed "
+                     "call by call in turn, and print the ratio (default 0: not)")
 
     mod = suites.add_parser(
         "model",
