@@ -22,8 +22,9 @@ def positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
-    """Check that q, k, v are floating (B, H, N, D) tensors of one shape, dtype and device; return (B, H, N, D)."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, cross: bool = False) -> tuple[int, int, int, int]:
+    """Check that q, k, v are floating (B, H, N, D) tensors of one shape, dtype and device; return (B, H, N, D).
+    ``cross``: the keys and values are a memory of another length, k and v (B, H, Nk, D) (N is the queries')."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -31,10 +32,19 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
             raise ValueError(f"{name} must have shape (B, H, N, D), got {t.dim()} dims with shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if k.shape != q.shape or v.shape != q.shape:
+    if cross:
+        B, H, _, D = q.shape
+        if v.shape != k.shape or (k.shape[0], k.shape[1], k.shape[3]) != (B, H, D):
+            raise ValueError(
+                f"cross-attention: k and v (the memory) must have shape (B, H, Nk, D) with q's B, H and D, got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if k.shape[2] == 0:
+            raise ValueError(f"cross-attention: the memory must have Nk > 0 keys, got k {tuple(k.shape)}")
+    elif k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"q, k and v must have the same shape (B, H, N, D), got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} (a memory of another length: Inputs.cross)"
         )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")

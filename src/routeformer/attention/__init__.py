@@ -7,6 +7,11 @@ Every function takes one checked ``Inputs`` value (``Inputs.of(q, k, v, scale=..
 (B, H, N, D)), the mechanism's options value whole (``LocalOptions(window=64)``, the same one a model's config holds)
 and an executor, and returns (B, H, N, D), like ``torch.nn.functional.scaled_dot_product_attention``:
 ``local_attention(Inputs.of(q, k, v), LocalOptions(window=64), causal=True, rel=None)``.
+
+Cross-attention (queries of one sequence over a memory's keys and values, another length) takes
+``Inputs.cross(q, k, v, key_padding_mask=...)``: ``full_attention``, ``linear_attention`` and ``performer_attention``
+non-causal, ``routing_cross_attention`` (``cross_routes``) and ``moba_cross_attention``; the kinds that compare
+positions (windows, causal masks, relative positions) refuse such inputs naming those (``inputs.CROSS_KINDS``).
 """
 
 from ..executors import EXECUTORS, Executor, check_backend, get_executor, register_executor, resolve_backend
@@ -20,14 +25,30 @@ from .linear import LinearOptions, linear_attention
 from .local import LocalOptions, local_attention, local_mask
 from .longformer import LongformerOptions, longformer_attention, longformer_mask
 from .lsh import LSHOptions, lsh_attention
+from .moba import MobaOptions, moba_cross_attention
 from .performer import PerformerOptions, orthogonal_features, performer_attention
 from .reference import reference_attention, reference_weights
 from .registry import KINDS, PATTERNS, Pattern, get_kind, get_pattern, register_kind, unregister_kind
-from .routing import Router, RoutingAttention, RoutingCache, RoutingOptions, SphericalKMeans, update_routing
+from .routing import (
+    CrossRoutes,
+    Router,
+    RoutingAttention,
+    RoutingCache,
+    RoutingOptions,
+    SphericalKMeans,
+    cross_routes,
+    routing_cross_attention,
+    update_routing,
+)
 from .strided import StridedOptions, strided_attention, strided_mask
 
 __all__ = [
+    "CrossRoutes",
     "EXECUTORS",
+    "MobaOptions",
+    "cross_routes",
+    "moba_cross_attention",
+    "routing_cross_attention",
     "FixedOptions",
     "Inputs",
     "KernelOptions",

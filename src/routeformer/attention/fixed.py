@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..checks import check_options, check_split_heads, positive_int
 from ..executors import Backend, Executor, get_executor, merge_partials
-from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.inputs import Inputs, check_rel, refuse_cross, relative
 from ..executors.pieces import BlockDiagonal, Subset
 from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
@@ -53,6 +53,7 @@ def fixed_attention(
     memory. ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the
     CPU; ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
+    refuse_cross(inputs, "fixed attention's blocks")
     options = check_options("options", options, FixedOptions)
     block = options.block
     q = inputs.q

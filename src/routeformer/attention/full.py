@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..checks import check_options
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import Inputs, check_rel
+from ..executors.inputs import Inputs, check_rel, refuse_cross
 from ..executors.pieces import Band, BlockDiagonal
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
@@ -37,7 +37,9 @@ def full_attention(
 ) -> Tensor:
     """Dense softmax attention over every key (j <= i when causal).
 
-    ``inputs``: ``Inputs.of(q, k, v, scale=..., key_padding_mask=...)``, q, k, v (B, H, N, D) -> (B, H, N, D).
+    ``inputs``: ``Inputs.of(q, k, v, scale=..., key_padding_mask=...)``, q, k, v (B, H, N, D) -> (B, H, N, D);
+    or cross-attention's ``Inputs.cross(q, k, v, ...)``, q (B, H, Nq, D) over a memory (B, H, Nk, D), with
+    ``causal=False`` and no ``rel`` (positions of two sequences are not comparable).
     ``options.kernel`` (default ``KernelOptions()``, 'exp'): 'exp' (softmax, below), or 'poly2' / 'elu', which
     normalise those kernels instead (``kernels.kernel_attention``: O(N²·D) in blocks; no relative positions; elu
     takes no scale). ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels
@@ -50,6 +52,9 @@ def full_attention(
     the two merge through their log-sum-exp. O(N²·D) time.
     """
     options = KernelOptions() if options is None else check_options("options", options, KernelOptions)
+    if inputs.is_cross and (causal or rel is not None or options.kernel != "exp"):
+        refuse_cross(inputs, "causal=True" if causal else "relative positions" if rel is not None else
+                     f"full attention's {options.kernel} kernel (linear attention takes it across two sequences)")
     if options.kernel != "exp":
         check_kernel_backend(options.kernel, executor)
         return kernel_attention(inputs, options.kernel, causal=causal, rel=rel)
@@ -84,7 +89,7 @@ def full_attention(
         allow = allow & torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
     has_key = allow.any(-1, keepdim=True)  # (B, 1, N, 1)
     # SDPA may return NaN for a row with no key on some backends: give such rows key 0, then zero them.
-    first = torch.arange(N, device=q.device) == 0
+    first = torch.arange(k.shape[2], device=q.device) == 0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow | (~has_key & first), scale=scale)
     return out.masked_fill(~has_key, 0.0)
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, check_rel
+from ..executors.inputs import Inputs, check_rel, refuse_cross
 from ..executors.pieces import Band
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
@@ -45,6 +45,7 @@ def local_attention(
     own keys and those of the blocks before it that the window reaches (and after it when non-causal) under a
     static mask. O(N · window · D) time, O(N · window) memory, relative positions included; any N.
     """
+    refuse_cross(inputs, "local attention's window")
     options = check_options("options", options, LocalOptions)
     if options.kernel != "exp":
         check_kernel_backend(options.kernel, executor)

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..checks import check_options, check_per_head, check_positions, positive_int
 from ..executors import Backend, get_executor, merge_partials
 from ..executors.grid import columns_key_valid, from_columns, to_columns
-from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.inputs import Inputs, check_rel, refuse_cross, relative
 from ..executors.pieces import Band, Subset
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Distances, Tiling
@@ -53,6 +53,7 @@ def longformer_attention(
     ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU;
     ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
+    refuse_cross(inputs, "Longformer's window and global positions")
     options = check_options("options", options, LongformerOptions)
     q, k, v = inputs.q, inputs.k, inputs.v
     B, H, N, D = inputs.shape

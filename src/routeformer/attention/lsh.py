@@ -51,7 +51,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor, merge_partials, saw_key
-from ..executors.inputs import Inputs, check_inputs
+from ..executors.inputs import Inputs, check_inputs, refuse_cross
 from ..executors.pieces import SortedWindow
 from ..executors.tiling import HashRounds, KeyRestrictions
 from ..lengths import sqrt_len
@@ -158,6 +158,7 @@ def lsh_attention(
         O(N · (D + rounds)) kept for the backward on the fused executor (the probabilities recomputed), O(rounds · N
         · window) on the tiles executor (each round's probabilities; the masks of one round at a time).
     """
+    refuse_cross(inputs, "LSH attention (its chunks and causal mask)")
     options = check_options("options", options, LSHOptions)
     q, v = inputs.q, inputs.v
     if inputs.k is not q:

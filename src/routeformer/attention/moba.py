@@ -28,10 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import positive_int
-from ..executors.inputs import check_rel
+from ..checks import check_options, positive_int
+from ..executors import Backend, get_executor
+from ..executors.inputs import Inputs, check_rel
+from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
 from .blocks import (
     BlockCache,
@@ -174,6 +177,73 @@ class MobaHeads(BlockHeads):
 
     def own_repr(self) -> str:
         return f"top_k={self.top_k}, score={self.score}"
+
+
+# --- cross-attention: queries of one sequence over a memory's blocks ---
+
+
+def moba_cross_attention(inputs: Inputs, options: MobaOptions | None = None, executor: Backend = "auto") -> Tensor:
+    """Queries over the ``top_k`` blocks of a memory they score highest, one softmax over their keys (the whole
+    memory is visible: every block a candidate, the last one perhaps shorter, no own block).
+
+    ``inputs``: ``Inputs.cross(q, k, v, key_padding_mask=...)``, q (B, H, Nq, D) against the memory k, v
+    (B, H, Nk, D). ``options``: ``block`` (None: ``default_block(Nk, top_k)``), ``top_k``, ``score`` ('mean' or
+    'bound', each over a block's real keys only; a block of padding alone is no candidate); ``warmup`` belongs to
+    heads and is refused here. Returns (B, H, Nq, D); gradients reach q, k and v (not the choice). Time
+    O(Nq · (Nk / block + top_k · block) · D) per head; the (Nq, Nk / block) scores are made.
+    """
+    o = MobaOptions() if options is None else check_options("options", options, MobaOptions)
+    if o.warmup:
+        raise ValueError(f"options.warmup ({o.warmup}) is a model's heads' option (steps of dense attention); "
+                         f"moba_cross_attention takes none")
+    q, k = inputs.q, inputs.k
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    block = min(Nk, default_block(Nk, o.top_k) if o.block is None else o.block)
+    nb = -(-Nk // block)
+    pad = nb * block - Nk
+    real = torch.ones(B, 1, Nk, dtype=torch.bool, device=k.device) if inputs.key_valid is None else inputs.key_valid
+    real = F.pad(real, (0, pad)).view(B, 1, nb, block, 1)  # (B, 1, nb, block, 1): the memory's real keys
+    with torch.no_grad():  # the choice is discrete: the loss reaches it only through the attention
+        kb = F.pad(k, (0, 0, 0, pad)).view(B, H, nb, block, D)
+        count = real.sum(3)  # (B, 1, nb, 1)
+        if o.score == "mean":
+            summary: tuple[Tensor, ...] = (torch.where(real, kb, 0.0).sum(3) / count.clamp(min=1),)
+        else:  # a block of padding alone gets a finite box (no candidate anyway)
+            summary = (torch.where(real, kb, float("inf")).amin(3).masked_fill(count == 0, 0.0),
+                       torch.where(real, kb, float("-inf")).amax(3).masked_fill(count == 0, 0.0))
+        scores = block_scores(q, summary, o.score)  # (B, H, Nq, nb)
+        chosen = select_blocks(scores, block, o.top_k, allowed=(count[..., 0] > 0)[:, :, None, :])
+    lo = torch.where(chosen >= 0, chosen * block, 0)  # (B, H, Nq, top): each chosen block's keys, empty for none
+    hi = torch.where(chosen >= 0, ((chosen + 1) * block).clamp(max=Nk), 0)
+    spans = Ranges(lo.flatten(2), hi.flatten(2), width=block, merge=chosen.shape[-1])
+    return get_executor(executor, q.device).ranges(inputs, spans)[0]
+
+
+def moba_cross_mask(q: Tensor, k: Tensor, options: MobaOptions, key_padding_mask: Tensor | None = None) -> Tensor:
+    """What ``moba_cross_attention`` means, written apart from it: (B, H, Nq, Nk) bool. Each block's summary from an
+    explicit (blocks, Nk) membership matrix of its real keys, a block chosen when fewer than ``top_k`` candidate
+    blocks score higher. O(Nq · Nk) memory."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    block = min(Nk, default_block(Nk, options.top_k) if options.block is None else options.block)
+    j = torch.arange(Nk, device=k.device)
+    real = torch.ones(B, Nk, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
+    member = (j[None, :] // block == torch.arange(-(-Nk // block), device=k.device)[:, None])  # (nb, Nk)
+    member = member[None] & real[:, None, :]  # (B, nb, Nk)
+    if options.score == "mean":
+        weights = member.to(k.dtype) / member.sum(-1, keepdim=True).clamp(min=1)
+        scores = q @ (weights[:, None] @ k).transpose(-1, -2)  # (B, H, Nq, nb)
+    else:
+        inside = member[:, None, :, :, None]  # (B, 1, nb, Nk, 1)
+        lo = torch.where(inside, k[:, :, None], float("inf")).amin(3)
+        hi = torch.where(inside, k[:, :, None], float("-inf")).amax(3)
+        scores = torch.maximum(q[:, :, :, None] * lo[:, :, None], q[:, :, :, None] * hi[:, :, None]).sum(-1)
+    candidate = member.any(-1)[:, None, None, :]  # (B, 1, 1, nb)
+    s = scores.masked_fill(~candidate, float("-inf"))
+    higher = ((s[..., None, :] > s[..., :, None]) & candidate[..., None, :]).sum(-1)  # candidates scoring above
+    picked = candidate & (higher < options.top_k)  # (B, H, Nq, nb)
+    return (picked.to(k.dtype) @ member[:, None].to(k.dtype)) > 0
 
 
 # --- the head kind: how a model uses it ---

@@ -134,6 +134,25 @@ def _check_mask(mask: Tensor, B: int, H: int, N: int, q: Tensor) -> Tensor:
     return mask
 
 
+def reference_cross_attention(inputs: Inputs, mask: Tensor | None = None, kernel: str = "exp") -> Tensor:
+    """Dense cross-attention, the definition its fast paths are tested against: queries q (B, H, Nq, D) over a
+    memory k, v (B, H, Nk, D) (``Inputs.cross``), each query over the keys ``mask`` allows ((B, H, Nq, Nk) bool or
+    broadcastable; None: every key) that are real (the memory's padding): softmax of s·q·k, or the kernel K(q, k)
+    normalised for 'poly2' / 'elu'. A query with no allowed key gives zeros. O(Nq·Nk·D) time, O(Nq·Nk) memory."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    B, H, Nq, _ = q.shape
+    allowed = torch.ones(B, H, Nq, k.shape[2], dtype=torch.bool, device=q.device)
+    if mask is not None:
+        allowed = allowed & mask
+    if inputs.key_valid is not None:
+        allowed = allowed & inputs.key_valid[:, :, None, :]
+    if kernel == "exp":
+        scores = (q @ k.transpose(-1, -2)) * inputs.scale
+    else:
+        scores = pairwise(kernel, q, k, kernel_scale(check_kernel("kernel", kernel), inputs.chosen_scale, q.shape[-1]))
+    return normalise_scores(scores, allowed, kernel) @ v
+
+
 def _literal_tables(rel_pos: RelativePositions, n: int, q: Tensor) -> tuple[Tensor, Tensor]:
     """a^K_ij and a^V_ij as (N, N, D) tensors, exactly as in the paper's equations."""
     pos = torch.arange(n, device=q.device)

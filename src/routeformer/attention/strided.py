@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..checks import check_options, check_split_heads, positive_int
 from ..executors import Backend, get_executor, merge_partials
-from ..executors.inputs import Inputs, check_rel, relative
+from ..executors.inputs import Inputs, check_rel, refuse_cross, relative
 from ..executors.pieces import Band, Columns
 from ..executors.relative import RelativePositions
 from ..lengths import sqrt_len
@@ -56,6 +56,7 @@ def strided_attention(
     ``executor``: a name or an ``Executor`` (``"auto"``: FlexAttention on CUDA, the fused kernels on the CPU;
     ``"fused"``, ``"tiles"``, ``"flex"``). ``rel``: relative-position tables, or None.
     """
+    refuse_cross(inputs, "strided attention's pattern")
     options = check_options("options", options, StridedOptions)
     B, H, N, D = inputs.shape
     stride = sqrt_len(N) if options.stride is None else options.stride

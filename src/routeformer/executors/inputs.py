@@ -32,6 +32,7 @@ class Inputs:
     key_valid: Tensor | None = None
     scale_given: bool = False  # whether the caller chose the scale (a kernel without one, elu, refuses it)
     documents: Tensor | None = None
+    is_cross: bool = False  # the keys and values are another sequence's (a memory, Nk may differ): ``Inputs.cross``
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
@@ -42,6 +43,19 @@ class Inputs:
         row (packed documents: a query sees only its own document's keys; ``routeformer.documents`` makes them from
         lengths, ``cu_seqlens`` or separators). Every error names the argument and the shape it needs."""
         return check_inputs(q, k, v, scale, key_padding_mask, documents=documents)
+
+    @classmethod
+    def cross(cls, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
+                 key_padding_mask: Tensor | None = None) -> Inputs:
+        """The checked inputs of a cross-attention call: queries q (B, H, Nq, D) of one sequence against a memory's
+        keys and values k, v (B, H, Nk, D) (an encoder's output; Nk may differ from Nq), ``scale`` (None:
+        1/sqrt(D)) and the memory's (B, Nk) padding mask (True = a real key). Positions of the two sequences are
+        not comparable: the kinds that read them (windows, causal masks, relative positions) refuse these inputs
+        (``attention.cross``: the kinds that take them)."""
+        B, H, _, D = check_qkv(q, k, v, cross=True)
+        mask = check_key_padding_mask(key_padding_mask, B, k.shape[2], q.device)
+        return cls(q, k, v, check_scale(scale, D), None if mask is None else mask[:, None, :],
+                   scale_given=scale is not None, is_cross=True)
 
     @property
     def chosen_scale(self) -> float | None:
@@ -60,8 +74,8 @@ class Inputs:
         valid = self.key_valid
         if valid is not None and valid.shape[1] > 1:
             valid = valid[:, start:stop]
-        return Inputs(self.q[:, start:stop], self.k[:, start:stop], self.v[:, start:stop], self.scale, valid,
-                      self.scale_given, self.documents)
+        return dataclasses.replace(self, q=self.q[:, start:stop], k=self.k[:, start:stop], v=self.v[:, start:stop],
+                                   key_valid=valid)
 
     def keys_at(self, index: Tensor) -> Inputs:
         """The inputs with only the keys (and values, and their validity) at positions ``index`` (M,), gathered,
@@ -120,6 +134,18 @@ def refuse_documents(inputs: Inputs, what: str) -> None:
     if inputs.documents is not None:
         raise ValueError(f"documents: {what} does not honour packed documents yet; run each document apart, or "
                          f"use a kind that does (docs/attention.md, 'Packed documents')")
+
+
+def refuse_cross(inputs: Inputs, what: str) -> None:
+    """A ValueError where ``inputs`` are cross-attention's (``Inputs.cross``) and ``what`` compares positions of
+    the queries with the memory's, which have no common order: windows, causal masks, relative positions."""
+    if inputs.is_cross:
+        raise ValueError(f"cross-attention: {what} compares query positions with memory positions, which have no "
+                         f"meaning across two sequences; cross-attention kinds: {', '.join(CROSS_KINDS)} "
+                         f"(non-causal, without relative positions)")
+
+
+CROSS_KINDS = ("full", "routing", "moba", "performer", "linear")  # those with a cross-attention form
 
 
 def check_rel(rel: RelativePositions | None, q: Tensor) -> RelTerms | None:

@@ -10,14 +10,17 @@
   log-sum-exp, so several routing rounds merge exactly).
 - ``probes.py``: several clusters per query (and separate routing): the last `window` keys of each, one softmax.
 - ``balanced.py``: the paper's balanced clusters for encoders.
+- ``cross.py``: routed cross-attention: queries of one sequence read a memory's keys sorted by cluster.
 - ``cache.py``: per-cluster ring buffers for incremental decoding.
 - ``kind.py``: the routing head kind's registry entry (options completed against the model, cost, warm-up).
 """
 
 from .cache import RoutingCache
+from .cross import CrossRoutes, cross_routes, routing_cross_attention
 from .kmeans import SphericalKMeans
 from .layer import RoutingAttention
 from .options import RoutingOptions
 from .router import Router, update_routing
 
-__all__ = ["Router", "RoutingAttention", "RoutingCache", "RoutingOptions", "SphericalKMeans", "update_routing"]
+__all__ = ["CrossRoutes", "Router", "RoutingAttention", "RoutingCache", "RoutingOptions", "SphericalKMeans",
+           "cross_routes", "routing_cross_attention", "update_routing"]

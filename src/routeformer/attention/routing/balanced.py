@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ...executors import Executor, neg_inf
-from ...executors.inputs import Inputs, RelTerms
+from ...executors.inputs import Inputs, RelTerms, refuse_cross
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
 from .options import RoutingOptions
@@ -72,6 +72,7 @@ def balanced_attention(inputs: Inputs, members: Tensor, clusters: Tensor, option
     """Attention within balanced clusters: inputs, the checked q, k, v (B, H, N, D), scale and key validity;
     members (B, H, k, w); clusters (B, H, N) argmax; ``options.shared_qk``: the own key left out unless alone. The
     cluster tiles run on ``executor``."""
+    refuse_cross(inputs, "routing self-attention (routing_cross_attention reads a memory)")
     q, v = inputs.q, inputs.v
     B, H, N, D = q.shape
     flat = members.flatten(2)  # (B, H, k · w)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ...executors import Executor, saw_key
-from ...executors.inputs import Inputs, relative
+from ...executors.inputs import Inputs, refuse_cross, relative
 from ...executors.ranges import KeyOrder, Ranges
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, Tiling
@@ -71,6 +71,7 @@ def probed_window_attention(inputs: Inputs, key_clusters: Tensor, probes: Tensor
     packed ``inputs.documents`` by (document, cluster, position), the probes then looking into the query's own
     document's clusters only.
     """
+    refuse_cross(inputs, "routing self-attention (routing_cross_attention reads a memory)")
     documents = inputs.documents
     labelled = documents is not None
     if labelled:  # packed documents: the label is (document, cluster), so that every probe's

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ...executors import Executor
-from ...executors.inputs import Inputs, relative
+from ...executors.inputs import Inputs, refuse_cross, relative
 from ...executors.pieces import SortedWindow
 from ...executors.relative import RelativePositions
 from ...executors.tiling import Distances, KeyRestrictions
@@ -87,6 +87,7 @@ def sorted_window_attention(
     union of the rounds' keys: a key that k rounds share counts k times (its weight is raised by log k); it equals
     attention over the union of the masks (``sorted_window_mask``) when no two rounds share a (query, key) pair.
     """
+    refuse_cross(inputs, "routing self-attention (routing_cross_attention reads a memory)")
     B, H, N, D = inputs.shape
     key_valid = inputs.key_valid
     order, inverse, grouped = sort[:3]
