@@ -80,6 +80,19 @@ def test_routing_cross_equals_its_dense_definition(executor, padded, probes, clu
     assert int(allowed.sum(-1).min()) >= fewest  # a window is full where there are keys
 
 
+def test_cross_routes_agree_on_every_executor():
+    """The router's kernel (the fused executor's, with the memory's sort) and PyTorch's scores (tiles) choose the same
+    clusters and probes, and the attention reads the same keys either way."""
+    q, k, v = memory_inputs(8)
+    got = {ex: cross_routes(q, k, centroids(6), 3, executor=ex) for ex in EXECUTORS}
+    assert got["fused"].sort is not None and got["tiles"].sort is None
+    for ex in ("tiles", "flex"):
+        assert torch.equal(got[ex].keys, got["fused"].keys) and torch.equal(got[ex].probes, got["fused"].probes)
+    a = routing_cross_attention(Inputs.cross(q, k, v), got["fused"], None, "fused")
+    b = routing_cross_attention(Inputs.cross(q, k, v), got["tiles"], None, "fused")
+    assert torch.equal(a, b)
+
+
 def test_routing_cross_windows_by_hand():
     """The definition itself, on a memory worked out by hand: sorted by (cluster, position) the keys are 1 4 8 | 3 7 |
     0 2 5 6 9. A cluster of at most ``window`` keys is read whole and then the keys after it in the sort; one of more

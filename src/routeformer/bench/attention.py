@@ -52,10 +52,10 @@ from ..attention.blocks import default_block
 from ..attention.kernels import feature_dim
 from ..attention.linear import default_chunk
 from ..attention.lsh import default_lsh_settings, lsh_hash, lsh_rotations
-from ..attention.moba import MobaHeads, MobaOptions
+from ..attention.moba import MobaHeads, MobaOptions, moba_cross_attention
 from ..attention.nsa import NsaHeads, NsaOptions
 from ..attention.performer import default_features
-from ..attention.routing import RoutingOptions
+from ..attention.routing import RoutingOptions, cross_routes, routing_cross_attention
 from ..documents import documents_from_lengths
 from ..executors import describe_backend, get_executor
 from ..executors.fused.scan import scan_chunk
@@ -86,12 +86,15 @@ class Candidate:
     skip: str | None = None  # why it is not run at this length (printed in the note column)
     training_bytes: Callable[[Tensor], int] | None = None  # estimate for q: training is not run if over half free
     useful: rf.Useful | None = None  # q -> the forward's useful FLOPs (``roofline.py``); None: not counted
+    memory: bool = False  # cross-attention: k, v are a memory read whole (no causal order to leak across)
 
 
 # Not run beyond this length: full-elu / full-poly2 (unfused O(N²) kernel attention) and linear-poly2 (F = 2145
 # features at D = 64: 13 s forward+backward and 2.4 GiB at N = 4096 on 2 CPU threads, 0.11× full, ~4× both at 16k).
 KERNEL_ATTENTION_MAX_N = 4096
 UNTRACKED = "memory not tracked: on CPU FlexAttention's operator refuses the tracker's dispatch mode"
+MEMORY_READ_WHOLE = ("a memory read whole, no causal order across the two sequences (tests/test_cross.py: each "
+                     "query's output independent of the others)")
 TRAINING_CAP_BYTES = 8 * 2**30  # over this (or half the free memory) estimated, a row is timed forward only
 
 
@@ -263,8 +266,29 @@ def candidates(n: int, bench: AttentionBench = AttentionBench(), documents: Tens
                                     useful=None) for c in found]
     found[1:1] = _sdpa_backends(causal, device, full_pairs)
     found += _flex_sliding(window, causal, device)
+    found += _cross_rows(n, bench, clusters, moba_block)
     found += _peers(n, bench, PaperSizes(clusters, routed, buckets, lsh_window, features))
     return found
+
+
+def _cross_rows(n: int, bench: AttentionBench, clusters: int, block: int) -> list[Candidate]:
+    """Cross-attention (issue 73): the N queries over a memory of N keys (the same tensors, read as two sequences),
+    routed by the paper's sizes (k = √N centroids drawn once, one probe, windows of ceil(N / k) keys: routing's own
+    keys per query) and by MoBA's blocks; the routing of queries and keys is in the time."""
+    device = torch.device(bench.device)
+    centroids = torch.randn(bench.heads, clusters, bench.head_dim, generator=torch.Generator().manual_seed(1),
+                            dtype=bench.dtype).to(device)
+    moba = MobaOptions(block=block)
+
+    def routed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return routing_cross_attention(Inputs.cross(q, k, v), cross_routes(q, k, centroids), None, bench.backend)
+
+    return [
+        Candidate("cross-routing", f"memory of N, k={clusters}, 1 probe, window={-(-n // clusters)}", routed,
+                  memory=True),
+        Candidate("cross-moba", f"memory of N, block={block}, top {moba.top_k} by the mean key",
+                  lambda q, k, v: moba_cross_attention(Inputs.cross(q, k, v), moba, bench.backend), memory=True),
+    ]
 
 
 def _sdpa_backends(causal: bool, device: torch.device, useful: rf.Useful | None) -> list[Candidate]:
@@ -527,8 +551,9 @@ def leaks(n: int, bench: AttentionBench = AttentionBench(), seed: int = 0) -> li
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, b.heads, n, b.head_dim, generator=gen).to(dev) for _ in range(3))
     for c in selected(candidates(n, b), b.only):
-        if c.skip:
-            rows.append({"mechanism": c.name, "settings": c.settings, "leak": None, "note": c.skip})
+        if c.skip or c.memory:
+            note = c.skip or MEMORY_READ_WHOLE
+            rows.append({"mechanism": c.name, "settings": c.settings, "leak": None, "note": note})
             continue
         try:
             value = causal_leak(c.attend, q, k, v, seed=seed)

@@ -34,19 +34,31 @@ from ...executors.inputs import Inputs
 from ...executors.ranges import KeyOrder, Ranges
 
 
+class MemorySort(NamedTuple):
+    """The memory sorted by (cluster, position), as an executor's router makes it: ``order``, ``inverse`` (B, H, Nk)
+    (``k.gather(2, order)`` sorts) and ``counts`` (B, H, C) the clusters' sizes."""
+
+    order: Tensor
+    inverse: Tensor
+    counts: Tensor
+
+
 class CrossRoutes(NamedTuple):
     """How queries read a memory: ``keys`` (B, H, Nk) long, each memory key's cluster in [0, ``clusters``);
-    ``probes`` (B, H, Nq, p) long, the distinct clusters each query reads, best first."""
+    ``probes`` (B, H, Nq, p) long, the distinct clusters each query reads, best first; ``sort`` the memory's sort
+    where a router's kernel made it (else ``routing_cross_attention`` sorts)."""
 
     keys: Tensor
     probes: Tensor
     clusters: int
+    sort: MemorySort | None = None
 
 
-def cross_routes(q: Tensor, k: Tensor, centroids: Tensor, probes: int = 1) -> CrossRoutes:
+def cross_routes(q: Tensor, k: Tensor, centroids: Tensor, probes: int = 1, executor: Backend = "auto") -> CrossRoutes:
     """Route queries q (B, H, Nq, D) and memory keys k (B, H, Nk, D) by cosine to ``centroids`` (H, C, D): each key
     to its nearest centroid, each query to its ``probes`` nearest (best first). No gradient (a discrete choice).
-    O((Nq + Nk) · C · D) per head."""
+    Through the ``executor``'s router kernel where it has one (``Executor.route_run``: no (N, C) scores, and the
+    memory's sort comes with it), else PyTorch's scores. O((Nq + Nk) · C · D) per head."""
     H, C, D = centroids.shape
     if q.shape[1] != H or q.shape[3] != D or k.shape[1] != H or k.shape[3] != D:
         raise ValueError(f"centroids must be (H, C, D) with q's and k's H and D, got {tuple(centroids.shape)} for q "
@@ -55,9 +67,17 @@ def cross_routes(q: Tensor, k: Tensor, centroids: Tensor, probes: int = 1) -> Cr
     if p > C:
         raise ValueError(f"probes ({p}) must be at most the number of centroids ({C})")
     with torch.no_grad():
-        mu = F.normalize(centroids.to(torch.promote_types(q.dtype, torch.float32)), dim=-1)
-        key_scores = torch.einsum("bhnd,hcd->bhnc", F.normalize(k.to(mu.dtype), dim=-1), mu)
-        query_scores = torch.einsum("bhnd,hcd->bhnc", F.normalize(q.to(mu.dtype), dim=-1), mu)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        mu = F.normalize(centroids.to(acc), dim=-1)
+        rk, rq = (F.normalize(x.detach().to(acc), dim=-1) for x in (k, q))
+        route = get_executor(executor, q.device).runner(rk).route_run
+        memory = None if route is None else route(rk, mu, None, None, 1, False)
+        asked = None if memory is None else route(rq, mu, None, None, p, False)
+        if asked is not None:
+            return CrossRoutes(memory.probes[..., 0], asked.probes, C,
+                               MemorySort(memory.order, memory.inverse, memory.counts))
+        key_scores = torch.einsum("bhnd,hcd->bhnc", rk, mu)
+        query_scores = torch.einsum("bhnd,hcd->bhnc", rq, mu)
         return CrossRoutes(key_scores.argmax(-1), query_scores.topk(p, dim=-1).indices, C)
 
 
@@ -79,7 +99,7 @@ def routing_cross_attention(inputs: Inputs, routes: CrossRoutes, window: int | N
     q, k = inputs.q, inputs.k
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    keys, probes, clusters = routes
+    keys, probes, clusters, sort = routes
     if tuple(keys.shape) != (B, H, Nk) or probes.dim() != 4 or tuple(probes.shape[:3]) != (B, H, Nq):
         raise ValueError(f"routes: keys must be (B, H, Nk) = {(B, H, Nk)} and probes (B, H, Nq, p) with (B, H, Nq) = "
                          f"{(B, H, Nq)}, got keys {tuple(keys.shape)} and probes {tuple(probes.shape)}")
@@ -87,12 +107,15 @@ def routing_cross_attention(inputs: Inputs, routes: CrossRoutes, window: int | N
     p = probes.shape[-1]
     pos = torch.arange(Nk, device=k.device)
     valid = inputs.key_valid  # (B, 1, Nk) or None
-    labels = keys if valid is None else torch.where(valid, keys, clusters)  # padding: one cluster past the last
-    order = (labels * Nk + pos).argsort(-1)  # (B, H, Nk): by (cluster, position)
-    inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
-    counts = torch.zeros(B, H, clusters + 1, dtype=torch.long, device=k.device)
-    counts.scatter_add_(-1, labels, torch.ones_like(labels))
-    first = counts.cumsum(-1) - counts  # (B, H, C + 1): each cluster's first sorted key
+    if sort is not None and valid is None:  # the router kernel's sort
+        order, inverse, counts = sort
+    else:
+        labels = keys if valid is None else torch.where(valid, keys, clusters)  # padding: one cluster past the last
+        order = (labels * Nk + pos).argsort(-1)  # (B, H, Nk): by (cluster, position)
+        inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
+        counts = torch.zeros(B, H, clusters + 1, dtype=torch.long, device=k.device)
+        counts.scatter_add_(-1, labels, torch.ones_like(labels))
+    first = counts.cumsum(-1) - counts  # (B, H, C or C + 1): each cluster's first sorted key
     real = pos.new_full((1, 1, 1, 1), Nk) if valid is None else valid.sum(-1, keepdim=True)[..., None]  # real keys
     w = torch.clamp((real + clusters - 1) // clusters, min=1) if window is None else real.clamp(max=bound)
     lo = torch.minimum(first.gather(-1, probes.reshape(B, H, Nq * p)).view(B, H, Nq, p), real - w).clamp(min=0)
@@ -111,7 +134,7 @@ def routing_cross_mask(routes: CrossRoutes, window: int | None = None,
     """What ``routing_cross_attention`` means, written apart from it: (B, H, Nq, Nk) bool, True where query i reads
     memory key j. Each real key's place in the (cluster, position) order counted from pairwise comparisons, each
     probe's window the places [min(first, real - window) clamped at 0, + window). O(Nq · Nk · p) memory."""
-    keys, probes, clusters = routes
+    keys, probes, clusters, _ = routes
     B, H, Nk = keys.shape
     real = torch.ones(B, Nk, dtype=torch.bool, device=keys.device) if key_padding_mask is None else key_padding_mask
     real = real[:, None, :]  # (B, 1, Nk)
@@ -130,4 +153,4 @@ def routing_cross_mask(routes: CrossRoutes, window: int | None = None,
     return allowed
 
 
-__all__ = ["CrossRoutes", "cross_routes", "default_window", "routing_cross_attention", "routing_cross_mask"]
+__all__ = ["CrossRoutes", "MemorySort", "cross_routes", "default_window", "routing_cross_attention", "routing_cross_mask"]
