@@ -8,6 +8,7 @@ import collections
 import os
 import re
 from dataclasses import dataclass
+import struct
 from pathlib import Path
 
 import torch
@@ -365,3 +366,25 @@ def period(row: Tensor, lengths: range) -> int | None:
     """The shortest L in ``lengths`` with row[j] == row[j - L] for every j >= L, if any: how a row of the curriculum
     of repeated text is recognised."""
     return next((n for n in lengths if torch.equal(row[n:], row[:-n])), None)
+
+
+def write_mo(path: Path, messages: dict[str, str], charset: str = "UTF-8") -> Path:
+    """A compiled catalog as msgfmt writes one (no hash table): the header entry, then ``messages`` sorted by
+    msgid. A msgid may carry a context ("ctx\\x04msgid") or a plural ("one\\x00many" with "ein\\x00viele")."""
+    entries = {"": f"Content-Type: text/plain; charset={charset}\nPlural-Forms: nplurals=2; plural=(n != 1);\n",
+               **messages}
+    keys = sorted(entries)
+    ids = [k.encode(charset) for k in keys]
+    strs = [entries[k].encode(charset) for k in keys]
+    n = len(keys)
+    originals, translations = 28, 28 + 8 * n
+    data_at = 28 + 16 * n
+    blob, table_o, table_t = b"", [], []
+    for raw, table in [(x, table_o) for x in ids] + [(x, table_t) for x in strs]:
+        table.append((len(raw), data_at + len(blob)))
+        blob += raw + b"\0"
+    header = struct.pack("<7I", 0x950412DE, 0, n, originals, translations, 0, 0)
+    body = b"".join(struct.pack("<2I", *e) for e in table_o) + b"".join(struct.pack("<2I", *e) for e in table_t)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header + body + blob)
+    return path

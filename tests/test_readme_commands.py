@@ -19,7 +19,7 @@ else:  # pragma: no cover - Python 3.10
 import pytest
 import torch
 
-from helpers import tiny_text_data
+from helpers import tiny_text_data, write_mo
 from routeformer.cli import build_parser, main
 from routeformer.train.config import resolve_config_path
 
@@ -152,6 +152,9 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
             # and attention repeat across the pages' commands: each command its own folder
         elif argv[:2] == ["prepare", "pg19"]:  # the books are the committed six-book stand-in of the release
             toy = ["prepare", "pg19", "--from", str(FIXTURE_PG19), "--data-dir", str(folder / "data")]
+        elif argv[:2] == ["prepare", "gettext"]:  # catalogs of our own: a slim machine may have none
+            toy = [*argv, "--from", str(_toy_locales(folder / "locale", argv[argv.index("--lang") + 1])),
+                   "--data-dir", str(folder / "data"), "--force"]
         elif argv[0] == "analyze":
             toy = [*argv, "--windows", "2"] if "approximations" in argv else argv
         elif argv[:2] in (["bench", "attention"], ["bench", "model"]):  # a GPU's lengths (64k) at toy size too
@@ -160,6 +163,13 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
             toy = argv
         toy = _on_the_cpu(toy)
         assert main(toy) == 0, f"README command failed at toy size: routeformer {' '.join(toy)}"
+
+
+def _toy_locales(root: Path, lang: str) -> Path:
+    """A locale folder with three catalogs of ``lang`` that fall in the three splits."""
+    for i, name in enumerate(("cat0", "cat10", "cat55")):  # train, test, valid by split_of's hash
+        write_mo(root / lang / "LC_MESSAGES" / f"{name}.mo", {f"Message {i}": f"Nachricht {i}", "File": "Datei"})
+    return root
 
 
 DEVICE_OPTION = ("evaluate", "sample", "analyze", "bench attention", "bench model", "bench recall", "bench all")

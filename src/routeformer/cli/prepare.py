@@ -22,11 +22,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "from mattmahoney.net or taken from --from (md5 checked); wikitext103: downloaded or --from (the "
         "wikitext-103-v1 zip or its folder); imagenet64: --from a folder of the 64x64 npz batches; pg19: --from a "
         "local copy of DeepMind's PG-19 release (train/, validation/, test/ of .txt books; each book followed by the "
-        "byte 0xFF; no download); text: --from a text file or folder.")
+        "byte 0xFF; no download); text: --from a text file or folder; gettext: --lang LANG, English-LANG message pairs "
+        "from this machine's .mo catalogs (/usr/share/locale, or --from a locale folder), as gettext-LANG.")
     prep.add_argument("name", choices=sorted(PREPARERS), metavar="NAME", help=f"one of {', '.join(PREPARERS)}")
     prep.add_argument("--from", dest="source", metavar="PATH", help="a local archive, file or folder to use")
     add_data_dir(prep, "where data sets live (default ~/.cache/routeformer, or $ROUTEFORMER_DATA)")
     prep.add_argument("--name", dest="dataset_name", metavar="NAME", help="store under this name (for text data)")
+    prep.add_argument("--lang", metavar="LANG", help="gettext: the translations' language (de, fr, pt_BR, ...)")
     prep.add_argument("--skip-checksum", action="store_true", help="accept enwik8 / text8 whose md5 is not the "
                       "published one")
     prep.add_argument("--force", action="store_true", help="replace a data set of the same name whose content "
@@ -40,10 +42,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     meta = prepare(args.name, data_dir, args.source, dataset_name=args.dataset_name,
-                   skip_checksum=args.skip_checksum, force=args.force)
+                   skip_checksum=args.skip_checksum, force=args.force, lang=args.lang)
     where = data_dir / meta.name
     print(f"prepared {meta.name} in {where}: " + ", ".join(f"{s} {n:,}" for s, n in meta.splits.items())
           + f" tokens; vocabulary {meta.vocab_size:,}; metric {meta.metric}")
+    pairs = meta.extra.get("pairs")
+    if pairs:
+        counts = ", ".join(f"{s} {n:,}" for s, n in pairs["pairs"].items())
+        print(f"{pairs['source']}-{pairs['target']} pairs: {counts}"
+              + f" from {sum(map(len, pairs['catalogs'].values()))} catalogs, split by catalog")
+        for name, reason in pairs["skipped"].items():
+            print(f"left out {name}: {reason}")
     if meta.kind == "bytes":  # two reference points a model should beat
         import zlib
 

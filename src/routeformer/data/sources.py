@@ -13,6 +13,8 @@
     pg19         PG-19's books from a local copy of DeepMind's release (pg19.py): its train / validation / test
                  folders as the splits, each book followed by the byte 0xFF; streamed, never read whole.
     text         any local text file or folder (files in sorted path order), as bytes; split 90 / 5 / 5 %.
+    gettext      English-LANG message pairs from this machine's compiled catalogs (/usr/share/locale, or --from),
+                 ``--lang LANG``, stored as gettext-LANG: one document per pair, split by catalog (gettext.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .gettext import prepare_gettext
 from .pg19 import prepare_pg19
 from .store import (
     BUILT_IN,
@@ -128,16 +131,24 @@ def _verified(data: bytes, spec: dict, name: str, path: Path, skip_checksum: boo
 
 
 def prepare(name: str, data_dir: Path, source: str | None = None, *, dataset_name: str | None = None,
-            skip_checksum: bool = False, force: bool = False) -> DatasetMeta:
-    """Prepare data set ``name`` into ``data_dir/<dataset_name or name>``; an existing data set there with other
-    content is replaced only when ``force`` (runs trained on it would otherwise be scored on other data)."""
+            skip_checksum: bool = False, force: bool = False, lang: str | None = None) -> DatasetMeta:
+    """Prepare data set ``name`` into ``data_dir/<dataset_name or name>`` (gettext: ``gettext-<lang>``); an
+    existing data set there with other content is replaced only when ``force`` (runs trained on it would otherwise
+    be scored on other data). ``lang``: the translation's language, for gettext only."""
     if name not in PREPARERS:
         raise DataError(f"unknown data set {name!r}; known: {', '.join(PREPARERS)}")
+    if (lang is not None) != (name == "gettext"):
+        raise DataError("--lang LANG is gettext's (the translations' language, e.g. de), and gettext needs it"
+                        if name == "gettext" else f"--lang applies to gettext only, not {name}")
     writable_directory(data_dir)
-    target = data_dir / (dataset_name or name)
     src = Path(source).expanduser() if source is not None else None
     if src is not None and not src.exists():
         raise DataError(f"--from {src}: no such file or folder")
+    if name == "gettext":
+        if not lang or not lang.replace("_", "").replace("@", "").isalnum():
+            raise DataError(f"--lang must be a locale name such as de or pt_BR, got {lang!r}")
+        return prepare_gettext(data_dir / (dataset_name or f"gettext-{lang}"), lang, src, force=force)
+    target = data_dir / (dataset_name or name)
     return PREPARERS[name](target, data_dir, src, skip_checksum, force)
 
 
@@ -410,5 +421,6 @@ PREPARERS = {
     "imagenet64": _imagenet64,
     "pg19": prepare_pg19,
     "text": _text,
+    "gettext": lambda *args: None,  # prepared by ``prepare`` itself: it needs the language (gettext.py)
 }
-assert set(PREPARERS) - {"text"} == set(BUILT_IN), "the data sets prepared by name alone"
+assert set(PREPARERS) - {"text", "gettext"} == set(BUILT_IN), "the data sets prepared by name alone"

@@ -220,7 +220,8 @@ class Dataset:
         meta_path = directory / "meta.json"
         dir_arg = "" if data_dir is None else f" --data-dir {Path(data_dir).expanduser()}"
         command = (f"routeformer prepare {name}{' --from FOLDER' if name in FROM_FOLDER else ''}{dir_arg}"
-                   if name in BUILT_IN else f"routeformer prepare text --from PATH --name {name}{dir_arg}")
+                   if name in BUILT_IN else f"routeformer prepare gettext --lang {name[8:]}{dir_arg}"
+                   if name.startswith("gettext-") else f"routeformer prepare text --from PATH --name {name}{dir_arg}")
         if not meta_path.is_file():
             raise DataError(f"data set {name!r} is not prepared in {directory.parent}: run `{command}` first")
         try:
