@@ -222,3 +222,40 @@ def test_cross_inputs_and_routes_are_checked():
         routing_cross_attention(Inputs.cross(q, k[:, :, :9], v[:, :, :9]), routes)
     with pytest.raises(ValueError, match="warmup"):
         moba_cross_attention(Inputs.cross(q, k, v), MobaOptions(warmup=3))
+
+
+def test_routed_cross_heads_attend_by_their_centroids_and_learn_from_the_real_memory_keys_only():
+    import copy
+
+    from routeformer.attention.routing.cross import RoutedCrossHeads
+
+    q, k, v = memory_inputs(9)
+    heads = RoutedCrossHeads(H, D, 5, probes=2).double().train()
+    twin = copy.deepcopy(heads)
+    out = heads(Inputs.cross(q, k, v))
+    expected = routing_cross_attention(Inputs.cross(q, k, v), cross_routes(q, k, heads.kmeans.centroids, 2))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # the commitment term reaches the queries and the memory's keys
+    grads = torch.autograd.grad(heads.aux_loss(), (q, k))
+    assert all(float(g.abs().sum()) > 0 for g in grads)
+    # a memory padded with garbage: the same output and the same k-means statistics
+    garbage = torch.randn(B, H, 9, D, dtype=torch.float64) * 50
+    mask = torch.ones(B, NK + 9, dtype=torch.bool)
+    mask[:, NK:] = False
+    padded = twin(Inputs.cross(q, torch.cat([k, garbage], 2), torch.cat([v, garbage], 2), key_padding_mask=mask))
+    torch.testing.assert_close(padded, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(twin.kmeans.pending_sums, heads.kmeans.pending_sums, rtol=1e-12, atol=1e-12)
+    assert torch.equal(twin.kmeans.pending_counts, heads.kmeans.pending_counts)
+    torch.testing.assert_close(twin.aux_loss(), heads.aux_loss(), rtol=1e-12, atol=0)
+    # the k-means step: seeded from the memory keys at the first update, then the routes follow the new centroids
+    before = heads.kmeans.centroids.clone()
+    assert heads.after_optimizer_step() and bool(heads.kmeans.initialized)
+    assert not torch.equal(before, heads.kmeans.centroids)
+    assert set(heads.replicated_state()) >= {"kmeans.centroids", "kmeans.ema_sums", "kmeans.ema_counts"}
+    heads.eval()
+    heads(Inputs.cross(q, k, v))
+    assert heads.aux_loss() is None  # no loss in evaluation
+    with pytest.raises(ValueError, match="reads a memory"):
+        heads(Inputs.of(q, q, q))
+    with pytest.raises(ValueError, match="probes .* at most num_clusters"):
+        RoutedCrossHeads(H, D, 2, probes=3)

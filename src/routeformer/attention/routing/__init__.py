@@ -16,11 +16,11 @@
 """
 
 from .cache import RoutingCache
-from .cross import CrossRoutes, cross_routes, routing_cross_attention
+from .cross import CrossRoutes, RoutedCrossHeads, cross_routes, routing_cross_attention
 from .kmeans import SphericalKMeans
 from .layer import RoutingAttention
 from .options import RoutingOptions
 from .router import Router, update_routing
 
-__all__ = ["CrossRoutes", "Router", "RoutingAttention", "RoutingCache", "RoutingOptions", "SphericalKMeans",
-           "cross_routes", "routing_cross_attention", "update_routing"]
+__all__ = ["CrossRoutes", "RoutedCrossHeads", "Router", "RoutingAttention", "RoutingCache", "RoutingOptions",
+           "SphericalKMeans", "cross_routes", "routing_cross_attention", "update_routing"]

@@ -25,13 +25,15 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...checks import positive_int
 from ...executors import Backend, get_executor
 from ...executors.inputs import Inputs
 from ...executors.ranges import KeyOrder, Ranges
+from .kmeans import SphericalKMeans
 
 
 class MemorySort(NamedTuple):
@@ -153,4 +155,70 @@ def routing_cross_mask(routes: CrossRoutes, window: int | None = None,
     return allowed
 
 
-__all__ = ["CrossRoutes", "MemorySort", "cross_routes", "default_window", "routing_cross_attention", "routing_cross_mask"]
+
+class RoutedCrossHeads(nn.Module):
+    """Routed cross-attention heads with their own online spherical k-means (a decoder layer's, over the memory an
+    encoder made): q (B, h, Nq, D) over the memory ``Inputs.cross(q, k, v, key_padding_mask=...)`` ->
+    (B, h, Nq, D), ``routing_cross_attention`` under ``cross_routes`` to the centroids.
+
+    The centroids follow the memory's real keys alone (their unit vectors' statistics, observed in a training
+    forward and applied by ``after_optimizer_step``, all-reduced across ranks: ``SphericalKMeans``); padded memory
+    keys move nothing. In training the commitment term β · mean ||r - sg(μ_c)||² of the real keys and of the queries
+    (each to its first probe: pulling the queries towards the keys' clusters, as separate self-routing does) is
+    ``aux_loss()``. Nothing a query reads depends on another query. Time O((Nq + Nk) · C · D + Nq · p · window · D)
+    per head.
+    """
+
+    def __init__(self, heads: int, head_dim: int, num_clusters: int, *, probes: int = 1, window: int | None = None,
+                 decay: float = 0.999, commitment: float = 1e-4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = positive_int("heads", heads), positive_int("head_dim", head_dim)
+        self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
+        self.probes = positive_int("probes", probes)
+        if self.probes > num_clusters:
+            raise ValueError(f"probes ({probes}) must be at most num_clusters ({num_clusters})")
+        self.window = None if window is None else positive_int("window", window)
+        self.commitment = float(commitment)
+        self.executor: Backend = "auto"  # a model sets its device's
+        self.commitment_loss: Tensor | None = None
+
+    def routes(self, q: Tensor, k: Tensor) -> CrossRoutes:
+        """The memory keys' clusters and the queries' probes under the current centroids (no gradient)."""
+        return cross_routes(q, k, self.kmeans.centroids, self.probes, self.executor)
+
+    def forward(self, inputs: Inputs) -> Tensor:
+        if not inputs.is_cross:
+            raise ValueError("RoutedCrossHeads reads a memory: give Inputs.cross(q, k, v, key_padding_mask=...)")
+        q, k = inputs.q, inputs.k
+        routes = self.routes(q, k)
+        valid = None if inputs.key_valid is None else inputs.key_valid[:, 0]  # (B, Nk): the real memory keys
+        if self.training:
+            acc = torch.promote_types(q.dtype, torch.float32)
+            rk, rq = (F.normalize(x.to(acc), dim=-1) for x in (k, q))  # with their gradient, for the commitment
+            self.kmeans.observe(rk.detach(), routes.keys, valid)
+            seen = None if valid is None else torch.cat([valid, valid.new_ones(q.shape[0], q.shape[2])], 1)
+            self.commitment_loss = self.commitment * self.kmeans.commitment(
+                torch.cat([rk, rq], 2), torch.cat([routes.keys, routes.probes[..., 0]], 2), seen)
+        else:
+            self.commitment_loss = None
+        return routing_cross_attention(inputs, routes, self.window, self.executor)
+
+    def aux_loss(self) -> Tensor | None:
+        return self.commitment_loss
+
+    def after_optimizer_step(self, step: int | None = None, group: dist.ProcessGroup | None = None) -> bool:
+        """The k-means step (call after each ``optimizer.step()`` on every rank)."""
+        self.kmeans.update(group)
+        return True
+
+    def replicated_state(self) -> dict[str, Tensor]:
+        """The buffers every rank must hold bit-identical: the centroids and their running statistics."""
+        return {f"kmeans.{name}": buf for name, buf in self.kmeans.named_buffers() if not name.startswith("pending")}
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.kmeans.num_clusters}, "
+                f"probes={self.probes}, window={self.window}")
+
+
+__all__ = ["CrossRoutes", "MemorySort", "RoutedCrossHeads", "cross_routes", "default_window", "routing_cross_attention",
+           "routing_cross_mask"]
