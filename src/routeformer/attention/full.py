@@ -22,7 +22,7 @@ from ..executors.pieces import Band, BlockDiagonal
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
-from .kinds.base import HeadGroup, HeadKind
+from .kinds.base import HeadGroup, HeadKind, non_causal
 from .kinds.common import exp_kernel
 from .masks import index_grid, per_head_mask
 
@@ -128,8 +128,9 @@ class FullHeads(HeadGroup):
     def kernel(self) -> str:
         return self.options.kernel
 
-    def forward(self, q, k, v, rel_pos, documents=None):
-        return full_attention(self.inputs(q, k, v, documents), self.options, self.executor, rel=rel_pos)
+    def forward(self, q, k, v, rel_pos, documents=None, key_padding_mask=None):
+        return full_attention(self.inputs(q, k, v, documents, key_padding_mask), self.options, self.executor,
+                              causal=self.causal, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return full_mask(q.shape[2], device=q.device)
@@ -145,4 +146,5 @@ def describe_kernel(options: KernelOptions) -> str:
 KIND = HeadKind("full", lambda o, heads, head_dim, seed: FullHeads(heads, head_dim, o),
                 keys_per_query=lambda options, n: (n + 1) / 2, option_type=KernelOptions,
                 relative_positions=exp_kernel, on_executor=exp_kernel, describe=describe_kernel,
-                summary="every earlier key", documents=True)
+                summary="every earlier key", documents=True,
+                encoder=lambda o, heads, head_dim, seed: non_causal(FullHeads(heads, head_dim, o)))

@@ -35,7 +35,7 @@ from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .full import full_mask
 from .kernels import FEATURE_KERNELS, feature_dim, feature_map, kernel_scale, pairwise
-from .kinds.base import HeadGroup, HeadKind
+from .kinds.base import HeadGroup, HeadKind, non_causal
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -314,10 +314,11 @@ class LinearHeads(FeatureHeads):
     def kernel(self) -> str:
         return self.options.kernel
 
-    def forward(self, q, k, v, rel_pos, documents=None):
+    def forward(self, q, k, v, rel_pos, documents=None, key_padding_mask=None):
         # poly2 heads score at self.scale, elu heads at none
-        return linear_attention(Inputs(q, k, v, self.scale, scale_given=self.kernel != "elu", documents=documents),
-                                self.options, self.executor)
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
+        return linear_attention(Inputs(q, k, v, self.scale, valid, scale_given=self.kernel != "elu",
+                                       documents=documents), self.options, self.executor, causal=self.causal)
 
     def reference_mask(self, q, k):  # the meaning: full causal attention under the kernel (the base reference)
         return full_mask(q.shape[2], device=q.device)
@@ -347,6 +348,7 @@ def _keys_per_query(o: LinearOptions, n: int) -> float:
 
 
 KIND = HeadKind("linear", lambda o, heads, head_dim, seed: LinearHeads(heads, head_dim, o),
+                encoder=lambda o, heads, head_dim, seed: non_causal(LinearHeads(heads, head_dim, o)),
                 keys_per_query=_keys_per_query, option_type=LinearOptions, complete=_complete, relative_positions=False,
                 documents=True,
                 on_executor=lambda o: o.kernel == "elu",  # the feature scan's kernels (poly2: PyTorch's operators)

@@ -19,7 +19,7 @@ from ..executors.inputs import Inputs, check_rel, refuse_cross
 from ..executors.pieces import Band
 from ..executors.relative import RelativePositions
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
-from .kinds.base import HeadGroup, HeadKind
+from .kinds.base import HeadGroup, HeadKind, non_causal
 from .kinds.common import at_most_seq_len, exp_kernel
 from .masks import index_grid, per_head_mask
 
@@ -100,8 +100,9 @@ class LocalHeads(HeadGroup):
     def kernel(self) -> str:
         return self.options.kernel
 
-    def forward(self, q, k, v, rel_pos, documents=None):
-        return local_attention(self.inputs(q, k, v, documents), self.options, self.executor, rel=rel_pos)
+    def forward(self, q, k, v, rel_pos, documents=None, key_padding_mask=None):
+        return local_attention(self.inputs(q, k, v, documents, key_padding_mask), self.options, self.executor,
+                               causal=self.causal, rel=rel_pos)
 
     def reference_mask(self, q, k):
         return local_mask(q.shape[2], self.window, device=q.device)
@@ -122,4 +123,5 @@ KIND = HeadKind("local", lambda o, heads, head_dim, seed: LocalHeads(heads, head
                 keys_per_query=lambda o, n: min(o.window, n), option_type=LocalOptions, complete=_complete,
                 relative_positions=exp_kernel, on_executor=exp_kernel,
                 describe=lambda o: f"window={o.window}" + ("" if o.kernel == "exp" else f", kernel={o.kernel}"),
-                summary="the last `window` positions", documents=True)
+                summary="the last `window` positions", documents=True,
+                encoder=lambda o, heads, head_dim, seed: non_causal(LocalHeads(heads, head_dim, o)))

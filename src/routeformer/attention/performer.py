@@ -39,7 +39,7 @@ from ..executors import Backend, get_executor
 from ..executors.inputs import Inputs, refuse_cross
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
-from .kinds.base import HeadKind
+from .kinds.base import HeadKind, non_causal
 from .kinds.common import non_negative_int
 from .linear import FeatureHeads, compute_dtype, default_chunk, feature_attention
 
@@ -211,9 +211,10 @@ class PerformerHeads(FeatureHeads):
             return True
         return False
 
-    def forward(self, q, k, v, rel_pos, documents=None):
-        return performer_attention(Inputs(q, k, v, self.scale, documents=documents), None, self.executor,
-                                   projection=self.projection)
+    def forward(self, q, k, v, rel_pos, documents=None, key_padding_mask=None):
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
+        return performer_attention(Inputs(q, k, v, self.scale, valid, documents=documents), None, self.executor,
+                                   causal=self.causal, projection=self.projection)
 
     def features(self, x, query):
         return performer_features(x, self.projection, self.scale, query=query)
@@ -232,6 +233,7 @@ def _complete(o: PerformerOptions, config: Any) -> PerformerOptions:
 
 
 KIND = HeadKind("performer", lambda o, heads, head_dim, seed: PerformerHeads(heads, head_dim, o, seed),
+                encoder=lambda o, heads, head_dim, seed: non_causal(PerformerHeads(heads, head_dim, o, seed)),
                 keys_per_query=lambda o, n: 1.5 * o.features + min(n, default_chunk(o.features)) / 2,
                 option_type=PerformerOptions, complete=_complete, relative_positions=False, documents=True,
                 describe=lambda o: f"m={o.features}" + (f", redraw every {o.redraw_every}" if o.redraw_every else ""),

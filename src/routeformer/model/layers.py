@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import RelativePositions
+from ..attention.registry import KINDS
 from ..documents import DocumentSpans
 from ..executors import Executor, sigmoid_gelu
 from .config import HeadGroupSpec, TransformerConfig
@@ -24,11 +25,14 @@ class MixedAttention(nn.Module):
     position before mixed in (``shift_half``, ``shift_mix``).
     """
 
-    def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int) -> None:
+    def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int, causal: bool = True) -> None:
         super().__init__()
         H, D = config.heads, config.head_dim
-        self.heads, self.head_dim = H, D
-        self.groups = nn.ModuleList(g.kind.build(g.options, g.heads, D, layer * 131 + i) for i, g in enumerate(spec))
+        self.heads, self.head_dim, self.causal = H, D, causal
+        if not causal:
+            refuse_non_encoders(spec)
+        self.groups = nn.ModuleList((g.kind.build if causal else g.kind.encoder)(g.options, g.heads, D, layer * 131 + i)
+                                    for i, g in enumerate(spec))
         self.on_executor = [g.kind.runs_on_executor(g.options) for g in spec]  # the model binds their executor
         self.shares_qk = [g.kind.heads_share_qk(g.options) for g in spec]
         self.refusing_documents = [g.kind.name for g in spec if not g.kind.honours_documents(g.options)]
@@ -68,13 +72,18 @@ class MixedAttention(nn.Module):
                 for qg, vg, shared in zip(qs, vs, self.shares_qk, strict=True)]
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0,
-                documents: Tensor | None = None, spans: DocumentSpans | None = None) -> tuple[Tensor, Tensor | None]:
+                documents: Tensor | None = None, spans: DocumentSpans | None = None, *,
+                key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """(B, N, dim) -> ((B, N, dim), the groups' auxiliary loss (routing: commitment) or None). With ``cache``
         x continues a decoded sequence at position ``start``. ``documents`` (B, N), numbered from 0 in each row
         (``documents.check_documents``): packed documents, every group attending within them and the token shift
         reading nothing across a boundary; with a cache, their ``spans`` instead (``documents.continue_documents``:
-        a row may begin a new document at any position, the others untouched)."""
+        a row may begin a new document at any position, the others untouched). ``key_padding_mask`` (B, N), True =
+        a real position: an encoder's (non-causal) padded source, read by no query and counted by no statistic."""
         B, N, _ = x.shape
+        if key_padding_mask is not None and self.causal:
+            raise ValueError("key_padding_mask: a causal layer needs none (right padding is after every real "
+                             "position); it is an encoder's (causal=False)")
         if (documents is not None or spans is not None) and self.refusing_documents:
             raise ValueError(f"documents: {', '.join(sorted(set(self.refusing_documents)))} heads (with these "
                              f"options) do not honour packed documents yet (docs/attention.md, 'Packed documents')")
@@ -88,8 +97,9 @@ class MixedAttention(nn.Module):
         outs, aux = [], None
         for i, (group, (q, k, v)) in enumerate(zip(self.groups, self._project_heads(x), strict=True)):
             if cache is None:
-                outs.append(group(q, k, v, self.rel_pos) if documents is None
-                            else group(q, k, v, self.rel_pos, documents=documents))
+                padding = {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask}
+                outs.append(group(q, k, v, self.rel_pos, **padding) if documents is None
+                            else group(q, k, v, self.rel_pos, documents=documents, **padding))
                 loss = group.aux_loss()
                 if loss is not None:
                     aux = loss if aux is None else aux + loss
@@ -102,6 +112,16 @@ class MixedAttention(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, device, dtype) -> LayerCache:
         return LayerCache([g.new_cache(batch, max_len, device, dtype) for g in self.groups])
+
+
+def refuse_non_encoders(spec: list[HeadGroupSpec]) -> None:
+    """A ValueError where an encoder's (non-causal) layer names a kind without an encoder form (``HeadKind.encoder``),
+    naming those that have one."""
+    missing = [g.kind.name for g in spec if g.kind.encoder is None]
+    if missing:
+        able = [name for name, kind in KINDS.items() if kind.encoder is not None]
+        raise ValueError(f"encoder: {', '.join(missing)} heads have no non-causal (encoder) form; encoder kinds: "
+                         f"{', '.join(able)}")
 
 
 @dataclass
@@ -166,17 +186,18 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """H + a(H) + b(H): a = dropout(attention(norm(H))), b = dropout(ff(norm(H + a(H)))) (pre-norm, Child et al.)."""
 
-    def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int) -> None:
+    def __init__(self, config: TransformerConfig, spec: list[HeadGroupSpec], layer: int, causal: bool = True) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.dim)
-        self.attention = MixedAttention(config, spec, layer)
+        self.attention = MixedAttention(config, spec, layer, causal)
         self.norm2 = nn.LayerNorm(config.dim)
         self.ff = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, start: int = 0,
-                documents: Tensor | None = None, spans: DocumentSpans | None = None) -> tuple[Tensor, Tensor | None]:
-        a, aux = self.attention(self.norm1(x), cache, start, documents, spans)
+                documents: Tensor | None = None, spans: DocumentSpans | None = None, *,
+                key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), cache, start, documents, spans, key_padding_mask=key_padding_mask)
         x = x + self.dropout(a)
         return x + self.dropout(self.ff(self.norm2(x))), aux
 

@@ -88,6 +88,7 @@ class HeadGroup(nn.Module):
     """
 
     kernel = "exp"  # the similarity the heads normalise (``attention/kernels.py``); reference and attend follow it
+    causal = True  # False: an encoder's heads (``HeadKind.encoder`` builds them), every key of the sequence visible
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -120,11 +121,14 @@ class HeadGroup(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rel_pos: RelativePositions | None) -> Tensor:
         raise NotImplementedError
 
-    def inputs(self, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Inputs:
+    def inputs(self, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None,
+               key_padding_mask: Tensor | None = None) -> Inputs:
         """The call value of the heads' public function: q, k, v (B, h, N, D) from the layer (well formed: no
         check), at the scale a public function's ``Inputs.of`` resolves (1/sqrt(D), which ``self.scale`` may
-        differ from in the last bit), and the model's checked documents (B, N) or None."""
-        return Inputs(q, k, v, check_scale(None, self.head_dim), documents=documents)
+        differ from in the last bit), the model's checked documents (B, N) or None, and an encoder's (B, N) key
+        padding (True = a real key) or None."""
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
+        return Inputs(q, k, v, check_scale(None, self.head_dim), valid, documents=documents)
 
     def aux_loss(self) -> Tensor | None:
         """A loss term of the last training forward to add to the model's (routing: the commitment loss)."""
@@ -303,6 +307,10 @@ class HeadKind:
         documents: whether the heads honour packed documents (a query sees only its own document's keys): their
             ``forward`` then takes ``documents=`` (B, N) numbered from 0 per row; a bool, or (options) -> bool.
             A model refuses documents while any of its kinds says False.
+        encoder: (options, heads, head_dim, seed) -> the kind's non-causal heads, an encoder's (every key of the
+            sequence visible; ``HeadGroup.causal`` False); their ``forward`` also takes ``key_padding_mask=`` (B, N),
+            True = a real key, which no query reads and no statistic counts. None: the kind has no encoder form
+            (an encoder that names it is refused, naming those that have one: ``ENCODER_KINDS``).
     """
 
     name: str
@@ -318,6 +326,7 @@ class HeadKind:
     describe: Callable[[Any], str] | None = None
     summary: str = ""
     documents: bool | Callable[[Any], bool] = False
+    encoder: Callable[[Any, int, int, int], HeadGroup] | None = None
 
     @property
     def options_key(self) -> str:
@@ -400,3 +409,9 @@ class HeadKind:
         if options is None or not dataclasses.is_dataclass(options):
             return "-"
         return ", ".join(f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options))
+
+
+def non_causal(group: HeadGroup) -> HeadGroup:
+    """``group`` as an encoder's heads (``HeadKind.encoder`` for kinds whose heads read ``causal``)."""
+    group.causal = False
+    return group

@@ -65,4 +65,6 @@ KIND = HeadKind(
     describe=_describe,
     summary="the last `window` keys of each of the `probes` k-means clusters the query probes",
     documents=True,
+    # the paper's balanced clusters (each centroid's `window` nearest keys): the whole sequence is visible
+    encoder=lambda o, heads, head_dim, seed: RoutingAttention(heads, head_dim, o, causal=False, seed=seed),
 )
