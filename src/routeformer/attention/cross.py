@@ -1,0 +1,139 @@
+"""The registry of cross-attention kinds: heads of a decoder layer that read a memory (an encoder's output).
+
+Each kind's cross form lives in its mechanism's module (``full_attention`` and ``linear_attention`` /
+``performer_attention`` non-causal, ``routing/cross.py``, ``moba.py``); here is one entry each: how to build its
+heads from typed options, read from a seq2seq config's ``[cross.options.<name>]``. A cross head group maps
+``Inputs.cross(q, k, v, key_padding_mask=...)`` (q (B, h, Nq, D), the memory (B, h, Nk, D)) to (B, h, Nq, D); it
+has ``aux_loss`` and ``after_optimizer_step`` (routing's k-means) and an ``executor`` the model sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..checks import positive_int
+from ..executors import Backend
+from ..executors.inputs import CROSS_KINDS, Inputs
+from .full import full_attention
+from .linear import LinearOptions, linear_attention
+from .moba import MobaOptions, moba_cross_attention
+from .performer import PerformerOptions, default_features, orthogonal_features, performer_attention
+from .routing.cross import RoutedCrossHeads
+
+
+@dataclass(frozen=True)
+class RoutingCrossOptions:
+    """cross.options.routing: C centroids per head over the memory's keys (None: round(sqrt(the source length))),
+    the clusters each query reads, the keys a cluster's window holds (None: ceil(Nk / C) of each row's real keys),
+    the k-means decay and the commitment weight."""
+
+    num_clusters: int | None = None
+    probes: int = 1
+    window: int | None = None
+    decay: float = 0.999
+    commitment: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for name in ("num_clusters", "window"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        positive_int("probes", self.probes)
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
+
+
+class CrossGroup(nn.Module):
+    """Cross heads of a kind computed by one function (``attend(inputs, executor)``), with no state of their own."""
+
+    def __init__(self, heads: int, attend: Callable[[Inputs, Backend], Tensor]) -> None:
+        super().__init__()
+        self.heads, self._attend = heads, attend
+        self.executor: Backend = "auto"
+
+    def forward(self, inputs: Inputs) -> Tensor:
+        return self._attend(inputs, self.executor)
+
+    def aux_loss(self) -> Tensor | None:
+        return None
+
+    def after_optimizer_step(self, step: int | None = None, group: dist.ProcessGroup | None = None) -> bool:
+        return False
+
+    def replicated_state(self) -> dict[str, Tensor]:
+        return {}
+
+
+class PerformerCross(CrossGroup):
+    """Performer cross heads: FAVOR+ with a projection drawn once from the layer's seed (a buffer, saved)."""
+
+    def __init__(self, heads: int, head_dim: int, options: PerformerOptions, seed: int) -> None:
+        if options.redraw_every:
+            raise ValueError("cross.options.performer.redraw_every: cross heads draw their features once")
+        super().__init__(heads, self._performer)
+        m = default_features(head_dim) if options.features is None else options.features
+        self.register_buffer("projection", orthogonal_features(heads, m, head_dim,
+                                                               generator=torch.Generator().manual_seed(seed)))
+
+    def _performer(self, inputs: Inputs, executor: Backend) -> Tensor:
+        return performer_attention(inputs, None, executor, causal=False, projection=self.projection)
+
+
+@dataclass(frozen=True)
+class CrossKind:
+    """A cross-attention kind: its name, its options' type (None: none) and how to build its heads (options,
+    heads, head_dim, the memory's length, seed)."""
+
+    name: str
+    option_type: type | None
+    build: Callable[[Any, int, int, int, int], nn.Module]
+
+    def read_options(self, given: Any) -> Any:
+        where = f"cross.options.{self.name}"
+        if self.option_type is None:
+            if given:
+                raise ValueError(f"{where}: {self.name} cross heads take no options, got {given!r}")
+            return None
+        if isinstance(given, self.option_type):
+            return given
+        if not isinstance(given, dict | None):
+            raise ValueError(f"{where} must be a table of field = value, got {given!r}")
+        try:
+            return self.option_type(**(given or {}))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
+
+
+def _routing(o: RoutingCrossOptions, heads: int, head_dim: int, memory: int, seed: int) -> nn.Module:
+    clusters = max(1, round(memory ** 0.5)) if o.num_clusters is None else o.num_clusters
+    return RoutedCrossHeads(heads, head_dim, clusters, probes=o.probes, window=o.window, decay=o.decay,
+                            commitment=o.commitment)
+
+
+CROSS: dict[str, CrossKind] = {k.name: k for k in (
+    CrossKind("full", None, lambda o, heads, d, n, seed: CrossGroup(heads, lambda x, ex: full_attention(
+        x, None, ex, causal=False))),
+    CrossKind("routing", RoutingCrossOptions, _routing),
+    CrossKind("moba", MobaOptions, lambda o, heads, d, n, seed: CrossGroup(heads, lambda x, ex: moba_cross_attention(
+        x, o, ex))),
+    CrossKind("performer", PerformerOptions, lambda o, heads, d, n, seed: PerformerCross(heads, d, o, seed)),
+    CrossKind("linear", LinearOptions, lambda o, heads, d, n, seed: CrossGroup(heads, lambda x, ex: linear_attention(
+        x, o, ex, causal=False))),
+)}
+assert tuple(CROSS) == CROSS_KINDS, "the refusals name the kinds registered here"
+
+
+def get_cross_kind(name: str) -> CrossKind:
+    """The cross-attention kind called ``name``; a ValueError names those there are."""
+    try:
+        return CROSS[name]
+    except KeyError:
+        raise ValueError(f"cross: unknown kind {name!r}; cross-attention kinds: {', '.join(CROSS)}") from None
+
+
+__all__ = ["CROSS", "CrossGroup", "CrossKind", "RoutingCrossOptions", "get_cross_kind"]

@@ -1,0 +1,234 @@
+"""Seq2SeqLM: an encoder of non-causal mixed heads over a source, a decoder of causal mixed heads and cross-attention
+heads that read the encoder's output (the memory), one shared byte embedding, logits over the target.
+
+The encoder's layers are ``Block``s built non-causal (``HeadKind.encoder``: full, local, routing with the paper's
+balanced clusters, linear, Performer), taking the source's padding; the decoder's are a causal ``MixedAttention``,
+then a ``CrossAttention`` of its own spec of cross kinds (``attention/cross.py``: full, routing, MoBA, Performer,
+linear), then the feed-forward, each pre-norm with its residual. Nothing a target position reads depends on a later
+target position: the self-attention is causal, and no cross kind balances or ranks over the queries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..attention.cross import CROSS, get_cross_kind
+from ..executors import get_executor
+from ..executors.inputs import Inputs
+from .config import TransformerConfig, parse_attention
+from .layers import Block, FeedForward, MixedAttention, init_weights
+from .positions import PositionEmbedding
+
+
+@dataclass
+class Seq2SeqConfig:
+    """An encoder-decoder model: ``encoder`` and ``decoder`` are ``TransformerConfig`` values (their seq_len the
+    source's and the target's longest length; their depth, attention spec, options and positions their own; vocab,
+    dim, heads and head_dim shared), ``cross`` the decoder's cross-attention spec over its heads ('routing:2,full:2'
+    or one kind for every head) and ``cross_options`` each cross kind's section ({'routing': {'num_clusters': 16}}).
+    A mapping for either stack is read as its ``TransformerConfig`` fields."""
+
+    encoder: TransformerConfig | dict
+    decoder: TransformerConfig | dict
+    cross: str = "full"
+    cross_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("encoder", "decoder"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                try:
+                    value = TransformerConfig(**value)
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{name}: {err}") from None
+            if not isinstance(value, TransformerConfig):
+                raise ValueError(f"{name} must be a TransformerConfig or a table of its fields, got {value!r}")
+            setattr(self, name, value)
+        enc, dec = self.encoder, self.decoder
+        for shared in ("vocab_size", "dim", "heads", "head_dim"):
+            if getattr(enc, shared) != getattr(dec, shared):
+                raise ValueError(f"encoder.{shared} ({getattr(enc, shared)}) and decoder.{shared} "
+                                 f"({getattr(dec, shared)}) must be equal: one embedding, and cross heads of the "
+                                 f"decoder's size over the encoder's output")
+        if not isinstance(self.cross_options, dict):
+            raise ValueError(f"cross_options must be a table of sections ({', '.join(CROSS)}), got "
+                             f"{self.cross_options!r}")
+        unknown = sorted(set(self.cross_options) - set(CROSS))
+        if unknown:
+            raise ValueError(f"cross_options: unknown section(s) {unknown}; cross kinds: {', '.join(CROSS)}")
+        used = {name for name, _ in self.cross_spec()}
+        self.cross_options = {name: get_cross_kind(name).read_options(self.cross_options.get(name))
+                              for name in sorted(used | set(self.cross_options))}
+
+    def cross_spec(self) -> list[tuple[str, int]]:
+        """The decoder's cross heads: (cross kind, heads) per group, the same in every layer."""
+        spec = parse_attention(self.cross, self.decoder.heads, "cross")
+        for name, _ in spec:
+            get_cross_kind(name)  # a self-attention kind without a cross form: named, with those there are
+        return spec
+
+
+class CrossAttention(nn.Module):
+    """Cross-attention heads split among cross kinds: queries from the decoder's x (B, Nt, dim), keys and values from
+    the memory (B, Ns, dim) with its padding (B, Ns) -> ((B, Nt, dim), the groups' auxiliary loss or None)."""
+
+    def __init__(self, config: Seq2SeqConfig, layer: int) -> None:
+        super().__init__()
+        dec = config.decoder
+        H, D = dec.heads, dec.head_dim
+        self.heads, self.head_dim = H, D
+        self.query = nn.Linear(dec.dim, H * D)
+        self.key = nn.Linear(dec.dim, H * D)
+        self.value = nn.Linear(dec.dim, H * D)
+        self.out = nn.Linear(H * D, dec.dim)
+        self.sizes = [n for _, n in config.cross_spec()]
+        self.groups = nn.ModuleList(
+            get_cross_kind(name).build(config.cross_options[name], n, D, config.encoder.seq_len, layer * 131 + i)
+            for i, (name, n) in enumerate(config.cross_spec()))
+
+    def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        B, Nt, _ = x.shape
+        Ns = memory.shape[1]
+        q = self.query(x).view(B, Nt, self.heads, self.head_dim).transpose(1, 2)  # (B, H, Nt, D)
+        k = self.key(memory).view(B, Ns, self.heads, self.head_dim).transpose(1, 2)  # (B, H, Ns, D)
+        v = self.value(memory).view(B, Ns, self.heads, self.head_dim).transpose(1, 2)
+        outs, aux = [], None
+        for group, qg, kg, vg in zip(self.groups, q.split(self.sizes, 1), k.split(self.sizes, 1),
+                                     v.split(self.sizes, 1), strict=True):
+            outs.append(group(Inputs.cross(qg, kg, vg, key_padding_mask=memory_padding)))
+            loss = group.aux_loss()
+            if loss is not None:
+                aux = loss if aux is None else aux + loss
+        out = torch.cat(outs, 1).transpose(1, 2).reshape(B, Nt, self.heads * self.head_dim)
+        return self.out(out), aux
+
+
+class DecoderBlock(nn.Module):
+    """x + self(norm(x)), then + cross(norm(x), memory), then + ff(norm(x)) (pre-norm, dropout on each branch)."""
+
+    def __init__(self, config: Seq2SeqConfig, spec: list, layer: int) -> None:
+        super().__init__()
+        dec = config.decoder
+        self.norm1 = nn.LayerNorm(dec.dim)
+        self.attention = MixedAttention(dec, spec, layer)
+        self.norm_cross = nn.LayerNorm(dec.dim)
+        self.cross = CrossAttention(config, layer)
+        self.norm2 = nn.LayerNorm(dec.dim)
+        self.ff = FeedForward(dec)
+        self.dropout = nn.Dropout(dec.dropout)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x))
+        x = x + self.dropout(a)
+        c, cross_aux = self.cross(self.norm_cross(x), memory, memory_padding)
+        x = x + self.dropout(c)
+        aux = cross_aux if aux is None else aux if cross_aux is None else aux + cross_aux
+        return x + self.dropout(self.ff(self.norm2(x))), aux
+
+
+class Seq2SeqLM(nn.Module):
+    """An encoder-decoder Transformer (see the module). ``model(source, target, source_padding)`` maps (B, Ns) source
+    tokens, (B, Nt) target tokens (the decoder's inputs) and the source's (B, Ns) padding (True = a real token) to
+    (B, Nt, vocab_size) logits, and leaves the auxiliary loss of every stack's routing heads (commitment) in
+    ``aux_loss``; ``after_optimizer_step()`` runs every head group's per-step hook (the k-means steps of the
+    encoder's, the decoder's and the cross heads' routing), all-reduced across ranks."""
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        if not isinstance(config, Seq2SeqConfig):
+            raise ValueError(f"config must be a Seq2SeqConfig, got {type(config).__name__}")
+        self.config = config
+        enc, dec = config.encoder, config.decoder
+        d = dec.dim
+        self.embed = nn.Embedding(dec.vocab_size, d)  # one byte embedding for both sequences
+        self.source_positions = PositionEmbedding(enc) if enc.positions in ("absolute", "factorized") else None
+        self.target_positions = PositionEmbedding(dec) if dec.positions in ("absolute", "factorized") else None
+        self.encoder = nn.ModuleList(Block(enc, spec, i, causal=False) for i, spec in enumerate(enc.head_groups()))
+        self.encoder_norm = nn.LayerNorm(d)
+        self.decoder = nn.ModuleList(DecoderBlock(config, spec, i) for i, spec in enumerate(dec.head_groups()))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, dec.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.125 / math.sqrt(d))
+        for block in self.encoder:
+            init_weights(block, enc.depth)
+        for block in self.decoder:
+            init_weights(block, dec.depth)
+        nn.init.zeros_(self.head.weight)
+        self.aux_loss: Tensor = torch.zeros(())
+        self._executor_device: torch.device | None = None
+
+    def _bind_executors(self, device: torch.device) -> None:
+        executor = get_executor(self.config.decoder.backend, device)
+        for block in [*self.encoder, *self.decoder]:
+            block.attention.bind(executor)
+            block.ff.executor = executor
+        for block in self.decoder:
+            for group in block.cross.groups:
+                group.executor = executor
+        self._executor_device = device
+
+    def encode(self, source: Tensor, source_padding: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """(B, Ns) source tokens -> the memory (B, Ns, dim) and the encoder's auxiliary loss (or None)."""
+        _check_tokens("source", source, self.config.encoder.vocab_size)
+        if source_padding is not None and (source_padding.shape != source.shape or source_padding.dtype != torch.bool):
+            raise ValueError(f"source_padding must be a (B, Ns) = {tuple(source.shape)} bool tensor (True = a real "
+                             f"token), got {tuple(source_padding.shape)} {source_padding.dtype}")
+        if source.device != self._executor_device:
+            self._bind_executors(source.device)
+        x = self.embed(source)
+        if self.source_positions is not None:
+            x = x + self.source_positions(0, source.shape[1], source.device).to(x.dtype)
+        aux = None
+        for block in self.encoder:
+            x, loss = block(x, key_padding_mask=source_padding)
+            if loss is not None:
+                aux = loss if aux is None else aux + loss
+        return self.encoder_norm(x), aux
+
+    def forward(self, source: Tensor, target: Tensor, source_padding: Tensor | None = None) -> Tensor:
+        memory, aux = self.encode(source, source_padding)
+        _check_tokens("target", target, self.config.decoder.vocab_size)
+        x = self.embed(target)
+        if self.target_positions is not None:
+            x = x + self.target_positions(0, target.shape[1], target.device).to(x.dtype)
+        for block in self.decoder:
+            x, loss = block(x, memory, source_padding)
+            if loss is not None:
+                aux = loss if aux is None else aux + loss
+        self.aux_loss = aux if aux is not None else x.new_zeros(())
+        return self.head(self.norm(x))
+
+    def hooked(self) -> list[nn.Module]:
+        """Every head group (the encoder's, the decoder's, the cross heads), in order."""
+        groups: list[nn.Module] = [g for b in self.encoder for g in b.attention.groups]
+        for block in self.decoder:
+            groups += [*block.attention.groups, *block.cross.groups]
+        return groups
+
+    def after_optimizer_step(self, step: int | None = None, group: dist.ProcessGroup | None = None) -> int:
+        """Every head group's per-step hook (routing: the k-means step); call after each ``optimizer.step()`` on
+        every rank. Returns how many groups had one."""
+        return sum(bool(g.after_optimizer_step(step, group)) for g in self.hooked())
+
+    def replicated_state(self) -> dict[str, Tensor]:
+        """The buffers every rank must hold bit-identical (routing's k-means state in all three places)."""
+        names = {id(m): name for name, m in self.named_modules()}
+        return {f"{names[id(g)]}.{key}": buf for g in self.hooked() for key, buf in g.replicated_state().items()}
+
+
+def _check_tokens(name: str, tokens: Any, vocab: int) -> None:
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"{name} must be a (B, N) integer tensor with N > 0, got {getattr(tokens, 'shape', tokens)}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {tokens.dtype}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"{name}: token ids must lie in [0, {vocab})")
+
+
+__all__ = ["CrossAttention", "DecoderBlock", "Seq2SeqConfig", "Seq2SeqLM"]
