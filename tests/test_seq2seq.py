@@ -89,3 +89,40 @@ def test_the_configuration_names_what_is_wrong() -> None:
         m(tokens(1, (2, 40)), tokens(2, (2, 32)), torch.ones(2, 39, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"target: token ids must lie in \[0, 64\)"):
         m(tokens(1, (2, 40)), torch.full((2, 3), 64))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decoding_reproduces_the_forward(padded) -> None:
+    """Target tokens fed one at a time (then four at once) through the cache: the forward's logits, every cross kind,
+    the source encoded and routing's memory sorted once."""
+    m = model("routing:1,full:1,moba:1,performer:1").eval()
+    source, target = tokens(8, (2, 40)), tokens(9, (2, 32))
+    padding = None
+    if padded:
+        padding = torch.ones(2, 40, dtype=torch.bool)
+        padding[0, 33:] = False
+    whole = m(source, target, padding)
+    cache = m.start_decoding(source, padding)
+    steps = [m.decode(target[:, t:t + 1], cache) for t in range(28)] + [m.decode(target[:, 28:], cache)]
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="max_len: 33 target positions exceed the cache's max_len=32"):
+        m.decode(target[:, :1], cache)
+
+
+def test_translate_greedy_matches_the_forward_and_sampling_repeats() -> None:
+    m = model().eval()
+    source = tokens(10, (2, 40))
+    out = m.translate(source, 12, stop=None)
+    assert out.shape == (2, 12)
+    inputs = torch.cat([torch.zeros(2, 1, dtype=torch.long), out[:, :-1]], 1)  # the start token, then its own
+    assert torch.equal(m(source, inputs).argmax(-1), out)  # greedy: each token the forward's argmax
+    a, b = (m.translate(source, 12, temperature=1.0, top_k=8, seed=3, stop=None) for _ in range(2))
+    assert torch.equal(a, b)
+    stop = int(out[0, 2])
+    stopped = m.translate(source, 12, stop=stop)
+    for row in range(2):
+        hits = (out[row] == stop).nonzero().flatten().tolist()
+        end = hits[0] + 1 if hits else 12  # greedy's tokens up to its first stop, then the stop token again
+        assert torch.equal(stopped[row, :end], out[row, :end])
+        assert bool((stopped[row, end:] == stop).all())
+    assert stopped.shape[1] == max(((out[r] == stop).nonzero().flatten().tolist() or [11])[0] + 1 for r in range(2))

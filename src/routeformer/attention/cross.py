@@ -4,7 +4,9 @@ Each kind's cross form lives in its mechanism's module (``full_attention`` and `
 ``performer_attention`` non-causal, ``routing/cross.py``, ``moba.py``); here is one entry each: how to build its
 heads from typed options, read from a seq2seq config's ``[cross.options.<name>]``. A cross head group maps
 ``Inputs.cross(q, k, v, key_padding_mask=...)`` (q (B, h, Nq, D), the memory (B, h, Nk, D)) to (B, h, Nq, D); it
-has ``aux_loss`` and ``after_optimizer_step`` (routing's k-means) and an ``executor`` the model sets.
+has ``aux_loss`` and ``after_optimizer_step`` (routing's k-means), an ``executor`` the model sets, and for decoding
+``prepare(k, key_padding_mask)`` (what it keeps of the memory once: routing's clusters and sort) and
+``decode(inputs, prepared)`` (new queries over it).
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ class CrossGroup(nn.Module):
         self.executor: Backend = "auto"
 
     def forward(self, inputs: Inputs) -> Tensor:
+        return self._attend(inputs, self.executor)
+
+    def prepare(self, k: Tensor, key_padding_mask: Tensor | None = None) -> None:
+        """What decoding keeps of the memory besides its keys and values: nothing for these heads."""
+        return None
+
+    def decode(self, inputs: Inputs, prepared: None) -> Tensor:
+        """New queries over the memory (decoding): the forward's rows."""
         return self._attend(inputs, self.executor)
 
     def aux_loss(self) -> Tensor | None:

@@ -19,10 +19,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..attention.cross import CROSS, get_cross_kind
+from ..checks import positive_int
 from ..executors import get_executor
 from ..executors.inputs import Inputs
 from .config import TransformerConfig, parse_attention
-from .layers import Block, FeedForward, MixedAttention, init_weights
+from .generate import sample_next
+from .layers import Block, FeedForward, LayerCache, MixedAttention, init_weights
 from .positions import PositionEmbedding
 
 
@@ -92,21 +94,49 @@ class CrossAttention(nn.Module):
             get_cross_kind(name).build(config.cross_options[name], n, D, config.encoder.seq_len, layer * 131 + i)
             for i, (name, n) in enumerate(config.cross_spec()))
 
+    def _heads(self, layer: nn.Linear, x: Tensor) -> tuple[Tensor, ...]:
+        """x (B, N, dim) projected by ``layer`` and cut per group: (B, h, N, D) each."""
+        B, N, _ = x.shape
+        return layer(x).view(B, N, self.heads, self.head_dim).transpose(1, 2).split(self.sizes, 1)
+
     def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        B, Nt, _ = x.shape
-        Ns = memory.shape[1]
-        q = self.query(x).view(B, Nt, self.heads, self.head_dim).transpose(1, 2)  # (B, H, Nt, D)
-        k = self.key(memory).view(B, Ns, self.heads, self.head_dim).transpose(1, 2)  # (B, H, Ns, D)
-        v = self.value(memory).view(B, Ns, self.heads, self.head_dim).transpose(1, 2)
         outs, aux = [], None
-        for group, qg, kg, vg in zip(self.groups, q.split(self.sizes, 1), k.split(self.sizes, 1),
-                                     v.split(self.sizes, 1), strict=True):
+        for group, qg, kg, vg in zip(self.groups, self._heads(self.query, x), self._heads(self.key, memory),
+                                     self._heads(self.value, memory), strict=True):
             outs.append(group(Inputs.cross(qg, kg, vg, key_padding_mask=memory_padding)))
             loss = group.aux_loss()
             if loss is not None:
                 aux = loss if aux is None else aux + loss
-        out = torch.cat(outs, 1).transpose(1, 2).reshape(B, Nt, self.heads * self.head_dim)
-        return self.out(out), aux
+        return self._out(outs), aux
+
+    def _out(self, outs: list[Tensor]) -> Tensor:
+        out = torch.cat(outs, 1)  # (B, H, N, D)
+        B, _, N, _ = out.shape
+        return self.out(out.transpose(1, 2).reshape(B, N, self.heads * self.head_dim))
+
+    def remember(self, memory: Tensor, memory_padding: Tensor | None = None) -> CrossMemory:
+        """What decoding keeps of the memory (B, Ns, dim), once: each group's keys and values and what it prepares
+        (routing: the keys' clusters and sort)."""
+        ks, vs = self._heads(self.key, memory), self._heads(self.value, memory)
+        prepared = [g.prepare(k, memory_padding) for g, k in zip(self.groups, ks, strict=True)]
+        return CrossMemory(list(ks), list(vs), memory_padding, prepared)
+
+    def decode(self, x: Tensor, kept: CrossMemory) -> Tensor:
+        """New decoder positions x (B, n, dim) over the remembered memory: the forward's rows."""
+        outs = [g.decode(Inputs.cross(q, k, v, key_padding_mask=kept.padding), p) for g, q, k, v, p in
+                zip(self.groups, self._heads(self.query, x), kept.keys, kept.values, kept.prepared, strict=True)]
+        return self._out(outs)
+
+
+@dataclass
+class CrossMemory:
+    """One decoder layer's memory for decoding: each cross group's keys and values (B, h, Ns, D), the memory's
+    padding (B, Ns) or None, and what each group prepared (``CrossAttention.remember``)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    padding: Tensor | None
+    prepared: list[Any]
 
 
 class DecoderBlock(nn.Module):
@@ -130,6 +160,12 @@ class DecoderBlock(nn.Module):
         x = x + self.dropout(c)
         aux = cross_aux if aux is None else aux if cross_aux is None else aux + cross_aux
         return x + self.dropout(self.ff(self.norm2(x))), aux
+
+    def decode(self, x: Tensor, cache: LayerCache, start: int, kept: CrossMemory) -> Tensor:
+        """New positions x (B, n, dim) from ``start`` on: the self-attention's cache, the remembered memory."""
+        x = x + self.attention(self.norm1(x), cache, start)[0]
+        x = x + self.cross.decode(self.norm_cross(x), kept)
+        return x + self.ff(self.norm2(x))
 
 
 class Seq2SeqLM(nn.Module):
@@ -204,6 +240,61 @@ class Seq2SeqLM(nn.Module):
         self.aux_loss = aux if aux is not None else x.new_zeros(())
         return self.head(self.norm(x))
 
+    @torch.no_grad()
+    def start_decoding(self, source: Tensor, source_padding: Tensor | None = None,
+                       max_len: int | None = None) -> Seq2SeqCache:
+        """Encode the source once and remember it in every decoder layer; the decoder's self-attention caches for up
+        to ``max_len`` target positions (default the decoder's seq_len)."""
+        memory, _ = self.encode(source, source_padding)
+        n = self.config.decoder.seq_len if max_len is None else positive_int("max_len", max_len)
+        p = next(self.parameters())
+        return Seq2SeqCache([b.attention.new_cache(source.shape[0], n, p.device, p.dtype) for b in self.decoder],
+                            [b.cross.remember(memory, source_padding) for b in self.decoder], n)
+
+    @torch.no_grad()
+    def decode(self, target: Tensor, cache: Seq2SeqCache) -> Tensor:
+        """Logits (B, n, vocab) of n more target tokens (B, n) after the ``cache.length`` before them: equal to the
+        forward's rows at those positions (to rounding), each new position costing its own work only (the source
+        encoded once, routing's memory sorted once)."""
+        _check_tokens("target", target, self.config.decoder.vocab_size)
+        start, n = cache.length, target.shape[1]
+        if start + n > cache.max_len:
+            raise ValueError(f"max_len: {start + n} target positions exceed the cache's max_len={cache.max_len}")
+        x = self.embed(target)
+        if self.target_positions is not None:
+            x = x + self.target_positions(start, n, target.device).to(x.dtype)
+        for block, layer, kept in zip(self.decoder, cache.layers, cache.memory, strict=True):
+            x = block.decode(x, layer, start, kept)
+        cache.length = start + n
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def translate(self, source: Tensor, max_new_tokens: int, *, source_padding: Tensor | None = None,
+                  start: int = 0, stop: int | None = 0, temperature: float = 0.0, top_k: int | None = None,
+                  seed: int | None = None) -> Tensor:
+        """Target tokens (B, m), m <= ``max_new_tokens``, decoded after the ``start`` token (byte 0 by default, the
+        pairs' separator): greedy at temperature 0, else sampled (``top_k``, ``seed``); a row ends at ``stop``
+        (kept, and followed by ``stop`` while the others go on); all rows stopped ends the loop. The model is put
+        in evaluation mode."""
+        self.eval()
+        B = source.shape[0]
+        cache = self.start_decoding(source, source_padding, max_new_tokens)
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        token = torch.full((B, 1), start, dtype=torch.long, device=source.device)
+        done = torch.zeros(B, dtype=torch.bool, device=source.device)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = self.decode(token, cache)[:, -1]
+            nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=None, generator=generator)
+            if stop is not None:
+                nxt = torch.where(done, stop, nxt)
+                done = done | (nxt == stop)
+            out.append(nxt)
+            token = nxt[:, None]
+            if stop is not None and bool(done.all()):
+                break
+        return torch.stack(out, 1) if out else token.new_zeros(B, 0)
+
     def hooked(self) -> list[nn.Module]:
         """Every head group (the encoder's, the decoder's, the cross heads), in order."""
         groups: list[nn.Module] = [g for b in self.encoder for g in b.attention.groups]
@@ -222,6 +313,17 @@ class Seq2SeqLM(nn.Module):
         return {f"{names[id(g)]}.{key}": buf for g in self.hooked() for key, buf in g.replicated_state().items()}
 
 
+@dataclass
+class Seq2SeqCache:
+    """Decoding state: each decoder layer's self-attention cache and remembered memory, the target positions
+    decoded (``length``) and the most there may be (``max_len``)."""
+
+    layers: list[LayerCache]
+    memory: list[CrossMemory]
+    max_len: int
+    length: int = 0
+
+
 def _check_tokens(name: str, tokens: Any, vocab: int) -> None:
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
         raise ValueError(f"{name} must be a (B, N) integer tensor with N > 0, got {getattr(tokens, 'shape', tokens)}")
@@ -231,4 +333,4 @@ def _check_tokens(name: str, tokens: Any, vocab: int) -> None:
         raise ValueError(f"{name}: token ids must lie in [0, {vocab})")
 
 
-__all__ = ["CrossAttention", "DecoderBlock", "Seq2SeqConfig", "Seq2SeqLM"]
+__all__ = ["CrossAttention", "CrossMemory", "DecoderBlock", "Seq2SeqCache", "Seq2SeqConfig", "Seq2SeqLM"]

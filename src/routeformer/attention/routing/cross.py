@@ -37,18 +37,21 @@ from .kmeans import SphericalKMeans
 
 
 class MemorySort(NamedTuple):
-    """The memory sorted by (cluster, position), as an executor's router makes it: ``order``, ``inverse`` (B, H, Nk)
-    (``k.gather(2, order)`` sorts) and ``counts`` (B, H, C) the clusters' sizes."""
+    """The memory sorted by (cluster, position): ``order``, ``inverse`` (B, H, Nk) (``k.gather(2, order)`` sorts),
+    ``counts`` (B, H, C, or C + 1 with padding: the padded keys as one cluster past the last, sorted after every
+    real key) and ``padded``, whether it was made for a memory with padding (``sort_memory``)."""
 
     order: Tensor
     inverse: Tensor
     counts: Tensor
+    padded: bool = False
 
 
 class CrossRoutes(NamedTuple):
     """How queries read a memory: ``keys`` (B, H, Nk) long, each memory key's cluster in [0, ``clusters``);
     ``probes`` (B, H, Nq, p) long, the distinct clusters each query reads, best first; ``sort`` the memory's sort
-    where a router's kernel made it (else ``routing_cross_attention`` sorts)."""
+    (``sort_memory``, or a router kernel's), made once for the memory and its padding (None: made by
+    ``routing_cross_attention``)."""
 
     keys: Tensor
     probes: Tensor
@@ -56,31 +59,73 @@ class CrossRoutes(NamedTuple):
     sort: MemorySort | None = None
 
 
-def cross_routes(q: Tensor, k: Tensor, centroids: Tensor, probes: int = 1, executor: Backend = "auto") -> CrossRoutes:
-    """Route queries q (B, H, Nq, D) and memory keys k (B, H, Nk, D) by cosine to ``centroids`` (H, C, D): each key
-    to its nearest centroid, each query to its ``probes`` nearest (best first). No gradient (a discrete choice).
-    Through the ``executor``'s router kernel where it has one (``Executor.route_run``: no (N, C) scores, and the
-    memory's sort comes with it), else PyTorch's scores. O((Nq + Nk) · C · D) per head."""
+def _routing_inputs(x: Tensor, centroids: Tensor, executor: Backend) -> tuple[Tensor, Tensor, object]:
+    """Unit routing vectors of x (B, H, N, D) and unit centroids, in float32 or wider, and the executor's router
+    kernel (``Executor.route_run``) or None."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return (F.normalize(x.detach().to(acc), dim=-1), F.normalize(centroids.detach().to(acc), dim=-1),
+            get_executor(executor, x.device).runner(x.to(acc)).route_run)
+
+
+def _check_centroids(x: Tensor, centroids: Tensor, what: str) -> int:
     H, C, D = centroids.shape
-    if q.shape[1] != H or q.shape[3] != D or k.shape[1] != H or k.shape[3] != D:
-        raise ValueError(f"centroids must be (H, C, D) with q's and k's H and D, got {tuple(centroids.shape)} for q "
-                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+    if x.shape[1] != H or x.shape[3] != D:
+        raise ValueError(f"centroids must be (H, C, D) with {what}'s H and D, got {tuple(centroids.shape)} for "
+                         f"{what} {tuple(x.shape)}")
+    return C
+
+
+@torch.no_grad()
+def route_memory(k: Tensor, centroids: Tensor, executor: Backend = "auto",
+                 key_padding_mask: Tensor | None = None) -> tuple[Tensor, MemorySort]:
+    """Each memory key k (B, H, Nk, D) to its nearest centroid (H, C, D) by cosine, and the memory sorted by
+    (cluster, position), its padding (B, Nk; True = real) after every real key: once per memory (a decoder's
+    cross heads keep it for every decoded token). The executor's router kernel where it has one and there is no
+    padding (its sort comes with it), else PyTorch's scores and sort. O(Nk · C · D + Nk log Nk) per head."""
+    C = _check_centroids(k, centroids, "k")
+    rk, mu, route = _routing_inputs(k, centroids, executor)
+    got = None if route is None or key_padding_mask is not None else route(rk, mu, None, None, 1, False)
+    if got is not None:
+        return got.probes[..., 0], MemorySort(got.order, got.inverse, got.counts)
+    keys = torch.einsum("bhnd,hcd->bhnc", rk, mu).argmax(-1)
+    return keys, sort_memory(keys, C, key_padding_mask)
+
+
+def sort_memory(keys: Tensor, clusters: int, key_padding_mask: Tensor | None = None) -> MemorySort:
+    """The memory's keys (B, H, Nk) in [0, clusters) sorted by (cluster, position), padded keys (``key_padding_mask``
+    (B, Nk) False) as one cluster past the last. O(Nk log Nk) per head."""
+    B, H, Nk = keys.shape
+    pos = torch.arange(Nk, device=keys.device)
+    labels = keys if key_padding_mask is None else torch.where(key_padding_mask[:, None, :], keys, clusters)
+    order = (labels * Nk + pos).argsort(-1)  # (B, H, Nk): by (cluster, position)
+    inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
+    counts = torch.zeros(B, H, clusters + (key_padding_mask is not None), dtype=torch.long, device=keys.device)
+    counts.scatter_add_(-1, labels, torch.ones_like(labels))
+    return MemorySort(order, inverse, counts, key_padding_mask is not None)
+
+
+@torch.no_grad()
+def route_queries(q: Tensor, centroids: Tensor, probes: int = 1, executor: Backend = "auto") -> Tensor:
+    """The ``probes`` centroids (H, C, D) nearest each query q (B, H, Nq, D) by cosine, best first: (B, H, Nq, p)
+    long. The executor's router kernel where it has one. O(Nq · C · D) per head."""
+    C = _check_centroids(q, centroids, "q")
     p = positive_int("probes", probes)
     if p > C:
         raise ValueError(f"probes ({p}) must be at most the number of centroids ({C})")
-    with torch.no_grad():
-        acc = torch.promote_types(q.dtype, torch.float32)
-        mu = F.normalize(centroids.to(acc), dim=-1)
-        rk, rq = (F.normalize(x.detach().to(acc), dim=-1) for x in (k, q))
-        route = get_executor(executor, q.device).runner(rk).route_run
-        memory = None if route is None else route(rk, mu, None, None, 1, False)
-        asked = None if memory is None else route(rq, mu, None, None, p, False)
-        if asked is not None:
-            return CrossRoutes(memory.probes[..., 0], asked.probes, C,
-                               MemorySort(memory.order, memory.inverse, memory.counts))
-        key_scores = torch.einsum("bhnd,hcd->bhnc", rk, mu)
-        query_scores = torch.einsum("bhnd,hcd->bhnc", rq, mu)
-        return CrossRoutes(key_scores.argmax(-1), query_scores.topk(p, dim=-1).indices, C)
+    rq, mu, route = _routing_inputs(q, centroids, executor)
+    got = None if route is None else route(rq, mu, None, None, p, False)
+    return got.probes if got is not None else torch.einsum("bhnd,hcd->bhnc", rq, mu).topk(p, dim=-1).indices
+
+
+def cross_routes(q: Tensor, k: Tensor, centroids: Tensor, probes: int = 1, executor: Backend = "auto",
+                 key_padding_mask: Tensor | None = None) -> CrossRoutes:
+    """Route queries q (B, H, Nq, D) and memory keys k (B, H, Nk, D) by cosine to ``centroids`` (H, C, D): each key
+    to its nearest centroid and the memory sorted (``route_memory``, with its padding (B, Nk)), each query to its
+    ``probes`` nearest (``route_queries``). No gradient (a discrete choice). Through the ``executor``'s router kernel
+    where it has one (no (N, C) scores). O((Nq + Nk) · C · D) per head."""
+    probes_of = route_queries(q, centroids, probes, executor)
+    keys, sort = route_memory(k, centroids, executor, key_padding_mask)
+    return CrossRoutes(keys, probes_of, centroids.shape[1], sort)
 
 
 def default_window(memory: int, clusters: int) -> int:
@@ -109,14 +154,13 @@ def routing_cross_attention(inputs: Inputs, routes: CrossRoutes, window: int | N
     p = probes.shape[-1]
     pos = torch.arange(Nk, device=k.device)
     valid = inputs.key_valid  # (B, 1, Nk) or None
-    if sort is not None and valid is None:  # the router kernel's sort
-        order, inverse, counts = sort
-    else:
-        labels = keys if valid is None else torch.where(valid, keys, clusters)  # padding: one cluster past the last
-        order = (labels * Nk + pos).argsort(-1)  # (B, H, Nk): by (cluster, position)
-        inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
-        counts = torch.zeros(B, H, clusters + 1, dtype=torch.long, device=k.device)
-        counts.scatter_add_(-1, labels, torch.ones_like(labels))
+    if sort is None:
+        sort = sort_memory(keys, clusters, None if valid is None else valid[:, 0])
+    elif sort.padded != (valid is not None):
+        raise ValueError(f"routes: the memory's sort was made {'with' if sort.padded else 'without'} padding, the "
+                         f"inputs have {'some' if valid is not None else 'none'}: route the memory with the "
+                         f"inputs' key_padding_mask (cross_routes, route_memory)")
+    order, inverse, counts, _ = sort
     first = counts.cumsum(-1) - counts  # (B, H, C or C + 1): each cluster's first sorted key
     real = pos.new_full((1, 1, 1, 1), Nk) if valid is None else valid.sum(-1, keepdim=True)[..., None]  # real keys
     w = torch.clamp((real + clusters - 1) // clusters, min=1) if window is None else real.clamp(max=bound)
@@ -182,16 +226,28 @@ class RoutedCrossHeads(nn.Module):
         self.executor: Backend = "auto"  # a model sets its device's
         self.commitment_loss: Tensor | None = None
 
-    def routes(self, q: Tensor, k: Tensor) -> CrossRoutes:
-        """The memory keys' clusters and the queries' probes under the current centroids (no gradient)."""
-        return cross_routes(q, k, self.kmeans.centroids, self.probes, self.executor)
+    def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> CrossRoutes:
+        """The memory keys' clusters and sort and the queries' probes under the current centroids (no gradient)."""
+        return cross_routes(q, k, self.kmeans.centroids, self.probes, self.executor, key_padding_mask)
+
+    def prepare(self, k: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MemorySort]:
+        """The memory's routes for decoding: its keys' clusters and sort, made once (``decode``)."""
+        return route_memory(k, self.kmeans.centroids, self.executor, key_padding_mask)
+
+    def decode(self, inputs: Inputs, prepared: tuple[Tensor, MemorySort]) -> Tensor:
+        """New queries (``Inputs.cross``, the memory's keys and values as ``prepare`` saw them) over the memory routed
+        once: only the queries are routed. Equal to the forward's rows (to the ranges' rounding)."""
+        keys, sort = prepared
+        probes = route_queries(inputs.q, self.kmeans.centroids, self.probes, self.executor)
+        return routing_cross_attention(inputs, CrossRoutes(keys, probes, self.kmeans.num_clusters, sort),
+                                       self.window, self.executor)
 
     def forward(self, inputs: Inputs) -> Tensor:
         if not inputs.is_cross:
             raise ValueError("RoutedCrossHeads reads a memory: give Inputs.cross(q, k, v, key_padding_mask=...)")
         q, k = inputs.q, inputs.k
-        routes = self.routes(q, k)
         valid = None if inputs.key_valid is None else inputs.key_valid[:, 0]  # (B, Nk): the real memory keys
+        routes = self.routes(q, k, valid)
         if self.training:
             acc = torch.promote_types(q.dtype, torch.float32)
             rk, rq = (F.normalize(x.to(acc), dim=-1) for x in (k, q))  # with their gradient, for the commitment
@@ -220,5 +276,5 @@ class RoutedCrossHeads(nn.Module):
                 f"probes={self.probes}, window={self.window}")
 
 
-__all__ = ["CrossRoutes", "MemorySort", "RoutedCrossHeads", "cross_routes", "default_window", "routing_cross_attention",
-           "routing_cross_mask"]
+__all__ = ["CrossRoutes", "MemorySort", "RoutedCrossHeads", "cross_routes", "default_window", "route_memory",
+           "route_queries", "routing_cross_attention", "routing_cross_mask", "sort_memory"]
