@@ -126,3 +126,50 @@ def test_translate_greedy_matches_the_forward_and_sampling_repeats() -> None:
         assert torch.equal(stopped[row, :end], out[row, :end])
         assert bool((stopped[row, end:] == stop).all())
     assert stopped.shape[1] == max(((out[r] == stop).nonzero().flatten().tolist() or [11])[0] + 1 for r in range(2))
+
+
+def test_save_and_load_give_the_same_model(tmp_path) -> None:
+    m = model().float()  # the dtype a model is built in: the file's values load exactly
+    source, target = tokens(11, (2, 40)), tokens(12, (2, 32))
+    m.train()
+    m(source, target)  # the k-means of all three places see data, then their first step seeds them
+    m.after_optimizer_step()
+    m.eval()
+    m.save_pretrained(tmp_path / "s2s")
+    back = Seq2SeqLM.from_pretrained(tmp_path / "s2s").eval()
+    assert back.config.cross == m.config.cross and back.config.cross_options == m.config.cross_options
+    torch.testing.assert_close(back(source, target), m(source, target), rtol=0, atol=0)
+    (tmp_path / "s2s" / "config.json").write_text('{"model": 1}')
+    with pytest.raises(ValueError, match="not an encoder-decoder config"):
+        Seq2SeqLM.from_pretrained(tmp_path / "s2s")
+
+
+def _ranks_worker(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    m = model("routing:2,full:2").float().train()  # the same initial state on every rank
+    for step in range(3):
+        source, target = tokens(100 * rank + step, (2, 40)), tokens(50 + 100 * rank + step, (2, 32))
+        m(source, target)  # each rank its own batch: its own k-means statistics
+        m.after_optimizer_step()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {k: v.clone() for k, v in m.replicated_state().items()})
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_keep_every_stacks_centroids_bit_identical(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "state.pt")
+    mp.spawn(_ranks_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    a, b = torch.load(out)
+    places = {key.split(".")[0] + (".cross" if ".cross." in key else "") for key in a}
+    assert places == {"encoder", "decoder", "decoder.cross"}  # the encoder's, the decoder's and the cross routing
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs between ranks"
+    seeded = {k: bool(v) for k, v in a.items() if k.endswith("initialized")}
+    assert len(seeded) == 6 and all(seeded.values()), seeded  # every place's k-means stepped (two layers each)

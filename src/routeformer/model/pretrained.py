@@ -24,17 +24,20 @@ def save_pretrained(model: nn.Module, directory: str | Path) -> None:
     atomic_write(directory / CONFIG, model.config.save)
 
 
-def load_config(directory: str | Path) -> TransformerConfig:
+def load_config(directory: str | Path, kind: type = TransformerConfig):
+    """The config a saved model's config.json holds, as ``kind`` (a config class with ``load``)."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: a saved model needs {CONFIG} beside {WEIGHTS}")
-    return TransformerConfig.load(path)
+    return kind.load(path)
 
 
 def from_pretrained(cls: type[nn.Module], directory: str | Path,
                     map_location: str | torch.device = "cpu") -> nn.Module:
+    """A ``cls`` (its config class ``cls.config_type``, default ``TransformerConfig``) from ``save_pretrained``'s
+    files; errors name the file and what does not match."""
     directory = Path(directory)
-    config = load_config(directory)
+    config = load_config(directory, getattr(cls, "config_type", TransformerConfig))
     path = directory / WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: a saved model needs {WEIGHTS} beside {CONFIG}")

@@ -10,8 +10,10 @@ target position: the self-attention is causal, and no cross kind balances or ran
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from .config import TransformerConfig, parse_attention
 from .generate import sample_next
 from .layers import Block, FeedForward, LayerCache, MixedAttention, init_weights
 from .positions import PositionEmbedding
+from .pretrained import from_pretrained, save_pretrained
 
 
 @dataclass
@@ -67,6 +70,31 @@ class Seq2SeqConfig:
         used = {name for name, _ in self.cross_spec()}
         self.cross_options = {name: get_cross_kind(name).read_options(self.cross_options.get(name))
                               for name in sorted(used | set(self.cross_options))}
+
+    def to_dict(self) -> dict:
+        """The fields as plain values (config.json): each stack's ``TransformerConfig.to_dict``."""
+        return {"encoder": self.encoder.to_dict(), "decoder": self.decoder.to_dict(), "cross": self.cross,
+                "cross_options": {k: None if o is None else asdict(o) for k, o in self.cross_options.items()}}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Seq2SeqConfig:
+        """The config ``save`` wrote; errors name the file."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(data, dict) or set(data) - {"encoder", "decoder", "cross", "cross_options"} or \
+                not {"encoder", "decoder"} <= set(data):
+            raise ValueError(f"{path}: not an encoder-decoder config (encoder, decoder, cross, cross_options)")
+        try:
+            enc, dec = (TransformerConfig.from_dict(data[k], saved=True) for k in ("encoder", "decoder"))
+            options = {k: v for k, v in data.get("cross_options", {}).items() if v is not None}
+            return cls(enc, dec, data.get("cross", "full"), options)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
 
     def cross_spec(self) -> list[tuple[str, int]]:
         """The decoder's cross heads: (cross kind, heads) per group, the same in every layer."""
@@ -174,6 +202,8 @@ class Seq2SeqLM(nn.Module):
     (B, Nt, vocab_size) logits, and leaves the auxiliary loss of every stack's routing heads (commitment) in
     ``aux_loss``; ``after_optimizer_step()`` runs every head group's per-step hook (the k-means steps of the
     encoder's, the decoder's and the cross heads' routing), all-reduced across ranks."""
+
+    config_type = Seq2SeqConfig  # what from_pretrained reads config.json as
 
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
@@ -294,6 +324,15 @@ class Seq2SeqLM(nn.Module):
             if stop is not None and bool(done.all()):
                 break
         return torch.stack(out, 1) if out else token.new_zeros(B, 0)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """model.safetensors (weights, every stack's routing centroids) and config.json, written atomically."""
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> Seq2SeqLM:
+        """The model saved by ``save_pretrained``; errors name the file and what is wrong with it."""
+        return from_pretrained(cls, directory, map_location)
 
     def hooked(self) -> list[nn.Module]:
         """Every head group (the encoder's, the decoder's, the cross heads), in order."""
