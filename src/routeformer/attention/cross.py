@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..checks import positive_int
 from ..executors import Backend
 from ..executors.inputs import CROSS_KINDS, Inputs
+from ..lengths import sqrt_len
 from .full import full_attention
 from .linear import LinearOptions, linear_attention
 from .moba import MobaOptions, moba_cross_attention
@@ -120,7 +121,7 @@ class CrossKind:
 
 
 def _routing(o: RoutingCrossOptions, heads: int, head_dim: int, memory: int, seed: int) -> nn.Module:
-    clusters = max(1, round(memory ** 0.5)) if o.num_clusters is None else o.num_clusters
+    clusters = sqrt_len(memory) if o.num_clusters is None else o.num_clusters
     return RoutedCrossHeads(heads, head_dim, clusters, probes=o.probes, window=o.window, decay=o.decay,
                             commitment=o.commitment)
 
