@@ -91,11 +91,12 @@ def test_the_configuration_names_what_is_wrong() -> None:
         m(tokens(1, (2, 40)), torch.full((2, 3), 64))
 
 
+@pytest.mark.parametrize("cross", ["routing:1,full:1,moba:1,performer:1", "linear:2,performer:2"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_decoding_reproduces_the_forward(padded) -> None:
+def test_decoding_reproduces_the_forward(padded, cross) -> None:
     """Target tokens fed one at a time (then four at once) through the cache: the forward's logits, every cross kind,
     the source encoded and routing's memory sorted once."""
-    m = model("routing:1,full:1,moba:1,performer:1").eval()
+    m = model(cross).eval()
     source, target = tokens(8, (2, 40)), tokens(9, (2, 32))
     padding = None
     if padded:
@@ -173,3 +174,17 @@ def test_two_gloo_ranks_keep_every_stacks_centroids_bit_identical(tmp_path) -> N
         assert torch.equal(a[key], b[key]), f"{key} differs between ranks"
     seeded = {k: bool(v) for k, v in a.items() if k.endswith("initialized")}
     assert len(seeded) == 6 and all(seeded.values()), seeded  # every place's k-means stepped (two layers each)
+
+
+def test_feature_cross_heads_decode_from_the_memorys_sums_alone() -> None:
+    """Linear and Performer cross heads keep Σ φ(k) vᵀ and Σ φ(k) of the memory: a decoded token reads neither the
+    memory's keys nor its values (here replaced by NaN after they were summed)."""
+    m = model("linear:2,performer:2").eval()
+    source, target = tokens(13, (2, 40)), tokens(14, (2, 32))
+    whole = m(source, target)
+    cache = m.start_decoding(source)
+    for kept in cache.memory:
+        kept.keys = [torch.full_like(k, float("nan")) for k in kept.keys]
+        kept.values = [torch.full_like(v, float("nan")) for v in kept.values]
+    steps = torch.cat([m.decode(target[:, t:t + 1], cache) for t in range(32)], 1)
+    torch.testing.assert_close(steps, whole, rtol=1e-10, atol=1e-10)

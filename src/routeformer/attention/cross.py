@@ -19,14 +19,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checks import positive_int
+from ..checks import check_scale, positive_int
 from ..executors import Backend
 from ..executors.inputs import CROSS_KINDS, Inputs
 from ..lengths import sqrt_len
 from .full import full_attention
+from .kernels import feature_map, kernel_scale
 from .linear import LinearOptions, linear_attention
 from .moba import MobaOptions, moba_cross_attention
-from .performer import PerformerOptions, default_features, orthogonal_features, performer_attention
+from .performer import (
+    PerformerOptions,
+    default_features,
+    orthogonal_features,
+    performer_attention,
+    performer_features,
+)
 from .routing.cross import RoutedCrossHeads
 
 
@@ -62,7 +69,7 @@ class CrossGroup(nn.Module):
     def forward(self, inputs: Inputs) -> Tensor:
         return self._attend(inputs, self.executor)
 
-    def prepare(self, k: Tensor, key_padding_mask: Tensor | None = None) -> None:
+    def prepare(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Any:
         """What decoding keeps of the memory besides its keys and values: nothing for these heads."""
         return None
 
@@ -80,7 +87,40 @@ class CrossGroup(nn.Module):
         return {}
 
 
-class PerformerCross(CrossGroup):
+class FeatureCross(CrossGroup):
+    """Cross heads of a feature map φ (linear's kernels, Performer's FAVOR+): decoding builds the memory's sums
+    S = Σ_j φ(k_j) v_jᵀ (F, D) and z = Σ_j φ(k_j) (F,) once over its real keys (``prepare``), and a new query costs
+    O(F · D): φ(q) S / φ(q) · z, zeros where that is 0."""
+
+    def features(self, x: Tensor, query: bool) -> Tensor:
+        raise NotImplementedError
+
+    def prepare(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(k.dtype, torch.float32)
+        phi = self.features(k.to(acc), False)  # (B, h, Nk, F)
+        if key_padding_mask is not None:
+            phi = phi * key_padding_mask[:, None, :, None].to(phi.dtype)
+        return phi.transpose(-1, -2) @ v.to(acc), phi.sum(2)  # (B, h, F, D), (B, h, F)
+
+    def decode(self, inputs: Inputs, prepared: tuple[Tensor, Tensor]) -> Tensor:
+        sums, total = prepared
+        phi = self.features(inputs.q.to(sums.dtype), True)  # (B, h, n, F)
+        den = (phi * total[:, :, None]).sum(-1, keepdim=True)
+        return ((phi @ sums) / torch.where(den > 0, den, 1.0)).to(inputs.q.dtype)
+
+
+class LinearCross(FeatureCross):
+    """Linear cross heads: the elu or poly2 kernel over the whole memory (``linear_attention``, non-causal)."""
+
+    def __init__(self, heads: int, head_dim: int, options: LinearOptions) -> None:
+        super().__init__(heads, lambda x, ex: linear_attention(x, options, ex, causal=False))
+        self.kernel, self.kernel_scale = options.kernel, kernel_scale(options.kernel, None, head_dim)
+
+    def features(self, x: Tensor, query: bool) -> Tensor:
+        return feature_map(self.kernel, x, self.kernel_scale)
+
+
+class PerformerCross(FeatureCross):
     """Performer cross heads: FAVOR+ with a projection drawn once from the layer's seed (a buffer, saved)."""
 
     def __init__(self, heads: int, head_dim: int, options: PerformerOptions, seed: int) -> None:
@@ -90,9 +130,13 @@ class PerformerCross(CrossGroup):
         m = default_features(head_dim) if options.features is None else options.features
         self.register_buffer("projection", orthogonal_features(heads, m, head_dim,
                                                                generator=torch.Generator().manual_seed(seed)))
+        self.scale = check_scale(None, head_dim)
 
     def _performer(self, inputs: Inputs, executor: Backend) -> Tensor:
         return performer_attention(inputs, None, executor, causal=False, projection=self.projection)
+
+    def features(self, x: Tensor, query: bool) -> Tensor:
+        return performer_features(x, self.projection, self.scale, query=query)
 
 
 @dataclass(frozen=True)
@@ -133,8 +177,7 @@ CROSS: dict[str, CrossKind] = {k.name: k for k in (
     CrossKind("moba", MobaOptions, lambda o, heads, d, n, seed: CrossGroup(heads, lambda x, ex: moba_cross_attention(
         x, o, ex))),
     CrossKind("performer", PerformerOptions, lambda o, heads, d, n, seed: PerformerCross(heads, d, o, seed)),
-    CrossKind("linear", LinearOptions, lambda o, heads, d, n, seed: CrossGroup(heads, lambda x, ex: linear_attention(
-        x, o, ex, causal=False))),
+    CrossKind("linear", LinearOptions, lambda o, heads, d, n, seed: LinearCross(heads, d, o)),
 )}
 assert tuple(CROSS) == CROSS_KINDS, "the refusals name the kinds registered here"
 
@@ -147,4 +190,5 @@ def get_cross_kind(name: str) -> CrossKind:
         raise ValueError(f"cross: unknown kind {name!r}; cross-attention kinds: {', '.join(CROSS)}") from None
 
 
-__all__ = ["CROSS", "CrossGroup", "CrossKind", "RoutingCrossOptions", "get_cross_kind"]
+__all__ = ["CROSS", "CrossGroup", "CrossKind", "FeatureCross", "LinearCross", "PerformerCross", "RoutingCrossOptions",
+           "get_cross_kind"]

@@ -146,7 +146,7 @@ class CrossAttention(nn.Module):
         """What decoding keeps of the memory (B, Ns, dim), once: each group's keys and values and what it prepares
         (routing: the keys' clusters and sort)."""
         ks, vs = self._heads(self.key, memory), self._heads(self.value, memory)
-        prepared = [g.prepare(k, memory_padding) for g, k in zip(self.groups, ks, strict=True)]
+        prepared = [g.prepare(k, v, memory_padding) for g, k, v in zip(self.groups, ks, vs, strict=True)]
         return CrossMemory(list(ks), list(vs), memory_padding, prepared)
 
     def decode(self, x: Tensor, kept: CrossMemory) -> Tensor:

@@ -230,7 +230,7 @@ class RoutedCrossHeads(nn.Module):
         """The memory keys' clusters and sort and the queries' probes under the current centroids (no gradient)."""
         return cross_routes(q, k, self.kmeans.centroids, self.probes, self.executor, key_padding_mask)
 
-    def prepare(self, k: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MemorySort]:
+    def prepare(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MemorySort]:
         """The memory's routes for decoding: its keys' clusters and sort, made once (``decode``)."""
         return route_memory(k, self.kmeans.centroids, self.executor, key_padding_mask)
 
