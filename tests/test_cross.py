@@ -204,7 +204,6 @@ def test_kinds_that_compare_positions_refuse_a_memory():
     for name, call in calls.items():
         with pytest.raises(ValueError, match="cross-attention: .*cross-attention kinds: full, routing, moba"):
             call()
-        assert name  # every call refused
 
 
 def test_cross_inputs_and_routes_are_checked():

@@ -87,7 +87,7 @@ def test_the_configuration_names_what_is_wrong() -> None:
     m = model()
     with pytest.raises(ValueError, match=r"source_padding must be a \(B, Ns\)"):
         m(tokens(1, (2, 40)), tokens(2, (2, 32)), torch.ones(2, 39, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"target: token ids must lie in \[0, 64\)"):
+    with pytest.raises(ValueError, match=r"target: token ids must lie in \[0, vocab_size=64\), got values in \[64, 64\]"):
         m(tokens(1, (2, 40)), torch.full((2, 3), 64))
 
 

@@ -25,6 +25,7 @@ from ..executors.inputs import CROSS_KINDS, Inputs
 from ..lengths import sqrt_len
 from .full import full_attention
 from .kernels import feature_map, kernel_scale
+from .kinds.base import read_typed_options
 from .linear import LinearOptions, linear_attention
 from .moba import MobaOptions, moba_cross_attention
 from .performer import (
@@ -149,19 +150,9 @@ class CrossKind:
     build: Callable[[Any, int, int, int, int], nn.Module]
 
     def read_options(self, given: Any) -> Any:
-        where = f"cross.options.{self.name}"
-        if self.option_type is None:
-            if given:
-                raise ValueError(f"{where}: {self.name} cross heads take no options, got {given!r}")
-            return None
-        if isinstance(given, self.option_type):
-            return given
-        if not isinstance(given, dict | None):
-            raise ValueError(f"{where} must be a table of field = value, got {given!r}")
-        try:
-            return self.option_type(**(given or {}))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{where}: {err}") from None
+        """``given`` (a mapping, an ``option_type`` instance or None) as the typed options; errors name
+        ``cross.options.<name>`` and its fields."""
+        return read_typed_options(self.option_type, given, f"cross.options.{self.name}", f"{self.name} cross heads")
 
 
 def _routing(o: RoutingCrossOptions, heads: int, head_dim: int, memory: int, seed: int) -> nn.Module:

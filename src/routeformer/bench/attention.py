@@ -626,30 +626,26 @@ def _measure(cands: list[Candidate], inputs: tuple[Tensor, Tensor, Tensor, Tenso
                            f"{limit / 2**30:.1f} GiB (min of 8 GiB and half the free memory)")
         return need <= limit
 
-    def time_twins(pair: list[tuple[Candidate, dict]]) -> bool:
-        """A mechanism and its twin over packed documents timed call by call in turn
-        (``alternated_median_times``); False (nothing recorded) where either fails, to be measured apart."""
+    def time_twins(pair: list[tuple[Candidate, dict]]) -> None:
+        """A mechanism and its twin over packed documents timed call by call in turn (``alternated_median_times``);
+        nothing recorded where either does not train or fails: each is then timed apart (``measure``)."""
         if not all([trains(c, row) for c, row in pair]):
-            return False
+            return
         try:
             fwd = alternated_median_times([forward(c) for c, _ in pair], repeats, dev)
             step = alternated_median_times([train_step(c) for c, _ in pair], repeats, dev)
         except Exception:
             q.grad = k.grad = v.grad = None
-            for _, row in pair:
-                row["note"] = ""
-            return False
+            return
         for (_, row), f, t in zip(pair, fwd, step, strict=True):
             row["fwd_s"], row["fwd_bwd_s"] = f, t
-            row["timed"] = True
-        return True
 
     def measure(c: Candidate, row: dict) -> None:
         if c.skip:
             return
         try:
             train = trains(c, row)
-            if not row.pop("timed", False):
+            if row["fwd_s"] is None:  # not timed with its twin
                 row["fwd_s"] = median_time(forward(c), repeats, dev)
                 if train:
                     row["fwd_bwd_s"] = median_time(train_step(c), repeats, dev)

@@ -303,13 +303,19 @@ class TransformerConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TransformerConfig:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object of config fields")
+        data = read_json_object(path)
         try:
             return cls.from_dict(data, saved=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
+
+
+def read_json_object(path: str | Path) -> dict:
+    """A saved config's JSON object (config.json); a ValueError names the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of config fields")
+    return data

@@ -24,11 +24,12 @@ from ..attention.cross import CROSS, get_cross_kind
 from ..checks import positive_int
 from ..executors import get_executor
 from ..executors.inputs import Inputs
-from .config import TransformerConfig, parse_attention
+from .config import TransformerConfig, parse_attention, read_json_object
 from .generate import sample_next
 from .layers import Block, FeedForward, LayerCache, MixedAttention, init_weights
 from .positions import PositionEmbedding
 from .pretrained import from_pretrained, save_pretrained
+from .tokens import check_model_tokens
 
 
 @dataclass
@@ -82,12 +83,8 @@ class Seq2SeqConfig:
     @classmethod
     def load(cls, path: str | Path) -> Seq2SeqConfig:
         """The config ``save`` wrote; errors name the file."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-        if not isinstance(data, dict) or set(data) - {"encoder", "decoder", "cross", "cross_options"} or \
-                not {"encoder", "decoder"} <= set(data):
+        data = read_json_object(path)
+        if set(data) - {"encoder", "decoder", "cross", "cross_options"} or not {"encoder", "decoder"} <= set(data):
             raise ValueError(f"{path}: not an encoder-decoder config (encoder, decoder, cross, cross_options)")
         try:
             enc, dec = (TransformerConfig.from_dict(data[k], saved=True) for k in ("encoder", "decoder"))
@@ -239,17 +236,20 @@ class Seq2SeqLM(nn.Module):
                 group.executor = executor
         self._executor_device = device
 
+    def _embed(self, tokens: Tensor, positions: PositionEmbedding | None, start: int = 0) -> Tensor:
+        """The shared byte embedding of (B, N) tokens at positions start … start + N - 1 (B, N, dim)."""
+        x = self.embed(tokens)
+        return x if positions is None else x + positions(start, tokens.shape[1], tokens.device).to(x.dtype)
+
     def encode(self, source: Tensor, source_padding: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """(B, Ns) source tokens -> the memory (B, Ns, dim) and the encoder's auxiliary loss (or None)."""
-        _check_tokens("source", source, self.config.encoder.vocab_size)
+        check_model_tokens(source, self.config.encoder.vocab_size, "source")
         if source_padding is not None and (source_padding.shape != source.shape or source_padding.dtype != torch.bool):
             raise ValueError(f"source_padding must be a (B, Ns) = {tuple(source.shape)} bool tensor (True = a real "
                              f"token), got {tuple(source_padding.shape)} {source_padding.dtype}")
         if source.device != self._executor_device:
             self._bind_executors(source.device)
-        x = self.embed(source)
-        if self.source_positions is not None:
-            x = x + self.source_positions(0, source.shape[1], source.device).to(x.dtype)
+        x = self._embed(source, self.source_positions)
         aux = None
         for block in self.encoder:
             x, loss = block(x, key_padding_mask=source_padding)
@@ -259,10 +259,8 @@ class Seq2SeqLM(nn.Module):
 
     def forward(self, source: Tensor, target: Tensor, source_padding: Tensor | None = None) -> Tensor:
         memory, aux = self.encode(source, source_padding)
-        _check_tokens("target", target, self.config.decoder.vocab_size)
-        x = self.embed(target)
-        if self.target_positions is not None:
-            x = x + self.target_positions(0, target.shape[1], target.device).to(x.dtype)
+        check_model_tokens(target, self.config.decoder.vocab_size, "target")
+        x = self._embed(target, self.target_positions)
         for block in self.decoder:
             x, loss = block(x, memory, source_padding)
             if loss is not None:
@@ -286,13 +284,11 @@ class Seq2SeqLM(nn.Module):
         """Logits (B, n, vocab) of n more target tokens (B, n) after the ``cache.length`` before them: equal to the
         forward's rows at those positions (to rounding), each new position costing its own work only (the source
         encoded once, routing's memory sorted once)."""
-        _check_tokens("target", target, self.config.decoder.vocab_size)
+        check_model_tokens(target, self.config.decoder.vocab_size, "target")
         start, n = cache.length, target.shape[1]
         if start + n > cache.max_len:
             raise ValueError(f"max_len: {start + n} target positions exceed the cache's max_len={cache.max_len}")
-        x = self.embed(target)
-        if self.target_positions is not None:
-            x = x + self.target_positions(start, n, target.device).to(x.dtype)
+        x = self._embed(target, self.target_positions, start)
         for block, layer, kept in zip(self.decoder, cache.layers, cache.memory, strict=True):
             x = block.decode(x, layer, start, kept)
         cache.length = start + n
@@ -361,15 +357,6 @@ class Seq2SeqCache:
     memory: list[CrossMemory]
     max_len: int
     length: int = 0
-
-
-def _check_tokens(name: str, tokens: Any, vocab: int) -> None:
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"{name} must be a (B, N) integer tensor with N > 0, got {getattr(tokens, 'shape', tokens)}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {tokens.dtype}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise ValueError(f"{name}: token ids must lie in [0, {vocab})")
 
 
 __all__ = ["CrossAttention", "CrossMemory", "DecoderBlock", "Seq2SeqCache", "Seq2SeqConfig", "Seq2SeqLM"]

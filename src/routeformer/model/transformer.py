@@ -19,7 +19,7 @@ from .generate import generate, stream
 from .layers import Block, LayerCache, init_weights
 from .positions import PositionEmbedding
 from .pretrained import from_pretrained, save_pretrained
-from .tokens import check_token_ids
+from .tokens import check_model_tokens
 
 
 class ModelCache:
@@ -129,23 +129,7 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
     def _check_tokens(self, tokens: Tensor) -> None:
-        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
-            raise ValueError(f"tokens must be a (B, N) tensor, got {getattr(tokens, 'shape', type(tokens))}")
-        if tokens.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
-            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
-        if tokens.shape[1] == 0:
-            raise ValueError("tokens must hold at least one position")
-        # Reading the range back would be a host synchronisation per step on a GPU: there the batches are checked on
-        # the host where they are made (training, evaluation, a prompt; check_token_ids), and a token out of range in
-        # a tensor made on the device trips the embedding's device-side assert. On the CPU an assertion (no host read
-        # among the dispatched operators: tests/test_host_reads.py) that turns into the ValueError naming the range.
-        if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
-            vocab = self.config.vocab_size
-            try:
-                torch._assert_async(((tokens >= 0) & (tokens < vocab)).all(), f"token ids must lie in [0, {vocab})")
-            except RuntimeError:
-                check_token_ids(tokens, vocab)
-                raise
+        check_model_tokens(tokens, self.config.vocab_size)
 
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, documents: Tensor | None = None) -> Tensor:

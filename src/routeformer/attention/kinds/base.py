@@ -341,26 +341,7 @@ class HeadKind:
     def read_options(self, given: Any) -> Any:
         """``given`` (a mapping of field to value, an ``option_type`` instance or None) as the typed options,
         checked by the dataclass; errors name ``options.<section>``'s fields."""
-        where = f"options.{self.options_key}"
-        if self.option_type is None:
-            if given:
-                raise ValueError(f"{where}: {self.name} heads take no options, got {given!r}")
-            return None
-        if isinstance(given, self.option_type):
-            return given
-        if given is None:
-            given = {}
-        if not isinstance(given, dict):
-            raise ValueError(f"{where} must be a table of field = value, got {given!r}")
-        names = self.option_fields
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; {self.name} heads take "
-                             f"{', '.join(sorted(names)) or 'none'}")
-        try:
-            return self.option_type(**given)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{where}: {err}") from None
+        return read_typed_options(self.option_type, given, f"options.{self.options_key}", f"{self.name} heads")
 
     def resolve(self, given: Any, config: Any) -> Any:
         """The typed options of this kind in a model described by ``config``, its defaults filled in and checked
@@ -415,3 +396,27 @@ def non_causal(group: HeadGroup) -> HeadGroup:
     """``group`` as an encoder's heads (``HeadKind.encoder`` for kinds whose heads read ``causal``)."""
     group.causal = False
     return group
+
+
+def read_typed_options(option_type: type | None, given: Any, where: str, what: str) -> Any:
+    """``given`` (a mapping of field to value, an ``option_type`` instance or None) as ``option_type``, checked by
+    the dataclass; errors name ``where`` (the section, 'options.local') and its fields, and ``what`` takes them ('local
+    heads'). A kind without options (``option_type`` None) takes none."""
+    if option_type is None:
+        if given:
+            raise ValueError(f"{where}: {what} take no options, got {given!r}")
+        return None
+    if isinstance(given, option_type):
+        return given
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise ValueError(f"{where} must be a table of field = value, got {given!r}")
+    names = [f.name for f in dataclasses.fields(option_type) if f.init]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; {what} take {', '.join(sorted(names)) or 'none'}")
+    try:
+        return option_type(**given)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None

@@ -34,6 +34,7 @@ from ...executors import Backend, get_executor
 from ...executors.inputs import Inputs
 from ...executors.ranges import KeyOrder, Ranges
 from .kmeans import SphericalKMeans
+from .sorted_window import sort_by_cluster
 
 
 class MemorySort(NamedTuple):
@@ -63,8 +64,8 @@ def _routing_inputs(x: Tensor, centroids: Tensor, executor: Backend) -> tuple[Te
     """Unit routing vectors of x (B, H, N, D) and unit centroids, in float32 or wider, and the executor's router
     kernel (``Executor.route_run``) or None."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    return (F.normalize(x.detach().to(acc), dim=-1), F.normalize(centroids.detach().to(acc), dim=-1),
-            get_executor(executor, x.device).runner(x.to(acc)).route_run)
+    r = F.normalize(x.detach().to(acc), dim=-1)
+    return r, F.normalize(centroids.detach().to(acc), dim=-1), get_executor(executor, x.device).runner(r).route_run
 
 
 def _check_centroids(x: Tensor, centroids: Tensor, what: str) -> int:
@@ -94,14 +95,10 @@ def route_memory(k: Tensor, centroids: Tensor, executor: Backend = "auto",
 def sort_memory(keys: Tensor, clusters: int, key_padding_mask: Tensor | None = None) -> MemorySort:
     """The memory's keys (B, H, Nk) in [0, clusters) sorted by (cluster, position), padded keys (``key_padding_mask``
     (B, Nk) False) as one cluster past the last. O(Nk log Nk) per head."""
-    B, H, Nk = keys.shape
-    pos = torch.arange(Nk, device=keys.device)
-    labels = keys if key_padding_mask is None else torch.where(key_padding_mask[:, None, :], keys, clusters)
-    order = (labels * Nk + pos).argsort(-1)  # (B, H, Nk): by (cluster, position)
-    inverse = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
-    counts = torch.zeros(B, H, clusters + (key_padding_mask is not None), dtype=torch.long, device=keys.device)
-    counts.scatter_add_(-1, labels, torch.ones_like(labels))
-    return MemorySort(order, inverse, counts, key_padding_mask is not None)
+    padded = key_padding_mask is not None
+    labels = torch.where(key_padding_mask[:, None, :], keys, clusters) if padded else keys
+    sort = sort_by_cluster(labels, clusters + padded)
+    return MemorySort(sort.order, sort.inverse, sort.counts, padded)
 
 
 @torch.no_grad()
