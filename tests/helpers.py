@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 import os
 import re
-from dataclasses import dataclass
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

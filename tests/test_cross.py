@@ -201,7 +201,7 @@ def test_kinds_that_compare_positions_refuse_a_memory():
         "linear causal": lambda: linear_attention(inputs, causal=True),
         "performer causal": lambda: performer_attention(inputs, PerformerOptions(features=8), causal=True),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(ValueError, match="cross-attention: .*cross-attention kinds: full, routing, moba"):
             call()
 

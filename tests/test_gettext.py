@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from helpers import write_mo
-
 from routeformer.data import DataError, Dataset, prepare, read_pairs
 from routeformer.data.gettext import SEPARATOR, read_catalog, split_of
 
