@@ -19,7 +19,7 @@ import torch
 from routeformer import TransformerLM
 from routeformer.bench.measure import median_time
 from routeformer.bench.model import train_step
-from routeformer.train.config import load_run_config
+from routeformer.train import load_run_config
 from routeformer.train.loop import adamw
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -284,6 +284,8 @@ class BlockCache:
 
     ``summarise(keys, values)``: keys and values of whole blocks (B, H, m · block, D) -> ``parts`` tensors
     (B, H, m, D), the same function the heads' forward applies, so that a step sees what the forward saw."""
+
+    ROWS: ClassVar[tuple[str, ...]] = ("store", "summaries")  # one row per sequence (reorder_rows)
 
     def __init__(self, store: KeyStore, block: int, summarise: Callable[[Tensor, Tensor], tuple[Tensor, ...]],
                  parts: int) -> None:

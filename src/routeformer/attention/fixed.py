@@ -15,7 +15,7 @@ block and the earlier blocks' summary cells as one slice, O((l + t·c/l)·D) (a1
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -218,6 +218,8 @@ def _complete(o: FixedOptions, config: Any) -> FixedOptions:
 class FixedCache:
     """Fixed heads' decoding state: one buffer of [a ring of the current block | the summary cells in order];
     ``block`` and ``summary`` are stores over its two parts (views; None when the part needs none)."""
+
+    ROWS: ClassVar[tuple[str, ...]] = ("keys", "values")  # per sequence (reorder_rows); block, summary: views
 
     keys: Tensor
     values: Tensor

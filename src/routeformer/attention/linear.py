@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -235,6 +235,8 @@ def linear_attention(
 class LinearState:
     """The decoding state of linear heads: Σ φ(k) vᵀ (B, H, F, D) and Σ φ(k) (B, H, F) over the positions so far.
     The same size at every position: a step costs O(F·D) per head."""
+
+    ROWS: ClassVar[tuple[str, ...]] = ("kv", "norm")  # one row per sequence (reorder_rows)
 
     kv: Tensor
     norm: Tensor

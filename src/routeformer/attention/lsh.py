@@ -43,7 +43,7 @@ per head, whatever its position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -253,6 +253,8 @@ class LSHCache:
     """Decoding state of one group of LSH heads: ``rings`` is a ``RoutingCache`` over H·rounds heads (head h,
     round r at h·rounds + r) with one ring of the last ``window`` normalised keys, values and positions per
     bucket. Its tensors have a fixed size: nothing grows with the position."""
+
+    ROWS: ClassVar[tuple[str, ...]] = ("rings",)  # one row per sequence (reorder_rows)
 
     rings: RoutingCache
     heads: int

@@ -13,7 +13,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     ev = commands.add_parser(
         "evaluate", help="bits per byte / perplexity / bits per dimension of a run on a split",
         description="Evaluate a run's weights over a whole split in windows of seq_len: bits per byte (byte "
-        "data), perplexity (words) or bits per dimension (images). Runs data-parallel under torchrun.")
+        "data), perplexity (words) or bits per dimension (images). An encoder-decoder run (--config translate): "
+        "bits per target byte over the split's pairs, and the split translated and scored with chrF and BLEU "
+        "(sacrebleu) beside copying the source. Runs data-parallel under torchrun.")
     add_run_dir(ev)
     ev.add_argument("--split", choices=("valid", "test"), default="valid", help="the split to score (default "
                     "valid)")
@@ -21,7 +23,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     ev.add_argument("--stride", type=positive, metavar="S", help="advance windows by S < seq_len and score only "
                     "their last S tokens, so every token has at least seq_len - S of context (default: "
                     "non-overlapping windows)")
-    ev.add_argument("--batch-size", type=positive, default=8, metavar="B", help="windows per forward (default 8)")
+    ev.add_argument("--batch-size", type=positive, default=8, metavar="B", help="windows (pairs: 8 times as many) "
+                    "per forward (default 8)")
+    ev.add_argument("--beams", type=positive, default=1, metavar="K", help="an encoder-decoder run's translations: "
+                    "beam search with K beams (default 1: greedy)")
     ev.add_argument("--pack", choices=("none", "boundaries"), help="score the split as one text ('none') or each "
                     "document from its own start ('boundaries', the data set's recorded starts) (default: as the "
                     "run trained; a run that packed whole documents scores as 'boundaries')")
@@ -32,6 +37,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from ..model.seq2seq import Seq2SeqLM
     from ..train import distributed
     from ..train.config import check_stride
     from ..train.evaluation import UNITS, Scoring, context_policy, evaluate, metric
@@ -42,6 +48,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     procs = distributed.start(pick_device(args.device))
     try:
         model, run, data, which = load_run(run_dir, args.checkpoint, args.data_dir, str(procs.device))
+        if isinstance(model, Seq2SeqLM):
+            evaluate_pairs(args, model, data, which, procs)
+            return 0
+        if args.beams != 1:
+            raise ValueError("--beams: beam search translates; this run is a language model (use sample)")
         seq = run.model.seq_len
         check_stride(args.stride, run.model, "--stride")
         tokens = data.split(args.split)
@@ -61,3 +72,29 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     finally:
         distributed.stop(procs)
     return 0
+
+
+def evaluate_pairs(args: argparse.Namespace, model, data, which: str, procs) -> None:
+    """``evaluate`` for an encoder-decoder run: bits per target byte over the split's pairs that fit the model,
+    then (main process) the whole split translated and scored."""
+    from ..train.evaluation import metric
+    from ..train.seq2seq_trainer import pair_nll, split_pairs
+    from ..train.translation import require_sacrebleu, score, translate_all
+
+    for flag, value in (("--stride", args.stride), ("--pack", args.pack)):
+        if value is not None:
+            raise ValueError(f"{flag}: an encoder-decoder run scores whole pairs; it takes no {flag}")
+    require_sacrebleu()
+    fit, every = split_pairs(data, args.split, model.config)
+    if procs.main:
+        note(model.config.decoder.describe_executor(procs.device))
+    total, count = pair_nll(model, fit, 8 * args.batch_size, procs)
+    if not procs.main:
+        return
+    translations = translate_all(model, [s for s, _ in every], batch=8 * args.batch_size, beams=args.beams)
+    scores = score(translations, every)
+    how = "greedy" if args.beams == 1 else f"beam search, {args.beams} beams"
+    print(f"{args.run_dir} ({which} weights) on the {args.split} split of {data.meta.name}: "
+          f"{metric('bytes', total / count):.4f} bits per target byte ({count:,} target bytes of the {len(fit):,} "
+          f"pairs that fit; {len(every) - len(fit):,} longer left out)\n"
+          f"translation ({how}, every pair, sources cut to {model.config.encoder.seq_len} bytes): {scores.line()}")

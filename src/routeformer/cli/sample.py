@@ -17,13 +17,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sa = commands.add_parser(
         "sample", help="generate text from a run, streamed as it is produced",
         description="Continue a prompt with a run's model through its cached generation, printing the text as it "
-        "is generated.")
+        "is generated. An encoder-decoder run (--config translate) translates the prompt instead (greedy by default, "
+        "or --beams K).")
     add_run_dir(sa)
     src = sa.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    src.add_argument("--prompt", metavar="TEXT", help="the text to continue (or to translate)")
     src.add_argument("--prompt-file", metavar="FILE", help="read the text to continue from FILE")
-    sa.add_argument("--tokens", type=positive, default=300, metavar="N", help="tokens to generate")
-    sa.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 for greedy")
+    sa.add_argument("--tokens", type=positive, metavar="N", help="tokens to generate (default 300; a translation: "
+                    "up to the decoder's seq_len - 1)")
+    sa.add_argument("--temperature", type=float, metavar="T", help="0 for greedy (default 0.8; a translation: 0)")
+    sa.add_argument("--beams", type=positive, default=1, metavar="K", help="a translation by beam search with K beams "
+                    "(default 1)")
     sa.add_argument("--top-k", type=positive, metavar="K", help="sample among the K most likely tokens")
     sa.add_argument("--top-p", type=positive_float, metavar="P",
                     help="sample among the most likely tokens whose probabilities sum to P (nucleus, 0 < P <= 1)")
@@ -34,6 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    from ..model.seq2seq import Seq2SeqLM
     from ..train.runs import load_run, pick_device
 
     run_dir = Path(args.run_dir).expanduser()
@@ -51,6 +56,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
         text = args.prompt.encode("utf-8", errors="surrogateescape")
     if not text:
         raise ValueError("the prompt is empty")
+    if isinstance(model, Seq2SeqLM):
+        print(translate_prompt(model, text, args))
+        return 0
+    if args.beams != 1:
+        raise ValueError("--beams: beam search translates; this run is a language model")
     prompt = data.encode(text)[None]
     device = next(model.parameters()).device
     note(model.config.describe_executor(device))
@@ -58,7 +68,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     vocab = data.vocab() if kind == "words" else None
-    for token in model.stream(torch.from_numpy(prompt).to(device), args.tokens, temperature=args.temperature,
+    temperature = 0.8 if args.temperature is None else args.temperature
+    for token in model.stream(torch.from_numpy(prompt).to(device), args.tokens or 300, temperature=temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed):
         t = int(token[0])
         piece = decoder.decode(bytes([t])) if vocab is None else (
@@ -67,3 +78,22 @@ def cmd_sample(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     return 0
+
+
+def translate_prompt(model, text: bytes, args: argparse.Namespace) -> str:
+    """An encoder-decoder run's translation of ``text`` (at most the encoder's seq_len bytes)."""
+    from ..data.pairs import START, pair_batch
+
+    longest_in, longest_out = model.config.encoder.seq_len, model.config.decoder.seq_len - 1
+    if len(text) > longest_in:
+        raise ValueError(f"the prompt holds {len(text)} bytes; this model reads sources of at most {longest_in}")
+    tokens = longest_out if args.tokens is None else args.tokens
+    if tokens > longest_out:
+        raise ValueError(f"--tokens {tokens}: this model's targets hold at most {longest_out} bytes")
+    device = next(model.parameters()).device
+    note(model.config.decoder.describe_executor(device))
+    batch = pair_batch([(text, b"")])
+    out = model.translate(batch.source.to(device), tokens, source_padding=batch.source_padding.to(device),
+                          start=START, stop=START, temperature=args.temperature or 0.0, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, beams=args.beams)[0].tolist()
+    return bytes(out[:out.index(START)] if START in out else out).decode("utf-8", errors="replace")

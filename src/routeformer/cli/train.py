@@ -21,7 +21,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "cores). Under torchrun, one process per GPU (or CPU worker) trains data-parallel. Ctrl-C saves a "
         "checkpoint and exits; --resume continues it exactly.")
     tr.add_argument("--config", metavar="FILE", help="a TOML file, or a shipped name: default, enwik8, "
-                    "wikitext103, imagenet64")
+                    "wikitext103, imagenet64, translate (an encoder-decoder model on this machine's gettext "
+                    "catalogs)")
     add_data(tr, "data set to train on (overrides [train] data)")
     add_data_dir(tr)
     add_overrides(tr)
@@ -81,7 +82,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"\nstopped after {result.step} steps ({result.stopped}), {result.minutes:.1f} minutes")
         print(f"validation {result.unit}: {result.valid:.4f} (whole split in {result.context}; final evaluation "
               f"and sample {result.final_seconds:.0f} s)")
-        if result.sample is not None:
+        scores = getattr(result, "scores", None)
+        if scores is not None:  # an encoder-decoder run
+            print(f"validation translation: {scores.line()}")
+            source, translation = result.sample
+            print(f"a translation (greedy) of a validation source:\n{'-' * 72}\n{source}\n{PROMPT_END} "
+                  f"{translation}\n{'-' * 72}")
+        elif result.sample is not None:
             prompt, continuation = result.sample
             print(f"sample (the prompt, from the validation split, ends at {PROMPT_END}; the rest is the model's):\n"
                   f"{'-' * 72}\n{prompt}{PROMPT_END}{continuation}\n{'-' * 72}")

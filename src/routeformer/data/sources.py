@@ -153,15 +153,20 @@ def prepare(name: str, data_dir: Path, source: str | None = None, *, dataset_nam
 
 
 def prepare_builtin(data: str, data_dir: str | Path | None, echo=print) -> None:
-    """The built-in data set needs no download: prepare ``stdlib`` on first use (no-op for other data sets)."""
-    if data != "stdlib":
+    """The data sets this machine holds need no download: ``stdlib`` and ``gettext-LANG`` (this machine's message
+    catalogs, ``/usr/share/locale``) are prepared on first use (no-op for other data sets)."""
+    lang = data.removeprefix("gettext-") if data.startswith("gettext-") else None
+    if data != "stdlib" and not lang:
         return
     where = Path(data_dir).expanduser() if data_dir else default_data_dir()
     try:
-        Dataset.open("stdlib", where, verify=False)
+        Dataset.open(data, where, verify=False)
     except DataError:
-        echo(f"preparing the stdlib data set in {where / 'stdlib'} (first use)")
-        prepare("stdlib", where)
+        echo(f"preparing the {data} data set in {where / data} (first use)")
+        if lang:
+            prepare("gettext", where, lang=lang)
+        else:
+            prepare("stdlib", where)
 
 
 def _stdlib(target: Path, data_dir: Path, src: Path | None, skip_checksum: bool,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,8 @@ def refuse_non_encoders(spec: list[HeadGroupSpec]) -> None:
 class LayerCache:
     """The decoding state of one attention layer: one cache per head group, and with ``token_shift`` the last
     position's input channels that the next position reads (``shift_half``, ``shift_mix``)."""
+
+    ROWS: ClassVar[tuple[str, ...]] = ("groups", "before")  # one row per sequence (reorder_rows)
 
     groups: list
     before: Tensor | None = None

@@ -24,6 +24,7 @@ from ..attention.cross import CROSS, get_cross_kind
 from ..checks import positive_int
 from ..executors import get_executor
 from ..executors.inputs import Inputs
+from .beam import beam_search, reorder_rows
 from .config import TransformerConfig, parse_attention, read_json_object
 from .generate import sample_next
 from .layers import Block, FeedForward, LayerCache, MixedAttention, init_weights
@@ -297,13 +298,22 @@ class Seq2SeqLM(nn.Module):
     @torch.no_grad()
     def translate(self, source: Tensor, max_new_tokens: int, *, source_padding: Tensor | None = None,
                   start: int = 0, stop: int | None = 0, temperature: float = 0.0, top_k: int | None = None,
-                  seed: int | None = None) -> Tensor:
+                  top_p: float | None = None, seed: int | None = None, beams: int = 1) -> Tensor:
         """Target tokens (B, m), m <= ``max_new_tokens``, decoded after the ``start`` token (byte 0 by default, the
-        pairs' separator): greedy at temperature 0, else sampled (``top_k``, ``seed``); a row ends at ``stop``
-        (kept, and followed by ``stop`` while the others go on); all rows stopped ends the loop. The model is put
-        in evaluation mode."""
+        pairs' separator): greedy at temperature 0, else sampled (``top_k``, ``top_p``, ``seed``), or with ``beams``
+        > 1 beam search (``model.beam``: each source's best hypothesis by log-probability per token; the source
+        encoded once per beam, the decoder's caches reordered, never re-run); a row ends at ``stop`` (kept, and
+        followed by ``stop`` while the others go on); all rows stopped ends the loop. The model is put in
+        evaluation mode."""
         self.eval()
         B = source.shape[0]
+        beams = positive_int("beams", beams)
+        if beams > 1:
+            if temperature != 0.0 or stop is None:
+                raise ValueError("beam search is deterministic and needs a stop token: temperature must be 0 and stop "
+                                 "set")
+            return self._beam_search(source, positive_int("max_new_tokens", max_new_tokens), source_padding,
+                                     beams, (start, stop))[0]
         cache = self.start_decoding(source, source_padding, max_new_tokens)
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         token = torch.full((B, 1), start, dtype=torch.long, device=source.device)
@@ -311,7 +321,7 @@ class Seq2SeqLM(nn.Module):
         out = []
         for _ in range(max_new_tokens):
             logits = self.decode(token, cache)[:, -1]
-            nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=None, generator=generator)
+            nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if stop is not None:
                 nxt = torch.where(done, stop, nxt)
                 done = done | (nxt == stop)
@@ -320,6 +330,17 @@ class Seq2SeqLM(nn.Module):
             if stop is not None and bool(done.all()):
                 break
         return torch.stack(out, 1) if out else token.new_zeros(B, 0)
+
+    def _beam_search(self, source: Tensor, max_new_tokens: int, source_padding: Tensor | None, beams: int,
+                     start_stop: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """``translate`` with ``beams`` > 1: tokens (B, m) and each row's score (``beam.beam_search``)."""
+        rows = source.repeat_interleave(beams, 0)
+        padding = None if source_padding is None else source_padding.repeat_interleave(beams, 0)
+        cache = self.start_decoding(rows, padding, max_new_tokens)
+        start, stop = start_stop
+        return beam_search(lambda token: self.decode(token, cache)[:, -1],
+                           lambda index: reorder_rows(cache.layers, index),
+                           source.shape[0], beams, max_new_tokens, start=start, stop=stop, device=source.device)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """model.safetensors (weights, every stack's routing centroids) and config.json, written atomically."""

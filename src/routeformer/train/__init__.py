@@ -2,7 +2,8 @@
 run directory (rundir.py), precision and parallelism (parallel.py, over distributed.py), the loop (loop.py),
 evaluation (evaluation.py), checkpointing (checkpoint.py), stop signals (signals.py) and the sample (sampling.py)."""
 
-from .config import RunConfig, TrainConfig, load_run_config
+from .config import RunConfig, TrainConfig
+from .loading import load_run_config
 from .signals import Diverged
 from .trainer import Interrupted, TrainResult, executor_line, train
 

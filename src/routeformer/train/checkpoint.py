@@ -3,9 +3,11 @@ needs, and the weights beside it: the last (``model.safetensors`` + ``config.jso
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,16 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict:
         raise ValueError(f"{path} is not a run state (it {what}): corrupt, or not written by routeformer")
     return state
 
+
+
+@contextlib.contextmanager
+def state_fits(run_dir: Path) -> Iterator[None]:
+    """A checkpoint whose content does not fit the run's model or optimiser: a one-line error naming it."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, RuntimeError, AttributeError) as err:
+        raise ValueError(f"{run_dir / CHECKPOINT} does not fit this run's model or optimiser: {first_line(err)}") \
+            from None
 
 
 @dataclass

@@ -211,14 +211,20 @@ def resolve_config_path(name: str | Path) -> Path:
     raise ValueError(f"--config {name}: no such file, and not a shipped configuration ({names})")
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                    extra: dict | None = None) -> RunConfig:
-    """Read a TOML configuration (default: the shipped default.toml), apply ``--set`` overrides and ``extra``."""
+def read_config_file(path: str | Path | None) -> tuple[Path, dict]:
+    """The path (a file, or a shipped name; default: default.toml) and its TOML tables; an error naming it."""
     path = resolve_config_path(path or "default")
     try:
-        raw = tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: not valid TOML ({err})") from None
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                    extra: dict | None = None) -> RunConfig:
+    """Read a TOML configuration (default: the shipped default.toml), apply ``--set`` overrides and ``extra``.
+    (``train.load_run_config`` also reads an encoder-decoder run's file.)"""
+    path, raw = read_config_file(path)
     tables = {"model": dict(raw.pop("model", {})), "train": dict(raw.pop("train", {}))}
     if raw:
         raise ValueError(f"{path}: unknown top-level keys {sorted(raw)}; use the [model] and [train] tables")
@@ -262,11 +268,15 @@ def parse_override(item: str) -> tuple[str, str, object]:
             if not tables:
                 raise ValueError(f"--set {key}: unknown key; valid keys: {_valid_keys()}")
             table = tables[0]
+    return table, name, parse_value(text)
+
+
+def parse_value(text: str) -> object:
+    """A ``--set`` value: read as TOML (``3e-4``, ``true``, ``"local:4"``, ``[1, 2]``), a bare word as a string."""
     try:
-        value = tomllib.loads(f"v = {text}")["v"]
+        return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text  # a bare word: a string
-    return table, name, value
+        return text
 
 
 def check_option_path(path: str, where: str) -> tuple[str, str]:

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import BatchSampler
+from ..data.pairs import IGNORED, PairBatches
 from ..model import TransformerLM, check_token_ids
+from ..model.seq2seq import Seq2SeqLM
 from . import distributed
 from .checkpoint import Checkpointer, Progress
 from .config import TrainConfig
@@ -26,7 +28,7 @@ from .evaluation import Validator, metric
 from .parallel import Parallelism, TrainingForward
 from .rundir import RunDirectory
 from .schedule import TimeShare, learning_rate
-from .signals import Diverged, StopRequest
+from .signals import Diverged, Interrupted, StopRequest
 
 SHORT_UNITS = {"bytes": "bpb", "words": "ppl", "images": "bpd"}
 
@@ -52,12 +54,13 @@ def adamw(core: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 @dataclass(frozen=True)
 class Parts:
     """What a run trains: ``model`` (the forward of ``core``'s data-parallel form, compiled or not), ``core`` (the
-    unwrapped model), its ``optimizer``, and the ``sampler`` of its batches (its seq_len is the run's)."""
+    unwrapped model), its ``optimizer``, and the ``sampler`` of its batches (its seq_len is the run's; an
+    encoder-decoder run's ``PairLoop`` takes ``PairBatches`` and a ``Seq2SeqLM``)."""
 
     model: TrainingForward
-    core: TransformerLM
+    core: TransformerLM | Seq2SeqLM
     optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
+    sampler: BatchSampler | PairBatches
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,12 @@ class Loop:
     def __init__(self, cfg: TrainConfig, parts: Parts, services: Services, progress: Progress) -> None:
         self.cfg, self.progress = cfg, progress
         self.model, self.core, self.optimizer, self.sampler = parts.model, parts.core, parts.optimizer, parts.sampler
-        self.seq_len, self.kind = parts.sampler.seq_len, services.validator.kind
+        self.kind = services.validator.kind
         self.parallel, self.procs = services.parallel, services.parallel.procs
         self.directory, self.validator = services.directory, services.validator
         self.checkpointer, self.stop = services.checkpointer, services.stop
         self.lr = math.nan  # the learning rate of the last step
+        self.tokens = 0  # the tokens trained on in this invocation, over all ranks (the speed's count)
 
     def run(self, resume: bool) -> str:
         """Steps until max_steps, the time budget or a stop request; returns why it stopped: "max_steps", "time
@@ -97,11 +101,10 @@ class Loop:
                    disable=not procs.main)
         if procs.main:
             self.model.say = bar.write  # "auto"'s choice and a compile fallback, under the bar
-        tokens_per_step = cfg.batch_size * self.seq_len
         last_eval = progress.step if resume else -1
         saved = last_eval  # the step whose state checkpoint.pt holds (-1: none yet)
         first_step = progress.step
-        rate_time, rate_steps = time.monotonic(), 0
+        rate_time, rate_steps, rate_tokens = time.monotonic(), 0, 0
         shown, train = "", math.nan  # the last training row, as the bar shows it, and its mean loss
         speed = math.nan
         checked = False  # whether the time budget was compared with max_steps yet
@@ -131,7 +134,7 @@ class Loop:
                 progress.window["steps"] += 1
                 if progress.step % cfg.log_every == 0 or progress.step == cfg.max_steps:
                     mean = progress.window["loss"] / progress.window["steps"]
-                    speed = rate_steps * tokens_per_step / max(time.monotonic() - rate_time, 1e-9)
+                    speed = (self.tokens - rate_tokens) / max(time.monotonic() - rate_time, 1e-9)
                     self.directory.write({"step": progress.step, "split": "train", "loss": mean,
                                           "value": metric(self.kind, mean), "lr": self.lr,
                                           "tokens_per_s": speed, "elapsed_s": elapsed})
@@ -139,7 +142,7 @@ class Loop:
                              f"{speed:,.0f} tok/s, ")
                     train = mean
                     progress.window = {"loss": 0.0, "steps": 0}
-                    rate_time, rate_steps = time.monotonic(), 0
+                    rate_time, rate_steps, rate_tokens = time.monotonic(), 0, self.tokens
                 if progress.step == first_step + 1 or progress.step == self.model.compiled_at:
                     warm_until, warm_done = progress.step, elapsed
                 if self.model.compiled_at is not None and progress.compiled_from is None:
@@ -166,7 +169,7 @@ class Loop:
                         window = progress.window  # the steps since the last training row, if any
                         recent = window["loss"] / window["steps"] if window["steps"] else train
                         if rate_steps:
-                            speed = rate_steps * tokens_per_step / max(time.monotonic() - rate_time, 1e-9)
+                            speed = (self.tokens - rate_tokens) / max(time.monotonic() - rate_time, 1e-9)
                         valid = self.validator.estimate(progress.step)
                         self.checkpointer.keep_if_best(valid)
                         elapsed = time.monotonic() - start_time
@@ -188,13 +191,10 @@ class Loop:
         """Optimiser step ``step`` (1-based) at the learning rate of the schedule with the time budget's share
         ``time_share`` of the decay used; returns this rank's mean loss (the caller averages ranks)."""
         cfg = self.cfg
-        self.lr = lr = learning_rate(step, cfg, time_share)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self.start_step(step, time_share)
         losses = []
         # shorter rows during a warm-up that asks for them (the routing heads' dense one, or the length warm-up)
-        length = min(self.core.config.train_len(step - 1), cfg.train_len(step, self.seq_len))
+        length = min(self.core.config.train_len(step - 1), cfg.train_len(step, self.sampler.seq_len))
         for micro in range(cfg.grad_accum):
             # cut, then a curriculum's repeats; with pack each token's document, and with pack = "documents" the
             # predictions that count (none of padding, none across a document's end)
@@ -213,6 +213,20 @@ class Loop:
                     objective = (loss + self.core.aux_loss.float()) / cfg.grad_accum
                 self.parallel.scaler.scale(objective).backward()
             losses.append(loss.detach())
+        self.tokens += cfg.batch_size * self.sampler.seq_len
+        return self.finish_step(step, losses)
+
+    def start_step(self, step: int, time_share: float) -> None:
+        """The schedule's learning rate into the optimiser, the gradients cleared."""
+        self.lr = lr = learning_rate(step, self.cfg, time_share)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_step(self, step: int, losses: list[torch.Tensor]) -> float:
+        """Unscaling, clipping, the optimiser step and the head groups' per-step hooks; this rank's mean of the
+        micro-batches' ``losses``."""
+        cfg = self.cfg
         scaler = self.parallel.scaler
         scaler.unscale_(self.optimizer)
         if cfg.clip > 0:
@@ -225,7 +239,16 @@ class Loop:
         return sum(x / cfg.grad_accum for x in torch.stack(losses).tolist())
 
 
-IGNORED = -100  # the target of a prediction that does not count (F.cross_entropy's ignore_index)
+def run_loop(loop: Loop, resume: bool) -> str:
+    """``loop.run`` under the stop signals: Ctrl-C during the loop stops at the end of the step and saves, and
+    raises ``Interrupted``; after the loop everything is saved, so Ctrl-C during the final evaluation and sample
+    interrupts at once (KeyboardInterrupt). Returns why the loop stopped."""
+    with loop.stop.handling(), loop.model.reproducible():
+        stopped = loop.run(resume)
+    if stopped == "interrupted":
+        raise Interrupted(loop.directory.path, loop.progress.step)
+    return stopped
+
 
 BUDGET_CHECK_STEPS = 10  # the time budget is compared with max_steps once: this many steps after the first (or a tenth
 # of the budget)

@@ -216,6 +216,11 @@ class TrainingForward:
                      f"--set compile=false skips it): {type(cause).__name__}: {first}")
             return self.model(tokens, **inputs)
 
+    def eager(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The data-parallel model's own forward on ``inputs``, never compiled: an encoder-decoder run's batches of
+        pairs, whose lengths change every step."""
+        return self.model(*inputs)
+
     @contextlib.contextmanager
     def reproducible(self) -> Iterator[None]:
         """Where this forward may be compiled on a CPU (``fixed_order``): PyTorch's deterministic algorithms while

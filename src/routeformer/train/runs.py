@@ -13,39 +13,47 @@ else:  # pragma: no cover - Python 3.10
 
 from ..data import DataError, Dataset, DatasetMeta
 from ..model import TransformerConfig, TransformerLM
+from ..model.seq2seq import Seq2SeqLM
 from .config import RunConfig, TrainConfig
 from .distributed import resolve_device
 from .rundir import data_changes, read_data_record
+from .seq2seq_config import Seq2SeqRun, is_seq2seq, seq2seq_run
 
 
-def read_run_config(run_dir: Path) -> RunConfig:
-    """The run configuration saved in ``run_dir``/config.toml. A saved file may be in the old flat spelling of the
-    kinds' settings (``window``, ``num_clusters``, ...): it is migrated as a saved config.json is
-    (``TransformerConfig.from_dict(..., saved=True)``)."""
+def read_run_config(run_dir: Path) -> RunConfig | Seq2SeqRun:
+    """The run configuration saved in ``run_dir``/config.toml (an encoder-decoder run's where it has [encoder]). A
+    saved file may be in the old flat spelling of the kinds' settings (``window``, ``num_clusters``, ...): it is
+    migrated as a saved config.json is (``TransformerConfig.from_dict(..., saved=True)``)."""
     path = run_dir / "config.toml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {run_dir} is not a routeformer run directory")
     try:
         raw = tomllib.loads(path.read_text())
+        if is_seq2seq(raw):
+            return seq2seq_run(raw, str(path), saved=True)
         return RunConfig(TransformerConfig.from_dict(raw["model"], saved=True), TrainConfig(**raw["train"]))
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path} is not a valid run configuration: {err}") from None
 
 
 def load_run(run_dir: Path, which: str = "best", data_dir: str | None = None,
-             device: str = "cpu") -> tuple[TransformerLM, RunConfig, Dataset, str]:
-    """The model (best or last weights), the run configuration and the data set it was trained on."""
+             device: str = "cpu") -> tuple[TransformerLM | Seq2SeqLM, RunConfig | Seq2SeqRun, Dataset, str]:
+    """The model (best or last weights), the run configuration and the data set it was trained on; an
+    encoder-decoder run's model is a ``Seq2SeqLM``."""
     run = read_run_config(run_dir)
     weights = run_dir / "best" if which == "best" and (run_dir / "best" / "model.safetensors").is_file() else run_dir
     if which == "best" and weights == run_dir:
         which = "last"
-    model = TransformerLM.from_pretrained(weights, map_location=device).eval()
+    seq2seq = isinstance(run, Seq2SeqRun)
+    model = (Seq2SeqLM if seq2seq else TransformerLM).from_pretrained(weights, map_location=device).eval()
     data = Dataset.open(run.train.data, data_dir if data_dir is not None else run.train.data_dir)
-    if model.config.vocab_size != data.meta.vocab_size:
-        raise DataError(f"{weights / 'model.safetensors'} has a vocabulary of {model.config.vocab_size} tokens but "
+    vocab = model.config.decoder.vocab_size if seq2seq else model.config.vocab_size
+    if vocab != data.meta.vocab_size:
+        raise DataError(f"{weights / 'model.safetensors'} has a vocabulary of {vocab} tokens but "
                         f"data set {data.meta.name!r} in {data.directory} has {data.meta.vocab_size}: wrong data for "
                         f"this checkpoint")
-    check_sample_layout(model.config, data.meta)
+    if not seq2seq:
+        check_sample_layout(model.config, data.meta)
     recorded = read_data_record(run_dir)
     changed = "" if recorded is None else data_changes(recorded, data.meta)
     if changed:

@@ -15,7 +15,6 @@ is raised (the command line exits with status 130).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,16 @@ import torch
 from ..data import BatchSampler, DataError, Dataset, PackedRows, RepeatCurriculum
 from ..model import TransformerLM
 from . import distributed
-from .checkpoint import CHECKPOINT, Checkpointer, first_line, load_checkpoint
 from .config import RunConfig, TrainConfig
 from .evaluation import UNITS, Validator, metric
-from .loop import Loop, Parts, Services, adamw, schedule_warnings
-from .parallel import Parallelism, resolve_precision
-from .rundir import RunDirectory, new_run_dir
+from .loop import Loop, Parts, Services, run_loop, schedule_warnings
+from .parallel import resolve_precision
+from .rundir import new_run_dir
 from .runs import check_sample_layout
 from .sampling import decode, sample
+from .seq2seq_config import Seq2SeqRun
+from .seq2seq_trainer import Seq2SeqResult, train_seq2seq
+from .setup import start_run
 from .signals import Interrupted, StopRequest
 
 __all__ = ["Interrupted", "TrainResult", "decode", "executor_line", "new_run_dir", "train"]
@@ -53,12 +54,16 @@ class TrainResult:
     final_seconds: float  # the whole-split evaluation and the sample
 
 
-def train(run: RunConfig, run_dir: Path, *, resume: bool = False, echo=print, say=None) -> TrainResult:
+def train(run: RunConfig | Seq2SeqRun, run_dir: Path, *, resume: bool = False, echo=print,
+          say=None) -> TrainResult | Seq2SeqResult:
     """Train ``run`` in ``run_dir`` (continuing its checkpoint when ``resume``). ``echo``: where the lines of the run
     go (the first, the validations, the warnings); ``say`` (None: nowhere): where the line naming the attention
-    executor goes (``executor_line``), first, once the run is set up (the command line: stderr). Rank 0 only."""
+    executor goes (``executor_line``), first, once the run is set up (the command line: stderr). Rank 0 only. An
+    encoder-decoder run (``Seq2SeqRun``) trains on pairs (``seq2seq_trainer``)."""
     procs = distributed.start(run.train.device)
     try:
+        if isinstance(run, Seq2SeqRun):
+            return train_seq2seq(run, run_dir, procs, resume, echo, say)
         return _train(run, run_dir, procs, resume, echo, say)
     finally:
         distributed.stop(procs)
@@ -76,23 +81,10 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
     started = time.monotonic()
     data = open_data(run)  # first: a start that fails on its data leaves no run directory behind
     kind = data.meta.kind
-    parallel = Parallelism(procs, cfg)  # so does one whose precision or parallelism cannot be had
-    directory = RunDirectory(run_dir, run, procs, resume)
-    directory.prepare()
-    directory.record_data(data.meta)
-    state = load_checkpoint(run_dir) if resume else None
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    core = TransformerLM(run.model)
-    num_params = core.num_parameters()  # before sharding, which leaves each rank a part
-    if state is not None:
-        with _state_fits(run_dir):
-            core.load_state_dict(state["model"])  # before sharding: the checkpoint holds the whole model
-    core = core.to(procs.device)
-    model = parallel.wrap(core)
-    optimizer = adamw(core, cfg)
-    checkpointer = Checkpointer(run_dir, run.model, parallel, core, optimizer)
-    with _state_fits(run_dir) if state is not None else contextlib.nullcontext():
-        progress = checkpointer.restore(state)
+    s = start_run(run, run_dir, procs, resume, data.meta, lambda: TransformerLM(run.model))
+    parallel, directory, core, optimizer, checkpointer, progress = (s.parallel, s.directory, s.core, s.optimizer,
+                                                                    s.checkpointer, s.progress)
+    model, num_params = s.model, s.num_params
     forward = parallel.training_forward(model, progress.compiled_from, progress.step + 1)  # last: it wraps model
     directory.open_log(progress.step)
     if cfg.short_steps and not (cfg.short_len < run.model.seq_len and run.model.seq_len % cfg.short_len == 0):
@@ -132,12 +124,7 @@ def _train(run: RunConfig, run_dir: Path, procs: distributed.Processes, resume: 
         stop = StopRequest(echo if procs.main else None)
         loop = Loop(cfg, Parts(forward, core, optimizer, sampler),
                     Services(parallel, directory, validator, checkpointer, stop), progress)
-        # Ctrl-C during the loop stops at the end of the step and saves. After the loop everything is saved,
-        # so Ctrl-C during the final evaluation and sample interrupts at once (KeyboardInterrupt).
-        with stop.handling(), forward.reproducible():
-            stopped = loop.run(resume)
-        if stopped == "interrupted":
-            raise Interrupted(run_dir, progress.step)
+        stopped = run_loop(loop, resume)
         minutes = (time.monotonic() - started) / 60
         final_start = time.monotonic()
         valid = metric(kind, validator.whole_split(progress.step))
@@ -176,16 +163,6 @@ def _repeats_note(cfg: TrainConfig, packed: PackedRows | None) -> str:
     if not cfg.repeat_steps:
         return note
     return note + f", {cfg.repeat_share:.0%} of rows repeated text over the first {cfg.repeat_steps} steps"
-
-
-@contextlib.contextmanager
-def _state_fits(run_dir: Path):
-    """A checkpoint whose content does not fit the run's model or optimiser: a one-line error naming it."""
-    try:
-        yield
-    except (KeyError, TypeError, IndexError, RuntimeError, AttributeError) as err:
-        raise ValueError(f"{run_dir / CHECKPOINT} does not fit this run's model or optimiser: {first_line(err)}") \
-            from None
 
 
 def open_data(run: RunConfig) -> Dataset:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ class KeyStore:
     p goes to slot p mod capacity (every position passes through a ring); otherwise slots fill once, in arrival
     order. Either way the filled slots are the first min(count, capacity).
     """
+
+    ROWS: ClassVar[tuple[str, ...]] = ("keys", "values")  # one row per sequence (reorder_rows)
 
     keys: Tensor
     values: Tensor

@@ -8,7 +8,7 @@ route plus O(p · window · D) to attend over its p probed clusters, per head, w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,6 +36,8 @@ class RoutingCache:
     tokens written to each cluster so far; length: positions decoded so far; max_len: the declared maximum, or
     None when the owner checks it (a model's ``ModelCache`` checks once for every layer).
     """
+
+    ROWS: ClassVar[tuple[str, ...]] = ("keys", "values", "positions", "counts")  # one row per sequence (reorder_rows)
 
     keys: Tensor
     values: Tensor
