@@ -22,8 +22,6 @@ from routeformer.train import load_run_config
 from routeformer.train.runs import read_run_config
 from routeformer.train.seq2seq_config import Seq2SeqRun
 
-pytest.importorskip("sacrebleu")
-
 WORDS = [("file", "Datei"), ("open", "öffnen"), ("save", "speichern"), ("close", "schließen"), ("new", "neu"),
          ("folder", "Ordner"), ("error", "Fehler"), ("print", "drucken")]
 
@@ -283,3 +281,11 @@ def test_the_first_use_of_gettext_lang_prepares_it_from_the_machine_s_catalogs(t
     assert read_pairs(Dataset.open("gettext-de", tmp_path / "data"), "train")
     prepare_builtin("gettext-de", tmp_path / "data")
     assert capsys.readouterr().out == ""  # once
+
+
+def test_a_run_without_sacrebleu_is_refused_before_it_trains(toy: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)  # import sacrebleu then raises ImportError
+    out = toy / "no-scores"
+    assert main(run_args(toy, out)) != 0
+    assert "pip install 'routeformer[translate]'" in capsys.readouterr().err
+    assert not out.exists()  # refused before the run directory was made
