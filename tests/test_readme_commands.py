@@ -21,6 +21,7 @@ import torch
 
 from helpers import tiny_text_data, write_mo
 from routeformer.cli import build_parser, main
+from routeformer.data import prepare
 from routeformer.train.config import resolve_config_path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -34,6 +35,9 @@ TOY_TRAIN = ["--max-steps", "2", "--max-minutes", "2", "--set", "seq_len=64", "-
              "--set", "options.routing.window=8", *TOY_MODEL]
 TOY_RECALL = ["--steps", "2", "--seeds", "0", "--eval", "8", "--batch", "4", "--dim", "32"]
 TOY_TEXT = ["--steps", "2", "--minutes", "1", *TOY_MODEL]
+TOY_TRANSLATE = ["--max-steps", "2", "--max-minutes", "2", "--set", "model.dim=16", "--set", "encoder.depth=1",
+                 "--set", "decoder.depth=1", "--set", "batch_size=2", "--set", "eval_every=2", "--set",
+                 "eval_tokens=64", "--set", "device=cpu"]
 
 
 def readme_commands(text: str) -> list[str]:
@@ -126,7 +130,7 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
     when this worker has not (pytest-xdist spreads the commands over workers, each with its own folder)."""
     data = ["--data", "tiny", "--data-dir", str(folder / "data")]
     for argv in _expand(COMMANDS[index]):
-        if argv[0] == "analyze":
+        if argv[0] in ("analyze", "evaluate", "sample"):
             for run_dir in [argv[1]] + ([argv[argv.index("--baseline") + 1]] if "--baseline" in argv else []):
                 maker = _made_by(run_dir, index)
                 if not (folder / run_dir).exists() and maker is not None:
@@ -141,7 +145,11 @@ def _run_command(index: int, folder: Path, monkeypatch) -> None:
             continue
         if "cuda" in argv and not torch.cuda.is_available():
             continue  # a GPU command: parsed above
-        if argv[0] == "train":
+        if argv[0] == "train" and _config_of(argv) == "translate":  # toy catalogs, prepared as gettext-de
+            if not (folder / "data" / "gettext-de").is_dir():
+                prepare("gettext", folder / "data", str(_toy_locales(folder / "locale", "de")), lang="de")
+            toy = [*argv, "--data-dir", str(folder / "data"), *TOY_TRANSLATE]
+        elif argv[0] == "train":
             toy = [*argv, *data, *TOY_TRAIN] + ([] if _sets_rel_clip(argv) else ["--set", "rel_clip=16"])
             if "--out" not in argv:
                 toy += ["--out", str(folder / "runs" / f"main-{index}")]
@@ -180,11 +188,17 @@ def _on_the_cpu(argv: list[str]) -> list[str]:
     GPU, against this test's CPU-made runs): train and bench text by their configuration, the others by --device."""
     if any("cuda" in arg for arg in argv):
         return argv
-    if argv[0] == "train" and "--resume" not in argv or argv[:2] == ["bench", "text"]:
+    if argv[0] == "train" and "--resume" not in argv and _config_of(argv) != "translate" or \
+            argv[:2] == ["bench", "text"]:
         return [*argv, "--set", "device=cpu"]
     if " ".join(argv[:2]).startswith(DEVICE_OPTION) and "--device" not in argv:
         return [*argv, "--device", "cpu"]
     return argv
+
+
+def _config_of(argv: list[str]) -> str | None:
+    """The --config a command names, if any."""
+    return argv[argv.index("--config") + 1] if "--config" in argv else None
 
 
 def _sets_rel_clip(argv: list[str]) -> bool:
