@@ -192,6 +192,7 @@ def test_evaluate_and_sample_translate(toy: Path, capsys) -> None:
     assert capsys.readouterr().out == greedy  # a translation is greedy unless told otherwise
     assert main(["sample", str(out), "--prompt", "open file 12", "--beams", "2"]) == 0
     for args, fragment in ((["evaluate", str(out), "--stride", "4"], "--stride: an encoder-decoder run scores"),
+                           (["analyze", str(out), "heads"], "is an encoder-decoder run: the analyses read"),
                            (["sample", str(out), "--prompt", "x" * 40], "this model reads sources of at most 32"),
                            (["sample", str(out), "--prompt", "open", "--tokens", "50"], "targets hold at most 39"),
                            (["sample", str(out), "--prompt", "open", "--beams", "2", "--temperature", "1"],
@@ -289,3 +290,26 @@ def test_a_run_without_sacrebleu_is_refused_before_it_trains(toy: Path, monkeypa
     assert main(run_args(toy, out)) != 0
     assert "pip install 'routeformer[translate]'" in capsys.readouterr().err
     assert not out.exists()  # refused before the run directory was made
+
+
+def test_token_budget_batches_hold_short_pairs_many_to_a_batch_and_split_alike_across_ranks() -> None:
+    gen = torch.Generator().manual_seed(1)
+    pairs = [(bytes([65] * int(n)), bytes([66] * int(m))) for n, m in torch.randint(1, 60, (300, 2), generator=gen)]
+    batches = PairBatches(pairs, 64, seed=2, tokens=256, parts=2)
+    epoch = batches.order(0)
+    assert sorted(i for b in epoch for i in b.tolist()) == sorted(set(i for b in epoch for i in b.tolist()))
+    for b in epoch:
+        longest = max(batches.lengths[i] for i in b.tolist())
+        assert 2 <= len(b) <= 64 and (len(b) * longest <= 256 or len(b) == 2)  # the budget, or the two parts' least
+    sizes = [len(b) for b in epoch]
+    assert max(sizes) >= 3 * min(sizes)  # short pairs many to a batch (sides of 1-60 bytes), long ones few
+    steps = len(epoch) + 3  # into the second epoch
+    for step in (1, steps):
+        whole = [bytes(r[p].tolist()) for x in (batches.batch(step, m, 2) for m in range(2))
+                 for r, p in zip(x.source, x.source_padding, strict=True)]
+        ranks = [bytes(r[p].tolist()) for x in (PairBatches(pairs, 64, seed=2, share=(k, 2), tokens=256,
+                                                             parts=2).batch(step) for k in range(2))
+                 for r, p in zip(x.source, x.source_padding, strict=True)]
+        assert whole == ranks  # one process's two micro-batches are the two processes' parts
+    with pytest.raises(ValueError, match="batch_tokens = 512: an encoder-decoder run's batches"):
+        load_run_config(None, ["batch_tokens=512"])

@@ -50,6 +50,7 @@ def open_target(run_dir: str | Path, *, split: str = "valid", checkpoint: str = 
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} does not exist: give a run directory written by routeformer train")
     model, _, data, which = load_run(run_dir, checkpoint, data_dir, pick_device(device))
+    refuse_encoder_decoder(model, run_dir)
     tokens = data.split(split)
     if len(tokens) < 2:
         raise ValueError(f"the {split} split of {data.meta.name!r} is too short to analyse")
@@ -57,6 +58,15 @@ def open_target(run_dir: str | Path, *, split: str = "valid", checkpoint: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     label = f"{run_dir.name} ({which} weights, {split} split of {data.meta.name})"
     return Target(model, data, tokens, out_dir, label)
+
+
+def refuse_encoder_decoder(model: object, run_dir: Path) -> None:
+    """The analyses read a language model's heads over its own text: an encoder-decoder run is refused by name."""
+    from ..model.seq2seq import Seq2SeqLM
+
+    if isinstance(model, Seq2SeqLM):
+        raise ValueError(f"{run_dir} is an encoder-decoder run: the analyses read language-model runs (their heads "
+                         f"over their own text); evaluate and sample take it")
 
 
 def parse_ints(text: str, what: str) -> list[int]:
@@ -231,6 +241,7 @@ def routing(target: Target, baseline: Baseline | None = None, *, windows: int = 
             raise FileNotFoundError(f"--baseline {base_dir} does not exist: give a run directory")
         other, _, data, _ = load_run(base_dir, baseline.checkpoint, baseline.data_dir,
                                      next(model.parameters()).device)
+        refuse_encoder_decoder(other, base_dir)
         other.eval()
         if data.meta.name != target.data.meta.name or other.config.seq_len != n:
             raise ValueError(f"--baseline {base_dir}: trained on {data.meta.name!r} at seq_len "

@@ -69,42 +69,91 @@ def fitting(pairs: Sequence[Pair], source_len: int, target_len: int) -> list[Pai
 
 
 class PairBatches:
-    """The training batches of ``pairs``: step s (1-based) takes batch (s - 1) mod E of epoch (s - 1) div E, E =
-    len(pairs) // batch_size (the remainder of an epoch is left to the next one's order). Each epoch sorts the
-    pairs by their longer side plus uniform noise of ``NOISE`` bytes (seeded by ``seed`` and the epoch), cuts them
-    into batches of ``batch_size`` and shuffles those: a function of (seed, step) alone, so a resumed run sees the
-    same batches. ``share`` (rank, processes) splits every batch, and ``micro_batches`` this rank's share again."""
+    """The training batches of ``pairs``, epoch after epoch: each epoch sorts the pairs by their longer side (the
+    target's with its end) plus uniform noise of ``NOISE`` bytes (seeded by ``seed`` and the epoch), cuts them into
+    batches and shuffles those; step s (1-based) takes the epochs' batches in turn. Batches hold ``batch_size``
+    pairs (the remainder of an epoch is left to the next one's order), or with ``tokens`` > 0 as many pairs as fit
+    ``tokens`` padded positions (pairs times the longest side), at most ``batch_size`` and at least ``parts``: short
+    pairs then come many to a batch, as fairseq's max-tokens batches. A function of (seed, step) alone, so a resumed
+    run sees the same batches. ``share`` (rank, processes) splits every batch, and ``micro_batches`` this rank's share
+    again (``parts`` = processes · micro-batches, with ``tokens``)."""
 
-    def __init__(self, pairs: Sequence[Pair], batch_size: int, *, seed: int, share: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, pairs: Sequence[Pair], batch_size: int, *, seed: int, share: tuple[int, int] = (0, 1),
+                 tokens: int = 0, parts: int = 1) -> None:
         rank, world = share
-        if batch_size % world:
+        if not tokens and batch_size % world:
             raise DataError(f"batch_size ({batch_size}) must be divisible by the number of processes ({world})")
-        if len(pairs) < batch_size:
-            raise DataError(f"{len(pairs)} training pairs fit the model, fewer than batch_size ({batch_size})")
+        if len(pairs) < max(batch_size if not tokens else parts, 1):
+            raise DataError(f"{len(pairs)} training pairs fit the model, fewer than a batch of "
+                            f"{batch_size if not tokens else parts}")
+        if tokens and batch_size < parts:
+            raise DataError(f"batch_size ({batch_size}) must be at least processes times grad_accum ({parts}): every "
+                            f"part of a batch holds a pair")
         self.pairs, self.batch_size, self.seed, self.rank, self.world = pairs, batch_size, seed, rank, world
-        self.per_epoch = len(pairs) // batch_size
+        self.tokens, self.parts = tokens, parts
+        self.lengths = [max(len(s), len(t) + 1) for s, t in pairs]
+        self.per_epoch = len(pairs) // batch_size  # with tokens: an epoch's count varies (``_counts``)
         self._epoch: tuple[int, list[Tensor]] | None = None
+        self._counts: list[int] = []  # batches in epochs 0, 1, … (with tokens)
 
     def order(self, epoch: int) -> list[Tensor]:
-        """Epoch ``epoch``'s batches: each the (batch_size,) indices of its pairs."""
+        """Epoch ``epoch``'s batches: each the indices of its pairs."""
         if self._epoch is None or self._epoch[0] != epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            lengths = torch.tensor([max(len(s), len(t) + 1) for s, t in self.pairs], dtype=torch.float64)
+            lengths = torch.tensor(self.lengths, dtype=torch.float64)
             by_length = torch.argsort(lengths + torch.rand(len(self.pairs), generator=gen, dtype=torch.float64) * NOISE)
-            cut = by_length[:self.per_epoch * self.batch_size].view(self.per_epoch, self.batch_size)
-            self._epoch = (epoch, list(cut[torch.randperm(self.per_epoch, generator=gen)]))
+            if self.tokens:
+                cut = self._cut(by_length.tolist())
+            else:
+                cut = list(by_length[:self.per_epoch * self.batch_size].view(self.per_epoch, self.batch_size))
+            self._epoch = (epoch, [cut[i] for i in torch.randperm(len(cut), generator=gen).tolist()])
         return self._epoch[1]
+
+    def _cut(self, order: list[int]) -> list[Tensor]:
+        """Pairs in ``order`` cut greedily into batches of at most ``tokens`` padded positions (see the class)."""
+        batches, current, longest = [], [], 0
+        for i in order:
+            n = max(longest, self.lengths[i])
+            if len(current) >= self.parts and ((len(current) + 1) * n > self.tokens or
+                                               len(current) == self.batch_size):
+                batches.append(torch.tensor(current))
+                current, n = [], self.lengths[i]
+            current.append(i)
+            longest = n
+        if len(current) >= self.parts:  # a last batch too small to split is left to the next epoch's order
+            batches.append(torch.tensor(current))
+        return batches
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within it) of step ``step``."""
+        if not self.tokens:
+            return divmod(step - 1, self.per_epoch)
+        index, epoch = step - 1, 0
+        while True:
+            if epoch == len(self._counts):
+                self._counts.append(len(self.order(epoch)))
+            if index < self._counts[epoch]:
+                return epoch, index
+            index -= self._counts[epoch]
+            epoch += 1
 
     def batch(self, step: int, micro: int = 0, micro_batches: int = 1) -> PairBatch:
         """This rank's share of micro-batch ``micro`` of step ``step``: batch_size / (world · micro_batches)
-        pairs."""
-        per = self.batch_size // self.world
-        if per % micro_batches:
-            raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
-        size = per // micro_batches
-        first = self.rank * per + micro * size
-        epoch, index = divmod(step - 1, self.per_epoch)
-        chosen = self.order(epoch)[index][first:first + size]
+        pairs, or with ``tokens`` its part of world · micro_batches near-equal parts of the batch."""
+        epoch, index = self.locate(step)
+        pairs = self.order(epoch)[index]
+        if self.tokens:
+            if self.world * micro_batches != self.parts:
+                raise DataError(f"batches cut in {self.parts} parts, asked for {self.world} x {micro_batches}")
+            part, m = self.rank * micro_batches + micro, len(pairs)
+            chosen = pairs[part * m // self.parts:(part + 1) * m // self.parts]
+        else:
+            per = self.batch_size // self.world
+            if per % micro_batches:
+                raise DataError(f"batch_size per process ({per}) must be divisible by grad_accum ({micro_batches})")
+            size = per // micro_batches
+            first = self.rank * per + micro * size
+            chosen = pairs[first:first + size]
         return pair_batch([self.pairs[i] for i in chosen.tolist()])
 
 

@@ -49,6 +49,9 @@ class TrainConfig:
     the one before by this fraction of seq_len and scores only the rest: windows every floor((1 - eval_overlap) ·
     seq_len) tokens, every prediction from eval_overlap · seq_len tokens of context or more (0: non-overlapping
     windows, as ``routeformer evaluate`` without ``--stride``); the periodic estimate stays non-overlapping.
+    batch_tokens (an encoder-decoder run's): batches of pairs of similar lengths holding up to this many padded
+    positions (pairs times the longer side), at most batch_size pairs (``data.pairs.PairBatches``); 0: batch_size
+    pairs a batch.
     repeat_steps, repeat_share: a curriculum of repeated text (``data.repeats.RepeatCurriculum``): in steps
     1..repeat_steps each training row is, with probability repeat_share, its own first seq_len/8 to seq_len/2
     tokens over and over, so that the model learns early to copy what it has read; 0 steps: none.
@@ -67,6 +70,7 @@ class TrainConfig:
     data: str = "stdlib"
     data_dir: str | None = None
     batch_size: int = 16
+    batch_tokens: int = 0
     grad_accum: int = 1
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -104,9 +108,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "warmup_steps", "max_steps", "decay_steps", "eval_every",
-                     "eval_tokens", "log_every", "repeat_steps", "short_steps", "short_len"):
+                     "eval_tokens", "log_every", "repeat_steps", "short_steps", "short_len", "batch_tokens"):
             value = getattr(self, name)
-            may_be_zero = name in ("warmup_steps", "decay_steps", "repeat_steps", "short_steps", "short_len")
+            may_be_zero = name in ("warmup_steps", "decay_steps", "repeat_steps", "short_steps", "short_len",
+                                   "batch_tokens")
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if may_be_zero else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if may_be_zero else 'positive'} "
                                  f"integer, got {value!r}")
@@ -168,6 +173,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_stride(overlap_stride(self.model.seq_len, self.train.eval_overlap), self.model,
                      f"eval_overlap {self.train.eval_overlap!r}'s stride")
+        if self.train.batch_tokens:
+            raise ValueError(f"batch_tokens = {self.train.batch_tokens}: an encoder-decoder run's batches of pairs; "
+                             f"a language model's batch is batch_size rows of seq_len tokens")
 
     def to_toml(self) -> str:
         return (f"# resolved configuration of this run\n\n[model]\n{_table(asdict(self.model))}\n"

@@ -73,6 +73,13 @@ def split_pairs(data: Dataset, split: str, model: Seq2SeqConfig) -> tuple[list[P
     return kept, every
 
 
+def batch_words(cfg) -> str:
+    """How the banner says a batch's size."""
+    if cfg.batch_tokens:
+        return f"up to {cfg.batch_tokens:,} padded bytes and {cfg.batch_size} pairs"
+    return f"{cfg.batch_size} pairs"
+
+
 class PairLoop(Loop):
     """The training loop (``Loop``) over batches of pairs: a step's micro-batches come from ``PairBatches``, the
     loss is the mean NLL per target byte (the end included) plus the routing heads' commitment."""
@@ -191,7 +198,8 @@ def train_seq2seq(run: Seq2SeqRun, run_dir: Path, procs: distributed.Processes, 
     num_params = s.num_params
     forward = TrainingForward(s.model, "off")  # eager: the batches change length every step
     directory.open_log(progress.step)
-    batches = PairBatches(pairs.train, cfg.batch_size, seed=cfg.seed, share=(procs.rank, procs.world))
+    batches = PairBatches(pairs.train, cfg.batch_size, seed=cfg.seed, share=(procs.rank, procs.world),
+                          tokens=cfg.batch_tokens, parts=procs.world * cfg.grad_accum)
     batches.batch(progress.step + 1, 0, cfg.grad_accum)  # fail early on an impossible batch split
     if procs.main:
         m = run.model
@@ -201,7 +209,7 @@ def train_seq2seq(run: Seq2SeqRun, run_dir: Path, procs: distributed.Processes, 
         echo(f"{'resuming' if resume else 'training'} {num_params / 1e6:.2f}M-parameter encoder-decoder model "
              f"(encoder {m.encoder.depth} layers, attention {m.encoder.attention}; decoder {m.decoder.depth} layers, "
              f"attention {m.decoder.attention}, cross {m.cross}; dim {m.decoder.dim}) on {cfg.data} "
-             f"({len(pairs.train):,} training pairs of similar lengths, {cfg.batch_size} a batch; "
+             f"({len(pairs.train):,} training pairs of similar lengths, {batch_words(cfg)} a batch; "
              f"{pairs.left_out['train']:,} longer than {m.encoder.seq_len} / {m.decoder.seq_len - 1} bytes left out), "
              f"{parallel.describe()}; run directory {run_dir}")
         for warning in schedule_warnings(cfg):
