@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from routeformer.model.beam import beam_search, reorder_rows
-from routeformer.model.seq2seq import Seq2SeqConfig, Seq2SeqLM
+from routeformer.model.seq2seq import Sampling, Seq2SeqConfig, Seq2SeqLM
 
 STOP = 0
 
@@ -135,7 +135,7 @@ def test_a_cache_that_names_no_rows_is_refused() -> None:
 def test_beam_search_needs_greedy_choice_and_a_stop() -> None:
     model = tiny_model("local:2,full:2", {"local": {"window": 4}})
     source = torch.randint(1, 256, (1, 5))
-    with pytest.raises(ValueError, match="temperature must be 0"):
-        model.translate(source, 4, beams=2, temperature=1.0)
+    with pytest.raises(ValueError, match="beam search is deterministic and needs a stop token: no sampling"):
+        model.translate(source, 4, beams=2, sampling=Sampling())
     with pytest.raises(ValueError, match="beams must be a positive integer"):
         model.translate(source, 4, beams=0)

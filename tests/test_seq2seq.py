@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from routeformer.model.seq2seq import Seq2SeqConfig, Seq2SeqLM
+from routeformer.model.seq2seq import Sampling, Seq2SeqConfig, Seq2SeqLM
 
 COMMON = dict(vocab_size=64, dim=32, heads=4, positions="absolute")
 ROUTING = {"num_clusters": 4, "window": 12, "probes": 1, "balance": 0.0}
@@ -117,7 +117,7 @@ def test_translate_greedy_matches_the_forward_and_sampling_repeats() -> None:
     assert out.shape == (2, 12)
     inputs = torch.cat([torch.zeros(2, 1, dtype=torch.long), out[:, :-1]], 1)  # the start token, then its own
     assert torch.equal(m(source, inputs).argmax(-1), out)  # greedy: each token the forward's argmax
-    a, b = (m.translate(source, 12, temperature=1.0, top_k=8, seed=3, stop=None) for _ in range(2))
+    a, b = (m.translate(source, 12, sampling=Sampling(1.0, top_k=8, seed=3), stop=None) for _ in range(2))
     assert torch.equal(a, b)
     stop = int(out[0, 2])
     stopped = m.translate(source, 12, stop=stop)

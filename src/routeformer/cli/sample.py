@@ -83,6 +83,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def translate_prompt(model, text: bytes, args: argparse.Namespace) -> str:
     """An encoder-decoder run's translation of ``text`` (at most the encoder's seq_len bytes)."""
     from ..data.pairs import START, pair_batch
+    from ..model.seq2seq import Sampling
 
     longest_in, longest_out = model.config.encoder.seq_len, model.config.decoder.seq_len - 1
     if len(text) > longest_in:
@@ -93,7 +94,7 @@ def translate_prompt(model, text: bytes, args: argparse.Namespace) -> str:
     device = next(model.parameters()).device
     note(model.config.decoder.describe_executor(device))
     batch = pair_batch([(text, b"")])
+    sampling = None if not args.temperature else Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     out = model.translate(batch.source.to(device), tokens, source_padding=batch.source_padding.to(device),
-                          start=START, stop=START, temperature=args.temperature or 0.0, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, beams=args.beams)[0].tolist()
+                          start=START, stop=START, sampling=sampling, beams=args.beams)[0].tolist()
     return bytes(out[:out.index(START)] if START in out else out).decode("utf-8", errors="replace")

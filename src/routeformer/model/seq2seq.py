@@ -194,6 +194,17 @@ class DecoderBlock(nn.Module):
         return x + self.ff(self.norm2(x))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How ``Seq2SeqLM.translate`` draws each token: at ``temperature`` (0: greedy), among the ``top_k`` most likely
+    or the smallest set of probability ``top_p``, repeatably with ``seed``."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
 INIT_GAIN = 8.0  # every weight matrix and embedding at 8 times the Sparse Transformer's scale (TransformerLM's), so
 # N(0, 1/sqrt(fan-in)); the output head still starts at zero. Measured on copying random letters (dim 64, one layer
 # each, full cross heads, batch 32, AdamW 2e-3; 2026-12-07): at the Sparse Transformer's scale the loss stayed at
@@ -318,31 +329,30 @@ class Seq2SeqLM(nn.Module):
 
     @torch.no_grad()
     def translate(self, source: Tensor, max_new_tokens: int, *, source_padding: Tensor | None = None,
-                  start: int = 0, stop: int | None = 0, temperature: float = 0.0, top_k: int | None = None,
-                  top_p: float | None = None, seed: int | None = None, beams: int = 1) -> Tensor:
+                  start: int = 0, stop: int | None = 0, sampling: Sampling | None = None, beams: int = 1) -> Tensor:
         """Target tokens (B, m), m <= ``max_new_tokens``, decoded after the ``start`` token (byte 0 by default, the
-        pairs' separator): greedy at temperature 0, else sampled (``top_k``, ``top_p``, ``seed``), or with ``beams``
-        > 1 beam search (``model.beam``: each source's best hypothesis by log-probability per token; the source
-        encoded once per beam, the decoder's caches reordered, never re-run); a row ends at ``stop`` (kept, and
-        followed by ``stop`` while the others go on); all rows stopped ends the loop. The model is put in
-        evaluation mode."""
+        pairs' separator): greedy, or drawn as ``sampling`` says, or with ``beams`` > 1 beam search (``model.beam``:
+        each source's best hypothesis by log-probability per token; the source encoded once per beam, the decoder's
+        caches reordered, never re-run); a row ends at ``stop`` (kept, and followed by ``stop`` while the others go
+        on); all rows stopped ends the loop. The model is put in evaluation mode."""
         self.eval()
         B = source.shape[0]
         beams = positive_int("beams", beams)
         if beams > 1:
-            if temperature != 0.0 or stop is None:
-                raise ValueError("beam search is deterministic and needs a stop token: temperature must be 0 and stop "
-                                 "set")
+            if sampling is not None or stop is None:
+                raise ValueError("beam search is deterministic and needs a stop token: no sampling, and stop set")
             return self._beam_search(source, positive_int("max_new_tokens", max_new_tokens), source_padding,
                                      beams, (start, stop))[0]
         cache = self.start_decoding(source, source_padding, max_new_tokens)
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        draw = Sampling(temperature=0.0) if sampling is None else sampling
+        generator = None if draw.seed is None else torch.Generator().manual_seed(draw.seed)
         token = torch.full((B, 1), start, dtype=torch.long, device=source.device)
         done = torch.zeros(B, dtype=torch.bool, device=source.device)
         out = []
         for _ in range(max_new_tokens):
             logits = self.decode(token, cache)[:, -1]
-            nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            nxt = sample_next(logits, temperature=draw.temperature, top_k=draw.top_k, top_p=draw.top_p,
+                              generator=generator)
             if stop is not None:
                 nxt = torch.where(done, stop, nxt)
                 done = done | (nxt == stop)
@@ -401,4 +411,4 @@ class Seq2SeqCache:
     length: int = 0
 
 
-__all__ = ["CrossAttention", "CrossMemory", "DecoderBlock", "Seq2SeqCache", "Seq2SeqConfig", "Seq2SeqLM"]
+__all__ = ["CrossAttention", "CrossMemory", "DecoderBlock", "Sampling", "Seq2SeqCache", "Seq2SeqConfig", "Seq2SeqLM"]
