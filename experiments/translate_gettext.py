@@ -1,11 +1,15 @@
 """Issue 73's feasibility run: a small Seq2SeqLM trained on this machine's gettext pairs for a fixed time on the CPU,
 then greedy translation of the validation split scored with sacrebleu's chrF and BLEU, beside copying the source.
 
-    python experiments/translate_gettext.py OUT.json [--minutes 10] [--cross routing:2,full:2] [--seed 0]
-        [--data-dir DIR]   # needs `routeformer prepare gettext --lang de --data-dir DIR` and `pip install sacrebleu`
+    python experiments/translate_gettext.py OUT.json [--minutes 10 | --steps S] [--cross routing:2,full:2]
+        [--seed 0] [--data-dir DIR] [--tokens 3072] [--copy-steps S --copy-share F] [--dim D] [--layers E,D]
+        [--spm V]   # needs `routeformer prepare gettext --lang de --data-dir DIR` and `pip install sacrebleu`
 
-Bytes in, bytes out: the decoder reads byte 0 then the target and learns to end with byte 0; sources over 128
-bytes and targets over 159 are left out of training (about 5 % of the pairs) and cut in evaluation.
+Bytes in, bytes out (or, with --spm, a sentencepiece BPE vocabulary of V pieces trained on the train split; not yet
+measured): the decoder reads byte 0 then the target and learns to end with byte 0; sources over 128 bytes and
+targets over 159 are left out of training (about 5 % of the pairs) and cut in evaluation. The runs and what they
+showed: docs/model.md, "Translating this machine's catalogs". `routeformer train --config translate` is the
+command a user runs.
 """
 
 from __future__ import annotations
