@@ -40,6 +40,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from ..data import prepare_builtin
     from ..train import Diverged, Interrupted, load_run_config, train
+    from ..train.result import Seq2SeqResult
     from ..train.rundir import new_run_dir
     from ..train.runs import read_run_config
 
@@ -82,9 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"\nstopped after {result.step} steps ({result.stopped}), {result.minutes:.1f} minutes")
         print(f"validation {result.unit}: {result.valid:.4f} (whole split in {result.context}; final evaluation "
               f"and sample {result.final_seconds:.0f} s)")
-        scores = getattr(result, "scores", None)
-        if scores is not None:  # an encoder-decoder run
-            print(f"validation translation: {scores.line()}")
+        if isinstance(result, Seq2SeqResult) and result.scores is not None:
+            print(f"validation translation: {result.scores.line()}")
             source, translation = result.sample
             print(f"a translation (greedy) of a validation source:\n{'-' * 72}\n{source}\n{PROMPT_END} "
                   f"{translation}\n{'-' * 72}")

@@ -26,10 +26,11 @@ from . import distributed
 from .evaluation import metric
 from .loop import Loop, Parts, Services, run_loop, schedule_warnings
 from .parallel import Parallelism, TrainingForward, resolve_precision
+from .result import Seq2SeqResult
 from .seq2seq_config import Seq2SeqRun
 from .setup import start_run
 from .signals import StopRequest
-from .translation import TranslationScores, require_sacrebleu, score, translate_all
+from .translation import require_sacrebleu, score, translate_all
 
 KIND = "bytes"  # the metric: bits per target byte
 
@@ -166,24 +167,6 @@ def pair_nll(model: Seq2SeqLM, pairs: Sequence[Pair], batch: int, procs: distrib
     return total, int(count)
 
 
-@dataclass
-class Seq2SeqResult:
-    """What an encoder-decoder run ends with (the command line prints it): as ``TrainResult``, with the validation
-    split's translation scores and one translation (source, the model's) in ``sample``."""
-
-    run_dir: Path
-    step: int
-    stopped: str
-    unit: str
-    valid: float | None
-    context: str
-    sample: tuple[str, str] | None
-    plot: Path | None
-    minutes: float
-    final_seconds: float
-    scores: TranslationScores | None = None
-
-
 def train_seq2seq(run: Seq2SeqRun, run_dir: Path, procs: distributed.Processes, resume: bool,
                   echo: Callable[[str], object], say: Callable[[str], object] | None) -> Seq2SeqResult:
     """Train ``run`` in ``run_dir`` (see the module); called by ``trainer.train`` inside its processes. ``echo``:
@@ -239,5 +222,5 @@ def train_seq2seq(run: Seq2SeqRun, run_dir: Path, procs: distributed.Processes, 
         directory.close()
 
 
-__all__ = ["PairLoop", "PairValidator", "PairsData", "Seq2SeqResult", "open_pairs", "pair_nll", "split_pairs",
+__all__ = ["PairLoop", "PairValidator", "PairsData", "open_pairs", "pair_nll", "split_pairs",
            "train_seq2seq"]

@@ -16,7 +16,6 @@ is raised (the command line exits with status 130).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,29 +28,16 @@ from .config import RunConfig, TrainConfig
 from .evaluation import UNITS, Validator, metric
 from .loop import Loop, Parts, Services, run_loop, schedule_warnings
 from .parallel import resolve_precision
+from .result import Seq2SeqResult, TrainResult
 from .rundir import new_run_dir
 from .runs import check_sample_layout
 from .sampling import decode, sample
 from .seq2seq_config import Seq2SeqRun
-from .seq2seq_trainer import Seq2SeqResult, train_seq2seq
+from .seq2seq_trainer import train_seq2seq
 from .setup import start_run
 from .signals import Interrupted, StopRequest
 
 __all__ = ["Interrupted", "TrainResult", "decode", "executor_line", "new_run_dir", "train"]
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    step: int
-    stopped: str
-    unit: str
-    valid: float | None
-    context: str  # how the whole split's windows were laid (``evaluation.context_policy``)
-    sample: tuple[str, str] | None  # (prompt, continuation)
-    plot: Path | None
-    minutes: float  # from the start to the end of training
-    final_seconds: float  # the whole-split evaluation and the sample
 
 
 def train(run: RunConfig | Seq2SeqRun, run_dir: Path, *, resume: bool = False, echo=print,
