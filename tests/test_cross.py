@@ -224,7 +224,7 @@ def test_cross_inputs_and_routes_are_checked():
     with pytest.raises(ValueError, match="warmup"):
         moba_cross_attention(Inputs.cross(q, k, v), MobaOptions(warmup=3))
     padded = Inputs.cross(q, k, v, key_padding_mask=memory_padding())
-    with pytest.raises(ValueError, match="sort was made without padding, the inputs have some"):
+    with pytest.raises(ValueError, match="sort was made without padding or documents, the inputs come with padding"):
         routing_cross_attention(padded, cross_routes(q, k, centroids(3)))
 
 

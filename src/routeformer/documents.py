@@ -30,16 +30,17 @@ def check_documents(documents: Tensor | None, batch: int, n: int, device: torch.
     return _numbered(documents, documents.diff(dim=-1))
 
 
-def _check_form(documents: object, batch: int, n: int, device: torch.device) -> Tensor:
-    """``documents`` as a (B, N) integer tensor on ``device``, or a ValueError naming what is wrong."""
+def _check_form(documents: object, batch: int, n: int, device: torch.device, name: str = "documents",
+                shape: str = "(B, N)") -> Tensor:
+    """``documents`` as a (B, N) integer tensor on ``device``, or a ValueError naming what is wrong (as ``name``)."""
     if not isinstance(documents, Tensor):
-        raise ValueError(f"documents must be a torch.Tensor of (B, N) integer ids, got {type(documents).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor of {shape} integer ids, got {type(documents).__name__}")
     if documents.dtype == torch.bool or documents.is_floating_point() or documents.is_complex():
-        raise ValueError(f"documents must be an integer tensor of document ids, got dtype {documents.dtype}")
+        raise ValueError(f"{name} must be an integer tensor of document ids, got dtype {documents.dtype}")
     if tuple(documents.shape) != (batch, n):
-        raise ValueError(f"documents must have shape (B, N) = {(batch, n)}, got {tuple(documents.shape)}")
+        raise ValueError(f"{name} must have shape {shape} = {(batch, n)}, got {tuple(documents.shape)}")
     if documents.device != device:
-        raise ValueError(f"documents is on {documents.device} but q is on {device}")
+        raise ValueError(f"{name} is on {documents.device} but q is on {device}")
     return documents
 
 
@@ -54,6 +55,48 @@ def _numbered(documents: Tensor, step: Tensor) -> Tensor | None:
                          f"goes from {int(documents[b, i])} to {int(documents[b, i + 1])} at position {i + 1}")
     return torch.cat([torch.zeros_like(documents[:, :1], dtype=torch.long),
                       (step != 0).long().cumsum(-1)], dim=-1)
+
+
+class CrossDocuments(NamedTuple):
+    """Packed documents across two sequences, for cross-attention: ``queries`` (B, Nq) and ``memory`` (B, Nk)
+    integer ids that never decrease along a row. Document d of a row's queries reads only document d of its memory
+    (the d-th run of ids on each side, whatever the ids: a row of packed (source, target) pairs, target d reading
+    source d). ``check_cross_documents`` numbers both sides from 0."""
+
+    queries: Tensor
+    memory: Tensor
+
+
+def check_cross_documents(documents: CrossDocuments | None, batch: int, nq: int, nk: int,
+                          device: torch.device) -> CrossDocuments | None:
+    """Check ``CrossDocuments``: each side's form and order as ``check_documents`` does, and as many documents on
+    both sides of every row. Returns both numbered from 0 within each row (int64), or None where no row holds a
+    boundary on either side (one document a row: the plain path). Errors name the side and the row. O(B · (Nq +
+    Nk)), one read of the device."""
+    if documents is None:
+        return None
+    if not isinstance(documents, CrossDocuments):
+        raise ValueError(f"documents must be CrossDocuments(queries=(B, Nq) ids, memory=(B, Nk) ids) for "
+                         f"cross-attention, got {type(documents).__name__}")
+    sides = []
+    for name, ids, n in (("queries", documents.queries, nq), ("memory", documents.memory, nk)):
+        ids = _check_form(ids, batch, n, device, f"documents.{name}", "(B, Nq)" if name == "queries" else "(B, Nk)")
+        step = ids.diff(dim=-1)
+        if bool((step < 0).any()):
+            b, i = (step < 0).nonzero()[0].tolist()
+            raise ValueError(f"documents.{name} must never decrease along a row (a document is one run of "
+                             f"positions): row {b} goes from {int(ids[b, i])} to {int(ids[b, i + 1])} at position "
+                             f"{i + 1}")
+        sides.append(torch.cat([torch.zeros_like(ids[:, :1], dtype=torch.long), (step != 0).long().cumsum(-1)], -1))
+    queries, memory = sides
+    counts = torch.stack([queries[:, -1], memory[:, -1]]).T  # (B, 2): each row's last document on each side
+    if bool((counts[:, 0] != counts[:, 1]).any()):
+        b = int((counts[:, 0] != counts[:, 1]).nonzero()[0, 0])
+        raise ValueError(f"documents: row {b} packs {int(counts[b, 0]) + 1} query documents but "
+                         f"{int(counts[b, 1]) + 1} memory documents; every document needs positions on both sides")
+    if not bool(counts.any()):
+        return None
+    return CrossDocuments(queries, memory)
 
 
 class DocumentSpans(NamedTuple):
@@ -144,4 +187,5 @@ def documents_from_separators(tokens: Tensor, separator: int) -> Tensor:
     return torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1].cumsum(-1)], dim=-1)
 
 
-__all__ = ["check_documents", "documents_from_cu_seqlens", "documents_from_lengths", "documents_from_separators"]
+__all__ = ["CrossDocuments", "check_cross_documents", "check_documents", "documents_from_cu_seqlens",
+           "documents_from_lengths", "documents_from_separators"]

@@ -19,6 +19,7 @@ from ..checks import check_options
 from ..executors import Backend, get_executor, merge_partials, saw_key
 from ..executors.inputs import Inputs, check_rel, refuse_cross
 from ..executors.pieces import Band, BlockDiagonal
+from ..executors.ranges import document_ranges
 from ..executors.relative import RelativePositions
 from ..executors.tiling import Tiling
 from .kernels import check_kernel, check_kernel_backend, kernel_attention
@@ -55,6 +56,9 @@ def full_attention(
     if inputs.is_cross and (causal or rel is not None or options.kernel != "exp"):
         refuse_cross(inputs, "causal=True" if causal else "relative positions" if rel is not None else
                      f"full attention's {options.kernel} kernel (linear attention takes it across two sequences)")
+    if inputs.cross_documents is not None:  # each query over its own document's run of the memory
+        docs = inputs.cross_documents
+        return get_executor(executor, inputs.q.device).ranges(inputs, document_ranges(docs.queries, docs.memory))[0]
     if options.kernel != "exp":
         check_kernel_backend(options.kernel, executor)
         return kernel_attention(inputs, options.kernel, causal=causal, rel=rel)

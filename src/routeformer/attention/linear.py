@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, refuse_cross
+from ..executors.inputs import Inputs, refuse_cross, refuse_cross_documents
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .full import full_mask
@@ -199,6 +199,7 @@ def linear_attention(
     their dtype. Causal elu attention runs on the ``executor``'s scan kernels where it has them (``feature_scan``).
     Packed ``inputs.documents``: every sum over the query's own document (the scan restarts at each boundary).
     """
+    refuse_cross_documents(inputs, "linear cross-attention")
     if causal:
         refuse_cross(inputs, "causal=True")
     options = LinearOptions() if options is None else check_options("options", options, LinearOptions)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, check_rel
+from ..executors.inputs import Inputs, check_rel, refuse_cross_documents
 from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
 from .blocks import (
@@ -192,6 +192,7 @@ def moba_cross_attention(inputs: Inputs, options: MobaOptions | None = None, exe
     heads and is refused here. Returns (B, H, Nq, D); gradients reach q, k and v (not the choice). Time
     O(Nq · (Nk / block + top_k · block) · D) per head; the (Nq, Nk / block) scores are made.
     """
+    refuse_cross_documents(inputs, "MoBA cross-attention")
     o = MobaOptions() if options is None else check_options("options", options, MobaOptions)
     if o.warmup:
         raise ValueError(f"options.warmup ({o.warmup}) is a model's heads' option (steps of dense attention); "

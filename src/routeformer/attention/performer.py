@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, refuse_cross
+from ..executors.inputs import Inputs, refuse_cross, refuse_cross_documents
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .kinds.base import HeadKind, non_causal
@@ -129,6 +129,7 @@ def performer_attention(
     mask) leave the numerator and the denominator. Packed ``inputs.documents``: every sum over the query's own
     document (the scan restarts at each boundary; non-causal, one state per document).
     """
+    refuse_cross_documents(inputs, "performer cross-attention")
     if causal:
         refuse_cross(inputs, "causal=True")
     options = PerformerOptions() if options is None else check_options("options", options, PerformerOptions)

@@ -137,13 +137,17 @@ def _check_mask(mask: Tensor, B: int, H: int, N: int, q: Tensor) -> Tensor:
 def reference_cross_attention(inputs: Inputs, mask: Tensor | None = None, kernel: str = "exp") -> Tensor:
     """Dense cross-attention, the definition its fast paths are tested against: queries q (B, H, Nq, D) over a
     memory k, v (B, H, Nk, D) (``Inputs.cross``), each query over the keys ``mask`` allows ((B, H, Nq, Nk) bool or
-    broadcastable; None: every key) that are real (the memory's padding): softmax of s·q·k, or the kernel K(q, k)
-    normalised for 'poly2' / 'elu'. A query with no allowed key gives zeros. O(Nq·Nk·D) time, O(Nq·Nk) memory."""
+    broadcastable; None: every key) that are real (the memory's padding) and of the query's own document (packed
+    ``cross_documents``, numbered alike on both sides): softmax of s·q·k, or the kernel K(q, k) normalised for
+    'poly2' / 'elu'. A query with no allowed key gives zeros. O(Nq·Nk·D) time, O(Nq·Nk) memory."""
     q, k, v = inputs.q, inputs.k, inputs.v
     B, H, Nq, _ = q.shape
     allowed = torch.ones(B, H, Nq, k.shape[2], dtype=torch.bool, device=q.device)
     if mask is not None:
         allowed = allowed & mask
+    if inputs.cross_documents is not None:
+        queries, memory = inputs.cross_documents
+        allowed = allowed & (queries[:, None, :, None] == memory[:, None, None, :])
     if inputs.key_valid is not None:
         allowed = allowed & inputs.key_valid[:, :, None, :]
     if kernel == "exp":

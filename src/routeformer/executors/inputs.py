@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..checks import check_key_padding_mask, check_qkv, check_scale
-from ..documents import check_documents
+from ..documents import CrossDocuments, check_cross_documents, check_documents
 from .relative import RelativePositions
 from .tiling import INDEX, Distances
 
@@ -33,6 +33,7 @@ class Inputs:
     scale_given: bool = False  # whether the caller chose the scale (a kernel without one, elu, refuses it)
     documents: Tensor | None = None
     is_cross: bool = False  # the keys and values are another sequence's (a memory, Nk may differ): ``Inputs.cross``
+    cross_documents: CrossDocuments | None = None  # a memory's packed documents and its queries' (``Inputs.cross``)
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
@@ -46,16 +47,18 @@ class Inputs:
 
     @classmethod
     def cross(cls, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
-                 key_padding_mask: Tensor | None = None) -> Inputs:
+              key_padding_mask: Tensor | None = None, documents: CrossDocuments | None = None) -> Inputs:
         """The checked inputs of a cross-attention call: queries q (B, H, Nq, D) of one sequence against a memory's
         keys and values k, v (B, H, Nk, D) (an encoder's output; Nk may differ from Nq), ``scale`` (None:
-        1/sqrt(D)) and the memory's (B, Nk) padding mask (True = a real key). Positions of the two sequences are
-        not comparable: the kinds that read them (windows, causal masks, relative positions) refuse these inputs
-        (``attention.cross``: the kinds that take them)."""
-        B, H, _, D = check_qkv(q, k, v, cross=True)
+        1/sqrt(D)), the memory's (B, Nk) padding mask (True = a real key) and packed documents on both sides
+        (``documents.CrossDocuments``: query document d reads memory document d only). Positions of the two
+        sequences are not comparable: the kinds that read them (windows, causal masks, relative positions) refuse
+        these inputs (``attention.cross``: the kinds that take them)."""
+        B, H, Nq, D = check_qkv(q, k, v, cross=True)
         mask = check_key_padding_mask(key_padding_mask, B, k.shape[2], q.device)
         return cls(q, k, v, check_scale(scale, D), None if mask is None else mask[:, None, :],
-                   scale_given=scale is not None, is_cross=True)
+                   scale_given=scale is not None, is_cross=True,
+                   cross_documents=check_cross_documents(documents, B, Nq, k.shape[2], q.device))
 
     @property
     def chosen_scale(self) -> float | None:
@@ -134,6 +137,13 @@ def refuse_documents(inputs: Inputs, what: str) -> None:
     if inputs.documents is not None:
         raise ValueError(f"documents: {what} does not honour packed documents yet; run each document apart, or "
                          f"use a kind that does (docs/attention.md, 'Packed documents')")
+
+
+def refuse_cross_documents(inputs: Inputs, what: str) -> None:
+    """A ValueError where cross-attention ``inputs`` carry packed documents that ``what`` cannot honour."""
+    if inputs.cross_documents is not None:
+        raise ValueError(f"documents: {what} does not honour packed documents across two sequences yet; run each "
+                         f"pair apart, or use full or routing cross-attention")
 
 
 def refuse_cross(inputs: Inputs, what: str) -> None:

@@ -70,6 +70,18 @@ class KeyOrder(NamedTuple):
     inverse: Tensor
 
 
+def document_ranges(queries: Tensor, memory: Tensor) -> Ranges:
+    """Packed documents across two sequences as ranges: query row i's entry is the whole of its document's run of
+    the memory. ``queries`` (B, Nq) and ``memory`` (B, Nk) document ids numbered from 0 within each row, as many on
+    both sides (``documents.check_cross_documents``). O(B · (Nq + Nk)), one read of the device (the widest
+    document)."""
+    counts = memory.new_zeros(memory.shape[0], int(memory[:, -1].max()) + 1).scatter_add_(
+        1, memory, torch.ones_like(memory))  # (B, P): each memory document's length
+    end = counts.cumsum(-1)
+    lo, hi = (end - counts).gather(1, queries), end.gather(1, queries)  # (B, Nq)
+    return Ranges(lo[:, None], hi[:, None], width=max(1, int(counts.max())), documents=queries)
+
+
 def range_attention(tiled: Tiled, inputs: Inputs, spans: Ranges, *, order: KeyOrder | None = None,
                     rel_pos: RelativePositions | None = None, need_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """Query row i attends to the keys lo_m <= j < hi_m of its entries m = i·merge … i·merge + merge - 1 (``spans``):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..attention.cross import CROSS, get_cross_kind
 from ..checks import positive_int
+from ..documents import CrossDocuments, check_cross_documents, check_documents
 from ..executors import get_executor
 from ..executors.inputs import Inputs
 from .beam import beam_search, reorder_rows
@@ -125,11 +126,12 @@ class CrossAttention(nn.Module):
         B, N, _ = x.shape
         return layer(x).view(B, N, self.heads, self.head_dim).transpose(1, 2).split(self.sizes, 1)
 
-    def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None = None,
+                documents: CrossDocuments | None = None) -> tuple[Tensor, Tensor | None]:
         outs, aux = [], None
         for group, qg, kg, vg in zip(self.groups, self._heads(self.query, x), self._heads(self.key, memory),
                                      self._heads(self.value, memory), strict=True):
-            outs.append(group(Inputs.cross(qg, kg, vg, key_padding_mask=memory_padding)))
+            outs.append(group(Inputs.cross(qg, kg, vg, key_padding_mask=memory_padding, documents=documents)))
             loss = group.aux_loss()
             if loss is not None:
                 aux = loss if aux is None else aux + loss
@@ -179,10 +181,11 @@ class DecoderBlock(nn.Module):
         self.ff = FeedForward(dec)
         self.dropout = nn.Dropout(dec.dropout)
 
-    def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        a, aux = self.attention(self.norm1(x))
+    def forward(self, x: Tensor, memory: Tensor, memory_padding: Tensor | None,
+                documents: CrossDocuments | None = None) -> tuple[Tensor, Tensor | None]:
+        a, aux = self.attention(self.norm1(x), None, 0, None if documents is None else documents.queries)
         x = x + self.dropout(a)
-        c, cross_aux = self.cross(self.norm_cross(x), memory, memory_padding)
+        c, cross_aux = self.cross(self.norm_cross(x), memory, memory_padding, documents)
         x = x + self.dropout(c)
         aux = cross_aux if aux is None else aux if cross_aux is None else aux + cross_aux
         return x + self.dropout(self.ff(self.norm2(x))), aux
@@ -269,33 +272,48 @@ class Seq2SeqLM(nn.Module):
         """The position embedding of the ``stack`` ('source' or 'target'): the shared table, or the stack's own."""
         return self.positions if self.shared_positions else getattr(self, f"{stack}_positions")
 
-    def _embed(self, tokens: Tensor, positions: PositionEmbedding | None, start: int = 0) -> Tensor:
-        """The shared byte embedding of (B, N) tokens at positions start … start + N - 1 (B, N, dim)."""
+    def _embed(self, tokens: Tensor, positions: PositionEmbedding | None, start: int = 0,
+               documents: Tensor | None = None) -> Tensor:
+        """The shared byte embedding of (B, N) tokens at positions start … start + N - 1 (B, N, dim), counted from
+        each position's document's start where (B, N) ``documents`` (numbered from 0) pack several."""
         x = self.embed(tokens)
-        return x if positions is None else x + positions(start, tokens.shape[1], tokens.device).to(x.dtype)
+        if positions is None:
+            return x
+        return x + positions(start, tokens.shape[1], tokens.device, documents).to(x.dtype)
 
-    def encode(self, source: Tensor, source_padding: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """(B, Ns) source tokens -> the memory (B, Ns, dim) and the encoder's auxiliary loss (or None)."""
+    def encode(self, source: Tensor, source_padding: Tensor | None = None,
+               documents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """(B, Ns) source tokens -> the memory (B, Ns, dim) and the encoder's auxiliary loss (or None).
+        ``documents``: the source's (B, Ns) packed documents (``routeformer.documents``), each encoded as if alone."""
         check_model_tokens(source, self.config.encoder.vocab_size, "source")
         if source_padding is not None and (source_padding.shape != source.shape or source_padding.dtype != torch.bool):
             raise ValueError(f"source_padding must be a (B, Ns) = {tuple(source.shape)} bool tensor (True = a real "
                              f"token), got {tuple(source_padding.shape)} {source_padding.dtype}")
         if source.device != self._executor_device:
             self._bind_executors(source.device)
-        x = self._embed(source, self._positions("source"))
+        documents = check_documents(documents, *source.shape, source.device)
+        x = self._embed(source, self._positions("source"), documents=documents)
         aux = None
         for block in self.encoder:
-            x, loss = block(x, key_padding_mask=source_padding)
+            x, loss = block(x, None, 0, documents, key_padding_mask=source_padding)
             if loss is not None:
                 aux = loss if aux is None else aux + loss
         return self.encoder_norm(x), aux
 
-    def forward(self, source: Tensor, target: Tensor, source_padding: Tensor | None = None) -> Tensor:
-        memory, aux = self.encode(source, source_padding)
+    def forward(self, source: Tensor, target: Tensor, source_padding: Tensor | None = None, *,
+                documents: CrossDocuments | None = None) -> Tensor:
+        """Logits (B, Nt, vocab) of the target (B, Nt) read after the source (B, Ns) with its padding (True = a real
+        token). ``documents``: pairs packed into rows (``CrossDocuments(queries=(B, Nt), memory=(B, Ns))``, ids
+        that never decrease along a row): target d reads source d only, and each pair is scored as if it were
+        alone (attention, the token shift and positions restart at every boundary on both sides)."""
         check_model_tokens(target, self.config.decoder.vocab_size, "target")
-        x = self._embed(target, self._positions("target"))
+        docs = check_cross_documents(documents, source.shape[0], target.shape[1], source.shape[1], source.device)
+        if docs is not None and target.shape[0] != source.shape[0]:
+            raise ValueError(f"source and target must have as many rows, got {source.shape[0]} and {target.shape[0]}")
+        memory, aux = self.encode(source, source_padding, None if docs is None else docs.memory)
+        x = self._embed(target, self._positions("target"), documents=None if docs is None else docs.queries)
         for block in self.decoder:
-            x, loss = block(x, memory, source_padding)
+            x, loss = block(x, memory, source_padding, docs)
             if loss is not None:
                 aux = loss if aux is None else aux + loss
         self.aux_loss = aux if aux is not None else x.new_zeros(())

@@ -30,22 +30,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...checks import positive_int
+from ...documents import CrossDocuments
 from ...executors import Backend, get_executor
-from ...executors.inputs import Inputs
+from ...executors.inputs import Inputs, refuse_cross_documents
 from ...executors.ranges import KeyOrder, Ranges
 from .kmeans import SphericalKMeans
 from .sorted_window import sort_by_cluster
 
 
 class MemorySort(NamedTuple):
-    """The memory sorted by (cluster, position): ``order``, ``inverse`` (B, H, Nk) (``k.gather(2, order)`` sorts),
-    ``counts`` (B, H, C, or C + 1 with padding: the padded keys as one cluster past the last, sorted after every
-    real key) and ``padded``, whether it was made for a memory with padding (``sort_memory``)."""
+    """The memory sorted by (document, cluster, position): ``order``, ``inverse`` (B, H, Nk) (``k.gather(2, order)``
+    sorts), ``counts`` (B, H, P · C, or P · C + 1 with padding: the padded keys as one cluster past the last, sorted
+    after every real key), ``padded``, whether it was made for a memory with padding, and ``documents``, the P
+    packed documents of the widest row it was made for (1: none; ``sort_memory``)."""
 
     order: Tensor
     inverse: Tensor
     counts: Tensor
     padded: bool = False
+    documents: int = 1
 
 
 class CrossRoutes(NamedTuple):
@@ -77,28 +80,36 @@ def _check_centroids(x: Tensor, centroids: Tensor, what: str) -> int:
 
 
 @torch.no_grad()
-def route_memory(k: Tensor, centroids: Tensor, executor: Backend = "auto",
-                 key_padding_mask: Tensor | None = None) -> tuple[Tensor, MemorySort]:
+def route_memory(k: Tensor, centroids: Tensor, executor: Backend = "auto", key_padding_mask: Tensor | None = None,
+                 documents: Tensor | None = None) -> tuple[Tensor, MemorySort]:
     """Each memory key k (B, H, Nk, D) to its nearest centroid (H, C, D) by cosine, and the memory sorted by
-    (cluster, position), its padding (B, Nk; True = real) after every real key: once per memory (a decoder's
-    cross heads keep it for every decoded token). The executor's router kernel where it has one and there is no
-    padding (its sort comes with it), else PyTorch's scores and sort. O(Nk · C · D + Nk log Nk) per head."""
+    (document, cluster, position), its padding (B, Nk; True = real) after every real key: once per memory (a
+    decoder's cross heads keep it for every decoded token). ``documents``: the memory's (B, Nk) packed documents,
+    numbered from 0 (``CrossDocuments.memory`` as checked). The executor's router kernel where it has one and there
+    is neither padding nor documents (its sort comes with it), else PyTorch's scores and sort. O(Nk · C · D +
+    Nk log Nk) per head."""
     C = _check_centroids(k, centroids, "k")
     rk, mu, route = _routing_inputs(k, centroids, executor)
-    got = None if route is None or key_padding_mask is not None else route(rk, mu, None, None, 1, False)
+    plain = key_padding_mask is None and documents is None
+    got = None if route is None or not plain else route(rk, mu, None, None, 1, False)
     if got is not None:
         return got.probes[..., 0], MemorySort(got.order, got.inverse, got.counts)
     keys = torch.einsum("bhnd,hcd->bhnc", rk, mu).argmax(-1)
-    return keys, sort_memory(keys, C, key_padding_mask)
+    return keys, sort_memory(keys, C, key_padding_mask, documents)
 
 
-def sort_memory(keys: Tensor, clusters: int, key_padding_mask: Tensor | None = None) -> MemorySort:
-    """The memory's keys (B, H, Nk) in [0, clusters) sorted by (cluster, position), padded keys (``key_padding_mask``
-    (B, Nk) False) as one cluster past the last. O(Nk log Nk) per head."""
+def sort_memory(keys: Tensor, clusters: int, key_padding_mask: Tensor | None = None,
+                documents: Tensor | None = None) -> MemorySort:
+    """The memory's keys (B, H, Nk) in [0, clusters) sorted by (document, cluster, position): the label document ·
+    clusters + cluster for (B, Nk) ``documents`` numbered from 0 (None: one a row), padded keys
+    (``key_padding_mask`` (B, Nk) False) as one label past the last. O(Nk log Nk) per head."""
     padded = key_padding_mask is not None
-    labels = torch.where(key_padding_mask[:, None, :], keys, clusters) if padded else keys
-    sort = sort_by_cluster(labels, clusters + padded)
-    return MemorySort(sort.order, sort.inverse, sort.counts, padded)
+    count = 1 if documents is None else int(documents.max()) + 1
+    labels = keys if documents is None else documents[:, None, :] * clusters + keys
+    if padded:
+        labels = torch.where(key_padding_mask[:, None, :], labels, count * clusters)
+    sort = sort_by_cluster(labels, count * clusters + padded)
+    return MemorySort(sort.order, sort.inverse, sort.counts, padded, count)
 
 
 @torch.no_grad()
@@ -115,13 +126,14 @@ def route_queries(q: Tensor, centroids: Tensor, probes: int = 1, executor: Backe
 
 
 def cross_routes(q: Tensor, k: Tensor, centroids: Tensor, probes: int = 1, executor: Backend = "auto",
-                 key_padding_mask: Tensor | None = None) -> CrossRoutes:
+                 key_padding_mask: Tensor | None = None, documents: Tensor | None = None) -> CrossRoutes:
     """Route queries q (B, H, Nq, D) and memory keys k (B, H, Nk, D) by cosine to ``centroids`` (H, C, D): each key
-    to its nearest centroid and the memory sorted (``route_memory``, with its padding (B, Nk)), each query to its
-    ``probes`` nearest (``route_queries``). No gradient (a discrete choice). Through the ``executor``'s router kernel
-    where it has one (no (N, C) scores). O((Nq + Nk) · C · D) per head."""
+    to its nearest centroid and the memory sorted (``route_memory``, with its padding (B, Nk) and its documents
+    (B, Nk), numbered from 0), each query to its ``probes`` nearest (``route_queries``). No gradient (a discrete
+    choice). Through the ``executor``'s router kernel where it has one (no (N, C) scores). O((Nq + Nk) · C · D) per
+    head."""
     probes_of = route_queries(q, centroids, probes, executor)
-    keys, sort = route_memory(k, centroids, executor, key_padding_mask)
+    keys, sort = route_memory(k, centroids, executor, key_padding_mask, documents)
     return CrossRoutes(keys, probes_of, centroids.shape[1], sort)
 
 
@@ -130,13 +142,20 @@ def default_window(memory: int, clusters: int) -> int:
     return max(1, math.ceil(memory / clusters))
 
 
+def _with(padded: bool, documents: bool) -> str:
+    """'with padding and documents', 'with padding', ... 'without padding or documents'."""
+    given = [name for name, yes in (("padding", padded), ("documents", documents)) if yes]
+    return f"with {' and '.join(given)}" if given else "without padding or documents"
+
+
 def routing_cross_attention(inputs: Inputs, routes: CrossRoutes, window: int | None = None,
                             executor: Backend = "auto") -> Tensor:
     """Each query over the union of its probes' windows of the sorted memory (see the module).
 
-    ``inputs``: ``Inputs.cross(q, k, v, key_padding_mask=...)``, q (B, H, Nq, D) against the memory k, v
-    (B, H, Nk, D); ``routes``: ``cross_routes`` or a router's; ``window`` keys a probe (None: ceil(Nk / C) for each
-    row's Nk real keys).
+    ``inputs``: ``Inputs.cross(q, k, v, key_padding_mask=..., documents=...)``, q (B, H, Nq, D) against the memory
+    k, v (B, H, Nk, D); ``routes``: ``cross_routes`` or a router's; ``window`` keys a probe (None: ceil(n / C) for
+    the n real keys of each row, or of the query's document where the inputs pack documents: a query then reads
+    its own document's keys only, sorted as if that document were alone).
     Returns (B, H, Nq, D), zeros for a query that sees no key (a memory of padding only). Gradients reach q, k and v
     (not the routes). Time O(Nq · p · window · D + Nk log Nk) per head.
     """
@@ -149,52 +168,68 @@ def routing_cross_attention(inputs: Inputs, routes: CrossRoutes, window: int | N
                          f"{(B, H, Nq)}, got keys {tuple(keys.shape)} and probes {tuple(probes.shape)}")
     bound = min(Nk, default_window(Nk, clusters) if window is None else positive_int("window", window))
     p = probes.shape[-1]
-    pos = torch.arange(Nk, device=k.device)
     valid = inputs.key_valid  # (B, 1, Nk) or None
+    docs = inputs.cross_documents
     if sort is None:
-        sort = sort_memory(keys, clusters, None if valid is None else valid[:, 0])
-    elif sort.padded != (valid is not None):
-        raise ValueError(f"routes: the memory's sort was made {'with' if sort.padded else 'without'} padding, the "
-                         f"inputs have {'some' if valid is not None else 'none'}: route the memory with the "
-                         f"inputs' key_padding_mask (cross_routes, route_memory)")
-    order, inverse, counts, _ = sort
-    first = counts.cumsum(-1) - counts  # (B, H, C or C + 1): each cluster's first sorted key
-    real = pos.new_full((1, 1, 1, 1), Nk) if valid is None else valid.sum(-1, keepdim=True)[..., None]  # real keys
+        sort = sort_memory(keys, clusters, None if valid is None else valid[:, 0],
+                           None if docs is None else docs.memory)
+    elif sort.padded != (valid is not None) or (sort.documents > 1) != (docs is not None):
+        raise ValueError(f"routes: the memory's sort was made {_with(sort.padded, sort.documents > 1)}, the inputs "
+                         f"come {_with(valid is not None, docs is not None)}: route the memory with the inputs' "
+                         f"key_padding_mask and documents (cross_routes, route_memory)")
+    order, inverse, counts, _, _ = sort
+    end = counts.cumsum(-1)  # (B, H, P · C [+ 1]): one past each (document, cluster)'s last sorted key
+    first = end - counts
+    qdoc = (torch.zeros(1, 1, Nq, 1, dtype=torch.long, device=k.device) if docs is None
+            else docs.queries[:, None, :, None])  # (B or 1, 1, Nq, 1): each query's document
+    at = lambda index: first.gather(-1, index.expand(B, H, Nq, index.shape[-1]).reshape(B, H, -1)).view(  # noqa: E731
+        B, H, Nq, -1)
+    seg_lo = at(qdoc * clusters)  # (B, H, Nq, 1): the query's document's real keys, [seg_lo, seg_hi) of the sort
+    seg_hi = end.gather(-1, (qdoc * clusters + clusters - 1).expand(B, H, Nq, 1).reshape(B, H, Nq)).view(B, H, Nq, 1)
+    real = seg_hi - seg_lo
     w = torch.clamp((real + clusters - 1) // clusters, min=1) if window is None else real.clamp(max=bound)
-    lo = torch.minimum(first.gather(-1, probes.reshape(B, H, Nq * p)).view(B, H, Nq, p), real - w).clamp(min=0)
-    hi = torch.minimum(lo + w, real)  # (B, H, Nq, p): each probe's window of the sorted memory
-    lo, at = lo.sort(-1)  # the windows by start: each begins where those before it ended (a key counts once)
-    hi = hi.gather(-1, at)
+    lo = torch.maximum(torch.minimum(at(qdoc * clusters + probes), seg_hi - w), seg_lo)
+    hi = torch.minimum(lo + w, seg_hi)  # (B, H, Nq, p): each probe's window of the sorted memory
+    lo, at_ = lo.sort(-1)  # the windows by start: each begins where those before it ended (a key counts once)
+    hi = hi.gather(-1, at_)
     ended = F.pad(hi.cummax(-1).values[..., :-1], (1, 0))
     lo = torch.maximum(lo, ended)
     hi = torch.maximum(hi, lo)
-    spans = Ranges(lo.reshape(B, H, Nq * p), hi.reshape(B, H, Nq * p), width=bound, merge=p)
+    spans = Ranges(lo.reshape(B, H, Nq * p), hi.reshape(B, H, Nq * p), width=bound, merge=p,
+                   documents=None if docs is None else docs.queries)
     return get_executor(executor, q.device).ranges(inputs, spans, order=KeyOrder(order, inverse))[0]
 
 
-def routing_cross_mask(routes: CrossRoutes, window: int | None = None,
-                       key_padding_mask: Tensor | None = None) -> Tensor:
+def routing_cross_mask(routes: CrossRoutes, window: int | None = None, key_padding_mask: Tensor | None = None,
+                       documents: CrossDocuments | None = None) -> Tensor:
     """What ``routing_cross_attention`` means, written apart from it: (B, H, Nq, Nk) bool, True where query i reads
-    memory key j. Each real key's place in the (cluster, position) order counted from pairwise comparisons, each
-    probe's window the places [min(first, real - window) clamped at 0, + window). O(Nq · Nk · p) memory."""
+    memory key j. Only the real keys of the query's document count (``documents``: any ids, each side's d-th run
+    the same document; None: one a row). Each such key's place in the (cluster, position) order among them counted
+    from pairwise comparisons, each probe's window the places [min(first, real - window) clamped at 0, + window)
+    with ``real`` the document's real keys. O(Nq · Nk²) memory."""
     keys, probes, clusters, _ = routes
     B, H, Nk = keys.shape
+    Nq = probes.shape[2]
     real = torch.ones(B, Nk, dtype=torch.bool, device=keys.device) if key_padding_mask is None else key_padding_mask
-    real = real[:, None, :]  # (B, 1, Nk)
-    count = real.sum(-1, keepdim=True)  # (B, 1, 1)
+    if documents is None:
+        qdoc, kdoc = keys.new_zeros(B, Nq), keys.new_zeros(B, Nk)
+    else:  # the d-th run of ids on each side: count the changes
+        qdoc, kdoc = (F.pad((ids.diff(dim=-1) != 0).long().cumsum(-1), (1, 0)) for ids in documents)
+    mine = (qdoc[:, :, None] == kdoc[:, None, :]) & real[:, None, :]  # (B, Nq, Nk): the query's document's real keys
+    mine = mine[:, None]  # (B, 1, Nq, Nk)
+    count = mine.sum(-1)  # (B, 1, Nq)
     w = torch.ceil(count / clusters).long().clamp(min=1) if window is None else torch.clamp(count, max=window)
     pos = torch.arange(Nk, device=keys.device)
     before = (keys[..., None, :] < keys[..., :, None]) | (
         (keys[..., None, :] == keys[..., :, None]) & (pos[None, :] < pos[:, None]))  # [j, j']: j' sorts before j
-    place = (before & real[..., None, :]).sum(-1)  # (B, H, Nk): real keys sorting before each key
-    allowed = torch.zeros(*probes.shape[:3], Nk, dtype=torch.bool, device=keys.device)
+    place = (before[:, :, None] & mine[..., None, :]).sum(-1)  # (B, H, Nq, Nk): its document's keys before j
+    allowed = torch.zeros(B, H, Nq, Nk, dtype=torch.bool, device=keys.device)
     for t in range(probes.shape[-1]):
         c = probes[..., t]  # (B, H, Nq)
-        first = ((keys[..., None, :] < c[..., None]) & real[..., None, :]).sum(-1)  # real keys of lower clusters
+        first = ((keys[:, :, None, :] < c[..., None]) & mine).sum(-1)  # its document's keys of lower clusters
         lo = torch.minimum(first, count - w).clamp(min=0)[..., None]
-        allowed |= (place[..., None, :] >= lo) & (place[..., None, :] < lo + w[..., None]) & real[..., None, :]
+        allowed |= (place >= lo) & (place < lo + w[..., None]) & mine
     return allowed
-
 
 
 class RoutedCrossHeads(nn.Module):
@@ -223,9 +258,11 @@ class RoutedCrossHeads(nn.Module):
         self.executor: Backend = "auto"  # a model sets its device's
         self.commitment_loss: Tensor | None = None
 
-    def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> CrossRoutes:
-        """The memory keys' clusters and sort and the queries' probes under the current centroids (no gradient)."""
-        return cross_routes(q, k, self.kmeans.centroids, self.probes, self.executor, key_padding_mask)
+    def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None,
+               documents: Tensor | None = None) -> CrossRoutes:
+        """The memory keys' clusters and sort (with its (B, Nk) padding and numbered documents) and the queries'
+        probes under the current centroids (no gradient)."""
+        return cross_routes(q, k, self.kmeans.centroids, self.probes, self.executor, key_padding_mask, documents)
 
     def prepare(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MemorySort]:
         """The memory's routes for decoding: its keys' clusters and sort, made once (``decode``)."""
@@ -234,6 +271,7 @@ class RoutedCrossHeads(nn.Module):
     def decode(self, inputs: Inputs, prepared: tuple[Tensor, MemorySort]) -> Tensor:
         """New queries (``Inputs.cross``, the memory's keys and values as ``prepare`` saw them) over the memory routed
         once: only the queries are routed. Equal to the forward's rows (to the ranges' rounding)."""
+        refuse_cross_documents(inputs, "decoding over a remembered memory")
         keys, sort = prepared
         probes = route_queries(inputs.q, self.kmeans.centroids, self.probes, self.executor)
         return routing_cross_attention(inputs, CrossRoutes(keys, probes, self.kmeans.num_clusters, sort),
@@ -244,7 +282,8 @@ class RoutedCrossHeads(nn.Module):
             raise ValueError("RoutedCrossHeads reads a memory: give Inputs.cross(q, k, v, key_padding_mask=...)")
         q, k = inputs.q, inputs.k
         valid = None if inputs.key_valid is None else inputs.key_valid[:, 0]  # (B, Nk): the real memory keys
-        routes = self.routes(q, k, valid)
+        docs = inputs.cross_documents
+        routes = self.routes(q, k, valid, None if docs is None else docs.memory)
         if self.training:
             acc = torch.promote_types(q.dtype, torch.float32)
             rk, rq = (F.normalize(x.to(acc), dim=-1) for x in (k, q))  # with their gradient, for the commitment
