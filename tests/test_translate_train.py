@@ -192,7 +192,7 @@ def test_evaluate_and_sample_translate(toy: Path, capsys) -> None:
     assert capsys.readouterr().out == greedy  # a translation is greedy unless told otherwise
     assert main(["sample", str(out), "--prompt", "open file 12", "--beams", "2"]) == 0
     for args, fragment in ((["evaluate", str(out), "--stride", "4"], "--stride: an encoder-decoder run scores"),
-                           (["analyze", str(out), "heads"], "is an encoder-decoder run: the analyses read"),
+                           (["analyze", str(out), "heads"], "is an encoder-decoder run: this analysis reads"),
                            (["sample", str(out), "--prompt", "x" * 40], "this model reads sources of at most 32"),
                            (["sample", str(out), "--prompt", "open", "--tokens", "50"], "targets hold at most 39"),
                            (["sample", str(out), "--prompt", "open", "--beams", "2", "--temperature", "1"],
@@ -313,3 +313,21 @@ def test_token_budget_batches_hold_short_pairs_many_to_a_batch_and_split_alike_a
         assert whole == ranks  # one process's two micro-batches are the two processes' parts
     with pytest.raises(ValueError, match="batch_tokens = 512: an encoder-decoder run's batches"):
         load_run_config(None, ["batch_tokens=512"])
+
+
+def test_analyze_routing_reads_an_encoder_decoder_run(toy: Path, capsys) -> None:
+    out = toy / "run"
+    if not (out / "checkpoint.pt").is_file():
+        assert main(run_args(toy, out)) == 0
+    capsys.readouterr()
+    assert main(["analyze", str(out), "routing", "--pairs", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 pairs of the valid split of gettext-de; local window 4" in printed
+    lines = (out / "analysis" / "routing_reading.csv").read_text().splitlines()
+    assert lines[0] == "stack,layer,first_head,heads,keys_read,keys_there,recall,beyond"
+    got = [line.split(",") for line in lines[1:]]
+    assert [(r[0], r[2], r[3]) for r in got] == [("encoder", "2", "2"), ("cross", "0", "2")]  # routing:2 in each
+    for r in got:
+        assert 0 < float(r[4]) <= float(r[5]) and 0 <= float(r[6]) <= 1 + 1e-9
+    assert main(["analyze", str(out), "routing", "--baseline", str(out)]) != 0
+    assert "--baseline compares language-model runs" in capsys.readouterr().err

@@ -65,8 +65,52 @@ def refuse_encoder_decoder(model: object, run_dir: Path) -> None:
     from ..model.seq2seq import Seq2SeqLM
 
     if isinstance(model, Seq2SeqLM):
-        raise ValueError(f"{run_dir} is an encoder-decoder run: the analyses read language-model runs (their heads "
-                         f"over their own text); evaluate and sample take it")
+        raise ValueError(f"{run_dir} is an encoder-decoder run: this analysis reads language-model runs (their heads "
+                         f"over their own text); 'analyze RUN_DIR routing', evaluate and sample take it")
+
+
+def is_encoder_decoder_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds an encoder-decoder run (its config.toml has [encoder]); False where it holds no
+    run (``open_target`` names the problem)."""
+    from ..train.runs import read_run_config
+    from ..train.seq2seq_config import Seq2SeqRun
+
+    run_dir = Path(run_dir).expanduser()
+    return (run_dir / "config.toml").is_file() and isinstance(read_run_config(run_dir), Seq2SeqRun)
+
+
+def seq2seq_routing(run_dir: str | Path, *, split: str = "valid", checkpoint: str = "best",
+                    data_dir: str | None = None, device: str = "auto", out: str | Path | None = None,
+                    pairs: int = 256, local_window: int | None = None) -> list[Path]:
+    """What an encoder-decoder run's routing heads read (``seq2seq.routed_reading``) over ``pairs`` pairs of the
+    split, evenly spaced; ``local_window`` (default the encoder's local heads' widest window) for the encoder
+    groups' mass beyond it. Writes a text table and a CSV; returns their paths."""
+    from ..data import read_pairs
+    from .seq2seq import format_reading, routed_reading
+
+    run_dir = Path(run_dir).expanduser()
+    model, _, data, which = load_run(run_dir, checkpoint, data_dir, pick_device(device))
+    chosen = read_pairs(data, split)
+    if not chosen:
+        raise ValueError(f"the {split} split of {data.meta.name!r} holds no pairs")
+    chosen = [chosen[int(i)] for i in np.unique(np.linspace(0, len(chosen) - 1, min(pairs, len(chosen))).round())]
+    groups = [g for block in model.encoder for g in block.attention.groups]
+    window = local_window or max((g.band for g in groups if g.band is not None), default=None)
+    rows = routed_reading(model, chosen, window)
+    if not rows:
+        raise ValueError(f"{run_dir}: neither the encoder nor the cross-attention has routing heads")
+    out_dir = Path(out).expanduser() if out is not None else run_dir / "analysis"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label = (f"{run_dir.name} ({which} weights, {len(chosen)} pairs of the {split} split of {data.meta.name}; "
+             f"local window {window})")
+    table = format_reading(rows, label)
+    print(table)
+    text, csv = out_dir / "routing_reading.txt", out_dir / "routing_reading.csv"
+    _write_text(text, table)
+    _write_text(csv, "stack,layer,first_head,heads,keys_read,keys_there,recall,beyond\n" + "\n".join(
+        f"{r.stack},{r.layer},{r.heads.start},{len(r.heads)},{r.keys:.4f},{r.available:.4f},{r.recall:.6f},"
+        f"{'' if r.beyond is None else f'{r.beyond:.6f}'}" for r in rows))
+    return [text, csv]
 
 
 def parse_ints(text: str, what: str) -> list[int]:
