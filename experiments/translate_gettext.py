@@ -3,7 +3,8 @@ then greedy translation of the validation split scored with sacrebleu's chrF and
 
     python experiments/translate_gettext.py OUT.json [--minutes 10 | --steps S] [--cross routing:2,full:2]
         [--seed 0] [--data-dir DIR] [--tokens 3072] [--copy-steps S --copy-share F] [--dim D] [--layers E,D]
-        [--spm V]   # needs `routeformer prepare gettext --lang de --data-dir DIR` and `pip install sacrebleu`
+        [--spm V] [--smoothing F] [--gain G]
+    # needs `routeformer prepare gettext --lang de --data-dir DIR` and `pip install sacrebleu`
 
 Bytes in, bytes out (or, with --spm, a sentencepiece BPE vocabulary of V pieces trained on the train split; not yet
 measured): the decoder reads byte 0 then the target and learns to end with byte 0; sources over 128 bytes and
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--layers", default="2,2", help="encoder,decoder depth")
     parser.add_argument("--share-positions", action="store_true", help="one absolute position table for both")
     parser.add_argument("--spm", type=int, default=0, help="a sentencepiece BPE vocabulary of this size (0: bytes)")
+    parser.add_argument("--smoothing", type=float, default=0.0, help="label smoothing of the training loss")
+    parser.add_argument("--gain", type=float, default=0.0, help="Seq2SeqLM's INIT_GAIN instead of its own (0: its own)")
     args = parser.parse_args()
     import sacrebleu
 
@@ -127,6 +130,9 @@ def main() -> None:
                      options={"local": {"window": 16}}),
         cross=args.cross, cross_options={"routing": {"num_clusters": 8, "probes": 2}})
     torch.manual_seed(args.seed)
+    if args.gain:
+        import routeformer.model.seq2seq as seq2seq
+        seq2seq.INIT_GAIN = args.gain
     model = Seq2SeqLM(config).train()
     if args.share_positions:  # the decoder's table (the longer) for both stacks
         model.source_positions = model.target_positions
@@ -151,7 +157,8 @@ def main() -> None:
             chosen = [(s, s) if f else (s, t) for (s, t), f in zip(chosen, flip.tolist(), strict=True)]
         source, padding, target_in, labels = batch_of(chosen)
         logits = model(source, target_in, padding)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                               label_smoothing=args.smoothing)
         for group in opt.param_groups:  # linear decay to 10 % over the budget
             group["lr"] = args.lr * (1 - 0.9 * min(1.0, done()))
         opt.zero_grad(set_to_none=True)
