@@ -263,3 +263,32 @@ def test_routed_cross_heads_attend_by_their_centroids_and_learn_from_the_real_me
         heads(Inputs.of(q, q, q))
     with pytest.raises(ValueError, match="probes .* at most num_clusters"):
         RoutedCrossHeads(H, D, 2, probes=3)
+
+
+def test_routed_cross_heads_read_every_key_for_their_warm_up_then_route_and_resume_in_phase():
+    from routeformer.attention.routing.cross import RoutedCrossHeads
+
+    q, k, v = memory_inputs(10)
+    x = Inputs.cross(q, k, v)
+    heads = RoutedCrossHeads(H, D, 5, warmup=2).double().train()
+    full = full_attention(x, None, "fused", causal=False)
+    for _ in range(2):
+        torch.testing.assert_close(heads(x), full, rtol=0, atol=0)  # every key, in training
+        assert heads.aux_loss() is not None and bool(heads.kmeans.pending_counts.sum() > 0)  # the k-means observes
+        heads.after_optimizer_step()
+    assert int(heads.steps) == 2 and not heads.warming_up
+    routed = routing_cross_attention(x, cross_routes(q, k, heads.kmeans.centroids, 1))
+    torch.testing.assert_close(heads(x), routed, rtol=0, atol=0)
+    assert not torch.allclose(routed, full)
+    # a copy loaded mid-warm-up goes on in the same phase, and evaluation and decoding follow the phase too
+    early = RoutedCrossHeads(H, D, 5, warmup=3).double()
+    late = RoutedCrossHeads(H, D, 5, warmup=3).double()
+    early.after_optimizer_step()
+    late.load_state_dict(early.state_dict())
+    assert int(late.steps) == 1 and late.warming_up
+    late.eval()
+    torch.testing.assert_close(late(x), full, rtol=0, atol=0)
+    torch.testing.assert_close(late.decode(x, late.prepare(k, v)), full, rtol=0, atol=0)
+    assert "steps" not in RoutedCrossHeads(H, D, 5).state_dict()  # no warm-up: the state of before
+    with pytest.raises(ValueError, match="warmup"):
+        RoutedCrossHeads(H, D, 5, warmup=-1)

@@ -26,6 +26,7 @@ from ..lengths import sqrt_len
 from .full import full_attention
 from .kernels import feature_map, kernel_scale
 from .kinds.base import read_typed_options
+from .kinds.common import non_negative_int
 from .linear import LinearOptions, linear_attention
 from .moba import MobaOptions, moba_cross_attention
 from .performer import (
@@ -42,15 +43,18 @@ from .routing.cross import RoutedCrossHeads
 class RoutingCrossOptions:
     """cross.options.routing: C centroids per head over the memory's keys (None: round(sqrt(the source length))),
     the clusters each query reads, the keys a cluster's window holds (None: ceil(Nk / C) of each row's real keys),
-    the k-means decay and the commitment weight."""
+    the k-means decay, the commitment weight and the optimiser steps of full cross-attention before routing
+    (``warmup``; the lookup task needs it, docs/model.md)."""
 
     num_clusters: int | None = None
     probes: int = 1
     window: int | None = None
     decay: float = 0.999
     commitment: float = 1e-4
+    warmup: int = 0
 
     def __post_init__(self) -> None:
+        non_negative_int("warmup", self.warmup)
         for name in ("num_clusters", "window"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
@@ -158,7 +162,7 @@ class CrossKind:
 def _routing(o: RoutingCrossOptions, heads: int, head_dim: int, memory: int, seed: int) -> nn.Module:
     clusters = sqrt_len(memory) if o.num_clusters is None else o.num_clusters
     return RoutedCrossHeads(heads, head_dim, clusters, probes=o.probes, window=o.window, decay=o.decay,
-                            commitment=o.commitment)
+                            commitment=o.commitment, warmup=o.warmup)
 
 
 CROSS: dict[str, CrossKind] = {k.name: k for k in (

@@ -34,6 +34,8 @@ from ...documents import CrossDocuments
 from ...executors import Backend, get_executor
 from ...executors.inputs import Inputs, refuse_cross_documents
 from ...executors.ranges import KeyOrder, Ranges
+from ..full import full_attention
+from ..kinds.common import non_negative_int
 from .kmeans import SphericalKMeans
 from .sorted_window import sort_by_cluster
 
@@ -241,12 +243,14 @@ class RoutedCrossHeads(nn.Module):
     forward and applied by ``after_optimizer_step``, all-reduced across ranks: ``SphericalKMeans``); padded memory
     keys move nothing. In training the commitment term β · mean ||r - sg(μ_c)||² of the real keys and of the queries
     (each to its first probe: pulling the queries towards the keys' clusters, as separate self-routing does) is
-    ``aux_loss()``. Nothing a query reads depends on another query. Time O((Nq + Nk) · C · D + Nq · p · window · D)
-    per head.
+    ``aux_loss()``. Nothing a query reads depends on another query. ``warmup``: for the first ``warmup`` optimiser
+    steps the heads read every memory key (full cross-attention, in training, evaluation and decoding alike) while
+    the k-means observes and the commitment pulls as after it: a query learns which key it wants before it must
+    find its cluster (the lookup task, docs/model.md). Time O((Nq + Nk) · C · D + Nq · p · window · D) per head.
     """
 
     def __init__(self, heads: int, head_dim: int, num_clusters: int, *, probes: int = 1, window: int | None = None,
-                 decay: float = 0.999, commitment: float = 1e-4) -> None:
+                 decay: float = 0.999, commitment: float = 1e-4, warmup: int = 0) -> None:
         super().__init__()
         self.heads, self.head_dim = positive_int("heads", heads), positive_int("head_dim", head_dim)
         self.kmeans = SphericalKMeans(heads, head_dim, num_clusters, decay=decay)
@@ -257,6 +261,20 @@ class RoutedCrossHeads(nn.Module):
         self.commitment = float(commitment)
         self.executor: Backend = "auto"  # a model sets its device's
         self.commitment_loss: Tensor | None = None
+        self.warmup = non_negative_int("warmup", warmup)
+        self._steps = 0  # a Python mirror of the buffer: a forward picks its mode without reading a tensor
+        if self.warmup:  # optimiser steps taken, saved so that a resumed run goes on in the same phase
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.warmup:
+            self._steps = int(self.steps)
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the heads still read every memory key (their first ``warmup`` optimiser steps)."""
+        return self._steps < self.warmup
 
     def routes(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None,
                documents: Tensor | None = None) -> CrossRoutes:
@@ -272,6 +290,8 @@ class RoutedCrossHeads(nn.Module):
         """New queries (``Inputs.cross``, the memory's keys and values as ``prepare`` saw them) over the memory routed
         once: only the queries are routed. Equal to the forward's rows (to the ranges' rounding)."""
         refuse_cross_documents(inputs, "decoding over a remembered memory")
+        if self.warming_up:
+            return full_attention(inputs, None, self.executor, causal=False)
         keys, sort = prepared
         probes = route_queries(inputs.q, self.kmeans.centroids, self.probes, self.executor)
         return routing_cross_attention(inputs, CrossRoutes(keys, probes, self.kmeans.num_clusters, sort),
@@ -293,14 +313,19 @@ class RoutedCrossHeads(nn.Module):
                 torch.cat([rk, rq], 2), torch.cat([routes.keys, routes.probes[..., 0]], 2), seen)
         else:
             self.commitment_loss = None
+        if self.warming_up:
+            return full_attention(inputs, None, self.executor, causal=False)
         return routing_cross_attention(inputs, routes, self.window, self.executor)
 
     def aux_loss(self) -> Tensor | None:
         return self.commitment_loss
 
     def after_optimizer_step(self, step: int | None = None, group: dist.ProcessGroup | None = None) -> bool:
-        """The k-means step (call after each ``optimizer.step()`` on every rank)."""
+        """The k-means step (call after each ``optimizer.step()`` on every rank), and the warm-up's count."""
         self.kmeans.update(group)
+        if self._steps < self.warmup:
+            self.steps.add_(1)
+            self._steps += 1
         return True
 
     def replicated_state(self) -> dict[str, Tensor]:
@@ -308,8 +333,9 @@ class RoutedCrossHeads(nn.Module):
         return {f"kmeans.{name}": buf for name, buf in self.kmeans.named_buffers() if not name.startswith("pending")}
 
     def extra_repr(self) -> str:
+        warmup = f", warmup={self.warmup}" if self.warmup else ""
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_clusters={self.kmeans.num_clusters}, "
-                f"probes={self.probes}, window={self.window}")
+                f"probes={self.probes}, window={self.window}{warmup}")
 
 
 __all__ = ["CrossRoutes", "MemorySort", "RoutedCrossHeads", "cross_routes", "default_window", "route_memory",
