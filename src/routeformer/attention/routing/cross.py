@@ -182,18 +182,23 @@ def routing_cross_attention(inputs: Inputs, routes: CrossRoutes, window: int | N
     order, inverse, counts, _, _ = sort
     end = counts.cumsum(-1)  # (B, H, P · C [+ 1]): one past each (document, cluster)'s last sorted key
     first = end - counts
-    qdoc = (torch.zeros(1, 1, Nq, 1, dtype=torch.long, device=k.device) if docs is None
-            else docs.queries[:, None, :, None])  # (B or 1, 1, Nq, 1): each query's document
-    at = lambda index: first.gather(-1, index.expand(B, H, Nq, index.shape[-1]).reshape(B, H, -1)).view(  # noqa: E731
-        B, H, Nq, -1)
-    seg_lo = at(qdoc * clusters)  # (B, H, Nq, 1): the query's document's real keys, [seg_lo, seg_hi) of the sort
-    seg_hi = end.gather(-1, (qdoc * clusters + clusters - 1).expand(B, H, Nq, 1).reshape(B, H, Nq)).view(B, H, Nq, 1)
+    if docs is None:  # one document a row: its real keys are the first ones of the sort
+        seg_lo = first.new_zeros(())
+        seg_hi = end[..., clusters - 1, None, None]  # (B, H, 1, 1)
+        start = first.gather(-1, probes.reshape(B, H, Nq * p)).view(B, H, Nq, p)
+    else:  # the query's document's real keys: [seg_lo, seg_hi) of the sort, (B, H, Nq, 1)
+        qdoc = docs.queries[:, None, :, None] * clusters  # (B, 1, Nq, 1): its document's first label
+
+        def at(table: Tensor, label: Tensor) -> Tensor:
+            return table.gather(-1, label.expand(B, H, Nq, label.shape[-1]).reshape(B, H, -1)).view(B, H, Nq, -1)
+
+        seg_lo, seg_hi, start = at(first, qdoc), at(end, qdoc + clusters - 1), at(first, qdoc + probes)
     real = seg_hi - seg_lo
     w = torch.clamp((real + clusters - 1) // clusters, min=1) if window is None else real.clamp(max=bound)
-    lo = torch.maximum(torch.minimum(at(qdoc * clusters + probes), seg_hi - w), seg_lo)
+    lo = torch.maximum(torch.minimum(start, seg_hi - w), seg_lo)
     hi = torch.minimum(lo + w, seg_hi)  # (B, H, Nq, p): each probe's window of the sorted memory
-    lo, at_ = lo.sort(-1)  # the windows by start: each begins where those before it ended (a key counts once)
-    hi = hi.gather(-1, at_)
+    lo, at = lo.sort(-1)  # the windows by start: each begins where those before it ended (a key counts once)
+    hi = hi.gather(-1, at)
     ended = F.pad(hi.cummax(-1).values[..., :-1], (1, 0))
     lo = torch.maximum(lo, ended)
     hi = torch.maximum(hi, lo)
