@@ -69,6 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     rt.add_argument("--windows", type=positive, default=16, help="windows of seq_len tokens to analyse (default 16)")
     rt.add_argument("--top", type=positive, default=100, help="the most-attended far pairs to print (default 100)")
     rt.add_argument("--context", type=positive, default=8, help="tokens that make a context (default 8)")
+    rt.set_defaults(reads_encoder_decoder=True)  # the one analysis that reads an encoder-decoder run
     rt.add_argument("--pairs", type=positive, default=256, help="an encoder-decoder run: pairs of the split, each "
                     "read alone: what its encoder's and cross heads' routing reads, and its recall of their dense "
                     "attention (default 256)")
@@ -96,7 +97,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         path = Path(args.text_file).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"--text-file {path}: no such file")
-    if args.analysis == "routing" and run.is_encoder_decoder_run(args.run_dir):
+    if getattr(args, "reads_encoder_decoder", False) and run.is_encoder_decoder_run(args.run_dir):
         if args.baseline is not None:
             raise ValueError("--baseline compares language-model runs; an encoder-decoder run is read alone")
         files = run.seq2seq_routing(args.run_dir, split=args.split, checkpoint=args.checkpoint,
