@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close_with_grads
 from routeformer.attention import (
     Inputs,
     LinearOptions,
@@ -22,9 +21,8 @@ from routeformer.attention import (
 from routeformer.attention.reference import reference_cross_attention
 from routeformer.attention.routing.cross import routing_cross_mask
 from routeformer.documents import CrossDocuments, documents_from_lengths
+from test_cross import EXECUTORS, B, D, H, centroids, close  # the memory's shapes and tolerances of test_cross
 
-EXECUTORS = ["fused", "tiles", "flex"]
-B, H, D = 2, 3, 8
 SOURCES = [[9, 20, 1, 17], [30, 17]]  # each row's memory documents (Nk = 47), row 1 two of them
 TARGETS = [[5, 11, 7, 14], [20, 17]]  # its query documents (Nq = 37), as many a row
 
@@ -49,14 +47,6 @@ def padding(nk: int) -> torch.Tensor:
     mask[1, -5:] = False  # the last document of row 1 ends in padding
     mask[0, 12] = False  # and a hole in a document of row 0
     return mask
-
-
-def centroids(clusters: int, seed: int = 7) -> torch.Tensor:
-    return torch.randn(H, clusters, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def close(out, ref, inputs):
-    assert_close_with_grads(out, ref, inputs, rtol=1e-9, atol=1e-10, grad_rtol=1e-8, grad_atol=1e-9)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

@@ -154,9 +154,9 @@ def hooked(model: TransformerLM, replace: Callable[[HeadCall, Callable[[], Tenso
 def _wrapper(group: HeadGroup, layer: int, kind: str, first: int, replace):
     own_forward = type(group).forward
 
-    def forward(q, k, v, rel_pos):
+    def forward(q, k, v, rel_pos, **given):  # the key padding and documents a layer may give pass through
         call = HeadCall(layer, kind, group, first, q, k, v, rel_pos)
-        return replace(call, lambda: own_forward(group, q, k, v, rel_pos))
+        return replace(call, lambda: own_forward(group, q, k, v, rel_pos, **given))
 
     return forward
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..attention.routing.cross import RoutedCrossHeads, routing_cross_mask
 from ..data.pairs import Pair, pair_batch
 from ..model.seq2seq import Seq2SeqLM
-from .heads import HeadCall
+from .heads import HeadCall, _wrapper
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,9 @@ def _captured(model: Seq2SeqLM) -> Iterator[list[tuple]]:
     seen: list[tuple] = []
     patched = []
 
-    def wrap_group(group, layer, first):
-        own = type(group).forward
-
-        def forward(q, k, v, rel_pos, **kw):
-            seen.append(("encoder", layer, first, HeadCall(layer, "routing", group, first, q, k, v, rel_pos)))
-            return own(group, q, k, v, rel_pos, **kw)
-        return forward
+    def keep(call: HeadCall, own):
+        seen.append(("encoder", call.layer, call.first_head, call))
+        return own()
 
     def wrap_cross(cross, layer):
         own = type(cross).forward
@@ -89,7 +85,7 @@ def _captured(model: Seq2SeqLM) -> Iterator[list[tuple]]:
             first = 0
             for group in block.attention.groups:
                 if getattr(group, "num_clusters", None) is not None:
-                    group.forward = wrap_group(group, layer, first)
+                    group.forward = _wrapper(group, layer, "routing", first, keep)
                     patched.append(group)
                 first += group.heads
         for layer, block in enumerate(model.decoder):

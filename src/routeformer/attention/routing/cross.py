@@ -308,6 +308,9 @@ class RoutedCrossHeads(nn.Module):
         q, k = inputs.q, inputs.k
         valid = None if inputs.key_valid is None else inputs.key_valid[:, 0]  # (B, Nk): the real memory keys
         docs = inputs.cross_documents
+        if self.warming_up and not self.training:  # nothing routes and nothing is observed
+            self.commitment_loss = None
+            return full_attention(inputs, None, self.executor, causal=False)
         routes = self.routes(q, k, valid, None if docs is None else docs.memory)
         if self.training:
             acc = torch.promote_types(q.dtype, torch.float32)
