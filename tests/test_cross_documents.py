@@ -1,6 +1,6 @@
 """Packed documents across two sequences (``CrossDocuments``): query document d reads memory document d only, on
 every executor, against the dense definition (the reference's mask and the same-document mask), forward and
-gradients; each document scored as if it were alone; the kinds that cannot honour them refuse by name."""
+gradients, for every kind that reads a memory; each document scored as if it were alone."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from routeformer.attention import (
     performer_attention,
     routing_cross_attention,
 )
+from routeformer.attention.moba import memory_blocks, moba_cross_mask
+from routeformer.attention.performer import orthogonal_features, performer_features
 from routeformer.attention.reference import reference_cross_attention
 from routeformer.attention.routing.cross import routing_cross_mask
 from routeformer.documents import CrossDocuments, documents_from_lengths
@@ -131,28 +133,100 @@ def test_cross_documents_are_checked():
     assert Inputs.cross(q, k, v, documents=one).cross_documents is None  # one a row: the plain path
 
 
-def test_the_kinds_that_cannot_honour_them_refuse_and_a_sort_must_match():
+PROJECTION = orthogonal_features(H, 16, D, generator=torch.Generator().manual_seed(3)).double()
+
+
+def features_over(inputs, allowed):
+    """Performer's estimator written densely: the weights φ(q)·φ(k) over the ``allowed`` (B, H, Nq, Nk) keys."""
+    phi_q = performer_features(inputs.q, PROJECTION, inputs.scale, query=True)
+    phi_k = performer_features(inputs.k, PROJECTION, inputs.scale, query=False)
+    weights = (phi_q @ phi_k.transpose(-1, -2)) * allowed
+    return weights / weights.sum(-1, keepdim=True) @ inputs.v
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_linear_and_performer_cross_read_their_own_document_only(executor, padded):
+    """The feature maps' cross-attention over packed documents (a causal scan over each document's memory, then
+    its queries) against the quadratic kernel form over the same document's real keys."""
+    q, k, v, ids = packed(4)
+    mask = padding(k.shape[2]) if padded else None
+    x = Inputs.cross(q, k, v, key_padding_mask=mask, documents=ids)
+    for kernel in ("elu", "poly2"):
+        out = linear_attention(x, LinearOptions(kernel=kernel), executor, causal=False)
+        close(out, reference_cross_attention(Inputs.cross(q, k, v, key_padding_mask=mask), same_document(ids),
+                                             kernel=kernel), (q, k, v))
+    out = performer_attention(x, None, executor, causal=False, projection=PROJECTION)
+    allowed = same_document(ids) & (True if mask is None else mask[:, None, None, :])
+    close(out, features_over(x, allowed), (q, k, v))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("options", [MobaOptions(block=4, top_k=2), MobaOptions(block=6, top_k=1, score="bound"),
+                                     MobaOptions(block=50, top_k=1)])
+def test_moba_cross_reads_its_own_documents_blocks(executor, padded, options):
+    """Blocks counted from each memory document's start, a query choosing among its own document's: against
+    ``moba_cross_mask`` (a (blocks, Nk) membership written from the document ids alone)."""
+    q, k, v, ids = packed(5)
+    mask = padding(k.shape[2]) if padded else None
+    x = Inputs.cross(q, k, v, key_padding_mask=mask, documents=ids)
+    out = moba_cross_attention(x, options, executor)
+    allowed = moba_cross_mask(q, k, options, mask, x.cross_documents)
+    assert not bool((allowed & ~same_document(ids)).any())
+    if options.block < 50:  # a document of 17 or 20 keys has several blocks, and some are left out
+        assert bool((same_document(ids) & ~allowed).any())
+    close(out, reference_cross_attention(Inputs.cross(q, k, v, key_padding_mask=mask), allowed), (q, k, v))
+
+
+def test_the_memory_blocks_start_at_each_document():
+    """``memory_blocks`` on a row of documents of 5, 3 and 6 keys, blocks of 4: [0, 4) [4, 5) [5, 8) [8, 12)
+    [12, 14); a second row of one document: [0, 4) [4, 8) [8, 12) [12, 14), then an empty block."""
+    memory = torch.tensor([[0] * 5 + [1] * 3 + [2] * 6, [0] * 14])
+    of, lo, hi = memory_blocks(torch.ones(2, 14, dtype=torch.bool), 4, memory)
+    assert lo.tolist() == [[0, 4, 5, 8, 12], [0, 4, 8, 12, 14]]
+    assert hi.tolist() == [[4, 5, 8, 12, 14], [4, 8, 12, 14, 0]]
+    assert of[0].tolist() == [0] * 4 + [1] + [2] * 3 + [3] * 4 + [4] * 2
+
+
+@pytest.mark.parametrize("kind", ["moba", "linear", "performer"])
+def test_each_document_is_scored_as_if_alone_by_the_other_kinds(kind):
+    q, k, v, ids = packed(6)
+    attend = {"moba": lambda i: moba_cross_attention(i, MobaOptions(block=4, top_k=2), "fused"),
+              "linear": lambda i: linear_attention(i, None, "fused", causal=False),
+              "performer": lambda i: performer_attention(i, None, "fused", causal=False, projection=PROJECTION)}[kind]
+    out = attend(Inputs.cross(q, k, v, documents=ids))
+    qs = torch.tensor([0, *TARGETS[0]]).cumsum(0).tolist()
+    ks = torch.tensor([0, *SOURCES[0]]).cumsum(0).tolist()
+    for d in range(len(TARGETS[0])):
+        alone = attend(Inputs.cross(q[:1, :, qs[d]:qs[d + 1]], k[:1, :, ks[d]:ks[d + 1]], v[:1, :, ks[d]:ks[d + 1]]))
+        torch.testing.assert_close(out[:1, :, qs[d]:qs[d + 1]], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_routes_sorted_without_documents_are_refused_with_documents():
     q, k, v, ids = packed()
     x = Inputs.cross(q, k, v, documents=ids)
-    for call in (lambda: moba_cross_attention(x, MobaOptions(block=8, top_k=2)),
-                 lambda: performer_attention(x, None, causal=False),
-                 lambda: linear_attention(x, LinearOptions(), causal=False)):
-        with pytest.raises(ValueError, match="does not honour packed documents across two sequences"):
-            call()
     plain = cross_routes(q, k, centroids(3), 1)  # sorted as one document a row
     with pytest.raises(ValueError, match="made without padding or documents, the inputs come with documents"):
         routing_cross_attention(x, plain)
 
 
-def test_a_model_scores_packed_pairs_as_if_each_were_alone():
+@pytest.mark.parametrize("cross", [None, "moba:2,performer:1,linear:1"])
+def test_a_model_scores_packed_pairs_as_if_each_were_alone(cross):
     """Seq2SeqLM with the shipped translator's heads (encoder local + routing, decoder local + full, cross routing +
-    full, absolute positions, token shift): a row of three packed pairs, with padding after the sources, gives each
-    pair's logits as that pair alone does; and the sources' padding changes nothing."""
+    full, absolute positions, token shift), and with MoBA, Performer and linear cross heads: a row of three packed
+    pairs, with padding after the sources, gives each pair's logits as that pair alone does; and the sources'
+    padding changes nothing."""
+    import dataclasses
+
     from routeformer.model.seq2seq import Seq2SeqLM
     from routeformer.train.loading import load_run_config
 
     torch.manual_seed(0)
-    model = Seq2SeqLM(load_run_config("translate").model).double().eval()
+    config = load_run_config("translate").model
+    if cross is not None:  # MoBA's block given, so that it does not follow the packed row's length
+        config = dataclasses.replace(config, cross=cross, cross_options={"moba": {"block": 4, "top_k": 2}})
+    model = Seq2SeqLM(config).double().eval()
     torch.nn.init.normal_(model.head.weight)  # it starts at zero: every logit would be 0
     sources, targets = [9, 20, 14], [12, 7, 21]
     src = torch.randint(1, 256, (2, sum(sources) + 4))

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, refuse_cross, refuse_cross_documents
+from ..executors.inputs import Inputs, refuse_cross
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .full import full_mask
@@ -171,6 +171,39 @@ def _scan_documents(phi_q: Tensor, phi_k: Tensor, vc: Tensor, documents: Tensor,
     return torch.cat(outs[::-1] if reverse else outs, 2)
 
 
+def cross_over_documents(inputs: Inputs, causal_attend: Callable[[Inputs], Tensor]) -> Tensor:
+    """Non-causal cross-attention of a feature map over packed ``inputs.cross_documents``, as the same map's causal
+    self-attention over one merged sequence: each document's memory, then its queries (a stable sort of the
+    positions by (document, side)), the queries' own positions padding. A query's causal sums then run over its
+    own document's whole memory and nothing else, in linear time, on the scan kernels that causal attention uses,
+    each document's sums restarting at its boundary (bit for bit what the document gives alone).
+
+    ``causal_attend`` maps the merged ``Inputs.of`` (B, H, Nk + Nq, D, with its padding and documents) to its
+    output; returns the queries' rows (B, H, Nq, D). O((Nq + Nk) · D) extra memory."""
+    queries, memory = inputs.cross_documents
+    q, k, v = inputs.q, inputs.k, inputs.v
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    side = torch.cat([memory * 2, queries * 2 + 1], 1)  # (B, Nk + Nq): a document's memory sorts before its queries
+    order = side.argsort(dim=1, stable=True)  # (B, Nk + Nq): the merged sequence's positions in [memory, queries]
+    where = order.argsort(dim=1)[:, Nk:]  # (B, Nq): each query's place in the merged sequence
+    real = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if inputs.key_valid is None \
+        else inputs.key_valid[:, 0]
+    real = torch.cat([real, torch.zeros(B, Nq, dtype=torch.bool, device=q.device)], 1).gather(1, order)
+
+    def merged(at_memory: Tensor, at_queries: Tensor) -> Tensor:  # (B, H, Nk, D), (B, H, Nq, D) -> (B, H, N', D)
+        both = torch.cat([at_memory, at_queries], 2)
+        return both.gather(2, order[:, None, :, None].expand(B, H, Nk + Nq, both.shape[-1]))
+
+    # zeros where the merged sequence's rows are never read: queries at memory positions (their rows are dropped),
+    # keys and values at query positions (padding)
+    out = causal_attend(Inputs.of(merged(q.new_zeros(B, H, Nk, D), q), merged(k, k.new_zeros(B, H, Nq, D)),
+                                  merged(v, v.new_zeros(B, H, Nq, v.shape[-1])),
+                                  scale=inputs.scale if inputs.scale_given else None, key_padding_mask=real,
+                                  documents=side.gather(1, order) // 2))
+    return out.gather(2, where[:, None, :, None].expand(B, H, Nq, out.shape[-1]))
+
+
 class EluFeatures:
     """φ(x) = elu(x) + 1 with its derivative (``feature_scan.FeatureMap``): 1 where x > 0, else exp(x) = φ(x)."""
 
@@ -199,9 +232,10 @@ def linear_attention(
     their dtype. Causal elu attention runs on the ``executor``'s scan kernels where it has them (``feature_scan``).
     Packed ``inputs.documents``: every sum over the query's own document (the scan restarts at each boundary).
     """
-    refuse_cross_documents(inputs, "linear cross-attention")
     if causal:
         refuse_cross(inputs, "causal=True")
+    if inputs.cross_documents is not None:
+        return cross_over_documents(inputs, lambda x: linear_attention(x, options, executor, causal=True, chunk=chunk))
     options = LinearOptions() if options is None else check_options("options", options, LinearOptions)
     documents = inputs.documents
     kernel = options.kernel

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_options, positive_int
+from ..documents import CrossDocuments
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, check_rel, refuse_cross_documents
+from ..executors.inputs import Inputs, check_rel
 from ..executors.ranges import Ranges
 from ..executors.relative import RelativePositions
 from .blocks import (
@@ -182,17 +182,39 @@ class MobaHeads(BlockHeads):
 # --- cross-attention: queries of one sequence over a memory's blocks ---
 
 
+def memory_blocks(key_valid: Tensor, block: int, documents: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The blocks of a memory's keys: ``block`` keys each, counted from the row's start or, with packed
+    ``documents`` (B, Nk, numbered from 0), from each document's start (a document's blocks are those it has
+    alone). ``key_valid`` (B, Nk) bool. Returns each key's block (B, Nk) long, numbered along the row, and each
+    block's first and one-past-last key (B, nb); a row with fewer blocks than nb ends in empty ones (first = Nk,
+    last = 0). O(B · Nk)."""
+    B, Nk = key_valid.shape
+    j = torch.arange(Nk, device=key_valid.device)
+    if documents is None:
+        offset = j.expand(B, Nk)
+    else:  # each key's distance from its document's first key
+        first = torch.ones_like(documents, dtype=torch.bool)
+        first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        offset = j - torch.where(first, j, 0).cummax(1).values
+    of = (offset % block == 0).long().cumsum(1) - 1  # (B, Nk): a block begins every block keys of a document
+    nb = int(of[:, -1].max()) + 1
+    lo = torch.full((B, nb), Nk, dtype=torch.long, device=j.device).scatter_reduce(1, of, j.expand(B, Nk), "amin")
+    hi = torch.zeros(B, nb, dtype=torch.long, device=j.device).scatter_reduce(1, of, j.expand(B, Nk) + 1, "amax")
+    return of, lo, hi
+
+
 def moba_cross_attention(inputs: Inputs, options: MobaOptions | None = None, executor: Backend = "auto") -> Tensor:
     """Queries over the ``top_k`` blocks of a memory they score highest, one softmax over their keys (the whole
     memory is visible: every block a candidate, the last one perhaps shorter, no own block).
 
-    ``inputs``: ``Inputs.cross(q, k, v, key_padding_mask=...)``, q (B, H, Nq, D) against the memory k, v
-    (B, H, Nk, D). ``options``: ``block`` (None: ``default_block(Nk, top_k)``), ``top_k``, ``score`` ('mean' or
-    'bound', each over a block's real keys only; a block of padding alone is no candidate); ``warmup`` belongs to
-    heads and is refused here. Returns (B, H, Nq, D); gradients reach q, k and v (not the choice). Time
-    O(Nq · (Nk / block + top_k · block) · D) per head; the (Nq, Nk / block) scores are made.
+    ``inputs``: ``Inputs.cross(q, k, v, key_padding_mask=..., documents=...)``, q (B, H, Nq, D) against the memory
+    k, v (B, H, Nk, D). ``options``: ``block`` (None: ``default_block(Nk, top_k)``), ``top_k``, ``score`` ('mean'
+    or 'bound', each over a block's real keys only; a block of padding alone is no candidate); ``warmup`` belongs
+    to heads and is refused here. Packed ``cross_documents``: the blocks are counted from each memory document's
+    start and a query's candidates are its own document's (with a given ``block``, a document reads as it does
+    alone). Returns (B, H, Nq, D); gradients reach q, k and v (not the choice). Time O(Nq · (Nk / block + top_k ·
+    block) · D) per head; the (Nq, Nk / block) scores are made.
     """
-    refuse_cross_documents(inputs, "MoBA cross-attention")
     o = MobaOptions() if options is None else check_options("options", options, MobaOptions)
     if o.warmup:
         raise ValueError(f"options.warmup ({o.warmup}) is a model's heads' option (steps of dense attention); "
@@ -201,37 +223,56 @@ def moba_cross_attention(inputs: Inputs, options: MobaOptions | None = None, exe
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     block = min(Nk, default_block(Nk, o.top_k) if o.block is None else o.block)
-    nb = -(-Nk // block)
-    pad = nb * block - Nk
-    real = torch.ones(B, 1, Nk, dtype=torch.bool, device=k.device) if inputs.key_valid is None else inputs.key_valid
-    real = F.pad(real, (0, pad)).view(B, 1, nb, block, 1)  # (B, 1, nb, block, 1): the memory's real keys
+    real = torch.ones(B, Nk, dtype=torch.bool, device=k.device) if inputs.key_valid is None else inputs.key_valid[:, 0]
+    documents = inputs.cross_documents
+    of, lo, hi = memory_blocks(real, block, None if documents is None else documents.memory)
+    nb = lo.shape[1]
     with torch.no_grad():  # the choice is discrete: the loss reaches it only through the attention
-        kb = F.pad(k, (0, 0, 0, pad)).view(B, H, nb, block, D)
-        count = real.sum(3)  # (B, 1, nb, 1)
+        into = of[:, None, :, None].expand(B, H, Nk, D)  # (B, H, Nk, D): each key's block
+        inside = real[:, None, :, None]
+        count = torch.zeros(B, nb, dtype=torch.long, device=k.device).scatter_add(1, of, real.long())[:, None]
         if o.score == "mean":
-            summary: tuple[Tensor, ...] = (torch.where(real, kb, 0.0).sum(3) / count.clamp(min=1),)
+            sums = k.new_zeros(B, H, nb, D).scatter_add(2, into, torch.where(inside, k, 0.0))
+            summary: tuple[Tensor, ...] = (sums / count[..., None].clamp(min=1),)
         else:  # a block of padding alone gets a finite box (no candidate anyway)
-            summary = (torch.where(real, kb, float("inf")).amin(3).masked_fill(count == 0, 0.0),
-                       torch.where(real, kb, float("-inf")).amax(3).masked_fill(count == 0, 0.0))
+            empty = (count == 0)[..., None]
+            summary = tuple(k.new_zeros(B, H, nb, D).scatter_reduce(2, into, torch.where(inside, k, fill), how,
+                                                                    include_self=False).masked_fill(empty, 0.0)
+                            for fill, how in ((float("inf"), "amin"), (float("-inf"), "amax")))
         scores = block_scores(q, summary, o.score)  # (B, H, Nq, nb)
-        chosen = select_blocks(scores, block, o.top_k, allowed=(count[..., 0] > 0)[:, :, None, :])
-    lo = torch.where(chosen >= 0, chosen * block, 0)  # (B, H, Nq, top): each chosen block's keys, empty for none
-    hi = torch.where(chosen >= 0, ((chosen + 1) * block).clamp(max=Nk), 0)
-    spans = Ranges(lo.flatten(2), hi.flatten(2), width=block, merge=chosen.shape[-1])
+        allowed = (count > 0)[:, :, None, :]  # (B, 1, 1, nb)
+        if documents is not None:  # a query's candidates: its own document's blocks
+            block_document = documents.memory.gather(1, lo.clamp(max=Nk - 1))  # (B, nb)
+            allowed = allowed & (documents.queries[:, None, :, None] == block_document[:, None, None, :])
+        chosen = select_blocks(scores, block, o.top_k, allowed=allowed)
+    pick = chosen.clamp(min=0).flatten(2)  # (B, H, Nq * top): each chosen block's keys, empty for none
+    none = (chosen < 0).flatten(2)
+    first = lo[:, None].expand(B, H, nb).gather(2, pick).masked_fill(none, 0)
+    last = hi[:, None].expand(B, H, nb).gather(2, pick).masked_fill(none, 0)
+    spans = Ranges(first, last, width=block, merge=chosen.shape[-1])
     return get_executor(executor, q.device).ranges(inputs, spans)[0]
 
 
-def moba_cross_mask(q: Tensor, k: Tensor, options: MobaOptions, key_padding_mask: Tensor | None = None) -> Tensor:
-    """What ``moba_cross_attention`` means, written apart from it: (B, H, Nq, Nk) bool. Each block's summary from an
-    explicit (blocks, Nk) membership matrix of its real keys, a block chosen when fewer than ``top_k`` candidate
-    blocks score higher. O(Nq · Nk) memory."""
+def moba_cross_mask(q: Tensor, k: Tensor, options: MobaOptions, key_padding_mask: Tensor | None = None,
+                    documents: CrossDocuments | None = None) -> Tensor:
+    """What ``moba_cross_attention`` means, written apart from it: (B, H, Nq, Nk) bool. Key j's block is the keys
+    of its document (``documents``, numbered from 0 on both sides; None: one a row) whose distance from the
+    document's first key, divided by ``block``, is j's; each block's summary from that explicit (blocks, Nk)
+    membership of its real keys, and a block chosen when it is of the query's document and fewer than ``top_k``
+    such candidate blocks score higher. O(Nq · Nk + Nk²) memory."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     block = min(Nk, default_block(Nk, options.top_k) if options.block is None else options.block)
     j = torch.arange(Nk, device=k.device)
     real = torch.ones(B, Nk, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    member = (j[None, :] // block == torch.arange(-(-Nk // block), device=k.device)[:, None])  # (nb, Nk)
-    member = member[None] & real[:, None, :]  # (B, nb, Nk)
+    doc = torch.zeros(B, Nk, dtype=torch.long, device=k.device) if documents is None else documents.memory
+    query_doc = torch.zeros(B, Nq, dtype=torch.long, device=k.device) if documents is None else documents.queries
+    same_doc = doc[:, :, None] == doc[:, None, :]  # (B, Nk, Nk)
+    start = torch.where(same_doc, j, Nk).amin(-1)  # (B, Nk): the first key of each key's document
+    index = (j - start) // block  # (B, Nk): the block within the document
+    same_block = same_doc & (index[:, :, None] == index[:, None, :])
+    # one block per key that begins one (its row of same_block); the other rows are empty, no candidates
+    member = same_block & ((j - start) % block == 0)[:, :, None] & real[:, None, :]  # (B, Nk blocks, Nk)
     if options.score == "mean":
         weights = member.to(k.dtype) / member.sum(-1, keepdim=True).clamp(min=1)
         scores = q @ (weights[:, None] @ k).transpose(-1, -2)  # (B, H, Nq, nb)
@@ -240,8 +281,8 @@ def moba_cross_mask(q: Tensor, k: Tensor, options: MobaOptions, key_padding_mask
         lo = torch.where(inside, k[:, :, None], float("inf")).amin(3)
         hi = torch.where(inside, k[:, :, None], float("-inf")).amax(3)
         scores = torch.maximum(q[:, :, :, None] * lo[:, :, None], q[:, :, :, None] * hi[:, :, None]).sum(-1)
-    candidate = member.any(-1)[:, None, None, :]  # (B, 1, 1, nb)
-    s = scores.masked_fill(~candidate, float("-inf"))
+    candidate = member.any(-1)[:, None, None, :] & (query_doc[:, :, None] == doc[:, None, :])[:, None]
+    s = scores.masked_fill(~candidate, float("-inf"))  # (B, H, Nq, nb)
     higher = ((s[..., None, :] > s[..., :, None]) & candidate[..., None, :]).sum(-1)  # candidates scoring above
     picked = candidate & (higher < options.top_k)  # (B, H, Nq, nb)
     return (picked.to(k.dtype) @ member[:, None].to(k.dtype)) > 0

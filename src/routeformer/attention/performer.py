@@ -36,12 +36,12 @@ from torch import Tensor
 
 from ..checks import check_options, positive_int
 from ..executors import Backend, get_executor
-from ..executors.inputs import Inputs, refuse_cross, refuse_cross_documents
+from ..executors.inputs import Inputs, refuse_cross
 from ..executors.tiling import FeatureKernel
 from .feature_scan import feature_scan
 from .kinds.base import HeadKind, non_causal
 from .kinds.common import non_negative_int
-from .linear import FeatureHeads, compute_dtype, default_chunk, feature_attention
+from .linear import FeatureHeads, compute_dtype, cross_over_documents, default_chunk, feature_attention
 
 
 def default_features(head_dim: int) -> int:
@@ -129,9 +129,11 @@ def performer_attention(
     mask) leave the numerator and the denominator. Packed ``inputs.documents``: every sum over the query's own
     document (the scan restarts at each boundary; non-causal, one state per document).
     """
-    refuse_cross_documents(inputs, "performer cross-attention")
     if causal:
         refuse_cross(inputs, "causal=True")
+    if inputs.cross_documents is not None:
+        return cross_over_documents(inputs, lambda x: performer_attention(
+            x, options, executor, causal=True, projection=projection, generator=generator, chunk=chunk))
     options = PerformerOptions() if options is None else check_options("options", options, PerformerOptions)
     features = options.features
     q, k, v = inputs.q, inputs.k, inputs.v
