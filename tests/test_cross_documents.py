@@ -213,10 +213,10 @@ def test_routes_sorted_without_documents_are_refused_with_documents():
 
 @pytest.mark.parametrize("cross", [None, "moba:2,performer:1,linear:1"])
 def test_a_model_scores_packed_pairs_as_if_each_were_alone(cross):
-    """Seq2SeqLM with the shipped translator's heads (encoder local + routing, decoder local + full, cross routing +
-    full, absolute positions, token shift), and with MoBA, Performer and linear cross heads: a row of three packed
-    pairs, with padding after the sources, gives each pair's logits as that pair alone does; and the sources'
-    padding changes nothing."""
+    """Seq2SeqLM with the shipped translator's sizes and heads (decoder local + full, cross routing + full,
+    absolute positions, token shift) but an encoder of local + routing heads, and with MoBA, Performer and linear
+    cross heads: a row of three packed pairs, with padding after the sources, gives each pair's logits as that pair
+    alone does; and the sources' padding changes nothing."""
     import dataclasses
 
     from routeformer.model.seq2seq import Seq2SeqLM
@@ -224,6 +224,9 @@ def test_a_model_scores_packed_pairs_as_if_each_were_alone(cross):
 
     torch.manual_seed(0)
     config = load_run_config("translate").model
+    routing = {"num_clusters": 4, "window": 8, "probes": 1, "balance": 0.0}  # the paper's balanced clusters
+    config = dataclasses.replace(config, encoder=dataclasses.replace(
+        config.encoder, attention="local:2,routing:2", options={**config.encoder.options, "routing": routing}))
     if cross is not None:  # MoBA's block given, so that it does not follow the packed row's length
         config = dataclasses.replace(config, cross=cross, cross_options={"moba": {"block": 4, "top_k": 2}})
     model = Seq2SeqLM(config).double().eval()
