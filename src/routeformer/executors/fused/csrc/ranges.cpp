@@ -45,11 +45,13 @@ Entries cut_blocks(const int64_t* lo, const int64_t* hi, int64_t M, int64_t N, c
     en.start.push_back(s);
     int64_t a = lo[en.sorted[s]], e = hi[en.sorted[s]];
     int64_t t = s + 1;
-    for (; t < S && t - s < g.rows_per_block; t++) {
+    // up to rows_per_block entries, and up to twice as many while they add no key to the span (entries of one range,
+    // as a cluster's queries reading its window: a larger product that pads nothing)
+    for (; t < S && t - s < 2 * g.rows_per_block; t++) {
       const int64_t m = en.sorted[t];
       if (documents != nullptr && documents[m / g.merge] != documents[en.sorted[s] / g.merge]) break;
       const int64_t na = std::min(a, lo[m]), ne = std::max(e, hi[m]);
-      if (ne - na > g.span_cap) break;
+      if (ne - na > g.span_cap || (t - s >= g.rows_per_block && (na != a || ne != e))) break;
       a = na;
       e = ne;
     }
