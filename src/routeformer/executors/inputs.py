@@ -143,7 +143,7 @@ def refuse_cross_documents(inputs: Inputs, what: str) -> None:
     """A ValueError where cross-attention ``inputs`` carry packed documents that ``what`` cannot honour."""
     if inputs.cross_documents is not None:
         raise ValueError(f"documents: {what} does not honour packed documents across two sequences yet; run each "
-                         f"pair apart, or use full or routing cross-attention")
+                         f"pair apart (every cross kind's forward honours them)")
 
 
 def refuse_cross(inputs: Inputs, what: str) -> None:

@@ -2,8 +2,9 @@
 // key sequence k[key_order]; the ``merge`` entries of a query row are one softmax over the union of their ranges.
 //
 // Per head, the entries with a non-empty range are sorted by hi (a counting sort: stable, O(M + N)) and cut into
-// blocks of at most ``rows_per_block`` consecutive entries whose ranges together span at most ``span_cap`` keys, so a
-// block is one product of its gathered query rows against one stretch of keys, read by index from k and v. With
+// blocks of at most ``rows_per_block`` consecutive entries (twice as many while they add no key) whose ranges
+// together span at most ``span_cap`` keys, so a block is one product of its gathered query rows against one
+// stretch of keys, read by index from k and v. With
 // packed ``documents`` (the query rows', whose keys the ranges already lie within) a block also ends where its
 // entries' document changes: a document's blocks, their spans and every sum's order are then its own, so its results
 // are the same bits however the other documents change (as the band and rounds kernels' blocks). Each
